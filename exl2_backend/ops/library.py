@@ -1,0 +1,93 @@
+"""Loads the compiled CUDA library (csrc/ -> exl2_backend/_lib/libexl2_kernels.so) with ctypes.
+
+The library has a plain C ABI: raw device pointers, sizes and a cudaStream_t; every function returns an
+int status (0 = ok, else a cudaError_t or one of our EXL2_ERR_* codes) and `exl2_last_error()` gives the
+message. Loading never raises: a missing library or no GPU means the reference ops run, said once in the log.
+Set EXL2_BACKEND_LIBRARY to load a library from another path; EXL2_BACKEND_DISABLE_CUDA=1 to force the
+reference path.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import os
+from pathlib import Path
+
+from exl2_backend.errors import KernelUnavailableError
+
+log = logging.getLogger("exl2_backend")
+
+_lib: ctypes.CDLL | None = None
+_error: str | None = None
+_tried = False
+
+# Argument type shorthands for signatures declared by the ops modules.
+PTR = ctypes.c_void_p
+I32 = ctypes.c_int32
+I64 = ctypes.c_int64
+F32 = ctypes.c_float
+STREAM = ctypes.c_void_p
+
+
+def library_path() -> Path:
+    override = os.environ.get("EXL2_BACKEND_LIBRARY")
+    if override:
+        return Path(override)
+    return Path(__file__).resolve().parent.parent / "_lib" / "libexl2_kernels.so"
+
+
+def _load() -> None:
+    global _lib, _error, _tried
+    if _tried:
+        return
+    _tried = True
+    if os.environ.get("EXL2_BACKEND_DISABLE_CUDA") == "1":
+        _error = "disabled by EXL2_BACKEND_DISABLE_CUDA=1"
+    else:
+        path = library_path()
+        if not path.exists():
+            _error = f"{path} not found (built only where nvcc is present)"
+        else:
+            try:
+                lib = ctypes.CDLL(str(path))
+                lib.exl2_last_error.restype = ctypes.c_char_p
+                lib.exl2_abi_version.restype = ctypes.c_int
+                _lib = lib
+            except (OSError, AttributeError) as exc:
+                _error = f"could not load {path}: {exc}"
+    if _error is not None:
+        log.info("exl2_backend: CUDA library unavailable (%s); using reference ops", _error)
+
+
+def available() -> bool:
+    _load()
+    return _lib is not None
+
+
+def load_error() -> str | None:
+    _load()
+    return _error
+
+
+def get() -> ctypes.CDLL:
+    """The loaded library; raises KernelUnavailableError if it is not there."""
+    _load()
+    if _lib is None:
+        raise KernelUnavailableError(f"CUDA library unavailable: {_error}")
+    return _lib
+
+
+def declare(name: str, *argtypes) -> ctypes._CFuncPtr:
+    """Declare a C function's argument types (all return int status) and return it."""
+    fn = getattr(get(), name)
+    fn.argtypes = list(argtypes)
+    fn.restype = ctypes.c_int
+    return fn
+
+
+def check(status: int, what: str) -> None:
+    """Turn a nonzero status from the library into a typed error carrying the library's message."""
+    if status != 0:
+        msg = get().exl2_last_error()
+        raise KernelUnavailableError(f"{what} failed (status {status}): {msg.decode() if msg else 'unknown'}")

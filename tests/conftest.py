@@ -1,0 +1,56 @@
+"""Shared fixtures and the `cuda` marker policy: GPU tests skip cleanly where there is no GPU or library."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+
+def _cuda_ready() -> tuple[bool, str]:
+    import torch
+
+    if not torch.cuda.is_available():
+        return False, "no CUDA device"
+    from exl2_backend.ops import library
+
+    if not library.available():
+        return False, f"CUDA library not loaded: {library.load_error()}"
+    return True, ""
+
+
+def pytest_collection_modifyitems(config, items):
+    ready, why = None, ""
+    for item in items:
+        if "bench" in item.path.parts:
+            item.add_marker(pytest.mark.benchmark)
+            item.add_marker(pytest.mark.cuda)
+        if item.get_closest_marker("cuda") is not None:
+            if ready is None:
+                ready, why = _cuda_ready()
+            if not ready:
+                item.add_marker(pytest.mark.skip(reason=f"cuda test: {why}"))
+
+
+@pytest.fixture(scope="session")
+def default_model_dir():
+    """The embedded default model (SmolLM2-135M-Instruct as EXL2), prepared once per machine and cached."""
+    from exl2_backend.default_model import ensure_default_model
+
+    return ensure_default_model()
+
+
+@pytest.fixture(scope="session")
+def default_fp16_dir():
+    """The FP16 HF-layout directory the default EXL2 model was made from."""
+    from exl2_backend.default_model import ensure_default_fp16
+
+    return ensure_default_fp16()
+
+
+@pytest.fixture(autouse=True)
+def _seed():
+    import torch
+
+    torch.manual_seed(0)
+    os.environ.setdefault("EXL2_BACKEND_LOG_LEVEL", "WARNING")

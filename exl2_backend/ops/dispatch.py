@@ -1,0 +1,100 @@
+"""Dispatch of every op: CUDA library when loaded and the inputs live on a GPU, reference otherwise.
+
+`exl2_backend.ops.cuda` implements the accelerated versions under the same names; an op it does not (yet)
+provide falls back to the reference for CUDA tensors too, so partial kernel coverage never changes behaviour.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import os
+from typing import Callable
+
+import torch
+
+from exl2_backend.ops import library, reference
+
+log = logging.getLogger("exl2_backend")
+
+
+@functools.cache
+def _cuda_module():
+    if os.environ.get("EXL2_BACKEND_DISABLE_CUDA") == "1" or not torch.cuda.is_available():
+        return None
+    if not library.available():
+        log.warning("exl2_backend: running on reference ops on the GPU (%s)", library.load_error())
+        return None
+    from exl2_backend.ops import cuda
+
+    return cuda
+
+
+def cuda_enabled() -> bool:
+    """True when the compiled library is loaded and a GPU is present."""
+    return _cuda_module() is not None
+
+
+def _pick(name: str, tensor: torch.Tensor) -> Callable:
+    if tensor.is_cuda:
+        mod = _cuda_module()
+        if mod is not None and hasattr(mod, name):
+            return getattr(mod, name)
+    return getattr(reference, name)
+
+
+def exl2_dequant(qt):
+    return _pick("exl2_dequant", qt.q_weight)(qt)
+
+
+def exl2_gemm(x, qt):
+    return _pick("exl2_gemm", x)(x, qt)
+
+
+def dense_linear(x, weight, bias=None):
+    return _pick("dense_linear", x)(x, weight, bias)
+
+
+def rms_norm(x, weight, eps):
+    return _pick("rms_norm", x)(x, weight, eps)
+
+
+def add_rms_norm(x, residual, weight, eps):
+    return _pick("add_rms_norm", x)(x, residual, weight, eps)
+
+
+def rope_inv_freq(head_dim, rope_theta, scaling=None):
+    return reference.rope_inv_freq(head_dim, rope_theta, scaling)
+
+
+def apply_rope(x, positions, inv_freq):
+    return _pick("apply_rope", x)(x, positions, inv_freq)
+
+
+def silu_mul(gate, up):
+    return _pick("silu_mul", gate)(gate, up)
+
+
+def embedding(ids, table):
+    return _pick("embedding", table)(ids, table)
+
+
+def kv_cache_write(k, v, k_cache, v_cache, slots):
+    return _pick("kv_cache_write", k)(k, v, k_cache, v_cache, slots)
+
+
+def paged_attention(q, k_cache, v_cache, block_tables, context_lens, scale):
+    return _pick("paged_attention", q)(q, k_cache, v_cache, block_tables, context_lens, scale)
+
+
+LinearOp = reference.LinearOp
+
+
+def prepare_linear(linears, device, dtype=torch.float16):
+    """One op for one or several linears that share an input (outputs concatenated). See internals.md."""
+    device = torch.device(device)
+    if device.type == "cuda":
+        mod = _cuda_module()
+        if mod is not None and hasattr(mod, "prepare_linear"):
+            return mod.prepare_linear(linears, device, dtype)
+    return reference.prepare_linear(linears, device, dtype)

@@ -1,0 +1,1 @@
+"""Command-line interface: `exl2-backend generate | info | bench | serve | convert`."""

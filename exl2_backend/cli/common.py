@@ -1,0 +1,45 @@
+"""Arguments shared by several subcommands (model location, device, context, sampling)."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+
+def add_model_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("model_dir", nargs="?", default=None,
+                   help="EXL2 (or FP16 HF) model directory; default: the embedded SmolLM2-135M-Instruct")
+    p.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N")
+    p.add_argument("--max-seq-len", type=int, default=None, help="context length to plan the cache for")
+    p.add_argument("--cache-type", default="fp16", help="KV cache storage type (fp16)")
+
+
+def add_sampling_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("sampling")
+    g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+    g.add_argument("--top-k", type=int, default=0)
+    g.add_argument("--top-p", type=float, default=1.0)
+    g.add_argument("--min-p", type=float, default=0.0)
+    g.add_argument("--repetition-penalty", type=float, default=1.0)
+    g.add_argument("--frequency-penalty", type=float, default=0.0)
+    g.add_argument("--presence-penalty", type=float, default=0.0)
+    g.add_argument("--seed", type=int, default=None)
+
+
+def resolve_model_dir(arg: str | None) -> Path:
+    """The given directory, or the embedded default model (prepared on first use)."""
+    if arg:
+        return Path(arg)
+    from exl2_backend.default_model import ensure_default_model
+
+    return ensure_default_model()
+
+
+def sampling_from_args(args):
+    from exl2_backend.sampling import SamplingParams
+
+    return SamplingParams(
+        temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, min_p=args.min_p,
+        repetition_penalty=args.repetition_penalty, frequency_penalty=args.frequency_penalty,
+        presence_penalty=args.presence_penalty, seed=args.seed,
+    )

@@ -1,0 +1,85 @@
+"""`exl2-backend generate`: stream a completion (or a chat answer) to the terminal, then report tokens/s."""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+
+from exl2_backend.cli.common import add_model_args, add_sampling_args, resolve_model_dir, sampling_from_args
+from exl2_backend.errors import InvalidRequestError
+
+
+def add_parser(sub):
+    p = sub.add_parser("generate", help="generate text from a prompt or chat messages")
+    add_model_args(p)
+    src = p.add_mutually_exclusive_group()
+    src.add_argument("--prompt", help="raw prompt, completed as-is (no chat template)")
+    src.add_argument("--chat", help="one user message, wrapped in the model's chat template")
+    src.add_argument("--messages", help="JSON file (or '-') with a list of {role, content} chat messages")
+    p.add_argument("--system", help="system message for --chat")
+    p.add_argument("--max-new-tokens", type=int, default=128)
+    p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    p.add_argument("--ignore-eos", action="store_true")
+    add_sampling_args(p)
+    p.set_defaults(func=run)
+    return p
+
+
+def _messages(args) -> list[dict] | None:
+    if args.messages:
+        text = sys.stdin.read() if args.messages == "-" else open(args.messages, encoding="utf-8").read()
+        msgs = json.loads(text)
+        if not isinstance(msgs, list) or not all(isinstance(m, dict) and "role" in m and "content" in m for m in msgs):
+            raise InvalidRequestError("--messages must hold a JSON list of {role, content} objects", field="messages")
+        return msgs
+    if args.chat is not None:
+        msgs = [{"role": "system", "content": args.system}] if args.system else []
+        return msgs + [{"role": "user", "content": args.chat}]
+    return None
+
+
+def run(args) -> int:
+    from exl2_backend.runtime import Engine, GenerationParams, LoadSettings
+    from exl2_backend.runtime.generate import generate_stream
+
+    model_dir = resolve_model_dir(args.model_dir)
+    settings = LoadSettings(model_dir=str(model_dir), device=args.device, max_seq_len=args.max_seq_len,
+                            cache_type=args.cache_type, max_batch_size=1)
+    t_load = time.perf_counter()
+    engine = Engine.load(settings)
+    t_load = time.perf_counter() - t_load
+    tok = engine.tokenizer
+    messages = _messages(args)
+    if messages is not None:
+        prompt_ids = tok.encode_chat(messages)
+    else:
+        prompt_ids = tok.encode(args.prompt if args.prompt is not None else "The capital of France is")
+        if args.prompt is None:
+            print("(no --prompt given; using 'The capital of France is')", file=sys.stderr)
+        print(tok.decode(prompt_ids), end="", flush=True)
+    params = GenerationParams(sampling=sampling_from_args(args), max_new_tokens=args.max_new_tokens,
+                              stop=args.stop, ignore_eos=args.ignore_eos)
+    t0 = time.perf_counter()
+    t_first = None
+    n = 0
+    finish = None
+    for ev in generate_stream(engine, prompt_ids, params):
+        if ev.token_ids and t_first is None:
+            t_first = time.perf_counter()
+        n += len(ev.token_ids)
+        print(ev.text, end="", flush=True)
+        if ev.finish_reason:
+            finish = ev.finish_reason
+            if ev.error:
+                print(f"\nerror: {ev.error}", file=sys.stderr)
+    t1 = time.perf_counter()
+    print()
+    decode_s = t1 - (t_first or t0)
+    rate = (n - 1) / decode_s if n > 1 and decode_s > 0 else float("nan")
+    print(
+        f"[{n} tokens, finish={finish}, prompt {len(prompt_ids)} tokens, load {t_load:.2f} s, "
+        f"first token {((t_first or t1) - t0) * 1000:.0f} ms, decode {rate:.1f} tokens/s, device {engine.device}]",
+        file=sys.stderr,
+    )
+    return 0

@@ -1,0 +1,60 @@
+"""One decoder layer (attention + MLP) over prepared linear ops, and the per-step attention metadata."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from exl2_backend import ops
+
+
+@dataclass
+class AttentionMetadata:
+    """Where each query token's K/V goes and what it may attend to, for one forward step.
+
+    block_tables: int32 [B, max_pages], page ids of each sequence (padding entries are never read).
+    context_lens: int32 [B], tokens in the cache per sequence *after* this step's tokens are written.
+    slots: int64 [B*Tq], cache slot (page * S + offset) of every query token, row-major over [B, Tq].
+    """
+
+    block_tables: torch.Tensor
+    context_lens: torch.Tensor
+    slots: torch.Tensor
+
+
+class DecoderLayer:
+    """Pre-norm attention and SwiGLU MLP; q/k/v and gate/up each run as one fused linear op."""
+
+    def __init__(self, index: int, config, lw, device: torch.device, dtype: torch.dtype):
+        self.index = index
+        self.eps = config.rms_norm_eps
+        self.num_heads = config.num_attention_heads
+        self.num_kv_heads = config.num_key_value_heads
+        self.head_dim = config.head_dim
+        self.input_norm = lw.input_layernorm.to(device=device, dtype=dtype)
+        self.post_norm = lw.post_attention_layernorm.to(device=device, dtype=dtype)
+        self.qkv = ops.prepare_linear([lw.q_proj, lw.k_proj, lw.v_proj], device, dtype)
+        self.o = ops.prepare_linear([lw.o_proj], device, dtype)
+        self.gate_up = ops.prepare_linear([lw.gate_proj, lw.up_proj], device, dtype)
+        self.down = ops.prepare_linear([lw.down_proj], device, dtype)
+        self.scale = self.head_dim**-0.5
+
+    def attention(self, x, positions, inv_freq, cache, meta: AttentionMetadata, batch: int):
+        """x [T, H] normed hidden states, T = B*Tq; returns the o_proj output [T, H]."""
+        t = x.shape[0]
+        hq, hkv, d = self.num_heads, self.num_kv_heads, self.head_dim
+        q, k, v = self.qkv(x).split(self.qkv.splits, dim=-1)  # [T, Hq*D], [T, Hkv*D], [T, Hkv*D]
+        q = ops.apply_rope(q.reshape(t, hq, d), positions, inv_freq)  # [T, Hq, D]
+        k = ops.apply_rope(k.reshape(t, hkv, d), positions, inv_freq)  # [T, Hkv, D]
+        v = v.reshape(t, hkv, d)
+        k_cache, v_cache = cache.k[self.index], cache.v[self.index]  # [P, S, Hkv, D]
+        ops.kv_cache_write(k.to(k_cache.dtype), v.to(v_cache.dtype), k_cache, v_cache, meta.slots)
+        q = q.reshape(batch, t // batch, hq, d)  # [B, Tq, Hq, D]
+        out = ops.paged_attention(q, k_cache, v_cache, meta.block_tables, meta.context_lens, self.scale)
+        return self.o(out.reshape(t, hq * d).to(x.dtype))  # [T, H]
+
+    def mlp(self, x):
+        """x [T, H] -> [T, H]."""
+        gate, up = self.gate_up(x).split(self.gate_up.splits, dim=-1)  # [T, I] each
+        return self.down(ops.silu_mul(gate, up))

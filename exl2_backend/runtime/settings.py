@@ -1,0 +1,92 @@
+"""`LoadSettings`: everything a user sets when loading a model, validated at the edge (decision 10)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Optional
+
+import torch
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+CACHE_TYPES = ("fp16",)
+PLANNED_CACHE_TYPES = ("fp8", "q8", "q6", "q4")
+DEFAULT_MAX_SEQ_LEN = 4096
+CPU_CACHE_BUDGET_BYTES = 2 << 30  # default KV cache size limit on CPU
+CUDA_CACHE_FRACTION = 0.5  # of the free GPU memory after the weights, for the default KV cache
+
+
+def resolve_device(device: str) -> torch.device:
+    """"auto" -> cuda if available else cpu; anything else as given."""
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(device)
+
+
+class LoadSettings(BaseModel):
+    """How to load a model. `None` fields are filled from the model's config by `resolve(...)`."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    model_dir: Optional[Path] = None
+    device: str = "auto"
+    max_seq_len: Optional[int] = Field(default=None, ge=2)
+    cache_tokens: Optional[int] = Field(default=None, ge=16)
+    page_size: int = 256
+    max_batch_size: int = Field(default=32, ge=1, le=1024)
+    max_chunk_size: int = Field(default=2048, ge=1)
+    cache_type: str = "fp16"
+    use_cuda_graphs: bool = True
+
+    @field_validator("device")
+    @classmethod
+    def _check_device(cls, v: str) -> str:
+        v = v.strip().lower()
+        if v in ("auto", "cpu", "cuda") or (v.startswith("cuda:") and v[5:].isdigit()):
+            return v
+        raise ValueError(f"device must be 'auto', 'cpu', 'cuda' or 'cuda:N', got {v!r}")
+
+    @field_validator("page_size")
+    @classmethod
+    def _check_page_size(cls, v: int) -> int:
+        if v < 16 or v > 1024 or v & (v - 1):
+            raise ValueError(f"page_size must be a power of two between 16 and 1024 (256 is the default), got {v}")
+        return v
+
+    @field_validator("cache_type")
+    @classmethod
+    def _check_cache_type(cls, v: str) -> str:
+        v = v.strip().lower()
+        if v in PLANNED_CACHE_TYPES:
+            raise ValueError(f"cache_type {v!r} is not supported yet; use cache_type='fp16'")
+        if v not in CACHE_TYPES:
+            raise ValueError(f"cache_type must be one of {CACHE_TYPES}, got {v!r}")
+        return v
+
+    @model_validator(mode="after")
+    def _check_sizes(self) -> "LoadSettings":
+        if self.max_seq_len is not None and self.cache_tokens is not None and self.cache_tokens < self.max_seq_len:
+            raise ValueError(f"cache_tokens ({self.cache_tokens}) must be >= max_seq_len ({self.max_seq_len}) so "
+                             "one full-length sequence fits; raise cache_tokens or lower max_seq_len")
+        return self
+
+    @property
+    def torch_device(self) -> torch.device:
+        return resolve_device(self.device)
+
+    def resolve(self, config, bytes_per_token: int, free_bytes: int | None = None) -> "LoadSettings":
+        """Concrete settings for a model: device, max_seq_len, cache_tokens filled in.
+
+        max_seq_len defaults to min(max_position_embeddings, 4096); cache_tokens to max_seq_len *
+        max_batch_size, capped by a memory budget (2 GiB on CPU, half the free GPU memory on CUDA) but
+        never below max_seq_len."""
+        device = resolve_device(self.device)
+        max_seq_len = self.max_seq_len or min(int(config.max_position_embeddings), DEFAULT_MAX_SEQ_LEN)
+        if self.max_seq_len is not None and self.max_seq_len > config.max_position_embeddings:
+            raise ValueError(f"max_seq_len={self.max_seq_len} exceeds the model's max_position_embeddings="
+                             f"{config.max_position_embeddings}; lower max_seq_len")
+        cache_tokens = self.cache_tokens
+        if cache_tokens is None:
+            budget = CPU_CACHE_BUDGET_BYTES if device.type == "cpu" else int((free_bytes or 0) * CUDA_CACHE_FRACTION)
+            cache_tokens = min(max_seq_len * self.max_batch_size, budget // max(bytes_per_token, 1))
+            cache_tokens = max(cache_tokens, max_seq_len)
+        return self.model_copy(update=dict(device=str(device), max_seq_len=max_seq_len, cache_tokens=cache_tokens))

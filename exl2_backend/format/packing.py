@@ -28,13 +28,16 @@ def pack_columns(values: torch.Tensor, bits: int) -> torch.Tensor:
     v = values.to(torch.int64)
     if v.numel() and (v.min() < 0 or v.max() >= (1 << bits)):
         raise ValueError(f"values out of range for {bits}-bit packing")
-    # bit j of the stream for every column: [rows * bits, Np]
-    shifts = torch.arange(bits, dtype=torch.int64)
-    stream = ((v.unsqueeze(1) >> shifts.view(1, bits, 1)) & 1).reshape(rows * bits, np_)
-    words = stream.reshape(rows * bits // 32, 32, np_)
-    weights = (torch.ones(32, dtype=torch.int64) << torch.arange(32, dtype=torch.int64)).view(1, 32, 1)
-    packed = (words * weights).sum(dim=1)  # [qrows, Np], values in [0, 2^32)
-    return _u32_to_i32(packed)
+    # One 32-row unit = `bits` words per column; value k of the unit starts at stream bit k*bits.
+    # Walking the 32 value slots keeps memory at O(values) (a per-bit expansion would be 32x larger).
+    v = v.reshape(rows // 32, 32, np_)
+    words = torch.zeros(rows // 32, bits, np_, dtype=torch.int64)
+    for k in range(32):
+        w, s = divmod(k * bits, 32)
+        words[:, w] |= (v[:, k] << s) & 0xFFFFFFFF
+        if s + bits > 32:  # straddles into the next word: its top bits go to the low end of word w+1
+            words[:, w + 1] |= v[:, k] >> (32 - s)
+    return _u32_to_i32(words.reshape(rows // 32 * bits, np_))
 
 
 def unpack_columns(packed: torch.Tensor, bits: int) -> torch.Tensor:
@@ -43,11 +46,19 @@ def unpack_columns(packed: torch.Tensor, bits: int) -> torch.Tensor:
     qrows, np_ = packed.shape
     if (qrows * 32) % bits:
         raise UnsupportedBitWidthError(f"{qrows} packed rows do not hold whole {bits}-bit values")
-    u = packed.to(torch.int64) & 0xFFFFFFFF
-    stream = (u.unsqueeze(1) >> torch.arange(32, dtype=torch.int64).view(1, 32, 1)) & 1  # [qrows, 32, Np]
-    stream = stream.reshape(qrows * 32 // bits, bits, np_)
-    weights = (torch.ones(bits, dtype=torch.int64) << torch.arange(bits, dtype=torch.int64)).view(1, bits, 1)
-    return (stream * weights).sum(dim=1).to(torch.int32)
+    units = -(-qrows // bits)  # a partial last unit (e.g. 16 rows of 6-bit) is zero-padded, then cut off
+    u = torch.zeros(units * bits, np_, dtype=torch.int64)
+    u[:qrows] = packed.to(torch.int64) & 0xFFFFFFFF
+    u = u.reshape(units, bits, np_)
+    out = torch.empty(units, 32, np_, dtype=torch.int64)
+    mask = (1 << bits) - 1
+    for k in range(32):
+        w, s = divmod(k * bits, 32)
+        v = u[:, w] >> s
+        if s + bits > 32:
+            v = v | (u[:, w + 1] << (32 - s))
+        out[:, k] = v & mask
+    return out.reshape(units * 32, np_)[: qrows * 32 // bits].to(torch.int32)
 
 
 def pack_scales(codes: torch.Tensor) -> torch.Tensor:

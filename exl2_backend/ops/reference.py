@@ -20,7 +20,7 @@ from exl2_backend.ops.reference_sampling import (  # noqa: F401  (re-exported)
     sampling_probs,
 )
 
-_UNPACK_CHUNK_WORDS = 1 << 20  # packed words per unpack_columns call (it expands each word 64x in int64)
+_UNPACK_CHUNK_WORDS = 1 << 20  # packed words per unpack_columns call, bounding its int64 temporaries
 
 
 # --- EXL2 linears ------------------------------------------------------------------------------------
@@ -121,9 +121,10 @@ def prepare_linear(linears: list, device, dtype: torch.dtype = torch.float16) ->
         parts.append(w_t.to(device=device, dtype=store))
         biases.append(b)
         splits.append(n)
-    if len({int(p.shape[0]) for p in parts}) != 1:
+    ks = [int(p.shape[0]) for p in parts]
+    if len(set(ks)) != 1:
         key = ", ".join(str(getattr(lin, "key", "?")) for lin in linears)
-        raise TensorShapeError(f"fused linears have different in_features: {[int(p.shape[0]) for p in parts]}", tensor=key)
+        raise TensorShapeError(f"fused linears have different in_features: {ks}", tensor=key)
     weight_t = torch.cat(parts, dim=1).contiguous()
     bias = None
     if any(b is not None for b in biases):

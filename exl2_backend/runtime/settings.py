@@ -6,6 +6,7 @@ from pathlib import Path
 from typing import Optional
 
 import torch
+from exl2_backend.errors import ConfigError
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 CACHE_TYPES = ("fp16",)
@@ -82,8 +83,10 @@ class LoadSettings(BaseModel):
         device = resolve_device(self.device)
         max_seq_len = self.max_seq_len or min(int(config.max_position_embeddings), DEFAULT_MAX_SEQ_LEN)
         if self.max_seq_len is not None and self.max_seq_len > config.max_position_embeddings:
-            raise ValueError(f"max_seq_len={self.max_seq_len} exceeds the model's max_position_embeddings="
-                             f"{config.max_position_embeddings}; lower max_seq_len")
+            raise ConfigError(f"max_seq_len={self.max_seq_len} exceeds the model's max_position_embeddings="
+                              f"{config.max_position_embeddings}; lower max_seq_len", field="max_seq_len")
+        if self.max_seq_len is None and self.cache_tokens is not None:
+            max_seq_len = min(max_seq_len, self.cache_tokens)  # a defaulted context never exceeds the cache
         cache_tokens = self.cache_tokens
         if cache_tokens is None:
             budget = CPU_CACHE_BUDGET_BYTES if device.type == "cpu" else int((free_bytes or 0) * CUDA_CACHE_FRACTION)

@@ -1,0 +1,410 @@
+// Paged decode / verify attention, flash-decoding style.
+//
+// Grid (row_tiles * nsplit, Hkv, B). A CTA takes one kv head of one sequence, the RT query rows of one tile
+// of that head's G * Tq rows (row = j * G + g: query j, q head kvh * G + g), and one split of the context.
+// Every sequence's context is cut into nsplit equal parts at run time (context_lens lives on the device),
+// so one launch shape serves any lengths and the grid stays fixed under CUDA-graph capture.
+//   phase 1: scores = q . k (fp32, log2 domain) for the split's keys -> shared memory, causal mask applied;
+//   phase 2: per-row max and exp2 -> probabilities in place, row sums;
+//   phase 3: o = sum p * v; reduced across warps; written as an fp32 partial (o, m, l) per split, or as the
+//            final fp16 output when nsplit == 1.
+// attn_reduce_kernel combines the partials in split order (deterministic).
+//
+// Thread layout in phases 1 and 3: TPK = D / 8 lanes share a key, each holding 8 dims as one 16-byte load;
+// a warp covers 32 / TPK keys per step. The per-key dot products of the RT rows are reduced over the TPK
+// lanes with a butterfly that halves the row set at each step (RT + log2 TPK shuffles instead of RT * log2 TPK).
+#include <math.h>
+
+#include "layers/common.cuh"
+
+namespace exl2 {
+namespace layers {
+namespace {
+
+constexpr int NW = 4;  // warps per CTA
+constexpr int NT = NW * 32;
+
+template <int RT>
+constexpr int keys_max() {  // keys per split held in shared memory: RT * keys_max floats = 32 KiB
+  return RT <= 8 ? 1024 : 512;
+}
+
+struct AttnParams {
+  const half* q;
+  int64_t q_bs, q_ts, q_hs;  // q strides (elements); dims contiguous
+  const half* kc;            // [P, S, Hkv, D]
+  const half* vc;
+  const int* block_tables;  // [B, bt_stride]
+  int64_t bt_stride;
+  const int* context_lens;  // [B]
+  half* out;                // [B, Tq, Hq, D] contiguous
+  float* part_o;            // [B, Tq, Hq, nsplit, D]
+  float* part_ml;           // [B, Tq, Hq, nsplit, 2] (max in log2 units, sum)
+  int Tq, Hq, Hkv, G, R, row_tiles, nsplit, min_split, log2S, max_pages, num_pages;
+  float scale_log2;  // softmax scale * log2(e)
+};
+
+__device__ __forceinline__ int clamp_ctx(int ctx, const AttnParams& p) {
+  const int cap = p.max_pages << p.log2S;
+  return ctx < 0 ? 0 : (ctx > cap ? cap : ctx);
+}
+
+// Keys per split of a context of `ctx` keys (a multiple of 16, at least min_split).
+__device__ __forceinline__ int split_len(int ctx, int nsplit, int min_split) {
+  int L = (ctx + nsplit - 1) / nsplit;
+  L = (L + 15) & ~15;
+  return L > min_split ? L : min_split;
+}
+
+__device__ __forceinline__ void h8_to_f(const uint4& u, float* f) {
+  const __half2* h = reinterpret_cast<const __half2*>(&u);
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    const float2 t = __half22float2(h[i]);
+    f[2 * i] = t.x;
+    f[2 * i + 1] = t.y;
+  }
+}
+
+// Sum N per-lane values over the O*2 lanes of a group. Each step while N > 1 halves the values a lane holds
+// (lanes with bit O set keep the upper half); afterwards plain xor-reductions.
+template <int N, int O>
+__device__ __forceinline__ void butterfly(float* v, int lane) {
+  if constexpr (O >= 1) {
+    if constexpr (N > 1) {
+      constexpr int H = N / 2;
+      const bool upper = (lane & O) != 0;
+#pragma unroll
+      for (int i = 0; i < H; ++i) {
+        const float send = upper ? v[i] : v[i + H];
+        const float keep = upper ? v[i + H] : v[i];
+        v[i] = keep + __shfl_xor_sync(0xffffffffu, send, O);
+      }
+      butterfly<H, O / 2>(v, lane);
+    } else {
+      v[0] += __shfl_xor_sync(0xffffffffu, v[0], O);
+      butterfly<1, O / 2>(v, lane);
+    }
+  }
+}
+
+constexpr int ilog2(int x) { return x <= 1 ? 0 : 1 + ilog2(x / 2); }
+
+// U: key steps per thread with loads in flight (more bytes in flight per CTA vs more registers)
+template <int D, int RT, int U>
+__global__ void __launch_bounds__(NT) paged_attention_kernel(const AttnParams p) {
+  constexpr int TPK = D / 8;     // lanes per key
+  constexpr int KPW = 32 / TPK;  // keys per warp step
+  constexpr int KPS = NW * KPW;  // keys per CTA step
+  constexpr int KM = keys_max<RT>();
+  constexpr int STEPS = ilog2(RT) < ilog2(TPK) ? ilog2(RT) : ilog2(TPK);  // halving butterfly steps
+  constexpr int NV = RT >> STEPS;                                          // rows a lane ends up owning
+  constexpr int REPL = (TPK >> STEPS) - 1;  // lanes holding copies of the same sums differ in these bits
+  static_assert(NW * RT * D <= RT * KM, "reduction buffer must fit in the score buffer");
+
+  extern __shared__ float smem[];  // scores / probabilities [RT][KM]; later the cross-warp buffer [NW][RT][D]
+  __shared__ int pages[KM / 16 + 2];
+  __shared__ float row_m[RT], row_l[RT];
+
+  const int tile = blockIdx.x % p.row_tiles, split = blockIdx.x / p.row_tiles;
+  const int kvh = blockIdx.y, b = blockIdx.z;
+  const int ctx = clamp_ctx(p.context_lens[b], p);
+  const int L = split_len(ctx, p.nsplit, p.min_split);
+  const int start = split * L;
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  const int row0 = tile * RT;
+
+  if (start >= ctx) {
+    if (p.nsplit == 1) {  // no key at all: the reference gives zeros
+      for (int i = tid; i < RT * D; i += NT) {
+        const int row = row0 + i / D;
+        if (row < p.R) {
+          const int j = row / p.G, hq = kvh * p.G + row % p.G;
+          p.out[(((int64_t)b * p.Tq + j) * p.Hq + hq) * D + i % D] = __float2half_rn(0.f);
+        }
+      }
+    }
+    return;
+  }
+  const int end = min(start + L, ctx);
+  const int n = end - start;
+
+  const int first_page = start >> p.log2S;
+  const int npages = ((end - 1) >> p.log2S) - first_page + 1;
+  for (int i = tid; i < npages; i += NT) {
+    int pg = p.block_tables[(int64_t)b * p.bt_stride + first_page + i];
+    pages[i] = pg < 0 ? 0 : (pg >= p.num_pages ? p.num_pages - 1 : pg);  // never fault on a bad table
+  }
+
+  const int ks = lane / TPK;       // key slot within the warp step
+  const int dl = (lane % TPK) * 8; // first of this lane's 8 dims
+  const int64_t kv_row = (int64_t)p.Hkv * D;
+  const int S_mask = (1 << p.log2S) - 1;
+
+  float qf[RT][8];
+#pragma unroll
+  for (int r = 0; r < RT; ++r) {
+    const int row = row0 + r;
+    if (row < p.R) {
+      const int j = row / p.G, hq = kvh * p.G + row % p.G;
+      const uint4 u = *reinterpret_cast<const uint4*>(p.q + b * p.q_bs + j * p.q_ts + hq * p.q_hs + dl);
+      h8_to_f(u, qf[r]);
+#pragma unroll
+      for (int k = 0; k < 8; ++k) qf[r][k] *= p.scale_log2;
+    } else {
+#pragma unroll
+      for (int k = 0; k < 8; ++k) qf[r][k] = 0.f;
+    }
+  }
+  // rows this lane owns after the butterfly, and the last key each may see (causal by absolute position)
+  int own_base = 0;
+#pragma unroll
+  for (int k = 0; k < STEPS; ++k)
+    if (lane & (TPK >> (k + 1))) own_base += RT >> (k + 1);
+  const bool writer = (lane & REPL) == 0;
+  int own_lim[NV];
+#pragma unroll
+  for (int i = 0; i < NV; ++i) {
+    const int row = row0 + own_base + i;
+    own_lim[i] = row < p.R ? ctx - p.Tq + row / p.G : -1;
+  }
+  __syncthreads();  // pages[]
+
+  auto key_offset = [&](int t) -> int64_t {
+    const int64_t slot = ((int64_t)pages[(t >> p.log2S) - first_page] << p.log2S) | (t & S_mask);
+    return slot * kv_row + (int64_t)kvh * D + dl;
+  };
+
+  // ---- phase 1: scores ----
+  for (int t0 = start; t0 < end; t0 += KPS * U) {
+    uint4 kr[U];
+#pragma unroll
+    for (int u = 0; u < U; ++u) {
+      const int t = t0 + u * KPS + warp * KPW + ks;
+      kr[u] = t < end ? __ldg(reinterpret_cast<const uint4*>(p.kc + key_offset(t))) : make_uint4(0, 0, 0, 0);
+    }
+#pragma unroll
+    for (int u = 0; u < U; ++u) {
+      const int t = t0 + u * KPS + warp * KPW + ks;
+      float kf[8];
+      h8_to_f(kr[u], kf);
+      float s[RT];
+#pragma unroll
+      for (int r = 0; r < RT; ++r) {
+        float a = 0.f;
+#pragma unroll
+        for (int k = 0; k < 8; ++k) a = fmaf(qf[r][k], kf[k], a);
+        s[r] = a;
+      }
+      butterfly<RT, TPK / 2>(s, lane);
+      if (writer && t < end) {
+#pragma unroll
+        for (int i = 0; i < NV; ++i) smem[(own_base + i) * KM + (t - start)] = t <= own_lim[i] ? s[i] : -INFINITY;
+      }
+    }
+  }
+  __syncthreads();
+
+  // ---- phase 2: softmax statistics per row (log2 domain) ----
+  for (int r = warp; r < RT; r += NW) {
+    float* sr = smem + r * KM;
+    float m = -INFINITY;
+    for (int i = lane; i < n; i += 32) m = fmaxf(m, sr[i]);
+    m = warp_max(m);
+    const float mu = m == -INFINITY ? 0.f : m;  // fully masked row: all p = 0, no NaN
+    float l = 0.f;
+    for (int i = lane; i < n; i += 32) {
+      const float e = exp2f(sr[i] - mu);
+      sr[i] = e;
+      l += e;
+    }
+    l = warp_sum(l);
+    if (lane == 0) {
+      row_m[r] = m;
+      row_l[r] = l;
+    }
+  }
+  __syncthreads();
+
+  // ---- phase 3: o = sum_t p[t] * v[t] ----
+  float acc[RT][8];
+#pragma unroll
+  for (int r = 0; r < RT; ++r)
+#pragma unroll
+    for (int k = 0; k < 8; ++k) acc[r][k] = 0.f;
+  for (int t0 = start; t0 < end; t0 += KPS * U) {
+    uint4 vr[U];
+#pragma unroll
+    for (int u = 0; u < U; ++u) {
+      const int t = t0 + u * KPS + warp * KPW + ks;
+      vr[u] = t < end ? __ldg(reinterpret_cast<const uint4*>(p.vc + key_offset(t))) : make_uint4(0, 0, 0, 0);
+    }
+#pragma unroll
+    for (int u = 0; u < U; ++u) {
+      const int t = t0 + u * KPS + warp * KPW + ks;
+      if (t < end) {
+        float vf[8];
+        h8_to_f(vr[u], vf);
+#pragma unroll
+        for (int r = 0; r < RT; ++r) {
+          const float pr = smem[r * KM + (t - start)];
+#pragma unroll
+          for (int k = 0; k < 8; ++k) acc[r][k] = fmaf(pr, vf[k], acc[r][k]);
+        }
+      }
+    }
+  }
+  // across the key slots of a warp, then across warps through shared memory
+#pragma unroll
+  for (int o = TPK; o < 32; o <<= 1)
+#pragma unroll
+    for (int r = 0; r < RT; ++r)
+#pragma unroll
+      for (int k = 0; k < 8; ++k) acc[r][k] += __shfl_xor_sync(0xffffffffu, acc[r][k], o);
+  __syncthreads();  // done reading probabilities: reuse smem
+  float* red = smem;  // [NW][RT][D]
+  if (ks == 0) {
+#pragma unroll
+    for (int r = 0; r < RT; ++r)
+#pragma unroll
+      for (int k = 0; k < 8; ++k) red[(warp * RT + r) * D + dl + k] = acc[r][k];
+  }
+  __syncthreads();
+  for (int i = tid; i < RT * D; i += NT) {
+    const int r = i / D, d = i % D, row = row0 + r;
+    if (row >= p.R) continue;
+    float o = 0.f;
+#pragma unroll
+    for (int w = 0; w < NW; ++w) o += red[(w * RT + r) * D + d];
+    const int j = row / p.G, hq = kvh * p.G + row % p.G;
+    const int64_t prow = ((int64_t)b * p.Tq + j) * p.Hq + hq;
+    if (p.nsplit == 1) {
+      const float l = row_l[r];
+      p.out[prow * D + d] = __float2half_rn(l > 0.f ? o / l : 0.f);
+    } else {
+      const int64_t ps = prow * p.nsplit + split;
+      p.part_o[ps * D + d] = o;
+      if (d == 0) {
+        p.part_ml[ps * 2] = row_m[r];
+        p.part_ml[ps * 2 + 1] = row_l[r];
+      }
+    }
+  }
+}
+
+// One CTA per output row (b, j, hq), one thread per dim: combine the splits in order.
+template <int D>
+__global__ void __launch_bounds__(D) attn_reduce_kernel(const AttnParams p) {
+  const int64_t prow = blockIdx.x;
+  const int b = (int)(prow / ((int64_t)p.Tq * p.Hq));
+  const int d = threadIdx.x;
+  const int ctx = clamp_ctx(p.context_lens[b], p);
+  const int L = split_len(ctx, p.nsplit, p.min_split);
+  const int used = ctx > 0 ? (ctx + L - 1) / L : 0;
+  const float* ml = p.part_ml + prow * p.nsplit * 2;
+  const float* po = p.part_o + prow * p.nsplit * D + d;
+  float M = -INFINITY;
+  for (int s = 0; s < used; ++s) M = fmaxf(M, ml[2 * s]);
+  float num = 0.f, den = 0.f;
+  if (M != -INFINITY) {
+    for (int s = 0; s < used; ++s) {
+      const float w = exp2f(ml[2 * s] - M);
+      den = fmaf(w, ml[2 * s + 1], den);
+      num = fmaf(w, po[(int64_t)s * D], num);
+    }
+  }
+  p.out[prow * D + d] = __float2half_rn(den > 0.f ? num / den : 0.f);
+}
+
+template <int D, int RT, int U>
+int launch(const AttnParams& p, int B, cudaStream_t stream) {
+  EXL2_REQUIRE((int64_t)p.nsplit * keys_max<RT>() >= ((int64_t)p.max_pages << p.log2S),
+               "paged_attention: nsplit %d too small for %d pages of %d (split <= %d keys)", p.nsplit, p.max_pages,
+               1 << p.log2S, keys_max<RT>());
+  EXL2_REQUIRE(p.min_split <= keys_max<RT>() && p.min_split > 0, "paged_attention: min_split %d out of range",
+               p.min_split);
+  const dim3 grid((unsigned)(p.row_tiles * p.nsplit), (unsigned)p.Hkv, (unsigned)B);
+  const size_t smem = sizeof(float) * RT * keys_max<RT>();
+  paged_attention_kernel<D, RT, U><<<grid, NT, smem, stream>>>(p);
+  int st = check_launch("paged_attention");
+  if (st != EXL2_OK || p.nsplit == 1) return st;
+  attn_reduce_kernel<D><<<(unsigned)((int64_t)B * p.Tq * p.Hq), D, 0, stream>>>(p);
+  return check_launch("paged_attention reduce");
+}
+
+// flags bit 0: deeper unroll (8 key steps in flight) for row tiles <= 4
+template <int D>
+int launch_rt(const AttnParams& p, int rt, int flags, int B, cudaStream_t stream) {
+  const bool deep = flags & 1;
+  switch (rt) {
+    case 1: return deep ? launch<D, 1, 8>(p, B, stream) : launch<D, 1, 4>(p, B, stream);
+    case 2: return deep ? launch<D, 2, 8>(p, B, stream) : launch<D, 2, 4>(p, B, stream);
+    case 4: return deep ? launch<D, 4, 8>(p, B, stream) : launch<D, 4, 4>(p, B, stream);
+    case 8: return launch<D, 8, 4>(p, B, stream);
+    case 16: return launch<D, 16, 2>(p, B, stream);
+  }
+  return set_error(EXL2_ERR_INVALID_ARGUMENT, "paged_attention: bad row tile %d", rt);
+}
+
+}  // namespace
+}  // namespace layers
+}  // namespace exl2
+
+// Rows per CTA tile for G * Tq query rows per kv head (ops/cuda_layers.py mirrors this and keys_max).
+EXL2_API int exl2_paged_attention_row_tile(int64_t rows) {
+  return rows <= 1 ? 1 : rows <= 2 ? 2 : rows <= 4 ? 4 : rows <= 8 ? 8 : 16;
+}
+
+// q [B, Tq, Hq, D] fp16 (strides in elements, dims contiguous, 16-byte aligned rows); caches [P, S, Hkv, D]
+// fp16 contiguous; block_tables [B, bt_stride] int32 (first max_pages entries used); context_lens [B] int32;
+// out [B, Tq, Hq, D] fp16 contiguous; workspace fp32 of B*Tq*Hq*nsplit*(D+2) floats (unused if nsplit == 1);
+// flags: bit 0 = deeper load unroll for small row tiles.
+EXL2_API int exl2_paged_attention(const void* q, int64_t q_bs, int64_t q_ts, int64_t q_hs, const void* k_cache,
+                                  const void* v_cache, const int32_t* block_tables, int64_t bt_stride,
+                                  const int32_t* context_lens, void* out, float* workspace, int64_t B, int64_t Tq,
+                                  int64_t Hq, int64_t Hkv, int64_t D, int64_t num_pages, int64_t page_size,
+                                  int64_t max_pages, int64_t nsplit, int64_t min_split, float scale, int flags,
+                                  cudaStream_t stream) {
+  using namespace exl2::layers;
+  EXL2_REQUIRE(D == 64 || D == 128, "paged_attention: head_dim %lld not supported (64, 128)", (long long)D);
+  EXL2_REQUIRE(Hkv > 0 && Hq > 0 && Hq % Hkv == 0, "paged_attention: Hq %lld not a multiple of Hkv %lld",
+               (long long)Hq, (long long)Hkv);
+  EXL2_REQUIRE(page_size >= 16 && (page_size & (page_size - 1)) == 0 && page_size <= (1 << 20),
+               "paged_attention: page size %lld must be a power of two >= 16", (long long)page_size);
+  EXL2_REQUIRE(B >= 0 && B < 65536 && Tq > 0 && Hkv < 65536 && max_pages > 0 && num_pages > 0 && nsplit >= 1,
+               "paged_attention: bad shape");
+  EXL2_REQUIRE(max_pages * page_size < (1ll << 30), "paged_attention: context too long");
+  if (B == 0) return EXL2_OK;
+  AttnParams p;
+  p.q = (const half*)q;
+  p.q_bs = q_bs;
+  p.q_ts = q_ts;
+  p.q_hs = q_hs;
+  p.kc = (const half*)k_cache;
+  p.vc = (const half*)v_cache;
+  p.block_tables = block_tables;
+  p.bt_stride = bt_stride;
+  p.context_lens = context_lens;
+  p.out = (half*)out;
+  p.Tq = (int)Tq;
+  p.Hq = (int)Hq;
+  p.Hkv = (int)Hkv;
+  p.G = (int)(Hq / Hkv);
+  p.R = (int)(p.G * Tq);
+  const int rt = exl2_paged_attention_row_tile(p.R);
+  p.row_tiles = (p.R + rt - 1) / rt;
+  p.nsplit = (int)nsplit;
+  p.min_split = (int)min_split;
+  int log2S = 0;
+  while ((1ll << log2S) < page_size) ++log2S;
+  p.log2S = log2S;
+  p.max_pages = (int)max_pages;
+  p.num_pages = (int)num_pages;
+  p.scale_log2 = scale * 1.4426950408889634f;
+  p.part_o = workspace;
+  p.part_ml = workspace == nullptr ? nullptr : workspace + B * Tq * Hq * nsplit * D;
+  EXL2_REQUIRE(nsplit == 1 || workspace != nullptr, "paged_attention: workspace required for nsplit > 1");
+  EXL2_REQUIRE((int64_t)p.row_tiles * nsplit < (1ll << 31), "paged_attention: grid too large");
+  if (D == 64) return launch_rt<64>(p, rt, flags, (int)B, stream);
+  return launch_rt<128>(p, rt, flags, (int)B, stream);
+}

@@ -1,0 +1,90 @@
+// apply_rope: NeoX half rotation of q and k (optional) in one launch, in place or out of place, on strided
+// [T, H, D] views (last dim contiguous), e.g. q/k slices of a fused QKV output. One CTA per token.
+// Angle = float(position) * inv_freq in fp32 as the reference; cos/sin of that fp32 angle evaluated in double
+// and rounded to fp32 (fast math would turn sincosf into the approximate __sincosf).
+#include "layers/common.cuh"
+
+namespace exl2 {
+namespace layers {
+namespace {
+
+struct RopeTensor {
+  const void* in;
+  void* out;
+  int64_t in_ts, in_hs, out_ts, out_hs;  // token and head strides, elements
+  int heads;
+};
+
+template <typename T, int VEC>
+__global__ void rope_kernel(RopeTensor q, RopeTensor k, const int64_t* __restrict__ positions,
+                            const float* __restrict__ inv_freq, int D) {
+  extern __shared__ float cs[];  // cos [D/2], sin [D/2]
+  const int64_t t = blockIdx.x;
+  const int half = D / 2;
+  const float pos = (float)positions[t];  // int64 -> fp32, round to nearest like torch's .float()
+  for (int i = threadIdx.x; i < half; i += blockDim.x) {
+    const float ang = __fmul_rn(pos, inv_freq[i]);
+    double s, c;
+    sincos((double)ang, &s, &c);
+    cs[i] = (float)c;
+    cs[half + i] = (float)s;
+  }
+  __syncthreads();
+
+  const int nchunk = half / VEC;
+  const int total = (q.heads + k.heads) * nchunk;
+  for (int w = threadIdx.x; w < total; w += blockDim.x) {
+    int h = w / nchunk;
+    const int c = (w - h * nchunk) * VEC;
+    const RopeTensor& x = h < q.heads ? q : k;
+    if (h >= q.heads) h -= q.heads;
+    const T* src = (const T*)x.in + t * x.in_ts + h * x.in_hs + c;
+    T* dst = (T*)x.out + t * x.out_ts + h * x.out_hs + c;
+    float x1[VEC], x2[VEC], o1[VEC], o2[VEC];
+    load_vec<VEC>(src, x1);
+    load_vec<VEC>(src + half, x2);
+#pragma unroll
+    for (int j = 0; j < VEC; ++j) {
+      const float co = cs[c + j], si = cs[half + c + j];
+      o1[j] = __fsub_rn(__fmul_rn(x1[j], co), __fmul_rn(x2[j], si));
+      o2[j] = __fadd_rn(__fmul_rn(x2[j], co), __fmul_rn(x1[j], si));
+    }
+    store_vec<VEC>(dst, o1);
+    store_vec<VEC>(dst + half, o2);
+  }
+}
+
+bool vec_ok(const RopeTensor& x) {
+  return x.heads == 0 || (aligned16(x.in) && aligned16(x.out) && x.in_ts % 8 == 0 && x.in_hs % 8 == 0 &&
+                          x.out_ts % 8 == 0 && x.out_hs % 8 == 0);
+}
+
+}  // namespace
+}  // namespace layers
+}  // namespace exl2
+
+// q [T, Hq, D] -> q_out (may equal q); k [T, Hk, D] -> k_out (k may be null with hk = 0); strides in elements.
+// positions [T] int64, inv_freq [D/2] fp32.
+EXL2_API int exl2_apply_rope(const void* q, int64_t q_ts, int64_t q_hs, void* q_out, int64_t qo_ts, int64_t qo_hs,
+                             int64_t hq, const void* k, int64_t k_ts, int64_t k_hs, void* k_out, int64_t ko_ts,
+                             int64_t ko_hs, int64_t hk, const int64_t* positions, const float* inv_freq,
+                             int64_t tokens, int64_t head_dim, int dtype, cudaStream_t stream) {
+  using namespace exl2::layers;
+  EXL2_REQUIRE(head_dim > 0 && head_dim % 2 == 0 && head_dim <= 1024, "apply_rope: head_dim %lld must be even, <= 1024",
+               (long long)head_dim);
+  EXL2_REQUIRE(tokens >= 0 && tokens < (1ll << 31) && hq >= 0 && hk >= 0 && (hq + hk) * head_dim < (1ll << 30),
+               "apply_rope: bad shape");
+  EXL2_REQUIRE(hk == 0 || (k != nullptr && k_out != nullptr), "apply_rope: k is null but hk = %lld", (long long)hk);
+  if (tokens == 0 || hq + hk == 0) return EXL2_OK;
+  RopeTensor qt{q, q_out, q_ts, q_hs, qo_ts, qo_hs, (int)hq};
+  RopeTensor kt{k, k_out, k_ts, k_hs, ko_ts, ko_hs, (int)hk};
+  const bool vec = (head_dim / 2) % 8 == 0 && vec_ok(qt) && vec_ok(kt);
+  const size_t smem = sizeof(float) * head_dim;
+  EXL2_DISPATCH_HALF(dtype, T, {
+    if (vec)
+      rope_kernel<T, 8><<<(unsigned)tokens, 128, smem, stream>>>(qt, kt, positions, inv_freq, (int)head_dim);
+    else
+      rope_kernel<T, 1><<<(unsigned)tokens, 128, smem, stream>>>(qt, kt, positions, inv_freq, (int)head_dim);
+  });
+  return exl2::check_launch("apply_rope");
+}

@@ -1,0 +1,378 @@
+// Fused EXL2 dequantize + GEMM for small M (1..32): y[M, N] = x[M, K] @ W (+ bias), fp32 accumulation.
+//
+// Grid: one block per (128-column block, K split) of each descriptor (up to kMaxDesc linears sharing x, e.g.
+// q/k/v, in one launch). Block: 4 warps, each owning 32 columns over the block's whole K range, so no
+// intra-block reduction. Each warp streams its weight tiles (64 rows x 32 columns, 256*b bytes) through a
+// private kStages-deep cp.async ring (5 chunks in flight), decodes pairs with the fp16 mantissa trick straight
+// into mma.m16n8k16 A registers, and multiplies with activations gathered by xmap into shared memory
+// (tokens are the mma N dimension: MT = ceil(M/8) mmas per decoded A). Integer (q - z) products are summed
+// in fp32 per quantization group and scaled at group end. Split-K partials go to an fp32 workspace; the last
+// block of a column block (atomic ticket) sums them in split order, so results are deterministic.
+#include "common/api.h"
+#include "quant/exl2_quant.cuh"
+
+#include <algorithm>
+
+namespace exl2q {
+namespace {
+
+struct GemmParams {
+  QDesc d[kMaxDesc];
+  const __half* x;  // [M, ldx]
+  int ndesc, M, ldx;
+  int slot_words;   // ring slot size per warp (64 * max bits)
+  int xwin;         // chunks of activations staged per window
+  int xstride;      // halves per staged activation row
+  int off_x, off_scale, off_maxf, off_info;  // shared memory byte offsets
+};
+
+__device__ __forceinline__ void cp_async16(void* dst, const void* src) {
+  uint32_t s = (uint32_t)__cvta_generic_to_shared(dst);
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(s), "l"(src));
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
+template <int N>
+__device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;\n" ::"n"(N)); }
+
+__device__ __forceinline__ void mma16816(float (&c)[4], uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3,
+                                         uint32_t b0, uint32_t b1) {
+  asm("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"
+      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+      : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+}
+
+template <int MT>
+struct Acc {
+  float acc[2][MT][4];  // [n-tile][token tile][c0..c3]: running total
+  float cg[2][MT][4];   // current group's unscaled sum
+};
+
+// acc += scale * cg for the current group; cg = 0. srow: the group's 4 code words of this warp's 32 columns.
+template <int MT>
+__device__ __forceinline__ void flush(Acc<MT>& a, const uint32_t* srow, float maxf, int gid) {
+#pragma unroll
+  for (int nt = 0; nt < 2; ++nt) {
+    float sa = scale_of((srow[2 * nt] >> (4 * gid)) & 15u, maxf);      // column 16nt + gid
+    float sb = scale_of((srow[2 * nt + 1] >> (4 * gid)) & 15u, maxf);  // column 16nt + gid + 8
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt) {
+      a.acc[nt][mt][0] += sa * a.cg[nt][mt][0];
+      a.acc[nt][mt][1] += sa * a.cg[nt][mt][1];
+      a.acc[nt][mt][2] += sb * a.cg[nt][mt][2];
+      a.acc[nt][mt][3] += sb * a.cg[nt][mt][3];
+#pragma unroll
+      for (int e = 0; e < 4; ++e) a.cg[nt][mt][e] = 0.f;
+    }
+  }
+}
+
+template <int B, int MT, int S>
+__device__ __forceinline__ void kstep(const uint32_t (&w)[2][B], const uint32_t (&xb)[MT][4], Acc<MT>& a) {
+#pragma unroll
+  for (int nt = 0; nt < 2; ++nt) {
+    uint32_t a0 = pair_qz<B, 4 * S + 0>(w[nt]);
+    uint32_t a1 = pair_qz<B, 4 * S + 1>(w[nt]);
+    uint32_t a2 = pair_qz<B, 4 * S + 2>(w[nt]);
+    uint32_t a3 = pair_qz<B, 4 * S + 3>(w[nt]);
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt) mma16816(a.cg[nt][mt], a0, a1, a2, a3, xb[mt][2 * (S & 1)], xb[mt][2 * (S & 1) + 1]);
+  }
+}
+
+// One 32-row unit U of a chunk: B operands (8 activations per lane and token tile), two k-steps, group end.
+template <int B, int MT, int U>
+__device__ __forceinline__ void unit(const uint32_t (&w)[2][B], const __half* xrow, int xstride, int M, int gid,
+                                     int info, int& gl, const uint32_t* s_scale, const float* s_maxf, int warp,
+                                     Acc<MT>& a) {
+  uint32_t xb[MT][4];
+#pragma unroll
+  for (int mt = 0; mt < MT; ++mt) {
+    int m = min(mt * 8 + gid, M - 1);  // tokens >= M only feed discarded accumulator columns
+    uint4 v = *reinterpret_cast<const uint4*>(xrow + m * xstride + 32 * U);
+    xb[mt][0] = v.x; xb[mt][1] = v.y; xb[mt][2] = v.z; xb[mt][3] = v.w;
+  }
+  kstep<B, MT, 2 * U>(w, xb, a);
+  kstep<B, MT, 2 * U + 1>(w, xb, a);
+  if ((info >> (30 + U)) & 1) {
+    flush(a, s_scale + gl * 16 + warp * 4, s_maxf[gl], gid);
+    ++gl;
+  }
+}
+
+template <int B, int MT>
+__device__ __forceinline__ void chunk(const uint32_t* slot, int lane, const __half* xrow, int xstride, int M,
+                                      int info, int& gl, const uint32_t* s_scale, const float* s_maxf, int warp,
+                                      Acc<MT>& a) {
+  uint32_t w[2][B];
+  load_lane_words<B>(slot, lane, w);
+  const int gid = lane >> 2;
+  unit<B, MT, 0>(w, xrow, xstride, M, gid, info, gl, s_scale, s_maxf, warp, a);
+  unit<B, MT, 1>(w, xrow, xstride, M, gid, info, gl, s_scale, s_maxf, warp, a);
+}
+
+// Register cap so the grid's blocks (planned at 4 per SM, 3 for M > 16) are all resident at once.
+template <int MT>
+__global__ void __launch_bounds__(128, MT <= 2 ? 4 : 3) gemm_kernel(const __grid_constant__ GemmParams p) {
+  extern __shared__ __align__(16) unsigned char smem[];
+  const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, gid = lane >> 2, t4 = lane & 3;
+  int di = 0;
+  while (di + 1 < p.ndesc && (int)blockIdx.x >= p.d[di + 1].block_start) ++di;
+  const QDesc& d = p.d[di];
+  const int local = blockIdx.x - d.block_start;
+  const int colblk = local % d.ncolblk, split = local / d.ncolblk;
+  int c0, c1;
+  split_range(d, split, c0, c1);
+  const int nch = c1 - c0;
+  const int nblk0 = colblk * kBlockCols, n0 = nblk0 + warp * kWarpCols;
+  const bool active = n0 < d.Np;
+  const int J = d.Np / kWarpCols, j = n0 / kWarpCols;
+  const int M = p.M;
+
+  uint32_t* ring = reinterpret_cast<uint32_t*>(smem) + warp * kStages * p.slot_words;
+  __half* xs = reinterpret_cast<__half*>(smem + p.off_x);
+  uint32_t* s_scale = reinterpret_cast<uint32_t*>(smem + p.off_scale);
+  float* s_maxf = reinterpret_cast<float*>(smem + p.off_maxf);
+  int* s_info = reinterpret_cast<int*>(smem + p.off_info);
+
+  // Weight prefetch first: it does not depend on anything staged below.
+  int irun = 0;
+  auto issue = [&](int i) {
+    if (active && i < nch) {
+      const int c = c0 + i;
+      while (c >= d.runs[irun].chunk_end) ++irun;
+      const Run& r = d.runs[irun];
+      const int nvec = 16 * r.bits;  // 64*b words = 16*b vectors of 16 bytes
+      const uint32_t* src = d.packed + r.word_base + ((long long)(c - r.chunk_start) * J + j) * (64 * r.bits);
+      uint32_t* dst = ring + (i % kStages) * p.slot_words;
+      for (int v = lane; v < nvec; v += 32) cp_async16(dst + 4 * v, src + 4 * v);
+    }
+    cp_async_commit();
+  };
+#pragma unroll
+  for (int i = 0; i < kStages - 1; ++i) issue(i);
+
+  // Chunk info and the scale codes / maxima of every group this block's K range touches.
+  int g_first = 0, ngrp = 0;
+  if (nch > 0) {
+    const int last = __ldg(d.info + c1 - 1);
+    g_first = __ldg(d.info + c0) & kInfoGroupMask;
+    ngrp = (last & kInfoGroupMask) + ((last >> 30) & 1) - g_first + 1;
+  }
+  for (int i = tid; i < nch; i += blockDim.x) s_info[i] = __ldg(d.info + c0 + i);
+  const int scale_vecs = min(kBlockCols, d.Np - nblk0) / 32;  // 16-byte vectors (32 columns) per group row
+  for (int e = tid; e < ngrp * 4; e += blockDim.x) {
+    const int g = e >> 2, v = e & 3;
+    if (v < scale_vecs) {
+      const uint4* src = reinterpret_cast<const uint4*>(d.scales + (size_t)(g_first + g) * (d.Np / 8) + nblk0 / 8);
+      reinterpret_cast<uint4*>(s_scale + g * 16)[v] = __ldg(src + v);
+    }
+  }
+  for (int g = tid; g < ngrp; g += blockDim.x) s_maxf[g] = __ldg(d.maxf + g_first + g);
+
+  Acc<MT> a;
+#pragma unroll
+  for (int nt = 0; nt < 2; ++nt)
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) a.acc[nt][mt][e] = a.cg[nt][mt][e] = 0.f;
+  int gl = 0, prun = 0;
+
+  for (int w0 = 0; w0 < nch; w0 += p.xwin) {
+    const int w1 = min(nch, w0 + p.xwin);
+    // Activations of this window, gathered into stored (padded) row order: xs[m][row].
+    const int rows8 = (w1 - w0) * (kChunkRows / 8);
+    const int kp0 = (c0 + w0) * kChunkRows;
+    for (int e = tid; e < rows8; e += blockDim.x) {
+      const uint4 xm = __ldg(reinterpret_cast<const uint4*>(d.xmap + kp0) + e);
+      const uint32_t pairs[4] = {xm.x, xm.y, xm.z, xm.w};
+      for (int m = 0; m < M; ++m) {
+        const unsigned short* xr = reinterpret_cast<const unsigned short*>(p.x) + (size_t)m * p.ldx;
+        uint32_t out[4];
+#pragma unroll
+        for (int q = 0; q < 4; ++q) {
+          const uint32_t i0 = pairs[q] & 0xFFFFu, i1 = pairs[q] >> 16;
+          const uint32_t v0 = i0 == 0xFFFFu ? 0u : (uint32_t)__ldg(xr + i0);
+          const uint32_t v1 = i1 == 0xFFFFu ? 0u : (uint32_t)__ldg(xr + i1);
+          out[q] = v0 | (v1 << 16);
+        }
+        *reinterpret_cast<uint4*>(xs + m * p.xstride + e * 8) = make_uint4(out[0], out[1], out[2], out[3]);
+      }
+    }
+    __syncthreads();
+    if (active) {
+#pragma unroll 1
+      for (int i = w0; i < w1; ++i) {
+        issue(i + kStages - 1);
+        cp_async_wait<kStages - 1>();
+        __syncwarp();
+        const int c = c0 + i;
+        while (c >= d.runs[prun].chunk_end) ++prun;
+        const uint32_t* slot = ring + (i % kStages) * p.slot_words;
+        const __half* xrow = xs + (i - w0) * kChunkRows + 8 * t4;
+        const int info = s_info[i];
+        switch (d.runs[prun].bits) {
+          case 8: chunk<8, MT>(slot, lane, xrow, p.xstride, M, info, gl, s_scale, s_maxf, warp, a); break;
+          case 6: chunk<6, MT>(slot, lane, xrow, p.xstride, M, info, gl, s_scale, s_maxf, warp, a); break;
+          case 5: chunk<5, MT>(slot, lane, xrow, p.xstride, M, info, gl, s_scale, s_maxf, warp, a); break;
+          case 4: chunk<4, MT>(slot, lane, xrow, p.xstride, M, info, gl, s_scale, s_maxf, warp, a); break;
+          case 3: chunk<3, MT>(slot, lane, xrow, p.xstride, M, info, gl, s_scale, s_maxf, warp, a); break;
+          default: chunk<2, MT>(slot, lane, xrow, p.xstride, M, info, gl, s_scale, s_maxf, warp, a); break;
+        }
+        __syncwarp();  // the slot is refilled by the next iteration's issue
+      }
+    }
+    __syncthreads();  // the next window overwrites xs
+  }
+  // A group that continues past this split is scaled here (its partial is linear in the scale).
+  if (active && nch > 0 && !((s_info[nch - 1] >> 31) & 1)) flush(a, s_scale + gl * 16 + warp * 4, s_maxf[gl], gid);
+
+  // Accumulator element e of (nt, mt): column n0 + 16nt + gid + 8*(e>=2), token 8mt + 2*t4 + (e&1).
+  if (d.ksplit == 1) {
+    if (active) {
+#pragma unroll
+      for (int nt = 0; nt < 2; ++nt)
+#pragma unroll
+        for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+          for (int e = 0; e < 4; ++e) {
+            const int n = n0 + 16 * nt + gid + 8 * (e >> 1), m = 8 * mt + 2 * t4 + (e & 1);
+            if (m < M && n < d.N) {
+              float v = a.acc[nt][mt][e];
+              if (d.bias) v += __half2float(d.bias[n]);
+              d.out[(size_t)m * d.ldo + n] = __float2half_rn(v);
+            }
+          }
+    }
+    return;
+  }
+  if (active) {
+    float* ws = d.ws + (size_t)split * M * d.Np;
+#pragma unroll
+    for (int nt = 0; nt < 2; ++nt)
+#pragma unroll
+      for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          const int n = n0 + 16 * nt + gid + 8 * (e >> 1), m = 8 * mt + 2 * t4 + (e & 1);
+          if (m < M) ws[(size_t)m * d.Np + n] = a.acc[nt][mt][e];
+        }
+  }
+  __threadfence();
+  __syncthreads();
+  __shared__ int s_last;
+  if (tid == 0) s_last = atomicAdd(d.counters + colblk, 1) == d.ksplit - 1;
+  __syncthreads();
+  if (!s_last) return;
+  __threadfence();
+  const int ncols = min(kBlockCols, d.N - nblk0);
+  for (int e = tid; e < ncols * M; e += blockDim.x) {
+    const int m = e / ncols, n = nblk0 + e % ncols;
+    float v = 0.f;
+    for (int s = 0; s < d.ksplit; ++s) v += __ldcg(d.ws + ((size_t)s * M + m) * d.Np + n);  // fixed order
+    if (d.bias) v += __half2float(d.bias[n]);
+    d.out[(size_t)m * d.ldo + n] = __float2half_rn(v);
+  }
+  if (tid == 0) d.counters[colblk] = 0;  // ready for the next launch (and graph replay)
+}
+
+inline int align16(int x) { return (x + 15) & ~15; }
+
+int parse_desc(const int64_t* f, QDesc& d) {
+  d.packed = reinterpret_cast<const uint32_t*>(f[F_PACKED]);
+  d.scales = reinterpret_cast<const uint32_t*>(f[F_SCALES]);
+  d.maxf = reinterpret_cast<const float*>(f[F_MAXF]);
+  d.info = reinterpret_cast<const int*>(f[F_INFO]);
+  d.xmap = reinterpret_cast<const uint16_t*>(f[F_XMAP]);
+  d.bias = reinterpret_cast<const __half*>(f[F_BIAS]);
+  d.out = reinterpret_cast<__half*>(f[F_OUT]);
+  d.ws = reinterpret_cast<float*>(f[F_WS]);
+  d.counters = reinterpret_cast<int*>(f[F_COUNTERS]);
+  d.ldo = (int)f[F_LDO]; d.K = (int)f[F_K]; d.Kpad = (int)f[F_KPAD]; d.N = (int)f[F_N]; d.Np = (int)f[F_NP];
+  d.C = (int)f[F_C]; d.G = (int)f[F_G]; d.nruns = (int)f[F_NRUNS]; d.ksplit = (int)f[F_KSPLIT];
+  EXL2_REQUIRE(d.packed && d.scales && d.maxf && d.info && d.xmap, "exl2 desc: null tensor pointer");
+  EXL2_REQUIRE(d.Np > 0 && d.Np % 32 == 0 && d.N > 0 && d.N <= d.Np, "exl2 desc: bad N=%d Np=%d", d.N, d.Np);
+  EXL2_REQUIRE(d.C > 0 && d.Kpad == d.C * kChunkRows && d.K <= d.Kpad && d.K <= 65535,
+               "exl2 desc: bad K=%d Kpad=%d C=%d", d.K, d.Kpad, d.C);
+  EXL2_REQUIRE(d.nruns >= 1 && d.nruns <= kMaxRuns, "exl2 desc: bad run count %d", d.nruns);
+  int expect = 0, prev_bits = 9;
+  for (int r = 0; r < kMaxRuns; ++r) {
+    const int64_t* rr = f + F_RUNS + 4 * r;
+    d.runs[r] = Run{(int)rr[0], (int)rr[1], (int)rr[2], (long long)rr[3]};
+    if (r >= d.nruns) continue;
+    const Run& x = d.runs[r];
+    const bool width_ok = x.bits == 2 || x.bits == 3 || x.bits == 4 || x.bits == 5 || x.bits == 6 || x.bits == 8;
+    EXL2_REQUIRE(width_ok && x.bits < prev_bits && x.chunk_start == expect && x.chunk_end > x.chunk_start,
+                 "exl2 desc: bad run %d (bits %d, chunks %d..%d)", r, x.bits, x.chunk_start, x.chunk_end);
+    prev_bits = x.bits;
+    expect = x.chunk_end;
+  }
+  EXL2_REQUIRE(expect == d.C, "exl2 desc: runs cover %d of %d chunks", expect, d.C);
+  for (int r = d.nruns; r < kMaxRuns; ++r) d.runs[r] = Run{8, d.C, 1 << 30, 0};  // sentinel for run cursors
+  d.ncolblk = (d.Np + kBlockCols - 1) / kBlockCols;
+  return EXL2_OK;
+}
+
+template <int MT>
+int launch(const GemmParams& p, int blocks, int smem, cudaStream_t stream) {
+  static int smem_set = 48 * 1024;
+  if (smem > smem_set) {
+    cudaError_t err = cudaFuncSetAttribute(gemm_kernel<MT>, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
+    if (err != cudaSuccess) return exl2::set_error((int)err, "exl2_gemm: %d bytes of shared memory: %s", smem,
+                                                   cudaGetErrorString(err));
+    smem_set = smem;
+  }
+  gemm_kernel<MT><<<blocks, kBlockWarps * 32, smem, stream>>>(p);
+  return exl2::check_launch("exl2_gemm");
+}
+
+}  // namespace
+}  // namespace exl2q
+
+using namespace exl2q;
+
+// blob: ndesc descriptors of kDescLen int64 (BlobField order); x: fp16 [M, ldx] device pointer.
+EXL2_API int exl2_gemm(const int64_t* blob, int ndesc, const void* x, int M, int ldx, void* stream) {
+  EXL2_REQUIRE(blob && x, "exl2_gemm: null argument");
+  EXL2_REQUIRE(ndesc >= 1 && ndesc <= kMaxDesc, "exl2_gemm: %d descriptors (1..%d)", ndesc, kMaxDesc);
+  EXL2_REQUIRE(M >= 1 && M <= 32, "exl2_gemm: M=%d outside 1..32", M);
+  GemmParams p{};
+  p.x = reinterpret_cast<const __half*>(x);
+  p.ndesc = ndesc; p.M = M; p.ldx = ldx;
+  int blocks = 0, maxnch = 1, max_bits = 2, ngrp_max = 1;
+  for (int i = 0; i < ndesc; ++i) {
+    QDesc& d = p.d[i];
+    int st = parse_desc(blob + (size_t)i * kDescLen, d);
+    if (st) return st;
+    EXL2_REQUIRE(ldx >= d.K && d.ldo >= d.N && d.out, "exl2_gemm: bad ldx=%d/ldo=%d for K=%d N=%d", ldx, d.ldo, d.K, d.N);
+    EXL2_REQUIRE(d.ksplit >= 1 && d.ksplit <= d.C, "exl2_gemm: ksplit %d outside 1..%d", d.ksplit, d.C);
+    EXL2_REQUIRE(d.ksplit == 1 || (d.ws && d.counters), "exl2_gemm: split-K needs a workspace and counters");
+    d.block_start = blocks;
+    blocks += d.ncolblk * d.ksplit;
+    int most = 0;
+    for (int s = 0; s < d.ksplit; ++s) {
+      int a, b;
+      split_range(d, s, a, b);
+      most = std::max(most, b - a);
+    }
+    maxnch = std::max(maxnch, most);
+    max_bits = std::max(max_bits, d.runs[0].bits);
+    ngrp_max = std::max(ngrp_max, std::min(d.G, 2 * most));
+  }
+  p.slot_words = 64 * max_bits;
+  p.xwin = std::max(1, std::min(maxnch, 16384 / (M * kChunkRows)));  // <= 32 KB of activations
+  p.xstride = p.xwin * kChunkRows + 32;  // +64 bytes: token rows land in different banks
+  int off = kBlockWarps * kStages * p.slot_words * 4;
+  p.off_x = off; off = align16(off + M * p.xstride * 2);
+  p.off_scale = off; off = align16(off + ngrp_max * 64);
+  p.off_maxf = off; off = align16(off + ngrp_max * 4);
+  p.off_info = off; off = align16(off + maxnch * 4);
+  EXL2_REQUIRE(off <= 227 * 1024, "exl2_gemm: needs %d bytes of shared memory; use a larger ksplit", off);
+  cudaStream_t s = reinterpret_cast<cudaStream_t>(stream);
+  switch ((M + 7) / 8) {
+    case 1: return launch<1>(p, blocks, off, s);
+    case 2: return launch<2>(p, blocks, off, s);
+    case 3: return launch<3>(p, blocks, off, s);
+    default: return launch<4>(p, blocks, off, s);
+  }
+}

@@ -1,0 +1,176 @@
+// In-memory layout of a prepared EXL2 linear, its descriptor, and the per-lane decoders shared by the fused
+// GEMM (exl2_gemm.cu) and the dequantizer (exl2_dequant.cu). The packing side is
+// exl2_backend/ops/cuda_quant.py (pack_qtensor); both must agree bit for bit.
+//
+// Layout. Stored rows (activation order) are grouped in width runs (8,6,5,4,3,2 bits, non-increasing);
+// each run is padded with zero-point rows to a multiple of 64 rows. A CHUNK is 64 rows of one run; chunks
+// are numbered 0..C-1 over all runs. Columns are cut in warp tiles of 32 (two mma n-tiles of 16).
+// For chunk c of run r and warp tile j (J = Np/32 tiles), the 64*b words at
+//     packed + run.word_base + ((c - run.chunk_start) * J + j) * 64 * b
+// hold everything one warp needs: a MAIN plane part [2 n-tiles][32 lanes][m words] followed by an AUX part
+// [2][32][a words] (m + a = b): 8-bit: m=8; 6 = 4+2; 5 = 4+1; 4 = 4; 3 = 2+1; 2 = 2 (low bits in MAIN).
+// Each lane owns 16 PAIRS per n-tile per chunk, pair p = 4*s + r (s = mma k-step 0..3, r = A register):
+//     row(p) = 32*(s/2) + 8*t + 4*(s%2) + 2*(r>=2)  (+1 for the high half),  t = lane % 4
+//     col(p) = 16*nt + lane/4 + 8*(r%2)
+// so an A register of mma.m16n8k16 is one decoded pair and the lane's B operand for a 32-row unit is 8
+// consecutive activations (one 16-byte shared load). A plane of width w stores pair p in word
+// p / (16/w) at bit offset w*(p % (16/w)) of the low half (low value) and of the high half (high value),
+// which is what the 0x6400 (fp16 1024.0) mantissa trick decodes two values at a time from.
+// chunk info [C]: group of the chunk's first 32-row unit (bits 0..29); bit 30/31: a group ends with unit 0/1.
+// xmap [Kpad] uint16: original input feature of each padded row (0xFFFF = padding row, activation 0).
+#pragma once
+
+#include <cuda_fp16.h>
+#include <stdint.h>
+
+namespace exl2q {
+
+constexpr int kMaxRuns = 6;
+constexpr int kMaxDesc = 4;
+constexpr int kChunkRows = 64;
+constexpr int kWarpCols = 32;
+constexpr int kBlockWarps = 4;
+constexpr int kBlockCols = kBlockWarps * kWarpCols;  // 128 columns per block
+constexpr int kStages = 6;                           // per-warp cp.async ring depth (chunks)
+constexpr int kInfoGroupMask = 0x3FFFFFFF;
+constexpr int kDescLen = 18 + 4 * kMaxRuns;  // int64 fields per descriptor in the host blob
+
+struct Run {
+  int bits, chunk_start, chunk_end;
+  long long word_base;
+};
+
+struct QDesc {
+  const uint32_t* packed;   // words, layout above
+  const uint32_t* scales;   // q_scale as on disk: [G, Np/8], 4-bit codes
+  const float* maxf;        // [G]: fp16(q_scale_max / 256) as float
+  const int* info;          // [C]
+  const uint16_t* xmap;     // [Kpad]
+  const __half* bias;       // [Np] or null
+  __half* out;              // out[m * ldo + n], n < N
+  float* ws;                // split-K partials [ksplit][M][Np] (ksplit > 1)
+  int* counters;            // [ncolblk], zero between launches
+  int ldo, K, Kpad, N, Np, C, G, nruns, ksplit, ncolblk, block_start;
+  Run runs[kMaxRuns];
+};
+
+// Blob field indices (host side, int64 each); keep in sync with cuda_quant.py.
+enum BlobField {
+  F_PACKED = 0, F_SCALES, F_MAXF, F_INFO, F_XMAP, F_BIAS, F_OUT, F_WS, F_COUNTERS,
+  F_LDO, F_K, F_KPAD, F_N, F_NP, F_C, F_G, F_NRUNS, F_KSPLIT, F_RUNS  // runs: bits, start, end, word_base
+};
+
+// Sum over runs of chunks * bits: the split-K work measure (bytes are proportional to it).
+__host__ __device__ inline long long total_weight(const QDesc& d) {
+  long long w = 0;
+  for (int r = 0; r < d.nruns; ++r) w += (long long)(d.runs[r].chunk_end - d.runs[r].chunk_start) * d.runs[r].bits;
+  return w;
+}
+
+// First chunk whose cumulative weight reaches `target`.
+__host__ __device__ inline int chunk_at(const QDesc& d, long long target) {
+  long long acc = 0;
+  for (int r = 0; r < d.nruns; ++r) {
+    const Run& rr = d.runs[r];
+    long long w = (long long)(rr.chunk_end - rr.chunk_start) * rr.bits;
+    if (target < acc + w) return rr.chunk_start + (int)((target - acc + rr.bits - 1) / rr.bits);
+    acc += w;
+  }
+  return d.C;
+}
+
+// Chunk range [c0, c1) of split s: equal byte shares, so mixed-width splits stay balanced.
+__host__ __device__ inline void split_range(const QDesc& d, int s, int& c0, int& c1) {
+  long long w = total_weight(d);
+  c0 = chunk_at(d, w * s / d.ksplit);
+  c1 = chunk_at(d, w * (s + 1) / d.ksplit);
+}
+
+// ---- per-lane decode ------------------------------------------------------------------------------------
+
+__device__ __forceinline__ uint32_t h2sub(uint32_t a, uint32_t b) {
+  uint32_t r;
+  asm("sub.rn.f16x2 %0, %1, %2;" : "=r"(r) : "r"(a), "r"(b));
+  return r;
+}
+
+__device__ __forceinline__ uint32_t h2fma(uint32_t a, uint32_t b, uint32_t c) {
+  uint32_t r;
+  asm("fma.rn.f16x2 %0, %1, %2, %3;" : "=r"(r) : "r"(a), "r"(b), "r"(c));
+  return r;
+}
+
+template <int S>
+__device__ __forceinline__ uint32_t shr(uint32_t x) {
+  if constexpr (S > 0) return x >> S;
+  else if constexpr (S < 0) return x << (-S);
+  else return x;
+}
+
+constexpr int main_words(int b) { return b == 8 ? 8 : (b >= 4 ? 4 : 2); }
+
+// Pair P of one n-tile as half2 (q - z): exact small integers. w = the lane's b words of that n-tile.
+template <int B, int P>
+__device__ __forceinline__ uint32_t pair_qz(const uint32_t* w) {
+  constexpr uint32_t kMagic = 0x64006400u;  // fp16 1024.0 in both halves
+  if constexpr (B == 8) {
+    uint32_t v = __byte_perm(w[P / 2], 0x64u, (P & 1) ? 0x4341 : 0x4240);  // bytes -> 0x64qq = 1024 + q
+    return h2sub(v, 0x64806480u);                                          // - (1024 + 128)
+  } else if constexpr (B == 4) {
+    uint32_t word = w[P >> 2];
+    if constexpr ((P & 3) >= 2) word >>= 8;
+    if constexpr ((P & 1) == 0) return h2sub((word & 0x000F000Fu) | kMagic, 0x64086408u);
+    else return h2fma((word & 0x00F000F0u) | kMagic, 0x2C002C00u, 0xD480D480u);  // (1024+16q)/16 - 72
+  } else if constexpr (B == 2) {
+    return h2sub(((w[P >> 3] >> (2 * (P & 7))) & 0x00030003u) | kMagic, 0x64026402u);
+  } else if constexpr (B == 6) {
+    uint32_t lo = ((w[P >> 2] >> (4 * (P & 3))) & 0x000F000Fu) | kMagic;
+    uint32_t hi = shr<2 * (P & 7) - 4>(w[4 + (P >> 3)]) & 0x00300030u;
+    return h2sub(lo | hi, 0x64206420u);
+  } else if constexpr (B == 5) {
+    uint32_t lo = ((w[P >> 2] >> (4 * (P & 3))) & 0x000F000Fu) | kMagic;
+    uint32_t hi = shr<P - 4>(w[4]) & 0x00100010u;
+    return h2sub(lo | hi, 0x64106410u);
+  } else {  // 3
+    static_assert(B == 3, "bit width");
+    uint32_t lo = ((w[P >> 3] >> (2 * (P & 7))) & 0x00030003u) | kMagic;
+    uint32_t hi = shr<P - 2>(w[2]) & 0x00040004u;
+    return h2sub(lo | hi, 0x64046404u);
+  }
+}
+
+// The lane's words of both n-tiles of one chunk tile (base = start of the 64*B words).
+template <int B>
+__device__ __forceinline__ void load_lane_words(const uint32_t* base, int lane, uint32_t (&w)[2][B]) {
+  constexpr int m = main_words(B), a = B - m;
+#pragma unroll
+  for (int nt = 0; nt < 2; ++nt) {
+    const uint32_t* p = base + (nt * 32 + lane) * m;
+    if constexpr (m == 8) {
+      uint4 u = reinterpret_cast<const uint4*>(p)[0], v = reinterpret_cast<const uint4*>(p)[1];
+      w[nt][0] = u.x; w[nt][1] = u.y; w[nt][2] = u.z; w[nt][3] = u.w;
+      w[nt][4] = v.x; w[nt][5] = v.y; w[nt][6] = v.z; w[nt][7] = v.w;
+    } else if constexpr (m == 4) {
+      uint4 u = *reinterpret_cast<const uint4*>(p);
+      w[nt][0] = u.x; w[nt][1] = u.y; w[nt][2] = u.z; w[nt][3] = u.w;
+    } else {
+      uint2 u = *reinterpret_cast<const uint2*>(p);
+      w[nt][0] = u.x; w[nt][1] = u.y;
+    }
+    const uint32_t* q = base + 64 * m;
+    if constexpr (a == 2) {
+      uint2 u = reinterpret_cast<const uint2*>(q)[nt * 32 + lane];
+      w[nt][m] = u.x; w[nt][m + 1] = u.y;
+    } else if constexpr (a == 1) {
+      w[nt][m] = q[nt * 32 + lane];
+    }
+  }
+}
+
+// fp16 scale of code c (0..15) for a group with max16 = maxf: fp16(fp16((c+1)^2) * max16), as float.
+// The fp32 product is exact, so one round-to-nearest conversion equals the fp16 multiply (format doc b.4).
+__device__ __forceinline__ float scale_of(uint32_t c, float maxf) {
+  return __half2float(__float2half_rn((float)((c + 1) * (c + 1)) * maxf));
+}
+
+}  // namespace exl2q

@@ -1,0 +1,37 @@
+"""`exl2-backend serve [MODEL_DIR]`: the OpenAI-compatible LitServe server."""
+
+from __future__ import annotations
+
+import argparse
+
+
+def add_serve_parser(subparsers) -> argparse.ArgumentParser:
+    p = subparsers.add_parser(
+        "serve", help="serve a model over an OpenAI-compatible HTTP API (LitServe)",
+        description="Serve an EXL2 model with continuous batching: /v1/chat/completions, /v1/completions, "
+                    "/v1/models, /health, /metrics.")
+    p.add_argument("model_dir", nargs="?", default=None,
+                   help="EXL2 model directory; default: the embedded SmolLM2-135M-Instruct")
+    p.add_argument("--host", default="127.0.0.1", help="127.0.0.1 (default), 0.0.0.0 or ::")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N")
+    p.add_argument("--max-seq-len", type=int, default=None, help="context length (prompt + completion)")
+    p.add_argument("--cache-tokens", type=int, default=None,
+                   help="KV cache size in tokens, shared by all running sequences")
+    p.add_argument("--max-batch-size", type=int, default=16, help="most sequences decoding together")
+    p.add_argument("--max-chunk-size", type=int, default=None, help="prompt tokens per prefill step")
+    p.add_argument("--max-queue", type=int, default=64, help="requests waiting for admission before 503")
+    p.add_argument("--model-id", default=None, help="name served at /v1/models (default: the directory name)")
+    p.add_argument("--log-level", default="warning", choices=["debug", "info", "warning", "error"])
+    p.set_defaults(func=run_serve)
+    return p
+
+
+def run_serve(args: argparse.Namespace) -> int:
+    from exl2_backend.serve.server import run_server
+
+    run_server(args.model_dir, host=args.host, port=args.port, cache_tokens=args.cache_tokens,
+               max_concurrent=args.max_batch_size, max_seq_len=args.max_seq_len, device=args.device,
+               max_chunk_size=args.max_chunk_size, max_queue=args.max_queue, model_id=args.model_id,
+               log_level=args.log_level)
+    return 0

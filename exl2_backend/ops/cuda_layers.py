@@ -1,0 +1,574 @@
+"""CUDA versions of the non-GEMM ops (csrc/layers/), with the signatures of `ops/reference.py`.
+
+Each op is a `torch.library.custom_op` ("exl2_backend::<name>") over a ctypes call into the compiled library,
+launched on `torch.cuda.current_stream()`. No op synchronizes with the host, so all of them can be captured in
+a CUDA graph (scratch memory comes from torch's allocator, sized from shapes only). Invalid inputs raise
+`InvalidRequestError`; a configuration the kernels do not cover (e.g. head_dim 96, fp32 attention) runs the
+reference op instead, with one warning.
+
+Extras beyond the reference signatures, for the model and engine:
+  add_rms_norm_(x, residual, weight, eps) -> normed        residual <- x + residual in place
+  apply_rope_qk_(q, k, positions, inv_freq)                 q and k (strided views allowed) rotated in place
+  paged_attention(..., num_splits=0)                        0 = automatic split of the context
+  sample_tokens_tensor(logits, uniforms, temperature, probs=None) -> int64 [B]   graph-capturable sampler
+  sampling_param_tensors(params, vocab, device), filtered_probs(...), apply_penalties(...)
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import logging
+import math
+
+import torch
+
+from exl2_backend.errors import InvalidRequestError
+from exl2_backend.ops import library, reference
+from exl2_backend.ops.library import F32, I32, I64, PTR, STREAM
+
+log = logging.getLogger("exl2_backend")
+
+_DTYPE_CODES = {torch.float16: 0, torch.bfloat16: 1, torch.float32: 2}
+_HALF = (torch.float16, torch.bfloat16)
+
+# C signatures (csrc/layers/*.cu); every function returns an int status.
+_SIGNATURES = {
+    "exl2_rms_norm": (PTR, I64, PTR, PTR, I64, I64, I64, F32, I32, I32, STREAM),
+    "exl2_add_rms_norm": (PTR, I64, PTR, I64, PTR, PTR, I64, PTR, I64, I64, I64, F32, I32, I32, STREAM),
+    "exl2_apply_rope": (PTR, I64, I64, PTR, I64, I64, I64, PTR, I64, I64, PTR, I64, I64, I64, PTR, PTR, I64, I64,
+                        I32, STREAM),
+    "exl2_silu_mul": (PTR, I64, PTR, I64, PTR, I64, I64, I64, I32, STREAM),
+    "exl2_embedding": (PTR, PTR, PTR, I64, I64, I64, I32, STREAM),
+    "exl2_kv_cache_write": (PTR, I64, I64, PTR, I64, I64, PTR, PTR, PTR, I64, I64, I64, I64, I32, STREAM),
+    "exl2_paged_attention": (PTR, I64, I64, I64, PTR, PTR, PTR, I64, PTR, PTR, PTR, I64, I64, I64, I64, I64, I64,
+                             I64, I64, I64, I64, F32, I32, STREAM),
+    "exl2_sample_tokens": (PTR, I64, PTR, I64, PTR, I64, PTR, PTR, PTR, PTR, I64, I64, STREAM),
+}
+
+# paged attention: rows of a CTA tile and keys one split may hold (csrc/layers/paged_attention.cu)
+_ATTN_MIN_SPLIT = 32  # keys; short contexts are not cut finer than this
+_ATTN_CTAS_PER_SM = 4  # automatic split: aim for this many CTAs per multiprocessor
+_ATTN_FLAGS = 0  # bit 0: 8 key steps in flight per thread instead of 4 (row tiles <= 4)
+_SAMPLE_CHUNK = 2048  # tokens per CTA of the sampling kernel (csrc/layers/sampling.cu CHUNK)
+
+
+def _attn_row_tile(rows: int) -> int:
+    return 1 if rows <= 1 else 2 if rows <= 2 else 4 if rows <= 4 else 8 if rows <= 8 else 16
+
+
+def _attn_keys_max(row_tile: int) -> int:
+    return 1024 if row_tile <= 8 else 512
+
+
+@functools.cache
+def _fn(name: str):
+    return library.declare(name, *_SIGNATURES[name])
+
+
+def _call(name: str, *args) -> None:
+    library.check(_fn(name)(*args), name)
+
+
+@functools.cache
+def _num_sms(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+def _device_guard(t: torch.Tensor):
+    """Launches go to the current device: switch only when the tensor lives on another one."""
+    if t.device.index is not None and t.device.index != torch.cuda.current_device():
+        return torch.cuda.device(t.device)
+    return contextlib.nullcontext()
+
+
+def _stream(t: torch.Tensor) -> int:
+    return torch.cuda.current_stream(t.device).cuda_stream
+
+
+def _require(cond: bool, msg: str, field: str | None = None) -> None:
+    if not cond:
+        raise InvalidRequestError(msg, field=field)
+
+
+def _check(op: str, name: str, t, *, ndim: int | None = None, dtypes=None, device: torch.device | None = None):
+    _require(isinstance(t, torch.Tensor), f"{op}: {name} must be a tensor, got {type(t).__name__}", name)
+    _require(t.is_cuda, f"{op}: {name} must be on a CUDA device, got {t.device}", name)
+    if ndim is not None:
+        _require(t.dim() == ndim, f"{op}: {name} must have {ndim} dims, got shape {tuple(t.shape)}", name)
+    if dtypes is not None:
+        _require(t.dtype in dtypes, f"{op}: {name} dtype {t.dtype} not in {[str(d) for d in dtypes]}", name)
+    if device is not None:
+        _require(t.device == device, f"{op}: {name} is on {t.device}, expected {device}", name)
+
+
+def _rows(t: torch.Tensor) -> torch.Tensor:
+    """[..., H] -> 2-D [T, H] view (copy only when needed) with a contiguous last dim."""
+    t2 = t.reshape(-1, t.shape[-1]) if t.dim() != 2 else t
+    return t2 if t2.stride(-1) == 1 or t2.shape[-1] == 1 else t2.contiguous()
+
+
+def _index_tensor(t: torch.Tensor, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
+    return t if t.device == device and t.dtype == dtype else t.to(device=device, dtype=dtype)
+
+
+_warned: set[str] = set()
+
+
+def _fallback(op: str, why: str):
+    if op not in _warned:
+        _warned.add(op)
+        log.warning("exl2_backend: %s runs the reference op on the GPU: %s", op, why)
+    return getattr(reference, op)
+
+
+# --- rms_norm ----------------------------------------------------------------------------------------
+
+
+def _norm_weight(weight: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    _check("rms_norm", "weight", weight, ndim=1, device=x.device)
+    _require(weight.shape[0] == x.shape[-1], f"rms_norm: weight [{weight.shape[0]}] != hidden {x.shape[-1]}", "weight")
+    if weight.dtype not in (x.dtype, torch.float32):
+        weight = weight.to(x.dtype)
+    return weight.contiguous()
+
+
+def _norm_launch(x2, res2, weight, out2, resout2, eps):
+    with _device_guard(x2):
+        if res2 is None:
+            _call("exl2_rms_norm", x2.data_ptr(), x2.stride(0), weight.data_ptr(), out2.data_ptr(), out2.stride(0),
+                  x2.shape[0], x2.shape[1], float(eps), _DTYPE_CODES[x2.dtype], _DTYPE_CODES[weight.dtype],
+                  _stream(x2))
+        else:
+            _call("exl2_add_rms_norm", x2.data_ptr(), x2.stride(0), res2.data_ptr(), res2.stride(0),
+                  weight.data_ptr(), out2.data_ptr(), out2.stride(0), resout2.data_ptr(), resout2.stride(0),
+                  x2.shape[0], x2.shape[1], float(eps), _DTYPE_CODES[x2.dtype], _DTYPE_CODES[weight.dtype],
+                  _stream(x2))
+
+
+@torch.library.custom_op("exl2_backend::rms_norm", mutates_args=())
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """x [..., H], weight [H] -> [..., H] in x.dtype (fp32 math)."""
+    _check("rms_norm", "x", x)
+    if x.dtype not in _HALF:
+        return _fallback("rms_norm", f"dtype {x.dtype}")(x, weight, eps)
+    weight = _norm_weight(weight, x)
+    out = torch.empty_like(x, memory_format=torch.contiguous_format)
+    if x.numel():
+        _norm_launch(_rows(x), None, weight, out.view(-1, x.shape[-1]), None, eps)
+    return out
+
+
+@rms_norm.register_fake
+def _(x, weight, eps):
+    return torch.empty_like(x, memory_format=torch.contiguous_format)
+
+
+@torch.library.custom_op("exl2_backend::add_rms_norm", mutates_args=())
+def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """-> (rms_norm(x + residual), x + residual), the sum rounded to x.dtype first (as the reference)."""
+    _check("add_rms_norm", "x", x)
+    _check("add_rms_norm", "residual", residual, dtypes=(x.dtype,), device=x.device)
+    _require(residual.shape == x.shape, f"add_rms_norm: residual {tuple(residual.shape)} != x {tuple(x.shape)}",
+             "residual")
+    if x.dtype not in _HALF:
+        return _fallback("add_rms_norm", f"dtype {x.dtype}")(x, residual, weight, eps)
+    weight = _norm_weight(weight, x)
+    out = torch.empty_like(x, memory_format=torch.contiguous_format)
+    res_out = torch.empty_like(out)
+    if x.numel():
+        h = x.shape[-1]
+        _norm_launch(_rows(x), _rows(residual), weight, out.view(-1, h), res_out.view(-1, h), eps)
+    return out, res_out
+
+
+@add_rms_norm.register_fake
+def _(x, residual, weight, eps):
+    return torch.empty_like(x, memory_format=torch.contiguous_format), torch.empty_like(
+        x, memory_format=torch.contiguous_format)
+
+
+@torch.library.custom_op("exl2_backend::add_rms_norm_", mutates_args=("residual",))
+def add_rms_norm_(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """residual <- x + residual (in place, rounded to its dtype); returns rms_norm(residual)."""
+    _check("add_rms_norm_", "x", x, dtypes=_HALF)
+    _check("add_rms_norm_", "residual", residual, dtypes=(x.dtype,), device=x.device)
+    _require(residual.shape == x.shape, f"add_rms_norm_: residual {tuple(residual.shape)} != x {tuple(x.shape)}",
+             "residual")
+    _require(residual.dim() == 2 and residual.stride(-1) == 1 or residual.is_contiguous(),
+             "add_rms_norm_: residual must be contiguous (or 2-D with a contiguous last dim)", "residual")
+    weight = _norm_weight(weight, x)
+    out = torch.empty_like(x, memory_format=torch.contiguous_format)
+    if x.numel():
+        h = x.shape[-1]
+        res2 = residual.view(-1, h) if residual.dim() != 2 else residual
+        _norm_launch(_rows(x), res2, weight, out.view(-1, h), res2, eps)
+    return out
+
+
+@add_rms_norm_.register_fake
+def _(x, residual, weight, eps):
+    return torch.empty_like(x, memory_format=torch.contiguous_format)
+
+
+# --- rotary embedding --------------------------------------------------------------------------------
+
+
+def _rope_inputs(op, x, positions, inv_freq):
+    _check(op, "x", x, ndim=3, dtypes=_HALF)
+    t, _, d = x.shape
+    _require(d % 2 == 0 and d <= 1024, f"{op}: head_dim {d} must be even and <= 1024", "x")
+    _check(op, "inv_freq", inv_freq, ndim=1)
+    _require(inv_freq.shape[0] == d // 2, f"{op}: inv_freq [{inv_freq.shape[0]}] != head_dim / 2 = {d // 2}",
+             "inv_freq")
+    _require(positions.dim() == 1 and positions.shape[0] == t,
+             f"{op}: positions {tuple(positions.shape)} must be [{t}]", "positions")
+    pos = _index_tensor(positions, x.device, torch.int64)
+    inv = _index_tensor(inv_freq, x.device, torch.float32).contiguous()
+    return pos, inv
+
+
+def _rope_launch(q_in, q_out, k_in, k_out, pos, inv):
+    d = q_in.shape[2]
+    kin = k_in if k_in is not None else q_in
+    kout = k_out if k_out is not None else q_out
+    hk = k_in.shape[1] if k_in is not None else 0
+    with _device_guard(q_in):
+        _call("exl2_apply_rope", q_in.data_ptr(), q_in.stride(0), q_in.stride(1), q_out.data_ptr(), q_out.stride(0),
+              q_out.stride(1), q_in.shape[1], kin.data_ptr(), kin.stride(0), kin.stride(1), kout.data_ptr(),
+              kout.stride(0), kout.stride(1), hk, pos.data_ptr(), inv.data_ptr(), q_in.shape[0], d,
+              _DTYPE_CODES[q_in.dtype], _stream(q_in))
+
+
+@torch.library.custom_op("exl2_backend::apply_rope", mutates_args=())
+def apply_rope(x: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor) -> torch.Tensor:
+    """x [T, Hx, D], positions [T] int64, inv_freq [D/2] fp32 -> [T, Hx, D] (NeoX half rotation)."""
+    pos, inv = _rope_inputs("apply_rope", x, positions, inv_freq)
+    if x.stride(-1) != 1:
+        x = x.contiguous()
+    out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    if x.numel():
+        _rope_launch(x, out, None, None, pos, inv)
+    return out
+
+
+@apply_rope.register_fake
+def _(x, positions, inv_freq):
+    return torch.empty(x.shape, dtype=x.dtype, device=x.device)
+
+
+@torch.library.custom_op("exl2_backend::apply_rope_qk_", mutates_args=("q", "k"))
+def apply_rope_qk_(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor) -> None:
+    """Rotate q [T, Hq, D] and k [T, Hk, D] in place in one launch; both may be strided views (e.g. slices of
+    a fused QKV output) as long as the last dim is contiguous."""
+    pos, inv = _rope_inputs("apply_rope_qk_", q, positions, inv_freq)
+    _check("apply_rope_qk_", "k", k, ndim=3, dtypes=(q.dtype,), device=q.device)
+    _require(k.shape[0] == q.shape[0] and k.shape[2] == q.shape[2],
+             f"apply_rope_qk_: k {tuple(k.shape)} does not match q {tuple(q.shape)}", "k")
+    _require(q.stride(-1) == 1 and k.stride(-1) == 1, "apply_rope_qk_: q and k need a contiguous last dim", "q")
+    if q.numel():
+        _rope_launch(q, q, k, k, pos, inv)
+
+
+@apply_rope_qk_.register_fake
+def _(q, k, positions, inv_freq):
+    return None
+
+
+# --- silu_mul, embedding, kv_cache_write -------------------------------------------------------------
+
+
+@torch.library.custom_op("exl2_backend::silu_mul", mutates_args=())
+def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """gate, up [..., I] -> silu(gate) * up in gate.dtype (fp32 math). Row-strided views are fine
+    (e.g. the two halves of a fused gate/up output)."""
+    _check("silu_mul", "gate", gate)
+    _check("silu_mul", "up", up, device=gate.device)
+    _require(up.shape == gate.shape, f"silu_mul: up {tuple(up.shape)} != gate {tuple(gate.shape)}", "up")
+    if gate.dtype not in _HALF or up.dtype != gate.dtype:
+        return _fallback("silu_mul", f"dtypes {gate.dtype}, {up.dtype}")(gate, up)
+    out = torch.empty(gate.shape, dtype=gate.dtype, device=gate.device)
+    if gate.numel():
+        g2, u2 = _rows(gate), _rows(up)
+        o2 = out.view(-1, gate.shape[-1])
+        with _device_guard(gate):
+            _call("exl2_silu_mul", g2.data_ptr(), g2.stride(0), u2.data_ptr(), u2.stride(0), o2.data_ptr(),
+                  o2.stride(0), g2.shape[0], g2.shape[1], _DTYPE_CODES[gate.dtype], _stream(gate))
+    return out
+
+
+@silu_mul.register_fake
+def _(gate, up):
+    return torch.empty(gate.shape, dtype=gate.dtype, device=gate.device)
+
+
+@torch.library.custom_op("exl2_backend::embedding", mutates_args=())
+def embedding(ids: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
+    """ids [T] int64, table [V, H] -> [T, H]. An id outside [0, V) gives a zero row (checking would need a
+    host sync; the engine validates ids on the host)."""
+    _check("embedding", "table", table, ndim=2)
+    _require(isinstance(ids, torch.Tensor) and ids.dim() == 1, "embedding: ids must be a 1-D tensor", "ids")
+    if table.dtype not in _HALF:
+        return _fallback("embedding", f"dtype {table.dtype}")(ids, table)
+    ids = _index_tensor(ids, table.device, torch.int64).contiguous()
+    table = table if table.is_contiguous() else table.contiguous()
+    out = torch.empty(ids.shape[0], table.shape[1], dtype=table.dtype, device=table.device)
+    if ids.numel():
+        with _device_guard(table):
+            _call("exl2_embedding", ids.data_ptr(), table.data_ptr(), out.data_ptr(), ids.shape[0], table.shape[0],
+                  table.shape[1], _DTYPE_CODES[table.dtype], _stream(table))
+    return out
+
+
+@embedding.register_fake
+def _(ids, table):
+    return table.new_empty((ids.shape[0], table.shape[1]))
+
+
+@torch.library.custom_op("exl2_backend::kv_cache_write", mutates_args=("k_cache", "v_cache"))
+def kv_cache_write(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                   slots: torch.Tensor) -> None:
+    """k, v [T, Hkv, D] (strided views fine) -> caches [P, S, Hkv, D] at slots [T] (page * S + offset), in
+    place. Negative slots (padding tokens) and slots past the cache are skipped."""
+    op = "kv_cache_write"
+    _check(op, "k_cache", k_cache, ndim=4)
+    _check(op, "v_cache", v_cache, ndim=4, dtypes=(k_cache.dtype,), device=k_cache.device)
+    _require(v_cache.shape == k_cache.shape, f"{op}: v_cache {tuple(v_cache.shape)} != k_cache", "v_cache")
+    _require(k_cache.is_contiguous() and v_cache.is_contiguous(), f"{op}: caches must be contiguous", "k_cache")
+    p, s, hkv, d = k_cache.shape
+    for name, t in (("k", k), ("v", v)):
+        _check(op, name, t, ndim=3, device=k_cache.device)
+        _require(tuple(t.shape[1:]) == (hkv, d), f"{op}: {name} {tuple(t.shape)} must be [T, {hkv}, {d}]", name)
+    _require(v.shape[0] == k.shape[0] and slots.dim() == 1 and slots.shape[0] == k.shape[0],
+             f"{op}: k {tuple(k.shape)}, v {tuple(v.shape)}, slots {tuple(slots.shape)} disagree on T", "slots")
+    if k_cache.element_size() != 2:
+        return _fallback(op, f"cache dtype {k_cache.dtype}")(k, v, k_cache, v_cache, slots)
+    k = k.to(k_cache.dtype) if k.dtype != k_cache.dtype else k
+    v = v.to(k_cache.dtype) if v.dtype != k_cache.dtype else v
+    k = k if k.stride(-1) == 1 else k.contiguous()
+    v = v if v.stride(-1) == 1 else v.contiguous()
+    slots = _index_tensor(slots, k_cache.device, torch.int64).contiguous()
+    if k.shape[0]:
+        with _device_guard(k_cache):
+            _call("exl2_kv_cache_write", k.data_ptr(), k.stride(0), k.stride(1), v.data_ptr(), v.stride(0),
+                  v.stride(1), k_cache.data_ptr(), v_cache.data_ptr(), slots.data_ptr(), k.shape[0], p * s, hkv, d,
+                  2, _stream(k_cache))
+
+
+@kv_cache_write.register_fake
+def _(k, v, k_cache, v_cache, slots):
+    return None
+
+
+# --- paged attention ---------------------------------------------------------------------------------
+
+
+def attention_splits(batch: int, q_len: int, hq: int, hkv: int, max_context: int, num_sms: int,
+                     ctas_per_sm: int = _ATTN_CTAS_PER_SM) -> int:
+    """Splits of each sequence's context: enough CTAs to fill the GPU, each split within the shared-memory
+    limit of its tile, none pointlessly short. A function of shapes only (graph-safe)."""
+    rows = (hq // hkv) * q_len
+    rt = _attn_row_tile(rows)
+    base = batch * hkv * math.ceil(rows / rt)
+    need = math.ceil(max_context / _attn_keys_max(rt))
+    want = math.ceil(num_sms * ctas_per_sm / max(base, 1))
+    cap = max(1, math.ceil(max_context / _ATTN_MIN_SPLIT))
+    return max(need, min(want, cap), 1)
+
+
+@torch.library.custom_op("exl2_backend::paged_attention", mutates_args=())
+def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
+                    context_lens: torch.Tensor, scale: float, num_splits: int = 0) -> torch.Tensor:
+    """q [B, Tq, Hq, D], caches [P, S, Hkv, D], block_tables [B, max_pages] int32, context_lens [B] int32
+    -> [B, Tq, Hq, D]. Query j of sequence b sits at position context_lens[b] - Tq + j (causal). num_splits 0
+    picks the split of the context automatically (attention_splits)."""
+    op = "paged_attention"
+    _check(op, "q", q, ndim=4)
+    _check(op, "k_cache", k_cache, ndim=4, device=q.device)
+    _check(op, "v_cache", v_cache, ndim=4, dtypes=(k_cache.dtype,), device=q.device)
+    b, tq, hq, d = q.shape
+    p, s, hkv, dk = k_cache.shape
+    _require(v_cache.shape == k_cache.shape, f"{op}: v_cache {tuple(v_cache.shape)} != k_cache", "v_cache")
+    _require(dk == d, f"{op}: cache head_dim {dk} != q head_dim {d}", "k_cache")
+    _require(hkv > 0 and hq % hkv == 0, f"{op}: {hq} query heads not a multiple of {hkv} kv heads", "q")
+    _require(isinstance(block_tables, torch.Tensor) and block_tables.dim() == 2 and block_tables.shape[0] == b,
+             f"{op}: block_tables must be [{b}, max_pages]", "block_tables")
+    _require(isinstance(context_lens, torch.Tensor) and context_lens.dim() == 1 and context_lens.shape[0] == b,
+             f"{op}: context_lens must be [{b}]", "context_lens")
+    _require(num_splits >= 0, f"{op}: num_splits must be >= 0", "num_splits")
+    why = None
+    if d not in (64, 128):
+        why = f"head_dim {d}"
+    elif q.dtype != torch.float16 or k_cache.dtype != torch.float16:
+        why = f"dtypes q {q.dtype}, cache {k_cache.dtype}"
+    elif s < 16 or s & (s - 1):
+        why = f"page size {s}"
+    elif not (k_cache.is_contiguous() and v_cache.is_contiguous()):
+        why = "non-contiguous cache"
+    if why is not None:
+        return _fallback(op, why)(q, k_cache, v_cache, block_tables, context_lens, scale)
+    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    if b == 0 or tq == 0 or hq == 0:
+        return out
+    if q.stride(-1) != 1 or any(st % 8 for st in q.stride()[:3]) or q.data_ptr() % 16:
+        q = q.contiguous()
+    tables = _index_tensor(block_tables, q.device, torch.int32)
+    tables = tables if tables.stride(1) == 1 else tables.contiguous()
+    lens = _index_tensor(context_lens, q.device, torch.int32).contiguous()
+    max_pages = tables.shape[1]
+    _require(max_pages > 0, f"{op}: block_tables has no columns", "block_tables")
+    max_ctx = max_pages * s
+    dev_index = q.device.index if q.device.index is not None else torch.cuda.current_device()
+    nsplit = num_splits or attention_splits(b, tq, hq, hkv, max_ctx, _num_sms(dev_index))
+    nsplit = max(nsplit, math.ceil(max_ctx / _attn_keys_max(_attn_row_tile((hq // hkv) * tq))))
+    ws = torch.empty(b * tq * hq * nsplit * (d + 2), dtype=torch.float32, device=q.device) if nsplit > 1 else None
+    with _device_guard(q):
+        _call("exl2_paged_attention", q.data_ptr(), q.stride(0), q.stride(1), q.stride(2), k_cache.data_ptr(),
+              v_cache.data_ptr(), tables.data_ptr(), tables.stride(0), lens.data_ptr(), out.data_ptr(),
+              ws.data_ptr() if ws is not None else None, b, tq, hq, hkv, d, p, s, max_pages, nsplit,
+              _ATTN_MIN_SPLIT, float(scale), _ATTN_FLAGS, _stream(q))
+    return out
+
+
+@paged_attention.register_fake
+def _(q, k_cache, v_cache, block_tables, context_lens, scale, num_splits=0):
+    return torch.empty(q.shape, dtype=q.dtype, device=q.device)
+
+
+# --- sampling ----------------------------------------------------------------------------------------
+
+
+@torch.library.custom_op("exl2_backend::sample_tokens", mutates_args=())
+def sample_tokens_tensor(logits: torch.Tensor, uniforms: torch.Tensor, temperature: torch.Tensor,
+                         probs: torch.Tensor | None = None) -> torch.Tensor:
+    """logits, uniforms [B, V] f32, temperature [B] f32 (0 = greedy) -> int64 [B], one kernel, no host sync.
+    Rows with T > 0 race argmax p / -log(u) over p = softmax(logits / T), or over `probs` [B, V] when given
+    (the output of filtered_probs)."""
+    op = "sample_tokens"
+    _check(op, "logits", logits, ndim=2, dtypes=(torch.float32,))
+    b, v = logits.shape
+    _check(op, "uniforms", uniforms, ndim=2, dtypes=(torch.float32,), device=logits.device)
+    _check(op, "temperature", temperature, ndim=1, dtypes=(torch.float32,), device=logits.device)
+    _require(uniforms.shape == logits.shape, f"{op}: uniforms {tuple(uniforms.shape)} != logits {(b, v)}", "uniforms")
+    _require(temperature.shape[0] == b, f"{op}: temperature must be [{b}]", "temperature")
+    if probs is not None:
+        _check(op, "probs", probs, ndim=2, dtypes=(torch.float32,), device=logits.device)
+        _require(probs.shape == logits.shape, f"{op}: probs {tuple(probs.shape)} != logits", "probs")
+        probs = probs if probs.stride(1) == 1 else probs.contiguous()
+    _require(v > 0, f"{op}: empty vocabulary", "logits")
+    out = torch.empty(b, dtype=torch.int64, device=logits.device)
+    if b == 0:
+        return out
+    logits = logits if logits.stride(1) == 1 else logits.contiguous()
+    uniforms = uniforms if uniforms.stride(1) == 1 else uniforms.contiguous()
+    temperature = temperature.contiguous()
+    nchunk = -(-v // _SAMPLE_CHUNK)
+    partials = torch.empty(b * nchunk * 4, dtype=torch.float32, device=logits.device)
+    counters = torch.zeros(b, dtype=torch.int32, device=logits.device)
+    with _device_guard(logits):
+        _call("exl2_sample_tokens", logits.data_ptr(), logits.stride(0),
+              probs.data_ptr() if probs is not None else None, probs.stride(0) if probs is not None else 0,
+              uniforms.data_ptr(), uniforms.stride(0), temperature.data_ptr(), partials.data_ptr(),
+              counters.data_ptr(), out.data_ptr(), b, v, _stream(logits))
+    return out
+
+
+@sample_tokens_tensor.register_fake
+def _(logits, uniforms, temperature, probs=None):
+    return logits.new_empty((logits.shape[0],), dtype=torch.int64)
+
+
+def _to_device(rows: list, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """Host values -> device tensor through pinned memory, without waiting for the device."""
+    host = torch.tensor(rows, dtype=dtype)
+    return host.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else host.to(device)
+
+
+def sampling_param_tensors(params, vocab: int, device) -> dict[str, torch.Tensor]:
+    """Per-row parameters as [B] device tensors (temperature, top_k with 0/out-of-range -> vocab, top_p, min_p,
+    repetition/frequency/presence penalties), copied without a host sync."""
+    rows = [[p.temperature, p.top_k if 0 < p.top_k < vocab else vocab, p.top_p, p.min_p, p.repetition_penalty,
+             p.frequency_penalty, p.presence_penalty] for p in params]
+    t = _to_device(rows, torch.float32, torch.device(device)).reshape(len(params), 7)
+    names = ("temperature", "top_k", "top_p", "min_p", "repetition_penalty", "frequency_penalty", "presence_penalty")
+    out = {n: t[:, i] for i, n in enumerate(names)}
+    out["top_k"] = out["top_k"].long()  # exact: vocab < 2^24
+    return out
+
+
+def needs_filter(params, vocab: int) -> bool:
+    """True when some sampled row uses top-k, top-p or min-p (the sort-based filtered_probs path)."""
+    return any(p.temperature != 0 and (0 < p.top_k < vocab or p.top_p < 1.0 or p.min_p > 0.0) for p in params)
+
+
+def filtered_probs(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
+                   min_p: torch.Tensor) -> torch.Tensor:
+    """reference_sampling.sampling_probs for the sampled rows, from [B] device parameter tensors: the same torch
+    ops in the same order, so the same bits on the same device. Greedy rows are left to the kernel."""
+    b, v = logits.shape
+    temp, top_k, top_p, min_p = (t.reshape(b, 1) for t in (temperature, top_k, top_p, min_p))
+    greedy = temp == 0
+    probs = torch.softmax(logits.float() / torch.where(greedy, 1.0, temp), dim=-1)  # [B, V]
+    sp, idx = torch.sort(probs, dim=-1, descending=True, stable=True)
+    rank = torch.arange(v, device=logits.device)[None, :]
+
+    def keep(mask, active):
+        kept = torch.where(mask, sp, 0.0)
+        return torch.where(active, kept / kept.sum(-1, keepdim=True), sp)
+
+    sp = keep(rank < top_k, top_k < v)
+    before = torch.cat((sp.new_zeros(b, 1), torch.cumsum(sp, -1)[:, :-1]), dim=-1)
+    sp = keep(before < top_p, top_p < 1.0)
+    sp = keep(sp >= min_p * sp[:, :1], min_p > 0.0)
+    return torch.zeros_like(sp).scatter_(-1, idx, sp)
+
+
+def sample_tokens(logits: torch.Tensor, params, uniforms: torch.Tensor | None = None) -> torch.Tensor:
+    """reference.sample_tokens on the GPU: logits [B, V] f32, params list[SamplingParams], uniforms [B, V] f32 in
+    (0, 1] (None: drawn from the global torch RNG) -> int64 [B] on the device, no host sync. Greedy and
+    temperature-only batches are one kernel; top-k/top-p/min-p rows go through filtered_probs (sort) first."""
+    _check("sample_tokens", "logits", logits, ndim=2)
+    b, v = logits.shape
+    _require(len(params) == b, f"sample_tokens: {len(params)} params for {b} rows", "params")
+    logits = logits.float()
+    if uniforms is None:
+        uniforms = 1.0 - torch.rand(b, v, dtype=torch.float32, device=logits.device)
+    uniforms = uniforms.to(device=logits.device, dtype=torch.float32)
+    pt = sampling_param_tensors(params, v, logits.device)
+    probs = None
+    if needs_filter(params, v):
+        probs = filtered_probs(logits, pt["temperature"], pt["top_k"], pt["top_p"], pt["min_p"])
+    return sample_tokens_tensor(logits, uniforms, pt["temperature"], probs)
+
+
+def apply_penalties(logits, prompt_counts, output_counts, params) -> torch.Tensor:
+    """reference_sampling.apply_penalties with the parameters copied without a host sync (same torch ops)."""
+    pt = sampling_param_tensors(params, logits.shape[-1], logits.device)
+    rp, fp, pp = (pt[n][:, None] for n in ("repetition_penalty", "frequency_penalty", "presence_penalty"))
+    dev = logits.device
+    out = logits.float().clone()
+    oc = output_counts.to(device=dev, dtype=torch.float32)
+    seen = (prompt_counts.to(dev) > 0) | (oc > 0)
+    penalized = torch.where(out > 0, out / rp, out * rp)
+    out = torch.where(seen & (rp != 1.0), penalized, out)
+    return out - (fp * oc + pp * (oc > 0).float())
+
+
+__all__ = [
+    "add_rms_norm",
+    "add_rms_norm_",
+    "apply_penalties",
+    "apply_rope",
+    "apply_rope_qk_",
+    "attention_splits",
+    "embedding",
+    "filtered_probs",
+    "kv_cache_write",
+    "needs_filter",
+    "paged_attention",
+    "rms_norm",
+    "sample_tokens",
+    "sample_tokens_tensor",
+    "sampling_param_tensors",
+    "silu_mul",
+]

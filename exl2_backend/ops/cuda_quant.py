@@ -1,0 +1,475 @@
+"""CUDA EXL2 linears: load-time repacking into the kernels' layout, ctypes launchers, torch custom ops, LinearOp.
+
+The layout (documented in csrc/quant/exl2_quant.cuh) is built here in plain torch by `pack_qtensor`, once per
+linear at load time: width runs padded to 64-row chunks, per-lane bit planes arranged so one 16-byte load per
+lane feeds mma A registers through the fp16 mantissa trick, a per-chunk group map, the act-order gather map
+`xmap`, and the on-disk 4-bit scale codes kept as they are (they are 1/8 of a 4-bit weight's bytes).
+
+Ops (torch.library custom ops, so they work under CUDA-graph capture and torch.compile):
+- `exl2_backend::exl2_gemm(x, packed, handle, ws!, counters!)`: fused dequant-GEMM, M <= 32, one launch for
+  all linears of a prepared op (q/k/v, gate/up); split-K partials reduced deterministically in `ws`.
+- `exl2_backend::exl2_dequant(packed, handle, part, n_begin, n_end)`: fp16 W[K, n_end - n_begin], original
+  row order, bit-exact with the reference; large M runs it into scratch and then cuBLAS (torch.matmul).
+`handle` names a prepared `_Launch` in a process-wide registry (the prepared tensors are not op inputs).
+The shared split-K workspace assumes one stream per device.
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+import weakref
+from dataclasses import dataclass, replace
+
+import numpy as np
+import torch
+
+from exl2_backend.errors import TensorShapeError, UnsupportedBitWidthError
+from exl2_backend.format.qtensor import QTensor
+from exl2_backend.ops import library
+
+# Largest M that uses the fused kernel; above it, dequantize + cuBLAS. Measured on the H200 (scripts/bench_gemm.py).
+FUSED_MAX_M = int(os.environ.get("EXL2_BACKEND_FUSED_MAX_M", "32"))
+# Planned resident blocks per SM by token tiles (MT = ceil(M/8)); must match the kernel's __launch_bounds__.
+BLOCKS_PER_SM = {1: 4, 2: 4, 3: 3, 4: 3}
+DEQUANT_SLICE = 8192  # columns dequantized per scratch buffer on the large-M path (bounds scratch memory)
+
+_BLOCK_COLS = 128
+_CHUNK = 64
+_MAX_RUNS = 6
+_MAX_DESC = 4
+_DESC_LEN = 18 + 4 * _MAX_RUNS
+(F_PACKED, F_SCALES, F_MAXF, F_INFO, F_XMAP, F_BIAS, F_OUT, F_WS, F_COUNTERS, F_LDO, F_K, F_KPAD, F_N, F_NP, F_C,
+ F_G, F_NRUNS, F_KSPLIT, F_RUNS) = range(19)
+
+
+# --- layout ----------------------------------------------------------------------------------------------
+
+
+@dataclass
+class PackedQ:
+    """One linear in the kernel layout. Shapes: K in_features, Kpad = 64*C, Np = pad32(N), G groups."""
+
+    key: str
+    K: int
+    Kpad: int
+    N: int
+    Np: int
+    C: int
+    G: int
+    runs: list[tuple[int, int, int, int]]  # (bits, first chunk, end chunk, word offset)
+    packed: torch.Tensor  # int32 [words]
+    scales: torch.Tensor  # int32 [G, Np/8] (q_scale as on disk)
+    maxf: torch.Tensor  # fp32 [G]: fp16(q_scale_max / 256)
+    info: torch.Tensor  # int32 [C]
+    xmap: torch.Tensor  # int16 [Kpad] (uint16 bits; 0xFFFF = padding row)
+    bias: torch.Tensor | None  # fp16 [Np]
+    q_invperm: torch.Tensor  # int32 [K], kept for perm comparisons
+
+    def weight_bytes(self) -> int:
+        return self.packed.numel() * 4 + self.scales.numel() * 4
+
+
+def _lane_tables(device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Row (low half; +1 is the high half) and column, within a 64x32 chunk tile, of pair p of lane l in
+    n-tile nt: [2, 32, 16] each (exl2_quant.cuh)."""
+    nt = torch.arange(2, device=device).view(2, 1, 1)
+    lane = torch.arange(32, device=device).view(1, 32, 1)
+    p = torch.arange(16, device=device).view(1, 1, 16)
+    s, r, t, gid = p // 4, p % 4, lane % 4, lane // 4
+    row = 32 * (s // 2) + 8 * t + 4 * (s % 2) + 2 * (r // 2) + 0 * nt
+    col = 16 * nt + gid + 8 * (r % 2)
+    return row.expand(2, 32, 16), col.expand(2, 32, 16)
+
+
+def _field_words(lo: torch.Tensor, hi: torch.Tensor, per_word: int, width: int) -> torch.Tensor:
+    """[..., 16] pair fields -> [..., 16/per_word] words: pair p at bit width*(p%per_word), +16 for hi."""
+    sh = (torch.arange(16, device=lo.device) % per_word) * width
+    x = (lo << sh) | (hi << (sh + 16))
+    return x.view(*x.shape[:-1], 16 // per_word, per_word).sum(-1)  # disjoint bit fields: sum == or
+
+
+def _planes(lo: torch.Tensor, hi: torch.Tensor, bits: int) -> list[torch.Tensor]:
+    """MAIN (low bits) and AUX (high bits) plane words of each lane, in kernel order."""
+    if bits in (8, 4, 2):
+        per = {8: 2, 4: 4, 2: 8}[bits]
+        return [_field_words(lo, hi, per, bits)]
+    if bits == 6:
+        return [_field_words(lo & 15, hi & 15, 4, 4), _field_words(lo >> 4, hi >> 4, 8, 2)]
+    if bits == 5:
+        return [_field_words(lo & 15, hi & 15, 4, 4), _field_words(lo >> 4, hi >> 4, 16, 1)]
+    if bits == 3:
+        return [_field_words(lo & 3, hi & 3, 8, 2), _field_words(lo >> 2, hi >> 2, 16, 1)]
+    raise UnsupportedBitWidthError(f"bit width {bits}")
+
+
+def _unpack_run(words: torch.Tensor, bits: int) -> torch.Tensor:
+    """int32 [rows*bits/32, Np] bit streams -> uint8 [rows, Np] values (format doc b.3), in bounded batches."""
+    qrows, np_ = words.shape
+    units = qrows // bits
+    out = torch.empty(units * 32, np_, dtype=torch.uint8, device=words.device)
+    step = max(1, (1 << 22) // (32 * np_))
+    mask = (1 << bits) - 1
+    for u0 in range(0, units, step):
+        u1 = min(units, u0 + step)
+        w = (words[u0 * bits : u1 * bits].view(u1 - u0, bits, np_).to(torch.int64)) & 0xFFFFFFFF
+        vals = torch.empty(u1 - u0, 32, np_, dtype=torch.int64, device=words.device)
+        for k in range(32):
+            i, s = divmod(k * bits, 32)
+            v = w[:, i] >> s
+            if s + bits > 32:
+                v = v | (w[:, i + 1] << (32 - s))
+            vals[:, k] = v & mask
+        out[u0 * 32 : u1 * 32] = vals.view(-1, np_).to(torch.uint8)
+    return out
+
+
+def _pack_run(vals: torch.Tensor, bits: int) -> torch.Tensor:
+    """uint8 [64*nch, Np] -> int64 words [nch * J * 64 * bits] in (chunk, warp tile j, plane, nt, lane) order."""
+    prow, np_ = vals.shape
+    nch, J = prow // _CHUNK, np_ // 32
+    row, col = _lane_tables(vals.device)
+    out = []
+    step = max(1, (1 << 21) // (_CHUNK * np_))
+    for c0 in range(0, nch, step):
+        n = min(nch, c0 + step) - c0
+        v = vals[c0 * _CHUNK : (c0 + n) * _CHUNK].view(n, _CHUNK, J, 32).permute(0, 2, 1, 3).to(torch.int64)
+        lo, hi = v[:, :, row, col], v[:, :, row + 1, col]  # [n, J, 2, 32, 16]
+        parts = [pl.reshape(n, J, -1) for pl in _planes(lo, hi, bits)]
+        out.append(torch.cat(parts, dim=2).reshape(-1))
+    return torch.cat(out)
+
+
+def _to_i32(x: torch.Tensor) -> torch.Tensor:
+    x = x & 0xFFFFFFFF
+    return torch.where(x >= (1 << 31), x - (1 << 32), x).to(torch.int32)
+
+
+def pack_qtensor(qt: QTensor, device) -> PackedQ:
+    """Repack one QTensor (any device) into the kernel layout on `device`."""
+    device = torch.device(device)
+    groups = qt.groups
+    k, np_ = qt.in_features, qt.padded_out_features
+    if k > 65535:
+        raise TensorShapeError(f"K={k} exceeds 65535 (uint16 gather map)", path=qt.source, tensor=f"{qt.key}.q_invperm")
+    qw = qt.q_weight.to(device)
+    perm = torch.argsort(qt.q_invperm.to(device).long())  # stored row -> original feature
+    runs: list[list[int]] = []  # [bits, first group, end group]
+    for gi, g in enumerate(groups):
+        if runs and runs[-1][0] == g.bits:
+            runs[-1][2] = gi + 1
+        else:
+            runs.append([g.bits, gi, gi + 1])
+    words, xmap, unit_group, table = [], [], [], []
+    chunk = base = 0
+    for bits, ga, gb in runs:
+        gs = groups[ga:gb]
+        rows = sum(g.rows for g in gs)
+        prow = -(-rows // _CHUNK) * _CHUNK
+        q0 = gs[0].qrow_start
+        vals = _unpack_run(qw[q0 : q0 + rows * bits // 32], bits)
+        if prow > rows:  # padding rows hold the zero point (and get activation 0 through xmap)
+            vals = torch.cat([vals, torch.full((prow - rows, np_), 1 << (bits - 1), dtype=torch.uint8, device=device)])
+        w = _pack_run(vals, bits)
+        words.append(w)
+        r0 = gs[0].row_start
+        xmap += [perm[r0 : r0 + rows], torch.full((prow - rows,), 0xFFFF, dtype=torch.int64, device=device)]
+        for gi, g in zip(range(ga, gb), gs):
+            unit_group += [gi] * (g.rows // 32)
+        unit_group += [gb - 1] * ((prow - rows) // 32)  # padding units join the run's last group
+        table.append((bits, chunk, chunk + prow // _CHUNK, base))
+        chunk += prow // _CHUNK
+        base += w.numel()
+    ug = torch.tensor(unit_group, dtype=torch.int64)
+    flush = torch.ones_like(ug)
+    flush[:-1] = (ug[1:] != ug[:-1]).long()
+    info = ug[0::2] | (flush[0::2] << 30) | (flush[1::2] << 31)
+    xm = torch.cat(xmap)
+    maxf = (qt.q_scale_max.to(device).float() * (1.0 / 256)).half().float()  # max16 of format doc b.4
+    return PackedQ(
+        key=qt.key, K=k, Kpad=chunk * _CHUNK, N=qt.out_features, Np=np_, C=chunk, G=len(groups), runs=table,
+        packed=_to_i32(torch.cat(words)), scales=qt.q_scale.to(device).contiguous(), maxf=maxf.contiguous(),
+        info=_to_i32(info).to(device), xmap=torch.where(xm >= 32768, xm - 65536, xm).to(torch.int16),
+        bias=None if qt.bias is None else qt.bias.to(device=device, dtype=torch.float16).contiguous(),
+        q_invperm=qt.q_invperm.to(device),
+    )
+
+
+# --- C library ---------------------------------------------------------------------------------------------
+
+_fns: dict[str, object] = {}
+
+
+def _fn(name: str):
+    if name not in _fns:
+        P, I32 = library.PTR, library.I32
+        sig = {
+            "exl2_gemm": (P, I32, P, I32, I32, library.STREAM),
+            "exl2_dequant": (P, P, I32, I32, library.STREAM),
+        }[name]
+        _fns[name] = library.declare(name, *sig)
+    return _fns[name]
+
+
+def _stream(device: torch.device) -> int:
+    return torch.cuda.current_stream(device).cuda_stream
+
+
+class _Workspace:
+    """Per-device split-K partials (grow-only: captured graphs keep pointing at older buffers, so they stay
+    alive) and the per-column-block tickets, which every launch leaves at zero."""
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self.ws = torch.empty(0, dtype=torch.float32, device=device)
+        self.counters = torch.zeros(1 << 16, dtype=torch.int32, device=device)
+        self._old: list[torch.Tensor] = []
+
+    def reserve(self, numel: int) -> None:
+        if numel > self.ws.numel():
+            self._old.append(self.ws)
+            self.ws = torch.empty(numel, dtype=torch.float32, device=self.device)
+
+
+_WORKSPACES: dict[torch.device, _Workspace] = {}
+
+
+def workspace(device: torch.device) -> _Workspace:
+    device = torch.device(device)
+    if device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    if device not in _WORKSPACES:
+        _WORKSPACES[device] = _Workspace(device)
+    return _WORKSPACES[device]
+
+
+_REG: weakref.WeakValueDictionary[int, _Launch] = weakref.WeakValueDictionary()  # owners keep launches alive
+_handles = itertools.count(1)
+
+
+@dataclass
+class _Plan:
+    ksplit: int
+    blob: np.ndarray  # int64 [ndesc, _DESC_LEN], OUT/WS/COUNTERS filled per call
+    ws_off: list[int]
+    cnt_off: list[int]
+    ws_numel: int
+
+
+class _Launch:
+    """Linears sharing one input, launched together. Registered under `handle` for the custom ops."""
+
+    def __init__(self, parts: list[PackedQ], device: torch.device):
+        if not 1 <= len(parts) <= _MAX_DESC:
+            raise TensorShapeError(f"{len(parts)} linears in one launch (1..{_MAX_DESC})")
+        ks = {p.K for p in parts}
+        if len(ks) != 1:
+            raise TensorShapeError(f"fused linears have different in_features: {sorted(ks)}",
+                                   tensor=", ".join(p.key for p in parts))
+        self.parts = parts
+        self.device = device
+        self.K = parts[0].K
+        self.splits = [p.N for p in parts]
+        self.out_features = sum(self.splits)
+        self.col_off = list(itertools.accumulate([0] + self.splits[:-1]))
+        self.sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 132
+        self._plans: dict[int, _Plan] = {}
+        self._descs = [self._desc(p) for p in parts]
+        self.handle = next(_handles)
+        _REG[self.handle] = self
+
+    @staticmethod
+    def _desc(p: PackedQ) -> np.ndarray:
+        f = np.zeros(_DESC_LEN, dtype=np.int64)
+        f[F_PACKED], f[F_SCALES], f[F_MAXF] = p.packed.data_ptr(), p.scales.data_ptr(), p.maxf.data_ptr()
+        f[F_INFO], f[F_XMAP] = p.info.data_ptr(), p.xmap.data_ptr()
+        f[F_BIAS] = 0 if p.bias is None else p.bias.data_ptr()
+        f[F_K], f[F_KPAD], f[F_N], f[F_NP], f[F_C], f[F_G] = p.K, p.Kpad, p.N, p.Np, p.C, p.G
+        f[F_NRUNS] = len(p.runs)
+        for r, run in enumerate(p.runs):
+            f[F_RUNS + 4 * r : F_RUNS + 4 * r + 4] = run
+        return f
+
+    def plan(self, m: int) -> _Plan:
+        """Split-K factor: fill the planned resident blocks of one wave, shared by all parts."""
+        if m not in self._plans:
+            ncol = [-(-p.Np // _BLOCK_COLS) for p in self.parts]
+            ks = max(1, self.sms * BLOCKS_PER_SM[(m + 7) // 8] // sum(ncol))
+            ks = max(ks, -(-max(p.C for p in self.parts) // 256))  # bounds per-split shared memory
+            ks = min(ks, min(p.C for p in self.parts))
+            blob = np.stack(self._descs).copy()
+            blob[:, F_KSPLIT] = ks
+            blob[:, F_LDO] = self.out_features
+            ws_off = list(itertools.accumulate([0] + [ks * m * p.Np for p in self.parts[:-1]]))
+            cnt_off = list(itertools.accumulate([0] + ncol[:-1]))
+            ws_numel = ks * m * sum(p.Np for p in self.parts) if ks > 1 else 0
+            self._plans[m] = _Plan(ks, blob, ws_off, cnt_off, ws_numel)
+        return self._plans[m]
+
+    def reserve(self, max_m: int) -> None:
+        ws = workspace(self.device)
+        ws.reserve(max(self.plan(m).ws_numel for m in range(1, max_m + 1)))
+
+    def gemm(self, x: torch.Tensor, ws: torch.Tensor, counters: torch.Tensor) -> torch.Tensor:
+        m = x.shape[0]
+        pl = self.plan(m)
+        out = torch.empty(m, self.out_features, dtype=torch.float16, device=x.device)
+        if pl.ws_numel > ws.numel():
+            raise TensorShapeError(f"workspace holds {ws.numel()} floats, the launch needs {pl.ws_numel}", tensor="ws")
+        blob = pl.blob.copy()
+        for i in range(len(self.parts)):
+            blob[i, F_OUT] = out.data_ptr() + 2 * self.col_off[i]
+            blob[i, F_WS] = ws.data_ptr() + 4 * pl.ws_off[i] if pl.ksplit > 1 else 0
+            blob[i, F_COUNTERS] = counters.data_ptr() + 4 * pl.cnt_off[i]
+        ldx = x.stride(0) if m > 1 else self.K  # a 1-row tensor's row stride can be anything
+        st = _fn("exl2_gemm")(blob.ctypes.data, len(self.parts), x.data_ptr(), m, ldx, _stream(x.device))
+        library.check(st, "exl2_gemm")
+        return out
+
+    def dequant(self, part: int, n_begin: int, n_end: int) -> torch.Tensor:
+        p = self.parts[part]
+        out = torch.empty(p.K, n_end - n_begin, dtype=torch.float16, device=p.packed.device)
+        st = _fn("exl2_dequant")(self._descs[part].ctypes.data, out.data_ptr(), n_begin, n_end, _stream(out.device))
+        library.check(st, "exl2_dequant")
+        return out
+
+
+def _check_x(x: torch.Tensor, k: int, device: torch.device) -> None:
+    if not isinstance(x, torch.Tensor):
+        raise TensorShapeError(f"x must be a tensor, got {type(x).__name__}", tensor="x")
+    if x.dtype != torch.float16:
+        raise TensorShapeError(f"x has dtype {x.dtype}; the EXL2 kernels take float16", tensor="x")
+    if x.dim() != 2 or x.shape[1] != k:
+        raise TensorShapeError(f"x has shape {tuple(x.shape)}, expected [M, {k}]", tensor="x")
+    if x.device != device:
+        raise TensorShapeError(f"x is on {x.device}, the weights on {device}", tensor="x")
+    if x.stride(1) != 1:
+        raise TensorShapeError("x rows must be contiguous", tensor="x")
+
+
+# --- custom ops --------------------------------------------------------------------------------------------
+
+
+@torch.library.custom_op("exl2_backend::exl2_gemm", mutates_args=("ws", "counters"))
+def _gemm_op(x: torch.Tensor, packed: torch.Tensor, handle: int, ws: torch.Tensor, counters: torch.Tensor) -> torch.Tensor:
+    launch = _REG[handle]
+    _check_x(x, launch.K, packed.device)
+    if not 1 <= x.shape[0] <= 32:
+        raise TensorShapeError(f"fused EXL2 GEMM takes 1..32 rows, got {x.shape[0]}", tensor="x")
+    return launch.gemm(x, ws, counters)
+
+
+@_gemm_op.register_fake
+def _(x, packed, handle, ws, counters):
+    return x.new_empty((x.shape[0], _REG[handle].out_features))
+
+
+@torch.library.custom_op("exl2_backend::exl2_dequant", mutates_args=())
+def _dequant_op(packed: torch.Tensor, handle: int, part: int, n_begin: int, n_end: int) -> torch.Tensor:
+    return _REG[handle].dequant(part, n_begin, n_end)
+
+
+@_dequant_op.register_fake
+def _(packed, handle, part, n_begin, n_end):
+    return packed.new_empty((_REG[handle].parts[part].K, n_end - n_begin), dtype=torch.float16)
+
+
+# --- LinearOp and reference-signature entry points ---------------------------------------------------------
+
+
+class CudaLinearOp:
+    """`LinearOp`-compatible: __call__(x [..., K] fp16) -> [..., sum N]. Fused kernel for M <= FUSED_MAX_M,
+    dequantize-to-scratch + cuBLAS above (dequantized weights are never kept)."""
+
+    def __init__(self, parts: list[PackedQ], device: torch.device, dtype: torch.dtype = torch.float16):
+        self.launch = _Launch(parts, device)
+        self.device = device
+        self.dtype = dtype
+        self.in_features = self.launch.K
+        self.out_features = self.launch.out_features
+        self.splits = list(self.launch.splits)
+        self.workspace = workspace(device)
+        self.launch.reserve(min(FUSED_MAX_M, 32))
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        lead = x.shape[:-1]
+        x2 = x.reshape(-1, x.shape[-1]) if x.dim() != 2 else x
+        if x2.dtype == torch.float16 and x2.dim() == 2 and x2.stride(-1) != 1:
+            x2 = x2.contiguous()
+        _check_x(x2, self.in_features, self.launch.parts[0].packed.device)
+        m = x2.shape[0]
+        if m == 0:
+            y = x2.new_empty((0, self.out_features))
+        elif m <= min(FUSED_MAX_M, 32):
+            ws = self.workspace
+            y = torch.ops.exl2_backend.exl2_gemm(x2, self.launch.parts[0].packed, self.launch.handle, ws.ws, ws.counters)
+        else:
+            y = self._dequant_matmul(x2)
+        return y.reshape(*lead, self.out_features)
+
+    def _dequant_matmul(self, x: torch.Tensor) -> torch.Tensor:
+        outs = []
+        for i, p in enumerate(self.launch.parts):
+            for n0 in range(0, p.N, DEQUANT_SLICE):
+                n1 = min(p.Np, n0 + DEQUANT_SLICE)
+                w = torch.ops.exl2_backend.exl2_dequant(p.packed, self.launch.handle, i, n0, n1)  # [K, n1-n0]
+                cols = min(p.N, n1) - n0
+                if p.bias is not None:
+                    outs.append(torch.addmm(p.bias[n0 : n0 + cols], x, w[:, :cols]))
+                else:
+                    outs.append(torch.matmul(x, w[:, :cols]))
+        return outs[0] if len(outs) == 1 else torch.cat(outs, dim=1)
+
+    def __repr__(self) -> str:
+        return f"CudaLinearOp(in={self.in_features}, splits={self.splits})"
+
+
+def prepare_linear(linears, device, dtype: torch.dtype = torch.float16):
+    """QTensors sharing an input -> one CudaLinearOp (one fused launch, outputs concatenated). Lists with
+    dense linears, more than 4 parts or a dtype other than fp16 use the reference LinearOp."""
+    from exl2_backend.ops import reference
+
+    device = torch.device(device)
+    if device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    linears = list(linears)
+    if dtype != torch.float16 or not linears or len(linears) > _MAX_DESC or not all(
+        isinstance(lin, QTensor) for lin in linears
+    ):
+        return reference.prepare_linear(linears, device, dtype)
+    return CudaLinearOp([pack_qtensor(lin, device) for lin in linears], device, dtype)
+
+
+_QT_CACHE: dict[tuple[int, torch.device], tuple[weakref.ref, CudaLinearOp]] = {}
+
+
+def _op_for(qt: QTensor, device: torch.device) -> CudaLinearOp:
+    if device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    key = (id(qt), device)
+    hit = _QT_CACHE.get(key)
+    if hit is not None and hit[0]() is qt:
+        return hit[1]
+    op = CudaLinearOp([pack_qtensor(qt, device)], device)
+    _QT_CACHE[key] = (weakref.ref(qt, lambda _r, k=key: _QT_CACHE.pop(k, None)), op)
+    return op
+
+
+def exl2_gemm(x: torch.Tensor, qt: QTensor) -> torch.Tensor:
+    """x [M, K] fp16 (CUDA) -> [M, N] (+ bias), prepared on first use and cached per QTensor object."""
+    if not isinstance(x, torch.Tensor) or not x.is_cuda:
+        raise TensorShapeError("x must be a CUDA tensor for the CUDA exl2_gemm", tensor="x")
+    return _op_for(qt, x.device)(x)
+
+
+def exl2_dequant(qt: QTensor) -> torch.Tensor:
+    """fp16 [K, Np], original row order, bit-exact with the reference."""
+    op = _op_for(qt, qt.q_weight.device)
+    p = op.launch.parts[0]
+    return torch.ops.exl2_backend.exl2_dequant(p.packed, op.launch.handle, 0, 0, p.Np)
+
+
+def clone_for_bench(op: CudaLinearOp) -> CudaLinearOp:
+    """A copy with its own packed weights (to rotate through more bytes than L2 holds when timing)."""
+    parts = [replace(p, packed=p.packed.clone()) for p in op.launch.parts]
+    return CudaLinearOp(parts, op.device, op.dtype)

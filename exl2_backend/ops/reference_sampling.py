@@ -1,0 +1,99 @@
+"""Reference sampler: penalties, temperature, top-k, top-p, min-p and an exponential race over per-sequence
+uniforms. The GPU sampler must reproduce `sample_tokens` given the same uniforms.
+
+Pipeline per row (after `apply_penalties`): temperature 0 -> argmax (ties -> lowest id). Otherwise
+p = softmax(logits / T); sort by p descending (stable: equal p -> lower id first); keep the first top_k
+(0 = all); renormalize; keep the smallest prefix whose cumulative p reaches top_p (the top token always
+stays; top_p >= 1 keeps all); renormalize; drop p < min_p * p_max; renormalize. Then
+token = argmax_i p_i / E_i with E_i = max(-log(u_i), 2^-25) and u in (0, 1]: the E_i are i.i.d. Exp(1)
+(up to fp32 resolution), and the argmax of p_i / E_i is an exact draw from p (ties -> lowest id; tokens
+with p = 0 never win). All in fp32.
+"""
+
+from __future__ import annotations
+
+import random
+
+import torch
+
+_MIN_EXP = 2.0**-25  # floor of -log(u) in the race (see sample_tokens)
+
+
+def apply_penalties(logits, prompt_counts, output_counts, params) -> torch.Tensor:
+    """logits [B, V] f32, prompt_counts/output_counts [B, V] (token occurrence counts) -> new [B, V] f32.
+
+    repetition_penalty rp over tokens seen in prompt or output: logit > 0 -> logit / rp, else logit * rp.
+    frequency/presence (OpenAI): logit -= freq * out_count + presence * (out_count > 0), output tokens only."""
+    dev = logits.device
+    rp = torch.tensor([p.repetition_penalty for p in params], dtype=torch.float32, device=dev)[:, None]  # [B, 1]
+    fp = torch.tensor([p.frequency_penalty for p in params], dtype=torch.float32, device=dev)[:, None]
+    pp = torch.tensor([p.presence_penalty for p in params], dtype=torch.float32, device=dev)[:, None]
+    out = logits.float().clone()
+    oc = output_counts.to(device=dev, dtype=torch.float32)
+    seen = (prompt_counts.to(dev) > 0) | (oc > 0)  # [B, V]
+    penalized = torch.where(out > 0, out / rp, out * rp)
+    out = torch.where(seen & (rp != 1.0), penalized, out)
+    return out - (fp * oc + pp * (oc > 0).float())
+
+
+def sampling_probs(logits, params) -> torch.Tensor:
+    """logits [B, V] f32 (penalties applied) -> f32 [B, V], the exact distribution `sample_tokens` draws from
+    (a one-hot at the argmax for greedy rows). A filter that is off leaves its row untouched (no renorm)."""
+    b_, v = logits.shape
+    dev = logits.device
+
+    def col(values, dtype=torch.float32):  # per-row parameter as [B, 1]
+        return torch.tensor(values, dtype=dtype, device=dev)[:, None]
+
+    temp = col([p.temperature for p in params])
+    top_k = col([p.top_k if 0 < p.top_k < v else v for p in params], torch.long)
+    top_p = col([p.top_p for p in params])
+    min_p = col([p.min_p for p in params])
+    greedy = temp == 0  # [B, 1]
+
+    probs = torch.softmax(logits.float() / torch.where(greedy, 1.0, temp), dim=-1)  # [B, V]
+    sp, idx = torch.sort(probs, dim=-1, descending=True, stable=True)  # equal p -> lower id first
+    rank = torch.arange(v, device=dev)[None, :]  # [1, V]
+
+    def keep(mask, active):  # zero the dropped tokens and renormalize, only on rows where the filter is on
+        kept = torch.where(mask, sp, 0.0)
+        return torch.where(active, kept / kept.sum(-1, keepdim=True), sp)
+
+    sp = keep(rank < top_k, top_k < v)
+    # mass ranked strictly above each token; it is 0 < top_p for the top token, which therefore always stays
+    before = torch.cat((sp.new_zeros(b_, 1), torch.cumsum(sp, -1)[:, :-1]), dim=-1)
+    sp = keep(before < top_p, top_p < 1.0)
+    sp = keep(sp >= min_p * sp[:, :1], min_p > 0.0)
+
+    out = torch.zeros_like(sp).scatter_(-1, idx, sp)
+    one_hot = torch.zeros_like(out).scatter_(-1, torch.argmax(logits.float(), -1, keepdim=True), 1.0)
+    return torch.where(greedy, one_hot, out)
+
+
+def sample_tokens(logits, params, uniforms=None) -> torch.Tensor:
+    """logits [B, V] f32, params list[SamplingParams], uniforms [B, V] f32 in (0, 1] (None: drawn from the
+    global torch RNG) -> int64 [B]."""
+    b_, v = logits.shape
+    probs = sampling_probs(logits, params)  # [B, V]
+    if uniforms is None:
+        uniforms = 1.0 - torch.rand(b_, v, dtype=torch.float32, device=logits.device)
+    expo = -torch.log(uniforms.to(device=logits.device, dtype=torch.float32))  # [B, V] Exp(1) draws
+    # u = 1 (probability 2^-24 per element on torch's grid) gives -0.0; it stands for E in [0, 2^-24), so
+    # use 2^-25, below every other value: a plausible token still wins, a negligible one does not.
+    race = probs / expo.clamp_min(_MIN_EXP)
+    race = torch.where(probs > 0, race, race.new_full((), -1.0))  # p = 0 never wins
+    return torch.argmax(race, dim=-1).to(torch.int64)  # greedy rows are one-hot, so they pick their argmax
+
+
+def make_generator(seed: int | None, device="cpu") -> torch.Generator:
+    """A per-sequence generator: seeded from `seed`, or from fresh entropy when None."""
+    g = torch.Generator(device=device)
+    g.manual_seed(seed if seed is not None else random.SystemRandom().getrandbits(63))
+    return g
+
+
+def make_uniforms(generators: list[torch.Generator], vocab: int) -> torch.Tensor:
+    """One row of `vocab` uniforms in (0, 1] per generator (advancing it) -> f32 [B, V] on the generators'
+    device. 1 - rand maps torch's [0, 1) grid exactly onto (0, 1]."""
+    rows = [1.0 - torch.rand(vocab, generator=g, device=g.device, dtype=torch.float32) for g in generators]
+    return torch.stack(rows) if rows else torch.empty(0, vocab)

@@ -1,0 +1,289 @@
+"""Data types of the hook API (hook API version `exl2_backend._version.HOOK_API_VERSION`).
+
+Plain dataclasses and exceptions: importing this module never imports torch, so a host can build requests,
+read events and catch errors without the engine's dependencies. See docs/hooks.md for the contract.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, field
+from typing import Any, Literal, Optional
+
+from exl2_backend.errors import Exl2Error
+
+FinishReason = Literal["stop", "length", "cancelled", "error"]
+FINISH_REASONS = ("stop", "length", "cancelled", "error")
+
+#: Why a request was refused at admission (tier 1).
+RejectReason = Literal["prompt_too_long", "no_capacity", "invalid_request", "duplicate_id"]
+
+
+# --- requests ----------------------------------------------------------------------------------------------
+
+
+@dataclass
+class SequenceRequest:
+    """One sequence a host wants generated. The host chooses `seq_id` (any string unique among its live
+    sequences) and gives exactly one of `prompt_ids` (token ids, used as is), `prompt` (text, tokenized with
+    the model's BOS rule) or `messages` (chat messages, rendered with the model's chat template).
+
+    max_new_tokens None means "until the context (max_seq_len) is full". Sampling: temperature 0 = greedy,
+    top_k 0 / top_p 1 / min_p 0 / penalties 1 and 0 = off; seed None = fresh entropy. Stop strings end the
+    sequence with the match removed from the text; stop_token_ids end it like EOS."""
+
+    seq_id: str
+    prompt_ids: Optional[list[int]] = None
+    prompt: Optional[str] = None
+    messages: Optional[list[dict]] = None
+    add_generation_prompt: bool = True
+    max_new_tokens: Optional[int] = 256
+    temperature: float = 1.0
+    top_k: int = 0
+    top_p: float = 1.0
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
+    seed: Optional[int] = None
+    stop: list[str] = field(default_factory=list)
+    stop_token_ids: list[int] = field(default_factory=list)
+    ignore_eos: bool = False
+
+    def validate(self) -> None:
+        """Raise `AdmissionRejected(reason="invalid_request", field=...)` for a malformed request (cheap, no
+        engine needed; the backend runs it again at admission)."""
+
+        def bad(field_name: str, message: str):
+            raise AdmissionRejected(f"{field_name}: {message}", reason="invalid_request", field=field_name,
+                                    seq_id=self.seq_id if isinstance(self.seq_id, str) else None)
+
+        if not isinstance(self.seq_id, str) or not self.seq_id:
+            bad("seq_id", "must be a non-empty string chosen by the host")
+        given = [n for n in ("prompt_ids", "prompt", "messages") if getattr(self, n) is not None]
+        if len(given) != 1:
+            bad("prompt", f"give exactly one of prompt_ids, prompt, messages (got {given or 'none'})")
+        if self.prompt_ids is not None and (not isinstance(self.prompt_ids, (list, tuple)) or not self.prompt_ids
+                                            or not all(_is_int(t) and t >= 0 for t in self.prompt_ids)):
+            bad("prompt_ids", "must be a non-empty list of non-negative token ids")
+        if self.prompt is not None and (not isinstance(self.prompt, str) or not self.prompt):
+            bad("prompt", "must be a non-empty string")
+        if self.messages is not None and (not isinstance(self.messages, list) or not self.messages
+                                          or not all(isinstance(m, dict) and "role" in m for m in self.messages)):
+            bad("messages", "must be a non-empty list of {'role': ..., 'content': ...} objects")
+        if self.max_new_tokens is not None and (not _is_int(self.max_new_tokens) or self.max_new_tokens < 1):
+            bad("max_new_tokens", f"must be an integer >= 1 or None, got {self.max_new_tokens!r}")
+        ranges = {
+            "temperature": (lambda x: x >= 0, ">= 0"),
+            "top_p": (lambda x: 0 < x <= 1, "in (0, 1]"),
+            "min_p": (lambda x: 0 <= x <= 1, "in [0, 1]"),
+            "repetition_penalty": (lambda x: x > 0, "> 0"),
+            "frequency_penalty": (lambda x: -2 <= x <= 2, "in [-2, 2]"),
+            "presence_penalty": (lambda x: -2 <= x <= 2, "in [-2, 2]"),
+        }
+        for name, (ok, rule) in ranges.items():
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+                bad(name, f"must be a finite number, got {value!r}")
+            if not ok(value):
+                bad(name, f"must be {rule}, got {value!r}")
+        if not _is_int(self.top_k) or self.top_k < 0:
+            bad("top_k", f"must be an integer >= 0 (0 = off), got {self.top_k!r}")
+        if self.seed is not None and (not _is_int(self.seed) or not 0 <= self.seed < 1 << 64):
+            bad("seed", f"must be an integer in [0, 2^64), got {self.seed!r}")
+        if not isinstance(self.stop, list) or not all(isinstance(s, str) and s for s in self.stop):
+            bad("stop", "must be a list of non-empty strings")
+        if not isinstance(self.stop_token_ids, list) or not all(_is_int(t) and t >= 0 for t in self.stop_token_ids):
+            bad("stop_token_ids", "must be a list of non-negative token ids")
+
+
+def _is_int(x: Any) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+@dataclass
+class StepBatch:
+    """What one hook call works on.
+
+    - prefill: `new` requests are admitted (each one on its own: a rejected request yields an error event,
+      the others proceed), then up to `max_chunk_size` prompt tokens run for `new` + `seq_ids` (sequences
+      admitted earlier whose prompt is not finished).
+    - decode: one token for each of `seq_ids`.
+    - draft_verify: `drafts[seq_id]` are host-proposed next tokens; `seq_ids` defaults to the drafts' keys
+      (a listed id without drafts does a plain decode step)."""
+
+    seq_ids: list[str] = field(default_factory=list)
+    new: list[SequenceRequest] = field(default_factory=list)
+    drafts: dict[str, list[int]] = field(default_factory=dict)
+
+    def ids(self) -> list[str]:
+        ids = list(self.seq_ids)
+        if not ids and self.drafts:
+            ids = list(self.drafts)
+        return ids
+
+
+# --- results -----------------------------------------------------------------------------------------------
+
+
+@dataclass
+class Usage:
+    """Token counts of one sequence so far (OpenAI names)."""
+
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    cached_tokens: int = 0
+
+    @property
+    def total_tokens(self) -> int:
+        return self.prompt_tokens + self.completion_tokens
+
+    def to_dict(self) -> dict:
+        return {"prompt_tokens": self.prompt_tokens, "completion_tokens": self.completion_tokens,
+                "total_tokens": self.total_tokens, "cached_tokens": self.cached_tokens}
+
+
+@dataclass
+class Timings:
+    """Wall-clock milliseconds of one sequence, measured by the backend from its admission."""
+
+    prefill_ms: float = 0.0  # admission -> first token
+    decode_ms: float = 0.0  # first token -> now
+    total_ms: float = 0.0
+    decode_tokens_per_s: float = 0.0  # (completion_tokens - 1) / decode time
+    accepted_drafts: int = 0  # draft tokens accepted over the sequence's life
+    proposed_drafts: int = 0
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+@dataclass
+class Event:
+    """What one hook call produced for one sequence.
+
+    token_ids: tokens added this step (empty while the prompt is still prefilling); text: the new text,
+    held back while a stop string may be forming or a UTF-8 character is incomplete (it is released when
+    the sequence ends); finish_reason: None while running; usage: running totals (always set); timings:
+    set on the final event; error: the `AdmissionRejected` / `SequenceFailed` when finish_reason is "error";
+    prefill_remaining: prompt tokens still to run (prefill only); accepted_drafts: how many of this step's
+    host drafts were accepted (draft_verify only)."""
+
+    seq_id: str
+    token_ids: list[int] = field(default_factory=list)
+    text: str = ""
+    finish_reason: Optional[FinishReason] = None
+    usage: Usage = field(default_factory=Usage)
+    timings: Optional[Timings] = None
+    error: Optional["BackendError"] = None
+    prefill_remaining: int = 0
+    accepted_drafts: Optional[int] = None
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclass(frozen=True)
+class EngineLimits:
+    """Capacity of a loaded engine. Concurrency is bounded by KV cache tokens, not by a fixed batch size:
+    use `handle.can_admit(n_tokens)` / `handle.free_tokens()` for the live figure."""
+
+    max_seq_len: int
+    cache_tokens: int
+    page_size: int
+    max_batch_size: int
+    max_chunk_size: int
+    vocab_size: int
+    device: str
+
+
+class BackendHandle:
+    """What `exl2_load` returns: an opaque engine handle the host passes back to every per-engine hook.
+
+    Besides the hooks, a handle answers cheap capacity and tokenizer questions. Like the hooks, it must be
+    used from one thread at a time (the host's engine thread)."""
+
+    backend: str = ""
+    model_id: str = ""
+    limits: EngineLimits
+
+    def can_admit(self, num_tokens: int) -> bool:  # pragma: no cover - interface
+        raise NotImplementedError
+
+    def free_tokens(self) -> int:  # pragma: no cover - interface
+        raise NotImplementedError
+
+    def encode(self, text: str) -> list[int]:  # pragma: no cover - interface
+        raise NotImplementedError
+
+    def decode(self, token_ids: list[int]) -> str:  # pragma: no cover - interface
+        raise NotImplementedError
+
+    def render_chat(self, messages: list[dict], add_generation_prompt: bool = True) -> str:  # pragma: no cover
+        raise NotImplementedError
+
+
+# --- errors (three tiers) ----------------------------------------------------------------------------------
+
+
+class BackendError(Exl2Error):
+    """Base of the hook API's errors; `tier` says what failed: 1 a request at admission, 2 one sequence,
+    3 the engine."""
+
+    tier: int = 0
+
+    def to_dict(self) -> dict:
+        d = {"type": type(self).__name__, "tier": self.tier, "message": str(self)}
+        for k in ("reason", "field", "limit", "length", "retry_after", "seq_id"):
+            if getattr(self, k, None) is not None:
+                d[k] = getattr(self, k)
+        return d
+
+
+class AdmissionRejected(BackendError):
+    """Tier 1: the request was not admitted; it holds no pages and nothing else changed.
+
+    reason "prompt_too_long" (carries `limit`, `length`) and "invalid_request" / "duplicate_id" (carry
+    `field`) will fail again if retried unchanged; "no_capacity" means "not now": retry after
+    `retry_after` seconds or once a running sequence finishes."""
+
+    tier = 1
+
+    def __init__(self, message: str, *, reason: RejectReason, field: str | None = None, limit: int | None = None,
+                 length: int | None = None, retry_after: float | None = None, seq_id: str | None = None):
+        super().__init__(message)
+        self.reason = reason
+        self.field = field
+        self.limit = limit
+        self.length = length
+        self.retry_after = retry_after
+        self.seq_id = seq_id
+
+    def __reduce__(self):
+        return (_rebuild, (type(self), str(self), {k: getattr(self, k) for k in
+                                                    ("reason", "field", "limit", "length", "retry_after", "seq_id")}))
+
+
+class SequenceFailed(BackendError):
+    """Tier 2: one sequence failed while running; its pages are already freed, other sequences continue."""
+
+    tier = 2
+
+    def __init__(self, message: str, *, seq_id: str | None = None):
+        super().__init__(message)
+        self.seq_id = seq_id
+
+    def __reduce__(self):
+        return (_rebuild, (type(self), str(self), {"seq_id": self.seq_id}))
+
+
+class EngineUnhealthy(BackendError):
+    """Tier 3: the engine cannot continue (e.g. a CUDA fault); every sequence is lost, reload the model.
+    Raised by the per-engine hooks; the handle stays unusable."""
+
+    tier = 3
+
+
+def _rebuild(cls, message, kwargs):
+    return cls(message, **kwargs)

@@ -1,0 +1,329 @@
+"""`Engine`: the step-level API the host hooks wrap (decision 7): admit sequences, prefill their prompts in
+chunks, decode them in batches, verify host-supplied drafts, release them. No scheduler: the host decides
+which sequences step together.
+
+KV pages: at admission a sequence reserves the pages its longest possible run needs (prompt +
+max_new_tokens, capped at max_seq_len) and allocates them lazily as it grows, so a running sequence never
+fails for lack of pages. Every exit (finish, error, release) returns its pages and reservation.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+
+import torch
+
+from exl2_backend.cache import PageAllocator, kv_bytes_per_token
+from exl2_backend.errors import CapacityError, InvalidRequestError, PromptTooLongError
+from exl2_backend.runtime.model_runner import ModelRunner
+from exl2_backend.runtime.params import GenerationParams, StepEvent
+from exl2_backend.runtime.sampler import sample_for
+from exl2_backend.runtime.sequence import Sequence
+from exl2_backend.runtime.settings import LoadSettings
+
+log = logging.getLogger("exl2_backend")
+
+
+class _NoDecoder:
+    """Stands in for a tokenizer's incremental decoder when the engine has no tokenizer (tests)."""
+
+    def push(self, token_id: int) -> str:
+        return ""
+
+
+class Engine:
+    """Model + paged KV cache + sequences. Build with `Engine.load(settings)` or `Engine(model, tokenizer,
+    settings)` (tokenizer may be None: no text, no stop strings)."""
+
+    def __init__(self, model, tokenizer, settings: LoadSettings | None = None):
+        self.model = model
+        self.tokenizer = tokenizer
+        self.config = model.config
+        self.device = model.device
+        free = torch.cuda.mem_get_info(self.device)[0] if self.device.type == "cuda" else None
+        bpt = kv_bytes_per_token(model.num_layers, model.num_kv_heads, model.head_dim, model.dtype)
+        self.settings = (settings or LoadSettings()).resolve(self.config, bpt, free)
+        s = self.settings
+        self.page_size = s.page_size
+        self.max_seq_len = s.max_seq_len
+        self.num_pages = math.ceil(s.cache_tokens / s.page_size)
+        self.cache = model.make_cache(self.num_pages, s.page_size)
+        self.allocator = PageAllocator(self.num_pages)
+        self.runner = ModelRunner(model, self.cache, math.ceil(s.max_seq_len / s.page_size))
+        self.eos_ids = set(self.config.eos_token_ids or ())
+        if tokenizer is not None:
+            self.eos_ids |= set(getattr(tokenizer, "eos_token_ids", ()) or ())
+        self.seqs: dict[str, Sequence] = {}
+        self._reserved = 0  # pages promised to sequences, not yet allocated
+        self._tokens_generated = 0
+
+    @classmethod
+    def load(cls, settings: LoadSettings) -> "Engine":
+        """Load the model and tokenizer of `settings.model_dir` onto `settings.device`."""
+        from exl2_backend.model import LlamaModel
+        from exl2_backend.tokenizer import Tokenizer
+
+        if settings.model_dir is None:
+            raise InvalidRequestError("LoadSettings.model_dir is required to load a model", field="model_dir")
+        model = LlamaModel.from_dir(settings.model_dir, settings.torch_device)
+        return cls(model, Tokenizer.from_dir(settings.model_dir), settings)
+
+    # --- admission ---------------------------------------------------------------------------------------
+
+    def _available_pages(self) -> int:
+        return self.allocator.num_free - self._reserved
+
+    def _num_active(self) -> int:
+        return sum(not s.finished for s in self.seqs.values())
+
+    def free_tokens(self) -> int:
+        """Tokens of KV cache neither allocated nor reserved."""
+        return self._available_pages() * self.page_size
+
+    def can_admit(self, num_tokens: int) -> bool:
+        """Whether a sequence of up to `num_tokens` (prompt + max_new_tokens) would be admitted now."""
+        need = math.ceil(min(num_tokens, self.max_seq_len) / self.page_size)
+        return self._num_active() < self.settings.max_batch_size and need <= self._available_pages()
+
+    def add_sequence(self, seq_id: str, prompt_ids: list[int], params: GenerationParams | None = None) -> None:
+        """Admit a sequence; its prompt runs on the next `prefill` calls."""
+        params = params or GenerationParams()
+        if seq_id in self.seqs:
+            raise InvalidRequestError(f"sequence id {seq_id!r} is already in use; release it first", field="seq_id")
+        prompt = [int(t) for t in prompt_ids]
+        n = len(prompt)
+        if n == 0:
+            raise InvalidRequestError("prompt is empty; give at least one token", field="prompt")
+        bad = [t for t in prompt if not 0 <= t < self.model.vocab_size]
+        if bad:
+            raise InvalidRequestError(f"prompt token id {bad[0]} is outside the vocabulary [0, "
+                                      f"{self.model.vocab_size})", field="prompt")
+        if n >= self.max_seq_len:
+            raise PromptTooLongError(f"prompt has {n} tokens but the engine was loaded with max_seq_len="
+                                     f"{self.max_seq_len} (prompt + output); shorten the prompt or load with a "
+                                     "larger max_seq_len", limit=self.max_seq_len, length=n)
+        max_total = min(n + (params.max_new_tokens or self.max_seq_len), self.max_seq_len)
+        if self._num_active() >= self.settings.max_batch_size:
+            raise CapacityError(f"{self._num_active()} sequences are running (max_batch_size="
+                                f"{self.settings.max_batch_size}); retry after one finishes")
+        need = math.ceil(max_total / self.page_size)
+        if need > self._available_pages():
+            raise CapacityError(f"KV cache full: this sequence needs {need * self.page_size} tokens of cache, "
+                                f"{self.free_tokens()} are free; retry later or lower max_new_tokens")
+        tok = self.tokenizer
+        decoder = tok.incremental_decoder() if tok is not None else _NoDecoder()
+        from exl2_backend.tokenizer import StopMatcher
+
+        seq = Sequence(seq_id, prompt, params, max_total=max_total, vocab_size=self.model.vocab_size,
+                       eos_ids=self.eos_ids, decoder=decoder, stop_matcher=StopMatcher(params.stop))
+        seq.reserved_pages = need
+        self._reserved += need
+        self.seqs[seq_id] = seq
+
+    # --- pages -------------------------------------------------------------------------------------------
+
+    def _grow(self, seq: Sequence, num_positions: int) -> None:
+        """Make seq's block table cover positions [0, num_positions), drawing on its reservation."""
+        extra = math.ceil(num_positions / self.page_size) - len(seq.pages)
+        if extra <= 0:
+            return
+        from_reserve = min(extra, seq.reserved_pages)
+        if extra > from_reserve and extra - from_reserve > self._available_pages():
+            raise CapacityError("KV cache full while growing a sequence past its reservation")
+        seq.pages += self.allocator.allocate(extra)
+        seq.reserved_pages -= from_reserve
+        self._reserved -= from_reserve
+
+    def _shrink(self, seq: Sequence, num_positions: int) -> None:
+        """Return pages past position `num_positions` (rejected drafts) to the sequence's reservation."""
+        keep = math.ceil(num_positions / self.page_size)
+        extra = seq.pages[keep:]
+        if extra:
+            del seq.pages[keep:]
+            self.allocator.free(extra)
+            seq.reserved_pages += len(extra)
+            self._reserved += len(extra)
+
+    def _finish(self, seq: Sequence, reason: str, error: str | None = None) -> None:
+        seq.finish_reason = reason
+        seq.error = error
+        if seq.pages:
+            self.allocator.free(seq.pages)
+            seq.pages = []
+        self._reserved -= seq.reserved_pages
+        seq.reserved_pages = 0
+
+    def _fail(self, seqs: list[Sequence], exc: BaseException) -> list[StepEvent]:
+        log.exception("exl2_backend: step failed for %s", [s.seq_id for s in seqs], exc_info=exc)
+        for s in seqs:
+            if not s.finished:
+                self._finish(s, "error", f"{type(exc).__name__}: {exc}")
+        return [s.event([], "") for s in seqs]
+
+    # --- steps -------------------------------------------------------------------------------------------
+
+    def _lookup(self, seq_ids, *, prefilled: bool) -> list[Sequence]:
+        if len(set(seq_ids)) != len(seq_ids):
+            raise InvalidRequestError("a sequence id appears twice in one step", field="seq_ids")
+        out = []
+        for sid in seq_ids:
+            seq = self.seqs.get(sid)
+            if seq is None:
+                raise InvalidRequestError(f"unknown sequence id {sid!r}", field="seq_ids")
+            if seq.finished:
+                raise InvalidRequestError(f"sequence {sid!r} has finished ({seq.finish_reason})", field="seq_ids")
+            if prefilled and seq.prefill_remaining:
+                raise InvalidRequestError(f"sequence {sid!r} has {seq.prefill_remaining} prompt tokens left; "
+                                          "call prefill until it returns the first token", field="seq_ids")
+            if not prefilled and not seq.prefill_remaining:
+                raise InvalidRequestError(f"sequence {sid!r} is already prefilled; call decode", field="seq_ids")
+            out.append(seq)
+        return out
+
+    def _emit(self, seq: Sequence, tokens: list[int]) -> StepEvent:
+        """Append sampled tokens (stopping at the first finish) and build the event."""
+        taken, text = [], ""
+        for t in tokens:
+            delta, reason = seq.append_token(t)
+            taken.append(t)
+            text += delta
+            if reason is not None:
+                self._finish(seq, reason)
+                break
+        self._tokens_generated += len(taken)
+        return seq.event(taken, text)
+
+    def prefill(self, seq_ids: list[str]) -> list[StepEvent]:
+        """Run up to max_chunk_size more prompt tokens of each sequence. A sequence whose prompt completes
+        gets its first sampled token in its event; the others get an event with no tokens."""
+        seqs = self._lookup(seq_ids, prefilled=False)
+        chunk = self.settings.max_chunk_size
+        events: dict[str, StepEvent] = {}
+        groups: dict[int, list[Sequence]] = {}  # equal chunk lengths share one forward
+        for s in seqs:
+            groups.setdefault(min(chunk, s.prefill_remaining), []).append(s)
+        for n, group in groups.items():
+            for i in range(0, len(group), self.settings.max_batch_size):
+                for ev in self._prefill_group(group[i : i + self.settings.max_batch_size], n):
+                    events[ev.seq_id] = ev
+        return [events[sid] for sid in seq_ids]
+
+    def _prefill_group(self, group: list[Sequence], n: int) -> list[StepEvent]:
+        try:
+            for s in group:
+                self._grow(s, s.num_computed + n)
+            logits = self.runner.run([s.prompt_ids[s.num_computed : s.num_computed + n] for s in group],
+                                     [s.num_computed for s in group], [s.pages for s in group])  # [B, V]
+            for s in group:
+                s.num_computed += n
+            done = [i for i, s in enumerate(group) if not s.prefill_remaining]
+            tokens = sample_for([group[i] for i in done], logits[done]) if done else []
+        except Exception as exc:  # noqa: BLE001 - reported per sequence, pages returned
+            return self._fail(group, exc)
+        first = dict(zip(done, tokens))
+        return [self._emit(s, [first[i]]) if i in first else s.event([], "") for i, s in enumerate(group)]
+
+    def decode(self, seq_ids: list[str]) -> list[StepEvent]:
+        """One new token for each sequence, batched (groups of at most max_batch_size)."""
+        seqs = self._lookup(seq_ids, prefilled=True)
+        events = []
+        for i in range(0, len(seqs), self.settings.max_batch_size):
+            events += self._decode_group(seqs[i : i + self.settings.max_batch_size], {})
+        return events
+
+    def verify(self, seq_ids: list[str], drafts: dict[str, list[int]]) -> list[StepEvent]:
+        """Check host-supplied draft tokens: one forward over [last token, d1..dk] per sequence; drafts are
+        accepted while the sampled token equals them (exact-match: greedy output equals plain decoding,
+        sampled output keeps the model's distribution), then one more token is sampled. KV of rejected
+        positions is rolled back."""
+        seqs = self._lookup(seq_ids, prefilled=True)
+        clipped = {}
+        for s in seqs:
+            d = [int(t) for t in drafts.get(s.seq_id, [])]
+            if any(not 0 <= t < self.model.vocab_size for t in d):
+                raise InvalidRequestError(f"draft for {s.seq_id!r} has a token id outside the vocabulary",
+                                          field="drafts")
+            clipped[s.seq_id] = d[: max(s.remaining_new_tokens - 1, 0)]  # never draft past the length limit
+        groups: dict[int, list[Sequence]] = {}
+        for s in seqs:
+            groups.setdefault(len(clipped[s.seq_id]), []).append(s)
+        events = {}
+        for group in groups.values():
+            for i in range(0, len(group), self.settings.max_batch_size):
+                for ev in self._decode_group(group[i : i + self.settings.max_batch_size], clipped):
+                    events[ev.seq_id] = ev
+        return [events[sid] for sid in seq_ids]
+
+    def _decode_group(self, group: list[Sequence], drafts: dict[str, list[int]]) -> list[StepEvent]:
+        k = len(drafts.get(group[0].seq_id, []))
+        try:
+            starts = [s.num_tokens - 1 for s in group]  # position of each sequence's last sampled token
+            for s, p in zip(group, starts):
+                self._grow(s, p + 1 + k)
+            inputs = [[s.tokens[-1]] + drafts.get(s.seq_id, []) for s in group]
+            logits = self.runner.run(inputs, starts, [s.pages for s in group], "all" if k else "last")
+            if k:
+                return [self._accept(s, logits[b], drafts[s.seq_id]) for b, s in enumerate(group)]
+            tokens = sample_for(group, logits)
+            for s in group:
+                s.num_computed += 1
+            return [self._emit(s, [t]) for s, t in zip(group, tokens)]
+        except Exception as exc:  # noqa: BLE001 - reported per sequence, pages returned
+            return self._fail(group, exc)
+
+    def _accept(self, s: Sequence, logits: torch.Tensor, draft: list[int]) -> StepEvent:
+        """logits [k+1, V]: row j predicts the token after draft[:j]. Sample row by row (penalty counts see
+        the accepted tokens); stop at the first mismatch or finish."""
+        taken, text = [], ""
+        for j in range(len(draft) + 1):
+            t = sample_for([s], logits[j : j + 1])[0]
+            s.num_computed += 1
+            delta, reason = s.append_token(t)
+            taken.append(t)
+            text += delta
+            if reason is not None:
+                self._finish(s, reason)
+                break
+            if j == len(draft) or t != draft[j]:
+                break
+        self._tokens_generated += len(taken)
+        if not s.finished:
+            self._shrink(s, s.num_computed)  # rejected drafts' KV lies past num_computed: drop its pages
+        return s.event(taken, text)
+
+    # --- release and stats -------------------------------------------------------------------------------
+
+    def release(self, seq_id: str) -> StepEvent | None:
+        """Forget a sequence and free its pages. Idempotent; a still-running sequence ends as "cancelled"
+        (its final event is returned), an unknown or already released id returns None."""
+        seq = self.seqs.pop(seq_id, None)
+        if seq is None:
+            return None
+        if seq.finished:
+            return None
+        self._finish(seq, "cancelled")
+        return seq.event([], "")
+
+    def stats(self) -> dict:
+        return {
+            "device": str(self.device),
+            "page_size": self.page_size,
+            "total_pages": self.num_pages,
+            "free_pages": self.allocator.num_free,
+            "reserved_pages": self._reserved,
+            "free_tokens": self.free_tokens(),
+            "max_seq_len": self.max_seq_len,
+            "cache_tokens": self.num_pages * self.page_size,
+            "sequences": len(self.seqs),
+            "running": self._num_active(),
+            "tokens_generated": self._tokens_generated,
+        }
+
+    def assert_no_leaks(self) -> None:
+        """Page accounting invariant: every page is free or held by exactly one live sequence."""
+        held = [p for s in self.seqs.values() for p in s.pages]
+        assert len(held) == len(set(held)), "a KV page is held by two sequences"
+        assert len(held) + self.allocator.num_free == self.num_pages, (
+            f"KV page leak: {self.num_pages - self.allocator.num_free - len(held)} pages unaccounted for")
+        assert self._reserved == sum(s.reserved_pages for s in self.seqs.values()), "page reservation leak"

@@ -1,0 +1,59 @@
+"""Per-request generation parameters and the per-step event the engine reports."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal, Optional
+
+from exl2_backend.errors import InvalidRequestError
+from exl2_backend.sampling import SamplingParams
+
+FinishReason = Literal["stop", "length", "cancelled", "error"]
+
+
+@dataclass
+class GenerationParams:
+    """What to generate: sampling settings and when to stop.
+
+    max_new_tokens None means "until the context (max_seq_len) is full". Stop strings end generation
+    with the matched string removed from the text; stop_token_ids end it like EOS (even with ignore_eos)."""
+
+    sampling: SamplingParams = field(default_factory=SamplingParams)
+    max_new_tokens: Optional[int] = 256
+    stop: list[str] = field(default_factory=list)
+    stop_token_ids: list[int] = field(default_factory=list)
+    ignore_eos: bool = False
+
+    def __post_init__(self):
+        if self.max_new_tokens is not None and (not isinstance(self.max_new_tokens, int) or self.max_new_tokens < 1):
+            raise InvalidRequestError(f"max_new_tokens must be a positive integer or None, got {self.max_new_tokens!r}",
+                                      field="max_new_tokens")
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        self.stop = list(self.stop or [])
+        if any(not isinstance(s, str) or not s for s in self.stop):
+            raise InvalidRequestError("stop strings must be non-empty strings", field="stop")
+        self.stop_token_ids = [int(t) for t in (self.stop_token_ids or [])]
+        if any(t < 0 for t in self.stop_token_ids):
+            raise InvalidRequestError("stop_token_ids must be non-negative token ids", field="stop_token_ids")
+
+
+@dataclass
+class StepEvent:
+    """What one engine step produced for one sequence.
+
+    token_ids: tokens sampled this step (empty while a prompt is still being prefilled); text: the new
+    decoded text, held back while a stop string may be forming or a UTF-8 character is incomplete;
+    prompt_tokens / completion_tokens: running totals (usage)."""
+
+    seq_id: str
+    token_ids: list[int]
+    text: str
+    finish_reason: Optional[FinishReason]
+    prompt_tokens: int
+    completion_tokens: int
+    error: Optional[str] = None
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None

@@ -1,0 +1,28 @@
+"""Batch sampling over per-sequence state: penalties from the sequences' counts, uniforms from their own
+seeded generators (so a sequence's samples never depend on which others share its batch)."""
+
+from __future__ import annotations
+
+import torch
+
+from exl2_backend.ops.reference import apply_penalties, make_uniforms, sample_tokens
+
+
+def sample_for(seqs, logits: torch.Tensor) -> list[int]:
+    """logits f32 [B, V] (one row per sequence, V = the model's vocab_size) -> one token id per sequence."""
+    b, v = logits.shape
+    params = [s.params.sampling for s in seqs]
+    logits = logits.float()
+    if any(s.prompt_counts is not None for s in seqs):
+        zeros = torch.zeros(v)
+        pc = torch.stack([zeros if s.prompt_counts is None else s.prompt_counts for s in seqs])  # [B, V]
+        oc = torch.stack([zeros if s.output_counts is None else s.output_counts for s in seqs])
+        logits = apply_penalties(logits, pc.to(logits.device), oc.to(logits.device), params)
+    # Greedy rows are the argmax (ties -> lowest id, as sample_tokens), drawing no uniforms so their
+    # generators stay untouched; only the sampled rows go through the full sampler.
+    tokens = torch.argmax(logits, dim=-1)  # [B]
+    rows = [i for i, p in enumerate(params) if p.temperature != 0]
+    if rows:
+        uniforms = make_uniforms([seqs[i].generator for i in rows], v).to(logits.device)  # [b', V]
+        tokens[rows] = sample_tokens(logits[rows], [params[i] for i in rows], uniforms)
+    return tokens.tolist()

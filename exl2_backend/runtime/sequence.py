@@ -1,0 +1,92 @@
+"""Per-sequence state: tokens, KV pages, sampling RNG, penalty counts, detokenization and stop matching."""
+
+from __future__ import annotations
+
+import torch
+
+from exl2_backend.ops.reference import make_generator
+from exl2_backend.runtime.params import GenerationParams, StepEvent
+
+
+def _needs_penalties(sp) -> bool:
+    return sp.repetition_penalty != 1.0 or sp.frequency_penalty != 0.0 or sp.presence_penalty != 0.0
+
+
+class Sequence:
+    """One request inside the engine.
+
+    Token positions 0..len(tokens)-1; the KV of the first `num_computed` is in the cache. While decoding,
+    num_computed == len(tokens) - 1: the last sampled token is the next step's input."""
+
+    def __init__(self, seq_id: str, prompt_ids: list[int], params: GenerationParams, *, max_total: int,
+                 vocab_size: int, eos_ids: set[int], decoder, stop_matcher):
+        self.seq_id = seq_id
+        self.prompt_ids = list(prompt_ids)
+        self.output_ids: list[int] = []
+        self.params = params
+        self.max_total = max_total  # prompt + output tokens this sequence may reach
+        self.pages: list[int] = []
+        self.reserved_pages = 0  # pages promised at admission but not yet allocated
+        self.num_computed = 0
+        self.finish_reason: str | None = None
+        self.error: str | None = None
+        self.generator = make_generator(params.sampling.seed)
+        self.stop_ids = set(params.stop_token_ids) | (set() if params.ignore_eos else set(eos_ids))
+        self.decoder = decoder
+        self.stop_matcher = stop_matcher
+        self.prompt_counts = self.output_counts = None
+        if _needs_penalties(params.sampling):  # counts [V] f32, only for sequences that use penalties
+            self.prompt_counts = torch.bincount(torch.tensor(self.prompt_ids, dtype=torch.long),
+                                                minlength=vocab_size)[:vocab_size].float()
+            self.output_counts = torch.zeros(vocab_size)
+
+    # --- sizes ------------------------------------------------------------------------------------------
+
+    @property
+    def tokens(self) -> list[int]:
+        return self.prompt_ids + self.output_ids
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_ids) + len(self.output_ids)
+
+    @property
+    def prefill_remaining(self) -> int:
+        return max(len(self.prompt_ids) - self.num_computed, 0)
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+    @property
+    def remaining_new_tokens(self) -> int:
+        return self.max_total - self.num_tokens
+
+    # --- token bookkeeping ------------------------------------------------------------------------------
+
+    def append_token(self, token: int) -> tuple[str, str | None]:
+        """Record a sampled token; returns (text delta, finish reason or None)."""
+        self.output_ids.append(token)
+        if self.output_counts is not None and token < self.output_counts.numel():
+            self.output_counts[token] += 1
+        if token in self.stop_ids:
+            return self._flush(), "stop"
+        emit, hit = self.stop_matcher.push(self.decoder.push(token))
+        if hit:
+            return emit, "stop"
+        if self.remaining_new_tokens <= 0:
+            return emit + self._flush(), "length"
+        return emit, None
+
+    def _flush(self) -> str:
+        """Text still held back (incomplete UTF-8, partial stop-string match), released at the end."""
+        text = ""
+        flush = getattr(self.decoder, "flush", None)
+        if flush is not None:
+            text = self.stop_matcher.push(flush())[0]
+        flush = getattr(self.stop_matcher, "flush", None)
+        return text + (flush() if flush is not None else "")
+
+    def event(self, token_ids: list[int], text: str) -> StepEvent:
+        return StepEvent(self.seq_id, token_ids, text, self.finish_reason, len(self.prompt_ids),
+                         len(self.output_ids), self.error)

@@ -1,0 +1,74 @@
+"""Per-request sampling parameters, validated at construction (the sampler itself is in ops/reference_sampling.py
+and, later, the CUDA library)."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from numbers import Integral, Real
+
+from exl2_backend.errors import SamplingParamsError
+
+_SEED_LIMIT = 1 << 64  # torch.Generator.manual_seed takes an unsigned 64-bit seed
+
+
+def _real(name: str, value) -> float:
+    if isinstance(value, bool) or not isinstance(value, Real):
+        raise SamplingParamsError(f"{name} must be a number, got {value!r}", field=name)
+    value = float(value)
+    if not math.isfinite(value):
+        raise SamplingParamsError(f"{name} must be finite, got {value!r}", field=name)
+    return value
+
+
+def _int(name: str, value) -> int:
+    if isinstance(value, bool) or not isinstance(value, Integral):
+        raise SamplingParamsError(f"{name} must be an integer, got {value!r}", field=name)
+    return int(value)
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """temperature 0 = greedy; top_k 0 = off; top_p 1 = off; min_p 0 = off; penalties 1 / 0 = off."""
+
+    temperature: float = 1.0
+    top_k: int = 0
+    top_p: float = 1.0
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0  # > 0; applied to tokens seen in prompt or output
+    frequency_penalty: float = 0.0  # [-2, 2], OpenAI semantics over output tokens
+    presence_penalty: float = 0.0  # [-2, 2]
+    seed: int | None = None  # per-sequence generator seed; None = fresh entropy
+
+    def __post_init__(self):
+        checks = {
+            "temperature": (lambda x: x >= 0, ">= 0"),
+            "top_p": (lambda x: 0 < x <= 1, "in (0, 1]"),
+            "min_p": (lambda x: 0 <= x <= 1, "in [0, 1]"),
+            "repetition_penalty": (lambda x: x > 0, "> 0"),
+            "frequency_penalty": (lambda x: -2 <= x <= 2, "in [-2, 2]"),
+            "presence_penalty": (lambda x: -2 <= x <= 2, "in [-2, 2]"),
+        }
+        for name, (ok, rule) in checks.items():
+            value = _real(name, getattr(self, name))
+            if not ok(value):
+                raise SamplingParamsError(f"{name} must be {rule}, got {value!r}", field=name)
+            object.__setattr__(self, name, value)
+        top_k = _int("top_k", self.top_k)
+        if top_k < 0:
+            raise SamplingParamsError(f"top_k must be >= 0 (0 = off), got {top_k}", field="top_k")
+        object.__setattr__(self, "top_k", top_k)
+        if self.seed is not None:
+            seed = _int("seed", self.seed)
+            if not 0 <= seed < _SEED_LIMIT:
+                raise SamplingParamsError(f"seed must be an integer in [0, 2^64), got {seed}", field="seed")
+            object.__setattr__(self, "seed", seed)
+
+    @property
+    def is_greedy(self) -> bool:
+        """Deterministic argmax: temperature 0 or top_k 1 (equal results, ties to the lowest id)."""
+        return self.temperature == 0 or self.top_k == 1
+
+    @classmethod
+    def greedy(cls) -> SamplingParams:
+        return cls(temperature=0.0)

@@ -1,0 +1,400 @@
+"""`Exl2OpenAISpec`: our OpenAI-compatible surface on LitServe (runs in the API server process).
+
+Routes: POST /v1/chat/completions, POST /v1/completions, GET /v1/models[/{id}], GET /metrics (Prometheus
+text). LitServe's own GET /health calls `Exl2LitAPI.health`, which asks the worker through `query_worker`.
+
+Each completion gets one id (`chatcmpl-…` / `cmpl-…`) that is also the engine's sequence id, so a client
+disconnect can be turned into a `cancel` for exactly that sequence. Requests are validated here (400 naming
+the field; unknown `model` -> 404 naming the served one); engine-side refusals (prompt longer than the
+context -> 400 naming the limit, no capacity -> 503 with Retry-After) come back from the worker as the
+first item of the stream, before any byte of the response is sent.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import math
+import time
+import uuid
+from collections import deque
+from typing import Any, AsyncIterator, Optional
+
+from fastapi import Request, Response
+from fastapi.responses import JSONResponse, StreamingResponse
+from litserve.specs.base import LitSpec
+from litserve.utils import LitAPIStatus, ResponseBufferItem
+from pydantic import ValidationError
+
+from exl2_backend.serve.schemas import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    ModelCard,
+    ModelList,
+    first_error,
+)
+
+log = logging.getLogger("exl2_backend.serve")
+
+DISCONNECT_POLL_S = 0.5
+
+
+class _Disconnected(Exception):
+    pass
+
+
+def _error_response(status: int, message: str, *, param: Optional[str] = None, code: Optional[str] = None,
+                    type_: Optional[str] = None, retry_after: Optional[float] = None) -> JSONResponse:
+    type_ = type_ or ("invalid_request_error" if status < 500 else "server_error")
+    headers = {"Retry-After": str(max(1, math.ceil(retry_after)))} if retry_after else None
+    return JSONResponse({"error": {"message": message, "type": type_, "param": param, "code": code}},
+                        status_code=status, headers=headers)
+
+
+class Exl2OpenAISpec(LitSpec):
+    def __init__(self):
+        super().__init__()
+        self.api_path = "/v1/chat/completions"
+        self.model_id = "default"
+        self._max_model_len: Optional[int] = None
+
+    @property
+    def stream(self) -> bool:
+        return True
+
+    def pre_setup(self, lit_api) -> None:
+        from exl2_backend.serve.litapi import served_model_id
+
+        settings = getattr(lit_api, "serve_settings", None)
+        if settings is not None:
+            self.model_id = served_model_id(settings)
+        self.add_endpoint("/v1/chat/completions", self.chat_completions, ["POST"])
+        self.add_endpoint("/v1/completions", self.completions, ["POST"])
+        self.add_endpoint("/v1/models", self.list_models, ["GET"])
+        self.add_endpoint("/v1/models/{model_name:path}", self.get_model, ["GET"])
+        self.add_endpoint("/metrics", self.metrics, ["GET"])
+
+    def decode_request(self, request, context_kwargs=None):
+        return request
+
+    def encode_response(self, output, context_kwargs=None):
+        return output
+
+    # --- talking to the worker ---------------------------------------------------------------------------
+
+    def _submit(self, payload: dict) -> str:
+        uid = uuid.uuid4().hex
+        self.response_buffer[uid] = ResponseBufferItem(event=asyncio.Event(), response_queue=deque())
+        self.request_queue.put((self.response_queue_id, uid, time.monotonic(), payload))
+        return uid
+
+    async def _items(self, uid: str) -> AsyncIterator[dict]:
+        """The worker's items for one submitted payload, as dicts."""
+        item = self.response_buffer[uid]
+        try:
+            async for data, status in self.data_streamer(item.response_queue, item.event, send_status=True):
+                if status == LitAPIStatus.ERROR:
+                    log.error("exl2_backend: the worker failed a request: %r", data)
+                    yield {"error": {"status": 500, "message": "internal error in the inference worker",
+                                     "type": "server_error"}}
+                    return
+                yield json.loads(data) if isinstance(data, (str, bytes)) else data
+        finally:
+            self.response_buffer.pop(uid, None)
+
+    def _cancel(self, seq_id: str) -> None:
+        """Fire-and-forget (synchronous, so it works inside a cancelled task's finally)."""
+        try:
+            self.request_queue.put((self.response_queue_id, uuid.uuid4().hex, time.monotonic(),
+                                    {"op": "cancel", "seq_id": seq_id}))
+        except Exception:  # noqa: BLE001 - the server may be shutting down
+            log.warning("exl2_backend: could not send cancel for %s", seq_id)
+
+    async def query_worker(self, payload: dict, timeout: float = 10.0) -> dict:
+        uid = self._submit(payload)
+        agen = self._items(uid)
+        try:
+            return await asyncio.wait_for(agen.__anext__(), timeout)
+        finally:
+            self.response_buffer.pop(uid, None)
+            await agen.aclose()
+
+    @staticmethod
+    async def _next(agen: AsyncIterator[dict], request: Optional[Request]) -> Optional[dict]:
+        """Next item, or None at the end; raises _Disconnected if the client went away while waiting."""
+        task = asyncio.ensure_future(agen.__anext__())
+        try:
+            while True:
+                done, _ = await asyncio.wait({task}, timeout=DISCONNECT_POLL_S)
+                if done:
+                    try:
+                        return task.result()
+                    except StopAsyncIteration:
+                        return None
+                if request is not None and await request.is_disconnected():
+                    raise _Disconnected()
+        finally:
+            if not task.done():
+                task.cancel()
+
+    # --- routes ----------------------------------------------------------------------------------------
+
+    async def chat_completions(self, request: Request) -> Response:
+        body = await self._body(request)
+        if isinstance(body, Response):
+            return body
+        try:
+            req = ChatCompletionRequest.model_validate(body)
+        except ValidationError as exc:
+            param, message = first_error(exc)
+            return _error_response(400, message, param=param)
+        if (bad := self._check_model(req.model)) is not None:
+            return bad
+        sid = f"chatcmpl-{uuid.uuid4().hex}"
+        seq = dict(seq_id=sid, messages=[m.as_template_message() for m in req.messages],
+                   max_new_tokens=req.limit(), **req.sampling_fields())
+        return await self._run(request, req, sid, seq, chat=True)
+
+    async def completions(self, request: Request) -> Response:
+        body = await self._body(request)
+        if isinstance(body, Response):
+            return body
+        try:
+            req = CompletionRequest.model_validate(body)
+        except ValidationError as exc:
+            param, message = first_error(exc)
+            return _error_response(400, message, param=param)
+        if (bad := self._check_model(req.model)) is not None:
+            return bad
+        sid = f"cmpl-{uuid.uuid4().hex}"
+        prompt = {"prompt": req.prompt} if isinstance(req.prompt, str) else {"prompt_ids": list(req.prompt)}
+        seq = dict(seq_id=sid, max_new_tokens=req.limit(), **prompt, **req.sampling_fields())
+        return await self._run(request, req, sid, seq, chat=False)
+
+    async def list_models(self) -> Response:
+        await self._learn_limits()
+        return JSONResponse(ModelList(data=[self._card()]).model_dump())
+
+    async def get_model(self, model_name: str) -> Response:
+        if model_name != self.model_id:
+            return self._unknown_model(model_name)
+        await self._learn_limits()
+        return JSONResponse(self._card().model_dump())
+
+    async def metrics(self) -> Response:
+        try:
+            stats = await self.query_worker({"op": "stats"}, timeout=10.0)
+        except Exception as exc:  # noqa: BLE001
+            return Response(f"# worker did not answer: {type(exc).__name__}\nexl2_backend_up 0\n", status_code=503,
+                            media_type=METRICS_CONTENT_TYPE)
+        return Response(render_metrics(stats, self.model_id), media_type=METRICS_CONTENT_TYPE)
+
+    # --- helpers -----------------------------------------------------------------------------------------
+
+    @staticmethod
+    async def _body(request: Request) -> Any:
+        try:
+            body = await request.json()
+        except Exception:  # noqa: BLE001
+            return _error_response(400, "the request body is not valid JSON", param="body")
+        if not isinstance(body, dict):
+            return _error_response(400, "the request body must be a JSON object", param="body")
+        return body
+
+    def _check_model(self, model: Optional[str]) -> Optional[Response]:
+        if model in (None, "", self.model_id):
+            return None
+        return self._unknown_model(model)
+
+    def _unknown_model(self, model: str) -> Response:
+        return _error_response(404, f"The model '{model}' does not exist; this server serves '{self.model_id}'",
+                               param="model", code="model_not_found")
+
+    def _card(self) -> ModelCard:
+        return ModelCard(id=self.model_id, max_model_len=self._max_model_len)
+
+    async def _learn_limits(self) -> None:
+        if self._max_model_len is None:
+            try:
+                stats = await self.query_worker({"op": "stats"}, timeout=5.0)
+                self._max_model_len = stats.get("backend", {}).get("max_seq_len")
+            except Exception:  # noqa: BLE001 - the card is still valid without it
+                pass
+
+    @staticmethod
+    def _error_from_item(item: dict, chat: bool) -> Response:
+        err = item["error"]
+        param = err.get("param")
+        if chat and param == "prompt":
+            param = "messages"
+        return _error_response(int(err.get("status", 500)), err.get("message", "error"), param=param,
+                               code=err.get("code"), type_=err.get("type"), retry_after=err.get("retry_after"))
+
+    async def _run(self, request: Request, req, sid: str, seq: dict, *, chat: bool) -> Response:
+        uid = self._submit({"op": "generate", "request": seq})
+        agen = self._items(uid)
+        try:
+            first = await self._next(agen, request)
+        except _Disconnected:
+            self._cancel(sid)
+            self.response_buffer.pop(uid, None)
+            return Response(status_code=499)
+        if first is None:
+            return _error_response(500, "the inference worker ended the request without a result")
+        if "error" in first:
+            self.response_buffer.pop(uid, None)
+            return self._error_from_item(first, chat)
+        model = req.model or self.model_id
+        if req.stream:
+            return StreamingResponse(self._sse(request, uid, sid, agen, first, model, chat, req.include_usage()),
+                                     media_type="text/event-stream",
+                                     headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        return await self._collect(request, uid, sid, agen, first, model, chat)
+
+    async def _collect(self, request, uid, sid, agen, first, model, chat) -> Response:
+        parts, item = [], first
+        try:
+            while True:
+                if "error" in item:
+                    return self._error_from_item(item, chat)
+                parts.append(item.get("text", ""))
+                if item.get("finish_reason"):
+                    break
+                item = await self._next(agen, request)
+                if item is None:
+                    return _error_response(500, "the inference worker ended the stream early")
+        except _Disconnected:
+            self._cancel(sid)
+            return Response(status_code=499)
+        finally:
+            self.response_buffer.pop(uid, None)
+        text, usage, reason = "".join(parts), _usage(item), _finish(item)
+        created = int(time.time())
+        if chat:
+            body = {"id": sid, "object": "chat.completion", "created": created, "model": model,
+                    "system_fingerprint": None,
+                    "choices": [{"index": 0, "message": {"role": "assistant", "content": text},
+                                 "logprobs": None, "finish_reason": reason}], "usage": usage}
+        else:
+            body = {"id": sid, "object": "text_completion", "created": created, "model": model,
+                    "system_fingerprint": None,
+                    "choices": [{"index": 0, "text": text, "logprobs": None, "finish_reason": reason}],
+                    "usage": usage}
+        return JSONResponse(body)
+
+    async def _sse(self, request, uid, sid, agen, first, model, chat, include_usage) -> AsyncIterator[str]:
+        created = int(time.time())
+        obj = "chat.completion.chunk" if chat else "text_completion"
+
+        def chunk(text: Optional[str], finish: Optional[str], *, role: bool = False) -> str:
+            if chat:
+                delta = {"role": "assistant", "content": ""} if role else ({} if text is None else {"content": text})
+                choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}
+            else:
+                choice = {"index": 0, "text": text or "", "logprobs": None, "finish_reason": finish}
+            c = {"id": sid, "object": obj, "created": created, "model": model, "system_fingerprint": None,
+                 "choices": [choice]}
+            if include_usage:
+                c["usage"] = None
+            return f"data: {json.dumps(c)}\n\n"
+
+        completed = False
+        try:
+            if chat:
+                yield chunk(None, None, role=True)
+            item = first
+            while True:
+                if "error" in item:
+                    err = item["error"]
+                    yield "data: " + json.dumps({"error": {"message": err.get("message"), "type": err.get("type"),
+                                                           "param": err.get("param"), "code": err.get("code")}}) + "\n\n"
+                    completed = True
+                    return
+                text, reason = item.get("text", ""), _finish(item) if item.get("finish_reason") else None
+                if text:
+                    yield chunk(text, None)
+                if reason:
+                    yield chunk(None, reason)
+                    if include_usage:
+                        yield "data: " + json.dumps({"id": sid, "object": obj, "created": created, "model": model,
+                                                     "system_fingerprint": None, "choices": [],
+                                                     "usage": _usage(item)}) + "\n\n"
+                    yield "data: [DONE]\n\n"
+                    completed = True
+                    return
+                item = await self._next(agen, None)  # a disconnect cancels this task (see finally)
+                if item is None:
+                    yield "data: " + json.dumps({"error": {"message": "the inference worker ended the stream early",
+                                                           "type": "server_error"}}) + "\n\n"
+                    completed = True
+                    return
+        finally:
+            self.response_buffer.pop(uid, None)
+            if not completed:  # client went away (or the server is stopping): free the engine's pages now
+                self._cancel(sid)
+
+
+# --- /metrics ------------------------------------------------------------------------------------------------
+
+METRICS_CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+
+
+def render_metrics(stats: dict, model_id: str) -> str:
+    """EngineLoop.stats() (from the worker) -> Prometheus text exposition format."""
+    from prometheus_client import CollectorRegistry, generate_latest
+    from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+    backend = stats.get("backend") or {}
+
+    class _Collector:
+        def collect(self):
+            def gauge(name, doc, value):
+                g = GaugeMetricFamily(f"exl2_backend_{name}", doc, labels=["model"])
+                g.add_metric([model_id], float(value or 0))
+                return g
+
+            def counter(name, doc, values: dict, label: str):
+                c = CounterMetricFamily(f"exl2_backend_{name}", doc, labels=["model", label])
+                for key, value in sorted(values.items()):
+                    c.add_metric([model_id, str(key)], float(value))
+                return c
+
+            yield gauge("healthy", "1 while the engine serves requests", 1 if stats.get("healthy") else 0)
+            yield gauge("queue_length", "requests waiting for admission", stats.get("queue_length"))
+            yield gauge("active_sequences", "sequences in the running batch", stats.get("active_sequences"))
+            yield gauge("max_batch_size", "most sequences that run together", stats.get("max_batch_size"))
+            yield gauge("tokens_per_second", "generated tokens per second over the last 10 s",
+                        stats.get("tokens_per_second"))
+            yield gauge("kv_pages_total", "KV cache pages", backend.get("total_pages"))
+            yield gauge("kv_pages_free", "KV cache pages not held by any sequence", backend.get("free_pages"))
+            yield gauge("kv_pages_reserved", "free pages promised to running sequences", backend.get("reserved_pages"))
+            yield gauge("kv_free_tokens", "KV cache tokens neither held nor reserved", backend.get("free_tokens"))
+            yield gauge("kv_page_size", "tokens per KV page", backend.get("page_size"))
+            yield gauge("max_seq_len", "context length (prompt + completion)", backend.get("max_seq_len"))
+            yield counter("requests", "finished requests by outcome", stats.get("requests") or {}, "outcome")
+            yield counter("rejected", "requests refused by reason", stats.get("rejected") or {}, "reason")
+            yield counter("steps", "engine steps by kind", stats.get("steps") or {}, "kind")
+            yield counter("step_seconds", "seconds spent in engine steps by kind", stats.get("step_seconds") or {},
+                          "kind")
+            pt = CounterMetricFamily("exl2_backend_prompt_tokens", "prompt tokens admitted", labels=["model"])
+            pt.add_metric([model_id], float(stats.get("prompt_tokens_total") or 0))
+            yield pt
+            gt = CounterMetricFamily("exl2_backend_generation_tokens", "tokens generated", labels=["model"])
+            gt.add_metric([model_id], float(stats.get("generation_tokens_total") or 0))
+            yield gt
+
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(_Collector())
+    return generate_latest(registry).decode()
+
+
+def _usage(item: dict) -> dict:
+    u = item.get("usage") or {}
+    p, c = int(u.get("prompt_tokens", 0)), int(u.get("completion_tokens", 0))
+    return {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c}
+
+
+def _finish(item: dict) -> str:
+    reason = item.get("finish_reason") or "stop"
+    return reason if reason in ("stop", "length") else "stop"

@@ -1,0 +1,320 @@
+"""Typed configuration and the OpenAI-compatible request/response models (pydantic v2; no torch).
+
+Requests: unknown fields are refused with a 400 naming them (as the OpenAI API does); fields the OpenAI
+client may send that we do not implement are accepted at their neutral value and refused otherwise, with
+a message naming the field. Sampler extensions that vLLM/TabbyAPI clients send through `extra_body`
+(top_k, min_p, repetition_penalty, stop_token_ids, ignore_eos) are supported.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any, Literal, Optional, Union
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+# --- server settings (decision 10) ---------------------------------------------------------------------------
+
+
+class ServeSettings(BaseModel):
+    """Everything `exl2-backend serve` / `run_server` takes. Load fields (model_dir .. cache_type) go to the
+    backend's exl2_load hook; the rest configure the host."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    model_dir: Optional[str] = None  # None: the embedded default model
+    model_id: Optional[str] = None  # name served at /v1/models; default: derived from the directory
+    device: str = "auto"
+    max_seq_len: Optional[int] = Field(default=None, ge=2)
+    cache_tokens: Optional[int] = Field(default=None, ge=16)
+    max_batch_size: int = Field(default=16, ge=1, le=1024)  # sequences decoding together (max concurrency)
+    max_chunk_size: Optional[int] = Field(default=None, ge=1)
+    page_size: Optional[int] = None
+    cache_type: Optional[str] = None
+    max_queue: int = Field(default=64, ge=0)  # requests waiting for admission before 503
+    queue_timeout_s: float = Field(default=120.0, gt=0)  # a request waiting longer than this gets 503
+    default_max_tokens: Optional[int] = Field(default=None, ge=1)  # when a request gives none: up to the context
+    host: str = "127.0.0.1"
+    port: int = Field(default=8000, ge=1024, le=65535)
+    log_level: str = "warning"
+    backend: Optional[str] = None  # pick one backend when several are installed
+
+    def load_settings(self) -> dict:
+        keys = ("model_dir", "model_id", "device", "max_seq_len", "cache_tokens", "max_batch_size", "max_chunk_size",
+                "page_size", "cache_type", "backend")
+        return {k: getattr(self, k) for k in keys if getattr(self, k) is not None}
+
+
+# --- requests -----------------------------------------------------------------------------------------------
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class StreamOptions(_Strict):
+    include_usage: bool = False
+
+
+class TextPart(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="ignore")  # e.g. "refusal": null, "audio": null echoed back by clients
+
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: Optional[Union[str, list[TextPart]]] = None
+    name: Optional[str] = None
+    tool_calls: Optional[list[Any]] = None
+    tool_call_id: Optional[str] = None
+
+    @field_validator("tool_calls")
+    @classmethod
+    def _no_tool_calls(cls, v):
+        if v:
+            raise ValueError("tool calls are not supported by this server")
+        return v
+
+    def as_template_message(self) -> dict:
+        content = self.content
+        if isinstance(content, list):
+            content = "".join(p.text for p in content)
+        role = "system" if self.role == "developer" else self.role
+        return {"role": role, "content": content or ""}
+
+
+class _SamplingRequest(_Strict):
+    """Fields shared by chat and text completions."""
+
+    model: Optional[str] = None
+    max_tokens: Optional[int] = Field(default=None, ge=1)
+    temperature: float = Field(default=1.0, ge=0)
+    top_p: float = Field(default=1.0, gt=0, le=1)
+    top_k: int = Field(default=0, ge=0)
+    min_p: float = Field(default=0.0, ge=0, le=1)
+    presence_penalty: float = Field(default=0.0, ge=-2, le=2)
+    frequency_penalty: float = Field(default=0.0, ge=-2, le=2)
+    repetition_penalty: float = Field(default=1.0, gt=0)
+    n: int = 1
+    stop: Optional[Union[str, list[str]]] = None
+    stop_token_ids: Optional[list[int]] = None
+    ignore_eos: bool = False
+    seed: Optional[int] = Field(default=None, ge=0, lt=1 << 64)
+    stream: bool = False
+    stream_options: Optional[StreamOptions] = None
+    user: Optional[str] = None
+    metadata: Optional[dict] = None
+    store: Optional[bool] = None
+    service_tier: Optional[str] = None
+    logit_bias: Optional[dict] = None
+
+    @field_validator("n")
+    @classmethod
+    def _n_is_one(cls, v: int) -> int:
+        if v != 1:
+            raise ValueError(f"only n=1 is supported (got n={v}); send separate requests for more choices")
+        return v
+
+    @field_validator("stop")
+    @classmethod
+    def _stop_list(cls, v):
+        if v is None:
+            return None
+        stops = [v] if isinstance(v, str) else list(v)
+        if len(stops) > 4:
+            raise ValueError(f"at most 4 stop sequences are allowed, got {len(stops)}")
+        if any(not s for s in stops):
+            raise ValueError("stop sequences must be non-empty strings")
+        return stops
+
+    @field_validator("logit_bias")
+    @classmethod
+    def _no_logit_bias(cls, v):
+        if v:
+            raise ValueError("logit_bias is not supported by this server")
+        return v
+
+    @field_validator("stop_token_ids")
+    @classmethod
+    def _ids(cls, v):
+        if v is not None and any(t < 0 for t in v):
+            raise ValueError("stop_token_ids must be non-negative token ids")
+        return v
+
+    def include_usage(self) -> bool:
+        return bool(self.stream_options and self.stream_options.include_usage)
+
+    def sampling_fields(self) -> dict:
+        return dict(temperature=self.temperature, top_p=self.top_p, top_k=self.top_k, min_p=self.min_p,
+                    presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty,
+                    repetition_penalty=self.repetition_penalty, seed=self.seed, stop=list(self.stop or []),
+                    stop_token_ids=list(self.stop_token_ids or []), ignore_eos=self.ignore_eos)
+
+
+class ChatCompletionRequest(_SamplingRequest):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_completion_tokens: Optional[int] = Field(default=None, ge=1)
+    logprobs: Optional[bool] = None
+    top_logprobs: Optional[int] = None
+    tools: Optional[list[Any]] = None
+    tool_choice: Optional[Union[str, dict]] = None
+    parallel_tool_calls: Optional[bool] = None
+    response_format: Optional[dict] = None
+    reasoning_effort: Optional[str] = None
+    modalities: Optional[list[str]] = None
+
+    @field_validator("logprobs")
+    @classmethod
+    def _no_logprobs(cls, v):
+        if v:
+            raise ValueError("logprobs are not supported by this server")
+        return v
+
+    @field_validator("top_logprobs")
+    @classmethod
+    def _no_top_logprobs(cls, v):
+        if v:
+            raise ValueError("top_logprobs are not supported by this server")
+        return v
+
+    @field_validator("tools")
+    @classmethod
+    def _no_tools(cls, v):
+        if v:
+            raise ValueError("tools are not supported by this server")
+        return v
+
+    @field_validator("tool_choice")
+    @classmethod
+    def _tool_choice(cls, v):
+        if v not in (None, "none", "auto"):
+            raise ValueError("tool_choice must be 'none' or 'auto': tools are not supported by this server")
+        return v
+
+    @field_validator("response_format")
+    @classmethod
+    def _response_format(cls, v):
+        if v is not None and v.get("type", "text") != "text":
+            raise ValueError(f"response_format type {v.get('type')!r} is not supported; only 'text'")
+        return v
+
+    @field_validator("modalities")
+    @classmethod
+    def _modalities(cls, v):
+        if v is not None and any(m != "text" for m in v):
+            raise ValueError("only the 'text' modality is supported")
+        return v
+
+    def limit(self) -> Optional[int]:
+        return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+
+
+class CompletionRequest(_SamplingRequest):
+    prompt: Union[str, list[str], list[int]]
+    echo: bool = False
+    logprobs: Optional[int] = None
+    suffix: Optional[str] = None
+    best_of: Optional[int] = None
+
+    @field_validator("prompt")
+    @classmethod
+    def _one_prompt(cls, v):
+        if isinstance(v, list):
+            if not v:
+                raise ValueError("prompt must not be empty")
+            if all(isinstance(x, str) for x in v):
+                if len(v) != 1:
+                    raise ValueError(f"only one prompt per request is supported (got {len(v)})")
+                v = v[0]
+            elif not all(isinstance(x, int) and not isinstance(x, bool) and x >= 0 for x in v):
+                raise ValueError("a token-id prompt must be a list of non-negative integers")
+        if isinstance(v, str) and not v:
+            raise ValueError("prompt must not be empty")
+        return v
+
+    @field_validator("echo")
+    @classmethod
+    def _no_echo(cls, v):
+        if v:
+            raise ValueError("echo is not supported by this server")
+        return v
+
+    @field_validator("logprobs")
+    @classmethod
+    def _no_logprobs(cls, v):
+        if v:
+            raise ValueError("logprobs are not supported by this server")
+        return v
+
+    @field_validator("suffix")
+    @classmethod
+    def _no_suffix(cls, v):
+        if v:
+            raise ValueError("suffix is not supported by this server")
+        return v
+
+    @field_validator("best_of")
+    @classmethod
+    def _best_of(cls, v):
+        if v not in (None, 1):
+            raise ValueError("only best_of=1 is supported")
+        return v
+
+    def limit(self) -> Optional[int]:
+        return self.max_tokens
+
+
+# --- responses ----------------------------------------------------------------------------------------------
+
+
+class UsageInfo(BaseModel):
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    total_tokens: int = 0
+
+
+class ModelCard(BaseModel):
+    id: str
+    object: Literal["model"] = "model"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    owned_by: str = "exl2_backend"
+    max_model_len: Optional[int] = None
+
+
+class ModelList(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[ModelCard]
+
+
+class ErrorBody(BaseModel):
+    message: str
+    type: str = "invalid_request_error"
+    param: Optional[str] = None
+    code: Optional[str] = None
+
+
+class ErrorResponse(BaseModel):
+    error: ErrorBody
+
+
+# --- validation helpers -------------------------------------------------------------------------------------
+
+
+def first_error(exc: ValidationError) -> tuple[str, str]:
+    """(param, message) of a pydantic error, OpenAI style: "messages.0.content: ..."."""
+    err = exc.errors()[0]
+    loc = [str(p) for p in err.get("loc", ()) if not str(p).startswith(("function-", "union["))]
+    # pydantic appends the tried union member (str, list[...]) to loc; keep the field path only
+    loc = [p for p in loc if p not in ("str", "int", "list[str]", "list[int]", "list[TextPart]")]
+    param = ".".join(loc) or "body"
+    kind = err.get("type", "")
+    msg = err.get("msg", "invalid value")
+    if kind == "extra_forbidden":
+        return param, f"Unrecognized request argument supplied: {param}"
+    if kind == "missing":
+        return param, f"{param}: this field is required"
+    msg = msg.removeprefix("Value error, ")
+    return param, f"{param}: {msg}"

@@ -1,0 +1,197 @@
+"""Build and run the LitServe server: one inference worker (= one engine) behind our OpenAI spec.
+
+`build_server(settings)` returns a `litserve.LitServer`; `run_server(...)` builds and runs it (blocking).
+`ServerProcess` starts a server in a child process on a free loopback port and waits for /health (tests,
+examples, benchmarks). No torch is imported here: the worker process loads the engine.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+from typing import Any, Optional
+
+from exl2_backend.serve.schemas import ServeSettings
+
+_LITSERVE_HOSTS = ("0.0.0.0", "127.0.0.1", "::")
+
+
+def validate_settings(data: dict) -> ServeSettings:
+    """dict -> ServeSettings; a bad value raises ConfigError naming the setting."""
+    from pydantic import ValidationError
+
+    from exl2_backend.errors import ConfigError
+    from exl2_backend.serve.schemas import first_error
+
+    try:
+        return ServeSettings.model_validate(data)
+    except ValidationError as exc:
+        param, message = first_error(exc)
+        if message.startswith("Unrecognized request argument"):
+            message = f"unknown server setting {param!r}"
+        raise ConfigError(f"server setting {message}", field=param) from None
+
+
+def _accelerator(device: str) -> tuple[str, Any]:
+    """LitServe's (accelerator, devices) for our device setting, without initialising CUDA in this process
+    (API servers are forked from it): pitfall 1/2 of host-integration.md."""
+    if device == "cpu":
+        return "cpu", 1
+    if device.startswith("cuda"):
+        index = int(device.split(":", 1)[1]) if ":" in device else 0
+        return "cuda", [index]
+    from litserve.connector import check_cuda_with_nvidia_smi
+
+    return ("cuda", 1) if check_cuda_with_nvidia_smi() > 0 else ("cpu", 1)
+
+
+def build_server(settings: ServeSettings | dict | None = None, **overrides):
+    """A LitServer serving one model with continuous batching. `overrides` are ServeSettings fields."""
+    import litserve as ls
+
+    from exl2_backend.serve.litapi import Exl2LitAPI, served_model_id
+
+    data = settings.model_dump() if isinstance(settings, ServeSettings) else dict(settings or {})
+    settings = validate_settings({**data, **overrides})
+    accelerator, devices = _accelerator(settings.device)
+    api = Exl2LitAPI(settings)
+    return ls.LitServer(
+        api,
+        accelerator=accelerator,
+        devices=devices,
+        workers_per_device=1,  # one engine per device; the engine batches (pitfall 3)
+        timeout=settings.queue_timeout_s + 30,  # LitServe's own queue: requests leave it at once (async loop)
+        model_metadata={"model": served_model_id(settings), "backend": "exl2_backend"},
+    )
+
+
+def run_server(model_dir: Optional[str] = None, host: str = "127.0.0.1", port: int = 8000,
+               cache_tokens: Optional[int] = None, max_concurrent: Optional[int] = None,
+               max_seq_len: Optional[int] = None, device: str = "auto", **settings: Any) -> None:
+    """Serve `model_dir` (None: the embedded default model) until interrupted.
+
+    max_concurrent: sequences that decode together (the engine's max_batch_size); cache_tokens bounds
+    them by KV memory as well. Other keyword arguments are ServeSettings fields."""
+    if host == "localhost":
+        host = "127.0.0.1"
+    if max_concurrent is not None:
+        settings["max_batch_size"] = max_concurrent
+    cfg = validate_settings(dict(model_dir=str(model_dir) if model_dir is not None else None, host=host, port=port,
+                                 cache_tokens=cache_tokens, max_seq_len=max_seq_len, device=device, **settings))
+    if cfg.host not in _LITSERVE_HOSTS:
+        raise ValueError(f"host must be one of {', '.join(_LITSERVE_HOSTS)} (LitServe's rule), got {cfg.host!r}")
+    server = build_server(cfg)
+    server.run(host=cfg.host, port=cfg.port, num_api_servers=1, log_level=cfg.log_level,
+               generate_client_file=False)
+
+
+# --- a server in a child process --------------------------------------------------------------------------
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+class ServerProcess:
+    """`with ServerProcess({"max_batch_size": 16}) as srv: srv.base_url` — a real server on 127.0.0.1.
+
+    The child runs in its own session; leaving the block interrupts it (SIGINT, LitServe's graceful path)
+    and kills what is left of that process group."""
+
+    def __init__(self, settings: ServeSettings | dict | None = None, *, startup_timeout: float = 600.0,
+                 env: Optional[dict] = None):
+        data = settings.model_dump() if isinstance(settings, ServeSettings) else dict(settings or {})
+        data.setdefault("host", "127.0.0.1")
+        if not data.get("port"):
+            data["port"] = free_port(data["host"])
+        self.settings = ServeSettings.model_validate(data)
+        self.startup_timeout = startup_timeout
+        self.env = env
+        self.proc: Optional[subprocess.Popen] = None
+        self.log_path: Optional[Path] = None
+
+    @property
+    def base_url(self) -> str:
+        return f"http://{self.settings.host}:{self.settings.port}"
+
+    def log_tail(self, n: int = 60) -> str:
+        if self.log_path is None or not self.log_path.exists():
+            return ""
+        return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-n:])
+
+    def start(self) -> "ServerProcess":
+        fd, path = tempfile.mkstemp(prefix="exl2-serve-", suffix=".log")
+        self.log_path = Path(path)
+        env = {**os.environ, **(self.env or {})}
+        # the child imports the same exl2_backend as this process (a checkout that was never pip-installed too)
+        root = str(Path(__file__).resolve().parents[2])
+        env["PYTHONPATH"] = os.pathsep.join([root] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p])
+        with os.fdopen(fd, "w") as log:
+            self.proc = subprocess.Popen(
+                [sys.executable, "-m", "exl2_backend.serve.server", "--settings-json",
+                 self.settings.model_dump_json()],
+                stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+        deadline = time.monotonic() + self.startup_timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"server exited with code {self.proc.returncode}:\n{self.log_tail()}")
+            try:
+                with urllib.request.urlopen(self.base_url + "/health", timeout=10) as r:
+                    if r.status == 200:
+                        return self
+            except (urllib.error.URLError, ConnectionError, OSError):
+                pass
+            time.sleep(0.5)
+        self.stop()
+        raise TimeoutError(f"server not healthy after {self.startup_timeout:.0f} s:\n{self.log_tail()}")
+
+    def stop(self, timeout: float = 20.0) -> None:
+        proc, self.proc = self.proc, None
+        if proc is None or proc.poll() is not None:
+            return
+        try:
+            os.killpg(proc.pid, signal.SIGINT)  # the group we created with start_new_session
+            proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            pass
+        except ProcessLookupError:
+            return
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        proc.wait(5)
+
+    def __enter__(self) -> "ServerProcess":
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+
+def _main(argv: Optional[list[str]] = None) -> None:
+    import argparse
+
+    p = argparse.ArgumentParser(description="run the exl2_backend OpenAI server (see `exl2-backend serve`)")
+    p.add_argument("--settings-json", required=True, help="ServeSettings as JSON")
+    args = p.parse_args(argv)
+    s = ServeSettings.model_validate(json.loads(args.settings_json))
+    if s.host not in _LITSERVE_HOSTS:
+        raise SystemExit(f"host must be one of {_LITSERVE_HOSTS}")
+    server = build_server(s)
+    server.run(host=s.host, port=s.port, num_api_servers=1, log_level=s.log_level, generate_client_file=False)
+
+
+if __name__ == "__main__":
+    _main()

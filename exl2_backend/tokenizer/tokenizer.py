@@ -1,0 +1,195 @@
+"""`Tokenizer`: a Hugging Face model directory's tokenizer, without transformers.
+
+Reads `tokenizer.json` with the `tokenizers` library, the special tokens and chat template from
+`tokenizer_config.json` (or `chat_template.jinja` / `chat_template.json`), and the end-of-sequence ids from
+`generation_config.json` and `config.json`.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from tokenizers import AddedToken
+from tokenizers import Tokenizer as _HFTokenizer
+
+from exl2_backend.errors import TokenizerError
+from exl2_backend.tokenizer.chat_template import render, select_template
+from exl2_backend.tokenizer.incremental import IncrementalDecoder
+
+_SPECIAL_NAMES = ("bos_token", "eos_token", "pad_token", "unk_token")
+# transformers' `clean_up_tokenization_spaces` rules, applied only when the config asks for them.
+_CLEANUPS = ((" .", "."), (" ?", "?"), (" !", "!"), (" ,", ","), (" ' ", "'"), (" n't", "n't"), (" 'm", "'m"),
+             (" 's", "'s"), (" 've", "'ve"), (" 're", "'re"))
+
+
+def _read_json(path: Path, required: bool = False) -> dict:
+    if not path.is_file():
+        if required:
+            raise TokenizerError(f"missing {path.name} (file {path})")
+        return {}
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise TokenizerError(f"cannot read {path.name}: {exc} (file {path})") from exc
+    if not isinstance(data, dict):
+        raise TokenizerError(f"{path.name} must hold a JSON object (file {path})")
+    return data
+
+
+def _token_text(value: Any) -> str | None:
+    """A special token as configs write it: a string, or an AddedToken dict with `content`."""
+    if isinstance(value, dict):
+        value = value.get("content")
+    return value if isinstance(value, str) else None
+
+
+def _ids(value: Any) -> list[int]:
+    if isinstance(value, int) and not isinstance(value, bool):
+        return [value]
+    if isinstance(value, list):
+        return [v for v in value if isinstance(v, int) and not isinstance(v, bool)]
+    return []
+
+
+class Tokenizer:
+    """Encode/decode, special ids and chat templating for one model directory."""
+
+    def __init__(self, backend: _HFTokenizer, config: dict | None = None, *, chat_template: Any = None,
+                 extra_eos_ids: list[int] = (), fallback_bos_id: int | None = None, source: str | None = None):
+        self._tok = backend
+        self.source = source
+        config = config or {}
+        self._add_extra_tokens(config.get("added_tokens_decoder") or {})
+        self.special_tokens: dict[str, str | None] = {n: _token_text(config.get(n)) for n in _SPECIAL_NAMES}
+        bos = self.special_tokens["bos_token"]
+        self.bos_token_id: int | None = self.token_to_id(bos) if bos else fallback_bos_id
+        eos = self.special_tokens["eos_token"]
+        pad = self.special_tokens["pad_token"]
+        self.pad_token_id: int | None = self.token_to_id(pad) if pad else None
+        eos_ids = set(extra_eos_ids)
+        if eos and self.token_to_id(eos) is not None:
+            eos_ids.add(self.token_to_id(eos))
+        self.eos_token_ids: set[int] = eos_ids
+        self.eos_token_id: int | None = self.token_to_id(eos) if eos else min(eos_ids, default=None)
+        self.add_bos_token: bool | None = config.get("add_bos_token")
+        self.clean_up_tokenization_spaces = bool(config.get("clean_up_tokenization_spaces", False))
+        self.chat_template_source = chat_template if chat_template is not None else config.get("chat_template")
+        self.special_ids: frozenset[int] = frozenset(
+            i for i, t in self._tok.get_added_tokens_decoder().items() if t.special)
+        # Does the post-processor (e.g. Llama's TemplateProcessing) already put BOS in front?
+        probe = self._tok.encode("", add_special_tokens=True).ids
+        self._post_adds_bos = bool(probe) and probe[0] == self.bos_token_id
+
+    # --- construction -------------------------------------------------------------------------------
+
+    @classmethod
+    def from_dir(cls, model_dir: str | Path) -> Tokenizer:
+        """Load `model_dir/tokenizer.json` and its companions; `TokenizerError` names any bad file."""
+        model_dir = Path(model_dir)
+        path = model_dir / "tokenizer.json"
+        if not path.is_file():
+            raise TokenizerError(f"missing tokenizer.json (file {path})")
+        try:
+            backend = _HFTokenizer.from_file(str(path))
+        except Exception as exc:  # the Rust side raises bare Exceptions for malformed JSON / models
+            raise TokenizerError(f"invalid tokenizer.json: {exc} (file {path})") from exc
+        config = _read_json(model_dir / "tokenizer_config.json")
+        template: Any = None
+        if (model_dir / "chat_template.jinja").is_file():
+            template = (model_dir / "chat_template.jinja").read_text(encoding="utf-8")
+        elif (model_dir / "chat_template.json").is_file():
+            template = _read_json(model_dir / "chat_template.json").get("chat_template")
+        gen = _read_json(model_dir / "generation_config.json")
+        model_config = _read_json(model_dir / "config.json")
+        extra_eos = _ids(gen.get("eos_token_id")) + _ids(model_config.get("eos_token_id"))
+        fallback_bos = (_ids(gen.get("bos_token_id")) or _ids(model_config.get("bos_token_id")) or [None])[0]
+        return cls(backend, config, chat_template=template, extra_eos_ids=extra_eos, fallback_bos_id=fallback_bos,
+                   source=str(model_dir))
+
+    def _add_extra_tokens(self, decoder: dict) -> None:
+        """Register tokens that `added_tokens_decoder` lists but tokenizer.json lacks (rare, older exports)."""
+        for entry in decoder.values():
+            content = _token_text(entry)
+            if content is None or self._tok.token_to_id(content) is not None:
+                continue
+            token = AddedToken(content, special=bool(entry.get("special", False)),
+                               normalized=bool(entry.get("normalized", False)), lstrip=bool(entry.get("lstrip")),
+                               rstrip=bool(entry.get("rstrip")), single_word=bool(entry.get("single_word")))
+            if token.special:
+                self._tok.add_special_tokens([token])
+            else:
+                self._tok.add_tokens([token])
+
+    # --- vocabulary ---------------------------------------------------------------------------------
+
+    @property
+    def vocab_size(self) -> int:
+        """Number of token ids, added tokens included."""
+        return self._tok.get_vocab_size(with_added_tokens=True)
+
+    def token_to_id(self, token: str) -> int | None:
+        return self._tok.token_to_id(token)
+
+    def id_to_token(self, token_id: int) -> str | None:
+        return self._tok.id_to_token(token_id)
+
+    @property
+    def backend(self) -> _HFTokenizer:
+        """The underlying `tokenizers.Tokenizer` (used by the incremental decoder)."""
+        return self._tok
+
+    # --- encode / decode ----------------------------------------------------------------------------
+
+    def encode(self, text: str, add_special_tokens: bool = True, *, add_bos: bool | None = None) -> list[int]:
+        """Token ids of `text`. Special-token text such as `<|im_start|>` maps to its id.
+
+        `add_special_tokens` runs the post-processor and honours `add_bos_token`; `add_bos` (if given)
+        forces BOS on or off regardless.
+        """
+        if not isinstance(text, str):
+            raise TokenizerError(f"encode expects a str, got {type(text).__name__}")
+        ids = self._tok.encode(text, add_special_tokens=add_special_tokens).ids
+        want_bos = add_bos if add_bos is not None else (self.add_bos_token if add_special_tokens else None)
+        has_bos = bool(ids) and ids[0] == self.bos_token_id
+        if want_bos is True and not has_bos and self.bos_token_id is not None:
+            ids.insert(0, self.bos_token_id)
+        elif want_bos is False and has_bos and add_special_tokens and self._post_adds_bos:
+            ids.pop(0)  # the post-processor's BOS, which the config (or caller) turned off
+        return ids
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        text = self._tok.decode(list(ids), skip_special_tokens=skip_special_tokens)
+        if self.clean_up_tokenization_spaces:
+            for old, new in _CLEANUPS:
+                text = text.replace(old, new)
+        return text
+
+    def incremental_decoder(self, skip_special_tokens: bool = True) -> IncrementalDecoder:
+        """A fresh streaming decoder for one sequence."""
+        return IncrementalDecoder(self._tok, skip_special_tokens=skip_special_tokens, special_ids=self.special_ids)
+
+    # --- chat ---------------------------------------------------------------------------------------
+
+    @property
+    def has_chat_template(self) -> bool:
+        return self.chat_template_source is not None
+
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True, *,
+                            template_name: str | None = None, **kwargs: Any) -> str:
+        """Render the chat template (transformers' `tokenize=False` output). Extra kwargs (tools, ...) reach it."""
+        source = select_template(self.chat_template_source, template_name)
+        if source is None:
+            raise TokenizerError(f"this model has no chat template (tokenizer_config.json in {self.source})")
+        return render(source, messages, add_generation_prompt=add_generation_prompt,
+                      special_tokens=self.special_tokens, **kwargs)
+
+    def encode_chat(self, messages: list[dict], add_generation_prompt: bool = True, **kwargs: Any) -> list[int]:
+        """Ids of the rendered chat. Templates usually write BOS themselves, so BOS is only added when the
+        model wants one and the rendering does not already start with it."""
+        ids = self.encode(self.apply_chat_template(messages, add_generation_prompt, **kwargs), add_special_tokens=False)
+        wants_bos = self.add_bos_token is True or (self.add_bos_token is None and self._post_adds_bos)
+        if wants_bos and self.bos_token_id is not None and (not ids or ids[0] != self.bos_token_id):
+            ids.insert(0, self.bos_token_id)
+        return ids

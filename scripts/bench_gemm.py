@@ -1,0 +1,187 @@
+"""Benchmark the EXL2 GEMM kernels on the GPU and print a table (JSON to $OUT/bench_gemm.json when set).
+
+Per shape: fused kernel time for M = 1..32 (CUDA-graph replay, rotating through enough weight copies that L2
+cannot serve them), GB/s over packed weights + activations + output, % of the read bandwidth measured in the
+same run (torch.sum over 4 GB), cuBLAS fp16 GEMV on a dense weight of the same shape, and dequant + cuBLAS
+times up to large M for the crossover.
+
+Usage: PYTHONPATH=. python3 scripts/bench_gemm.py [--quick]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import statistics
+
+import torch
+
+from exl2_backend.format.layout import QuantOption
+from exl2_backend.format.qtensor import QTensor
+from exl2_backend.format.random_model import random_linear_tensors
+from exl2_backend.ops import cuda_quant
+
+L2_BYTES = 60 << 20
+SHAPES = [  # (name, K, N, option)
+    ("gate/up 4096x14336", 4096, 14336, "4:1@128"),
+    ("gate/up 4096x14336", 4096, 14336, "5:0.1@128 4:0.9@128"),
+    ("down 14336x4096", 14336, 4096, "8:0.05@32 4:0.95@128"),
+    ("q/o 4096x4096", 4096, 4096, "4:1@128"),
+    ("k/v 4096x1024", 4096, 1024, "4:1@128"),
+]
+WIDTHS = ["2:1@128", "3:1@128", "6:1@128", "8:1@128"]  # 4096x14336, M = 1
+FUSED_M = [1, 2, 4, 8, 16, 32]
+DEQ_M = [1, 8, 16, 32, 64, 128, 256]
+
+
+def qtensor(k: int, n: int, option: str, seed: int, device) -> QTensor:
+    t = random_linear_tensors("w", k, n, QuantOption.parse(option), torch.Generator().manual_seed(seed))
+    return QTensor(key="w", q_weight=t["w.q_weight"].to(device), q_scale=t["w.q_scale"].to(device),
+                   q_scale_max=t["w.q_scale_max"].to(device), q_groups=t["w.q_groups"].to(device),
+                   q_invperm=t["w.q_invperm"].to(device), out_features=n)
+
+
+def graph_time_us(calls, reps: int = 20) -> float:
+    """Median µs per call: all `calls` captured once in a CUDA graph, the graph replayed `reps` times."""
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        for c in calls:
+            c()
+    torch.cuda.current_stream().wait_stream(s)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        for c in calls:
+            c()
+    g.replay()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(reps):
+        e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        e0.record()
+        g.replay()
+        e1.record()
+        e1.synchronize()
+        times.append(e0.elapsed_time(e1) * 1000 / len(calls))
+    return statistics.median(times)
+
+
+def read_bandwidth() -> float:
+    x = torch.empty(1 << 31, dtype=torch.float16, device="cuda").uniform_(-1, 1)  # 4 GB
+    times = []
+    for _ in range(12):
+        e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        e0.record()
+        torch.sum(x)
+        e1.record()
+        e1.synchronize()
+        times.append(e0.elapsed_time(e1) / 1000)
+    bw = x.numel() * 2 / statistics.median(times[2:]) / 1e9
+    del x
+    torch.cuda.empty_cache()
+    return bw
+
+
+def copies_for(nbytes: int) -> int:
+    return max(2, min(64, math.ceil(3 * L2_BYTES / nbytes)))
+
+
+def bench_shape(name, k, n, option, bw, ms_fused, ms_deq, rows, seed=0):
+    qt = qtensor(k, n, option, seed, "cuda")
+    base = cuda_quant.prepare_linear([qt], "cuda")
+    p = base.launch.parts[0]
+    wbytes = p.packed.numel() * 4 + p.scales.numel() * 4 + p.maxf.numel() * 4
+    bpw = p.packed.numel() * 32 / (k * p.Np)
+    ops = [base] + [cuda_quant.clone_for_bench(base) for _ in range(copies_for(wbytes) - 1)]
+    dense = [torch.randn(n, k, device="cuda").half() for _ in range(copies_for(n * k * 2))]
+    res = {"shape": name, "K": k, "N": n, "option": option, "bpw": round(bpw, 3), "fused": {}, "dequant": {},
+           "cublas": {}, "ksplit": {}}
+    for m in ms_fused + [mm for mm in ms_deq if mm not in ms_fused]:
+        x = torch.randn(m, k, device="cuda").half()
+        io = m * k * 2 + m * n * 2
+        if m in ms_fused:
+            t = graph_time_us([(lambda o=o: o(x)) for o in ops])
+            res["fused"][m] = t
+            res["ksplit"][m] = base.launch.plan(m).ksplit
+            gbs = (wbytes + io) / t / 1e3
+            tc = graph_time_us([(lambda w=w: x @ w.t()) for w in dense])
+            res["cublas"][m] = tc
+            rows.append([name, option, f"{bpw:.2f}", m, f"{t:.2f}", f"{gbs:.0f}", f"{100 * gbs / bw:.1f}",
+                         f"{tc:.2f}", f"{(n * k * 2 + io) / tc / 1e3:.0f}", base.launch.plan(m).ksplit])
+        if m in ms_deq:
+            res["dequant"][m] = graph_time_us([(lambda o=o: o._dequant_matmul(x)) for o in ops[:2]], reps=10)
+    cross = next((m for m in ms_deq if m in res["fused"] and res["dequant"][m] < res["fused"][m]), None)
+    res["crossover_first_M_where_dequant_wins"] = cross
+    del ops, dense
+    torch.cuda.empty_cache()
+    return res
+
+
+def sweep_blocks_per_sm(bw, k, n, option) -> dict:
+    out = {}
+    saved = dict(cuda_quant.BLOCKS_PER_SM)
+    for per_sm in (2, 4, 6):
+        cuda_quant.BLOCKS_PER_SM.update({1: per_sm})
+        qt = qtensor(k, n, option, 1, "cuda")
+        base = cuda_quant.prepare_linear([qt], "cuda")
+        p = base.launch.parts[0]
+        wbytes = p.packed.numel() * 4 + p.scales.numel() * 4
+        ops = [base] + [cuda_quant.clone_for_bench(base) for _ in range(copies_for(wbytes) - 1)]
+        x = torch.randn(1, k, device="cuda").half()
+        t = graph_time_us([(lambda o=o: o(x)) for o in ops])
+        out[per_sm] = {"us": t, "pct": 100 * wbytes / t / 1e3 / bw, "ksplit": base.launch.plan(1).ksplit}
+        del ops
+    cuda_quant.BLOCKS_PER_SM.update(saved)
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--quick", action="store_true", help="fewer shapes and M values")
+    args = ap.parse_args()
+    torch.manual_seed(0)
+    bw = read_bandwidth()
+    print(f"read bandwidth (torch.sum over 4 GB fp16): {bw:.0f} GB/s", flush=True)
+    rows, results = [], []
+    shapes = SHAPES[:1] + SHAPES[2:4] if args.quick else SHAPES
+    for name, k, n, opt in shapes:
+        results.append(bench_shape(name, k, n, opt, bw, FUSED_M, DEQ_M if not args.quick else [1, 16, 32, 64], rows))
+        print(f"done {name} {opt}", flush=True)
+    for opt in WIDTHS:
+        results.append(bench_shape("width 4096x14336", 4096, 14336, opt, bw, [1], [], rows))
+    sweep = {f"{n}x{k}": sweep_blocks_per_sm(bw, k, n, opt) for _, k, n, opt in (SHAPES[0], SHAPES[2])}
+    qkv = bench_qkv(bw)
+    head = ["shape", "option", "bpw", "M", "fused us", "GB/s", "% read bw", "cuBLAS fp16 us", "cuBLAS GB/s", "ksplit"]
+    widths = [max(len(str(r[i])) for r in rows + [head]) for i in range(len(head))]
+    print("\n" + "  ".join(h.ljust(w) for h, w in zip(head, widths)))
+    for r in rows:
+        print("  ".join(str(c).ljust(w) for c, w in zip(r, widths)))
+    print("\ncrossover (first M where dequant+cuBLAS beats the fused kernel):")
+    for r in results:
+        if r["dequant"]:
+            d = ", ".join(f"M={m}: fused {r['fused'].get(m, float('nan')):.1f} / deq {t:.1f}" for m, t in r["dequant"].items())
+            print(f"  {r['shape']} {r['option']}: {r['crossover_first_M_where_dequant_wins']}   ({d})")
+    print("\nblocks/SM sweep at M=1:", json.dumps(sweep))
+    print("q/k/v fused vs separate (M=1, us):", json.dumps(qkv))
+    out = os.environ.get("OUT")
+    if out:
+        with open(os.path.join(out, "bench_gemm.json"), "w") as f:
+            json.dump({"read_bw_gbs": bw, "results": results, "sweep": sweep, "qkv": qkv}, f, indent=1)
+
+
+def bench_qkv(bw) -> dict:
+    qs = [qtensor(4096, n, "4:1@128", i, "cuda") for i, n in enumerate((4096, 1024, 1024))]
+    fused = cuda_quant.prepare_linear(qs, "cuda")
+    sep = [cuda_quant.prepare_linear([q], "cuda") for q in qs]
+    x = torch.randn(1, 4096, device="cuda").half()
+    f_ops = [fused] + [cuda_quant.clone_for_bench(fused) for _ in range(5)]
+    s_ops = [sep] + [[cuda_quant.clone_for_bench(o) for o in sep] for _ in range(5)]
+    tf = graph_time_us([(lambda o=o: o(x)) for o in f_ops])
+    ts = graph_time_us([(lambda ss=ss: [o(x) for o in ss]) for ss in s_ops])
+    return {"fused": tf, "separate": ts}
+
+
+if __name__ == "__main__":
+    main()

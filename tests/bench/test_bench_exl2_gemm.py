@@ -1,0 +1,46 @@
+"""pytest-benchmark suite for the fused EXL2 GEMM at M = 1 (GPU only; tests/conftest.py marks bench/ as cuda).
+
+Each benchmarked call replays a CUDA graph of one kernel per weight copy (copies rotate through more bytes than
+L2 holds) and synchronizes; extra_info carries µs per kernel and GB/s. scripts/bench_gemm.py has the full table.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+SHAPES = [(4096, 14336, "4:1@128"), (14336, 4096, "8:0.05@32 4:0.95@128"), (4096, 4096, "5:0.1@128 4:0.9@128")]
+
+
+@pytest.mark.parametrize("k,n,option", SHAPES)
+def test_bench_fused_gemv(benchmark, k, n, option):
+    from exl2_backend.ops import cuda_quant
+    from tests.helpers.synth import random_qtensor
+    from tests.kernels.test_exl2_dequant import _to_cuda
+
+    base = cuda_quant.prepare_linear([_to_cuda(random_qtensor("w", k, n, option, seed=0))], "cuda")
+    p = base.launch.parts[0]
+    nbytes = p.packed.numel() * 4 + p.scales.numel() * 4
+    ops = [base] + [cuda_quant.clone_for_bench(base) for _ in range(max(1, (180 << 20) // nbytes))]
+    x = torch.randn(1, k, device="cuda").half()
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        for o in ops:
+            o(x)
+    torch.cuda.current_stream().wait_stream(s)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        for o in ops:
+            o(x)
+    e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+
+    def run():
+        e0.record()
+        g.replay()
+        e1.record()
+        e1.synchronize()
+        return e0.elapsed_time(e1) * 1000 / len(ops)
+
+    us = benchmark(run)
+    benchmark.extra_info.update({"us_per_kernel": us, "gb_per_s": nbytes / us / 1e3, "ksplit": base.launch.plan(1).ksplit})

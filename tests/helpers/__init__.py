@@ -1,0 +1,1 @@
+"""Test helpers shared across the suite (synthetic tensors, configs and model directories)."""

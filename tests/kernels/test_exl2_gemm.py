@@ -1,0 +1,264 @@
+"""exl2_gemm (CUDA): fused kernel for M <= 32, dequant + cuBLAS above, against the reference.
+
+Tolerance rule (tests.helpers.tolerances.assert_close_rel): with ref = float64 x @ W (W = the bit-exact
+reference dequantization) + bias,  max|out - ref| <= 2 * max|fp16 torch.matmul(x, W) (+ bias) - ref| + 2e-3.
+The fused kernel sums exact fp16 products of (q - z) and x in fp32 per group and scales in fp32, so its only
+fp16 rounding is the output; the factor 2 leaves room for the weight rounding it skips.
+A CPU test replays the kernel's split-K / group-flush schedule in float64 on the packed layout.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from exl2_backend.errors import TensorShapeError
+from exl2_backend.ops import reference
+from exl2_backend.ops.cuda_quant import PackedQ, pack_qtensor
+from tests.helpers.tolerances import assert_close_rel
+from tests.kernels.test_exl2_dequant import ALL_WIDTHS, _to_cuda, emulate_qz, make_qt, unit_scales
+
+SMALL_M = [1, 2, 3, 7, 8, 16, 17, 31, 32]
+LARGE_M = [33, 64, 200]
+
+
+# --- CPU: the kernel's K schedule (split ranges, group flushes, fixed-order split sum) in float64 -------------
+
+
+def _split_ranges(pq: PackedQ, ksplit: int) -> list[tuple[int, int]]:
+    """Python copy of exl2_quant.cuh split_range: equal shares of sum(chunks * bits)."""
+    total = sum((ce - cs) * b for b, cs, ce, _ in pq.runs)
+
+    def chunk_at(target):
+        acc = 0
+        for b, cs, ce, _ in pq.runs:
+            if target < acc + (ce - cs) * b:
+                return cs + -(-(target - acc) // b)
+            acc += (ce - cs) * b
+        return pq.C
+
+    return [(chunk_at(total * s // ksplit), chunk_at(total * (s + 1) // ksplit)) for s in range(ksplit)]
+
+
+def emulate_gemm(pq: PackedQ, x: np.ndarray, ksplit: int) -> np.ndarray:
+    qz = emulate_qz(pq).astype(np.float64)  # [Kpad, Np]
+    scales = unit_scales(pq).astype(np.float64)  # [units, Np]
+    xmap = pq.xmap.numpy().view(np.uint16).astype(np.int64)
+    xs = np.where(xmap != 0xFFFF, x[:, np.minimum(xmap, x.shape[1] - 1)], 0.0)  # [M, Kpad]
+    info = pq.info.numpy().view(np.uint32).astype(np.int64)
+    y = np.zeros((x.shape[0], pq.Np))
+    for c0, c1 in _split_ranges(pq, ksplit):
+        acc = np.zeros_like(y)
+        cg = np.zeros_like(y)
+        flushed = True
+        for c in range(c0, c1):
+            for u in range(2):
+                rows = slice(c * 64 + 32 * u, c * 64 + 32 * u + 32)
+                cg += xs[:, rows] @ qz[rows]
+                flushed = bool((info[c] >> (30 + u)) & 1)
+                if flushed:
+                    acc += cg * scales[2 * c + u]
+                    cg[:] = 0
+        if not flushed:
+            acc += cg * scales[2 * c1 - 1]
+        y += acc
+    return y
+
+
+@pytest.mark.parametrize("ksplit", [1, 3, 7])
+def test_split_schedule_matches_reference_cpu(ksplit):
+    qt = make_qt(ALL_WIDTHS, 64, seed=ksplit)
+    pq = pack_qtensor(qt, "cpu")
+    x = np.random.default_rng(ksplit).standard_normal((3, pq.K))
+    ref = x @ reference.exl2_dequant(qt).double().numpy()
+    got = emulate_gemm(pq, x, ksplit)
+    # the reference rounds each weight to fp16, the kernel schedule does not: a few fp16 ulps of the weights
+    assert np.abs(got - ref).max() <= 1e-3 * np.abs(ref).max()
+
+
+def test_split_ranges_cover_every_chunk_cpu():
+    pq = pack_qtensor(make_qt([(8, 32)] * 5 + [(4, 128)] * 9 + [(2, 64)], 32, seed=1), "cpu")
+    for ks in range(1, pq.C + 1):
+        r = _split_ranges(pq, ks)
+        assert r[0][0] == 0 and r[-1][1] == pq.C and all(a[1] == b[0] for a, b in zip(r, r[1:]))
+
+
+# --- CUDA -------------------------------------------------------------------------------------------------
+
+
+def _ref(x: torch.Tensor, qt) -> tuple[torch.Tensor, torch.Tensor]:
+    """(float64 reference, fp16 torch matmul of the same dequantized weight), both [M, N] (+ bias)."""
+    n = qt.out_features
+    w = reference.exl2_dequant(qt)[:, :n].to(x.device)  # [K, N] fp16
+    ref = x.double() @ w.double()
+    same = x @ w
+    if qt.bias is not None:
+        ref = ref + qt.bias[:n].double().to(x.device)
+        same = same + qt.bias[:n].to(x.device)
+    return ref, same
+
+
+def _x(m: int, k: int, seed: int) -> torch.Tensor:
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    return torch.randn(m, k, generator=g, device="cuda").half()
+
+
+@pytest.fixture(scope="module")
+def layouts():
+    from tests.helpers.synth import random_qtensor
+
+    return {
+        "mixed": _to_cuda(make_qt(ALL_WIDTHS, 1000, seed=5, bias=True)),
+        "down": _to_cuda(random_qtensor("down", 2048, 1024, "8:0.05@32 4:0.95@128", seed=1)),
+        "mlp5": _to_cuda(random_qtensor("up", 1024, 4097, "5:0.1@128 4:0.9@128", seed=2)),
+        "odd": _to_cuda(make_qt([(6, 32), (3, 64)], 100, seed=6)),
+    }
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("m", SMALL_M + LARGE_M)
+@pytest.mark.parametrize("name", ["mixed", "down", "mlp5", "odd"])
+def test_gemm_against_reference(layouts, name, m):
+    from exl2_backend.ops import cuda_quant
+
+    qt = layouts[name]
+    x = _x(m, qt.in_features, seed=m)
+    out = cuda_quant.exl2_gemm(x, qt)
+    ref, same = _ref(x, qt)
+    assert out.shape == (m, qt.out_features) and out.dtype == torch.float16
+    assert_close_rel(out, ref, same, msg=f"{name} M={m}")
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("bits", [2, 3, 4, 5, 6, 8])
+@pytest.mark.parametrize("m", [1, 8, 32])
+def test_gemm_each_width(bits, m):
+    from exl2_backend.ops import cuda_quant
+
+    qt = _to_cuda(make_qt([(bits, 128)] * 6 + [(bits, 32)], 512, seed=bits * 100 + m, bias=bits == 5))
+    x = _x(m, qt.in_features, seed=bits)
+    ref, same = _ref(x, qt)
+    assert_close_rel(cuda_quant.exl2_gemm(x, qt), ref, same, msg=f"{bits}-bit M={m}")
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("per_sm", [0, 4, 64])  # ksplit from 1 (whole K per block) to one chunk per split
+def test_gemm_split_factors(monkeypatch, per_sm):
+    from exl2_backend.ops import cuda_quant
+
+    monkeypatch.setattr(cuda_quant, "BLOCKS_PER_SM", {t: per_sm for t in range(1, 5)})
+    qt = _to_cuda(make_qt([(8, 32)] * 3 + [(5, 128)] * 4 + [(4, 128)] * 8, 384, seed=per_sm, bias=True))
+    op = cuda_quant.prepare_linear([qt], "cuda")
+    for m in (1, 9, 32):
+        x = _x(m, qt.in_features, seed=m)
+        ref, same = _ref(x, qt)
+        assert_close_rel(op(x), ref, same, msg=f"per_sm={per_sm} ksplit={op.launch.plan(m).ksplit} M={m}")
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("m", [1, 5, 32, 64])
+def test_fused_qkv_matches_separate(m):
+    from exl2_backend.ops import cuda_quant
+    from tests.helpers.synth import random_qtensor
+
+    q, k, v = (_to_cuda(random_qtensor(n, 1024, o, opt, seed=i, bias=True)) for i, (n, o, opt) in enumerate(
+        [("q", 1024, "4:1@128"), ("k", 256, "6:1@128"), ("v", 256, "8:0.05@32 4:0.95@128")]))
+    op = cuda_quant.prepare_linear([q, k, v], "cuda")
+    assert op.splits == [1024, 256, 256] and op.out_features == 1536
+    x = _x(m, 1024, seed=m)
+    fused = op(x)
+    parts = [cuda_quant.exl2_gemm(x, t) for t in (q, k, v)]
+    sep = torch.cat(parts, dim=1)
+    # split-K factors differ between one fused launch and three separate ones: compare at fp16 ulp level
+    torch.testing.assert_close(fused, sep, atol=2e-3, rtol=2e-3)
+    for t, got in zip((q, k, v), fused.split(op.splits, dim=1)):
+        ref, same = _ref(x, t)
+        assert_close_rel(got, ref, same, msg=f"fused part {t.key}")
+
+
+@pytest.mark.cuda
+def test_gemm_deterministic():
+    from exl2_backend.ops import cuda_quant
+
+    qt = _to_cuda(make_qt([(8, 32)] * 4 + [(4, 128)] * 15, 2048, seed=9))
+    op = cuda_quant.prepare_linear([qt], "cuda")
+    assert op.launch.plan(4).ksplit > 1
+    for m in (1, 4, 24):
+        x = _x(m, qt.in_features, seed=m)
+        first = op(x)
+        for _ in range(3):
+            assert torch.equal(op(x), first)
+
+
+@pytest.mark.cuda
+def test_gemm_cuda_graph_replay():
+    from exl2_backend.ops import cuda_quant
+
+    qt = _to_cuda(make_qt([(6, 128)] * 4 + [(4, 128)] * 4, 1536, seed=4, bias=True))
+    op = cuda_quant.prepare_linear([qt], "cuda")
+    x = _x(3, qt.in_features, seed=1)
+    eager = op(x)
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        op(x)  # warm-up off the capture
+    torch.cuda.current_stream().wait_stream(s)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        y = op(x)
+    x2 = _x(3, qt.in_features, seed=2)
+    for _ in range(3):
+        g.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(y, eager)
+    x.copy_(x2)
+    g.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(y, op(x2))
+
+
+@pytest.mark.cuda
+def test_gemm_opcheck():
+    from exl2_backend.ops import cuda_quant
+
+    qt = _to_cuda(make_qt([(8, 32), (4, 128), (4, 128)], 200, seed=8, bias=True))
+    op = cuda_quant.prepare_linear([qt], "cuda")
+    ws = op.workspace
+    for m in (1, 17):
+        x = _x(m, qt.in_features, seed=m)
+        args = (x, op.launch.parts[0].packed, op.launch.handle, ws.ws, ws.counters)
+        torch.library.opcheck(torch.ops.exl2_backend.exl2_gemm.default, args)
+
+
+@pytest.mark.cuda
+def test_gemm_torch_compile():
+    from exl2_backend.ops import cuda_quant
+
+    qt = _to_cuda(make_qt([(4, 128)] * 4, 256, seed=12))
+    op = cuda_quant.prepare_linear([qt], "cuda")
+    x = _x(2, qt.in_features, seed=3)
+    compiled = torch.compile(lambda t: op(t) * 2, backend="aot_eager", fullgraph=True)
+    assert torch.equal(compiled(x), op(x) * 2)
+
+
+@pytest.mark.cuda
+def test_gemm_bad_inputs():
+    from exl2_backend.ops import cuda_quant
+
+    qt = _to_cuda(make_qt([(4, 128)] * 2, 64, seed=1))
+    op = cuda_quant.prepare_linear([qt], "cuda")
+    x = _x(2, 256, seed=0)
+    with pytest.raises(TensorShapeError):
+        op(x.float())  # dtype
+    with pytest.raises(TensorShapeError):
+        op(x[:, :128])  # K
+    with pytest.raises(TensorShapeError):
+        op(x.cpu())  # device
+    with pytest.raises(TensorShapeError):
+        cuda_quant.exl2_gemm(x.cpu(), qt)
+    with pytest.raises(TensorShapeError):
+        torch.ops.exl2_backend.exl2_gemm(_x(33, 256, 0), op.launch.parts[0].packed, op.launch.handle,
+                                         op.workspace.ws, op.workspace.counters)  # fused kernel is M <= 32
+    assert op(x[:0]).shape == (0, 64)
+    assert op(x.reshape(2, 1, 256)).shape == (2, 1, 64)

@@ -1,0 +1,162 @@
+"""GPU sampler (csrc/layers/sampling.cu, ops/cuda_layers.sample_tokens) against reference.sample_tokens.
+
+Tolerance: exact token ids given the same uniforms. Greedy is exact by construction (ties -> lowest id, NaN is
+the largest, as torch.argmax). Sampled rows can only differ where two race scores p_i / -log(u_i) agree to
+within a few ulps, because the kernel sums the softmax in a different order and evaluates exp/log correctly
+rounded (torch's fp32 exp/log may be 1 ulp off); for random inputs that happens about once per 10^6 draws,
+so these tests expect exact equality.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from exl2_backend.ops import reference
+from exl2_backend.sampling import SamplingParams
+from tests.helpers.tolerances import assert_exact
+
+pytestmark = pytest.mark.cuda
+
+DEV = "cuda"
+VOCABS = [1000, 2048, 2049, 32000, 128256]
+
+
+def cl():
+    from exl2_backend.ops import cuda_layers
+
+    return cuda_layers
+
+
+def uniforms(b, v, seed):
+    g = torch.Generator(device=DEV).manual_seed(seed)
+    return 1.0 - torch.rand(b, v, generator=g, device=DEV)
+
+
+def same_as_reference(logits, params, u, msg=""):
+    got = cl().sample_tokens(logits, params, u)
+    want = reference.sample_tokens(logits, params, u)
+    assert got.device == logits.device and got.dtype == torch.int64
+    assert_exact(got, want, msg)
+    return got
+
+
+@pytest.mark.parametrize("v", VOCABS)
+def test_greedy(v):
+    b = 16
+    logits = torch.randn(b, v, device=DEV) * 4
+    logits[0, 5] = logits[0, v - 1] = 100.0  # tie across chunks -> lowest id
+    logits[1, v - 1] = 100.0  # max in the last, partial chunk
+    logits[2, :] = -float("inf")  # all -inf -> id 0, as torch.argmax
+    got = same_as_reference(logits, [SamplingParams.greedy()] * b, uniforms(b, v, 1), f"greedy V={v}")
+    assert_exact(got, torch.argmax(logits, -1))
+    assert got[0].item() == 5 and got[1].item() == v - 1 and got[2].item() == 0
+
+
+def test_greedy_nan_is_largest():
+    logits = torch.randn(2, 5000, device=DEV)
+    logits[0, 3000] = float("nan")
+    logits[1, 10] = logits[1, 4000] = float("nan")
+    got = cl().sample_tokens_tensor(logits, uniforms(2, 5000, 0), torch.zeros(2, device=DEV))
+    assert got.tolist() == torch.argmax(logits, -1).tolist() == [3000, 10]
+
+
+@pytest.mark.parametrize("v", VOCABS)
+@pytest.mark.parametrize("temperature", [0.3, 1.0, 1.7])
+def test_temperature(v, temperature):
+    b = 32
+    logits = torch.randn(b, v, device=DEV) * 3
+    same_as_reference(logits, [SamplingParams(temperature=temperature)] * b, uniforms(b, v, 2), f"T={temperature}")
+
+
+@pytest.mark.parametrize("v", [2049, 32000, 128256])
+def test_mixed_batch_with_filters(v):
+    params = [
+        SamplingParams.greedy(),
+        SamplingParams(temperature=0.8),
+        SamplingParams(temperature=0.8, top_k=40),
+        SamplingParams(temperature=1.0, top_p=0.9),
+        SamplingParams(temperature=1.2, min_p=0.05),
+        SamplingParams(temperature=0.7, top_k=50, top_p=0.95, min_p=0.02),
+        SamplingParams(temperature=1.0, top_k=1),
+        SamplingParams(temperature=1.0, top_k=v + 5),  # >= V: off
+    ] * 4
+    logits = torch.randn(len(params), v, device=DEV) * 3
+    for seed in range(3):
+        same_as_reference(logits, params, uniforms(len(params), v, 10 + seed), f"mixed seed={seed}")
+
+
+def test_ties_and_u_equal_one():
+    v = 6000
+    logits = torch.zeros(3, v, device=DEV)  # equal p everywhere
+    u = uniforms(3, v, 4) * 0.99
+    u[0, 10] = u[0, 5000] = 0.9999999  # equal best race in two chunks -> lowest id
+    u[1, 7] = u[1, 8] = 0.9999999
+    u[2, 123] = 1.0  # -log(1) = -0.0: p / -0 = -inf, so this token can never win (as the reference)
+    u[2, 124] = 0.9999999
+    got = same_as_reference(logits, [SamplingParams(temperature=1.0)] * 3, u, "ties")
+    assert got.tolist() == [10, 7, 124]
+
+
+def test_uniforms_none_uses_global_rng():
+    logits = torch.randn(4, 3000, device=DEV)
+    torch.manual_seed(5)
+    got = cl().sample_tokens(logits, [SamplingParams()] * 4)
+    torch.manual_seed(5)
+    assert_exact(got, reference.sample_tokens(logits, [SamplingParams()] * 4))
+
+
+def test_no_host_sync():
+    logits = torch.randn(8, 32000, device=DEV)
+    u = uniforms(8, 32000, 6)
+    params = [SamplingParams(temperature=0.9)] * 4 + [SamplingParams(top_p=0.9)] * 4
+    cl().sample_tokens(logits, params, u)  # warm-up: pinned-memory pool, library load
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        cl().sample_tokens_tensor(logits, u, torch.full((8,), 0.9, device=DEV))
+        cl().sample_tokens(logits, params, u)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+
+
+def test_cuda_graph_replay():
+    b, v = 4, 128256
+    logits = torch.randn(b, v, device=DEV)
+    u = uniforms(b, v, 7)
+    temp = torch.tensor([0.0, 0.5, 1.0, 1.5], device=DEV)
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        cl().sample_tokens_tensor(logits, u, temp)
+    torch.cuda.current_stream().wait_stream(s)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        out = cl().sample_tokens_tensor(logits, u, temp)
+    for seed in range(3):
+        logits.copy_(torch.randn_like(logits) * 3)
+        u.copy_(uniforms(b, v, 20 + seed))
+        g.replay()
+        torch.cuda.synchronize()
+        assert_exact(out, cl().sample_tokens_tensor(logits, u, temp), f"replay {seed}")
+        params = [SamplingParams(temperature=float(t)) for t in temp.tolist()]
+        assert_exact(out, reference.sample_tokens(logits, params, u), f"replay vs reference {seed}")
+
+
+def test_apply_penalties_matches_reference():
+    b, v = 3, 1000
+    logits = torch.randn(b, v, device=DEV)
+    pc = torch.randint(0, 3, (b, v), device=DEV)
+    oc = torch.randint(0, 3, (b, v), device=DEV)
+    params = [SamplingParams(repetition_penalty=1.3, frequency_penalty=0.5, presence_penalty=0.2), SamplingParams(),
+              SamplingParams(repetition_penalty=0.8)]
+    assert_exact(cl().apply_penalties(logits, pc, oc, params), reference.apply_penalties(logits, pc, oc, params))
+
+
+def test_opcheck():
+    logits = torch.randn(3, 3000, device=DEV)
+    u = uniforms(3, 3000, 8)
+    temp = torch.tensor([0.0, 1.0, 0.7], device=DEV)
+    op = torch.ops.exl2_backend.sample_tokens.default
+    torch.library.opcheck(op, (logits, u, temp))
+    torch.library.opcheck(op, (logits, u, temp, torch.softmax(logits, -1)))

@@ -1,0 +1,212 @@
+"""Broken model directories: each fails with one typed error that names the file and tensor (or field)."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from exl2_backend.errors import (
+    ConfigError,
+    CorruptFileError,
+    MissingTensorError,
+    ModelDirectoryError,
+    ModelFormatError,
+    NonFiniteScaleError,
+    TensorShapeError,
+    UnsupportedBitWidthError,
+    UnsupportedModelError,
+)
+from exl2_backend.format.config import SUPPORTED_ARCHITECTURES, ModelConfig
+from exl2_backend.format.reader import load_weights
+from tests.helpers.synth import tiny_config_dict, write_tiny_exl2_model, write_tiny_fp16_model
+
+Q = "model.layers.0.self_attn.q_proj"  # option "3:0.05@64 2:0.95@64" on K=128: q_groups [3, 0, 2, 6]
+
+
+@pytest.fixture(scope="module")
+def base(tmp_path_factory):
+    return write_tiny_exl2_model(tmp_path_factory.mktemp("base") / "m", tiny_config_dict(), seed=0)
+
+
+@pytest.fixture
+def model(base, tmp_path):
+    d = tmp_path / "m"
+    shutil.copytree(base, d)
+    return d
+
+
+def _shard(d):
+    return d / "output.safetensors"
+
+
+def _mutate(d, fn):
+    t = load_file(str(_shard(d)))
+    fn(t)
+    save_file(t, str(_shard(d)))
+
+
+def _load(d):
+    return load_weights(d, ModelConfig.from_dir(d))
+
+
+def _expect(d, exc, tensor):
+    with pytest.raises(exc) as e:
+        _load(d)
+    assert e.value.tensor == tensor, str(e.value)
+    assert e.value.path is not None and str(e.value.path) in str(e.value) and tensor in str(e.value)
+    return e.value
+
+
+def test_base_model_is_valid(base):
+    _load(base)
+    assert load_file(str(_shard(base)))[f"{Q}.q_groups"].tolist() == [3, 0, 2, 6]
+
+
+def test_truncated_file(model):
+    data = _shard(model).read_bytes()
+    _shard(model).write_bytes(data[:-100])
+    with pytest.raises(CorruptFileError) as e:
+        _load(model)
+    assert e.value.path == str(_shard(model)) and e.value.tensor is not None and "truncated" in str(e.value)
+
+
+def test_garbage_header(model):
+    _shard(model).write_bytes((40).to_bytes(8, "little") + b"\x89PNG garbage garbage garbage garbage!!" + b"\0" * 64)
+    with pytest.raises(CorruptFileError) as e:
+        _load(model)
+    assert e.value.path == str(_shard(model)) and "JSON" in str(e.value)
+
+
+def test_header_length_beyond_file(model):
+    data = bytearray(_shard(model).read_bytes())
+    data[:8] = (len(data) * 2).to_bytes(8, "little")
+    _shard(model).write_bytes(bytes(data))
+    with pytest.raises(CorruptFileError) as e:
+        _load(model)
+    assert e.value.path == str(_shard(model)) and "exceeds" in str(e.value)
+
+
+@pytest.mark.parametrize("name", [f"{Q}.q_scale", "model.layers.1.mlp.up_proj.q_invperm", "model.norm.weight",
+                                  "model.embed_tokens.weight"])
+def test_missing_tensor(model, name):
+    _mutate(model, lambda t: t.pop(name))
+    e = _expect(model, MissingTensorError, name)
+    assert e.path == str(model)
+
+
+def test_missing_linear_and_head(model):
+    _mutate(model, lambda t: [t.pop(k) for k in list(t) if k.startswith("lm_head.")])
+    _expect(model, MissingTensorError, "lm_head.weight")
+
+
+@pytest.mark.parametrize("name,fn", [
+    ("q_weight", lambda x: x[:, :-32]),  # wrong padded width
+    ("q_scale", lambda x: x[:, :-1]),
+    ("q_scale_max", lambda x: x[:-1]),
+    ("q_invperm", lambda x: x[:-32]),
+    ("q_invperm", lambda x: torch.zeros_like(x)),  # not a permutation
+    ("q_scale_max", lambda x: x.float()),  # wrong dtype
+])
+def test_misshaped_exl2_tensors(model, name, fn):
+    def mutate(t):
+        t[f"{Q}.{name}"] = fn(t[f"{Q}.{name}"]).contiguous()
+
+    _mutate(model, mutate)
+    _expect(model, TensorShapeError, f"{Q}.{name}")
+
+
+def test_in_features_mismatch(model):
+    def mutate(t):  # swap q_proj for down_proj's tensors (K = 256 instead of 128, same N)
+        for n in ("q_weight", "q_scale", "q_scale_max", "q_groups", "q_invperm"):
+            t[f"{Q}.{n}"] = t[f"model.layers.0.mlp.down_proj.{n}"].clone()
+
+    _mutate(model, mutate)
+    _expect(model, TensorShapeError, f"{Q}.q_groups")
+
+
+def test_nan_scale_max(model):
+    def mutate(t):
+        t[f"{Q}.q_scale_max"][1] = float("nan")
+
+    _mutate(model, mutate)
+    _expect(model, NonFiniteScaleError, f"{Q}.q_scale_max")
+
+
+@pytest.mark.parametrize("groups", [[7, 0, 2, 6], [2, 0, 3, 4]])  # width 7; widths increasing (2 then 3)
+def test_bad_group_widths(model, groups):
+    def mutate(t):
+        t[f"{Q}.q_groups"] = torch.tensor(groups, dtype=torch.int16)
+
+    _mutate(model, mutate)
+    _expect(model, UnsupportedBitWidthError, f"{Q}.q_groups")
+
+
+def test_embedding_and_dense_shapes(tmp_path):
+    d = write_tiny_fp16_model(tmp_path / "f", tiny_config_dict(), seed=0)
+    t = load_file(str(_shard(d)))
+    t["model.layers.0.mlp.gate_proj.weight"] = t["model.layers.0.mlp.gate_proj.weight"][:, :64].contiguous()
+    save_file(t, str(_shard(d)))
+    _expect(d, TensorShapeError, "model.layers.0.mlp.gate_proj.weight")
+    t["model.layers.0.mlp.gate_proj.weight"] = torch.zeros(256, 128, dtype=torch.float16)
+    t["model.embed_tokens.weight"] = t["model.embed_tokens.weight"][:299].contiguous()
+    save_file(t, str(_shard(d)))
+    _expect(d, TensorShapeError, "model.embed_tokens.weight")
+
+
+def test_unexpected_bias(model):
+    def mutate(t):
+        t["model.layers.0.self_attn.o_proj.bias"] = torch.zeros(128, dtype=torch.float16)
+
+    _mutate(model, mutate)
+    e = _expect(model, ModelFormatError, "model.layers.0.self_attn.o_proj.bias")
+    assert "does not expect" in str(e)
+
+
+def test_missing_expected_bias(model):
+    cfg = json.loads((model / "config.json").read_text())
+    cfg["architectures"] = ["Qwen2ForCausalLM"]
+    (model / "config.json").write_text(json.dumps(cfg))
+    e = _expect(model, ModelFormatError, f"{Q}.bias")
+    assert "expects" in str(e)
+
+
+@pytest.mark.parametrize("field", ["rms_norm_eps", "hidden_size"])
+def test_config_missing_field(model, field):
+    cfg = json.loads((model / "config.json").read_text())
+    del cfg[field]
+    (model / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ConfigError) as e:
+        ModelConfig.from_dir(model)
+    assert e.value.field == field and str(model / "config.json") in str(e.value)
+
+
+def test_config_invalid_json(model):
+    (model / "config.json").write_text('{"hidden_size": 128,')
+    with pytest.raises(ConfigError) as e:
+        ModelConfig.from_dir(model)
+    assert e.value.path == str(model / "config.json")
+
+
+def test_unsupported_architecture(model):
+    cfg = json.loads((model / "config.json").read_text())
+    cfg["architectures"] = ["FalconForCausalLM"]
+    (model / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(UnsupportedModelError) as e:
+        ModelConfig.from_dir(model)
+    assert "FalconForCausalLM" in str(e.value) and all(a in str(e.value) for a in SUPPORTED_ARCHITECTURES)
+
+
+def test_directory_without_config_or_weights(model):
+    cfg = ModelConfig.from_dir(model)
+    (model / "config.json").unlink()
+    with pytest.raises(ModelDirectoryError) as e:
+        ModelConfig.from_dir(model)
+    assert "config.json" in str(e.value)
+    _shard(model).unlink()
+    with pytest.raises(ModelDirectoryError) as e:
+        load_weights(model, cfg)
+    assert e.value.path == str(model)

@@ -1,0 +1,217 @@
+"""LlamaModel vs transformers: tiny random Llama / Mistral / Qwen2 models saved as FP16 safetensors dirs, and
+the real SmolLM2 default model (FP16 and EXL2).
+
+Tolerances (all fp32 on CPU, both sides reading the same fp16 weights):
+- tiny models: max |ours - transformers| < 1e-4 on every logit (only summation order differs);
+- SmolLM2 FP16: max |ours - transformers| < 2e-3 * max |transformers logits|;
+- SmolLM2 EXL2 vs FP16: every dequantized weight within half its group's largest scale (+ fp16 eps) of the
+  FP16 source, and top-1 agreement > 0.9 of the next-token predictions on an English paragraph.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from exl2_backend.model import LlamaModel
+from exl2_backend.runtime.model_runner import ModelRunner
+
+TINY_ATOL = 1e-4
+CLIP_SCALES = 2.0  # clipped weights: error bound in units of the group's largest scale
+PAGE = 8  # small pages so a 20-token prompt spans several, non-contiguous ones
+
+PARAGRAPH = (
+    "The history of the printing press begins in the fifteenth century, when Johannes Gutenberg combined "
+    "movable metal type, oil-based ink and a wooden press adapted from those used to make wine. Books, which "
+    "had been copied by hand for centuries, could now be produced quickly and cheaply, and within fifty years "
+    "presses were operating in more than two hundred cities across Europe."
+)
+
+
+def _tiny_dir(tmp_path, kind: str):
+    """A random tiny model of `kind`, saved as FP16 safetensors; returns (dir, transformers fp32 model)."""
+    from transformers import (LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM, Qwen2Config,
+                              Qwen2ForCausalLM)
+
+    common = dict(vocab_size=300, hidden_size=64, intermediate_size=160, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=2, max_position_embeddings=512, rms_norm_eps=1e-5)
+    if kind == "llama3":
+        rope = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
+                "high_freq_factor": 4.0, "original_max_position_embeddings": 64}
+        cfg, cls = LlamaConfig(**common, rope_parameters=rope, tie_word_embeddings=False), LlamaForCausalLM
+    elif kind == "linear":
+        rope = {"rope_type": "linear", "rope_theta": 10000.0, "factor": 4.0}
+        cfg, cls = LlamaConfig(**common, rope_parameters=rope, tie_word_embeddings=False), LlamaForCausalLM
+    elif kind == "tied":
+        cfg = LlamaConfig(**{**common, "num_attention_heads": 6, "num_key_value_heads": 3, "hidden_size": 96},
+                          tie_word_embeddings=True)
+        cls = LlamaForCausalLM
+    elif kind == "mistral":
+        cfg, cls = MistralConfig(**common, sliding_window=None, tie_word_embeddings=False), MistralForCausalLM
+    elif kind == "qwen2":
+        cfg, cls = Qwen2Config(**common, tie_word_embeddings=False), Qwen2ForCausalLM
+    else:
+        raise ValueError(kind)
+    torch.manual_seed(1234)
+    model = cls(cfg).eval()
+    with torch.no_grad():  # larger-than-init weights so the logits (and any mistake) are not tiny
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.copy_(1.0 + 0.2 * torch.randn_like(p))
+            elif name.endswith("bias"):
+                p.copy_(0.5 * torch.randn_like(p))
+            else:
+                p.copy_(torch.randn_like(p) / p.shape[-1] ** 0.5)
+    d = tmp_path / kind
+    model.half().save_pretrained(d, safe_serialization=True)
+    ref = cls.from_pretrained(d, dtype=torch.float32, attn_implementation="eager").eval()
+    return d, ref
+
+
+def _run(model: LlamaModel, prompts: list[list[int]], chunked: bool, page: int = PAGE) -> torch.Tensor:
+    """Our logits for every prompt position, [B, T, V]: whole prompt in one forward, or one token per step."""
+    b, t = len(prompts), len(prompts[0])
+    per_seq = -(-t // page)
+    cache = model.make_cache(b * per_seq + 1, page)
+    # Interleaved, reversed page ids: sequence i owns pages b*per_seq - i - j*b (never contiguous).
+    tables = [[b * per_seq - i - j * b for j in range(per_seq)] for i in range(b)]
+    runner = ModelRunner(model, cache, per_seq)
+    if chunked:
+        return runner.run(prompts, [0] * b, tables, logits="all")
+    steps = [runner.run([[p[i]] for p in prompts], [i] * b, tables, logits="all") for i in range(t)]
+    return torch.cat(steps, dim=1)
+
+
+@pytest.mark.parametrize("kind", ["llama3", "linear", "tied", "mistral", "qwen2"])
+def test_tiny_parity_with_transformers(tmp_path, kind):
+    d, ref = _tiny_dir(tmp_path, kind)
+    ours = LlamaModel.from_dir(d, "cpu")
+    assert ours.dtype == torch.float32  # CPU computes in fp32
+    if kind == "tied":
+        assert ours.lm_head is None
+    if kind == "qwen2":
+        assert ours.layers[0].qkv.bias is not None
+    g = torch.Generator().manual_seed(7)
+    prompts = torch.randint(0, 300, (2, 21), generator=g)
+    with torch.no_grad():
+        expected = ref(prompts).logits.float()  # [B, T, V]
+    for chunked in (True, False):
+        got = _run(ours, prompts.tolist(), chunked)
+        assert got.shape == expected.shape and got.dtype == torch.float32
+        diff = (got - expected).abs().max().item()
+        assert diff < TINY_ATOL, f"{kind} chunked={chunked}: max abs diff {diff:.2e} (logit scale " \
+                                 f"{expected.abs().max().item():.2f})"
+    # logits="last" is the last row of "all"
+    last = _run(ours, prompts.tolist()[:1], chunked=True)[:, -1]
+    cache = ours.make_cache(4, PAGE)
+    runner = ModelRunner(ours, cache, 4)
+    assert torch.allclose(runner.run(prompts.tolist()[:1], [0], [[0, 1, 2]]), last, atol=1e-5, rtol=0)
+
+
+def test_padded_head_sliced_to_vocab(tmp_path):
+    """A head wider than vocab_size (padded quantized heads) never yields logits past vocab_size."""
+    d, _ = _tiny_dir(tmp_path, "llama3")
+    ours = LlamaModel.from_dir(d, "cpu")
+    before = _run(ours, [[1, 2, 3]], chunked=True)
+    w = torch.cat([ours.lm_head.weight_t, torch.randn(64, 20) * 100], dim=1)  # 20 bogus padding columns
+    ours.lm_head.weight_t, ours.lm_head.out_features = w, w.shape[1]
+    after = _run(ours, [[1, 2, 3]], chunked=True)
+    assert after.shape[-1] == 300
+    assert torch.equal(after, before)
+
+
+# --- the real default model ------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def smol(default_fp16_dir):
+    from exl2_backend.tokenizer import Tokenizer
+
+    tok = Tokenizer.from_dir(default_fp16_dir)
+    ids = tok.encode(PARAGRAPH)
+    assert 50 < len(ids) < 200
+    return tok, ids
+
+
+@pytest.mark.slow
+def test_smollm2_fp16_matches_transformers(default_fp16_dir, smol):
+    from transformers import LlamaForCausalLM
+
+    _, ids = smol
+    ref = LlamaForCausalLM.from_pretrained(default_fp16_dir, dtype=torch.float32, attn_implementation="eager")
+    with torch.no_grad():
+        expected = ref(torch.tensor([ids])).logits.float()  # [1, T, V]
+    del ref
+    ours = LlamaModel.from_dir(default_fp16_dir, "cpu")
+    got = _run(ours, [ids], chunked=True, page=16)
+    scale = expected.abs().max().item()
+    diff = (got - expected).abs().max().item()
+    assert diff < 2e-3 * scale, f"max abs diff {diff:.3e} vs logit scale {scale:.1f}"
+    assert torch.equal(got.argmax(-1), expected.argmax(-1))
+
+
+def rtn_excess(w: torch.Tensor, qt) -> tuple[float, float]:
+    """How far the dequantized `qt` strays outside round-to-nearest bounds around w [K, N] (<= 0: inside).
+
+    Per element with column scale s (fp16, as the format computes it) and integer code q:
+    - codes strictly inside [-2^(b-1), 2^(b-1) - 1]: |w - dq| <= s/2 (rounding to nearest);
+    - otherwise only clipping is allowed (the scale search of format doc d.5 stretches scales by 0.70-1.20,
+      so it may clip outliers): q is an extreme code, w lies beyond dq, and |w - dq| <= CLIP_SCALES times the
+      largest scale of the group (a sanity bound; the default model's worst case is about 1.2).
+    Slack: fp16 rounding of dq and s (2^-10 relative) and of subnormals (2^-24). Returns the worst excess
+    of each rule in units of the element's scale."""
+    from exl2_backend import ops
+    from exl2_backend.format.packing import unpack_scales
+
+    n = qt.out_features
+    dq = ops.exl2_dequant(qt).float()[:, :n]  # [K, N]
+    codes = unpack_scales(qt.q_scale)[:, :n]  # [G, N]
+    max16 = (qt.q_scale_max.float() / 256).half().float()  # [G]
+    scale = (((codes + 1) ** 2).half().float() * max16[:, None]).half().float()  # [G, N]
+    row_group = torch.empty(qt.in_features, dtype=torch.long)
+    bits = torch.empty(qt.in_features)
+    for g, gr in enumerate(qt.groups):
+        row_group[gr.row_start : gr.row_start + gr.rows] = g
+        bits[gr.row_start : gr.row_start + gr.rows] = gr.bits
+    stored = qt.q_invperm.long()  # original row i is stored at q_invperm[i]
+    s = scale[row_group[stored]]  # [K, N]
+    half_range = 2 ** (bits[stored] - 1)[:, None]  # [K, 1]
+    q = torch.round(dq / s)
+    extreme = (q <= -half_range) | (q >= half_range - 1)
+    slack = (s / 2 + dq.abs()) * 2**-10 + 2**-24
+    err = (w - dq).abs()
+    over = err > s / 2 + slack  # not round-to-nearest: allowed only as clipping
+    outward = torch.sign(w - dq) == torch.sign(dq)  # the source value lies beyond the extreme code
+    bad = over & ~(extreme & outward)
+    inner = ((err - s / 2 - slack) / s)[bad]
+    gmax = scale.max(dim=1).values[row_group[stored]][:, None].expand_as(s)  # [K, N]
+    outer = ((err - CLIP_SCALES * gmax - slack) / s)[over & ~bad]
+    return (inner.max().item() if inner.numel() else -1.0), (outer.max().item() if outer.numel() else -1.0)
+
+
+@pytest.mark.slow
+def test_smollm2_exl2_weights_within_rtn_bound(default_fp16_dir, default_model_dir):
+    from exl2_backend.format.config import ModelConfig
+    from exl2_backend.format.reader import load_weights
+
+    cfg = ModelConfig.from_dir(default_fp16_dir)
+    fp16 = load_weights(default_fp16_dir, cfg)
+    q = load_weights(default_model_dir, ModelConfig.from_dir(default_model_dir))
+    names = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+    checked = 0
+    for lw_f, lw_q in zip(fp16.layers, q.layers):
+        for n in names:
+            inner, outer = rtn_excess(getattr(lw_f, n).weight.float().t(), getattr(lw_q, n))
+            assert inner <= 0, f"{getattr(lw_q, n).key}: rounding error exceeds s/2 by {inner:.3f} s"
+            assert outer <= 0, f"{getattr(lw_q, n).key}: clipping error exceeds the group's max scale"
+            checked += 1
+    assert checked == 7 * cfg.num_hidden_layers
+
+
+@pytest.mark.slow
+def test_smollm2_exl2_logits_close_to_fp16(default_fp16_dir, default_model_dir, smol):
+    _, ids = smol
+    ref = _run(LlamaModel.from_dir(default_fp16_dir, "cpu"), [ids], chunked=True, page=16)
+    got = _run(LlamaModel.from_dir(default_model_dir, "cpu"), [ids], chunked=True, page=16)
+    agree = (got.argmax(-1) == ref.argmax(-1)).float().mean().item()
+    assert agree > 0.9, f"top-1 agreement {agree:.3f}"

@@ -51,23 +51,32 @@ def gencode_flags(archs: str) -> list[str]:
 class CudaLibraryBuild(build_ext):
     """Builds the single CUDA library with nvcc; skipped cleanly (with a message) when nvcc is absent."""
 
+    def finalize_options(self) -> None:
+        super().finalize_options()
+        reason = self._skip_reason()
+        if reason is not None:
+            # Dropping the extension keeps setuptools from looking for a library that was never built.
+            print(f"exl2_backend: {reason}; skipping the CUDA library (reference ops only)")
+            self.extensions = []
+
+    @staticmethod
+    def _skip_reason() -> str | None:
+        if os.environ.get("EXL2_BACKEND_NO_CUDA") == "1":
+            return "EXL2_BACKEND_NO_CUDA=1"
+        if find_nvcc() is None:
+            return "nvcc not found"
+        if not any((ROOT / "csrc").rglob("*.cu")):
+            return "no CUDA sources in csrc/"
+        return None
+
     def get_ext_filename(self, fullname: str) -> str:
         # A plain name, no Python ABI tag: the library does not depend on the interpreter.
         return os.path.join(*fullname.split(".")) + ".so"
 
     def build_extension(self, ext: Extension) -> None:
         out = Path(self.get_ext_fullpath(ext.name))
-        if os.environ.get("EXL2_BACKEND_NO_CUDA") == "1":
-            print("exl2_backend: EXL2_BACKEND_NO_CUDA=1, skipping the CUDA library (reference ops only)")
-            return
         nvcc = find_nvcc()
-        if nvcc is None:
-            print("exl2_backend: nvcc not found, skipping the CUDA library (reference ops only)")
-            return
         sources = sorted(str(p) for p in (ROOT / "csrc").rglob("*.cu"))
-        if not sources:
-            print("exl2_backend: no CUDA sources in csrc/, nothing to build")
-            return
         archs = os.environ.get("EXL2_BACKEND_CUDA_ARCHS", "80;86;89;90a")
         build_dir = Path(self.build_temp) / "csrc"
         build_dir.mkdir(parents=True, exist_ok=True)

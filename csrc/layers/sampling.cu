@@ -2,7 +2,7 @@
 //
 // Semantics (ops/reference_sampling.py): temperature 0 -> argmax(logits), ties to the lowest id (NaN counts as
 // the largest, as torch.argmax). Otherwise p = softmax(logits / T) (or the given filtered probabilities) and
-// token = argmax p_i / -log(u_i), with p = 0 scoring -1 and ties to the lowest id.
+// token = argmax p_i / max(-log(u_i), 2^-25), with p = 0 scoring -1 and ties to the lowest id.
 //
 // Grid (chunks of CHUNK tokens, B). Each CTA reduces its chunk to (local max, local sum of exp, best candidate
 // under the local normalization, which orders tokens like the global one), writes that partial, and the last
@@ -77,9 +77,10 @@ __device__ __forceinline__ float block_max(float v, float* scratch) {
 
 __device__ __forceinline__ float exp_f(float x) { return (float)exp((double)x); }
 
-// race score of probability-like weight p against uniform u, as `p / -log(u)`, p = 0 -> -1
+// race score of probability-like weight p against uniform u: p / max(-log(u), 2^-25), p = 0 -> -1
+// (u = 1 gives -log(u) = -0.0, which the clamp turns into 2^-25, as the reference's clamp_min)
 __device__ __forceinline__ float race(float p, float u) {
-  const float e = -(float)log((double)u);  // -0.0 at u = 1: p / -0 = -inf, exactly as torch
+  const float e = fmaxf(-(float)log((double)u), 0x1p-25f);
   return p > 0.f ? __fdiv_rn(p, e) : -1.f;
 }
 

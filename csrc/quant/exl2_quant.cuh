@@ -107,9 +107,19 @@ __device__ __forceinline__ uint32_t shr(uint32_t x) {
   else return x;
 }
 
+// (a & b) | c in one LOP3: with b and c in registers (a LOP3 takes one immediate, so C++ `(a & m) | k` would
+// cost two). The INT pipe (half the FP rate) is this kernel's tightest resource.
+__device__ __forceinline__ uint32_t and_or(uint32_t a, uint32_t b, uint32_t c) {
+  uint32_t r;
+  asm("lop3.b32 %0, %1, %2, %3, 0xEA;" : "=r"(r) : "r"(a), "r"(b), "r"(c));
+  return r;
+}
+
 constexpr int main_words(int b) { return b == 8 ? 8 : (b >= 4 ? 4 : 2); }
 
 // Pair P of one n-tile as half2 (q - z): exact small integers. w = the lane's b words of that n-tile.
+// A field at bit offset o of each half becomes fp16 1024 + 2^o q after OR-ing in the exponent of 1024
+// (needs o + width <= 10); an HFMA2 by 2^-o then removes both the offset and the zero point.
 template <int B, int P>
 __device__ __forceinline__ uint32_t pair_qz(const uint32_t* w) {
   constexpr uint32_t kMagic = 0x64006400u;  // fp16 1024.0 in both halves
@@ -119,23 +129,27 @@ __device__ __forceinline__ uint32_t pair_qz(const uint32_t* w) {
   } else if constexpr (B == 4) {
     uint32_t word = w[P >> 2];
     if constexpr ((P & 3) >= 2) word >>= 8;
-    if constexpr ((P & 1) == 0) return h2sub((word & 0x000F000Fu) | kMagic, 0x64086408u);
-    else return h2fma((word & 0x00F000F0u) | kMagic, 0x2C002C00u, 0xD480D480u);  // (1024+16q)/16 - 72
+    if constexpr ((P & 1) == 0) return h2sub(and_or(word, 0x000F000Fu, kMagic), 0x64086408u);
+    else return h2fma(and_or(word, 0x00F000F0u, kMagic), 0x2C002C00u, 0xD480D480u);  // (1024+16q)/16 - 72
   } else if constexpr (B == 2) {
-    return h2sub(((w[P >> 3] >> (2 * (P & 7))) & 0x00030003u) | kMagic, 0x64026402u);
+    constexpr int o = 2 * (P & 3);
+    uint32_t word = w[P >> 3];
+    if constexpr ((P & 7) >= 4) word >>= 8;
+    const uint32_t v = and_or(word, 0x00030003u << o, kMagic);
+    if constexpr (o == 0) return h2sub(v, 0x64026402u);
+    else if constexpr (o == 2) return h2fma(v, 0x34003400u, 0xDC08DC08u);  // /4 - 258
+    else if constexpr (o == 4) return h2fma(v, 0x2C002C00u, 0xD420D420u);  // /16 - 66
+    else return h2fma(v, 0x24002400u, 0xCC80CC80u);                        // /64 - 18
   } else if constexpr (B == 6) {
-    uint32_t lo = ((w[P >> 2] >> (4 * (P & 3))) & 0x000F000Fu) | kMagic;
-    uint32_t hi = shr<2 * (P & 7) - 4>(w[4 + (P >> 3)]) & 0x00300030u;
-    return h2sub(lo | hi, 0x64206420u);
+    uint32_t lo = and_or(w[P >> 2] >> (4 * (P & 3)), 0x000F000Fu, kMagic);
+    return h2sub(and_or(shr<2 * (P & 7) - 4>(w[4 + (P >> 3)]), 0x00300030u, lo), 0x64206420u);
   } else if constexpr (B == 5) {
-    uint32_t lo = ((w[P >> 2] >> (4 * (P & 3))) & 0x000F000Fu) | kMagic;
-    uint32_t hi = shr<P - 4>(w[4]) & 0x00100010u;
-    return h2sub(lo | hi, 0x64106410u);
+    uint32_t lo = and_or(w[P >> 2] >> (4 * (P & 3)), 0x000F000Fu, kMagic);
+    return h2sub(and_or(shr<P - 4>(w[4]), 0x00100010u, lo), 0x64106410u);
   } else {  // 3
     static_assert(B == 3, "bit width");
-    uint32_t lo = ((w[P >> 3] >> (2 * (P & 7))) & 0x00030003u) | kMagic;
-    uint32_t hi = shr<P - 2>(w[2]) & 0x00040004u;
-    return h2sub(lo | hi, 0x64046404u);
+    uint32_t lo = and_or(w[P >> 3] >> (2 * (P & 7)), 0x00030003u, kMagic);
+    return h2sub(and_or(shr<P - 2>(w[2]), 0x00040004u, lo), 0x64046404u);
   }
 }
 

@@ -20,7 +20,7 @@ def add_serve_parser(subparsers) -> argparse.ArgumentParser:
                    help="KV cache size in tokens, shared by all running sequences")
     p.add_argument("--max-batch-size", type=int, default=16, help="most sequences decoding together")
     p.add_argument("--max-chunk-size", type=int, default=None, help="prompt tokens per prefill step")
-    p.add_argument("--max-queue", type=int, default=64, help="requests waiting for admission before 503")
+    p.add_argument("--max-queue", type=int, default=64, help="requests that may wait (beyond free batch slots) before 503")
     p.add_argument("--model-id", default=None, help="name served at /v1/models (default: the directory name)")
     p.add_argument("--log-level", default="warning", choices=["debug", "info", "warning", "error"])
     p.set_defaults(func=run_serve)

@@ -8,6 +8,7 @@ so a 70B-shaped directory needs only a few GB of RAM.
 
 from __future__ import annotations
 
+import itertools
 import json
 import math
 import zlib
@@ -28,6 +29,7 @@ from exl2_backend.format.writer import (
     make_quantization_config,
     plan_shards,
     shard_file_names,
+    spec_nbytes,
     write_config,
     write_safetensors,
 )
@@ -101,10 +103,7 @@ def random_linear_tensors(key: str, k: int, n: int, option: QuantOption, gen: to
     # Scale so weights have rms ~ 1/sqrt(K): activations stay O(1) through many layers (no fp16 overflow).
     z = torch.tensor([1 << (b - 1) for b, _ in layout], dtype=torch.float32)
     smax = torch.empty(len(layout)).uniform_(0.7, 1.4, generator=gen) * 3.6 / (z * math.sqrt(k))
-    qrow, q_groups = 0, []
-    for bits, rows in layout:
-        q_groups += [bits, qrow]
-        qrow += rows * bits // 32
+    q_groups = [v for (bits, _), off in zip(layout, itertools.accumulate([0] + qrows)) for v in (bits, off)]
     out = {
         f"{key}.q_weight": q_weight,  # int32 [sum qrows, Np]
         f"{key}.q_scale": q_scale,  # int32 [G, Np/8]
@@ -169,13 +168,23 @@ def _plan(config: ModelConfig, bpw: float, head_bits: int) -> list[tuple[list[Te
     return plan
 
 
+def _config_dict(shape: str | dict) -> dict:
+    return {**_DEFAULTS, **(SHAPES[shape] if isinstance(shape, str) else shape)}
+
+
+def estimate_bytes(shape: str | dict, bpw: float = 4.0, head_bits: int = 6) -> int:
+    """Tensor bytes write_random_exl2_model would write (e.g. to check disk space first)."""
+    plan = _plan(ModelConfig.from_dict(_config_dict(shape)), bpw, head_bits)
+    return sum(spec_nbytes(spec) for specs, _ in plan for spec in specs)
+
+
 def write_random_exl2_model(out_dir: str | Path, shape: str | dict, bpw: float = 4.0, head_bits: int = 6,
                             seed: int = 0, tokenizer_from: str | Path | None = None, *,
                             shard_mb: float = 8192) -> Path:
     """Write a loadable EXL2 directory of the given shape (a SHAPES name or config fields) with random values."""
     if head_bits not in HEAD_OPTIONS:
         raise ValueError(f"head_bits must be one of {sorted(HEAD_OPTIONS)}")
-    cfg_dict = {**_DEFAULTS, **(SHAPES[shape] if isinstance(shape, str) else shape)}
+    cfg_dict = _config_dict(shape)
     if tokenizer_from is not None and (Path(tokenizer_from) / "config.json").is_file():
         src = json.loads((Path(tokenizer_from) / "config.json").read_text())
         cfg_dict.update({k: src[k] for k in ("bos_token_id", "eos_token_id") if k in src})

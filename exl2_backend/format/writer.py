@@ -62,7 +62,7 @@ def plan_shards(specs: Sequence[TensorSpec], shard_mb: float) -> list[list[Tenso
     shards: list[list[TensorSpec]] = [[]]
     size = 0
     for spec in specs:
-        nbytes = _nbytes(spec)
+        nbytes = spec_nbytes(spec)
         if shards[-1] and size + nbytes > limit:
             shards.append([])
             size = 0
@@ -77,7 +77,7 @@ def write_safetensors(path: Path, specs: Sequence[TensorSpec], produce: Callable
     for name, dtype, shape in specs:
         if dtype not in WRITABLE_DTYPES:
             raise ModelFormatError(f"dtype {dtype} cannot be written (allowed: I32, I16, F16, BF16, F32)", tensor=name)
-        nbytes = _nbytes((name, dtype, shape))
+        nbytes = spec_nbytes((name, dtype, shape))
         header[name] = {"dtype": WRITABLE_DTYPES[dtype], "shape": list(shape),
                         "data_offsets": [offset, offset + nbytes]}
         offset += nbytes
@@ -170,7 +170,7 @@ def write_model_dir(
     return Path(out_dir)
 
 
-def _nbytes(spec: TensorSpec) -> int:
+def spec_nbytes(spec: TensorSpec) -> int:
     _, dtype, shape = spec
     n = 1
     for s in shape:

@@ -12,6 +12,8 @@ Extras beyond the reference signatures, for the model and engine:
   paged_attention(..., num_splits=0)                        0 = automatic split of the context
   sample_tokens_tensor(logits, uniforms, temperature, probs=None) -> int64 [B]   graph-capturable sampler
   sampling_param_tensors(params, vocab, device), filtered_probs(...), apply_penalties(...)
+  direct.<op>                                               the same implementations without the custom-op
+                                                            dispatcher (~20-25 us less per eager call)
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ import contextlib
 import functools
 import logging
 import math
+import types
 
 import torch
 
@@ -46,10 +49,12 @@ _SIGNATURES = {
     "exl2_sample_tokens": (PTR, I64, PTR, I64, PTR, I64, PTR, PTR, PTR, PTR, I64, I64, STREAM),
 }
 
-# paged attention: rows of a CTA tile and keys one split may hold (csrc/layers/paged_attention.cu)
-_ATTN_MIN_SPLIT = 32  # keys; short contexts are not cut finer than this
+# Paged attention tuning, from the H200 sweep of scripts/bench_attention.py (2026-11-29, GQA 32/8, D=128, B=1):
+# 4 CTAs per SM was best at 8k and 32k; splits shorter than 64 keys lost at 2k (33 splits of 64 keys: 649 GB/s,
+# 64 of 32: 570); 8 key steps in flight (flags bit 0) gained 4-7% at 8k/32k/B=16 and lost 4% at 512.
+_ATTN_MIN_SPLIT = 64  # keys; short contexts are not cut finer than this
 _ATTN_CTAS_PER_SM = 4  # automatic split: aim for this many CTAs per multiprocessor
-_ATTN_FLAGS = 0  # bit 0: 8 key steps in flight per thread instead of 4 (row tiles <= 4)
+_ATTN_FLAGS = 1  # bit 0: 8 key steps in flight per thread instead of 4 (row tiles <= 4)
 _SAMPLE_CHUNK = 2048  # tokens per CTA of the sampling kernel (csrc/layers/sampling.cu CHUNK)
 
 
@@ -59,6 +64,21 @@ def _attn_row_tile(rows: int) -> int:
 
 def _attn_keys_max(row_tile: int) -> int:
     return 1024 if row_tile <= 8 else 512
+
+
+# The op implementations as plain functions: the same code the custom ops run, without the dispatcher's
+# ~20-25 us per call, for eager hot paths (prefill); the custom ops are what torch.compile traces.
+direct = types.SimpleNamespace()
+
+
+def _op(name: str, mutates: tuple[str, ...] = ()):
+    """Register `fn` as the custom op exl2_backend::<name> and keep the plain function in `direct`."""
+
+    def wrap(fn):
+        setattr(direct, fn.__name__, fn)
+        return torch.library.custom_op(f"exl2_backend::{name}", fn, mutates_args=mutates)
+
+    return wrap
 
 
 @functools.cache
@@ -146,7 +166,7 @@ def _norm_launch(x2, res2, weight, out2, resout2, eps):
                   _stream(x2))
 
 
-@torch.library.custom_op("exl2_backend::rms_norm", mutates_args=())
+@_op("rms_norm")
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """x [..., H], weight [H] -> [..., H] in x.dtype (fp32 math)."""
     _check("rms_norm", "x", x)
@@ -164,7 +184,7 @@ def _(x, weight, eps):
     return torch.empty_like(x, memory_format=torch.contiguous_format)
 
 
-@torch.library.custom_op("exl2_backend::add_rms_norm", mutates_args=())
+@_op("add_rms_norm")
 def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
     """-> (rms_norm(x + residual), x + residual), the sum rounded to x.dtype first (as the reference)."""
     _check("add_rms_norm", "x", x)
@@ -188,7 +208,7 @@ def _(x, residual, weight, eps):
         x, memory_format=torch.contiguous_format)
 
 
-@torch.library.custom_op("exl2_backend::add_rms_norm_", mutates_args=("residual",))
+@_op("add_rms_norm_", ("residual",))
 def add_rms_norm_(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """residual <- x + residual (in place, rounded to its dtype); returns rms_norm(residual)."""
     _check("add_rms_norm_", "x", x, dtypes=_HALF)
@@ -240,7 +260,7 @@ def _rope_launch(q_in, q_out, k_in, k_out, pos, inv):
               _DTYPE_CODES[q_in.dtype], _stream(q_in))
 
 
-@torch.library.custom_op("exl2_backend::apply_rope", mutates_args=())
+@_op("apply_rope")
 def apply_rope(x: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor) -> torch.Tensor:
     """x [T, Hx, D], positions [T] int64, inv_freq [D/2] fp32 -> [T, Hx, D] (NeoX half rotation)."""
     pos, inv = _rope_inputs("apply_rope", x, positions, inv_freq)
@@ -257,7 +277,7 @@ def _(x, positions, inv_freq):
     return torch.empty(x.shape, dtype=x.dtype, device=x.device)
 
 
-@torch.library.custom_op("exl2_backend::apply_rope_qk_", mutates_args=("q", "k"))
+@_op("apply_rope_qk_", ("q", "k"))
 def apply_rope_qk_(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor) -> None:
     """Rotate q [T, Hq, D] and k [T, Hk, D] in place in one launch; both may be strided views (e.g. slices of
     a fused QKV output) as long as the last dim is contiguous."""
@@ -278,7 +298,7 @@ def _(q, k, positions, inv_freq):
 # --- silu_mul, embedding, kv_cache_write -------------------------------------------------------------
 
 
-@torch.library.custom_op("exl2_backend::silu_mul", mutates_args=())
+@_op("silu_mul")
 def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     """gate, up [..., I] -> silu(gate) * up in gate.dtype (fp32 math). Row-strided views are fine
     (e.g. the two halves of a fused gate/up output)."""
@@ -302,7 +322,7 @@ def _(gate, up):
     return torch.empty(gate.shape, dtype=gate.dtype, device=gate.device)
 
 
-@torch.library.custom_op("exl2_backend::embedding", mutates_args=())
+@_op("embedding")
 def embedding(ids: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
     """ids [T] int64, table [V, H] -> [T, H]. An id outside [0, V) gives a zero row (checking would need a
     host sync; the engine validates ids on the host)."""
@@ -325,7 +345,7 @@ def _(ids, table):
     return table.new_empty((ids.shape[0], table.shape[1]))
 
 
-@torch.library.custom_op("exl2_backend::kv_cache_write", mutates_args=("k_cache", "v_cache"))
+@_op("kv_cache_write", ("k_cache", "v_cache"))
 def kv_cache_write(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                    slots: torch.Tensor) -> None:
     """k, v [T, Hkv, D] (strided views fine) -> caches [P, S, Hkv, D] at slots [T] (page * S + offset), in
@@ -376,7 +396,7 @@ def attention_splits(batch: int, q_len: int, hq: int, hkv: int, max_context: int
     return max(need, min(want, cap), 1)
 
 
-@torch.library.custom_op("exl2_backend::paged_attention", mutates_args=())
+@_op("paged_attention")
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
                     context_lens: torch.Tensor, scale: float, num_splits: int = 0) -> torch.Tensor:
     """q [B, Tq, Hq, D], caches [P, S, Hkv, D], block_tables [B, max_pages] int32, context_lens [B] int32
@@ -438,11 +458,11 @@ def _(q, k_cache, v_cache, block_tables, context_lens, scale, num_splits=0):
 # --- sampling ----------------------------------------------------------------------------------------
 
 
-@torch.library.custom_op("exl2_backend::sample_tokens", mutates_args=())
+@_op("sample_tokens")
 def sample_tokens_tensor(logits: torch.Tensor, uniforms: torch.Tensor, temperature: torch.Tensor,
                          probs: torch.Tensor | None = None) -> torch.Tensor:
     """logits, uniforms [B, V] f32, temperature [B] f32 (0 = greedy) -> int64 [B], one kernel, no host sync.
-    Rows with T > 0 race argmax p / -log(u) over p = softmax(logits / T), or over `probs` [B, V] when given
+    Rows with T > 0 race argmax p / max(-log(u), 2^-25) over p = softmax(logits / T), or over `probs` when given
     (the output of filtered_probs)."""
     op = "sample_tokens"
     _check(op, "logits", logits, ndim=2, dtypes=(torch.float32,))
@@ -538,7 +558,7 @@ def sample_tokens(logits: torch.Tensor, params, uniforms: torch.Tensor | None = 
     probs = None
     if needs_filter(params, v):
         probs = filtered_probs(logits, pt["temperature"], pt["top_k"], pt["top_p"], pt["min_p"])
-    return sample_tokens_tensor(logits, uniforms, pt["temperature"], probs)
+    return direct.sample_tokens_tensor(logits, uniforms, pt["temperature"], probs)
 
 
 def apply_penalties(logits, prompt_counts, output_counts, params) -> torch.Tensor:
@@ -561,6 +581,7 @@ __all__ = [
     "apply_rope",
     "apply_rope_qk_",
     "attention_splits",
+    "direct",
     "embedding",
     "filtered_probs",
     "kv_cache_write",

@@ -92,14 +92,17 @@ class Exl2Handle(BackendHandle):
     def free_tokens(self) -> int:
         return int(self.engine.free_tokens())
 
-    def encode(self, text: str) -> list[int]:
+    def tokenize(self, text: str) -> list[int]:
         return self.engine.tokenizer.encode(text)
 
-    def decode(self, token_ids: list[int]) -> str:
+    def detokenize(self, token_ids: list[int]) -> str:
         return self.engine.tokenizer.decode(list(token_ids))
 
     def render_chat(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
         return self.engine.tokenizer.apply_chat_template(messages, add_generation_prompt)
+
+    def tokenize_chat(self, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:
+        return self.engine.tokenizer.encode_chat(messages, add_generation_prompt)
 
     @property
     def healthy(self) -> bool:

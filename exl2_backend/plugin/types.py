@@ -214,13 +214,17 @@ class BackendHandle:
     def free_tokens(self) -> int:  # pragma: no cover - interface
         raise NotImplementedError
 
-    def encode(self, text: str) -> list[int]:  # pragma: no cover - interface
+    def tokenize(self, text: str) -> list[int]:  # pragma: no cover - interface
         raise NotImplementedError
 
-    def decode(self, token_ids: list[int]) -> str:  # pragma: no cover - interface
+    def detokenize(self, token_ids: list[int]) -> str:  # pragma: no cover - interface
         raise NotImplementedError
 
     def render_chat(self, messages: list[dict], add_generation_prompt: bool = True) -> str:  # pragma: no cover
+        raise NotImplementedError
+
+    def tokenize_chat(self, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:  # pragma: no cover
+        """The prompt ids a `messages` request would get (chat template + the model's BOS rule)."""
         raise NotImplementedError
 
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from exl2_backend.errors import NonFiniteScaleError
+from exl2_backend.errors import ModelFormatError, NonFiniteScaleError
 from exl2_backend.format.build import build_qtensor
 from exl2_backend.format.layout import QuantOption
 from exl2_backend.format.qtensor import QTensor, pad32
@@ -43,7 +43,7 @@ def _bin_weighted(r: torch.Tensor, f: torch.Tensor, bins_per_step: int) -> tuple
 
 
 def search_group_scales(w: torch.Tensor, bits: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """w: fp32 [rows, Np] (one group, stored order) -> (codes int [Np] in 0..15, q_scale_max fp16 scalar)."""
+    """w: fp32 [rows, N] (one group, unpadded columns) -> (codes int32 [N] in 0..15, q_scale_max fp16 scalar)."""
     maxq = (1 << bits) - 1
     z = 1 << (bits - 1)
     base = (w.abs().amax(dim=0) + 1e-12) / (maxq / 2)  # [Np]
@@ -73,12 +73,16 @@ def quantize_rtn(
 ) -> QTensor:
     """Quantize an HF-layout weight [N, K] with `option`. perm [K]: stored row k holds original feature perm[k]."""
     n, k = weight.shape
+    if not torch.isfinite(weight).all():
+        raise ModelFormatError("weight holds NaN or infinite values; cannot quantize", tensor=f"{key}.weight")
     np_ = pad32(n)
     w = torch.zeros(k, np_, dtype=torch.float32)  # [K, Np] EXL2 layout (transposed), padding columns zero
     w[:, :n] = weight.detach().float().t()
     if perm is None:
         perm = torch.arange(k)
-    perm = perm.long()
+    perm = perm.long().flatten()
+    if perm.numel() != k or not torch.equal(torch.sort(perm).values, torch.arange(k)):
+        raise ValueError(f"{key}: perm must be a permutation of 0..{k - 1}")
     w = w[perm]  # stored (activation) order
     groups = option.group_layout(k)
 
@@ -88,7 +92,10 @@ def quantize_rtn(
     row = 0
     for g, (bits, rows) in enumerate(groups):
         wg = w[row : row + rows]  # [rows, Np]
-        c, m = search_group_scales(wg[:, :n], bits)
+        try:
+            c, m = search_group_scales(wg[:, :n], bits)
+        except NonFiniteScaleError as e:
+            raise NonFiniteScaleError(f"group {g}: {e}", tensor=f"{key}.q_scale_max") from None
         codes[g, :n], codes[g, n:] = c, 0  # padding columns: code 0 (converter convention)
         smax[g] = m
         scale = runtime_scales(m.unsqueeze(0), codes[g : g + 1]).float()  # [1, Np]

@@ -170,10 +170,12 @@ class EngineLoop:
         with self._cv:
             if not self.healthy:
                 raise LoopUnhealthy(f"the engine is not serving: {self._fatal or 'stopped'}")
-            if len(self._waiting) >= self.max_queue and (self._waiting or len(self._active) >= self.max_batch_size):
+            free_slots = max(self.max_batch_size - len(self._active), 0)  # these join at the next step
+            if len(self._waiting) >= self.max_queue + free_slots:
                 self._counters.rejected["queue_full"] += 1
-                raise QueueFull(f"{len(self._waiting)} requests are already waiting (max_queue={self.max_queue}); "
-                                "retry later", retry_after=self._retry_after())
+                raise QueueFull(f"no capacity: {len(self._active)} sequences are running (max_batch_size="
+                                f"{self.max_batch_size}) and {len(self._waiting)} requests are waiting (max_queue="
+                                f"{self.max_queue}); retry later", retry_after=self._retry_after())
             self._waiting.append(_Job(req, stream, time.monotonic()))
             self._cv.notify_all()
         return stream

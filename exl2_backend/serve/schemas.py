@@ -31,7 +31,7 @@ class ServeSettings(BaseModel):
     max_chunk_size: Optional[int] = Field(default=None, ge=1)
     page_size: Optional[int] = None
     cache_type: Optional[str] = None
-    max_queue: int = Field(default=64, ge=0)  # requests waiting for admission before 503
+    max_queue: int = Field(default=64, ge=0)  # requests that may wait beyond the free batch slots before 503
     queue_timeout_s: float = Field(default=120.0, gt=0)  # a request waiting longer than this gets 503
     default_max_tokens: Optional[int] = Field(default=None, ge=1)  # when a request gives none: up to the context
     host: str = "127.0.0.1"

@@ -69,7 +69,13 @@ def _pair_qz(bits: int, p: int, w: list) -> tuple[np.ndarray, np.ndarray]:
             return f(lo), f(hi)
         v, sub = (word & _U32(0x000F000F)) | magic, 0x6408
     elif bits == 2:
-        v, sub = ((w[p >> 3] >> _U32(2 * (p & 7))) & _U32(0x00030003)) | magic, 0x6402
+        o = 2 * (p & 3)
+        word = w[p >> 3] >> _U32(8) if (p & 7) >= 4 else w[p >> 3]
+        v = (word & _U32(0x00030003 << o)) | magic
+        if o:
+            mul, add = {2: (0x3400, 0xDC08), 4: (0x2C00, 0xD420), 6: (0x2400, 0xCC80)}[o]
+            return tuple((h * _from_bits(mul) + _from_bits(add)).astype(np.float16) for h in _h2(v))
+        sub = 0x6402
     elif bits == 6:
         lo = ((w[p >> 2] >> _U32(4 * (p & 3))) & _U32(0x000F000F)) | magic
         v, sub = lo | (_shr(w[4 + (p >> 3)], 2 * (p & 7) - 4) & _U32(0x00300030)), 0x6420

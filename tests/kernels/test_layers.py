@@ -244,3 +244,21 @@ def test_cuda_graph_replay_matches_eager():
         eager = step()
         for a, b in zip(static, eager):
             assert_exact(a, b, "graph replay vs eager")
+
+
+def test_direct_path_matches_custom_ops():
+    """cuda_layers.direct holds the very functions the custom ops run, callable without the dispatcher."""
+    c = cl()
+    x = torch.randn(7, 576, device=DEV).half()
+    r = torch.randn(7, 576, device=DEV).half()
+    w = torch.randn(576, device=DEV).half()
+    assert_exact(c.direct.rms_norm(x, w, 1e-5), c.rms_norm(x, w, 1e-5))
+    for a, b in zip(c.direct.add_rms_norm(x, r, w, 1e-5), c.add_rms_norm(x, r, w, 1e-5)):
+        assert_exact(a, b)
+    q = torch.randn(7, 9, 64, device=DEV).half()
+    pos = torch.arange(7, device=DEV)
+    inv = reference.rope_inv_freq(64, 10000.0).to(DEV)
+    assert_exact(c.direct.apply_rope(q, pos, inv), c.apply_rope(q, pos, inv))
+    assert_exact(c.direct.silu_mul(x, r), c.silu_mul(x, r))
+    ids = torch.tensor([0, 6, 3], device=DEV)
+    assert_exact(c.direct.embedding(ids, x), c.embedding(ids, x))

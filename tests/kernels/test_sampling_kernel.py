@@ -1,7 +1,7 @@
 """GPU sampler (csrc/layers/sampling.cu, ops/cuda_layers.sample_tokens) against reference.sample_tokens.
 
 Tolerance: exact token ids given the same uniforms. Greedy is exact by construction (ties -> lowest id, NaN is
-the largest, as torch.argmax). Sampled rows can only differ where two race scores p_i / -log(u_i) agree to
+the largest, as torch.argmax). Sampled rows can only differ where two race scores p_i / E_i agree to
 within a few ulps, because the kernel sums the softmax in a different order and evaluates exp/log correctly
 rounded (torch's fp32 exp/log may be 1 ulp off); for random inputs that happens about once per 10^6 draws,
 so these tests expect exact equality.
@@ -92,10 +92,10 @@ def test_ties_and_u_equal_one():
     u = uniforms(3, v, 4) * 0.99
     u[0, 10] = u[0, 5000] = 0.9999999  # equal best race in two chunks -> lowest id
     u[1, 7] = u[1, 8] = 0.9999999
-    u[2, 123] = 1.0  # -log(1) = -0.0: p / -0 = -inf, so this token can never win (as the reference)
+    u[2, 123] = 1.0  # -log(1) = -0.0, clamped to 2^-25 (below -log(0.9999999)): this token wins
     u[2, 124] = 0.9999999
     got = same_as_reference(logits, [SamplingParams(temperature=1.0)] * 3, u, "ties")
-    assert got.tolist() == [10, 7, 124]
+    assert got.tolist() == [10, 7, 123]
 
 
 def test_uniforms_none_uses_global_rng():

@@ -10,7 +10,7 @@ from exl2_backend.format.inspect import describe_model
 from exl2_backend.format.layout import ATTENTION_OPTIONS, MLP_OPTIONS
 from exl2_backend.format.packing import unpack_columns
 from exl2_backend.format.qtensor import QTensor
-from exl2_backend.format.random_model import SHAPES, choose_options, write_random_exl2_model
+from exl2_backend.format.random_model import SHAPES, choose_options, estimate_bytes, write_random_exl2_model
 from exl2_backend.format.reader import ATTN_PROJS, MLP_PROJS, linear_shape, load_weights
 
 SMALL = {"hidden_size": 256, "num_hidden_layers": 2, "intermediate_size": 512, "num_attention_heads": 4,
@@ -95,3 +95,8 @@ def test_real_shapes_option_choice(name):
                 numel += k * n
         assert target - 0.05 <= bits / numel <= target + 1e-9
         assert len(set(choice)) >= 2  # mixed options across layers
+
+
+def test_llama3_8b_size_matches_the_format_doc():
+    # format doc c: 4.96 GB for Llama-3.1-8B at 4.0 bpw / head 6 (1.05 embeddings + 0.42 head + 3.49 decoder)
+    assert estimate_bytes("llama3-8b", 4.0, 6) / 1e9 == pytest.approx(4.96, rel=0.01)

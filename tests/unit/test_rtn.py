@@ -107,6 +107,18 @@ def test_zero_and_tiny_groups_decode_to_zero():
     assert torch.isfinite(dq).all() and dq.abs().max() < 1e-6
 
 
+def test_rejects_bad_inputs():
+    from exl2_backend.errors import ModelFormatError
+
+    weight = torch.randn(32, 64)
+    with pytest.raises(ValueError):
+        quantize_rtn("x", weight, QuantOption.parse("4:1@32"), perm=torch.zeros(64, dtype=torch.long))
+    weight[3, 7] = float("nan")
+    with pytest.raises(ModelFormatError) as e:
+        quantize_rtn("x", weight, QuantOption.parse("4:1@32"))
+    assert e.value.tensor == "x.weight"
+
+
 def _exact_objective(w: torch.Tensor, bits: int, codes: torch.Tensor) -> torch.Tensor:
     """sum |clamp(rint(w / (s p))) s p - w|^3.5 for every p of the grid, on every element (no binning)."""
     maxq, z = (1 << bits) - 1, 1 << (bits - 1)

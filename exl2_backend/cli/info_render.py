@@ -1,0 +1,45 @@
+"""Terminal rendering of `describe_model` output for `exl2-backend info` (rich tables)."""
+
+from __future__ import annotations
+
+from rich.console import Console
+from rich.table import Table
+
+GB = 1024**3
+
+
+def render(info: dict, *, max_seq_len: int = 4096, console: Console | None = None) -> None:
+    console = console or Console()
+    head = info.get("head") or {}
+    summary = Table(title=f"{info['model_dir']}", show_header=False)
+    rows = [
+        ("architecture", info["architecture"]),
+        ("layers / hidden / intermediate", f"{info['num_layers']} / {info['hidden_size']} / {info['intermediate_size']}"),
+        ("heads (q / kv) × head_dim",
+         f"{info['num_attention_heads']} / {info['num_key_value_heads']} × {info['head_dim']}"),
+        ("vocab", str(info["vocab_size"])),
+        ("rope", f"theta {info['rope_theta']}, scaling {info.get('rope_scaling') or 'none'}"),
+        ("decoder bpw (target)", f"{info['decoder_bpw']:.3f} ({info.get('target_bits')})"),
+        ("head", f"{head.get('format', 'tied')} {head.get('bpw', 0):.2f} bpw" if head else "tied embedding"),
+        ("parameters", f"{info['parameters']['total'] / 1e6:.1f} M"),
+        ("files", f"{len(info['files'])} shard(s), {info['file_bytes'] / GB:.3f} GiB"),
+    ]
+    mem = info["memory"]
+    kv = mem["kv_cache_bytes_per_token"]
+    rows += [
+        ("weights in memory", f"{mem['weights_bytes'] / GB:.3f} GiB"),
+        ("KV cache (fp16)", f"{kv} bytes/token; {kv * max_seq_len / GB:.3f} GiB at {max_seq_len} tokens"),
+        ("estimated total", f"{(mem['weights_bytes'] + kv * max_seq_len) / GB:.3f} GiB at {max_seq_len} tokens"),
+    ]
+    for k, v in rows:
+        summary.add_row(k, v)
+    console.print(summary)
+
+    layers = Table(title="bits per weight by layer")
+    layers.add_column("layer", justify="right")
+    layers.add_column("bpw", justify="right")
+    layers.add_column("share of weights by bit width")
+    for layer in info["layers"]:
+        hist = ", ".join(f"{b}b {frac * 100:.1f}%" for b, frac in layer["bit_histogram"].items())
+        layers.add_row(str(layer["index"]), f"{layer['bpw']:.3f}", hist)
+    console.print(layers)

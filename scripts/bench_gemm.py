@@ -102,16 +102,16 @@ def bench_shape(name, k, n, option, bw, ms_fused, ms_deq, rows, seed=0):
         x = torch.randn(m, k, device="cuda").half()
         io = m * k * 2 + m * n * 2
         if m in ms_fused:
-            t = graph_time_us([(lambda o=o: o(x)) for o in ops])
+            t = graph_time_us([(lambda o=o, x=x: o.fused(x)) for o in ops])
             res["fused"][m] = t
             res["ksplit"][m] = base.launch.plan(m).ksplit
             gbs = (wbytes + io) / t / 1e3
-            tc = graph_time_us([(lambda w=w: x @ w.t()) for w in dense])
+            tc = graph_time_us([(lambda w=w, x=x: x @ w.t()) for w in dense])
             res["cublas"][m] = tc
             rows.append([name, option, f"{bpw:.2f}", m, f"{t:.2f}", f"{gbs:.0f}", f"{100 * gbs / bw:.1f}",
                          f"{tc:.2f}", f"{(n * k * 2 + io) / tc / 1e3:.0f}", base.launch.plan(m).ksplit])
         if m in ms_deq:
-            res["dequant"][m] = graph_time_us([(lambda o=o: o._dequant_matmul(x)) for o in ops[:2]], reps=10)
+            res["dequant"][m] = graph_time_us([(lambda o=o, x=x: o._dequant_matmul(x)) for o in ops[:2]], reps=10)
     cross = next((m for m in ms_deq if m in res["fused"] and res["dequant"][m] < res["fused"][m]), None)
     res["crossover_first_M_where_dequant_wins"] = cross
     del ops, dense
@@ -130,7 +130,7 @@ def sweep_blocks_per_sm(bw, k, n, option) -> dict:
         wbytes = p.packed.numel() * 4 + p.scales.numel() * 4
         ops = [base] + [cuda_quant.clone_for_bench(base) for _ in range(copies_for(wbytes) - 1)]
         x = torch.randn(1, k, device="cuda").half()
-        t = graph_time_us([(lambda o=o: o(x)) for o in ops])
+        t = graph_time_us([(lambda o=o, x=x: o.fused(x)) for o in ops])
         out[per_sm] = {"us": t, "pct": 100 * wbytes / t / 1e3 / bw, "ksplit": base.launch.plan(1).ksplit}
         del ops
     cuda_quant.BLOCKS_PER_SM.update(saved)
@@ -140,10 +140,27 @@ def sweep_blocks_per_sm(bw, k, n, option) -> dict:
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick", action="store_true", help="fewer shapes and M values")
+    ap.add_argument("--m1", action="store_true", help="only M = 1 of each shape (variant comparison)")
+    ap.add_argument("--one", action="store_true", help="a few M = 1 launches of the first shape (for ncu)")
     args = ap.parse_args()
     torch.manual_seed(0)
+    if args.one:
+        _, k, n, opt = SHAPES[0]
+        op = cuda_quant.prepare_linear([qtensor(k, n, opt, 0, "cuda")], "cuda")
+        x = torch.randn(1, k, device="cuda").half()
+        for _ in range(3):
+            op.fused(x)
+        torch.cuda.synchronize()
+        return
     bw = read_bandwidth()
     print(f"read bandwidth (torch.sum over 4 GB fp16): {bw:.0f} GB/s", flush=True)
+    if args.m1:
+        rows: list = []
+        for name, k, n, opt in SHAPES:
+            bench_shape(name, k, n, opt, bw, [1], [], rows)
+        for r in rows:
+            print(f"M1 {r[0]:<20} {r[1]:<22} {r[4]:>7} us {r[6]:>5}% of read bw  ksplit {r[9]}")
+        return
     rows, results = [], []
     shapes = SHAPES[:1] + SHAPES[2:4] if args.quick else SHAPES
     for name, k, n, opt in shapes:
@@ -161,7 +178,8 @@ def main() -> None:
     print("\ncrossover (first M where dequant+cuBLAS beats the fused kernel):")
     for r in results:
         if r["dequant"]:
-            d = ", ".join(f"M={m}: fused {r['fused'].get(m, float('nan')):.1f} / deq {t:.1f}" for m, t in r["dequant"].items())
+            d = ", ".join(f"M={m}: fused {r['fused'].get(m, float('nan')):.1f} / deq {t:.1f}"
+                          for m, t in r["dequant"].items())
             print(f"  {r['shape']} {r['option']}: {r['crossover_first_M_where_dequant_wins']}   ({d})")
     print("\nblocks/SM sweep at M=1:", json.dumps(sweep))
     print("q/k/v fused vs separate (M=1, us):", json.dumps(qkv))
@@ -178,8 +196,8 @@ def bench_qkv(bw) -> dict:
     x = torch.randn(1, 4096, device="cuda").half()
     f_ops = [fused] + [cuda_quant.clone_for_bench(fused) for _ in range(5)]
     s_ops = [sep] + [[cuda_quant.clone_for_bench(o) for o in sep] for _ in range(5)]
-    tf = graph_time_us([(lambda o=o: o(x)) for o in f_ops])
-    ts = graph_time_us([(lambda ss=ss: [o(x) for o in ss]) for ss in s_ops])
+    tf = graph_time_us([(lambda o=o: o.fused(x)) for o in f_ops])
+    ts = graph_time_us([(lambda ss=ss: [o.fused(x) for o in ss]) for ss in s_ops])
     return {"fused": tf, "separate": ts}
 
 

@@ -76,7 +76,8 @@ __global__ void __launch_bounds__(128) dequant_kernel(const __grid_constant__ QD
     while (c >= d.runs[r].chunk_end) ++r;
     const Run& run = d.runs[r];
     const int J = d.Np / kWarpCols;
-    const uint32_t* src = d.packed + run.word_base + ((long long)(c - run.chunk_start) * J + n0 / kWarpCols) * (64 * run.bits);
+    const uint32_t* src =
+        d.packed + run.word_base + ((long long)(c - run.chunk_start) * J + n0 / kWarpCols) * (64 * run.bits);
     switch (run.bits) {
       case 8: dq_tile<8>(d, src, lane, warp * kWarpCols, n0, c, tile); break;
       case 6: dq_tile<6>(d, src, lane, warp * kWarpCols, n0, c, tile); break;
@@ -142,7 +143,7 @@ EXL2_API int exl2_dequant(const int64_t* blob, void* out, int n_begin, int n_end
   EXL2_REQUIRE(n_begin >= 0 && n_begin % kBlockCols == 0 && n_end > n_begin && n_end <= d.Np && n_end % 32 == 0,
                "exl2_dequant: bad column range %d..%d of Np=%d", n_begin, n_end, d.Np);
   dim3 grid((n_end - n_begin + kBlockCols - 1) / kBlockCols, d.C);
-  dequant_kernel<<<grid, kBlockWarps * 32, 0, reinterpret_cast<cudaStream_t>(stream)>>>(d, reinterpret_cast<__half*>(out),
-                                                                                       n_begin, n_end);
+  cudaStream_t s = reinterpret_cast<cudaStream_t>(stream);
+  dequant_kernel<<<grid, kBlockWarps * 32, 0, s>>>(d, reinterpret_cast<__half*>(out), n_begin, n_end);
   return exl2::check_launch("exl2_dequant");
 }

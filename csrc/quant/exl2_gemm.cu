@@ -3,8 +3,8 @@
 // Grid: one block per (128-column block, K split) of each descriptor (up to kMaxDesc linears sharing x, e.g.
 // q/k/v, in one launch). Block: 4 warps, each owning 32 columns over the block's whole K range, so no
 // intra-block reduction. Each warp streams its weight tiles (64 rows x 32 columns, 256*b bytes) through a
-// private kStages-deep cp.async ring (5 chunks in flight), decodes pairs with the fp16 mantissa trick straight
-// into mma.m16n8k16 A registers, and multiplies with activations gathered by xmap into shared memory
+// private kStages-deep cp.async ring (kStages - 1 chunks in flight), decodes pairs with the fp16 mantissa
+// trick straight into mma.m16n8k16 A registers, and multiplies with activations gathered by xmap into shared memory
 // (tokens are the mma N dimension: MT = ceil(M/8) mmas per decoded A). Integer (q - z) products are summed
 // in fp32 per quantization group and scaled at group end. Split-K partials go to an fp32 workspace; the last
 // block of a column block (atomic ticket) sums them in split order, so results are deterministic.
@@ -23,12 +23,11 @@ struct GemmParams {
   int slot_words;   // ring slot size per warp (64 * max bits)
   int xwin;         // chunks of activations staged per window
   int xstride;      // halves per staged activation row
-  int off_x, off_scale, off_maxf, off_info;  // shared memory byte offsets
+  int off_x, off_scale, off_info;  // shared memory byte offsets
 };
 
-__device__ __forceinline__ void cp_async16(void* dst, const void* src) {
-  uint32_t s = (uint32_t)__cvta_generic_to_shared(dst);
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(s), "l"(src));
+__device__ __forceinline__ void cp_async16(uint32_t smem_addr, const void* src) {
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(smem_addr), "l"(src));
 }
 __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
 template <int N>
@@ -41,19 +40,28 @@ __device__ __forceinline__ void mma16816(float (&c)[4], uint32_t a0, uint32_t a1
       : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
 }
 
+__device__ __forceinline__ float2 h2_to_f2(uint32_t u) {
+  __half2 h;
+  memcpy(&h, &u, sizeof(h));
+  return __half22float2(h);
+}
+
+constexpr int kGatherBatch = 4;  // activation gather items in flight per thread (registers vs. latency)
+
 template <int MT>
 struct Acc {
   float acc[2][MT][4];  // [n-tile][token tile][c0..c3]: running total
   float cg[2][MT][4];   // current group's unscaled sum
 };
 
-// acc += scale * cg for the current group; cg = 0. srow: the group's 4 code words of this warp's 32 columns.
+// acc += scale * cg for the current group; cg = 0. sc: the lane's fp16 scales {(a0, b0), (a1, b1)} for
+// columns 16nt + gid (a) and 16nt + gid + 8 (b).
 template <int MT>
-__device__ __forceinline__ void flush(Acc<MT>& a, const uint32_t* srow, float maxf, int gid) {
+__device__ __forceinline__ void flush(Acc<MT>& a, uint2 sc) {
+  const float2 s0 = h2_to_f2(sc.x), s1 = h2_to_f2(sc.y);
 #pragma unroll
   for (int nt = 0; nt < 2; ++nt) {
-    float sa = scale_of((srow[2 * nt] >> (4 * gid)) & 15u, maxf);      // column 16nt + gid
-    float sb = scale_of((srow[2 * nt + 1] >> (4 * gid)) & 15u, maxf);  // column 16nt + gid + 8
+    const float sa = nt ? s1.x : s0.x, sb = nt ? s1.y : s0.y;
 #pragma unroll
     for (int mt = 0; mt < MT; ++mt) {
       a.acc[nt][mt][0] += sa * a.cg[nt][mt][0];
@@ -75,39 +83,54 @@ __device__ __forceinline__ void kstep(const uint32_t (&w)[2][B], const uint32_t 
     uint32_t a2 = pair_qz<B, 4 * S + 2>(w[nt]);
     uint32_t a3 = pair_qz<B, 4 * S + 3>(w[nt]);
 #pragma unroll
-    for (int mt = 0; mt < MT; ++mt) mma16816(a.cg[nt][mt], a0, a1, a2, a3, xb[mt][2 * (S & 1)], xb[mt][2 * (S & 1) + 1]);
+    for (int mt = 0; mt < MT; ++mt)
+      mma16816(a.cg[nt][mt], a0, a1, a2, a3, xb[mt][2 * (S & 1)], xb[mt][2 * (S & 1) + 1]);
   }
 }
 
 // One 32-row unit U of a chunk: B operands (8 activations per lane and token tile), two k-steps, group end.
 template <int B, int MT, int U>
-__device__ __forceinline__ void unit(const uint32_t (&w)[2][B], const __half* xrow, int xstride, int M, int gid,
-                                     int info, int& gl, const uint32_t* s_scale, const float* s_maxf, int warp,
-                                     Acc<MT>& a) {
+__device__ __forceinline__ void unit(const uint32_t (&w)[2][B], const __half* xchunk, const int (&xoff)[MT], int info,
+                                     int& gl, const uint2* s_sc, Acc<MT>& a) {
   uint32_t xb[MT][4];
 #pragma unroll
   for (int mt = 0; mt < MT; ++mt) {
-    int m = min(mt * 8 + gid, M - 1);  // tokens >= M only feed discarded accumulator columns
-    uint4 v = *reinterpret_cast<const uint4*>(xrow + m * xstride + 32 * U);
+    uint4 v = *reinterpret_cast<const uint4*>(xchunk + xoff[mt] + 32 * U);
     xb[mt][0] = v.x; xb[mt][1] = v.y; xb[mt][2] = v.z; xb[mt][3] = v.w;
   }
   kstep<B, MT, 2 * U>(w, xb, a);
   kstep<B, MT, 2 * U + 1>(w, xb, a);
   if ((info >> (30 + U)) & 1) {
-    flush(a, s_scale + gl * 16 + warp * 4, s_maxf[gl], gid);
+    flush(a, s_sc[gl * (kBlockWarps * 8)]);
     ++gl;
   }
 }
 
 template <int B, int MT>
-__device__ __forceinline__ void chunk(const uint32_t* slot, int lane, const __half* xrow, int xstride, int M,
-                                      int info, int& gl, const uint32_t* s_scale, const float* s_maxf, int warp,
-                                      Acc<MT>& a) {
+__device__ __forceinline__ void chunk(const uint32_t* slot, int lane, const __half* xchunk, const int (&xoff)[MT],
+                                      int info, int& gl, const uint2* s_sc, Acc<MT>& a) {
   uint32_t w[2][B];
   load_lane_words<B>(slot, lane, w);
-  const int gid = lane >> 2;
-  unit<B, MT, 0>(w, xrow, xstride, M, gid, info, gl, s_scale, s_maxf, warp, a);
-  unit<B, MT, 1>(w, xrow, xstride, M, gid, info, gl, s_scale, s_maxf, warp, a);
+  unit<B, MT, 0>(w, xchunk, xoff, info, gl, s_sc, a);
+  unit<B, MT, 1>(w, xchunk, xoff, info, gl, s_sc, a);
+}
+
+// Per-lane copy state of the warp's weight stream: the current run's source pointer and stride.
+struct IssueCursor {
+  const uint32_t* src;  // this lane's first word of the next chunk
+  long long step;       // words per chunk in this run (J * 64 * bits)
+  int left;             // chunks left in this run
+  int nvec;             // 16-byte vectors this lane copies per chunk
+  int run;
+};
+
+__device__ __forceinline__ void cursor_at(const QDesc& d, IssueCursor& ic, int run, int c, int J, int j, int lane) {
+  const Run& r = d.runs[run];
+  ic.run = run;
+  ic.step = (long long)J * 64 * r.bits;
+  ic.left = r.chunk_end - c;
+  ic.nvec = (16 * r.bits - lane + 31) >> 5;  // vectors lane, lane+32, ... below 16*bits
+  ic.src = d.packed + r.word_base + (long long)(c - r.chunk_start) * ic.step + (long long)j * 64 * r.bits + 4 * lane;
 }
 
 // Register cap so the grid's blocks (planned at 4 per SM, 3 for M > 16) are all resident at once.
@@ -129,29 +152,36 @@ __global__ void __launch_bounds__(128, MT <= 2 ? 4 : 3) gemm_kernel(const __grid
   const int M = p.M;
 
   uint32_t* ring = reinterpret_cast<uint32_t*>(smem) + warp * kStages * p.slot_words;
+  const uint32_t ring_s = (uint32_t)__cvta_generic_to_shared(ring) + 16 * lane;
   __half* xs = reinterpret_cast<__half*>(smem + p.off_x);
-  uint32_t* s_scale = reinterpret_cast<uint32_t*>(smem + p.off_scale);
-  float* s_maxf = reinterpret_cast<float*>(smem + p.off_maxf);
+  uint2* s_sc = reinterpret_cast<uint2*>(smem + p.off_scale);
   int* s_info = reinterpret_cast<int*>(smem + p.off_info);
 
-  // Weight prefetch first: it does not depend on anything staged below.
-  int irun = 0;
-  auto issue = [&](int i) {
-    if (active && i < nch) {
-      const int c = c0 + i;
-      while (c >= d.runs[irun].chunk_end) ++irun;
-      const Run& r = d.runs[irun];
-      const int nvec = 16 * r.bits;  // 64*b words = 16*b vectors of 16 bytes
-      const uint32_t* src = d.packed + r.word_base + ((long long)(c - r.chunk_start) * J + j) * (64 * r.bits);
-      uint32_t* dst = ring + (i % kStages) * p.slot_words;
-      for (int v = lane; v < nvec; v += 32) cp_async16(dst + 4 * v, src + 4 * v);
+  // Weight prefetch first: it depends on nothing staged below.
+  int run0 = 0;
+  while (run0 + 1 < d.nruns && c0 >= d.runs[run0].chunk_end) ++run0;
+  IssueCursor ic;
+  cursor_at(d, ic, run0, c0, J, j, lane);
+  int issued = 0, islot = 0;
+  const int to_issue = active ? nch : 0;
+  auto issue = [&]() {
+    if (issued < to_issue) {
+      if (ic.left == 0) cursor_at(d, ic, ic.run + 1, d.runs[ic.run + 1].chunk_start, J, j, lane);
+      const uint32_t dst = ring_s + islot * (p.slot_words * 4);
+#pragma unroll
+      for (int k = 0; k < 4; ++k)
+        if (k < ic.nvec) cp_async16(dst + 512 * k, ic.src + 128 * k);
+      ic.src += ic.step;
+      --ic.left;
+      ++issued;
     }
     cp_async_commit();
+    islot = islot + 1 == kStages ? 0 : islot + 1;
   };
 #pragma unroll
-  for (int i = 0; i < kStages - 1; ++i) issue(i);
+  for (int i = 0; i < kStages - 1; ++i) issue();
 
-  // Chunk info and the scale codes / maxima of every group this block's K range touches.
+  // Chunk info, and the fp16 scale of every (group, column) this block touches, laid out per lane.
   int g_first = 0, ngrp = 0;
   if (nch > 0) {
     const int last = __ldg(d.info + c1 - 1);
@@ -159,15 +189,31 @@ __global__ void __launch_bounds__(128, MT <= 2 ? 4 : 3) gemm_kernel(const __grid
     ngrp = (last & kInfoGroupMask) + ((last >> 30) & 1) - g_first + 1;
   }
   for (int i = tid; i < nch; i += blockDim.x) s_info[i] = __ldg(d.info + c0 + i);
-  const int scale_vecs = min(kBlockCols, d.Np - nblk0) / 32;  // 16-byte vectors (32 columns) per group row
-  for (int e = tid; e < ngrp * 4; e += blockDim.x) {
-    const int g = e >> 2, v = e & 3;
-    if (v < scale_vecs) {
-      const uint4* src = reinterpret_cast<const uint4*>(d.scales + (size_t)(g_first + g) * (d.Np / 8) + nblk0 / 8);
-      reinterpret_cast<uint4*>(s_scale + g * 16)[v] = __ldg(src + v);
+  {
+    const int n = nblk0 + tid;  // this thread's column; its slot in the lane layout of flush():
+    __half* dst = reinterpret_cast<__half*>(s_sc) + ((tid >> 5) * 8 + (tid & 7)) * 4 + ((tid >> 4) & 1) * 2 +
+                  ((tid >> 3) & 1);
+    if (n < d.Np) {
+      const uint32_t* codes = d.scales + n / 8;
+      const int sh = 4 * (n & 7);
+      for (int g0 = 0; g0 < ngrp; g0 += 8) {
+        uint32_t cw[8];
+        float mx[8];
+#pragma unroll
+        for (int u = 0; u < 8; ++u) {
+          if (g0 + u < ngrp) {
+            cw[u] = __ldg(codes + (size_t)(g_first + g0 + u) * (d.Np / 8));
+            mx[u] = __ldg(d.maxf + g_first + g0 + u);
+          }
+        }
+#pragma unroll
+        for (int u = 0; u < 8; ++u) {
+          const float c1 = (float)(((cw[u] >> sh) & 15u) + 1);  // fp16(fp16((c+1)^2) * max16), see scale_of
+          if (g0 + u < ngrp) dst[(g0 + u) * (kBlockWarps * 8 * 4)] = __float2half_rn(c1 * c1 * mx[u]);
+        }
+      }
     }
   }
-  for (int g = tid; g < ngrp; g += blockDim.x) s_maxf[g] = __ldg(d.maxf + g_first + g);
 
   Acc<MT> a;
 #pragma unroll
@@ -176,56 +222,84 @@ __global__ void __launch_bounds__(128, MT <= 2 ? 4 : 3) gemm_kernel(const __grid
     for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
       for (int e = 0; e < 4; ++e) a.acc[nt][mt][e] = a.cg[nt][mt][e] = 0.f;
-  int gl = 0, prun = 0;
+  int xoff[MT];
+#pragma unroll
+  for (int mt = 0; mt < MT; ++mt) xoff[mt] = min(mt * 8 + gid, M - 1) * p.xstride + 8 * t4;  // tokens >= M: discarded
+  int gl = 0, prun = run0, pleft = d.runs[run0].chunk_end - c0, pslot = 0;
+  int pbits = d.runs[run0].bits;
+  const uint2* s_sc_lane = s_sc + warp * 8 + gid;
 
   for (int w0 = 0; w0 < nch; w0 += p.xwin) {
     const int w1 = min(nch, w0 + p.xwin);
-    // Activations of this window, gathered into stored (padded) row order: xs[m][row].
-    const int rows8 = (w1 - w0) * (kChunkRows / 8);
-    const int kp0 = (c0 + w0) * kChunkRows;
-    for (int e = tid; e < rows8; e += blockDim.x) {
-      const uint4 xm = __ldg(reinterpret_cast<const uint4*>(d.xmap + kp0) + e);
-      const uint32_t pairs[4] = {xm.x, xm.y, xm.z, xm.w};
-      for (int m = 0; m < M; ++m) {
-        const unsigned short* xr = reinterpret_cast<const unsigned short*>(p.x) + (size_t)m * p.ldx;
-        uint32_t out[4];
+    // Activations of this window in stored (padded) row order: xs[m][row]. Items (8-row vector, token) are
+    // gathered kGatherBatch at a time per thread so their loads overlap.
+    const int vecs = (w1 - w0) * (kChunkRows / 8), items = vecs * M;
+    const uint4* xmv = reinterpret_cast<const uint4*>(d.xmap + (c0 + w0) * kChunkRows);
+    const unsigned short* xg = reinterpret_cast<const unsigned short*>(p.x);
+    for (int base = tid; base < items; base += kGatherBatch * 128) {
+      uint4 xm[kGatherBatch];
+      int ev[kGatherBatch], mv[kGatherBatch];
 #pragma unroll
-        for (int q = 0; q < 4; ++q) {
-          const uint32_t i0 = pairs[q] & 0xFFFFu, i1 = pairs[q] >> 16;
-          const uint32_t v0 = i0 == 0xFFFFu ? 0u : (uint32_t)__ldg(xr + i0);
-          const uint32_t v1 = i1 == 0xFFFFu ? 0u : (uint32_t)__ldg(xr + i1);
-          out[q] = v0 | (v1 << 16);
-        }
-        *reinterpret_cast<uint4*>(xs + m * p.xstride + e * 8) = make_uint4(out[0], out[1], out[2], out[3]);
+      for (int u = 0; u < kGatherBatch; ++u) {
+        const int it = base + 128 * u;
+        ev[u] = it / M;
+        mv[u] = it - ev[u] * M;
+        if (it < items) xm[u] = __ldg(xmv + ev[u]);
       }
+      uint32_t val[kGatherBatch][4];
+#pragma unroll
+      for (int u = 0; u < kGatherBatch; ++u) {
+        if (base + 128 * u < items) {
+          const unsigned short* xr = xg + (size_t)mv[u] * p.ldx;
+          const uint32_t pr[4] = {xm[u].x, xm[u].y, xm[u].z, xm[u].w};
+#pragma unroll
+          for (int q = 0; q < 4; ++q) {
+            const uint32_t i0 = pr[q] & 0xFFFFu, i1 = pr[q] >> 16;
+            const uint32_t v0 = i0 == 0xFFFFu ? 0u : (uint32_t)__ldg(xr + i0);
+            const uint32_t v1 = i1 == 0xFFFFu ? 0u : (uint32_t)__ldg(xr + i1);
+            val[u][q] = v0 | (v1 << 16);
+          }
+        }
+      }
+#pragma unroll
+      for (int u = 0; u < kGatherBatch; ++u)
+        if (base + 128 * u < items)
+          *reinterpret_cast<uint4*>(xs + mv[u] * p.xstride + ev[u] * 8) =
+              make_uint4(val[u][0], val[u][1], val[u][2], val[u][3]);
     }
     __syncthreads();
     if (active) {
+      const __half* xchunk = xs;
 #pragma unroll 1
       for (int i = w0; i < w1; ++i) {
-        issue(i + kStages - 1);
+        issue();
         cp_async_wait<kStages - 1>();
         __syncwarp();
-        const int c = c0 + i;
-        while (c >= d.runs[prun].chunk_end) ++prun;
-        const uint32_t* slot = ring + (i % kStages) * p.slot_words;
-        const __half* xrow = xs + (i - w0) * kChunkRows + 8 * t4;
-        const int info = s_info[i];
-        switch (d.runs[prun].bits) {
-          case 8: chunk<8, MT>(slot, lane, xrow, p.xstride, M, info, gl, s_scale, s_maxf, warp, a); break;
-          case 6: chunk<6, MT>(slot, lane, xrow, p.xstride, M, info, gl, s_scale, s_maxf, warp, a); break;
-          case 5: chunk<5, MT>(slot, lane, xrow, p.xstride, M, info, gl, s_scale, s_maxf, warp, a); break;
-          case 4: chunk<4, MT>(slot, lane, xrow, p.xstride, M, info, gl, s_scale, s_maxf, warp, a); break;
-          case 3: chunk<3, MT>(slot, lane, xrow, p.xstride, M, info, gl, s_scale, s_maxf, warp, a); break;
-          default: chunk<2, MT>(slot, lane, xrow, p.xstride, M, info, gl, s_scale, s_maxf, warp, a); break;
+        if (pleft == 0) {
+          ++prun;
+          pbits = d.runs[prun].bits;
+          pleft = d.runs[prun].chunk_end - d.runs[prun].chunk_start;
         }
+        --pleft;
+        const uint32_t* slot = ring + pslot * p.slot_words;
+        pslot = pslot + 1 == kStages ? 0 : pslot + 1;
+        const int info = s_info[i];
+        switch (pbits) {
+          case 8: chunk<8, MT>(slot, lane, xchunk, xoff, info, gl, s_sc_lane, a); break;
+          case 6: chunk<6, MT>(slot, lane, xchunk, xoff, info, gl, s_sc_lane, a); break;
+          case 5: chunk<5, MT>(slot, lane, xchunk, xoff, info, gl, s_sc_lane, a); break;
+          case 4: chunk<4, MT>(slot, lane, xchunk, xoff, info, gl, s_sc_lane, a); break;
+          case 3: chunk<3, MT>(slot, lane, xchunk, xoff, info, gl, s_sc_lane, a); break;
+          default: chunk<2, MT>(slot, lane, xchunk, xoff, info, gl, s_sc_lane, a); break;
+        }
+        xchunk += kChunkRows;
         __syncwarp();  // the slot is refilled by the next iteration's issue
       }
     }
     __syncthreads();  // the next window overwrites xs
   }
   // A group that continues past this split is scaled here (its partial is linear in the scale).
-  if (active && nch > 0 && !((s_info[nch - 1] >> 31) & 1)) flush(a, s_scale + gl * 16 + warp * 4, s_maxf[gl], gid);
+  if (active && nch > 0 && !((s_info[nch - 1] >> 31) & 1)) flush(a, s_sc_lane[gl * (kBlockWarps * 8)]);
 
   // Accumulator element e of (nt, mt): column n0 + 16nt + gid + 8*(e>=2), token 8mt + 2*t4 + (e&1).
   if (d.ksplit == 1) {
@@ -258,18 +332,31 @@ __global__ void __launch_bounds__(128, MT <= 2 ? 4 : 3) gemm_kernel(const __grid
           if (m < M) ws[(size_t)m * d.Np + n] = a.acc[nt][mt][e];
         }
   }
-  __threadfence();
+  // Ticket: the block's partials are released by one gpu-scope acq_rel atomic after the barrier (cumulative
+  // over the other threads' stores); the last block acquires them the same way.
   __syncthreads();
   __shared__ int s_last;
-  if (tid == 0) s_last = atomicAdd(d.counters + colblk, 1) == d.ksplit - 1;
+  if (tid == 0) {
+    int prev;
+    asm volatile("atom.acq_rel.gpu.global.add.s32 %0, [%1], %2;"
+                 : "=r"(prev) : "l"(d.counters + colblk), "r"(1) : "memory");
+    s_last = prev == d.ksplit - 1;
+  }
   __syncthreads();
   if (!s_last) return;
-  __threadfence();
   const int ncols = min(kBlockCols, d.N - nblk0);
   for (int e = tid; e < ncols * M; e += blockDim.x) {
     const int m = e / ncols, n = nblk0 + e % ncols;
+    const float* src = d.ws + (size_t)m * d.Np + n;
+    const size_t stride = (size_t)M * d.Np;
     float v = 0.f;
-    for (int s = 0; s < d.ksplit; ++s) v += __ldcg(d.ws + ((size_t)s * M + m) * d.Np + n);  // fixed order
+    for (int s0 = 0; s0 < d.ksplit; s0 += 8) {  // 8 loads in flight, summed in split order
+      float t[8];
+#pragma unroll
+      for (int u = 0; u < 8; ++u) t[u] = s0 + u < d.ksplit ? __ldcg(src + (s0 + u) * stride) : 0.f;
+#pragma unroll
+      for (int u = 0; u < 8; ++u) v += t[u];
+    }
     if (d.bias) v += __half2float(d.bias[n]);
     d.out[(size_t)m * d.ldo + n] = __float2half_rn(v);
   }
@@ -315,7 +402,12 @@ int parse_desc(const int64_t* f, QDesc& d) {
 
 template <int MT>
 int launch(const GemmParams& p, int blocks, int smem, cudaStream_t stream) {
-  static int smem_set = 48 * 1024;
+  static int smem_set = 0;
+  if (smem_set == 0) {  // a hint: ask for the largest shared-memory carveout so planned blocks stay resident
+    if (cudaFuncSetAttribute(gemm_kernel<MT>, cudaFuncAttributePreferredSharedMemoryCarveout, 100) != cudaSuccess)
+      (void)cudaGetLastError();  // not fatal; clear it so check_launch does not report it
+    smem_set = 48 * 1024;
+  }
   if (smem > smem_set) {
     cudaError_t err = cudaFuncSetAttribute(gemm_kernel<MT>, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
     if (err != cudaSuccess) return exl2::set_error((int)err, "exl2_gemm: %d bytes of shared memory: %s", smem,
@@ -344,7 +436,8 @@ EXL2_API int exl2_gemm(const int64_t* blob, int ndesc, const void* x, int M, int
     QDesc& d = p.d[i];
     int st = parse_desc(blob + (size_t)i * kDescLen, d);
     if (st) return st;
-    EXL2_REQUIRE(ldx >= d.K && d.ldo >= d.N && d.out, "exl2_gemm: bad ldx=%d/ldo=%d for K=%d N=%d", ldx, d.ldo, d.K, d.N);
+    EXL2_REQUIRE(ldx >= d.K && d.ldo >= d.N && d.out, "exl2_gemm: bad ldx=%d/ldo=%d for K=%d N=%d", ldx, d.ldo,
+                 d.K, d.N);
     EXL2_REQUIRE(d.ksplit >= 1 && d.ksplit <= d.C, "exl2_gemm: ksplit %d outside 1..%d", d.ksplit, d.C);
     EXL2_REQUIRE(d.ksplit == 1 || (d.ws && d.counters), "exl2_gemm: split-K needs a workspace and counters");
     d.block_start = blocks;
@@ -364,8 +457,7 @@ EXL2_API int exl2_gemm(const int64_t* blob, int ndesc, const void* x, int M, int
   p.xstride = p.xwin * kChunkRows + 32;  // +64 bytes: token rows land in different banks
   int off = kBlockWarps * kStages * p.slot_words * 4;
   p.off_x = off; off = align16(off + M * p.xstride * 2);
-  p.off_scale = off; off = align16(off + ngrp_max * 64);
-  p.off_maxf = off; off = align16(off + ngrp_max * 4);
+  p.off_scale = off; off = align16(off + ngrp_max * kBlockCols * 2);  // fp16 scale per (group, column)
   p.off_info = off; off = align16(off + maxnch * 4);
   EXL2_REQUIRE(off <= 227 * 1024, "exl2_gemm: needs %d bytes of shared memory; use a larger ksplit", off);
   cudaStream_t s = reinterpret_cast<cudaStream_t>(stream);

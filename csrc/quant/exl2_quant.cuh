@@ -31,7 +31,10 @@ constexpr int kChunkRows = 64;
 constexpr int kWarpCols = 32;
 constexpr int kBlockWarps = 4;
 constexpr int kBlockCols = kBlockWarps * kWarpCols;  // 128 columns per block
-constexpr int kStages = 6;                           // per-warp cp.async ring depth (chunks)
+#ifndef EXL2_GEMM_STAGES
+#define EXL2_GEMM_STAGES 4  // H200: 4 beat 6 and 8 (less shared memory -> all blocks resident)
+#endif
+constexpr int kStages = EXL2_GEMM_STAGES;  // per-warp cp.async ring depth in chunks (kStages - 1 in flight)
 constexpr int kInfoGroupMask = 0x3FFFFFFF;
 constexpr int kDescLen = 18 + 4 * kMaxRuns;  // int64 fields per descriptor in the host blob
 

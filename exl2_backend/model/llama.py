@@ -42,7 +42,7 @@ class LlamaModel:
 
     @classmethod
     def from_dir(cls, model_dir: str | Path, device: str | torch.device = "cpu",
-                 dtype: torch.dtype = torch.float16) -> "LlamaModel":
+                 dtype: torch.dtype = torch.float16) -> LlamaModel:
         """Read config.json and the weights (EXL2 or FP16) of `model_dir` and prepare them on `device`."""
         from exl2_backend.format.config import ModelConfig
         from exl2_backend.format.reader import load_weights

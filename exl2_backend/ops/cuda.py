@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 try:
-    from exl2_backend.ops.cuda_layers import *  # noqa: F401,F403
+    from exl2_backend.ops.cuda_layers import *
 except ImportError:  # layer kernels not written yet: those ops run on the reference
     pass
 
 # Imported last so the quantized-linear entry points are always these.
-from exl2_backend.ops.cuda_quant import exl2_dequant, exl2_gemm, prepare_linear  # noqa: E402,F401
+from exl2_backend.ops.cuda_quant import exl2_dequant, exl2_gemm, prepare_linear  # noqa: F401

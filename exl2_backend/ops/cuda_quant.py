@@ -28,8 +28,10 @@ from exl2_backend.errors import TensorShapeError, UnsupportedBitWidthError
 from exl2_backend.format.qtensor import QTensor
 from exl2_backend.ops import library
 
-# Largest M that uses the fused kernel; above it, dequantize + cuBLAS. Measured on the H200 (scripts/bench_gemm.py).
-FUSED_MAX_M = int(os.environ.get("EXL2_BACKEND_FUSED_MAX_M", "32"))
+# Largest M that uses the fused kernel (which supports 1..32); above it, dequantize + cuBLAS. Measured on the
+# H200 (scripts/bench_gemm.py, 2026-11-29): dequant+cuBLAS first wins at M=16 on 4096x14336 and 4096x4096, M=32 on
+# 14336x4096, M=8 on 4096x1024 (a 2 MB matrix, where both are launch-bound).
+FUSED_MAX_M = int(os.environ.get("EXL2_BACKEND_FUSED_MAX_M", "8"))
 # Planned resident blocks per SM by token tiles (MT = ceil(M/8)); must match the kernel's __launch_bounds__.
 BLOCKS_PER_SM = {1: 4, 2: 4, 3: 3, 4: 3}
 DEQUANT_SLICE = 8192  # columns dequantized per scratch buffer on the large-M path (bounds scratch memory)
@@ -351,7 +353,8 @@ def _check_x(x: torch.Tensor, k: int, device: torch.device) -> None:
 
 
 @torch.library.custom_op("exl2_backend::exl2_gemm", mutates_args=("ws", "counters"))
-def _gemm_op(x: torch.Tensor, packed: torch.Tensor, handle: int, ws: torch.Tensor, counters: torch.Tensor) -> torch.Tensor:
+def _gemm_op(x: torch.Tensor, packed: torch.Tensor, handle: int, ws: torch.Tensor,
+             counters: torch.Tensor) -> torch.Tensor:
     launch = _REG[handle]
     _check_x(x, launch.K, packed.device)
     if not 1 <= x.shape[0] <= 32:
@@ -389,7 +392,7 @@ class CudaLinearOp:
         self.out_features = self.launch.out_features
         self.splits = list(self.launch.splits)
         self.workspace = workspace(device)
-        self.launch.reserve(min(FUSED_MAX_M, 32))
+        self.launch.reserve(32)  # the fused op may be called directly for any M <= 32
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         lead = x.shape[:-1]
@@ -401,11 +404,15 @@ class CudaLinearOp:
         if m == 0:
             y = x2.new_empty((0, self.out_features))
         elif m <= min(FUSED_MAX_M, 32):
-            ws = self.workspace
-            y = torch.ops.exl2_backend.exl2_gemm(x2, self.launch.parts[0].packed, self.launch.handle, ws.ws, ws.counters)
+            y = self.fused(x2)
         else:
             y = self._dequant_matmul(x2)
         return y.reshape(*lead, self.out_features)
+
+    def fused(self, x: torch.Tensor) -> torch.Tensor:
+        """The fused kernel for x [M <= 32, K] whatever FUSED_MAX_M says (tests, benchmarks)."""
+        ws = self.workspace
+        return torch.ops.exl2_backend.exl2_gemm(x, self.launch.parts[0].packed, self.launch.handle, ws.ws, ws.counters)
 
     def _dequant_matmul(self, x: torch.Tensor) -> torch.Tensor:
         outs = []

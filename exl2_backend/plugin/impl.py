@@ -49,6 +49,7 @@ CAPABILITIES = {
     "capacity_unit": "tokens",
     "draft_verify": "exact-match",
     "stop_strings": True,
+    "cancellation": "release",
     "threading": "single-engine-thread",
 }
 
@@ -214,13 +215,14 @@ class Exl2Handle(BackendHandle):
     def prefill(self, batch: StepBatch) -> list[Event]:
         self._check()
         results: dict[str, Event] = {}
+        rejected: dict[int, Event] = {}  # by position in batch.new (an id may repeat there)
         admitted = []
-        for req in batch.new:
+        for i, req in enumerate(batch.new):
             try:
                 self._admit(req)
                 admitted.append(req.seq_id)
             except AdmissionRejected as exc:
-                results[req.seq_id] = Event(req.seq_id, finish_reason="error", error=exc)
+                rejected[i] = Event(req.seq_id, finish_reason="error", error=exc)
         ids = admitted + list(batch.seq_ids)
         if ids:
             chunk = self.limits.max_chunk_size
@@ -233,8 +235,8 @@ class Exl2Handle(BackendHandle):
                 out = self._event(ev)
                 out.prefill_remaining = 0 if out.finished else remaining
                 results[ev.seq_id] = out
-        order = [r.seq_id for r in batch.new] + list(batch.seq_ids)
-        return [results[sid] for sid in order]
+        return ([rejected[i] if i in rejected else results[r.seq_id] for i, r in enumerate(batch.new)]
+                + [results[sid] for sid in batch.seq_ids])
 
     def decode(self, batch: StepBatch) -> list[Event]:
         ids = list(batch.seq_ids)

@@ -2,9 +2,9 @@
 chunks, decode them in batches, verify host-supplied drafts, release them. No scheduler: the host decides
 which sequences step together.
 
-KV pages: at admission a sequence reserves the pages its longest possible run needs (prompt +
-max_new_tokens, capped at max_seq_len) and allocates them lazily as it grows, so a running sequence never
-fails for lack of pages. Every exit (finish, error, release) returns its pages and reservation.
+KV pages (runtime/pages.py): at admission a sequence reserves the pages its longest possible run needs
+(prompt + max_new_tokens, capped at max_seq_len) and allocates them lazily as it grows, so a running
+sequence never fails for lack of pages. Every exit (finish, error, release) returns pages and reservation.
 """
 
 from __future__ import annotations
@@ -14,13 +14,15 @@ import math
 
 import torch
 
-from exl2_backend.cache import PageAllocator, kv_bytes_per_token
+from exl2_backend.cache import kv_bytes_per_token
 from exl2_backend.errors import CapacityError, InvalidRequestError, PromptTooLongError
 from exl2_backend.runtime.model_runner import ModelRunner
+from exl2_backend.runtime.pages import PageBudget
 from exl2_backend.runtime.params import GenerationParams, StepEvent
 from exl2_backend.runtime.sampler import sample_for
 from exl2_backend.runtime.sequence import Sequence
 from exl2_backend.runtime.settings import LoadSettings
+from exl2_backend.tokenizer import StopMatcher
 
 log = logging.getLogger("exl2_backend")
 
@@ -49,17 +51,16 @@ class Engine:
         self.max_seq_len = s.max_seq_len
         self.num_pages = math.ceil(s.cache_tokens / s.page_size)
         self.cache = model.make_cache(self.num_pages, s.page_size)
-        self.allocator = PageAllocator(self.num_pages)
+        self.pages = PageBudget(self.num_pages, s.page_size)
         self.runner = ModelRunner(model, self.cache, math.ceil(s.max_seq_len / s.page_size))
         self.eos_ids = set(self.config.eos_token_ids or ())
         if tokenizer is not None:
             self.eos_ids |= set(getattr(tokenizer, "eos_token_ids", ()) or ())
         self.seqs: dict[str, Sequence] = {}
-        self._reserved = 0  # pages promised to sequences, not yet allocated
         self._tokens_generated = 0
 
     @classmethod
-    def load(cls, settings: LoadSettings) -> "Engine":
+    def load(cls, settings: LoadSettings) -> Engine:
         """Load the model and tokenizer of `settings.model_dir` onto `settings.device`."""
         from exl2_backend.model import LlamaModel
         from exl2_backend.tokenizer import Tokenizer
@@ -71,20 +72,17 @@ class Engine:
 
     # --- admission ---------------------------------------------------------------------------------------
 
-    def _available_pages(self) -> int:
-        return self.allocator.num_free - self._reserved
-
     def _num_active(self) -> int:
         return sum(not s.finished for s in self.seqs.values())
 
     def free_tokens(self) -> int:
         """Tokens of KV cache neither allocated nor reserved."""
-        return self._available_pages() * self.page_size
+        return self.pages.available * self.page_size
 
     def can_admit(self, num_tokens: int) -> bool:
         """Whether a sequence of up to `num_tokens` (prompt + max_new_tokens) would be admitted now."""
-        need = math.ceil(min(num_tokens, self.max_seq_len) / self.page_size)
-        return self._num_active() < self.settings.max_batch_size and need <= self._available_pages()
+        need = self.pages.pages_for(min(num_tokens, self.max_seq_len))
+        return self._num_active() < self.settings.max_batch_size and need <= self.pages.available
 
     def add_sequence(self, seq_id: str, prompt_ids: list[int], params: GenerationParams | None = None) -> None:
         """Admit a sequence; its prompt runs on the next `prefill` calls."""
@@ -107,52 +105,23 @@ class Engine:
         if self._num_active() >= self.settings.max_batch_size:
             raise CapacityError(f"{self._num_active()} sequences are running (max_batch_size="
                                 f"{self.settings.max_batch_size}); retry after one finishes")
-        need = math.ceil(max_total / self.page_size)
-        if need > self._available_pages():
+        need = self.pages.pages_for(max_total)
+        if need > self.pages.available:
             raise CapacityError(f"KV cache full: this sequence needs {need * self.page_size} tokens of cache, "
                                 f"{self.free_tokens()} are free; retry later or lower max_new_tokens")
         tok = self.tokenizer
         decoder = tok.incremental_decoder() if tok is not None else _NoDecoder()
-        from exl2_backend.tokenizer import StopMatcher
-
         seq = Sequence(seq_id, prompt, params, max_total=max_total, vocab_size=self.model.vocab_size,
                        eos_ids=self.eos_ids, decoder=decoder, stop_matcher=StopMatcher(params.stop))
-        seq.reserved_pages = need
-        self._reserved += need
+        self.pages.reserve(seq, need)
         self.seqs[seq_id] = seq
 
-    # --- pages -------------------------------------------------------------------------------------------
-
-    def _grow(self, seq: Sequence, num_positions: int) -> None:
-        """Make seq's block table cover positions [0, num_positions), drawing on its reservation."""
-        extra = math.ceil(num_positions / self.page_size) - len(seq.pages)
-        if extra <= 0:
-            return
-        from_reserve = min(extra, seq.reserved_pages)
-        if extra > from_reserve and extra - from_reserve > self._available_pages():
-            raise CapacityError("KV cache full while growing a sequence past its reservation")
-        seq.pages += self.allocator.allocate(extra)
-        seq.reserved_pages -= from_reserve
-        self._reserved -= from_reserve
-
-    def _shrink(self, seq: Sequence, num_positions: int) -> None:
-        """Return pages past position `num_positions` (rejected drafts) to the sequence's reservation."""
-        keep = math.ceil(num_positions / self.page_size)
-        extra = seq.pages[keep:]
-        if extra:
-            del seq.pages[keep:]
-            self.allocator.free(extra)
-            seq.reserved_pages += len(extra)
-            self._reserved += len(extra)
+    # --- exits -----------------------------------------------------------------------------------------
 
     def _finish(self, seq: Sequence, reason: str, error: str | None = None) -> None:
         seq.finish_reason = reason
         seq.error = error
-        if seq.pages:
-            self.allocator.free(seq.pages)
-            seq.pages = []
-        self._reserved -= seq.reserved_pages
-        seq.reserved_pages = 0
+        self.pages.release(seq)
 
     def _fail(self, seqs: list[Sequence], exc: BaseException) -> list[StepEvent]:
         log.exception("exl2_backend: step failed for %s", [s.seq_id for s in seqs], exc_info=exc)
@@ -212,7 +181,7 @@ class Engine:
     def _prefill_group(self, group: list[Sequence], n: int) -> list[StepEvent]:
         try:
             for s in group:
-                self._grow(s, s.num_computed + n)
+                self.pages.grow(s, s.num_computed + n)
             logits = self.runner.run([s.prompt_ids[s.num_computed : s.num_computed + n] for s in group],
                                      [s.num_computed for s in group], [s.pages for s in group])  # [B, V]
             for s in group:
@@ -260,8 +229,8 @@ class Engine:
         try:
             starts = [s.num_tokens - 1 for s in group]  # position of each sequence's last sampled token
             for s, p in zip(group, starts):
-                self._grow(s, p + 1 + k)
-            inputs = [[s.tokens[-1]] + drafts.get(s.seq_id, []) for s in group]
+                self.pages.grow(s, p + 1 + k)
+            inputs = [[s.last_token] + drafts.get(s.seq_id, []) for s in group]
             logits = self.runner.run(inputs, starts, [s.pages for s in group], "all" if k else "last")
             if k:
                 return [self._accept(s, logits[b], drafts[s.seq_id]) for b, s in enumerate(group)]
@@ -289,7 +258,7 @@ class Engine:
                 break
         self._tokens_generated += len(taken)
         if not s.finished:
-            self._shrink(s, s.num_computed)  # rejected drafts' KV lies past num_computed: drop its pages
+            self.pages.shrink(s, s.num_computed)  # rejected drafts' KV lies past num_computed: drop its pages
         return s.event(taken, text)
 
     # --- release and stats -------------------------------------------------------------------------------
@@ -310,8 +279,8 @@ class Engine:
             "device": str(self.device),
             "page_size": self.page_size,
             "total_pages": self.num_pages,
-            "free_pages": self.allocator.num_free,
-            "reserved_pages": self._reserved,
+            "free_pages": self.pages.allocator.num_free,
+            "reserved_pages": self.pages.reserved,
             "free_tokens": self.free_tokens(),
             "max_seq_len": self.max_seq_len,
             "cache_tokens": self.num_pages * self.page_size,
@@ -321,9 +290,5 @@ class Engine:
         }
 
     def assert_no_leaks(self) -> None:
-        """Page accounting invariant: every page is free or held by exactly one live sequence."""
-        held = [p for s in self.seqs.values() for p in s.pages]
-        assert len(held) == len(set(held)), "a KV page is held by two sequences"
-        assert len(held) + self.allocator.num_free == self.num_pages, (
-            f"KV page leak: {self.num_pages - self.allocator.num_free - len(held)} pages unaccounted for")
-        assert self._reserved == sum(s.reserved_pages for s in self.seqs.values()), "page reservation leak"
+        """Page accounting invariant (tests): every page is free or held by exactly one live sequence."""
+        self.pages.check(list(self.seqs.values()))

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import itertools
-from typing import Iterator
+from collections.abc import Iterator
 
 from exl2_backend.errors import InvalidRequestError
 from exl2_backend.runtime.params import GenerationParams, StepEvent

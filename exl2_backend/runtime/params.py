@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Literal, Optional
+from typing import Literal
 
 from exl2_backend.errors import InvalidRequestError
 from exl2_backend.sampling import SamplingParams
@@ -19,7 +19,7 @@ class GenerationParams:
     with the matched string removed from the text; stop_token_ids end it like EOS (even with ignore_eos)."""
 
     sampling: SamplingParams = field(default_factory=SamplingParams)
-    max_new_tokens: Optional[int] = 256
+    max_new_tokens: int | None = 256
     stop: list[str] = field(default_factory=list)
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
@@ -49,10 +49,10 @@ class StepEvent:
     seq_id: str
     token_ids: list[int]
     text: str
-    finish_reason: Optional[FinishReason]
+    finish_reason: FinishReason | None
     prompt_tokens: int
     completion_tokens: int
-    error: Optional[str] = None
+    error: str | None = None
 
     @property
     def finished(self) -> bool:

@@ -10,7 +10,7 @@ from exl2_backend.ops.reference import apply_penalties, make_uniforms, sample_to
 
 def sample_for(seqs, logits: torch.Tensor) -> list[int]:
     """logits f32 [B, V] (one row per sequence, V = the model's vocab_size) -> one token id per sequence."""
-    b, v = logits.shape
+    v = logits.shape[1]
     params = [s.params.sampling for s in seqs]
     logits = logits.float()
     if any(s.prompt_counts is not None for s in seqs):

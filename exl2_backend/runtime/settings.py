@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Optional
 
 import torch
-from exl2_backend.errors import ConfigError
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+from exl2_backend.errors import ConfigError
 
 CACHE_TYPES = ("fp16",)
 PLANNED_CACHE_TYPES = ("fp8", "q8", "q6", "q4")
@@ -28,10 +28,10 @@ class LoadSettings(BaseModel):
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    model_dir: Optional[Path] = None
+    model_dir: Path | None = None
     device: str = "auto"
-    max_seq_len: Optional[int] = Field(default=None, ge=2)
-    cache_tokens: Optional[int] = Field(default=None, ge=16)
+    max_seq_len: int | None = Field(default=None, ge=2)
+    cache_tokens: int | None = Field(default=None, ge=16)
     page_size: int = 256
     max_batch_size: int = Field(default=32, ge=1, le=1024)
     max_chunk_size: int = Field(default=2048, ge=1)
@@ -64,7 +64,7 @@ class LoadSettings(BaseModel):
         return v
 
     @model_validator(mode="after")
-    def _check_sizes(self) -> "LoadSettings":
+    def _check_sizes(self) -> LoadSettings:
         if self.max_seq_len is not None and self.cache_tokens is not None and self.cache_tokens < self.max_seq_len:
             raise ValueError(f"cache_tokens ({self.cache_tokens}) must be >= max_seq_len ({self.max_seq_len}) so "
                              "one full-length sequence fits; raise cache_tokens or lower max_seq_len")
@@ -74,7 +74,7 @@ class LoadSettings(BaseModel):
     def torch_device(self) -> torch.device:
         return resolve_device(self.device)
 
-    def resolve(self, config, bytes_per_token: int, free_bytes: int | None = None) -> "LoadSettings":
+    def resolve(self, config, bytes_per_token: int, free_bytes: int | None = None) -> LoadSettings:
         """Concrete settings for a model: device, max_seq_len, cache_tokens filled in.
 
         max_seq_len defaults to min(max_position_embeddings, 4096); cache_tokens to max_seq_len *
@@ -92,4 +92,4 @@ class LoadSettings(BaseModel):
             budget = CPU_CACHE_BUDGET_BYTES if device.type == "cpu" else int((free_bytes or 0) * CUDA_CACHE_FRACTION)
             cache_tokens = min(max_seq_len * self.max_batch_size, budget // max(bytes_per_token, 1))
             cache_tokens = max(cache_tokens, max_seq_len)
-        return self.model_copy(update=dict(device=str(device), max_seq_len=max_seq_len, cache_tokens=cache_tokens))
+        return self.model_copy(update={"device": str(device), "max_seq_len": max_seq_len, "cache_tokens": cache_tokens})

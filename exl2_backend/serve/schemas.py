@@ -71,6 +71,16 @@ class ChatMessage(BaseModel):
     tool_calls: Optional[list[Any]] = None
     tool_call_id: Optional[str] = None
 
+    @field_validator("content", mode="before")
+    @classmethod
+    def _text_only(cls, v):
+        if isinstance(v, list):
+            for part in v:
+                kind = part.get("type") if isinstance(part, dict) else type(part).__name__
+                if kind != "text":
+                    raise ValueError(f"only text content parts are supported (got {kind!r})")
+        return v
+
     @field_validator("tool_calls")
     @classmethod
     def _no_tool_calls(cls, v):
@@ -165,6 +175,33 @@ class ChatCompletionRequest(_SamplingRequest):
     response_format: Optional[dict] = None
     reasoning_effort: Optional[str] = None
     modalities: Optional[list[str]] = None
+    # accepted and ignored (no effect on a local model)
+    prompt_cache_key: Optional[str] = None
+    prompt_cache_retention: Optional[str] = None
+    prompt_cache_options: Optional[dict] = None
+    safety_identifier: Optional[str] = None
+    verbosity: Optional[str] = None
+    moderation: Optional[Any] = None
+    # accepted only when empty
+    functions: Optional[list[Any]] = None
+    function_call: Optional[Union[str, dict]] = None
+    audio: Optional[dict] = None
+    prediction: Optional[dict] = None
+    web_search_options: Optional[dict] = None
+
+    @field_validator("functions", "audio", "prediction", "web_search_options")
+    @classmethod
+    def _unsupported(cls, v, info):
+        if v:
+            raise ValueError(f"{info.field_name} is not supported by this server")
+        return v
+
+    @field_validator("function_call")
+    @classmethod
+    def _function_call(cls, v):
+        if v not in (None, "none", "auto"):
+            raise ValueError("function_call is not supported by this server")
+        return v
 
     @field_validator("logprobs")
     @classmethod

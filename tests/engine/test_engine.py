@@ -20,12 +20,12 @@ VOCAB = 300
 GREEDY = SamplingParams.greedy()
 
 
-def tiny_model(seed: int = 0, vocab: int = VOCAB) -> LlamaModel:
+def tiny_model(seed: int = 0, vocab: int = VOCAB, device: str = "cpu") -> LlamaModel:
     """2 layers, hidden 64, GQA 4/2, untied head; random fp16 weights scaled so greedy output is varied."""
-    cfg = ModelConfig.from_dict(dict(architectures=["LlamaForCausalLM"], hidden_size=64, intermediate_size=128,
-                                     num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                                     vocab_size=vocab, rms_norm_eps=1e-5, rope_theta=10000.0,
-                                     max_position_embeddings=512, tie_word_embeddings=False))
+    cfg = ModelConfig.from_dict({"architectures": ["LlamaForCausalLM"], "hidden_size": 64, "intermediate_size": 128,
+                                     "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+                                     "vocab_size": vocab, "rms_norm_eps": 1e-5, "rope_theta": 10000.0,
+                                     "max_position_embeddings": 512, "tie_word_embeddings": False})
     g = torch.Generator().manual_seed(seed)
 
     def w(*shape, scale=None):
@@ -39,7 +39,7 @@ def tiny_model(seed: int = 0, vocab: int = VOCAB) -> LlamaModel:
                            lin("d", 64, 128)) for _ in range(2)]
     head = DenseLinear("lm_head", w(vocab, 64, scale=0.3))
     weights = ModelWeights(w(vocab, 64, scale=1.0), 1 + w(64, scale=0.1), layers, head)
-    return LlamaModel(cfg, weights, "cpu")
+    return LlamaModel(cfg, weights, device)
 
 
 class CharTokenizer:
@@ -56,7 +56,7 @@ class CharTokenizer:
 
 
 def make_engine(model=None, tokenizer=None, **kw) -> Engine:
-    settings = dict(page_size=16, cache_tokens=2048, max_seq_len=256, max_chunk_size=2048)
+    settings = {"page_size": 16, "cache_tokens": 2048, "max_seq_len": 256, "max_chunk_size": 2048}
     settings.update(kw)
     return Engine(model or tiny_model(), tokenizer, LoadSettings(**settings))
 
@@ -256,6 +256,16 @@ def test_finish_reasons_and_text(model):
     assert out[-1].finish_reason == "length" and "".join(e.text for e in out) == letters
     assert out[-1].completion_tokens == 12 and out[-1].prompt_tokens == 12
 
+    # a single new token finishes in prefill, pages returned at once
+    one = make_engine(model, tokenizer=tok)
+    one.add_sequence("a", p, GenerationParams(sampling=GREEDY, max_new_tokens=1))
+    ev = one.prefill(["a"])[0]
+    assert ev.token_ids == ref[:1] and ev.finish_reason == "length"
+    assert one.stats()["free_pages"] == one.stats()["total_pages"] and one.stats()["reserved_pages"] == 0
+    with pytest.raises(InvalidRequestError, match="has finished"):
+        one.decode(["a"])
+    assert one.release("a") is None
+
     # context limit -> "length"
     short = make_engine(model, tokenizer=tok, max_seq_len=16, cache_tokens=32)
     out = _events(short, p, GenerationParams(sampling=GREEDY, max_new_tokens=100))
@@ -299,7 +309,7 @@ def _events(engine, p, params):
 
 def test_seeded_sampling_reproducible(model):
     p = prompt(10, seed=4)
-    sp = dict(temperature=1.0, top_p=0.95, repetition_penalty=1.1, frequency_penalty=0.2)
+    sp = {"temperature": 1.0, "top_p": 0.95, "repetition_penalty": 1.1, "frequency_penalty": 0.2}
     a = run(make_engine(model), ["x"], [p], GenerationParams(SamplingParams(**sp, seed=5), max_new_tokens=16))
     b = run(make_engine(model), ["x"], [p], GenerationParams(SamplingParams(**sp, seed=5), max_new_tokens=16))
     c = run(make_engine(model), ["x"], [p], GenerationParams(SamplingParams(**sp, seed=6), max_new_tokens=16))

@@ -65,7 +65,7 @@ def _pair_qz(bits: int, p: int, w: list) -> tuple[np.ndarray, np.ndarray]:
         word = w[p >> 2] >> _U32(8) if (p & 3) >= 2 else w[p >> 2]
         if p & 1:
             lo, hi = _h2((word & _U32(0x00F000F0)) | magic)
-            f = lambda h: (h * _from_bits(0x2C00) + _from_bits(0xD480)).astype(np.float16)  # noqa: E731
+            f = lambda h: (h * _from_bits(0x2C00) + _from_bits(0xD480)).astype(np.float16)
             return f(lo), f(hi)
         v, sub = (word & _U32(0x000F000F)) | magic, 0x6408
     elif bits == 2:

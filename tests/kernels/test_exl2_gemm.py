@@ -9,6 +9,8 @@ A CPU test replays the kernel's split-K / group-flush schedule in float64 on the
 
 from __future__ import annotations
 
+import itertools
+
 import numpy as np
 import pytest
 import torch
@@ -81,7 +83,7 @@ def test_split_ranges_cover_every_chunk_cpu():
     pq = pack_qtensor(make_qt([(8, 32)] * 5 + [(4, 128)] * 9 + [(2, 64)], 32, seed=1), "cpu")
     for ks in range(1, pq.C + 1):
         r = _split_ranges(pq, ks)
-        assert r[0][0] == 0 and r[-1][1] == pq.C and all(a[1] == b[0] for a, b in zip(r, r[1:]))
+        assert r[0][0] == 0 and r[-1][1] == pq.C and all(a[1] == b[0] for a, b in itertools.pairwise(r))
 
 
 # --- CUDA -------------------------------------------------------------------------------------------------
@@ -129,10 +131,12 @@ def test_gemm_against_reference(layouts, name, m):
 
     qt = layouts[name]
     x = _x(m, qt.in_features, seed=m)
-    out = cuda_quant.exl2_gemm(x, qt)
     ref, same = _ref(x, qt)
+    out = cuda_quant.exl2_gemm(x, qt)  # routed: fused for M <= FUSED_MAX_M, dequant + cuBLAS above
     assert out.shape == (m, qt.out_features) and out.dtype == torch.float16
     assert_close_rel(out, ref, same, msg=f"{name} M={m}")
+    if m <= 32:  # the fused kernel itself, whatever the routing threshold
+        assert_close_rel(cuda_quant._op_for(qt, x.device).fused(x), ref, same, msg=f"fused {name} M={m}")
 
 
 @pytest.mark.cuda
@@ -144,7 +148,8 @@ def test_gemm_each_width(bits, m):
     qt = _to_cuda(make_qt([(bits, 128)] * 6 + [(bits, 32)], 512, seed=bits * 100 + m, bias=bits == 5))
     x = _x(m, qt.in_features, seed=bits)
     ref, same = _ref(x, qt)
-    assert_close_rel(cuda_quant.exl2_gemm(x, qt), ref, same, msg=f"{bits}-bit M={m}")
+    op = cuda_quant.prepare_linear([qt], "cuda")
+    assert_close_rel(op.fused(x), ref, same, msg=f"{bits}-bit M={m}")
 
 
 @pytest.mark.cuda
@@ -158,7 +163,7 @@ def test_gemm_split_factors(monkeypatch, per_sm):
     for m in (1, 9, 32):
         x = _x(m, qt.in_features, seed=m)
         ref, same = _ref(x, qt)
-        assert_close_rel(op(x), ref, same, msg=f"per_sm={per_sm} ksplit={op.launch.plan(m).ksplit} M={m}")
+        assert_close_rel(op.fused(x), ref, same, msg=f"per_sm={per_sm} ksplit={op.launch.plan(m).ksplit} M={m}")
 
 
 @pytest.mark.cuda
@@ -172,8 +177,9 @@ def test_fused_qkv_matches_separate(m):
     op = cuda_quant.prepare_linear([q, k, v], "cuda")
     assert op.splits == [1024, 256, 256] and op.out_features == 1536
     x = _x(m, 1024, seed=m)
-    fused = op(x)
-    parts = [cuda_quant.exl2_gemm(x, t) for t in (q, k, v)]
+    run = (lambda o, t: o.fused(t)) if m <= 32 else (lambda o, t: o(t))
+    fused = run(op, x)
+    parts = [run(cuda_quant.prepare_linear([t], "cuda"), x) for t in (q, k, v)]
     sep = torch.cat(parts, dim=1)
     # split-K factors differ between one fused launch and three separate ones: compare at fp16 ulp level
     torch.testing.assert_close(fused, sep, atol=2e-3, rtol=2e-3)
@@ -191,9 +197,9 @@ def test_gemm_deterministic():
     assert op.launch.plan(4).ksplit > 1
     for m in (1, 4, 24):
         x = _x(m, qt.in_features, seed=m)
-        first = op(x)
+        first = op.fused(x)
         for _ in range(3):
-            assert torch.equal(op(x), first)
+            assert torch.equal(op.fused(x), first)
 
 
 @pytest.mark.cuda

@@ -11,6 +11,8 @@ Tolerances (all fp32 on CPU, both sides reading the same fp16 weights):
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -31,11 +33,17 @@ PARAGRAPH = (
 
 def _tiny_dir(tmp_path, kind: str):
     """A random tiny model of `kind`, saved as FP16 safetensors; returns (dir, transformers fp32 model)."""
-    from transformers import (LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM, Qwen2Config,
-                              Qwen2ForCausalLM)
+    from transformers import (
+        LlamaConfig,
+        LlamaForCausalLM,
+        MistralConfig,
+        MistralForCausalLM,
+        Qwen2Config,
+        Qwen2ForCausalLM,
+    )
 
-    common = dict(vocab_size=300, hidden_size=64, intermediate_size=160, num_hidden_layers=2, num_attention_heads=4,
-                  num_key_value_heads=2, max_position_embeddings=512, rms_norm_eps=1e-5)
+    common = {"vocab_size": 300, "hidden_size": 64, "intermediate_size": 160, "num_hidden_layers": 2, "num_attention_heads": 4,
+                  "num_key_value_heads": 2, "max_position_embeddings": 512, "rms_norm_eps": 1e-5}
     if kind == "llama3":
         rope = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
                 "high_freq_factor": 4.0, "original_max_position_embeddings": 64}
@@ -121,6 +129,62 @@ def test_padded_head_sliced_to_vocab(tmp_path):
     assert torch.equal(after, before)
 
 
+def _transformers_on_dequantized(fp16_dir, exl2_dir, ids: list[int]) -> torch.Tensor:
+    """transformers' fp32 logits [1, T, V] for the FP16 model with every linear (and a quantized head)
+    replaced by the EXL2 directory's dequantized weights."""
+    from safetensors.torch import load_file
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from exl2_backend import ops
+    from exl2_backend.format.config import ModelConfig
+    from exl2_backend.format.reader import load_weights
+
+    # our writer names shards output*.safetensors (ExLlamaV2's naming), so load the state dict by hand
+    hf_cfg = AutoConfig.from_pretrained(fp16_dir)
+    hf = AutoModelForCausalLM.from_config(hf_cfg, dtype=torch.float32, attn_implementation="eager").eval()
+    state = {k: v.float() for f in sorted(Path(fp16_dir).glob("*.safetensors")) for k, v in load_file(f).items()}
+    missing, unexpected = hf.load_state_dict(state, strict=False)
+    assert not unexpected and set(missing) <= {"lm_head.weight"}, (missing, unexpected)
+    if hf_cfg.tie_word_embeddings:
+        hf.tie_weights()
+    q = load_weights(exl2_dir, ModelConfig.from_dir(exl2_dir))
+
+    def put(mod, qt):
+        mod.weight = torch.nn.Parameter(ops.exl2_dequant(qt).float()[:, : qt.out_features].t().contiguous())
+        if qt.bias is not None:
+            mod.bias = torch.nn.Parameter(qt.bias[: qt.out_features].float())
+
+    with torch.no_grad():
+        for lw, layer in zip(q.layers, hf.model.layers):
+            for n in ("q_proj", "k_proj", "v_proj", "o_proj"):
+                put(getattr(layer.self_attn, n), getattr(lw, n))
+            for n in ("gate_proj", "up_proj", "down_proj"):
+                put(getattr(layer.mlp, n), getattr(lw, n))
+        if q.lm_head is not None:  # a quantized head (also when the FP16 model ties it to the embedding)
+            hf.config.tie_word_embeddings = False
+            hf.lm_head = torch.nn.Linear(hf.config.hidden_size, q.lm_head.out_features, bias=False)
+            put(hf.lm_head, q.lm_head)
+        return hf(torch.tensor([ids])).logits.float()
+
+
+@pytest.mark.parametrize("arch,tied", [("Qwen2ForCausalLM", False), ("LlamaForCausalLM", True)])
+def test_tiny_exl2_matches_transformers_on_dequantized(tmp_path, arch, tied):
+    """EXL2 linears (all bit widths, act-order perms, Qwen2 biases, a quantized head beside tied embeddings)
+    through our model vs transformers on the same dequantized weights: max abs < 1e-4."""
+    from tests.helpers.synth import tiny_config_dict, write_tiny_exl2_model, write_tiny_fp16_model
+
+    cfg = tiny_config_dict(arch, tie_word_embeddings=tied)
+    fp16_dir = write_tiny_fp16_model(tmp_path / "fp16", cfg, seed=3)
+    exl2_dir = write_tiny_exl2_model(tmp_path / "exl2", cfg, seed=3)
+    ids = torch.randint(0, 300, (20,), generator=torch.Generator().manual_seed(2)).tolist()
+    expected = _transformers_on_dequantized(fp16_dir, exl2_dir, ids)
+    ours = LlamaModel.from_dir(exl2_dir, "cpu")
+    for chunked in (True, False):
+        got = _run(ours, [ids], chunked)
+        diff = (got - expected).abs().max().item()
+        assert diff < TINY_ATOL, f"chunked={chunked}: max abs diff {diff:.2e}"
+
+
 # --- the real default model ------------------------------------------------------------------------------
 
 
@@ -134,8 +198,14 @@ def smol(default_fp16_dir):
     return tok, ids
 
 
+@pytest.fixture(scope="module")
+def smol_fp16_logits(default_fp16_dir, smol):
+    """Our FP16 model's logits on the paragraph, [1, T, V]."""
+    return _run(LlamaModel.from_dir(default_fp16_dir, "cpu"), [smol[1]], chunked=True, page=16)
+
+
 @pytest.mark.slow
-def test_smollm2_fp16_matches_transformers(default_fp16_dir, smol):
+def test_smollm2_fp16_matches_transformers(default_fp16_dir, smol, smol_fp16_logits):
     from transformers import LlamaForCausalLM
 
     _, ids = smol
@@ -143,8 +213,7 @@ def test_smollm2_fp16_matches_transformers(default_fp16_dir, smol):
     with torch.no_grad():
         expected = ref(torch.tensor([ids])).logits.float()  # [1, T, V]
     del ref
-    ours = LlamaModel.from_dir(default_fp16_dir, "cpu")
-    got = _run(ours, [ids], chunked=True, page=16)
+    got = smol_fp16_logits
     scale = expected.abs().max().item()
     diff = (got - expected).abs().max().item()
     assert diff < 2e-3 * scale, f"max abs diff {diff:.3e} vs logit scale {scale:.1f}"
@@ -210,32 +279,14 @@ def test_smollm2_exl2_weights_within_rtn_bound(default_fp16_dir, default_model_d
 
 
 @pytest.mark.slow
-def test_smollm2_exl2_logits(default_fp16_dir, default_model_dir, smol):
+def test_smollm2_exl2_logits(default_fp16_dir, default_model_dir, smol, smol_fp16_logits):
     """Our EXL2 forward equals transformers run on the dequantized weights; and the quantized model stays
     close to FP16 (thresholds of the current RTN recipe: top-1 agreement 0.75, KL 0.11 measured)."""
-    from transformers import LlamaForCausalLM
-
-    from exl2_backend import ops
-    from exl2_backend.format.config import ModelConfig
-    from exl2_backend.format.reader import load_weights
-
     _, ids = smol
     got = _run(LlamaModel.from_dir(default_model_dir, "cpu"), [ids], chunked=True, page=16)  # [1, T, V]
-    ref = _run(LlamaModel.from_dir(default_fp16_dir, "cpu"), [ids], chunked=True, page=16)
+    ref = smol_fp16_logits
 
-    hf = LlamaForCausalLM.from_pretrained(default_fp16_dir, dtype=torch.float32, attn_implementation="eager")
-    q = load_weights(default_model_dir, ModelConfig.from_dir(default_model_dir))
-    with torch.no_grad():
-        for lw, layer in zip(q.layers, hf.model.layers):
-            mods = {**{n: getattr(layer.self_attn, n) for n in ("q_proj", "k_proj", "v_proj", "o_proj")},
-                    **{n: getattr(layer.mlp, n) for n in ("gate_proj", "up_proj", "down_proj")}}
-            for n, mod in mods.items():
-                qt = getattr(lw, n)
-                mod.weight.copy_(ops.exl2_dequant(qt).float()[:, : qt.out_features].t())
-        if q.lm_head is not None:  # quantized head (the FP16 model ties it to the embedding)
-            w = ops.exl2_dequant(q.lm_head).float()[:, : q.lm_head.out_features].t().contiguous()
-            hf.lm_head.weight = torch.nn.Parameter(w)
-        expected = hf(torch.tensor([ids])).logits.float()
+    expected = _transformers_on_dequantized(default_fp16_dir, default_model_dir, ids)
     scale = expected.abs().max().item()
     assert (got - expected).abs().max().item() < 2e-3 * scale
 

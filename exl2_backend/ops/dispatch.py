@@ -83,7 +83,15 @@ def kv_cache_write(k, v, k_cache, v_cache, slots):
     return _pick("kv_cache_write", k)(k, v, k_cache, v_cache, slots)
 
 
+# Above this many queries per sequence a step is a prefill chunk: tensor-core SDPA beats the decode kernel.
+DECODE_KERNEL_MAX_QUERIES = 16
+
+
 def paged_attention(q, k_cache, v_cache, block_tables, context_lens, scale):
+    if q.is_cuda and q.shape[1] > DECODE_KERNEL_MAX_QUERIES:
+        from exl2_backend.ops.attention_prefill import prefill_attention
+
+        return prefill_attention(q, k_cache, v_cache, block_tables, context_lens, scale)
     return _pick("paged_attention", q)(q, k_cache, v_cache, block_tables, context_lens, scale)
 
 

@@ -1,0 +1,159 @@
+"""Prefill and decode speed of one model at several context lengths, with roofline ratios.
+
+Decode is timed two ways in the same run: through the engine's step API (what a host gets: replay plus
+the Python bookkeeping of a step) and as bare CUDA-graph replays of the batch-1 decode step (the GPU
+time alone). Both are compared with the roofline: measured read bandwidth / bytes moved per token.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from pathlib import Path
+
+import torch
+
+from exl2_backend.bench.roofline import decode_bytes, measure_read_bandwidth, weight_bytes_per_token
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def load_engine(model_dir: str | Path, device: str, max_seq_len: int, use_graphs: bool, max_batch_size: int = 1):
+    from exl2_backend.format.config import ModelConfig
+    from exl2_backend.format.reader import load_weights
+    from exl2_backend.model import LlamaModel
+    from exl2_backend.runtime import Engine, LoadSettings
+    from exl2_backend.tokenizer import Tokenizer
+
+    settings = LoadSettings(model_dir=str(model_dir), device=device, max_seq_len=max_seq_len,
+                            cache_tokens=max_seq_len * max_batch_size, max_batch_size=max_batch_size,
+                            use_cuda_graphs=use_graphs)
+    config = ModelConfig.from_dir(model_dir)
+    weights = load_weights(model_dir, config)
+    wbytes = weight_bytes_per_token(config, weights)
+    t0 = time.perf_counter()
+    model = LlamaModel(config, weights, settings.torch_device)
+    del weights
+    engine = Engine(model, Tokenizer.from_dir(model_dir), settings)
+    _sync(engine.device)
+    return engine, wbytes, time.perf_counter() - t0
+
+
+def _prefill(engine, seq_id: str, prompt: list[int], new_tokens: int) -> float:
+    from exl2_backend.runtime import GenerationParams
+    from exl2_backend.sampling import SamplingParams
+
+    params = GenerationParams(sampling=SamplingParams.greedy(), max_new_tokens=new_tokens, ignore_eos=True)
+    engine.add_sequence(seq_id, prompt, params)
+    _sync(engine.device)
+    t0 = time.perf_counter()
+    while not engine.prefill([seq_id])[0].token_ids:
+        pass
+    _sync(engine.device)
+    return time.perf_counter() - t0
+
+
+def _graph_step_seconds(engine, iters: int) -> float | None:
+    runner = engine.runner
+    graphs = getattr(runner, "_graphs", {})
+    if 1 not in graphs:
+        return None
+    g = graphs[1]
+    for _ in range(3):
+        g.replay()
+    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    a.record()
+    for _ in range(iters):
+        g.replay()
+    b.record()
+    b.synchronize()
+    return a.elapsed_time(b) / 1e3 / iters
+
+
+def run_bench(model_dir: str | Path, *, contexts=(512, 2048, 8192, 32768), decode_tokens: int = 128,
+              prefill_tokens: int = 2048, device: str = "auto", use_graphs: bool = True, seed: int = 0,
+              progress=None) -> dict:
+    """Measure and return a JSON-able dict: bandwidth, bytes/token, prefill and per-context decode speed."""
+    max_ctx = max(max(contexts), prefill_tokens) + decode_tokens + 8
+    max_seq_len = math.ceil(max_ctx / 256) * 256
+    engine, wbytes, load_s = load_engine(model_dir, device, max_seq_len, use_graphs)
+    dev = engine.device
+    config = engine.config
+    bandwidth = measure_read_bandwidth(dev) if dev.type == "cuda" else None
+    gen = torch.Generator().manual_seed(seed)
+    vocab = config.vocab_size
+
+    def prompt(n: int) -> list[int]:
+        return torch.randint(0, vocab, (n,), generator=gen).tolist()
+
+    result = {
+        "model_dir": str(model_dir), "device": str(dev),
+        "gpu": torch.cuda.get_device_name(dev) if dev.type == "cuda" else None,
+        "load_seconds": load_s, "read_bandwidth_gbs": bandwidth, "weight_bytes_per_token": wbytes,
+        "cuda_graphs": type(engine.runner).__name__ == "CudaGraphRunner", "decode": [],
+    }
+    # Warm-up (kernel selection, graph capture) on a short sequence.
+    _prefill(engine, "warmup", prompt(64), 8)
+    for _ in range(4):
+        engine.decode(["warmup"])
+    engine.release("warmup")
+
+    secs = _prefill(engine, "prefill", prompt(prefill_tokens), 1)
+    engine.release("prefill")
+    result["prefill"] = {"tokens": prefill_tokens, "seconds": secs, "tokens_per_s": prefill_tokens / secs}
+    for ctx in contexts:
+        if progress:
+            progress(f"context {ctx}")
+        prefill_s = _prefill(engine, "seq", prompt(ctx), decode_tokens + 4)
+        for _ in range(2):
+            engine.decode(["seq"])
+        _sync(dev)
+        t0 = time.perf_counter()
+        for _ in range(decode_tokens):
+            engine.decode(["seq"])
+        _sync(dev)
+        step = (time.perf_counter() - t0) / decode_tokens
+        gpu_step = _graph_step_seconds(engine, decode_tokens) if dev.type == "cuda" else None
+        engine.release("seq")
+        nbytes = decode_bytes(config, wbytes, ctx)
+        row = {"context": ctx, "prefill_tokens_per_s": ctx / prefill_s, "decode_tokens_per_s": 1 / step,
+               "decode_step_ms": step * 1e3, "bytes_per_token": nbytes}
+        if gpu_step is not None:
+            row.update(graph_step_ms=gpu_step * 1e3, graph_tokens_per_s=1 / gpu_step)
+        if bandwidth:
+            roof = bandwidth * 1e9 / nbytes
+            row.update(roofline_tokens_per_s=roof, pct_roofline=100 / step / roof)
+            if gpu_step is not None:
+                row["graph_pct_roofline"] = 100 / gpu_step / roof
+        result["decode"].append(row)
+    engine.assert_no_leaks()
+    return result
+
+
+def plot(result: dict, path: str | Path) -> None:
+    """PNG of decode tokens/s against context length, with the roofline."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = result["decode"]
+    ctx = [r["context"] for r in rows]
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    ax.plot(ctx, [r["decode_tokens_per_s"] for r in rows], "o-", label="engine step")
+    if all("graph_tokens_per_s" in r for r in rows):
+        ax.plot(ctx, [r["graph_tokens_per_s"] for r in rows], "s--", label="graph replay only")
+    if all("roofline_tokens_per_s" in r for r in rows):
+        ax.plot(ctx, [r["roofline_tokens_per_s"] for r in rows], "k:", label="roofline (measured bandwidth)")
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("context (tokens)")
+    ax.set_ylabel("decode tokens/s (batch 1)")
+    ax.set_title(f"{Path(result['model_dir']).name} on {result.get('gpu') or result['device']}")
+    ax.grid(True, alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)

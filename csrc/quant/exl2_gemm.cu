@@ -468,3 +468,391 @@ EXL2_API int exl2_gemm(const int64_t* blob, int ndesc, const void* x, int M, int
     default: return launch<4>(p, blocks, off, s);
   }
 }
+
+// =========================================================================================================
+// Small-M GEMV (M = 1..8): same packed layout, designed for bytes in flight.
+//
+// Grid: exactly one wave. Block: 8 warps on 8 adjacent 32-column warp tiles (256 columns), one K split shared
+// by all warps (so the activation gather into shared memory is shared). Each warp streams its tile's chunks
+// straight into registers (no shared-memory ring): two register batches of CH chunks (~16 words per lane each),
+// ping-ponged so one batch is always loading while the other is decoded (2..4 KB in flight per warp), with
+// 16-byte non-allocating global loads. Decode is the fp16 mantissa trick into mma.m16n8k16 A registers with
+// tokens as N (all M <= 8 cost the same). Scales are precomputed at load time as fp16 in the lane layout
+// ([G][J][8 gid] uint2), so a group's scales are one 8-byte load issued a whole group ahead of use. Split-K
+// partials are reduced in split order by the last block of each column block (deterministic).
+// =========================================================================================================
+namespace exl2q {
+namespace {
+
+constexpr int kGvWarps = 8;
+constexpr int kGvCols = kGvWarps * kWarpCols;  // 256
+constexpr int kGvPrefetch = 4;  // chunk tiles per warp prefetched into L2 before the gather
+
+struct GemvParams {
+  QDesc d[kMaxDesc];
+  const uint2* scl[kMaxDesc];
+  const __half* x;  // [M, ldx]
+  int ndesc, M, ldx, xstride;
+};
+
+// Predicated streaming loads: the predicate lives inside the asm, so the outputs count as always written and
+// the register batches are never kept alive across a skipped load (which made ptxas spill them).
+__device__ __forceinline__ uint4 ldg_stream4(const uint32_t* p, bool ok) {
+  uint4 r;
+  asm volatile("{.reg .pred q; setp.ne.b32 q, %5, 0; @q ld.global.nc.L1::no_allocate.v4.u32 {%0,%1,%2,%3}, [%4];}"
+               : "=r"(r.x), "=r"(r.y), "=r"(r.z), "=r"(r.w) : "l"(p), "r"((int)ok));
+  return r;
+}
+__device__ __forceinline__ uint2 ldg_stream2(const uint32_t* p, bool ok) {
+  uint2 r;
+  asm volatile("{.reg .pred q; setp.ne.b32 q, %3, 0; @q ld.global.nc.L1::no_allocate.v2.u32 {%0,%1}, [%2];}"
+               : "=r"(r.x), "=r"(r.y) : "l"(p), "r"((int)ok));
+  return r;
+}
+__device__ __forceinline__ uint32_t ldg_stream1(const uint32_t* p, bool ok) {
+  uint32_t r;
+  asm volatile("{.reg .pred q; setp.ne.b32 q, %2, 0; @q ld.global.nc.L1::no_allocate.u32 %0, [%1];}"
+               : "=r"(r) : "l"(p), "r"((int)ok));
+  return r;
+}
+__device__ __forceinline__ int ldg_info(const int* p, bool ok) {
+  int r;
+  asm volatile("{.reg .pred q; setp.ne.b32 q, %2, 0; @q ld.global.nc.u32 %0, [%1];}" : "=r"(r) : "l"(p), "r"((int)ok));
+  return r;
+}
+
+// Chunks per register batch by width: ~16 words per lane (2*B words per chunk).
+template <int B>
+constexpr int gv_ch() { return GV_CH_EXPR; }
+
+// The lane's 2*B words of one chunk tile (tile = start of its 64*B words).
+template <int B>
+__device__ __forceinline__ void gv_load(const uint32_t* tile, int lane, uint32_t (&w)[2][B], bool ok) {
+  constexpr int m = main_words(B), a = B - m;
+#pragma unroll
+  for (int nt = 0; nt < 2; ++nt) {
+    const uint32_t* p = tile + (nt * 32 + lane) * m;
+    if constexpr (m == 8) {
+      uint4 u = ldg_stream4(p, ok), v = ldg_stream4(p + 4, ok);
+      w[nt][0] = u.x; w[nt][1] = u.y; w[nt][2] = u.z; w[nt][3] = u.w;
+      w[nt][4] = v.x; w[nt][5] = v.y; w[nt][6] = v.z; w[nt][7] = v.w;
+    } else if constexpr (m == 4) {
+      uint4 u = ldg_stream4(p, ok);
+      w[nt][0] = u.x; w[nt][1] = u.y; w[nt][2] = u.z; w[nt][3] = u.w;
+    } else {
+      uint2 u = ldg_stream2(p, ok);
+      w[nt][0] = u.x; w[nt][1] = u.y;
+    }
+    const uint32_t* q = tile + 64 * m + (nt * 32 + lane) * a;
+    if constexpr (a == 2) {
+      uint2 u = ldg_stream2(q, ok);
+      w[nt][m] = u.x; w[nt][m + 1] = u.y;
+    } else if constexpr (a == 1) {
+      w[nt][m] = ldg_stream1(q, ok);
+    }
+  }
+}
+
+struct GvState {
+  float acc[2][4];
+  float cg[2][4];
+  uint2 sc;   // fp16 scales of the current group (lane layout)
+  int g;      // current group
+};
+
+__device__ __forceinline__ void gv_flush(GvState& s) {
+  const float2 s0 = h2_to_f2(s.sc.x), s1 = h2_to_f2(s.sc.y);
+#pragma unroll
+  for (int nt = 0; nt < 2; ++nt) {
+    const float sa = nt ? s1.x : s0.x, sb = nt ? s1.y : s0.y;
+    s.acc[nt][0] += sa * s.cg[nt][0];
+    s.acc[nt][1] += sa * s.cg[nt][1];
+    s.acc[nt][2] += sb * s.cg[nt][2];
+    s.acc[nt][3] += sb * s.cg[nt][3];
+#pragma unroll
+    for (int e = 0; e < 4; ++e) s.cg[nt][e] = 0.f;
+  }
+}
+
+template <int B, int S>
+__device__ __forceinline__ void gv_kstep(const uint32_t (&w)[2][B], uint32_t x0, uint32_t x1, GvState& s) {
+#pragma unroll
+  for (int nt = 0; nt < 2; ++nt) {
+    const uint32_t a0 = pair_qz<B, 4 * S + 0>(w[nt]);
+    const uint32_t a1 = pair_qz<B, 4 * S + 1>(w[nt]);
+    const uint32_t a2 = pair_qz<B, 4 * S + 2>(w[nt]);
+    const uint32_t a3 = pair_qz<B, 4 * S + 3>(w[nt]);
+    mma16816(s.cg[nt], a0, a1, a2, a3, x0, x1);
+  }
+}
+
+template <int B, int U>
+__device__ __forceinline__ void gv_unit(const uint32_t (&w)[2][B], int info, const __half* xl, GvState& s,
+                                        const uint2* scl_lane, int scl_gstride, int G) {
+  const uint4 xv = *reinterpret_cast<const uint4*>(xl + 32 * U);
+  gv_kstep<B, 2 * U>(w, xv.x, xv.y, s);
+  gv_kstep<B, 2 * U + 1>(w, xv.z, xv.w, s);
+  if ((info >> (30 + U)) & 1) {
+    gv_flush(s);
+    ++s.g;
+    if (s.g < G) s.sc = __ldg(scl_lane + (size_t)s.g * scl_gstride);  // used a whole group later
+  }
+}
+
+template <int B>
+__device__ __forceinline__ void gv_chunk(const uint32_t (&w)[2][B], int info, const __half* xl, GvState& s,
+                                         const uint2* scl_lane, int scl_gstride, int G) {
+  gv_unit<B, 0>(w, info, xl, s, scl_lane, scl_gstride, G);
+  gv_unit<B, 1>(w, info, xl, s, scl_lane, scl_gstride, G);
+}
+
+// Block-wide gather of the split's activations into shared memory, stored row order: xs[m * xstride + r].
+// Two phases so no load waits on another in registers: the split's xmap slice to shared memory (16-byte
+// loads), then 8 independent 2-byte activation loads in flight per thread.
+__device__ __forceinline__ void gv_gather(const GemvParams& p, const QDesc& d, int c0, int nch, __half* xs,
+                                          unsigned short* xm) {
+  constexpr int T = kGvWarps * 32, kB = 8;
+  const int rows = nch * kChunkRows;
+  const uint4* src = reinterpret_cast<const uint4*>(d.xmap + c0 * kChunkRows);
+  for (int v = threadIdx.x; v < rows / 8; v += T) reinterpret_cast<uint4*>(xm)[v] = __ldg(src + v);
+  __syncthreads();
+  const unsigned short* xg = reinterpret_cast<const unsigned short*>(p.x);
+  unsigned short* xo = reinterpret_cast<unsigned short*>(xs);
+  for (int m = 0; m < p.M; ++m) {
+    const unsigned short* xr = xg + (size_t)m * p.ldx;
+    for (int r0 = threadIdx.x; r0 < rows; r0 += kB * T) {
+      unsigned short v[kB];
+#pragma unroll
+      for (int u = 0; u < kB; ++u) {
+        const int r = r0 + u * T;
+        const unsigned i = r < rows ? xm[r] : 0xFFFFu;
+        v[u] = i == 0xFFFFu ? (unsigned short)0 : __ldg(xr + i);
+      }
+#pragma unroll
+      for (int u = 0; u < kB; ++u)
+        if (r0 + u * T < rows) xo[m * p.xstride + r0 + u * T] = v[u];
+    }
+  }
+}
+
+// Chunks [cs, ce) of one width run, ping-ponging two register batches.
+template <int B>
+__device__ __forceinline__ void gv_run(const GemvParams& p, const QDesc& d, const Run& run, int cs, int ce, int c0,
+                                       int J, int j, int lane, const __half* xl, GvState& s,
+                                       const uint2* scl_lane) {
+  constexpr int CH = gv_ch<B>();
+  const long long step = (long long)J * 64 * B;
+  const uint32_t* tile0 = d.packed + run.word_base + (long long)(cs - run.chunk_start) * step + (long long)j * 64 * B;
+  uint32_t wa[CH][2][B], wb[CH][2][B];
+  int ia[CH], ib[CH];
+  auto load = [&](uint32_t (&w)[CH][2][B], int (&inf)[CH], int c) {
+#pragma unroll
+    for (int i = 0; i < CH; ++i) {
+      const bool ok = c + i < ce;
+      gv_load<B>(tile0 + (long long)(c + i - cs) * step, lane, w[i], ok);
+      inf[i] = ldg_info(d.info + c + i, ok);
+    }
+  };
+  auto compute = [&](const uint32_t (&w)[CH][2][B], const int (&inf)[CH], int c) {
+#pragma unroll
+    for (int i = 0; i < CH; ++i)
+      if (c + i < ce) gv_chunk<B>(w[i], inf[i], xl + (c + i - c0) * kChunkRows, s, scl_lane, J * 8, d.G);
+  };
+  load(wa, ia, cs);
+  load(wb, ib, cs + CH);
+#pragma unroll 1
+  for (int c = cs; c < ce; c += 2 * CH) {
+    compute(wa, ia, c);
+    load(wa, ia, c + 2 * CH);
+    compute(wb, ib, c + CH);
+    load(wb, ib, c + 3 * CH);
+  }
+}
+
+template <int MINB>
+__global__ void __launch_bounds__(kGvWarps * 32, MINB) gemv_kernel(const __grid_constant__ GemvParams p) {
+  extern __shared__ __align__(16) unsigned char smem[];
+  __half* xs = reinterpret_cast<__half*>(smem);
+  const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, gid = lane >> 2, t4 = lane & 3;
+  int di = 0;
+  while (di + 1 < p.ndesc && (int)blockIdx.x >= p.d[di + 1].block_start) ++di;
+  const QDesc& d = p.d[di];
+  const int local = blockIdx.x - d.block_start;
+  const int colblk = local % d.ncolblk, split = local / d.ncolblk;
+  int c0, c1;
+  split_range(d, split, c0, c1);
+  const int nch = c1 - c0;
+  const int J = d.Np / kWarpCols;
+  const int jw = colblk * kGvWarps + warp;
+  const bool active = jw < J;
+  const int j = active ? jw : J - 1;  // idle warps of a partial column block shadow the last tile (never write)
+  const int M = p.M;
+  const uint2* scl_lane = p.scl[di] + (size_t)j * 8 + gid;
+
+  GvState s;
+#pragma unroll
+  for (int nt = 0; nt < 2; ++nt)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) s.acc[nt][e] = s.cg[nt][e] = 0.f;
+  s.g = 0;
+  s.sc = make_uint2(0, 0);
+  if (nch > 0) {
+    s.g = __ldg(d.info + c0) & kInfoGroupMask;
+    s.sc = __ldg(scl_lane + (size_t)s.g * J * 8);
+  }
+  const __half* xl = xs + min(gid, M - 1) * p.xstride + 8 * t4;  // tokens >= M: duplicates, discarded
+  int run = 0;
+  while (run + 1 < d.nruns && c0 >= d.runs[run].chunk_end) ++run;
+  if (nch > 0) {  // start the first chunk tiles' DRAM reads (into L2) before the dependent activation gather
+    const Run& r = d.runs[run];
+    const int c = c0 + lane;
+    if (lane < kGvPrefetch && c < min(c1, r.chunk_end)) {
+      const uint32_t* t = d.packed + r.word_base + ((long long)(c - r.chunk_start) * J + j) * 64 * r.bits;
+      asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(t), "r"(256 * r.bits) : "memory");
+    }
+  }
+  gv_gather(p, d, c0, nch, xs, reinterpret_cast<unsigned short*>(xs + p.M * p.xstride));
+  __syncthreads();
+  for (int c = c0; c < c1; ++run) {
+    const Run& r = d.runs[run];
+    const int ce = min(c1, r.chunk_end);
+    switch (r.bits) {
+      case 8: gv_run<8>(p, d, r, c, ce, c0, J, j, lane, xl, s, scl_lane); break;
+      case 6: gv_run<6>(p, d, r, c, ce, c0, J, j, lane, xl, s, scl_lane); break;
+      case 5: gv_run<5>(p, d, r, c, ce, c0, J, j, lane, xl, s, scl_lane); break;
+      case 4: gv_run<4>(p, d, r, c, ce, c0, J, j, lane, xl, s, scl_lane); break;
+      case 3: gv_run<3>(p, d, r, c, ce, c0, J, j, lane, xl, s, scl_lane); break;
+      default: gv_run<2>(p, d, r, c, ce, c0, J, j, lane, xl, s, scl_lane); break;
+    }
+    c = ce;
+  }
+  // A group that continues past this split is scaled here (its partial is linear in the scale).
+  if (nch > 0 && !((__ldg(d.info + c1 - 1) >> 31) & 1)) gv_flush(s);
+
+  // Accumulator element e of nt: column 32j + 16nt + gid + 8*(e>=2), token 2*t4 + (e&1).
+  const int n0 = jw * kWarpCols;
+  if (d.ksplit == 1) {
+    if (active) {
+#pragma unroll
+      for (int nt = 0; nt < 2; ++nt)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          const int n = n0 + 16 * nt + gid + 8 * (e >> 1), m = 2 * t4 + (e & 1);
+          if (m < M && n < d.N) {
+            float v = s.acc[nt][e];
+            if (d.bias) v += __half2float(d.bias[n]);
+            d.out[(size_t)m * d.ldo + n] = __float2half_rn(v);
+          }
+        }
+    }
+    return;
+  }
+  if (active) {
+    float* ws = d.ws + (size_t)split * M * d.Np;
+#pragma unroll
+    for (int nt = 0; nt < 2; ++nt)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const int n = n0 + 16 * nt + gid + 8 * (e >> 1), m = 2 * t4 + (e & 1);
+        if (m < M) ws[(size_t)m * d.Np + n] = s.acc[nt][e];
+      }
+  }
+  __syncthreads();
+  __shared__ int s_last;
+  if (tid == 0) {
+    int prev;
+    asm volatile("atom.acq_rel.gpu.global.add.s32 %0, [%1], %2;"
+                 : "=r"(prev) : "l"(d.counters + colblk), "r"(1) : "memory");
+    s_last = prev == d.ksplit - 1;
+  }
+  __syncthreads();
+  if (!s_last) return;
+  const int nblk0 = colblk * kGvCols;
+  const int ncols = min(kGvCols, d.N - nblk0);
+  for (int e = tid; e < ncols * M; e += blockDim.x) {
+    const int m = e / ncols, n = nblk0 + e % ncols;
+    const float* src = d.ws + (size_t)m * d.Np + n;
+    const size_t stride = (size_t)M * d.Np;
+    float v = 0.f;
+    for (int s0 = 0; s0 < d.ksplit; s0 += 16) {  // 16 loads in flight, summed in split order
+      float t[16];
+#pragma unroll
+      for (int u = 0; u < 16; ++u) t[u] = s0 + u < d.ksplit ? __ldcg(src + (s0 + u) * stride) : 0.f;
+#pragma unroll
+      for (int u = 0; u < 16; ++u) v += t[u];
+    }
+    if (d.bias) v += __half2float(d.bias[n]);
+    d.out[(size_t)m * d.ldo + n] = __float2half_rn(v);
+  }
+  if (tid == 0) d.counters[colblk] = 0;  // ready for the next launch (and graph replay)
+}
+
+template <int MINB>
+int gemv_launch(const GemvParams& p, int blocks, int smem, cudaStream_t stream) {
+  static int smem_set = 0;
+  if (smem_set == 0) {
+    if (cudaFuncSetAttribute(gemv_kernel<MINB>, cudaFuncAttributePreferredSharedMemoryCarveout, 100) != cudaSuccess)
+      (void)cudaGetLastError();
+    smem_set = 48 * 1024;
+  }
+  if (smem > smem_set) {
+    cudaError_t err = cudaFuncSetAttribute(gemv_kernel<MINB>, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
+    if (err != cudaSuccess)
+      return exl2::set_error((int)err, "exl2_gemv: %d bytes of shared memory: %s", smem, cudaGetErrorString(err));
+    smem_set = smem;
+  }
+  gemv_kernel<MINB><<<blocks, kGvWarps * 32, smem, stream>>>(p);
+  return exl2::check_launch("exl2_gemv");
+}
+
+}  // namespace
+}  // namespace exl2q
+
+// Small-M GEMV (M = 1..8). blob: ndesc descriptors (kDescLen int64, F_SCL16 set, F_KSPLIT the split count);
+// minb: the kernel variant's planned resident blocks per SM (3 or 4). Same output/workspace contract as exl2_gemm,
+// with column blocks of 256 (counters: one per 256-column block).
+EXL2_API int exl2_gemv(const int64_t* blob, int ndesc, const void* x, int M, int ldx, int minb, void* stream) {
+  EXL2_REQUIRE(blob && x, "exl2_gemv: null argument");
+  EXL2_REQUIRE(ndesc >= 1 && ndesc <= kMaxDesc, "exl2_gemv: %d descriptors (1..%d)", ndesc, kMaxDesc);
+  EXL2_REQUIRE(M >= 1 && M <= 8, "exl2_gemv: M=%d outside 1..8", M);
+  EXL2_REQUIRE(minb == 3 || minb == 4, "exl2_gemv: minb %d (3 or 4)", minb);
+  GemvParams p{};
+  p.x = reinterpret_cast<const __half*>(x);
+  p.ndesc = ndesc; p.M = M; p.ldx = ldx;
+  int blocks = 0, maxnch = 1;
+  for (int i = 0; i < ndesc; ++i) {
+    QDesc& d = p.d[i];
+    const int64_t* f = blob + (size_t)i * kDescLen;
+    int st = parse_desc(f, d);
+    if (st) return st;
+    p.scl[i] = reinterpret_cast<const uint2*>(f[F_SCL16]);
+    EXL2_REQUIRE(p.scl[i], "exl2_gemv: no fp16 scales");
+    EXL2_REQUIRE(ldx >= d.K && d.ldo >= d.N && d.out, "exl2_gemv: bad ldx=%d/ldo=%d for K=%d N=%d", ldx, d.ldo,
+                 d.K, d.N);
+    EXL2_REQUIRE(d.ksplit >= 1 && d.ksplit <= d.C, "exl2_gemv: ksplit %d outside 1..%d", d.ksplit, d.C);
+    EXL2_REQUIRE(d.ksplit == 1 || (d.ws && d.counters), "exl2_gemv: split-K needs a workspace and counters");
+    d.ncolblk = (d.Np + kGvCols - 1) / kGvCols;
+    d.block_start = blocks;
+    blocks += d.ncolblk * d.ksplit;
+    for (int s = 0; s < d.ksplit; ++s) {
+      int a, b;
+      split_range(d, s, a, b);
+      maxnch = std::max(maxnch, b - a);
+    }
+  }
+  p.xstride = maxnch * kChunkRows + 8;  // +16 bytes: token rows start in different banks
+  const int smem = align16(M * p.xstride * 2) + maxnch * kChunkRows * 2;  // + the xmap slice
+  EXL2_REQUIRE(smem <= 227 * 1024, "exl2_gemv: needs %d bytes of shared memory; use a larger ksplit", smem);
+  cudaStream_t s = reinterpret_cast<cudaStream_t>(stream);
+  return minb == 3 ? gemv_launch<3>(p, blocks, smem, s) : gemv_launch<4>(p, blocks, smem, s);
+}
+
+// Resident blocks per SM of the GEMV variant `minb` with `smem` bytes of dynamic shared memory (host query).
+EXL2_API int exl2_gemv_occupancy(int minb, int smem, int* blocks_per_sm) {
+  EXL2_REQUIRE(blocks_per_sm && (minb == 3 || minb == 4), "exl2_gemv_occupancy: bad argument");
+  cudaError_t err = minb == 3
+      ? cudaOccupancyMaxActiveBlocksPerMultiprocessor(blocks_per_sm, gemv_kernel<3>, kGvWarps * 32, smem)
+      : cudaOccupancyMaxActiveBlocksPerMultiprocessor(blocks_per_sm, gemv_kernel<4>, kGvWarps * 32, smem);
+  if (err != cudaSuccess) return exl2::set_error((int)err, "exl2_gemv_occupancy: %s", cudaGetErrorString(err));
+  return EXL2_OK;
+}

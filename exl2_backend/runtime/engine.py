@@ -14,6 +14,7 @@ import math
 
 import torch
 
+from exl2_backend import ops
 from exl2_backend.cache import kv_bytes_per_token
 from exl2_backend.errors import CapacityError, InvalidRequestError, PromptTooLongError
 from exl2_backend.runtime.model_runner import ModelRunner
@@ -52,12 +53,27 @@ class Engine:
         self.num_pages = math.ceil(s.cache_tokens / s.page_size)
         self.cache = model.make_cache(self.num_pages, s.page_size)
         self.pages = PageBudget(self.num_pages, s.page_size)
-        self.runner = ModelRunner(model, self.cache, math.ceil(s.max_seq_len / s.page_size))
+        self.runner = self._make_runner(math.ceil(s.max_seq_len / s.page_size))
         self.eos_ids = set(self.config.eos_token_ids or ())
         if tokenizer is not None:
             self.eos_ids |= set(getattr(tokenizer, "eos_token_ids", ()) or ())
         self.seqs: dict[str, Sequence] = {}
         self._tokens_generated = 0
+
+    def _make_runner(self, max_pages: int) -> ModelRunner:
+        """CUDA-graph decode (decision 3) when on a GPU with the kernel library and use_cuda_graphs; eager
+        otherwise, and also when capture fails (logged once: slower, same results)."""
+        s = self.settings
+        if self.device.type == "cuda" and s.use_cuda_graphs and ops.cuda_enabled():
+            from exl2_backend.runtime.cuda_graphs import CudaGraphRunner
+
+            try:
+                runner = CudaGraphRunner(self.model, self.cache, max_pages, s.max_batch_size)
+                runner.capture_all()
+                return runner
+            except Exception as exc:  # noqa: BLE001 - eager decode is a correct fallback
+                log.warning("exl2_backend: CUDA-graph capture failed (%s); decoding eagerly", exc)
+        return ModelRunner(self.model, self.cache, max_pages)
 
     @classmethod
     def load(cls, settings: LoadSettings) -> Engine:

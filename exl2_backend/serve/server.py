@@ -160,18 +160,21 @@ class ServerProcess:
         proc, self.proc = self.proc, None
         if proc is None or proc.poll() is not None:
             return
-        try:
-            os.killpg(proc.pid, signal.SIGINT)  # the group we created with start_new_session
-            proc.wait(timeout)
-        except subprocess.TimeoutExpired:
-            pass
-        except ProcessLookupError:
+        for sig, wait in ((signal.SIGINT, timeout), (signal.SIGTERM, 5.0), (signal.SIGKILL, 5.0)):
+            try:
+                os.killpg(proc.pid, sig)  # the process group we created with start_new_session
+            except ProcessLookupError:
+                return
+            try:
+                proc.wait(wait)
+            except subprocess.TimeoutExpired:
+                continue
+            if sig != signal.SIGKILL:  # the leader is gone; make sure no worker of its group lingers
+                try:
+                    os.killpg(proc.pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
             return
-        try:
-            os.killpg(proc.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-        proc.wait(5)
 
     def __enter__(self) -> "ServerProcess":
         return self.start()
@@ -186,6 +189,7 @@ def _main(argv: Optional[list[str]] = None) -> None:
     p = argparse.ArgumentParser(description="run the exl2_backend OpenAI server (see `exl2-backend serve`)")
     p.add_argument("--settings-json", required=True, help="ServeSettings as JSON")
     args = p.parse_args(argv)
+    signal.signal(signal.SIGINT, signal.default_int_handler)  # even if our parent ignored SIGINT (background job)
     s = ServeSettings.model_validate(json.loads(args.settings_json))
     if s.host not in _LITSERVE_HOSTS:
         raise SystemExit(f"host must be one of {_LITSERVE_HOSTS}")

@@ -12,8 +12,8 @@ from __future__ import annotations
 
 import argparse
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Callable, Optional
 
 import pluggy
 
@@ -53,15 +53,15 @@ class Result:
     seq_id: str
     token_ids: list[int] = field(default_factory=list)
     text: str = ""
-    finish_reason: Optional[str] = None
+    finish_reason: str | None = None
     prompt_tokens: int = 0
     accepted_drafts: int = 0
     proposed_drafts: int = 0
-    error: Optional[str] = None
+    error: str | None = None
 
 
 def generate(pm: pluggy.PluginManager, handle, requests: list[SequenceRequest], *, max_running: int = 8,
-             drafter: Optional[Drafter] = None) -> dict[str, Result]:
+             drafter: Drafter | None = None) -> dict[str, Result]:
     """Run `requests` to completion with continuous batching: new sequences join at step boundaries, finished
     ones leave; sequences with a draft go through draft_verify, the rest through decode."""
     hook = pm.hook
@@ -108,7 +108,7 @@ def generate(pm: pluggy.PluginManager, handle, requests: list[SequenceRequest], 
     return results
 
 
-def main(argv: Optional[list[str]] = None) -> int:
+def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("model_dir", nargs="?", default=None)
     p.add_argument("--device", default="cpu")

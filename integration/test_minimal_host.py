@@ -12,9 +12,9 @@ from pathlib import Path
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-import minimal_host  # noqa: E402
+import minimal_host
 
-from exl2_backend.plugin.types import AdmissionRejected, SequenceRequest, StepBatch  # noqa: E402
+from exl2_backend.plugin.types import AdmissionRejected, SequenceRequest, StepBatch
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 

@@ -32,8 +32,8 @@ SHAPES = [  # (name, K, N, option)
     ("k/v 4096x1024", 4096, 1024, "4:1@128"),
 ]
 WIDTHS = ["2:1@128", "3:1@128", "6:1@128", "8:1@128"]  # 4096x14336, M = 1
-FUSED_M = [1, 2, 4, 8, 16, 32]
-DEQ_M = [1, 8, 16, 32, 64, 128, 256]
+FUSED_M = [1, 2, 4, 8, 16]
+DEQ_M = [8, 16, 32, 64]
 
 
 def qtensor(k: int, n: int, option: str, seed: int, device) -> QTensor:
@@ -88,28 +88,42 @@ def copies_for(nbytes: int) -> int:
     return max(2, min(64, math.ceil(3 * L2_BYTES / nbytes)))
 
 
+def gemv_bytes(p, m: int) -> int:
+    """Bytes the GEMV kernel must read: packed weights, fp16 lane scales, chunk info, gather map, activations."""
+    return (p.packed.numel() * 4 + p.scl16.numel() * 2 + p.info.numel() * 4 + p.xmap.numel() * 2 + m * p.K * 2)
+
+
 def bench_shape(name, k, n, option, bw, ms_fused, ms_deq, rows, seed=0):
     qt = qtensor(k, n, option, seed, "cuda")
     base = cuda_quant.prepare_linear([qt], "cuda")
     p = base.launch.parts[0]
     wbytes = p.packed.numel() * 4 + p.scales.numel() * 4 + p.maxf.numel() * 4
     bpw = p.packed.numel() * 32 / (k * p.Np)
-    ops = [base] + [cuda_quant.clone_for_bench(base) for _ in range(copies_for(wbytes) - 1)]
+    ops = [base] + [cuda_quant.clone_for_bench(base) for _ in range(copies_for(gemv_bytes(p, 1)) - 1)]
     dense = [torch.randn(n, k, device="cuda").half() for _ in range(copies_for(n * k * 2))]
-    res = {"shape": name, "K": k, "N": n, "option": option, "bpw": round(bpw, 3), "fused": {}, "dequant": {},
-           "cublas": {}, "ksplit": {}}
+    res = {"shape": name, "K": k, "N": n, "option": option, "bpw": round(bpw, 3), "fused": {}, "gemv": {},
+           "mma": {}, "dequant": {}, "cublas": {}, "ksplit": {}}
     for m in ms_fused + [mm for mm in ms_deq if mm not in ms_fused]:
         x = torch.randn(m, k, device="cuda").half()
         io = m * k * 2 + m * n * 2
         if m in ms_fused:
-            t = graph_time_us([(lambda o=o, x=x: o.fused(x)) for o in ops])
-            res["fused"][m] = t
-            res["ksplit"][m] = base.launch.plan(m).ksplit
-            gbs = (wbytes + io) / t / 1e3
+            t_old = graph_time_us([(lambda o=o, x=x: o.fused_kernel(x, "mma")) for o in ops])
+            t_new = graph_time_us([(lambda o=o, x=x: o.fused_kernel(x, "gemv")) for o in ops]) if m <= 8 else None
+            res["mma"][m] = t_old
+            res["gemv"][m] = t_new
+            res["fused"][m] = min(t_old, t_new or t_old)
             tc = graph_time_us([(lambda w=w, x=x: x @ w.t()) for w in dense])
             res["cublas"][m] = tc
-            rows.append([name, option, f"{bpw:.2f}", m, f"{t:.2f}", f"{gbs:.0f}", f"{100 * gbs / bw:.1f}",
-                         f"{tc:.2f}", f"{(n * k * 2 + io) / tc / 1e3:.0f}", base.launch.plan(m).ksplit])
+            if t_new is not None:
+                nb = gemv_bytes(p, m)
+                gbs = nb / t_new / 1e3
+                res["ksplit"][m] = base.launch.gemv_plan(m).ksplit
+                rows.append([name, option, f"{bpw:.2f}", m, f"{t_new:.2f}", f"{gbs:.0f}", f"{100 * gbs / bw:.1f}",
+                             f"{t_old:.2f}", f"{tc:.2f}", res["ksplit"][m]])
+            else:
+                gbs = (wbytes + io) / t_old / 1e3
+                rows.append([name, option, f"{bpw:.2f}", m, "-", f"{gbs:.0f}", f"{100 * gbs / bw:.1f}",
+                             f"{t_old:.2f}", f"{tc:.2f}", base.launch.plan(m).ksplit])
         if m in ms_deq:
             res["dequant"][m] = graph_time_us([(lambda o=o, x=x: o._dequant_matmul(x)) for o in ops[:2]], reps=10)
     cross = next((m for m in ms_deq if m in res["fused"] and res["dequant"][m] < res["fused"][m]), None)
@@ -119,21 +133,21 @@ def bench_shape(name, k, n, option, bw, ms_fused, ms_deq, rows, seed=0):
     return res
 
 
-def sweep_blocks_per_sm(bw, k, n, option) -> dict:
+def sweep_gemv_minb(bw, k, n, option) -> dict:
     out = {}
-    saved = dict(cuda_quant.BLOCKS_PER_SM)
-    for per_sm in (2, 4, 6):
-        cuda_quant.BLOCKS_PER_SM.update({1: per_sm})
-        qt = qtensor(k, n, option, 1, "cuda")
-        base = cuda_quant.prepare_linear([qt], "cuda")
-        p = base.launch.parts[0]
-        wbytes = p.packed.numel() * 4 + p.scales.numel() * 4
-        ops = [base] + [cuda_quant.clone_for_bench(base) for _ in range(copies_for(wbytes) - 1)]
-        x = torch.randn(1, k, device="cuda").half()
-        t = graph_time_us([(lambda o=o, x=x: o.fused(x)) for o in ops])
-        out[per_sm] = {"us": t, "pct": 100 * wbytes / t / 1e3 / bw, "ksplit": base.launch.plan(1).ksplit}
-        del ops
-    cuda_quant.BLOCKS_PER_SM.update(saved)
+    saved = cuda_quant.GEMV_MINB
+    qt = qtensor(k, n, option, 1, "cuda")
+    base = cuda_quant.prepare_linear([qt], "cuda")
+    p = base.launch.parts[0]
+    ops = [base] + [cuda_quant.clone_for_bench(base) for _ in range(copies_for(gemv_bytes(p, 1)) - 1)]
+    x = torch.randn(1, k, device="cuda").half()
+    for minb in (2, 3):
+        cuda_quant.GEMV_MINB = minb
+        t = graph_time_us([(lambda o=o, x=x: o.fused_kernel(x, "gemv")) for o in ops])
+        out[minb] = {"us": round(t, 2), "pct": round(100 * gemv_bytes(p, 1) / t / 1e3 / bw, 1),
+                     "ksplit": base.launch.gemv_plan(1).ksplit}
+    cuda_quant.GEMV_MINB = saved
+    del ops
     return out
 
 
@@ -159,7 +173,7 @@ def main() -> None:
         for name, k, n, opt in SHAPES:
             bench_shape(name, k, n, opt, bw, [1], [], rows)
         for r in rows:
-            print(f"M1 {r[0]:<20} {r[1]:<22} {r[4]:>7} us {r[6]:>5}% of read bw  ksplit {r[9]}")
+            print(f"M1 {r[0]:<20} {r[1]:<22} {r[4]:>7} us {r[6]:>5}% of read bw  old {r[7]} us  ksplit {r[9]}")
         return
     rows, results = [], []
     shapes = SHAPES[:1] + SHAPES[2:4] if args.quick else SHAPES
@@ -168,9 +182,9 @@ def main() -> None:
         print(f"done {name} {opt}", flush=True)
     for opt in WIDTHS:
         results.append(bench_shape("width 4096x14336", 4096, 14336, opt, bw, [1], [], rows))
-    sweep = {f"{n}x{k}": sweep_blocks_per_sm(bw, k, n, opt) for _, k, n, opt in (SHAPES[0], SHAPES[2])}
+    sweep = {f"{k}x{n}": sweep_gemv_minb(bw, k, n, opt) for _, k, n, opt in (SHAPES[0], SHAPES[2])}
     qkv = bench_qkv(bw)
-    head = ["shape", "option", "bpw", "M", "fused us", "GB/s", "% read bw", "cuBLAS fp16 us", "cuBLAS GB/s", "ksplit"]
+    head = ["shape", "option", "bpw", "M", "gemv us", "GB/s", "% read bw", "old mma us", "cuBLAS fp16 us", "ksplit"]
     widths = [max(len(str(r[i])) for r in rows + [head]) for i in range(len(head))]
     print("\n" + "  ".join(h.ljust(w) for h, w in zip(head, widths)))
     for r in rows:
@@ -178,10 +192,10 @@ def main() -> None:
     print("\ncrossover (first M where dequant+cuBLAS beats the fused kernel):")
     for r in results:
         if r["dequant"]:
-            d = ", ".join(f"M={m}: fused {r['fused'].get(m, float('nan')):.1f} / deq {t:.1f}"
+            d = ", ".join(f"M={m}: best fused {r['fused'].get(m, float('nan')):.1f} / deq {t:.1f}"
                           for m, t in r["dequant"].items())
             print(f"  {r['shape']} {r['option']}: {r['crossover_first_M_where_dequant_wins']}   ({d})")
-    print("\nblocks/SM sweep at M=1:", json.dumps(sweep))
+    print("\nGEMV blocks/SM variant sweep at M=1:", json.dumps(sweep))
     print("q/k/v fused vs separate (M=1, us):", json.dumps(qkv))
     out = os.environ.get("OUT")
     if out:

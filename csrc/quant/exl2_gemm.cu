@@ -491,6 +491,7 @@ constexpr int kGvPrefetch = 4;  // chunk tiles per warp prefetched into L2 befor
 struct GemvParams {
   QDesc d[kMaxDesc];
   const uint2* scl[kMaxDesc];
+  int rbase[kMaxDesc][kMaxRuns + 1];  // first split of each run (rbase[nruns] = splits in all)
   const __half* x;  // [M, ldx]
   int ndesc, M, ldx, xstride;
 };
@@ -523,7 +524,7 @@ __device__ __forceinline__ int ldg_info(const int* p, bool ok) {
 
 // Chunks per register batch by width: ~16 words per lane (2*B words per chunk).
 template <int B>
-constexpr int gv_ch() { return GV_CH_EXPR; }
+constexpr int gv_ch() { return B == 8 ? 1 : B == 6 ? 1 : B == 5 ? 1 : B == 4 ? 2 : B == 3 ? 2 : 4; }
 
 // The lane's 2*B words of one chunk tile (tile = start of its 64*B words).
 template <int B>
@@ -618,20 +619,20 @@ __device__ __forceinline__ void gv_gather(const GemvParams& p, const QDesc& d, i
   __syncthreads();
   const unsigned short* xg = reinterpret_cast<const unsigned short*>(p.x);
   unsigned short* xo = reinterpret_cast<unsigned short*>(xs);
-  for (int m = 0; m < p.M; ++m) {
-    const unsigned short* xr = xg + (size_t)m * p.ldx;
-    for (int r0 = threadIdx.x; r0 < rows; r0 += kB * T) {
-      unsigned short v[kB];
+  const int items = rows * p.M;  // (token, row) pairs, all tokens' loads in flight together
+  for (int e0 = threadIdx.x; e0 < items; e0 += kB * T) {
+    unsigned short v[kB];
+    int o[kB];
 #pragma unroll
-      for (int u = 0; u < kB; ++u) {
-        const int r = r0 + u * T;
-        const unsigned i = r < rows ? xm[r] : 0xFFFFu;
-        v[u] = i == 0xFFFFu ? (unsigned short)0 : __ldg(xr + i);
-      }
-#pragma unroll
-      for (int u = 0; u < kB; ++u)
-        if (r0 + u * T < rows) xo[m * p.xstride + r0 + u * T] = v[u];
+    for (int u = 0; u < kB; ++u) {
+      const int e = e0 + u * T, m = e / rows, r = e - m * rows;
+      const unsigned i = e < items ? xm[r] : 0xFFFFu;
+      o[u] = m * p.xstride + r;
+      v[u] = i == 0xFFFFu ? (unsigned short)0 : __ldg(xg + (size_t)m * p.ldx + i);
     }
+#pragma unroll
+    for (int u = 0; u < kB; ++u)
+      if (e0 + u * T < items) xo[o[u]] = v[u];
   }
 }
 
@@ -639,7 +640,7 @@ __device__ __forceinline__ void gv_gather(const GemvParams& p, const QDesc& d, i
 template <int B>
 __device__ __forceinline__ void gv_run(const GemvParams& p, const QDesc& d, const Run& run, int cs, int ce, int c0,
                                        int J, int j, int lane, const __half* xl, GvState& s,
-                                       const uint2* scl_lane) {
+                                       const uint2* scl_lane, __half* xs) {
   constexpr int CH = gv_ch<B>();
   const long long step = (long long)J * 64 * B;
   const uint32_t* tile0 = d.packed + run.word_base + (long long)(cs - run.chunk_start) * step + (long long)j * 64 * B;
@@ -660,6 +661,9 @@ __device__ __forceinline__ void gv_run(const GemvParams& p, const QDesc& d, cons
   };
   load(wa, ia, cs);
   load(wb, ib, cs + CH);
+  // the activation gather overlaps the first two batches' DRAM reads
+  gv_gather(p, d, c0, ce - c0, xs, reinterpret_cast<unsigned short*>(xs + p.M * p.xstride));
+  __syncthreads();
 #pragma unroll 1
   for (int c = cs; c < ce; c += 2 * CH) {
     compute(wa, ia, c);
@@ -669,69 +673,43 @@ __device__ __forceinline__ void gv_run(const GemvParams& p, const QDesc& d, cons
   }
 }
 
-template <int MINB>
-__global__ void __launch_bounds__(kGvWarps * 32, MINB) gemv_kernel(const __grid_constant__ GemvParams p) {
+// The whole block for one width: [c0, c1) lies inside run `ri` (blocks never cross runs, so each width's code
+// path is allocated on its own: one kernel body mixing widths made ptxas spill the register batches).
+template <int B>
+__device__ __forceinline__ void gv_block(const GemvParams& p, const QDesc& d, int di, int ri, int colblk, int gsplit,
+                                         int ksplit, int c0, int c1) {
   extern __shared__ __align__(16) unsigned char smem[];
   __half* xs = reinterpret_cast<__half*>(smem);
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, gid = lane >> 2, t4 = lane & 3;
-  int di = 0;
-  while (di + 1 < p.ndesc && (int)blockIdx.x >= p.d[di + 1].block_start) ++di;
-  const QDesc& d = p.d[di];
-  const int local = blockIdx.x - d.block_start;
-  const int colblk = local % d.ncolblk, split = local / d.ncolblk;
-  int c0, c1;
-  split_range(d, split, c0, c1);
-  const int nch = c1 - c0;
   const int J = d.Np / kWarpCols;
   const int jw = colblk * kGvWarps + warp;
   const bool active = jw < J;
   const int j = active ? jw : J - 1;  // idle warps of a partial column block shadow the last tile (never write)
   const int M = p.M;
+  const Run& run = d.runs[ri];
   const uint2* scl_lane = p.scl[di] + (size_t)j * 8 + gid;
-
+  {  // start the first chunk tiles' DRAM reads (into L2) before the dependent activation gather
+    const int c = c0 + lane;
+    if (lane < kGvPrefetch && c < c1) {
+      const uint32_t* t = d.packed + run.word_base + ((long long)(c - run.chunk_start) * J + j) * 64 * B;
+      asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(t), "r"(256 * B) : "memory");
+    }
+  }
   GvState s;
 #pragma unroll
   for (int nt = 0; nt < 2; ++nt)
 #pragma unroll
     for (int e = 0; e < 4; ++e) s.acc[nt][e] = s.cg[nt][e] = 0.f;
-  s.g = 0;
-  s.sc = make_uint2(0, 0);
-  if (nch > 0) {
-    s.g = __ldg(d.info + c0) & kInfoGroupMask;
-    s.sc = __ldg(scl_lane + (size_t)s.g * J * 8);
-  }
+  s.g = __ldg(d.info + c0) & kInfoGroupMask;
+  s.sc = __ldg(scl_lane + (size_t)s.g * J * 8);
   const __half* xl = xs + min(gid, M - 1) * p.xstride + 8 * t4;  // tokens >= M: duplicates, discarded
-  int run = 0;
-  while (run + 1 < d.nruns && c0 >= d.runs[run].chunk_end) ++run;
-  if (nch > 0) {  // start the first chunk tiles' DRAM reads (into L2) before the dependent activation gather
-    const Run& r = d.runs[run];
-    const int c = c0 + lane;
-    if (lane < kGvPrefetch && c < min(c1, r.chunk_end)) {
-      const uint32_t* t = d.packed + r.word_base + ((long long)(c - r.chunk_start) * J + j) * 64 * r.bits;
-      asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(t), "r"(256 * r.bits) : "memory");
-    }
-  }
-  gv_gather(p, d, c0, nch, xs, reinterpret_cast<unsigned short*>(xs + p.M * p.xstride));
-  __syncthreads();
-  for (int c = c0; c < c1; ++run) {
-    const Run& r = d.runs[run];
-    const int ce = min(c1, r.chunk_end);
-    switch (r.bits) {
-      case 8: gv_run<8>(p, d, r, c, ce, c0, J, j, lane, xl, s, scl_lane); break;
-      case 6: gv_run<6>(p, d, r, c, ce, c0, J, j, lane, xl, s, scl_lane); break;
-      case 5: gv_run<5>(p, d, r, c, ce, c0, J, j, lane, xl, s, scl_lane); break;
-      case 4: gv_run<4>(p, d, r, c, ce, c0, J, j, lane, xl, s, scl_lane); break;
-      case 3: gv_run<3>(p, d, r, c, ce, c0, J, j, lane, xl, s, scl_lane); break;
-      default: gv_run<2>(p, d, r, c, ce, c0, J, j, lane, xl, s, scl_lane); break;
-    }
-    c = ce;
-  }
+  gv_run<B>(p, d, run, c0, c1, c0, J, j, lane, xl, s, scl_lane, xs);  // gathers x after its first loads
   // A group that continues past this split is scaled here (its partial is linear in the scale).
-  if (nch > 0 && !((__ldg(d.info + c1 - 1) >> 31) & 1)) gv_flush(s);
+  if (!((__ldg(d.info + c1 - 1) >> 31) & 1)) gv_flush(s);
 
   // Accumulator element e of nt: column 32j + 16nt + gid + 8*(e>=2), token 2*t4 + (e&1).
   const int n0 = jw * kWarpCols;
-  if (d.ksplit == 1) {
+  if (ksplit == 1) {
     if (active) {
 #pragma unroll
       for (int nt = 0; nt < 2; ++nt)
@@ -748,7 +726,7 @@ __global__ void __launch_bounds__(kGvWarps * 32, MINB) gemv_kernel(const __grid_
     return;
   }
   if (active) {
-    float* ws = d.ws + (size_t)split * M * d.Np;
+    float* ws = d.ws + (size_t)gsplit * M * d.Np;
 #pragma unroll
     for (int nt = 0; nt < 2; ++nt)
 #pragma unroll
@@ -757,13 +735,14 @@ __global__ void __launch_bounds__(kGvWarps * 32, MINB) gemv_kernel(const __grid_
         if (m < M) ws[(size_t)m * d.Np + n] = s.acc[nt][e];
       }
   }
+  // Ticket: partials released by one gpu-scope acq_rel atomic after the barrier; the last block acquires them.
   __syncthreads();
   __shared__ int s_last;
   if (tid == 0) {
     int prev;
     asm volatile("atom.acq_rel.gpu.global.add.s32 %0, [%1], %2;"
                  : "=r"(prev) : "l"(d.counters + colblk), "r"(1) : "memory");
-    s_last = prev == d.ksplit - 1;
+    s_last = prev == ksplit - 1;
   }
   __syncthreads();
   if (!s_last) return;
@@ -774,10 +753,10 @@ __global__ void __launch_bounds__(kGvWarps * 32, MINB) gemv_kernel(const __grid_
     const float* src = d.ws + (size_t)m * d.Np + n;
     const size_t stride = (size_t)M * d.Np;
     float v = 0.f;
-    for (int s0 = 0; s0 < d.ksplit; s0 += 16) {  // 16 loads in flight, summed in split order
+    for (int s0 = 0; s0 < ksplit; s0 += 16) {  // 16 loads in flight, summed in split order
       float t[16];
 #pragma unroll
-      for (int u = 0; u < 16; ++u) t[u] = s0 + u < d.ksplit ? __ldcg(src + (s0 + u) * stride) : 0.f;
+      for (int u = 0; u < 16; ++u) t[u] = s0 + u < ksplit ? __ldcg(src + (s0 + u) * stride) : 0.f;
 #pragma unroll
       for (int u = 0; u < 16; ++u) v += t[u];
     }
@@ -785,6 +764,31 @@ __global__ void __launch_bounds__(kGvWarps * 32, MINB) gemv_kernel(const __grid_
     d.out[(size_t)m * d.ldo + n] = __float2half_rn(v);
   }
   if (tid == 0) d.counters[colblk] = 0;  // ready for the next launch (and graph replay)
+}
+
+template <int MINB>
+__global__ void __launch_bounds__(kGvWarps * 32, MINB) gemv_kernel(const __grid_constant__ GemvParams p) {
+  int di = 0;
+  while (di + 1 < p.ndesc && (int)blockIdx.x >= p.d[di + 1].block_start) ++di;
+  const QDesc& d = p.d[di];
+  const int local = blockIdx.x - d.block_start;
+  const int colblk = local % d.ncolblk, gsplit = local / d.ncolblk;
+  // Splits are numbered run by run: run r owns splits [rbase[r], rbase[r+1]), equal chunk shares inside it.
+  int ri = 0;
+  while (ri + 1 < d.nruns && gsplit >= p.rbase[di][ri + 1]) ++ri;
+  const Run& r = d.runs[ri];
+  const int ks = p.rbase[di][ri + 1] - p.rbase[di][ri], sr = gsplit - p.rbase[di][ri];
+  const int nr = r.chunk_end - r.chunk_start;
+  const int c0 = r.chunk_start + nr * sr / ks, c1 = r.chunk_start + nr * (sr + 1) / ks;
+  const int ksplit = p.rbase[di][d.nruns];
+  switch (r.bits) {
+    case 8: gv_block<8>(p, d, di, ri, colblk, gsplit, ksplit, c0, c1); break;
+    case 6: gv_block<6>(p, d, di, ri, colblk, gsplit, ksplit, c0, c1); break;
+    case 5: gv_block<5>(p, d, di, ri, colblk, gsplit, ksplit, c0, c1); break;
+    case 4: gv_block<4>(p, d, di, ri, colblk, gsplit, ksplit, c0, c1); break;
+    case 3: gv_block<3>(p, d, di, ri, colblk, gsplit, ksplit, c0, c1); break;
+    default: gv_block<2>(p, d, di, ri, colblk, gsplit, ksplit, c0, c1); break;
+  }
 }
 
 template <int MINB>
@@ -809,13 +813,13 @@ int gemv_launch(const GemvParams& p, int blocks, int smem, cudaStream_t stream) 
 }  // namespace exl2q
 
 // Small-M GEMV (M = 1..8). blob: ndesc descriptors (kDescLen int64, F_SCL16 set, F_KSPLIT the split count);
-// minb: the kernel variant's planned resident blocks per SM (3 or 4). Same output/workspace contract as exl2_gemm,
+// minb: the kernel variant's planned resident blocks per SM (2 or 3). Same output/workspace contract as exl2_gemm,
 // with column blocks of 256 (counters: one per 256-column block).
 EXL2_API int exl2_gemv(const int64_t* blob, int ndesc, const void* x, int M, int ldx, int minb, void* stream) {
   EXL2_REQUIRE(blob && x, "exl2_gemv: null argument");
   EXL2_REQUIRE(ndesc >= 1 && ndesc <= kMaxDesc, "exl2_gemv: %d descriptors (1..%d)", ndesc, kMaxDesc);
   EXL2_REQUIRE(M >= 1 && M <= 8, "exl2_gemv: M=%d outside 1..8", M);
-  EXL2_REQUIRE(minb == 3 || minb == 4, "exl2_gemv: minb %d (3 or 4)", minb);
+  EXL2_REQUIRE(minb == 2 || minb == 3, "exl2_gemv: minb %d (2 or 3)", minb);
   GemvParams p{};
   p.x = reinterpret_cast<const __half*>(x);
   p.ndesc = ndesc; p.M = M; p.ldx = ldx;
@@ -833,26 +837,35 @@ EXL2_API int exl2_gemv(const int64_t* blob, int ndesc, const void* x, int M, int
     EXL2_REQUIRE(d.ksplit == 1 || (d.ws && d.counters), "exl2_gemv: split-K needs a workspace and counters");
     d.ncolblk = (d.Np + kGvCols - 1) / kGvCols;
     d.block_start = blocks;
-    blocks += d.ncolblk * d.ksplit;
-    for (int s = 0; s < d.ksplit; ++s) {
-      int a, b;
-      split_range(d, s, a, b);
-      maxnch = std::max(maxnch, b - a);
+    // Per-run split counts: the requested total shared by bytes (chunks * bits), at least 1 and at most the
+    // run's chunks each; the total can exceed ksplit by up to nruns - 1 (the workspace allows kMaxRuns more).
+    const long long w = total_weight(d);
+    int total = 0;
+    for (int r = 0; r < d.nruns; ++r) {
+      const Run& rr = d.runs[r];
+      const int nr = rr.chunk_end - rr.chunk_start;
+      const int k = (int)std::min<long long>(nr, std::max<long long>(1, (long long)d.ksplit * nr * rr.bits / w));
+      p.rbase[i][r] = total;
+      total += k;
+      maxnch = std::max(maxnch, (nr + k - 1) / k);
     }
+    p.rbase[i][d.nruns] = total;
+    EXL2_REQUIRE(total <= d.ksplit + kMaxRuns, "exl2_gemv: %d splits", total);
+    blocks += d.ncolblk * total;
   }
   p.xstride = maxnch * kChunkRows + 8;  // +16 bytes: token rows start in different banks
   const int smem = align16(M * p.xstride * 2) + maxnch * kChunkRows * 2;  // + the xmap slice
   EXL2_REQUIRE(smem <= 227 * 1024, "exl2_gemv: needs %d bytes of shared memory; use a larger ksplit", smem);
   cudaStream_t s = reinterpret_cast<cudaStream_t>(stream);
-  return minb == 3 ? gemv_launch<3>(p, blocks, smem, s) : gemv_launch<4>(p, blocks, smem, s);
+  return minb == 3 ? gemv_launch<3>(p, blocks, smem, s) : gemv_launch<2>(p, blocks, smem, s);
 }
 
 // Resident blocks per SM of the GEMV variant `minb` with `smem` bytes of dynamic shared memory (host query).
 EXL2_API int exl2_gemv_occupancy(int minb, int smem, int* blocks_per_sm) {
-  EXL2_REQUIRE(blocks_per_sm && (minb == 3 || minb == 4), "exl2_gemv_occupancy: bad argument");
+  EXL2_REQUIRE(blocks_per_sm && (minb == 2 || minb == 3), "exl2_gemv_occupancy: bad argument");
   cudaError_t err = minb == 3
       ? cudaOccupancyMaxActiveBlocksPerMultiprocessor(blocks_per_sm, gemv_kernel<3>, kGvWarps * 32, smem)
-      : cudaOccupancyMaxActiveBlocksPerMultiprocessor(blocks_per_sm, gemv_kernel<4>, kGvWarps * 32, smem);
+      : cudaOccupancyMaxActiveBlocksPerMultiprocessor(blocks_per_sm, gemv_kernel<2>, kGvWarps * 32, smem);
   if (err != cudaSuccess) return exl2::set_error((int)err, "exl2_gemv_occupancy: %s", cudaGetErrorString(err));
   return EXL2_OK;
 }

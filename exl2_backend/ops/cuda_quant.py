@@ -40,9 +40,17 @@ _BLOCK_COLS = 128
 _CHUNK = 64
 _MAX_RUNS = 6
 _MAX_DESC = 4
-_DESC_LEN = 18 + 4 * _MAX_RUNS
+_DESC_LEN = 19 + 4 * _MAX_RUNS
 (F_PACKED, F_SCALES, F_MAXF, F_INFO, F_XMAP, F_BIAS, F_OUT, F_WS, F_COUNTERS, F_LDO, F_K, F_KPAD, F_N, F_NP, F_C,
  F_G, F_NRUNS, F_KSPLIT, F_RUNS) = range(19)
+F_SCL16 = F_RUNS + 4 * _MAX_RUNS
+
+# Small-M GEMV kernel (exl2_gemm.cu gemv_kernel): used for M <= GEMV_MAX_M. Blocks of 8 warps (256 columns);
+# GEMV_MINB = planned resident blocks per SM (the variant's __launch_bounds__: 2 -> 128 registers, no spills;
+# 3 -> 80 registers, small spills). H200, 2026-11-29, M=1: 2 gave 15.8 us vs 17.1 us on 4096x14336.
+GEMV_MAX_M = int(os.environ.get("EXL2_BACKEND_GEMV_MAX_M", "8"))
+GEMV_MINB = int(os.environ.get("EXL2_BACKEND_GEMV_MINB", "2"))
+_GEMV_COLS = 256
 
 
 # --- layout ----------------------------------------------------------------------------------------------
@@ -67,6 +75,7 @@ class PackedQ:
     xmap: torch.Tensor  # int16 [Kpad] (uint16 bits; 0xFFFF = padding row)
     bias: torch.Tensor | None  # fp16 [Np]
     q_invperm: torch.Tensor  # int32 [K], kept for perm comparisons
+    scl16: torch.Tensor | None = None  # fp16 [G, Np/32, 8, 4]: GEMV scales in lane layout (see _lane_scales)
 
     def weight_bytes(self) -> int:
         return self.packed.numel() * 4 + self.scales.numel() * 4
@@ -142,6 +151,17 @@ def _pack_run(vals: torch.Tensor, bits: int) -> torch.Tensor:
     return torch.cat(out)
 
 
+def _lane_scales(scales: torch.Tensor, maxf: torch.Tensor, np_: int) -> torch.Tensor:
+    """fp16 scale of every (group, column), fp16(fp16((c+1)^2) * max16) like the kernels' scale_of, laid out
+    [G, Np/32, 8 gid, 4]: lane gid of warp tile j reads columns 32j + (gid, gid+8, gid+16, gid+24) as one uint2."""
+    g = scales.shape[0]
+    w = scales.to(torch.int64) & 0xFFFFFFFF
+    sh = 4 * torch.arange(8, device=scales.device)
+    codes = ((w.unsqueeze(-1) >> sh) & 15).reshape(g, np_)  # column n: nibble n % 8 of word n / 8
+    sc = (((codes + 1) ** 2).float() * maxf.view(g, 1)).half()  # the fp32 product is exact: one rounding
+    return sc.view(g, np_ // 32, 4, 8).permute(0, 1, 3, 2).contiguous()
+
+
 def _to_i32(x: torch.Tensor) -> torch.Tensor:
     x = x & 0xFFFFFFFF
     return torch.where(x >= (1 << 31), x - (1 << 32), x).to(torch.int32)
@@ -193,7 +213,7 @@ def pack_qtensor(qt: QTensor, device) -> PackedQ:
         packed=_to_i32(torch.cat(words)), scales=qt.q_scale.to(device).contiguous(), maxf=maxf.contiguous(),
         info=_to_i32(info).to(device), xmap=torch.where(xm >= 32768, xm - 65536, xm).to(torch.int16),
         bias=None if qt.bias is None else qt.bias.to(device=device, dtype=torch.float16).contiguous(),
-        q_invperm=qt.q_invperm.to(device),
+        q_invperm=qt.q_invperm.to(device), scl16=_lane_scales(qt.q_scale.to(device), maxf, np_),
     )
 
 
@@ -207,6 +227,7 @@ def _fn(name: str):
         P, I32 = library.PTR, library.I32
         sig = {
             "exl2_gemm": (P, I32, P, I32, I32, library.STREAM),
+            "exl2_gemv": (P, I32, P, I32, I32, I32, library.STREAM),
             "exl2_dequant": (P, P, I32, I32, library.STREAM),
         }[name]
         _fns[name] = library.declare(name, *sig)
@@ -290,7 +311,28 @@ class _Launch:
         f[F_NRUNS] = len(p.runs)
         for r, run in enumerate(p.runs):
             f[F_RUNS + 4 * r : F_RUNS + 4 * r + 4] = run
+        f[F_SCL16] = 0 if p.scl16 is None else p.scl16.data_ptr()
         return f
+
+    def gemv_plan(self, m: int) -> _Plan:
+        """GEMV kernel: split-K factor filling one wave of GEMV_MINB blocks of 256 columns per SM; per-run
+        splits may add up to _MAX_RUNS more (the kernel shares the factor among width runs)."""
+        key = ("gemv", m, GEMV_MINB)
+        if key not in self._plans:
+            ncol = [-(-p.Np // _GEMV_COLS) for p in self.parts]
+            ks = max(1, self.sms * GEMV_MINB // sum(ncol))
+            # activations of one split in shared memory: <= ~48 KB at M tokens
+            ks = max(ks, -(-max(p.Kpad for p in self.parts) * m * 2 // (48 << 10)))
+            ks = min(ks, min(p.C for p in self.parts))
+            blob = np.stack(self._descs).copy()
+            blob[:, F_KSPLIT] = ks
+            blob[:, F_LDO] = self.out_features
+            kmax = ks + _MAX_RUNS
+            ws_off = list(itertools.accumulate([0] + [kmax * m * p.Np for p in self.parts[:-1]]))
+            cnt_off = list(itertools.accumulate([0] + ncol[:-1]))
+            ws_numel = kmax * m * sum(p.Np for p in self.parts)
+            self._plans[key] = _Plan(ks, blob, ws_off, cnt_off, ws_numel)
+        return self._plans[key]
 
     def plan(self, m: int) -> _Plan:
         """Split-K factor: fill the planned resident blocks of one wave, shared by all parts."""
@@ -310,10 +352,16 @@ class _Launch:
 
     def reserve(self, max_m: int) -> None:
         ws = workspace(self.device)
-        ws.reserve(max(self.plan(m).ws_numel for m in range(1, max_m + 1)))
+        need = [self.plan(m).ws_numel for m in range(1, max_m + 1)]
+        need += [self.gemv_plan(m).ws_numel for m in range(1, min(8, max_m) + 1)]
+        ws.reserve(max(need))
 
-    def gemm(self, x: torch.Tensor, ws: torch.Tensor, counters: torch.Tensor) -> torch.Tensor:
+    def gemm(self, x: torch.Tensor, ws: torch.Tensor, counters: torch.Tensor, kernel: str = "auto") -> torch.Tensor:
         m = x.shape[0]
+        if kernel == "gemv" or (kernel == "auto" and m <= min(GEMV_MAX_M, 8)):
+            if m > 8:
+                raise TensorShapeError(f"the GEMV kernel takes 1..8 rows, got {m}", tensor="x")
+            return self._gemv(x, ws, counters)
         pl = self.plan(m)
         out = torch.empty(m, self.out_features, dtype=torch.float16, device=x.device)
         if pl.ws_numel > ws.numel():
@@ -326,6 +374,22 @@ class _Launch:
         ldx = x.stride(0) if m > 1 else self.K  # a 1-row tensor's row stride can be anything
         st = _fn("exl2_gemm")(blob.ctypes.data, len(self.parts), x.data_ptr(), m, ldx, _stream(x.device))
         library.check(st, "exl2_gemm")
+        return out
+
+    def _gemv(self, x: torch.Tensor, ws: torch.Tensor, counters: torch.Tensor) -> torch.Tensor:
+        m = x.shape[0]
+        pl = self.gemv_plan(m)
+        out = torch.empty(m, self.out_features, dtype=torch.float16, device=x.device)
+        if pl.ws_numel > ws.numel():
+            raise TensorShapeError(f"workspace holds {ws.numel()} floats, the launch needs {pl.ws_numel}", tensor="ws")
+        blob = pl.blob.copy()
+        for i in range(len(self.parts)):
+            blob[i, F_OUT] = out.data_ptr() + 2 * self.col_off[i]
+            blob[i, F_WS] = ws.data_ptr() + 4 * pl.ws_off[i]
+            blob[i, F_COUNTERS] = counters.data_ptr() + 4 * pl.cnt_off[i]
+        ldx = x.stride(0) if m > 1 else self.K
+        st = _fn("exl2_gemv")(blob.ctypes.data, len(self.parts), x.data_ptr(), m, ldx, GEMV_MINB, _stream(x.device))
+        library.check(st, "exl2_gemv")
         return out
 
     def dequant(self, part: int, n_begin: int, n_end: int) -> torch.Tensor:
@@ -414,6 +478,11 @@ class CudaLinearOp:
         ws = self.workspace
         return torch.ops.exl2_backend.exl2_gemm(x, self.launch.parts[0].packed, self.launch.handle, ws.ws, ws.counters)
 
+    def fused_kernel(self, x: torch.Tensor, kernel: str) -> torch.Tensor:
+        """One fused kernel by name ("gemv": M <= 8, "mma": M <= 32), bypassing routing (benchmarks, tests)."""
+        ws = self.workspace
+        return self.launch.gemm(x, ws.ws, ws.counters, kernel=kernel)
+
     def _dequant_matmul(self, x: torch.Tensor) -> torch.Tensor:
         outs = []
         for i, p in enumerate(self.launch.parts):
@@ -478,5 +547,6 @@ def exl2_dequant(qt: QTensor) -> torch.Tensor:
 
 def clone_for_bench(op: CudaLinearOp) -> CudaLinearOp:
     """A copy with its own packed weights (to rotate through more bytes than L2 holds when timing)."""
-    parts = [replace(p, packed=p.packed.clone()) for p in op.launch.parts]
+    parts = [replace(p, packed=p.packed.clone(), scl16=None if p.scl16 is None else p.scl16.clone())
+             for p in op.launch.parts]
     return CudaLinearOp(parts, op.device, op.dtype)

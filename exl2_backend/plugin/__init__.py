@@ -22,8 +22,24 @@ from exl2_backend.plugin.types import (
 )
 
 __all__ = [
-    "HOOK_API_VERSION", "ENTRY_POINT_GROUP", "HOOK_NAMES", "PROJECT", "hookimpl", "hookspec",
-    "get_plugin_manager", "new_plugin_manager", "read_manifest",
-    "AdmissionRejected", "BackendError", "BackendHandle", "EngineLimits", "EngineUnhealthy", "Event",
-    "SequenceFailed", "SequenceRequest", "StepBatch", "Timings", "Usage",
+    "ENTRY_POINT_GROUP",
+    "HOOK_API_VERSION",
+    "HOOK_NAMES",
+    "PROJECT",
+    "AdmissionRejected",
+    "BackendError",
+    "BackendHandle",
+    "EngineLimits",
+    "EngineUnhealthy",
+    "Event",
+    "SequenceFailed",
+    "SequenceRequest",
+    "StepBatch",
+    "Timings",
+    "Usage",
+    "get_plugin_manager",
+    "hookimpl",
+    "hookspec",
+    "new_plugin_manager",
+    "read_manifest",
 ]

@@ -18,7 +18,7 @@ ENTRY_POINT_GROUP = "exl2_backend.backends"
 hookspec = pluggy.HookspecMarker(PROJECT)
 hookimpl = pluggy.HookimplMarker(PROJECT)
 
-__all__ = ["PROJECT", "ENTRY_POINT_GROUP", "HOOK_API_VERSION", "HOOK_NAMES", "hookspec", "hookimpl"]
+__all__ = ["ENTRY_POINT_GROUP", "HOOK_API_VERSION", "HOOK_NAMES", "PROJECT", "hookimpl", "hookspec"]
 
 
 @hookspec

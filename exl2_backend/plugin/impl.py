@@ -11,7 +11,6 @@ import logging
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Optional
 
 from exl2_backend._version import HOOK_API_VERSION, __version__
 from exl2_backend.errors import ConfigError, Exl2Error, InvalidRequestError
@@ -64,7 +63,7 @@ class _SeqState:
     prompt_len: int
     prefill_remaining: int
     t_admit: float
-    t_first: Optional[float] = None
+    t_first: float | None = None
     accepted: int = 0
     proposed: int = 0
 
@@ -83,7 +82,7 @@ class Exl2Handle(BackendHandle):
             page_size=int(engine.page_size), max_batch_size=int(s.max_batch_size),
             max_chunk_size=int(s.max_chunk_size), vocab_size=int(engine.model.vocab_size), device=str(engine.device))
         self._seqs: dict[str, _SeqState] = {}
-        self._fatal: Optional[str] = None
+        self._fatal: str | None = None
 
     # --- cheap queries ---------------------------------------------------------------------------------
 
@@ -174,12 +173,12 @@ class Exl2Handle(BackendHandle):
             return fn(*args)
         except InvalidRequestError:
             raise
-        except Exception as exc:  # noqa: BLE001 - latch and report as tier 3
+        except Exception as exc:
             self._fatal = f"{type(exc).__name__}: {exc}"
             log.exception("exl2_backend: engine step failed; the engine is now unhealthy")
             raise EngineUnhealthy(f"engine step failed: {self._fatal}") from exc
 
-    def _event(self, ev, *, draft: Optional[list[int]] = None) -> Event:
+    def _event(self, ev, *, draft: list[int] | None = None) -> Event:
         """Engine StepEvent -> hook Event (timings on the final one; finished sequences are forgotten)."""
         sid = ev.seq_id
         st = self._seqs.get(sid)

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import asdict, dataclass, field
-from typing import Any, Literal, Optional
+from typing import Any, Literal
 
 from exl2_backend.errors import Exl2Error
 
@@ -33,11 +33,11 @@ class SequenceRequest:
     sequence with the match removed from the text; stop_token_ids end it like EOS."""
 
     seq_id: str
-    prompt_ids: Optional[list[int]] = None
-    prompt: Optional[str] = None
-    messages: Optional[list[dict]] = None
+    prompt_ids: list[int] | None = None
+    prompt: str | None = None
+    messages: list[dict] | None = None
     add_generation_prompt: bool = True
-    max_new_tokens: Optional[int] = 256
+    max_new_tokens: int | None = 256
     temperature: float = 1.0
     top_k: int = 0
     top_p: float = 1.0
@@ -45,7 +45,7 @@ class SequenceRequest:
     repetition_penalty: float = 1.0
     frequency_penalty: float = 0.0
     presence_penalty: float = 0.0
-    seed: Optional[int] = None
+    seed: int | None = None
     stop: list[str] = field(default_factory=list)
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
@@ -172,12 +172,12 @@ class Event:
     seq_id: str
     token_ids: list[int] = field(default_factory=list)
     text: str = ""
-    finish_reason: Optional[FinishReason] = None
+    finish_reason: FinishReason | None = None
     usage: Usage = field(default_factory=Usage)
-    timings: Optional[Timings] = None
-    error: Optional["BackendError"] = None
+    timings: Timings | None = None
+    error: BackendError | None = None
     prefill_remaining: int = 0
-    accepted_drafts: Optional[int] = None
+    accepted_drafts: int | None = None
 
     @property
     def finished(self) -> bool:

@@ -4,7 +4,7 @@
 `EngineLoop` (engine_loop.py). Submodules are imported on use so `import exl2_backend.serve` stays light.
 """
 
-__all__ = ["build_server", "run_server", "ServerProcess", "ServeSettings"]
+__all__ = ["ServeSettings", "ServerProcess", "build_server", "run_server"]
 
 
 def __getattr__(name):

@@ -20,7 +20,6 @@ import logging
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Optional
 
 from exl2_backend.plugin.types import (
     AdmissionRejected,
@@ -50,7 +49,7 @@ class LoopUnhealthy(Exception):
 @dataclass
 class _Job:
     req: SequenceRequest
-    sink: "Stream"
+    sink: Stream
     t_submit: float
     prefilling: bool = True
 
@@ -58,7 +57,7 @@ class _Job:
 class Stream:
     """The events of one request, as an async iterator (ends after the event with a finish_reason)."""
 
-    def __init__(self, engine_loop: "EngineLoop", seq_id: str, aio_loop: asyncio.AbstractEventLoop):
+    def __init__(self, engine_loop: EngineLoop, seq_id: str, aio_loop: asyncio.AbstractEventLoop):
         self.seq_id = seq_id
         self._engine_loop = engine_loop
         self._aio_loop = aio_loop
@@ -132,8 +131,9 @@ class EngineLoop:
         self._cancels: set[str] = set()
         self._active: dict[str, _Job] = {}  # engine thread only
         self._blocked = False  # engine thread: the head of the queue did not fit; wait for a finish
+        self._admitting = 0  # jobs taken off the queue for this step's prefill, not yet in _active
         self._stop = False
-        self._fatal: Optional[str] = None
+        self._fatal: str | None = None
         self._counters = _Counters()
         self._recent: collections.deque[tuple[float, int]] = collections.deque()  # (time, tokens) per step
         self._backend_stats: dict = {}
@@ -142,7 +142,7 @@ class EngineLoop:
 
     # --- any thread --------------------------------------------------------------------------------------
 
-    def start(self) -> "EngineLoop":
+    def start(self) -> EngineLoop:
         self._refresh_backend_stats()
         self._thread.start()
         return self
@@ -159,7 +159,7 @@ class EngineLoop:
         return self._fatal is None and not self._stop and self._thread.is_alive()
 
     @property
-    def fatal_error(self) -> Optional[str]:
+    def fatal_error(self) -> str | None:
         return self._fatal
 
     def submit(self, req: SequenceRequest) -> Stream:
@@ -170,7 +170,7 @@ class EngineLoop:
         with self._cv:
             if not self.healthy:
                 raise LoopUnhealthy(f"the engine is not serving: {self._fatal or 'stopped'}")
-            free_slots = max(self.max_batch_size - len(self._active), 0)  # these join at the next step
+            free_slots = max(self.max_batch_size - len(self._active) - self._admitting, 0)  # join next step
             if len(self._waiting) >= self.max_queue + free_slots:
                 self._counters.rejected["queue_full"] += 1
                 raise QueueFull(f"no capacity: {len(self._active)} sequences are running (max_batch_size="
@@ -234,7 +234,7 @@ class EngineLoop:
                 except EngineUnhealthy as exc:
                     self._die(str(exc))
                     break
-                except Exception as exc:  # noqa: BLE001 - a host bug must not leave clients hanging
+                except Exception as exc:
                     log.exception("exl2_backend: engine loop step failed")
                     self._die(f"{type(exc).__name__}: {exc}")
                     break
@@ -291,6 +291,7 @@ class EngineLoop:
             if not self._blocked:
                 while self._waiting and len(self._active) + len(new) < self.max_batch_size:
                     new.append(self._waiting.popleft())
+            self._admitting = len(new)
         prefilling = [sid for sid, j in self._active.items() if j.prefilling]
         if new or prefilling:
             t = time.perf_counter()
@@ -313,10 +314,11 @@ class EngineLoop:
                     self._active[ev.seq_id] = job
                     self._counters.prompt_tokens += ev.usage.prompt_tokens
                 self._route(job, ev, out)
-            if requeue:
-                self._blocked = True
-                with self._cv:
+            with self._cv:
+                if requeue:
+                    self._blocked = True
                     self._waiting.extendleft(reversed(requeue))
+                self._admitting = 0
 
         # 3. one decode step for every sequence past its prompt
         decoding = [sid for sid, j in self._active.items() if not j.prefilling]
@@ -383,8 +385,8 @@ class EngineLoop:
             ids = list(self._active)
             try:
                 self.hook.exl2_release(handle=self.handle, seq_ids=ids)
-            except Exception:  # noqa: BLE001 - best effort at shutdown
-                pass
+            except Exception as exc:  # noqa: BLE001 - best effort at shutdown
+                log.debug("exl2_backend: release at shutdown failed: %s", exc)
             items += [(self._active[sid].sink, Event(sid, finish_reason="cancelled")) for sid in ids]
             self._active.clear()
         self._deliver(items)

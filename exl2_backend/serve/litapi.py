@@ -20,7 +20,7 @@ Wire format between the spec (API process) and predict (worker process): the spe
 from __future__ import annotations
 
 import logging
-from typing import Any, Optional
+from typing import Any
 
 import litserve as ls
 
@@ -31,8 +31,8 @@ from exl2_backend.serve.schemas import ServeSettings
 log = logging.getLogger("exl2_backend.serve")
 
 
-def error_dict(status: int, message: str, *, param: Optional[str] = None, code: Optional[str] = None,
-               type_: str = "invalid_request_error", retry_after: Optional[float] = None) -> dict:
+def error_dict(status: int, message: str, *, param: str | None = None, code: str | None = None,
+               type_: str = "invalid_request_error", retry_after: float | None = None) -> dict:
     return {"error": {"status": status, "message": message, "param": param, "code": code, "type": type_,
                       "retry_after": retry_after}}
 
@@ -59,13 +59,13 @@ def error_from_backend(err: Exception) -> dict:
 class Exl2LitAPI(ls.LitAPI):
     """One worker = one engine. Construct with a ServeSettings (or dict); nothing heavy happens before setup."""
 
-    def __init__(self, settings: ServeSettings | dict | None = None, *, spec: Optional[ls.specs.base.LitSpec] = None):
+    def __init__(self, settings: ServeSettings | dict | None = None, *, spec: ls.specs.base.LitSpec | None = None):
         from exl2_backend.serve.openai_spec import Exl2OpenAISpec
 
         self.serve_settings = (settings if isinstance(settings, ServeSettings)
                                else ServeSettings.model_validate(settings or {}))
         super().__init__(spec=spec if spec is not None else Exl2OpenAISpec(), enable_async=True, max_batch_size=1)
-        self._engine_loop: Optional[EngineLoop] = None
+        self._engine_loop: EngineLoop | None = None
 
     # worker side ---------------------------------------------------------------------------------------
 

@@ -19,7 +19,8 @@ import math
 import time
 import uuid
 from collections import deque
-from typing import Any, AsyncIterator, Optional
+from collections.abc import AsyncIterator
+from typing import Any
 
 from fastapi import Request, Response
 from fastapi.responses import JSONResponse, StreamingResponse
@@ -44,8 +45,8 @@ class _Disconnected(Exception):
     pass
 
 
-def _error_response(status: int, message: str, *, param: Optional[str] = None, code: Optional[str] = None,
-                    type_: Optional[str] = None, retry_after: Optional[float] = None) -> JSONResponse:
+def _error_response(status: int, message: str, *, param: str | None = None, code: str | None = None,
+                    type_: str | None = None, retry_after: float | None = None) -> JSONResponse:
     type_ = type_ or ("invalid_request_error" if status < 500 else "server_error")
     headers = {"Retry-After": str(max(1, math.ceil(retry_after)))} if retry_after else None
     return JSONResponse({"error": {"message": message, "type": type_, "param": param, "code": code}},
@@ -57,7 +58,7 @@ class Exl2OpenAISpec(LitSpec):
         super().__init__()
         self.api_path = "/v1/chat/completions"
         self.model_id = "default"
-        self._max_model_len: Optional[int] = None
+        self._max_model_len: int | None = None
 
     @property
     def stream(self) -> bool:
@@ -121,7 +122,7 @@ class Exl2OpenAISpec(LitSpec):
             await agen.aclose()
 
     @staticmethod
-    async def _next(agen: AsyncIterator[dict], request: Optional[Request]) -> Optional[dict]:
+    async def _next(agen: AsyncIterator[dict], request: Request | None) -> dict | None:
         """Next item, or None at the end; raises _Disconnected if the client went away while waiting."""
         task = asyncio.ensure_future(agen.__anext__())
         try:
@@ -202,7 +203,7 @@ class Exl2OpenAISpec(LitSpec):
             return _error_response(400, "the request body must be a JSON object", param="body")
         return body
 
-    def _check_model(self, model: Optional[str]) -> Optional[Response]:
+    def _check_model(self, model: str | None) -> Response | None:
         if model in (None, "", self.model_id):
             return None
         return self._unknown_model(model)
@@ -219,8 +220,8 @@ class Exl2OpenAISpec(LitSpec):
             try:
                 stats = await self.query_worker({"op": "stats"}, timeout=5.0)
                 self._max_model_len = stats.get("backend", {}).get("max_seq_len")
-            except Exception:  # noqa: BLE001 - the card is still valid without it
-                pass
+            except Exception as exc:  # noqa: BLE001 - the card is still valid without it
+                log.debug("exl2_backend: no stats from the worker for /v1/models: %s", exc)
 
     @staticmethod
     def _error_from_item(item: dict, chat: bool) -> Response:
@@ -287,7 +288,7 @@ class Exl2OpenAISpec(LitSpec):
         created = int(time.time())
         obj = "chat.completion.chunk" if chat else "text_completion"
 
-        def chunk(text: Optional[str], finish: Optional[str], *, role: bool = False) -> str:
+        def chunk(text: str | None, finish: str | None, *, role: bool = False) -> str:
             if chat:
                 delta = {"role": "assistant", "content": ""} if role else ({} if text is None else {"content": text})
                 choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}

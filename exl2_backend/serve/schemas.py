@@ -9,9 +9,9 @@ a message naming the field. Sampler extensions that vLLM/TabbyAPI clients send t
 from __future__ import annotations
 
 import time
-from typing import Any, Literal, Optional, Union
+from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 # --- server settings (decision 10) ---------------------------------------------------------------------------
 
@@ -22,22 +22,23 @@ class ServeSettings(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    model_dir: Optional[str] = None  # None: the embedded default model
-    model_id: Optional[str] = None  # name served at /v1/models; default: derived from the directory
+    model_dir: str | None = None  # None: the embedded default model
+    model_id: str | None = None  # name served at /v1/models; default: derived from the directory
     device: str = "auto"
-    max_seq_len: Optional[int] = Field(default=None, ge=2)
-    cache_tokens: Optional[int] = Field(default=None, ge=16)
+    max_seq_len: int | None = Field(default=None, ge=2)
+    cache_tokens: int | None = Field(default=None, ge=16)
     max_batch_size: int = Field(default=16, ge=1, le=1024)  # sequences decoding together (max concurrency)
-    max_chunk_size: Optional[int] = Field(default=None, ge=1)
-    page_size: Optional[int] = None
-    cache_type: Optional[str] = None
+    max_chunk_size: int | None = Field(default=None, ge=1)
+    page_size: int | None = None
+    cache_type: str | None = None
     max_queue: int = Field(default=64, ge=0)  # requests that may wait beyond the free batch slots before 503
     queue_timeout_s: float = Field(default=120.0, gt=0)  # a request waiting longer than this gets 503
-    default_max_tokens: Optional[int] = Field(default=None, ge=1)  # when a request gives none: up to the context
+    default_max_tokens: int | None = Field(default=None, ge=1)  # when a request gives none: up to the context
     host: str = "127.0.0.1"
     port: int = Field(default=8000, ge=1024, le=65535)
     log_level: str = "warning"
-    backend: Optional[str] = None  # pick one backend when several are installed
+    backend: str | None = None  # pick one backend when several are installed
+    fast_queue: bool = False  # LitServe's ZeroMQ transport between the API server and the worker
 
     def load_settings(self) -> dict:
         keys = ("model_dir", "model_id", "device", "max_seq_len", "cache_tokens", "max_batch_size", "max_chunk_size",
@@ -66,10 +67,10 @@ class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="ignore")  # e.g. "refusal": null, "audio": null echoed back by clients
 
     role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: Optional[Union[str, list[TextPart]]] = None
-    name: Optional[str] = None
-    tool_calls: Optional[list[Any]] = None
-    tool_call_id: Optional[str] = None
+    content: str | list[TextPart] | None = None
+    name: str | None = None
+    tool_calls: list[Any] | None = None
+    tool_call_id: str | None = None
 
     @field_validator("content", mode="before")
     @classmethod
@@ -99,8 +100,8 @@ class ChatMessage(BaseModel):
 class _SamplingRequest(_Strict):
     """Fields shared by chat and text completions."""
 
-    model: Optional[str] = None
-    max_tokens: Optional[int] = Field(default=None, ge=1)
+    model: str | None = None
+    max_tokens: int | None = Field(default=None, ge=1)
     temperature: float = Field(default=1.0, ge=0)
     top_p: float = Field(default=1.0, gt=0, le=1)
     top_k: int = Field(default=0, ge=0)
@@ -109,17 +110,17 @@ class _SamplingRequest(_Strict):
     frequency_penalty: float = Field(default=0.0, ge=-2, le=2)
     repetition_penalty: float = Field(default=1.0, gt=0)
     n: int = 1
-    stop: Optional[Union[str, list[str]]] = None
-    stop_token_ids: Optional[list[int]] = None
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
     ignore_eos: bool = False
-    seed: Optional[int] = Field(default=None, ge=0, lt=1 << 64)
+    seed: int | None = Field(default=None, ge=0, lt=1 << 64)
     stream: bool = False
-    stream_options: Optional[StreamOptions] = None
-    user: Optional[str] = None
-    metadata: Optional[dict] = None
-    store: Optional[bool] = None
-    service_tier: Optional[str] = None
-    logit_bias: Optional[dict] = None
+    stream_options: StreamOptions | None = None
+    user: str | None = None
+    metadata: dict | None = None
+    store: bool | None = None
+    service_tier: str | None = None
+    logit_bias: dict | None = None
 
     @field_validator("n")
     @classmethod
@@ -158,36 +159,37 @@ class _SamplingRequest(_Strict):
         return bool(self.stream_options and self.stream_options.include_usage)
 
     def sampling_fields(self) -> dict:
-        return dict(temperature=self.temperature, top_p=self.top_p, top_k=self.top_k, min_p=self.min_p,
-                    presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty,
-                    repetition_penalty=self.repetition_penalty, seed=self.seed, stop=list(self.stop or []),
-                    stop_token_ids=list(self.stop_token_ids or []), ignore_eos=self.ignore_eos)
+        keys = ("temperature", "top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty",
+                "repetition_penalty", "seed", "ignore_eos")
+        out = {k: getattr(self, k) for k in keys}
+        out.update(stop=list(self.stop or []), stop_token_ids=list(self.stop_token_ids or []))
+        return out
 
 
 class ChatCompletionRequest(_SamplingRequest):
     messages: list[ChatMessage] = Field(min_length=1)
-    max_completion_tokens: Optional[int] = Field(default=None, ge=1)
-    logprobs: Optional[bool] = None
-    top_logprobs: Optional[int] = None
-    tools: Optional[list[Any]] = None
-    tool_choice: Optional[Union[str, dict]] = None
-    parallel_tool_calls: Optional[bool] = None
-    response_format: Optional[dict] = None
-    reasoning_effort: Optional[str] = None
-    modalities: Optional[list[str]] = None
+    max_completion_tokens: int | None = Field(default=None, ge=1)
+    logprobs: bool | None = None
+    top_logprobs: int | None = None
+    tools: list[Any] | None = None
+    tool_choice: str | dict | None = None
+    parallel_tool_calls: bool | None = None
+    response_format: dict | None = None
+    reasoning_effort: str | None = None
+    modalities: list[str] | None = None
     # accepted and ignored (no effect on a local model)
-    prompt_cache_key: Optional[str] = None
-    prompt_cache_retention: Optional[str] = None
-    prompt_cache_options: Optional[dict] = None
-    safety_identifier: Optional[str] = None
-    verbosity: Optional[str] = None
-    moderation: Optional[Any] = None
+    prompt_cache_key: str | None = None
+    prompt_cache_retention: str | None = None
+    prompt_cache_options: dict | None = None
+    safety_identifier: str | None = None
+    verbosity: str | None = None
+    moderation: Any | None = None
     # accepted only when empty
-    functions: Optional[list[Any]] = None
-    function_call: Optional[Union[str, dict]] = None
-    audio: Optional[dict] = None
-    prediction: Optional[dict] = None
-    web_search_options: Optional[dict] = None
+    functions: list[Any] | None = None
+    function_call: str | dict | None = None
+    audio: dict | None = None
+    prediction: dict | None = None
+    web_search_options: dict | None = None
 
     @field_validator("functions", "audio", "prediction", "web_search_options")
     @classmethod
@@ -245,16 +247,16 @@ class ChatCompletionRequest(_SamplingRequest):
             raise ValueError("only the 'text' modality is supported")
         return v
 
-    def limit(self) -> Optional[int]:
+    def limit(self) -> int | None:
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
 
 
 class CompletionRequest(_SamplingRequest):
-    prompt: Union[str, list[str], list[int]]
+    prompt: str | list[str] | list[int]
     echo: bool = False
-    logprobs: Optional[int] = None
-    suffix: Optional[str] = None
-    best_of: Optional[int] = None
+    logprobs: int | None = None
+    suffix: str | None = None
+    best_of: int | None = None
 
     @field_validator("prompt")
     @classmethod
@@ -300,7 +302,7 @@ class CompletionRequest(_SamplingRequest):
             raise ValueError("only best_of=1 is supported")
         return v
 
-    def limit(self) -> Optional[int]:
+    def limit(self) -> int | None:
         return self.max_tokens
 
 
@@ -318,7 +320,7 @@ class ModelCard(BaseModel):
     object: Literal["model"] = "model"
     created: int = Field(default_factory=lambda: int(time.time()))
     owned_by: str = "exl2_backend"
-    max_model_len: Optional[int] = None
+    max_model_len: int | None = None
 
 
 class ModelList(BaseModel):
@@ -329,8 +331,8 @@ class ModelList(BaseModel):
 class ErrorBody(BaseModel):
     message: str
     type: str = "invalid_request_error"
-    param: Optional[str] = None
-    code: Optional[str] = None
+    param: str | None = None
+    code: str | None = None
 
 
 class ErrorResponse(BaseModel):

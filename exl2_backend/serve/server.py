@@ -18,7 +18,7 @@ import time
 import urllib.error
 import urllib.request
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any
 
 from exl2_backend.serve.schemas import ServeSettings
 
@@ -71,12 +71,13 @@ def build_server(settings: ServeSettings | dict | None = None, **overrides):
         workers_per_device=1,  # one engine per device; the engine batches (pitfall 3)
         timeout=settings.queue_timeout_s + 30,  # LitServe's own queue: requests leave it at once (async loop)
         model_metadata={"model": served_model_id(settings), "backend": "exl2_backend"},
+        fast_queue=settings.fast_queue,
     )
 
 
-def run_server(model_dir: Optional[str] = None, host: str = "127.0.0.1", port: int = 8000,
-               cache_tokens: Optional[int] = None, max_concurrent: Optional[int] = None,
-               max_seq_len: Optional[int] = None, device: str = "auto", **settings: Any) -> None:
+def run_server(model_dir: str | None = None, host: str = "127.0.0.1", port: int = 8000,
+               cache_tokens: int | None = None, max_concurrent: int | None = None,
+               max_seq_len: int | None = None, device: str = "auto", **settings: Any) -> None:
     """Serve `model_dir` (None: the embedded default model) until interrupted.
 
     max_concurrent: sequences that decode together (the engine's max_batch_size); cache_tokens bounds
@@ -110,7 +111,7 @@ class ServerProcess:
     and kills what is left of that process group."""
 
     def __init__(self, settings: ServeSettings | dict | None = None, *, startup_timeout: float = 600.0,
-                 env: Optional[dict] = None):
+                 env: dict | None = None):
         data = settings.model_dump() if isinstance(settings, ServeSettings) else dict(settings or {})
         data.setdefault("host", "127.0.0.1")
         if not data.get("port"):
@@ -118,8 +119,8 @@ class ServerProcess:
         self.settings = ServeSettings.model_validate(data)
         self.startup_timeout = startup_timeout
         self.env = env
-        self.proc: Optional[subprocess.Popen] = None
-        self.log_path: Optional[Path] = None
+        self.proc: subprocess.Popen | None = None
+        self.log_path: Path | None = None
 
     @property
     def base_url(self) -> str:
@@ -130,7 +131,7 @@ class ServerProcess:
             return ""
         return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-n:])
 
-    def start(self) -> "ServerProcess":
+    def start(self) -> ServerProcess:
         fd, path = tempfile.mkstemp(prefix="exl2-serve-", suffix=".log")
         self.log_path = Path(path)
         env = {**os.environ, **(self.env or {})}
@@ -176,14 +177,14 @@ class ServerProcess:
                     pass
             return
 
-    def __enter__(self) -> "ServerProcess":
+    def __enter__(self):
         return self.start()
 
     def __exit__(self, *exc) -> None:
         self.stop()
 
 
-def _main(argv: Optional[list[str]] = None) -> None:
+def _main(argv: list[str] | None = None) -> None:
     import argparse
 
     p = argparse.ArgumentParser(description="run the exl2_backend OpenAI server (see `exl2-backend serve`)")

@@ -21,7 +21,7 @@ from exl2_backend.ops.cuda_quant import PackedQ, pack_qtensor
 from tests.helpers.tolerances import assert_close_rel
 from tests.kernels.test_exl2_dequant import ALL_WIDTHS, _to_cuda, emulate_qz, make_qt, unit_scales
 
-SMALL_M = [1, 2, 3, 7, 8, 16, 17, 31, 32]
+SMALL_M = [1, 2, 3, 4, 5, 7, 8, 16, 17, 31, 32]
 LARGE_M = [33, 64, 200]
 
 
@@ -137,6 +137,10 @@ def test_gemm_against_reference(layouts, name, m):
     assert_close_rel(out, ref, same, msg=f"{name} M={m}")
     if m <= 32:  # the fused kernel itself, whatever the routing threshold
         assert_close_rel(cuda_quant._op_for(qt, x.device).fused(x), ref, same, msg=f"fused {name} M={m}")
+    if m <= 8:  # both small-M kernels explicitly
+        op = cuda_quant._op_for(qt, x.device)
+        assert_close_rel(op.fused_kernel(x, "gemv"), ref, same, msg=f"gemv {name} M={m}")
+        assert_close_rel(op.fused_kernel(x, "mma"), ref, same, msg=f"mma {name} M={m}")
 
 
 @pytest.mark.cuda
@@ -273,3 +277,60 @@ def test_gemm_bad_inputs():
                                          op.workspace.ws, op.workspace.counters)  # fused kernel is M <= 32
     assert op(x[:0]).shape == (0, 64)
     assert op(x.reshape(2, 1, 256)).shape == (2, 1, 64)
+
+
+# --- small-M GEMV kernel -------------------------------------------------------------------------------------
+
+
+def test_lane_scales_match_scale_codes_cpu():
+    from exl2_backend.ops.cuda_quant import _lane_scales
+
+    pq = pack_qtensor(make_qt(ALL_WIDTHS, 100, seed=3), "cpu")
+    sc = unit_scales(pq)  # [units, Np] per 32-row unit, the kernels' scale_of
+    info = pq.info.numpy().view(np.uint32).astype(np.int64)
+    lane = _lane_scales(pq.scales, pq.maxf, pq.Np).float().numpy()  # [G, J, 8, 4]
+    j, gid, q = np.meshgrid(np.arange(pq.Np // 32), np.arange(8), np.arange(4), indexing="ij")
+    cols = 32 * j + gid + 8 * q
+    for c in range(pq.C):
+        g = info[c] & 0x3FFFFFFF
+        np.testing.assert_array_equal(lane[g], sc[2 * c][cols])  # unit 0 of chunk c lies in group g
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("bits", [2, 3, 4, 5, 6, 8])
+@pytest.mark.parametrize("m", [1, 2, 3, 4, 8])
+def test_gemv_each_width(bits, m):
+    from exl2_backend.ops import cuda_quant
+
+    qt = _to_cuda(make_qt([(bits, 128)] * 6 + [(bits, 32)], 1000, seed=bits * 10 + m, bias=bits == 4))
+    x = _x(m, qt.in_features, seed=bits + m)
+    ref, same = _ref(x, qt)
+    op = cuda_quant.prepare_linear([qt], "cuda")
+    assert_close_rel(op.fused_kernel(x, "gemv"), ref, same, msg=f"gemv {bits}-bit M={m}")
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("minb", [2, 3])
+def test_gemv_variants_and_splits(monkeypatch, minb):
+    from exl2_backend.ops import cuda_quant
+
+    monkeypatch.setattr(cuda_quant, "GEMV_MINB", minb)
+    qt = _to_cuda(make_qt([(8, 32)] * 3 + [(6, 64)] + [(5, 128)] * 4 + [(4, 128)] * 8 + [(3, 64), (2, 96)], 700,
+                          seed=minb, bias=True))
+    op = cuda_quant.prepare_linear([qt], "cuda")
+    for m in (1, 4, 6):
+        x = _x(m, qt.in_features, seed=m)
+        ref, same = _ref(x, qt)
+        first = op.fused_kernel(x, "gemv")
+        assert_close_rel(first, ref, same, msg=f"gemv minb={minb} M={m}")
+        assert torch.equal(op.fused_kernel(x, "gemv"), first)  # deterministic split-K reduction
+
+
+@pytest.mark.cuda
+def test_gemv_rejects_large_m():
+    from exl2_backend.ops import cuda_quant
+
+    qt = _to_cuda(make_qt([(4, 128)] * 2, 64, seed=1))
+    op = cuda_quant.prepare_linear([qt], "cuda")
+    with pytest.raises(TensorShapeError):
+        op.fused_kernel(_x(9, 256, 0), "gemv")

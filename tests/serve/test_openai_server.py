@@ -122,6 +122,8 @@ def test_completions_streaming_and_not(client):
     assert len({c.id for c in chunks}) == 1
     assert "".join(c.choices[0].text for c in chunks if c.choices) == plain.choices[0].text
     assert chunks[-1].usage.completion_tokens == plain.usage.completion_tokens == 5
+    ids = client.completions.create(model=MODEL, prompt=[504, 3575, 282], temperature=0, max_tokens=2)  # token ids
+    assert ids.usage.prompt_tokens == 3 and ids.usage.completion_tokens == 2
 
 
 def test_stop_strings(client):
@@ -138,9 +140,9 @@ def test_stop_strings(client):
 
 
 def test_seed_and_sampler_fields(client):
-    kw = dict(model=MODEL, messages=FRANCE, temperature=0.9, top_p=0.95, max_tokens=8, seed=1234,
-              frequency_penalty=0.2, presence_penalty=0.1,
-              extra_body={"top_k": 40, "min_p": 0.02, "repetition_penalty": 1.05})
+    kw = {"model": MODEL, "messages": FRANCE, "temperature": 0.9, "top_p": 0.95, "max_tokens": 8, "seed": 1234,
+          "frequency_penalty": 0.2, "presence_penalty": 0.1,
+          "extra_body": {"top_k": 40, "min_p": 0.02, "repetition_penalty": 1.05}}
     a = client.chat.completions.create(**kw)
     b = client.chat.completions.create(**kw)
     assert a.choices[0].message.content == b.choices[0].message.content

@@ -1,0 +1,12 @@
+# Sourced by the device-call scripts: carried wheels, the CUDA library built for sm_90a, PYTHONPATH.
+set -uo pipefail
+export PYTHONUNBUFFERED=1
+if ! python3 -c "import pydantic, litserve" 2>/dev/null; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
+fi
+export PYTHONPATH="$PWD:/tmp/site"
+if [ ! -f exl2_backend/_lib/libexl2_kernels.so ] || [ -n "$(find csrc -newer exl2_backend/_lib/libexl2_kernels.so -name '*.cu*')" ]; then
+  EXL2_BACKEND_CUDA_ARCHS=90a EXL2_BACKEND_BUILD_JOBS=16 python3 setup.py -q build_ext --inplace > "$OUT/build.txt" 2>&1 \
+    || { tail -40 "$OUT/build.txt"; exit 1; }
+fi
+exl2() { python3 -m exl2_backend.cli.main "$@"; }

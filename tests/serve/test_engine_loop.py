@@ -1,0 +1,102 @@
+"""The engine loop over the hooks, in-process with the real engine and a deliberately tiny KV cache: requests
+that do not fit wait for pages (they are not refused), waiting too long ends in a "no_capacity" refusal, a
+cancelled request frees its pages, and a full queue raises QueueFull."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import pytest
+
+from exl2_backend.plugin.manager import new_plugin_manager
+from exl2_backend.plugin.types import AdmissionRejected, SequenceRequest
+from exl2_backend.serve.engine_loop import EngineLoop, QueueFull
+
+pytestmark = [pytest.mark.integration, pytest.mark.slow]
+
+PAGE = 16
+PAGES = 8
+
+
+@pytest.fixture(scope="module")
+def backend(default_model_dir):
+    pm = new_plugin_manager(builtin_fallback=True)
+    # 8 pages of 16 tokens; a sequence reserves ceil((4 prompt + max_new_tokens) / 16) pages at admission
+    handle = pm.hook.exl2_load(settings={"model_dir": str(default_model_dir), "device": "cpu", "max_seq_len": 64,
+                                         "cache_tokens": PAGES * PAGE, "page_size": PAGE, "max_batch_size": 8})
+    yield pm, handle
+    pm.hook.exl2_unload(handle=handle)
+
+
+def _req(sid, handle, n):
+    return SequenceRequest(sid, prompt_ids=handle.tokenize("Once upon a time"), temperature=0.0,
+                           max_new_tokens=n, ignore_eos=True)
+
+
+async def _drain(stream):
+    events = [ev async for ev in stream]
+    return events
+
+
+def test_requests_wait_for_pages_then_run(backend):
+    pm, handle = backend
+    loop = EngineLoop(pm.hook, handle, max_batch_size=8, max_queue=8, queue_timeout_s=120).start()
+    peak = 0
+
+    async def main():
+        nonlocal peak
+        streams = [loop.submit(_req(f"w{i}", handle, 40)) for i in range(3)]  # 3 pages each: two fit
+        tasks = [asyncio.ensure_future(_drain(s)) for s in streams]
+        while not all(t.done() for t in tasks):
+            peak = max(peak, loop.stats()["active_sequences"])
+            await asyncio.sleep(0.01)
+        return [t.result() for t in tasks]
+
+    try:
+        results = asyncio.run(main())
+        for events in results:
+            assert events[-1].finish_reason == "length" and events[-1].usage.completion_tokens == 40
+            assert sum(len(e.token_ids) for e in events) == 40
+        assert peak == 2, "only two sequences fit the cache at once"
+        s = loop.stats()
+        assert s["backend"]["free_pages"] == PAGES and s["active_sequences"] == 0 and s["queue_length"] == 0
+        assert s["requests"]["length"] == 3 and not s["rejected"]
+    finally:
+        loop.stop()
+
+
+def test_queue_timeout_cancel_and_queue_full(backend):
+    pm, handle = backend
+    loop = EngineLoop(pm.hook, handle, max_batch_size=2, max_queue=1, queue_timeout_s=1.0).start()
+
+    async def main():
+        a = loop.submit(_req("a", handle, 58))  # 4 pages each: a and b fill the cache and both batch slots
+        b = loop.submit(_req("b", handle, 58))
+        c = loop.submit(_req("c", handle, 4))  # waits in the queue (max_queue=1)
+        with pytest.raises(QueueFull) as full:
+            loop.submit(_req("d", handle, 4))
+        assert full.value.retry_after >= 1
+        await a.__anext__()  # a is running
+        t0 = time.monotonic()
+        c_events = await _drain(c)  # times out in the queue after ~1 s
+        waited = time.monotonic() - t0
+        a.cancel()
+        b.cancel()
+        a_events, b_events = await _drain(a), await _drain(b)
+        return c_events, waited, a_events, b_events
+
+    try:
+        c_events, waited, a_events, b_events = asyncio.run(main())
+        err = c_events[-1].error
+        assert isinstance(err, AdmissionRejected) and err.reason == "no_capacity" and waited < 30
+        assert a_events[-1].finish_reason == "cancelled" and b_events[-1].finish_reason == "cancelled"
+        deadline = time.monotonic() + 30
+        while loop.stats()["backend"]["free_pages"] != PAGES and time.monotonic() < deadline:
+            time.sleep(0.05)
+        s = loop.stats()
+        assert s["backend"]["free_pages"] == PAGES and s["backend"]["free_tokens"] == PAGES * PAGE
+        assert s["rejected"] == {"queue_full": 1, "queue_timeout": 1} and s["requests"]["cancelled"] == 2
+        assert loop.healthy
+    finally:
+        loop.stop()

@@ -5,9 +5,8 @@ source scripts/device/common.sh
 mkdir -p /tmp/smol && cp .dev/gguf_part_a* /tmp/smol/ 2>/dev/null
 nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,memory.used --format=csv | tee "$OUT/gpu.txt"
 python3 -m pytest tests/kernels -q -m cuda -p no:cacheprovider 2>&1 | tee "$OUT/kernels.txt" | tail -15
-python3 scripts/bench_gemm.py > "$OUT/bench_gemm.txt" 2>&1; tail -25 "$OUT/bench_gemm.txt"
 for shape in llama3-8b llama3-1b; do
-  ctx="512,2048,8192,32768"; [ "$shape" = llama3-1b ] && ctx="512,2048,8192"
+  ctx="512,2048,8192,32768"; [ "$shape" = llama3-1b ] && ctx="512,2048"
   exl2 bench --shape "$shape" --bpw 4.0 --model-out "/tmp/models/$shape" --contexts "$ctx" --decode-tokens 128 \
     --json "$OUT/bench_$shape.json" --plot "$OUT/bench_$shape.png" 2>&1 | tee "$OUT/bench_$shape.txt" | tail -14
 done

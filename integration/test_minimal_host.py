@@ -99,9 +99,10 @@ def test_draft_verify_greedy_is_identical_to_decode(host):
 def test_draft_verify_keeps_the_sampling_distribution(host):
     """Temperature-1 sampling of 3 tokens, N sequences per arm: arm A decodes, arm B verifies a fixed
     2-token draft first (accepted only when the model samples it), then decodes. Different seeds per arm;
-    a chi-square two-sample test per position must not reject equality (p > 0.001). With the same seeds,
-    this engine also reproduces the tokens themselves (its exact-match rule uses the same per-position
-    uniforms as decoding)."""
+    a chi-square two-sample test per position must not reject equality (p > 0.001), while it does reject a
+    temperature-0.3 arm (the test can see a difference of that size). With the same seeds, this engine also
+    reproduces the tokens themselves (its exact-match rule uses the same per-position uniforms as
+    decoding)."""
     torch = pytest.importorskip("torch")
     pm, handle = host
     prompt = handle.tokenize("Once upon a time, in a land far away, there lived a")  # short: prefill is cheap
@@ -109,15 +110,15 @@ def test_draft_verify_keeps_the_sampling_distribution(host):
                                                            max_new_tokens=3, ignore_eos=True)])["greedy"].token_ids
     n = 128
 
-    def arm(tag, seeds, draft):
+    def arm(tag, seeds, draft, temperature=1.0):
         out = []
         seeds = list(seeds)
         for i in range(0, len(seeds), handle.limits.max_batch_size):
-            out += arm_chunk(tag, seeds[i:i + handle.limits.max_batch_size], draft)
+            out += arm_chunk(tag, seeds[i:i + handle.limits.max_batch_size], draft, temperature)
         return out
 
-    def arm_chunk(tag, seeds, draft):
-        reqs = [SequenceRequest(f"{tag}{s}", prompt_ids=prompt, temperature=1.0, seed=s, max_new_tokens=3,
+    def arm_chunk(tag, seeds, draft, temperature):
+        reqs = [SequenceRequest(f"{tag}{s}", prompt_ids=prompt, temperature=temperature, seed=s, max_new_tokens=3,
                                 ignore_eos=True) for s in seeds]
         toks = {r.seq_id: [] for r in reqs}
         for ev in pm.hook.exl2_prefill(handle=handle, batch=StepBatch(new=reqs)):
@@ -163,6 +164,9 @@ def test_draft_verify_keeps_the_sampling_distribution(host):
     for pos in (1, 2):
         p = chi2_p([t[pos] for t in plain], [t[pos] for t in verified])
         assert p > 1e-3, f"token {pos + 1}: draft_verify changed the sampling distribution (p={p:.2g})"
+    # the test has power: a truly different distribution (temperature 0.3) is rejected
+    colder = arm("d", range(20_000, 20_000 + n), None, temperature=0.3)
+    assert min(chi2_p([t[pos] for t in plain], [t[pos] for t in colder]) for pos in (0, 1, 2)) < 1e-3
     identical = sum(a == c for a, c in zip(plain, same_seeds))
     assert identical >= 0.9 * n, f"only {identical}/{n} seeded sequences reproduced under draft_verify"
     assert _free(pm, handle)[2] == 0

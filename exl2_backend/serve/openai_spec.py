@@ -45,6 +45,22 @@ class _Disconnected(Exception):
     pass
 
 
+class _Watch:
+    """Rate-limited `request.is_disconnected()` for handlers that wait on the worker (non-streaming, and
+    streaming before the first byte). Streaming responses learn of a disconnect from Starlette instead."""
+
+    def __init__(self, request: Request):
+        self.request = request
+        self.last = time.monotonic()
+
+    async def check(self) -> None:
+        now = time.monotonic()
+        if now - self.last >= DISCONNECT_POLL_S:
+            self.last = now
+            if await self.request.is_disconnected():
+                raise _Disconnected()
+
+
 def _error_response(status: int, message: str, *, param: str | None = None, code: str | None = None,
                     type_: str | None = None, retry_after: float | None = None) -> JSONResponse:
     type_ = type_ or ("invalid_request_error" if status < 500 else "server_error")
@@ -122,8 +138,11 @@ class Exl2OpenAISpec(LitSpec):
             await agen.aclose()
 
     @staticmethod
-    async def _next(agen: AsyncIterator[dict], request: Request | None) -> dict | None:
-        """Next item, or None at the end; raises _Disconnected if the client went away while waiting."""
+    async def _next(agen: AsyncIterator[dict], watch: _Watch | None) -> dict | None:
+        """Next item, or None at the end; raises _Disconnected if the client went away (checked at most every
+        DISCONNECT_POLL_S, also while items keep arriving)."""
+        if watch is not None:
+            await watch.check()
         task = asyncio.ensure_future(agen.__anext__())
         try:
             while True:
@@ -133,8 +152,8 @@ class Exl2OpenAISpec(LitSpec):
                         return task.result()
                     except StopAsyncIteration:
                         return None
-                if request is not None and await request.is_disconnected():
-                    raise _Disconnected()
+                if watch is not None:
+                    await watch.check()
         finally:
             if not task.done():
                 task.cancel()
@@ -236,7 +255,8 @@ class Exl2OpenAISpec(LitSpec):
         uid = self._submit({"op": "generate", "request": seq})
         agen = self._items(uid)
         try:
-            first = await self._next(agen, request)
+            watch = _Watch(request)
+            first = await self._next(agen, watch)
         except _Disconnected:
             self._cancel(sid)
             self.response_buffer.pop(uid, None)
@@ -262,7 +282,7 @@ class Exl2OpenAISpec(LitSpec):
                 parts.append(item.get("text", ""))
                 if item.get("finish_reason"):
                     break
-                item = await self._next(agen, request)
+                item = await self._next(agen, watch)
                 if item is None:
                     return _error_response(500, "the inference worker ended the stream early")
         except _Disconnected:

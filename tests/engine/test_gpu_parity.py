@@ -73,9 +73,9 @@ def _step_logits(engine, tokens, n_prompt):
     logits after every step, through the engine's runner (graphs on the GPU)."""
     pages = engine.pages.allocator.allocate(-(-len(tokens) // engine.page_size))
     try:
-        out = [engine.runner.run([tokens[:n_prompt]], [0], [pages])[0].float()]
+        out = [engine.runner.run([tokens[:n_prompt]], [0], [pages])[0].float().clone()]
         for pos in range(n_prompt, len(tokens) - 1):
-            out.append(engine.runner.run([[tokens[pos]]], [pos], [pages])[0].float())
+            out.append(engine.runner.run([[tokens[pos]]], [pos], [pages])[0].float().clone())  # graph output is reused
         return out
     finally:
         engine.pages.allocator.free(pages)

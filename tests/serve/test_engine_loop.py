@@ -24,7 +24,8 @@ def backend(default_model_dir):
     pm = new_plugin_manager(builtin_fallback=True)
     # 8 pages of 16 tokens; a sequence reserves ceil((4 prompt + max_new_tokens) / 16) pages at admission
     handle = pm.hook.exl2_load(settings={"model_dir": str(default_model_dir), "device": "cpu", "max_seq_len": 64,
-                                         "cache_tokens": PAGES * PAGE, "page_size": PAGE, "max_batch_size": 8})
+                                         "cache_tokens": PAGES * PAGE, "page_size": PAGE, "max_batch_size": 8,
+                                         "max_chunk_size": 8})  # prompts longer than 8 tokens prefill in chunks
     yield pm, handle
     pm.hook.exl2_unload(handle=handle)
 
@@ -98,5 +99,31 @@ def test_queue_timeout_cancel_and_queue_full(backend):
         assert s["backend"]["free_pages"] == PAGES and s["backend"]["free_tokens"] == PAGES * PAGE
         assert s["rejected"] == {"queue_full": 1, "queue_timeout": 1} and s["requests"]["cancelled"] == 2
         assert loop.healthy
+    finally:
+        loop.stop()
+
+
+def test_chunked_prefill_interleaves_with_decoding(backend):
+    """A 26-token prompt needs 4 prefill steps (chunks of 8) while a short sequence keeps decoding."""
+    pm, handle = backend
+    loop = EngineLoop(pm.hook, handle, max_batch_size=8, max_queue=8).start()
+    long_ids = handle.tokenize("The quick brown fox jumps over the lazy dog. " * 3)[:26]
+    assert len(long_ids) == 26
+
+    async def main():
+        short = loop.submit(_req("short", handle, 12))
+        first = await short.__anext__()  # decoding has started
+        long = loop.submit(SequenceRequest("long", prompt_ids=long_ids, temperature=0.0, max_new_tokens=4,
+                                           ignore_eos=True))
+        return [first] + await _drain(short), await _drain(long)
+
+    try:
+        before = loop.stats()["steps"].get("prefill", 0)
+        short_events, long_events = asyncio.run(main())
+        assert sum(len(e.token_ids) for e in short_events) == 12 and short_events[-1].finish_reason == "length"
+        assert sum(len(e.token_ids) for e in long_events) == 4 and long_events[-1].usage.prompt_tokens == 26
+        waiting = [e for e in long_events if not e.token_ids and not e.finished]
+        assert len(waiting) == 3 and [e.prefill_remaining for e in waiting] == [18, 10, 2]
+        assert loop.stats()["steps"]["prefill"] - before >= 5  # 1 for short + 4 chunks for long
     finally:
         loop.stop()

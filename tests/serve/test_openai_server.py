@@ -281,3 +281,16 @@ def test_metrics_exposition(http):
         assert f"\n{name}" in text or text.startswith(name) or f"# TYPE {name}" in text, name
     m = metrics(http)
     assert m["exl2_backend_healthy"] == 1 and m["exl2_backend_kv_pages_total"] > 0
+
+
+def test_non_streaming_client_timeout_cancels_generation(http, server):
+    """A client that gives up on a non-streaming request (closing its connection) frees the sequence too."""
+    before = metrics(http)
+    body = {"model": MODEL, "messages": FRANCE, "temperature": 0, "max_tokens": 400, "ignore_eos": True}
+    with pytest.raises(httpx.ReadTimeout), httpx.Client(base_url=server.base_url, timeout=1.5) as impatient:
+        impatient.post("/v1/chat/completions", json=body)
+    after = wait_idle(http, before)
+    generated = after["exl2_backend_generation_tokens_total"] - before["exl2_backend_generation_tokens_total"]
+    assert generated < 400, "the abandoned request ran to completion"
+    assert after["exl2_backend_requests_total{outcome=cancelled}"] == before.get(
+        "exl2_backend_requests_total{outcome=cancelled}", 0) + 1

@@ -25,6 +25,8 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from exl2_backend.bench.roofline import measure_read_bandwidth
+from exl2_backend.bench.timing import graph_time_us
 from exl2_backend.ops import cuda_layers as cl
 from exl2_backend.ops import reference
 
@@ -32,30 +34,6 @@ DEV = "cuda"
 HQ, HKV, D, PAGE = 32, 8, 128, 256
 
 
-def graph_time(calls, reps: int = 15) -> float:
-    """Median microseconds per call of a CUDA graph that runs each callable once."""
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for c in calls:
-            c()
-    torch.cuda.current_stream().wait_stream(side)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        for c in calls:
-            c()
-    g.replay()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        g.replay()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b) * 1000.0 / len(calls))
-    del g
-    return statistics.median(times)
 
 
 def eager_time(call, n: int = 50) -> float:
@@ -70,11 +48,6 @@ def eager_time(call, n: int = 50) -> float:
     b.synchronize()
     return a.elapsed_time(b) * 1000.0 / n
 
-
-def read_bandwidth() -> float:
-    x = torch.randn(1 << 30, device=DEV, dtype=torch.float16)  # 2 GiB
-    t = graph_time([lambda: torch.sum(x)], reps=10)
-    return x.numel() * 2 / (t * 1e-6) / 1e9
 
 
 def sdpa_call(q, k, v, scale):
@@ -122,7 +95,7 @@ def bench_attention(ctx: int, sms: int, batch: int = 1, tq: int = 1, sweep=(1, 2
         for cps in sweep:
             ns = cl.attention_splits(batch, tq, HQ, HKV, pages_per_seq * PAGE, sms, cps)
             calls = [lambda t_=t_, ns=ns: cl.paged_attention(q, kc, vc, t_, lens, scale, ns) for t_ in tables]
-            t = graph_time(calls)
+            t = graph_time_us(calls)
             row[f"sweep_f{flags}_cps{cps}"] = {"splits": ns, "us": t, "gbs": kv_bytes / (t * 1e-6) / 1e9}
             if best is None or t < best[0]:
                 best = (t, f"f{flags}/{cps}")
@@ -151,7 +124,7 @@ def bench_attention(ctx: int, sms: int, batch: int = 1, tq: int = 1, sweep=(1, 2
         if name is not None:
             calls = [sdpa_call(qs, k, v, scale)[1] for k, v in copies]
             try:
-                row["sdpa_us"] = graph_time(calls)
+                row["sdpa_us"] = graph_time_us(calls)
             except RuntimeError as exc:  # capture refused: time eagerly
                 row["sdpa_note"] = f"graph capture failed ({exc.__class__.__name__}); eager timing"
                 row["sdpa_us"] = statistics.median(eager_time(c, 10) for c in calls)
@@ -169,7 +142,7 @@ def bench_sampling() -> list[dict]:
         for name, tval in (("greedy", 0.0), ("temperature", 0.8)):
             temp = torch.full((b,), tval, device=DEV)
             call = functools.partial(cl.sample_tokens_tensor, logits, u, temp)
-            rows.append({"op": f"sample_tokens {name}", "shape": f"[{b}, {v}]", "graph_us": graph_time([call] * 8),
+            rows.append({"op": f"sample_tokens {name}", "shape": f"[{b}, {v}]", "graph_us": graph_time_us([call] * 8),
                          "eager_us": eager_time(call)})
         from exl2_backend.sampling import SamplingParams
 
@@ -204,7 +177,7 @@ def bench_layers() -> list[dict]:
             ("kv_cache_write", part(cl.kv_cache_write, k, k, kc, vc, slots), 4 * k.numel() * 2),
         ]
         for name, fn, nbytes in cases:
-            tg = graph_time([fn] * 20)
+            tg = graph_time_us([fn] * 20)
             rows.append({"op": name, "shape": f"T={t}", "graph_us": tg, "gbs": nbytes / (tg * 1e-6) / 1e9,
                          "eager_us": eager_time(fn, 30)})
     return rows
@@ -225,7 +198,7 @@ def main() -> int:
         return 1
     props = torch.cuda.get_device_properties(0)
     sms = props.multi_processor_count
-    bw = read_bandwidth()
+    bw = measure_read_bandwidth(torch.device("cuda"))
     result = {"device": props.name, "sms": sms, "read_gbs": bw, "attention": [], "sampling": [], "layers": []}
     for ctx in args.contexts:
         result["attention"].append(bench_attention(ctx, sms))

@@ -14,10 +14,11 @@ import argparse
 import json
 import math
 import os
-import statistics
 
 import torch
 
+from exl2_backend.bench.roofline import measure_read_bandwidth
+from exl2_backend.bench.timing import graph_time_us
 from exl2_backend.format.layout import QuantOption
 from exl2_backend.format.qtensor import QTensor
 from exl2_backend.format.random_model import random_linear_tensors
@@ -43,45 +44,7 @@ def qtensor(k: int, n: int, option: str, seed: int, device) -> QTensor:
                    q_invperm=t["w.q_invperm"].to(device), out_features=n)
 
 
-def graph_time_us(calls, reps: int = 20) -> float:
-    """Median µs per call: all `calls` captured once in a CUDA graph, the graph replayed `reps` times."""
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        for c in calls:
-            c()
-    torch.cuda.current_stream().wait_stream(s)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        for c in calls:
-            c()
-    g.replay()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(reps):
-        e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        e0.record()
-        g.replay()
-        e1.record()
-        e1.synchronize()
-        times.append(e0.elapsed_time(e1) * 1000 / len(calls))
-    return statistics.median(times)
 
-
-def read_bandwidth() -> float:
-    x = torch.empty(1 << 31, dtype=torch.float16, device="cuda").uniform_(-1, 1)  # 4 GB
-    times = []
-    for _ in range(12):
-        e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        e0.record()
-        torch.sum(x)
-        e1.record()
-        e1.synchronize()
-        times.append(e0.elapsed_time(e1) / 1000)
-    bw = x.numel() * 2 / statistics.median(times[2:]) / 1e9
-    del x
-    torch.cuda.empty_cache()
-    return bw
 
 
 def copies_for(nbytes: int) -> int:
@@ -166,7 +129,7 @@ def main() -> None:
             op.fused(x)
         torch.cuda.synchronize()
         return
-    bw = read_bandwidth()
+    bw = measure_read_bandwidth(torch.device("cuda"))
     print(f"read bandwidth (torch.sum over 4 GB fp16): {bw:.0f} GB/s", flush=True)
     if args.m1:
         rows: list = []

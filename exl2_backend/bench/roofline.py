@@ -44,19 +44,10 @@ def decode_bytes(config: ModelConfig, weight_bytes: int, context: int) -> int:
 
 
 def measure_read_bandwidth(device: torch.device, gib: float = 4.0, iters: int = 20) -> float:
-    """GB/s of a large device reduction (bytes read / median time), the read ceiling used for ratios."""
-    n = int(gib * 2**30) // 2
-    x = torch.randn(n, device=device, dtype=torch.float16)
-    for _ in range(3):
-        x.sum()
-    times = []
-    for _ in range(iters):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        x.sum()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b) / 1e3)
-    del x
-    times.sort()
-    return n * 2 / times[len(times) // 2] / 1e9
+    """GB/s of a large device reduction (bytes read / median replay time), the read ceiling for ratios."""
+    from exl2_backend.bench.timing import graph_time_us
+
+    with torch.cuda.device(device):
+        x = torch.randn(int(gib * 2**30) // 2, device=device, dtype=torch.float16)
+        us = graph_time_us([lambda: x.sum()], reps=iters)
+    return x.numel() * 2 / (us * 1e-6) / 1e9

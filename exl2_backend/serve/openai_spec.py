@@ -254,8 +254,8 @@ class Exl2OpenAISpec(LitSpec):
     async def _run(self, request: Request, req, sid: str, seq: dict, *, chat: bool) -> Response:
         uid = self._submit({"op": "generate", "request": seq})
         agen = self._items(uid)
+        watch = _Watch(request)
         try:
-            watch = _Watch(request)
             first = await self._next(agen, watch)
         except _Disconnected:
             self._cancel(sid)
@@ -271,9 +271,9 @@ class Exl2OpenAISpec(LitSpec):
             return StreamingResponse(self._sse(request, uid, sid, agen, first, model, chat, req.include_usage()),
                                      media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
-        return await self._collect(request, uid, sid, agen, first, model, chat)
+        return await self._collect(watch, uid, sid, agen, first, model, chat)
 
-    async def _collect(self, request, uid, sid, agen, first, model, chat) -> Response:
+    async def _collect(self, watch, uid, sid, agen, first, model, chat) -> Response:
         parts, item = [], first
         try:
             while True:

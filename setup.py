@@ -23,6 +23,7 @@ from pathlib import Path
 
 from setuptools import Extension, setup
 from setuptools.command.build_ext import build_ext
+from setuptools.command.build_py import build_py
 
 ROOT = Path(__file__).resolve().parent
 LIB_NAME = "exl2_backend._lib.libexl2_kernels"
@@ -103,7 +104,18 @@ class CudaLibraryBuild(build_ext):
         print(f"exl2_backend: built {out}", file=sys.stderr)
 
 
+class BuildPyWithManifest(build_py):
+    """Ships a copy of the root plugin_manifest.toml inside the package, so hosts find it in a wheel."""
+
+    def run(self) -> None:
+        super().run()
+        if not self.editable_mode:
+            target = Path(self.build_lib) / "exl2_backend" / "plugin_manifest.toml"
+            target.parent.mkdir(parents=True, exist_ok=True)
+            shutil.copyfile(ROOT / "plugin_manifest.toml", target)
+
+
 setup(
     ext_modules=[Extension(LIB_NAME, sources=[])],
-    cmdclass={"build_ext": CudaLibraryBuild},
+    cmdclass={"build_ext": CudaLibraryBuild, "build_py": BuildPyWithManifest},
 )

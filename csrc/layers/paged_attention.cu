@@ -8,7 +8,9 @@
 //   phase 2: per-row max and exp2 -> probabilities in place, row sums;
 //   phase 3: o = sum p * v; reduced across warps; written as an fp32 partial (o, m, l) per split, or as the
 //            final fp16 output when nsplit == 1.
-// attn_reduce_kernel combines the partials in split order (deterministic).
+// The partials are combined in split order (deterministic): with a tickets buffer, by the last CTA of each
+// (sequence, kv head, row tile) to finish (one launch; it leaves its ticket at zero for the next launch and
+// graph replay); without one, by attn_reduce_kernel (a second launch). Both give the same bits.
 //
 // Thread layout in phases 1 and 3: TPK = D / 8 lanes share a key, each holding 8 dims as one 16-byte load;
 // a warp covers 32 / TPK keys per step. The per-key dot products of the RT rows are reduced over the TPK
@@ -40,6 +42,7 @@ struct AttnParams {
   half* out;                // [B, Tq, Hq, D] contiguous
   float* part_o;            // [B, Tq, Hq, nsplit, D]
   float* part_ml;           // [B, Tq, Hq, nsplit, 2] (max in log2 units, sum)
+  int* tickets;             // [B, Hkv, row_tiles], zero on entry and exit; null: separate reduce kernel
   int Tq, Hq, Hkv, G, R, row_tiles, nsplit, min_split, log2S, max_pages, num_pages;
   float scale_log2;  // softmax scale * log2(e)
 };
@@ -90,6 +93,25 @@ __device__ __forceinline__ void butterfly(float* v, int lane) {
 
 constexpr int ilog2(int x) { return x <= 1 ? 0 : 1 + ilog2(x / 2); }
 
+// Combine the `used` split partials of output row prow at dim d, in split order. Loads go through L2 (__ldcg):
+// with tickets the partials were written by other CTAs of this launch.
+template <int D>
+__device__ __forceinline__ float combine_splits(const AttnParams& p, int64_t prow, int d, int used) {
+  const float* ml = p.part_ml + prow * p.nsplit * 2;
+  const float* po = p.part_o + prow * p.nsplit * D + d;
+  float M = -INFINITY;
+  for (int s = 0; s < used; ++s) M = fmaxf(M, __ldcg(ml + 2 * s));
+  float num = 0.f, den = 0.f;
+  if (M != -INFINITY) {
+    for (int s = 0; s < used; ++s) {
+      const float w = exp2f(__ldcg(ml + 2 * s) - M);
+      den = fmaf(w, __ldcg(ml + 2 * s + 1), den);
+      num = fmaf(w, __ldcg(po + (int64_t)s * D), num);
+    }
+  }
+  return den > 0.f ? num / den : 0.f;
+}
+
 // U: key steps per thread with loads in flight (more bytes in flight per CTA vs more registers)
 template <int D, int RT, int U>
 __global__ void __launch_bounds__(NT) paged_attention_kernel(const AttnParams p) {
@@ -114,8 +136,9 @@ __global__ void __launch_bounds__(NT) paged_attention_kernel(const AttnParams p)
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const int row0 = tile * RT;
 
-  if (start >= ctx) {
-    if (p.nsplit == 1) {  // no key at all: the reference gives zeros
+  if (start >= ctx) {  // an unused split (or an empty context)
+    // no key at all (ctx == 0): the reference gives zeros, written here unless the reduce kernel does it
+    if (p.nsplit == 1 || (p.tickets != nullptr && split == 0)) {
       for (int i = tid; i < RT * D; i += NT) {
         const int row = row0 + i / D;
         if (row < p.R) {
@@ -290,6 +313,30 @@ __global__ void __launch_bounds__(NT) paged_attention_kernel(const AttnParams p)
       }
     }
   }
+  if (p.nsplit == 1 || p.tickets == nullptr) return;
+  // Ticket: every used split of this (b, kvh, tile) counts in once its partials are out; the last one
+  // combines them. Each thread fences its own partial stores before the barrier (release), the last CTA
+  // fences after reading the ticket (acquire) and reads the partials through L2.
+  __shared__ int is_last;
+  __threadfence();
+  __syncthreads();
+  const int used = (ctx + L - 1) / L;
+  int* ticket = p.tickets + ((int64_t)b * p.Hkv + kvh) * p.row_tiles + tile;
+  if (tid == 0) {
+    const int prev = atomicAdd(ticket, 1);
+    is_last = prev == used - 1;
+  }
+  __syncthreads();
+  if (!is_last) return;
+  __threadfence();
+  for (int i = tid; i < RT * D; i += NT) {
+    const int r = i / D, d = i % D, row = row0 + r;
+    if (row >= p.R) continue;
+    const int j = row / p.G, hq = kvh * p.G + row % p.G;
+    const int64_t prow = ((int64_t)b * p.Tq + j) * p.Hq + hq;
+    p.out[prow * D + d] = __float2half_rn(combine_splits<D>(p, prow, d, used));
+  }
+  if (tid == 0) *ticket = 0;  // ready for the next launch (and graph replay)
 }
 
 // One CTA per output row (b, j, hq), one thread per dim: combine the splits in order.
@@ -301,19 +348,7 @@ __global__ void __launch_bounds__(D) attn_reduce_kernel(const AttnParams p) {
   const int ctx = clamp_ctx(p.context_lens[b], p);
   const int L = split_len(ctx, p.nsplit, p.min_split);
   const int used = ctx > 0 ? (ctx + L - 1) / L : 0;
-  const float* ml = p.part_ml + prow * p.nsplit * 2;
-  const float* po = p.part_o + prow * p.nsplit * D + d;
-  float M = -INFINITY;
-  for (int s = 0; s < used; ++s) M = fmaxf(M, ml[2 * s]);
-  float num = 0.f, den = 0.f;
-  if (M != -INFINITY) {
-    for (int s = 0; s < used; ++s) {
-      const float w = exp2f(ml[2 * s] - M);
-      den = fmaf(w, ml[2 * s + 1], den);
-      num = fmaf(w, po[(int64_t)s * D], num);
-    }
-  }
-  p.out[prow * D + d] = __float2half_rn(den > 0.f ? num / den : 0.f);
+  p.out[prow * D + d] = __float2half_rn(combine_splits<D>(p, prow, d, used));
 }
 
 template <int D, int RT, int U>
@@ -327,7 +362,7 @@ int launch(const AttnParams& p, int B, cudaStream_t stream) {
   const size_t smem = sizeof(float) * RT * keys_max<RT>();
   paged_attention_kernel<D, RT, U><<<grid, NT, smem, stream>>>(p);
   int st = check_launch("paged_attention");
-  if (st != EXL2_OK || p.nsplit == 1) return st;
+  if (st != EXL2_OK || p.nsplit == 1 || p.tickets != nullptr) return st;
   attn_reduce_kernel<D><<<(unsigned)((int64_t)B * p.Tq * p.Hq), D, 0, stream>>>(p);
   return check_launch("paged_attention reduce");
 }
@@ -358,13 +393,14 @@ EXL2_API int exl2_paged_attention_row_tile(int64_t rows) {
 // q [B, Tq, Hq, D] fp16 (strides in elements, dims contiguous, 16-byte aligned rows); caches [P, S, Hkv, D]
 // fp16 contiguous; block_tables [B, bt_stride] int32 (first max_pages entries used); context_lens [B] int32;
 // out [B, Tq, Hq, D] fp16 contiguous; workspace fp32 of B*Tq*Hq*nsplit*(D+2) floats (unused if nsplit == 1);
-// flags: bit 0 = deeper load unroll for small row tiles.
+// flags: bit 0 = deeper load unroll for small row tiles. tickets: int32 [B * Hkv * row_tiles], all zero (and left
+// so), to combine the splits inside the one launch; null: a second (reduce) launch does it.
 EXL2_API int exl2_paged_attention(const void* q, int64_t q_bs, int64_t q_ts, int64_t q_hs, const void* k_cache,
                                   const void* v_cache, const int32_t* block_tables, int64_t bt_stride,
                                   const int32_t* context_lens, void* out, float* workspace, int64_t B, int64_t Tq,
                                   int64_t Hq, int64_t Hkv, int64_t D, int64_t num_pages, int64_t page_size,
                                   int64_t max_pages, int64_t nsplit, int64_t min_split, float scale, int flags,
-                                  cudaStream_t stream) {
+                                  int32_t* tickets, cudaStream_t stream) {
   using namespace exl2::layers;
   EXL2_REQUIRE(D == 64 || D == 128, "paged_attention: head_dim %lld not supported (64, 128)", (long long)D);
   EXL2_REQUIRE(Hkv > 0 && Hq > 0 && Hq % Hkv == 0, "paged_attention: Hq %lld not a multiple of Hkv %lld",
@@ -403,6 +439,7 @@ EXL2_API int exl2_paged_attention(const void* q, int64_t q_bs, int64_t q_ts, int
   p.scale_log2 = scale * 1.4426950408889634f;
   p.part_o = workspace;
   p.part_ml = workspace == nullptr ? nullptr : workspace + B * Tq * Hq * nsplit * D;
+  p.tickets = nsplit > 1 ? tickets : nullptr;
   EXL2_REQUIRE(nsplit == 1 || workspace != nullptr, "paged_attention: workspace required for nsplit > 1");
   EXL2_REQUIRE((int64_t)p.row_tiles * nsplit < (1ll << 31), "paged_attention: grid too large");
   if (D == 64) return launch_rt<64>(p, rt, flags, (int)B, stream);

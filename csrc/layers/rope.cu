@@ -54,6 +54,68 @@ __global__ void rope_kernel(RopeTensor q, RopeTensor k, const int64_t* __restric
   }
 }
 
+// rope_kv_write: q rotated in place, k rotated straight into the K cache and v copied into the V cache at
+// slots[t] (page * S + offset; < 0 or past the cache: no cache write), one CTA per token. The rotation is the
+// one of rope_kernel, op for op, so the cached k and the rotated q carry the same bits as apply_rope +
+// kv_cache_write. Caches [P * S, Hk, D] contiguous, same element type as q/k/v.
+template <typename T, int VEC>
+__global__ void rope_kv_kernel(RopeTensor q, RopeTensor k, const T* __restrict__ v, int64_t v_ts, int64_t v_hs,
+                               T* __restrict__ kc, T* __restrict__ vc, const int64_t* __restrict__ slots,
+                               int64_t num_slots, const int64_t* __restrict__ positions,
+                               const float* __restrict__ inv_freq, int D) {
+  extern __shared__ float cs[];  // cos [D/2], sin [D/2]
+  const int64_t t = blockIdx.x;
+  const int half = D / 2;
+  const int64_t slot = slots[t];
+  const bool write = slot >= 0 && slot < num_slots;
+  const float pos = (float)positions[t];
+  for (int i = threadIdx.x; i < half; i += blockDim.x) {
+    const float ang = __fmul_rn(pos, inv_freq[i]);
+    double s, c;
+    sincos((double)ang, &s, &c);
+    cs[i] = (float)c;
+    cs[half + i] = (float)s;
+  }
+  __syncthreads();
+
+  const int nchunk = half / VEC;
+  const int hk = write ? k.heads : 0;
+  const int total = (q.heads + hk) * nchunk;
+  const int64_t row = (int64_t)k.heads * D;  // cache elements per slot
+  for (int w = threadIdx.x; w < total; w += blockDim.x) {
+    int h = w / nchunk;
+    const int c = (w - h * nchunk) * VEC;
+    const bool is_k = h >= q.heads;
+    const RopeTensor& x = is_k ? k : q;
+    if (is_k) h -= q.heads;
+    const T* src = (const T*)x.in + t * x.in_ts + h * x.in_hs + c;
+    T* dst = is_k ? kc + slot * row + (int64_t)h * D + c : (T*)q.out + t * q.out_ts + h * q.out_hs + c;
+    float x1[VEC], x2[VEC], o1[VEC], o2[VEC];
+    load_vec<VEC>(src, x1);
+    load_vec<VEC>(src + half, x2);
+#pragma unroll
+    for (int j = 0; j < VEC; ++j) {
+      const float co = cs[c + j], si = cs[half + c + j];
+      o1[j] = __fsub_rn(__fmul_rn(x1[j], co), __fmul_rn(x2[j], si));
+      o2[j] = __fadd_rn(__fmul_rn(x2[j], co), __fmul_rn(x1[j], si));
+    }
+    store_vec<VEC>(dst, o1);
+    store_vec<VEC>(dst + half, o2);
+  }
+  if (!write) return;
+  // v: a plain copy (16-byte words when VEC == 8)
+  const int per = D / VEC;  // copy units per head
+  for (int w = threadIdx.x; w < k.heads * per; w += blockDim.x) {
+    const int h = w / per, c = (w - h * per) * VEC;
+    const T* src = v + t * v_ts + (int64_t)h * v_hs + c;
+    T* dst = vc + slot * row + (int64_t)h * D + c;
+    if constexpr (VEC == 8)
+      *reinterpret_cast<uint4*>(dst) = *reinterpret_cast<const uint4*>(src);
+    else
+      *dst = *src;
+  }
+}
+
 bool vec_ok(const RopeTensor& x) {
   return x.heads == 0 || (aligned16(x.in) && aligned16(x.out) && x.in_ts % 8 == 0 && x.in_hs % 8 == 0 &&
                           x.out_ts % 8 == 0 && x.out_hs % 8 == 0);
@@ -87,4 +149,37 @@ EXL2_API int exl2_apply_rope(const void* q, int64_t q_ts, int64_t q_hs, void* q_
       rope_kernel<T, 1><<<(unsigned)tokens, 128, smem, stream>>>(qt, kt, positions, inv_freq, (int)head_dim);
   });
   return exl2::check_launch("apply_rope");
+}
+
+// q [T, Hq, D] rotated in place; k [T, Hk, D] rotated into k_cache; v [T, Hk, D] copied into v_cache; caches
+// contiguous [num_slots, Hk, D] of the same 2-byte type; slots [T] int64; strides in elements.
+EXL2_API int exl2_rope_kv_write(void* q, int64_t q_ts, int64_t q_hs, int64_t hq, const void* k, int64_t k_ts,
+                                int64_t k_hs, const void* v, int64_t v_ts, int64_t v_hs, int64_t hk, void* k_cache,
+                                void* v_cache, const int64_t* slots, int64_t num_slots, const int64_t* positions,
+                                const float* inv_freq, int64_t tokens, int64_t head_dim, int dtype,
+                                cudaStream_t stream) {
+  using namespace exl2::layers;
+  EXL2_REQUIRE(head_dim > 0 && head_dim % 2 == 0 && head_dim <= 1024,
+               "rope_kv_write: head_dim %lld must be even, <= 1024", (long long)head_dim);
+  EXL2_REQUIRE(tokens >= 0 && tokens < (1ll << 31) && hq >= 0 && hk > 0 && (hq + hk) * head_dim < (1ll << 30),
+               "rope_kv_write: bad shape");
+  EXL2_REQUIRE(k != nullptr && v != nullptr && k_cache != nullptr && v_cache != nullptr && slots != nullptr,
+               "rope_kv_write: null pointer");
+  if (tokens == 0) return EXL2_OK;
+  RopeTensor qt{q, q, q_ts, q_hs, q_ts, q_hs, (int)hq};
+  RopeTensor kt{k, nullptr, k_ts, k_hs, 0, 0, (int)hk};
+  const bool vec = (head_dim / 2) % 8 == 0 && vec_ok(qt) && aligned16(k) && k_ts % 8 == 0 && k_hs % 8 == 0 &&
+                   aligned16(v) && v_ts % 8 == 0 && v_hs % 8 == 0 && aligned16(k_cache) && aligned16(v_cache);
+  const size_t smem = sizeof(float) * head_dim;
+  EXL2_DISPATCH_HALF(dtype, T, {
+    if (vec)
+      rope_kv_kernel<T, 8><<<(unsigned)tokens, 128, smem, stream>>>(
+          qt, kt, (const T*)v, v_ts, v_hs, (T*)k_cache, (T*)v_cache, slots, num_slots, positions, inv_freq,
+          (int)head_dim);
+    else
+      rope_kv_kernel<T, 1><<<(unsigned)tokens, 128, smem, stream>>>(
+          qt, kt, (const T*)v, v_ts, v_hs, (T*)k_cache, (T*)v_cache, slots, num_slots, positions, inv_freq,
+          (int)head_dim);
+  });
+  return exl2::check_launch("rope_kv_write");
 }

@@ -2,11 +2,16 @@
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 import torch
 
 from exl2_backend import ops
+
+# Rope of q and k plus the KV-cache write as one op (ops.rope_kv_write); EXL2_BACKEND_FUSED_ROPE_KV=0 runs the
+# three ops apart (same values), for A/B timing.
+FUSED_ROPE_KV = os.environ.get("EXL2_BACKEND_FUSED_ROPE_KV", "1") != "0"
 
 
 @dataclass
@@ -44,12 +49,16 @@ class DecoderLayer:
         """x [T, H] normed hidden states, T = B*Tq; returns the o_proj output [T, H]."""
         t = x.shape[0]
         hq, hkv, d = self.num_heads, self.num_kv_heads, self.head_dim
-        q, k, v = self.qkv(x).split(self.qkv.splits, dim=-1)  # [T, Hq*D], [T, Hkv*D], [T, Hkv*D]
-        q = ops.apply_rope(q.reshape(t, hq, d), positions, inv_freq)  # [T, Hq, D]
-        k = ops.apply_rope(k.reshape(t, hkv, d), positions, inv_freq)  # [T, Hkv, D]
-        v = v.reshape(t, hkv, d)
+        q, k, v = self.qkv(x).split(self.qkv.splits, dim=-1)  # [T, Hq*D], [T, Hkv*D], [T, Hkv*D] views
+        q, k, v = q.reshape(t, hq, d), k.reshape(t, hkv, d), v.reshape(t, hkv, d)
         k_cache, v_cache = cache.k[self.index], cache.v[self.index]  # [P, S, Hkv, D]
-        ops.kv_cache_write(k.to(k_cache.dtype), v.to(v_cache.dtype), k_cache, v_cache, meta.slots)
+        if FUSED_ROPE_KV and k_cache.dtype == x.dtype:
+            # one launch: q rotated in place in the QKV output, rotated k and v written into the cache
+            ops.rope_kv_write(q, k, v, positions, inv_freq, k_cache, v_cache, meta.slots)
+        else:
+            q = ops.apply_rope(q, positions, inv_freq)  # [T, Hq, D]
+            k = ops.apply_rope(k, positions, inv_freq)  # [T, Hkv, D]
+            ops.kv_cache_write(k.to(k_cache.dtype), v.to(v_cache.dtype), k_cache, v_cache, meta.slots)
         q = q.reshape(batch, t // batch, hq, d)  # [B, Tq, Hq, D]
         out = ops.paged_attention(q, k_cache, v_cache, meta.block_tables, meta.context_lens, self.scale)
         return self.o(out.reshape(t, hq * d).to(x.dtype))  # [T, H]

@@ -18,5 +18,6 @@ from exl2_backend.ops.dispatch import (  # noqa: F401
     prepare_linear,
     rms_norm,
     rope_inv_freq,
+    rope_kv_write,
     silu_mul,
 )

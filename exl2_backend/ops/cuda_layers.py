@@ -9,6 +9,8 @@ reference op instead, with one warning.
 Extras beyond the reference signatures, for the model and engine:
   add_rms_norm_(x, residual, weight, eps) -> normed        residual <- x + residual in place
   apply_rope_qk_(q, k, positions, inv_freq)                 q and k (strided views allowed) rotated in place
+  rope_kv_write(q, k, v, positions, inv_freq, k_cache, v_cache, slots)   one launch: q rotated in place, rotated
+                                                            k and v written into the caches (reference op)
   paged_attention(..., num_splits=0)                        0 = automatic split of the context
   sample_tokens_tensor(logits, uniforms, temperature, probs=None) -> int64 [B]   graph-capturable sampler
   sampling_param_tensors(params, vocab, device), filtered_probs(...), apply_penalties(...)
@@ -22,6 +24,7 @@ import contextlib
 import functools
 import logging
 import math
+import os
 import types
 
 import torch
@@ -45,7 +48,9 @@ _SIGNATURES = {
     "exl2_embedding": (PTR, PTR, PTR, I64, I64, I64, I32, STREAM),
     "exl2_kv_cache_write": (PTR, I64, I64, PTR, I64, I64, PTR, PTR, PTR, I64, I64, I64, I64, I32, STREAM),
     "exl2_paged_attention": (PTR, I64, I64, I64, PTR, PTR, PTR, I64, PTR, PTR, PTR, I64, I64, I64, I64, I64, I64,
-                             I64, I64, I64, I64, F32, I32, STREAM),
+                             I64, I64, I64, I64, F32, I32, PTR, STREAM),
+    "exl2_rope_kv_write": (PTR, I64, I64, I64, PTR, I64, I64, PTR, I64, I64, I64, PTR, PTR, PTR, I64, PTR, PTR, I64,
+                           I64, I32, STREAM),
     "exl2_sample_tokens": (PTR, I64, PTR, I64, PTR, I64, PTR, PTR, PTR, PTR, I64, I64, STREAM),
 }
 
@@ -56,6 +61,30 @@ _ATTN_MIN_SPLIT = 64  # keys; short contexts are not cut finer than this
 _ATTN_CTAS_PER_SM = 4  # automatic split: aim for this many CTAs per multiprocessor
 _ATTN_FLAGS = 1  # bit 0: 8 key steps in flight per thread instead of 4 (row tiles <= 4)
 _SAMPLE_CHUNK = 2048  # tokens per CTA of the sampling kernel (csrc/layers/sampling.cu CHUNK)
+# Split-combine tickets of paged attention and row counters of the sampler: int32 per-device buffers zeroed
+# once and left at zero by every launch (the last CTA resets its entry), so no memset runs per call or in a
+# captured graph. Attention tickets are opt-in (EXL2_BACKEND_ATTN_TICKETS=1): on the H200 (2026-11-29, 8B shape,
+# context 512, graph replay) the one-launch version was ~2 us per layer slower than the separate reduce kernel,
+# whose 32 CTAs combine the splits with more parallelism than the one last CTA per kv head.
+_TICKETS_NUMEL = 1 << 16
+_tickets: dict[tuple[str, torch.device], torch.Tensor] = {}
+
+
+def _ticket_buffer(device: torch.device, need: int, kind: str = "attn") -> torch.Tensor | None:
+    """The per-device zeroed int32 ticket buffer, or None when it would have to be made under graph capture
+    (a memset in the graph) or `need` exceeds it: callers then take their path without tickets."""
+    if device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    buf = _tickets.get((kind, device))
+    if buf is None:
+        if torch.cuda.is_current_stream_capturing():
+            return None
+        buf = _tickets[(kind, device)] = torch.zeros(_TICKETS_NUMEL, dtype=torch.int32, device=device)
+    return buf if need <= buf.numel() else None
+
+
+def _attn_tickets_enabled() -> bool:
+    return os.environ.get("EXL2_BACKEND_ATTN_TICKETS", "0") == "1"
 
 
 def _attn_row_tile(rows: int) -> int:
@@ -295,6 +324,45 @@ def _(q, k, positions, inv_freq):
     return None
 
 
+@_op("rope_kv_write", ("q", "k_cache", "v_cache"))
+def rope_kv_write(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor,
+                  inv_freq: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor) -> None:
+    """reference.rope_kv_write in one launch: q [T, Hq, D] rotated in place; k [T, Hkv, D] rotated and v
+    copied into the caches [P, S, Hkv, D] at slots [T] (negative or past the cache: skipped). q, k, v may be
+    strided views (slices of a fused QKV output) with a contiguous last dim."""
+    op = "rope_kv_write"
+    _check(op, "q", q, ndim=3)
+    _check(op, "k_cache", k_cache, ndim=4, device=q.device)
+    _check(op, "v_cache", v_cache, ndim=4, dtypes=(k_cache.dtype,), device=q.device)
+    _require(v_cache.shape == k_cache.shape, f"{op}: v_cache {tuple(v_cache.shape)} != k_cache", "v_cache")
+    p, s, hkv, d = k_cache.shape
+    t = q.shape[0]
+    for name, x in (("k", k), ("v", v)):
+        _check(op, name, x, ndim=3, device=q.device)
+        _require(tuple(x.shape) == (t, hkv, d), f"{op}: {name} {tuple(x.shape)} must be [{t}, {hkv}, {d}]", name)
+    _require(q.shape[2] == d, f"{op}: q head_dim {q.shape[2]} != cache head_dim {d}", "q")
+    _require(isinstance(slots, torch.Tensor) and slots.dim() == 1 and slots.shape[0] == t,
+             f"{op}: slots must be [{t}]", "slots")
+    if not (q.dtype in _HALF and k.dtype == q.dtype and v.dtype == q.dtype and k_cache.dtype == q.dtype
+            and k_cache.is_contiguous() and v_cache.is_contiguous()
+            and q.stride(-1) == 1 and k.stride(-1) == 1 and v.stride(-1) == 1):
+        return _fallback(op, f"dtypes q {q.dtype}, k {k.dtype}, v {v.dtype}, cache {k_cache.dtype} or layout")(
+            q, k, v, positions, inv_freq, k_cache, v_cache, slots)
+    pos, inv = _rope_inputs(op, q, positions, inv_freq)
+    slots = _index_tensor(slots, q.device, torch.int64).contiguous()
+    if t:
+        with _device_guard(q):
+            _call("exl2_rope_kv_write", q.data_ptr(), q.stride(0), q.stride(1), q.shape[1], k.data_ptr(),
+                  k.stride(0), k.stride(1), v.data_ptr(), v.stride(0), v.stride(1), hkv, k_cache.data_ptr(),
+                  v_cache.data_ptr(), slots.data_ptr(), p * s, pos.data_ptr(), inv.data_ptr(), t, d,
+                  _DTYPE_CODES[q.dtype], _stream(q))
+
+
+@rope_kv_write.register_fake
+def _(q, k, v, positions, inv_freq, k_cache, v_cache, slots):
+    return None
+
+
 # --- silu_mul, embedding, kv_cache_write -------------------------------------------------------------
 
 
@@ -442,11 +510,15 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     nsplit = num_splits or attention_splits(b, tq, hq, hkv, max_ctx, _num_sms(dev_index))
     nsplit = max(nsplit, math.ceil(max_ctx / _attn_keys_max(_attn_row_tile((hq // hkv) * tq))))
     ws = torch.empty(b * tq * hq * nsplit * (d + 2), dtype=torch.float32, device=q.device) if nsplit > 1 else None
+    tickets = None
+    if nsplit > 1 and _attn_tickets_enabled():
+        tickets = _ticket_buffer(q.device, b * hkv * math.ceil((hq // hkv) * tq / _attn_row_tile((hq // hkv) * tq)))
     with _device_guard(q):
         _call("exl2_paged_attention", q.data_ptr(), q.stride(0), q.stride(1), q.stride(2), k_cache.data_ptr(),
               v_cache.data_ptr(), tables.data_ptr(), tables.stride(0), lens.data_ptr(), out.data_ptr(),
               ws.data_ptr() if ws is not None else None, b, tq, hq, hkv, d, p, s, max_pages, nsplit,
-              _ATTN_MIN_SPLIT, float(scale), _ATTN_FLAGS, _stream(q))
+              _ATTN_MIN_SPLIT, float(scale), _ATTN_FLAGS, tickets.data_ptr() if tickets is not None else None,
+              _stream(q))
     return out
 
 
@@ -484,7 +556,9 @@ def sample_tokens_tensor(logits: torch.Tensor, uniforms: torch.Tensor, temperatu
     temperature = temperature.contiguous()
     nchunk = -(-v // _SAMPLE_CHUNK)
     partials = torch.empty(b * nchunk * 4, dtype=torch.float32, device=logits.device)
-    counters = torch.zeros(b, dtype=torch.int32, device=logits.device)
+    counters = _ticket_buffer(logits.device, b, "sample")  # left at zero by the kernel's last CTA of each row
+    if counters is None:
+        counters = torch.zeros(b, dtype=torch.int32, device=logits.device)
     with _device_guard(logits):
         _call("exl2_sample_tokens", logits.data_ptr(), logits.stride(0),
               probs.data_ptr() if probs is not None else None, probs.stride(0) if probs is not None else 0,
@@ -588,6 +662,7 @@ __all__ = [
     "needs_filter",
     "paged_attention",
     "rms_norm",
+    "rope_kv_write",
     "sample_tokens",
     "sample_tokens_tensor",
     "sampling_param_tensors",

@@ -83,6 +83,10 @@ def kv_cache_write(k, v, k_cache, v_cache, slots):
     return _pick("kv_cache_write", k)(k, v, k_cache, v_cache, slots)
 
 
+def rope_kv_write(q, k, v, positions, inv_freq, k_cache, v_cache, slots):
+    return _pick("rope_kv_write", q)(q, k, v, positions, inv_freq, k_cache, v_cache, slots)
+
+
 # Above this many queries per sequence a step is a prefill chunk: tensor-core SDPA beats the decode kernel.
 DECODE_KERNEL_MAX_QUERIES = 16
 

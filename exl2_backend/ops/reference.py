@@ -216,6 +216,14 @@ def kv_cache_write(k, v, k_cache, v_cache, slots) -> None:
     v_cache.view(p * s, hkv, d).index_copy_(0, slots, v.to(v_cache.dtype))
 
 
+def rope_kv_write(q, k, v, positions, inv_freq, k_cache, v_cache, slots) -> None:
+    """The decode-step attention prologue as one op: q [T, Hq, D] <- apply_rope(q) in place (q may be a view,
+    e.g. of a fused QKV output); apply_rope(k) and v [T, Hkv, D] written into k_cache, v_cache [P, S, Hkv, D]
+    at slots [T] like kv_cache_write (negative slots skipped). Same values as the three ops apart."""
+    q.copy_(apply_rope(q, positions, inv_freq))
+    kv_cache_write(apply_rope(k, positions, inv_freq), v, k_cache, v_cache, slots)
+
+
 def paged_attention(q, k_cache, v_cache, block_tables, context_lens, scale: float) -> torch.Tensor:
     """q [B, Tq, Hq, D], caches [P, S, Hkv, D], block_tables [B, max_pages] int32, context_lens [B] int32
     -> [B, Tq, Hq, D] in q.dtype. Query j of sequence b sits at position context_lens[b] - Tq + j and sees

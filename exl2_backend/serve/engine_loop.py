@@ -129,6 +129,7 @@ class EngineLoop:
         self._cv = threading.Condition()
         self._waiting: collections.deque[_Job] = collections.deque()
         self._cancels: set[str] = set()
+        self._early_cancels: dict[str, float] = {}  # cancels that arrived before their request (id -> time)
         self._active: dict[str, _Job] = {}  # engine thread only
         self._blocked = False  # engine thread: the head of the queue did not fit; wait for a finish
         self._admitting = 0  # jobs taken off the queue for this step's prefill, not yet in _active
@@ -176,7 +177,10 @@ class EngineLoop:
                 raise QueueFull(f"no capacity: {len(self._active)} sequences are running (max_batch_size="
                                 f"{self.max_batch_size}) and {len(self._waiting)} requests are waiting (max_queue="
                                 f"{self.max_queue}); retry later", retry_after=self._retry_after())
-            self._waiting.append(_Job(req, stream, time.monotonic()))
+            job = _Job(req, stream, time.monotonic())
+            self._waiting.append(job)
+            if self._early_cancels.pop(req.seq_id, None) is not None:
+                self._cancels.add(req.seq_id)  # its cancel overtook it: drop it at the next step
             self._cv.notify_all()
         return stream
 
@@ -276,6 +280,12 @@ class EngineLoop:
                     out.append((j.sink, Event(j.req.seq_id, finish_reason="cancelled")))
                     self._counters.requests["cancelled"] += 1
             running = [sid for sid in cancels if sid in self._active]
+            with self._cv:  # a cancel for an id not seen yet may have overtaken its request: remember it
+                for sid in cancels - set(running) - {stream.seq_id for stream, _ in out}:
+                    self._early_cancels[sid] = now
+                for sid, t in list(self._early_cancels.items()):
+                    if now - t > 60.0:
+                        del self._early_cancels[sid]
             if running:
                 self.hook.exl2_release(handle=self.handle, seq_ids=running)
                 for sid in running:

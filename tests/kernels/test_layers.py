@@ -262,3 +262,88 @@ def test_direct_path_matches_custom_ops():
     assert_exact(c.direct.silu_mul(x, r), c.silu_mul(x, r))
     ids = torch.tensor([0, 6, 3], device=DEV)
     assert_exact(c.direct.embedding(ids, x), c.embedding(ids, x))
+
+
+# --- rope_kv_write (rope of q and k + KV-cache write, one launch) ------------------------------------
+
+
+@pytest.mark.parametrize("hq,hkv,d,dtype", [(9, 3, 64, torch.float16), (32, 8, 128, torch.float16),
+                                            (32, 8, 128, torch.bfloat16), (4, 2, 12, torch.float16)])
+@pytest.mark.parametrize("t", [1, 5, 40])
+def test_rope_kv_write(hq, hkv, d, dtype, t):
+    pages, page = 9, 16
+    qkv = torch.randn(t, (hq + 2 * hkv) * d, device=DEV).to(dtype) * 2
+    before = qkv.clone()
+    q = qkv[:, : hq * d].view(t, hq, d)
+    k = qkv[:, hq * d: (hq + hkv) * d].view(t, hkv, d)
+    v = qkv[:, (hq + hkv) * d:].view(t, hkv, d)
+    pos = torch.randint(0, 100000, (t,), device=DEV)
+    inv = reference.rope_inv_freq(d, 500000.0, _Llama3()).to(DEV)
+    slots = torch.randperm(pages * page, device=DEV)[:t]
+    if t > 1:
+        slots[t // 2] = -1  # padding token: no cache write
+    kc = poison(torch.empty(pages, page, hkv, d, device=DEV, dtype=dtype))
+    vc = poison(torch.empty_like(kc))
+    kc2, vc2, kc_ref, vc_ref = kc.clone(), vc.clone(), kc.clone(), vc.clone()
+    cl().rope_kv_write(q, k, v, pos, inv, kc, vc, slots)
+    # the same bits as the unfused CUDA ops
+    bq = before[:, : hq * d].view(t, hq, d)
+    bk = before[:, hq * d: (hq + hkv) * d].view(t, hkv, d)
+    bv = before[:, (hq + hkv) * d:].view(t, hkv, d)
+    assert_exact(q, cl().apply_rope(bq, pos, inv), "q vs apply_rope")
+    cl().kv_cache_write(cl().apply_rope(bk, pos, inv), bv, kc2, vc2, slots)
+    assert_exact(kc, kc2, "k_cache vs apply_rope + kv_cache_write")
+    assert_exact(vc, vc2, "v_cache vs kv_cache_write")
+    assert_exact(qkv[:, hq * d:], before[:, hq * d:], "k and v inputs untouched")
+    # and close to the reference op
+    qr = bq.clone()
+    reference.rope_kv_write(qr, bk.clone(), bv.clone(), pos, inv, kc_ref, vc_ref, slots)
+    assert_close(q, qr, dtype=dtype, msg="q vs reference")
+    keep = slots >= 0
+    assert_close(kc.view(-1, hkv, d)[slots[keep]], kc_ref.view(-1, hkv, d)[slots[keep]], dtype=dtype, msg="k")
+    assert_exact(vc.view(-1, hkv, d)[slots[keep]], vc_ref.view(-1, hkv, d)[slots[keep]], "v")
+    untouched = torch.ones(pages * page, dtype=torch.bool, device=DEV)
+    untouched[slots[keep]] = False
+    assert torch.isnan(kc.view(-1, hkv, d)[untouched].float()).all(), "only the slots are written"
+
+
+def test_rope_kv_write_graph_and_opcheck():
+    c = cl()
+    hq, hkv, d = 9, 3, 64
+    qkv = torch.randn(1, (hq + 2 * hkv) * d, device=DEV).half()
+    kc = torch.zeros(4, 16, hkv, d, device=DEV).half()
+    vc = torch.zeros_like(kc)
+    pos = torch.tensor([5], device=DEV)
+    slots = torch.tensor([21], device=DEV)
+    inv = reference.rope_inv_freq(d, 10000.0).to(DEV)
+
+    def step():
+        x = qkv.clone()
+        q, k, v = x[:, : hq * d].view(1, hq, d), x[:, hq * d: (hq + hkv) * d].view(1, hkv, d), x[:, (hq + hkv) * d:]
+        c.rope_kv_write(q, k, v.view(1, hkv, d), pos, inv, kc, vc, slots)
+        return q
+
+    step()
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        step()
+    torch.cuda.current_stream().wait_stream(s)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        static = step()
+    for p_, sl in ((77, 3), (4000, 60)):
+        qkv.copy_(torch.randn_like(qkv))
+        pos.fill_(p_)
+        slots.fill_(sl)
+        g.replay()
+        torch.cuda.synchronize()
+        kg, vg = kc.clone(), vc.clone()
+        assert_exact(static, step(), "graph replay vs eager (q)")
+        assert_exact(kc, kg, "graph replay vs eager (k_cache)")
+        assert_exact(vc, vg, "graph replay vs eager (v_cache)")
+    q = torch.randn(4, 9, 64, device=DEV).half()
+    kv = torch.randn(4, 2, 3, 64, device=DEV).half()
+    torch.library.opcheck(torch.ops.exl2_backend.rope_kv_write.default,
+                          (q, kv[:, 0], kv[:, 1], torch.arange(4, device=DEV), inv, kc.clone(), vc.clone(),
+                           torch.tensor([0, 5, -1, 30], device=DEV)))

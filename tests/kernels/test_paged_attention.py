@@ -192,3 +192,21 @@ def test_no_host_sync():
         cl().paged_attention(q, kc, vc, tables, ctx, 0.1)
     finally:
         torch.cuda.set_sync_debug_mode("default")
+
+
+@pytest.mark.parametrize("num_splits", [0, 2, 7, 64])
+def test_tickets_match_reduce_kernel(num_splits, monkeypatch):
+    """Splits combined by the last CTA (tickets, one launch) give the bits of the separate reduce kernel,
+    launch after launch (every ticket is left at zero)."""
+    for lens, hq, hkv, d, tq, page in (([1, 17, 300, 2000], 32, 8, 128, 1, 16), ([0, 3, 900], 9, 3, 64, 3, 16),
+                                       ([5000, 60], 32, 8, 128, 1, 256)):
+        kc, vc, tables, ctx, _ = build(lens, hkv, d, page)
+        q = torch.randn(len(lens), tq, hq, d, device=DEV).half()
+        monkeypatch.setenv("EXL2_BACKEND_ATTN_TICKETS", "0")
+        want = cl().paged_attention(q, kc, vc, tables, ctx, 0.1, num_splits)
+        monkeypatch.setenv("EXL2_BACKEND_ATTN_TICKETS", "1")
+        for _ in range(3):
+            assert_exact(cl().paged_attention(q, kc, vc, tables, ctx, 0.1, num_splits), want,
+                         f"tickets vs reduce kernel lens={lens} splits={num_splits}")
+        for t in cl()._tickets.values():
+            assert int(t.count_nonzero()) == 0, "tickets left at zero"

@@ -127,3 +127,20 @@ def test_chunked_prefill_interleaves_with_decoding(backend):
         assert loop.stats()["steps"]["prefill"] - before >= 5  # 1 for short + 4 chunks for long
     finally:
         loop.stop()
+
+
+def test_cancel_that_overtakes_its_request(backend):
+    """A cancel for an id the loop has not seen yet (it raced ahead of its request) still cancels it."""
+    pm, handle = backend
+    loop = EngineLoop(pm.hook, handle, max_batch_size=8, max_queue=8).start()
+
+    async def main():
+        loop.cancel("late")
+        await asyncio.sleep(0.2)  # the loop has processed the cancel and found nothing
+        return await _drain(loop.submit(_req("late", handle, 40)))
+
+    try:
+        events = asyncio.run(main())
+        assert events[-1].finish_reason == "cancelled" and sum(len(e.token_ids) for e in events) < 40
+    finally:
+        loop.stop()

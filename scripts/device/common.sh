@@ -1,6 +1,6 @@
 # Sourced by the device-call scripts: carried wheels, the CUDA library built for sm_90a, PYTHONPATH.
 set -uo pipefail
-export PYTHONUNBUFFERED=1
+export PYTHONUNBUFFERED=1 EXL2_BACKEND_ALLOW_MISSING_DEFAULT=1
 if ! python3 -c "import pydantic, litserve" 2>/dev/null; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
 fi

@@ -5,7 +5,7 @@ if ! python3 -c "import pydantic, litserve" 2>/dev/null; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
 fi
 export PYTHONPATH="$PWD:/tmp/site"
-if [ ! -f exl2_backend/_lib/libexl2_kernels.so ] || [ -n "$(find csrc -newer exl2_backend/_lib/libexl2_kernels.so -name '*.cu*')" ]; then
+if [ "${EXL2_SKIP_BUILD:-0}" != 1 ] && { [ ! -f exl2_backend/_lib/libexl2_kernels.so ] || [ -n "$(find csrc -newer exl2_backend/_lib/libexl2_kernels.so -name "*.cu*")" ]; }; then
   EXL2_BACKEND_CUDA_ARCHS=90a EXL2_BACKEND_BUILD_JOBS=16 python3 setup.py -q build_ext --inplace > "$OUT/build.txt" 2>&1 \
     || { tail -40 "$OUT/build.txt"; exit 1; }
 fi

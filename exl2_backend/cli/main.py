@@ -24,6 +24,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_optional(sub, "exl2_backend.cli.bench_cmd")
     _add_optional(sub, "exl2_backend.cli.serve_cmd", adder="add_serve_parser", runner="run_serve")
     _add_optional(sub, "exl2_backend.cli.convert_cmd")
+    _add_optional(sub, "exl2_backend.cli.eval_cmd")
     return parser
 
 

@@ -97,6 +97,13 @@ class ChatMessage(BaseModel):
         return {"role": role, "content": content or ""}
 
 
+def _reject_if_set(value, info):
+    """Fields the OpenAI API defines but a local single-choice server cannot honour: 400 naming the field."""
+    if value:
+        raise ValueError(f"{info.field_name} is not supported by this server")
+    return value
+
+
 class _SamplingRequest(_Strict):
     """Fields shared by chat and text completions."""
 
@@ -141,19 +148,17 @@ class _SamplingRequest(_Strict):
             raise ValueError("stop sequences must be non-empty strings")
         return stops
 
-    @field_validator("logit_bias")
-    @classmethod
-    def _no_logit_bias(cls, v):
-        if v:
-            raise ValueError("logit_bias is not supported by this server")
-        return v
-
     @field_validator("stop_token_ids")
     @classmethod
     def _ids(cls, v):
         if v is not None and any(t < 0 for t in v):
             raise ValueError("stop_token_ids must be non-negative token ids")
         return v
+
+    @field_validator("logit_bias")
+    @classmethod
+    def _unsupported_sampling(cls, v, info):
+        return _reject_if_set(v, info)
 
     def include_usage(self) -> bool:
         return bool(self.stream_options and self.stream_options.include_usage)
@@ -191,39 +196,16 @@ class ChatCompletionRequest(_SamplingRequest):
     prediction: dict | None = None
     web_search_options: dict | None = None
 
-    @field_validator("functions", "audio", "prediction", "web_search_options")
+    @field_validator("functions", "audio", "prediction", "web_search_options", "logprobs", "top_logprobs", "tools")
     @classmethod
     def _unsupported(cls, v, info):
-        if v:
-            raise ValueError(f"{info.field_name} is not supported by this server")
-        return v
+        return _reject_if_set(v, info)
 
     @field_validator("function_call")
     @classmethod
     def _function_call(cls, v):
         if v not in (None, "none", "auto"):
             raise ValueError("function_call is not supported by this server")
-        return v
-
-    @field_validator("logprobs")
-    @classmethod
-    def _no_logprobs(cls, v):
-        if v:
-            raise ValueError("logprobs are not supported by this server")
-        return v
-
-    @field_validator("top_logprobs")
-    @classmethod
-    def _no_top_logprobs(cls, v):
-        if v:
-            raise ValueError("top_logprobs are not supported by this server")
-        return v
-
-    @field_validator("tools")
-    @classmethod
-    def _no_tools(cls, v):
-        if v:
-            raise ValueError("tools are not supported by this server")
         return v
 
     @field_validator("tool_choice")
@@ -274,26 +256,10 @@ class CompletionRequest(_SamplingRequest):
             raise ValueError("prompt must not be empty")
         return v
 
-    @field_validator("echo")
+    @field_validator("echo", "logprobs", "suffix")
     @classmethod
-    def _no_echo(cls, v):
-        if v:
-            raise ValueError("echo is not supported by this server")
-        return v
-
-    @field_validator("logprobs")
-    @classmethod
-    def _no_logprobs(cls, v):
-        if v:
-            raise ValueError("logprobs are not supported by this server")
-        return v
-
-    @field_validator("suffix")
-    @classmethod
-    def _no_suffix(cls, v):
-        if v:
-            raise ValueError("suffix is not supported by this server")
-        return v
+    def _unsupported(cls, v, info):
+        return _reject_if_set(v, info)
 
     @field_validator("best_of")
     @classmethod

@@ -1,0 +1,95 @@
+"""Measurement pass (format doc d.3): accuracy and storage cost of every option of every block.
+
+For each decoder layer's attention and MLP block: run the FP16 block on the calibration rows (fp32 math),
+build the shared Hessians, GPTQ-quantize each projection once per distinct option, then for each combined
+option run the block with those weights and record accuracy = 1 - mean_rows(|y_q - y_ref| / |y_ref|). The
+next block's input is the FP16 reference output. Results use measurement.json's record shape (doc a.5).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+import torch
+
+from exl2_backend.format.layout import ATTENTION_OPTIONS, MLP_OPTIONS, QuantOption
+from exl2_backend.format.reader import LayerWeights, linear_shape
+from exl2_backend.quant.blocks import BLOCK_PROJS, HESSIAN_SOURCE, dense_weights, run_block
+from exl2_backend.quant.gptq import HessianAccumulator, gptq_quantize
+
+OPTION_TABLES = {"attn": ATTENTION_OPTIONS, "mlp": MLP_OPTIONS}
+MODE = {"attn": "self_attn", "mlp": "mlp"}
+
+
+def block_key(layer: int, kind: str) -> str:
+    return f"model.layers.{layer}.{MODE[kind]}"
+
+
+def hessians(capture: dict[str, list[torch.Tensor]]) -> dict[str, torch.Tensor]:
+    out = {}
+    for name, chunks in capture.items():
+        acc = HessianAccumulator(chunks[0].shape[-1])
+        for c in chunks:
+            acc.add(c)
+        out[name] = acc.result()
+    return out
+
+
+def rel_error(y: torch.Tensor, ref: torch.Tensor) -> float:
+    """mean over rows of |y - ref|_F / |ref|_F; y, ref [R, T, H]."""
+    num = (y - ref).flatten(1).norm(dim=1)
+    den = ref.flatten(1).norm(dim=1).clamp_min(1e-10)
+    return float((num / den).mean())
+
+
+def measure_block(kind: str, x: torch.Tensor, lw: LayerWeights, cfg, inv_freq,
+                  option_ids: Sequence[int] | None = None, step: Callable[[], None] | None = None
+                  ) -> tuple[list[dict], torch.Tensor]:
+    """x [R, T, H] -> (records for the block's options, FP16 reference output [R, T, H])."""
+    projs = BLOCK_PROJS[kind]
+    table = OPTION_TABLES[kind]
+    ids = list(range(len(table))) if option_ids is None else list(option_ids)
+    w_ref = dense_weights(lw, projs)
+    capture: dict = {}
+    y_ref = run_block(kind, x, lw, w_ref, cfg, inv_freq, capture)
+    hs = hessians(capture)
+    cache: dict[tuple[str, str], torch.Tensor] = {}  # (proj, option) -> fp32 [N, K] dequantized weight
+    records = []
+    for i in ids:
+        w_q = dict(w_ref)
+        bits = 0
+        rec: dict = {}
+        for proj, opt in zip(projs, table[i]):
+            ck = (proj, str(opt))
+            if ck not in cache:  # options repeat across rows of the table: quantize each once
+                res = gptq_quantize(proj, w_ref[proj], hs[HESSIAN_SOURCE[proj]], opt, bias=w_ref.get(f"{proj}.bias"))
+                cache[ck] = res.weight()
+            w_q[proj] = cache[ck]
+            k, n = linear_shape(cfg, proj)
+            bits += opt.total_bits(k, n, bias=cfg.has_bias(proj))
+            rec[proj] = opt.to_json()
+        y = run_block(kind, x, lw, w_q, cfg, inv_freq)
+        accuracy = max(1.0 - rel_error(y, y_ref), 1e-6)
+        records.append({"accuracy": accuracy, "total_bits": int(bits), "option_index": i, **rec})
+        if step is not None:
+            step()
+    return records, y_ref
+
+
+def record_options(rec: dict, kind: str) -> dict[str, QuantOption]:
+    """The per-projection options of a measurement/strategy record."""
+    return {p: QuantOption.from_json(rec[p]) for p in BLOCK_PROJS[kind]}
+
+
+def parse_option_ids(text: str | None, kind: str) -> list[int] | None:
+    """"all"/None -> None (every option); "0,6,9" -> indices (validated against the table)."""
+    if text is None or text.strip().lower() == "all":
+        return None
+    n = len(OPTION_TABLES[kind])
+    try:
+        ids = sorted({int(t) for t in text.split(",") if t.strip()})
+    except ValueError:
+        raise ValueError(f"bad {kind} option list {text!r}: want comma-separated indices or 'all'") from None
+    if not ids or ids[0] < 0 or ids[-1] >= n:
+        raise ValueError(f"{kind} option indices must be within 0..{n - 1}, got {text!r}")
+    return ids

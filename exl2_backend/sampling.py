@@ -27,6 +27,18 @@ def _int(name: str, value) -> int:
     return int(value)
 
 
+# Valid ranges of the float sampling fields: (predicate, rule for the message). Shared with the plugin's
+# request validation so a host and the engine reject exactly the same values.
+SAMPLING_RANGES = {
+    "temperature": (lambda x: x >= 0, ">= 0"),
+    "top_p": (lambda x: 0 < x <= 1, "in (0, 1]"),
+    "min_p": (lambda x: 0 <= x <= 1, "in [0, 1]"),
+    "repetition_penalty": (lambda x: x > 0, "> 0"),
+    "frequency_penalty": (lambda x: -2 <= x <= 2, "in [-2, 2]"),
+    "presence_penalty": (lambda x: -2 <= x <= 2, "in [-2, 2]"),
+}
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     """temperature 0 = greedy; top_k 0 = off; top_p 1 = off; min_p 0 = off; penalties 1 / 0 = off."""
@@ -41,15 +53,7 @@ class SamplingParams:
     seed: int | None = None  # per-sequence generator seed; None = fresh entropy
 
     def __post_init__(self):
-        checks = {
-            "temperature": (lambda x: x >= 0, ">= 0"),
-            "top_p": (lambda x: 0 < x <= 1, "in (0, 1]"),
-            "min_p": (lambda x: 0 <= x <= 1, "in [0, 1]"),
-            "repetition_penalty": (lambda x: x > 0, "> 0"),
-            "frequency_penalty": (lambda x: -2 <= x <= 2, "in [-2, 2]"),
-            "presence_penalty": (lambda x: -2 <= x <= 2, "in [-2, 2]"),
-        }
-        for name, (ok, rule) in checks.items():
+        for name, (ok, rule) in SAMPLING_RANGES.items():
             value = _real(name, getattr(self, name))
             if not ok(value):
                 raise SamplingParamsError(f"{name} must be {rule}, got {value!r}", field=name)

@@ -11,6 +11,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any, Literal
 
 from exl2_backend.errors import Exl2Error
+from exl2_backend.sampling import SAMPLING_RANGES  # torch-free, like this module
 
 FinishReason = Literal["stop", "length", "cancelled", "error"]
 FINISH_REASONS = ("stop", "length", "cancelled", "error")
@@ -73,15 +74,7 @@ class SequenceRequest:
             bad("messages", "must be a non-empty list of {'role': ..., 'content': ...} objects")
         if self.max_new_tokens is not None and (not _is_int(self.max_new_tokens) or self.max_new_tokens < 1):
             bad("max_new_tokens", f"must be an integer >= 1 or None, got {self.max_new_tokens!r}")
-        ranges = {
-            "temperature": (lambda x: x >= 0, ">= 0"),
-            "top_p": (lambda x: 0 < x <= 1, "in (0, 1]"),
-            "min_p": (lambda x: 0 <= x <= 1, "in [0, 1]"),
-            "repetition_penalty": (lambda x: x > 0, "> 0"),
-            "frequency_penalty": (lambda x: -2 <= x <= 2, "in [-2, 2]"),
-            "presence_penalty": (lambda x: -2 <= x <= 2, "in [-2, 2]"),
-        }
-        for name, (ok, rule) in ranges.items():
+        for name, (ok, rule) in SAMPLING_RANGES.items():
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
                 bad(name, f"must be a finite number, got {value!r}")

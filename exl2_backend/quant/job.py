@@ -23,6 +23,10 @@ def fingerprint(obj) -> str:
     return hashlib.sha256(json.dumps(obj, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
 
+def tensor_hash(t: torch.Tensor) -> str:
+    return hashlib.sha256(t.contiguous().numpy().tobytes()).hexdigest()[:16]
+
+
 class JobState:
     def __init__(self, work_dir: str | Path):
         self.dir = Path(work_dir)

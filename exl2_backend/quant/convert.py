@@ -25,11 +25,11 @@ from exl2_backend.format.config import ModelConfig
 from exl2_backend.format.layout import HEAD_OPTIONS
 from exl2_backend.format.qtensor import QTensor
 from exl2_backend.format.reader import ATTN_PROJS, MLP_PROJS, DenseLinear, linear_shape, load_weights
-from exl2_backend.format.writer import make_quantization_config, qtensor_tensors, write_model_dir
+from exl2_backend.format.writer import make_quantization_config, write_model_dir
 from exl2_backend.quant.job import JobState, fingerprint, tensor_hash
 from exl2_backend.quant.layer_quant import calibration_rows, quantize_head, quantize_layer
-from exl2_backend.quant.measure import OPTION_TABLES, block_key, measure_block
-from exl2_backend.quant.optimize import achieved_bpw, optimize
+from exl2_backend.quant.measure import DEFAULT_OPTIONS, OPTION_TABLES, block_key, measure_block
+from exl2_backend.quant.optimize import BudgetError, achieved_bpw, bpw_range, optimize
 
 log = logging.getLogger(__name__)
 
@@ -43,8 +43,8 @@ class ConvertSettings:
     rows: int = 32  # quant-pass rows
     length: int = 512  # tokens per row
     measure_rows: int = 8
-    attn_options: Sequence[int] | None = None  # measured subset (None: all 19)
-    mlp_options: Sequence[int] | None = None  # measured subset (None: all 17)
+    attn_options: Sequence[int] | None = DEFAULT_OPTIONS["attn"]  # measured subset (None: all 19)
+    mlp_options: Sequence[int] | None = DEFAULT_OPTIONS["mlp"]  # measured subset (None: all 17)
     work_dir: str | None = None
     shard_mb: float = 8192
     progress: bool = True
@@ -62,12 +62,12 @@ def _check_input(in_dir: Path, out_dir: Path, s: ConvertSettings) -> tuple[Model
         k, _ = linear_shape(cfg, proj)
         if k % 32:
             raise UnsupportedModelError(f"{proj} has {k} input features; EXL2 needs a multiple of 32")
-    if not (in_dir / "tokenizer.json").is_file():
-        raise ModelDirectoryError("no tokenizer.json: needed to tokenize the calibration text", path=str(in_dir))
     weights = load_weights(in_dir, cfg)
     if any(isinstance(getattr(lw, p), QTensor) for lw in weights.layers for p in ATTN_PROJS + MLP_PROJS) \
             or isinstance(weights.lm_head, QTensor):
         raise ModelFormatError("input is already quantized; convert needs an FP16/BF16/FP32 model", path=str(in_dir))
+    if not (in_dir / "tokenizer.json").is_file():
+        raise ModelDirectoryError("no tokenizer.json: needed to tokenize the calibration text", path=str(in_dir))
     return cfg, weights
 
 
@@ -76,8 +76,39 @@ def _decoder_numel(cfg: ModelConfig) -> int:
     return cfg.num_hidden_layers * sum(k * n for k, n in (linear_shape(cfg, p) for p in ATTN_PROJS + MLP_PROJS))
 
 
-def _measure(job: JobState, cfg, weights, ids, s: ConvertSettings, inv_freq) -> dict:
-    mfp = fingerprint({"ids": tensor_hash(ids), "attn": s.attn_options, "mlp": s.mlp_options, "cfg": cfg.raw})
+def _check_budget(cfg: ModelConfig, s: ConvertSettings, numel: int) -> None:
+    """Fail before the slow measurement if the target bpw is outside what the measured options can reach."""
+    slots = []
+    for kind, sub in (("attn", s.attn_options), ("mlp", s.mlp_options)):
+        table = OPTION_TABLES[kind]
+        rows = [table[i] for i in (sub if sub is not None else range(len(table)))]
+        slots.append([{"total_bits": sum(o.total_bits(*linear_shape(cfg, p), bias=cfg.has_bias(p))
+                                         for o, p in zip(row, ATTN_PROJS if kind == "attn" else MLP_PROJS))}
+                      for row in rows])
+    lo, hi = bpw_range(slots * cfg.num_hidden_layers, numel)
+    if not lo - 1e-9 <= s.bpw <= hi + 1e-9:
+        raise BudgetError(f"target {s.bpw} bpw is outside what the measured options allow ({lo:.3f} .. {hi:.3f})")
+
+
+def _load_measurement(path: str, keys: list[str]) -> dict:
+    p = Path(path)
+    if not p.is_file():
+        raise ModelDirectoryError("measurement file not found", path=str(p))
+    try:
+        meas = json.loads(p.read_text())
+        recs = [meas["measurement"][k] for k in keys]
+        ok = all(r and all(isinstance(x["accuracy"], float | int) and int(x["total_bits"]) > 0 for x in r)
+                 for r in recs)
+    except (ValueError, KeyError, TypeError) as e:
+        raise ModelFormatError(f"not a measurement.json for this model ({type(e).__name__}: {e})", path=str(p)) from None
+    if not ok:
+        raise ModelFormatError("measurement has empty or malformed records", path=str(p))
+    return meas
+
+
+def _measure(job: JobState, cfg, weights, ids, s: ConvertSettings, inv_freq, in_dir: Path) -> dict:
+    mfp = fingerprint({"ids": tensor_hash(ids), "attn": s.attn_options, "mlp": s.mlp_options, "cfg": cfg.raw,
+                       "in": str(in_dir.resolve())})
     job.reset_if_changed("measure", mfp, ("measurement.json", "measure_hidden.safetensors"))
     meas = job.read_json("measurement.json") or {"measurement": {}, "last_module_idx": -1}
     done = job.data.get("measure_layers", 0)
@@ -117,17 +148,12 @@ def convert(in_dir: str | Path, out_dir: str | Path, settings: ConvertSettings |
     timings = {}
 
     # measurement (or a given measurement.json)
-    if s.measurement:
-        p = Path(s.measurement)
-        if not p.is_file():
-            raise ModelDirectoryError("measurement file not found", path=str(p))
-        meas = json.loads(p.read_text())
-    else:
-        meas = _measure(job, cfg, weights, ids[: s.measure_rows], s, inv_freq)
     keys = [block_key(i, k) for i in range(cfg.num_hidden_layers) for k in ("attn", "mlp")]
-    missing = [k for k in keys if not meas.get("measurement", {}).get(k)]
-    if missing:
-        raise ModelFormatError(f"measurement lacks {len(missing)} blocks, e.g. {missing[0]}", path=s.measurement)
+    if s.measurement:
+        meas = _load_measurement(s.measurement, keys)
+    else:
+        _check_budget(cfg, s, numel)
+        meas = _measure(job, cfg, weights, ids[: s.measure_rows], s, inv_freq, in_dir)
     timings["measure_s"] = time.perf_counter() - t0
 
     # optimize
@@ -138,7 +164,7 @@ def convert(in_dir: str | Path, out_dir: str | Path, settings: ConvertSettings |
     log.info("strategy: %.4f bpw (target %.3f)", bpw, s.bpw)
 
     # quant pass, layer by layer, resumable
-    qfp = fingerprint({"m": job.data.get("measure_fp"), "ids": tensor_hash(ids), "strategy": strategy,
+    qfp = fingerprint({"in": str(in_dir.resolve()), "ids": tensor_hash(ids), "strategy": strategy,
                        "head_bits": s.head_bits, "cfg": cfg.raw})
     job.reset_if_changed("quant", qfp, ("layers", "quant_hidden.safetensors", "head.safetensors"))
     job.write_json("strategy.json", strategy)

@@ -69,20 +69,43 @@ def _upper_inverse_factor(h: torch.Tensor) -> torch.Tensor:
     raise ModelFormatError(f"Hessian is not positive definite even after {DAMP_RETRIES} damping attempts")
 
 
-def gptq_quantize(key: str, weight: torch.Tensor, h: torch.Tensor | None, option: QuantOption,
+@dataclass
+class PreparedHessian:
+    """Act-order permutation and the upper factor of (H + damping)^-1, shared by every option (and by q/k/v,
+    gate/up) quantized against the same Hessian, so the K^3 work happens once."""
+
+    perm: torch.Tensor  # [K] stored row -> original feature
+    u: torch.Tensor  # [K, K] upper Cholesky factor of the permuted, damped inverse
+
+    @classmethod
+    def from_hessian(cls, h: torch.Tensor | None, k: int) -> PreparedHessian:
+        h = torch.eye(k) if h is None else h.float().clone()
+        dead = torch.diag(h) == 0  # inputs that are always zero: any value works; make H invertible there
+        h[dead, dead] = 1.0
+        perm = act_order(h)
+        return cls(perm, _upper_inverse_factor(h[perm][:, perm]))
+
+
+def gptq_quantize(key: str, weight: torch.Tensor, h: torch.Tensor | PreparedHessian | None, option: QuantOption,
                   bias: torch.Tensor | None = None) -> GPTQResult:
-    """weight [N, K] HF layout, h [K, K] (None: identity, i.e. plain RTN-like behaviour in act order)."""
+    """weight [N, K] HF layout; h [K, K] Hessian, a PreparedHessian, or None (identity: RTN in act order)."""
+    # Thousands of mid-sized ops per call: intra-op threading gains little here and, on a loaded machine, every
+    # parallel region waits for a descheduled sibling thread (measured: 9x slower on 2 busy cores).
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        return _gptq(key, weight, h, option, bias)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _gptq(key: str, weight: torch.Tensor, h, option: QuantOption, bias: torch.Tensor | None) -> GPTQResult:
     n, k = weight.shape
     if not torch.isfinite(weight).all():
         raise ModelFormatError("weight holds NaN or infinite values; cannot quantize", tensor=f"{key}.weight")
-    h = torch.eye(k) if h is None else h.float().clone()
-    w = weight.detach().float().t().clone()  # [K, N]
-    dead = torch.diag(h) == 0  # inputs that are always zero: any value works; make H invertible there
-    h[dead, dead] = 1.0
-    perm = act_order(h)
-    h = h[perm][:, perm]
-    w = w[perm]  # stored order
-    u = _upper_inverse_factor(h)  # [K, K]
+    prep = h if isinstance(h, PreparedHessian) else PreparedHessian.from_hessian(h, k)
+    perm, u = prep.perm, prep.u
+    w = weight.detach().float().t()[perm].contiguous()  # [K, N] stored (activation) order
     groups = option.group_layout(k)
 
     np_ = pad32(n)
@@ -101,16 +124,19 @@ def gptq_quantize(key: str, weight: torch.Tensor, h: torch.Tensor | None, option
         codes[g, :n], smax[g] = c, m
         scale = runtime_scales(m.unsqueeze(0), codes[g : g + 1])[0, :n].float()  # [N], exactly the runtime's
         safe = torch.where(scale > 0, scale, torch.ones_like(scale))
+        zero_col = scale == 0  # all-zero column in this group: scale 0, stored value z
         err = torch.empty(rows, n)  # [rows, N] scaled errors of this group
-        for r in range(a, b):
-            q = torch.clamp(torch.round(w[r] / safe) + z, 0, maxq)
-            q = torch.where(scale > 0, q, torch.full_like(q, z))  # all-zero column group: scale 0, value z
-            d = ((q - z) * scale).half()  # exact fp32 product, one fp16 rounding (= runtime)
-            e = (w[r] - d.float()) / u[r, r]
-            w[r + 1 : b] -= u[r, r + 1 : b, None] * e[None, :]  # error feedback inside the group
-            err[r - a] = e
-            qvalues[r, :n] = q.to(torch.int32)
-            dq[r, :n] = d
+        qg = torch.empty(rows, n)  # [rows, N] quantized values (float, converted once per group)
+        dg = torch.empty(rows, n)  # [rows, N] dequantized values (fp16-exact, held in fp32)
+        for r in range(a, b):  # in-place ops on preallocated rows: this loop is the converter's hot spot
+            q, d, e = qg[r - a], dg[r - a], err[r - a]
+            torch.div(w[r], safe, out=q).round_().add_(z).clamp_(0, maxq).masked_fill_(zero_col, z)
+            torch.sub(q, z, out=d).mul_(scale)
+            d.copy_(d.half())  # exact fp32 product, one fp16 rounding (= runtime)
+            torch.sub(w[r], d, out=e).div_(u[r, r])
+            w[r + 1 : b].addr_(u[r, r + 1 : b], e, alpha=-1)  # error feedback inside the group
+        qvalues[a:b, :n] = qg.to(torch.int32)
+        dq[a:b, :n] = dg.half()
         if b < k:
             w[b:] -= u[a:b, b:].t() @ err  # lazy block update of all later rows
         a = b

@@ -1,0 +1,137 @@
+"""End-to-end converter on a tiny random Llama: output loads and runs, resume skips finished layers, errors."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from exl2_backend.errors import ModelDirectoryError, ModelFormatError, UnsupportedModelError
+from exl2_backend.format.config import ModelConfig
+from exl2_backend.format.qtensor import QTensor
+from exl2_backend.format.reader import load_weights
+from exl2_backend.format.safetensors_io import ShardIndex
+from exl2_backend.model import LlamaModel
+from exl2_backend.quant.convert import ConvertSettings, convert
+from exl2_backend.quant.optimize import BudgetError
+from exl2_backend.runtime.model_runner import ModelRunner
+from tests.helpers.synth import tiny_config_dict, write_tiny_exl2_model, write_tiny_fp16_model
+
+TEXTS = [
+    ("The river runs past the old mill, where the miller once ground wheat for the whole valley. In spring the "
+    "water rises and the wheel turns faster; in late summer it slows to a crawl and the children wade across."),
+    ("A compiler translates source code into machine instructions. It parses the text, builds a syntax tree, "
+    "checks types, optimizes the intermediate form and finally emits code for the target processor."),
+]
+FAST = {"rows": 4, "length": 48, "measure_rows": 2, "attn_options": [0, 4, 6, 9, 14, 18],
+        "mlp_options": [0, 4, 7, 9, 13, 16], "progress": False}
+
+
+def _settings(tmp_path, name, **kw) -> ConvertSettings:
+    return ConvertSettings(**{**FAST, "work_dir": str(tmp_path / f"{name}.work"), **kw})
+
+
+@pytest.fixture(scope="module")
+def converted(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("convert")
+    src = write_tiny_fp16_model(tmp / "fp16", tiny_config_dict(), seed=3)
+    summary = convert(src, tmp / "exl2", _settings(tmp, "full", bpw=4.0), texts=TEXTS)
+    return tmp, src, tmp / "exl2", summary
+
+
+def _tensors(d):
+    idx = ShardIndex(d)
+    try:
+        return {k: idx.get(k).clone() for k in idx.keys()}  # noqa: SIM118 (ShardIndex is not a dict)
+    finally:
+        idx.close()
+
+
+def test_output_loads_runs_and_meets_budget(converted):
+    _, src, out, summary = converted
+    assert summary["achieved_bpw"] <= 4.0 and summary["resumed_layers"] == 0
+    cfg = ModelConfig.from_dir(out)
+    assert cfg.quantization["bits"] == 4.0 and cfg.quantization["head_bits"] == 6
+    assert cfg.quantization["calibration"]["rows"] == 4
+    w = load_weights(out, cfg)
+    lw = w.layers[1]
+    assert all(isinstance(getattr(lw, p), QTensor) for p in ("q_proj", "o_proj", "gate_proj", "down_proj"))
+    assert isinstance(w.lm_head, QTensor)
+    # q/k/v share one Hessian, hence one act-order permutation (and gate/up likewise)
+    assert torch.equal(lw.q_proj.q_invperm, lw.k_proj.q_invperm) and torch.equal(lw.q_proj.q_invperm, lw.v_proj.q_invperm)
+    assert torch.equal(lw.gate_proj.q_invperm, lw.up_proj.q_invperm)
+    assert (out / "tokenizer.json").is_file() and (out / "measurement.json").is_file()
+    meas = json.loads((out / "measurement.json").read_text())
+    assert len(meas["measurement"]["model.layers.0.self_attn"]) == 6 and meas["last_module_idx"] == 1
+
+    ids = [[5, 80, 33, 120, 7, 64, 99, 1, 250, 17, 42, 3]]
+    logits = {}
+    for name, d in (("fp16", src), ("exl2", out)):
+        model = LlamaModel.from_dir(d, "cpu")
+        logits[name] = ModelRunner(model, model.make_cache(3, 8), 2).run(ids, [0], [[1, 2]], logits="all")
+    ref, q = logits["fp16"], logits["exl2"]
+    assert torch.isfinite(q).all()
+    assert float((q - ref).norm() / ref.norm()) < 0.4  # random weights: errors are not small
+
+
+def test_resume_after_interruption_skips_finished_layers(converted, tmp_path):
+    _, src, full_out, _ = converted
+    out = tmp_path / "exl2"
+    s = _settings(tmp_path, "resume", bpw=4.0)
+
+    def stop(i):
+        raise KeyboardInterrupt  # simulated ^C after layer 0 is saved
+
+    with pytest.raises(KeyboardInterrupt):
+        convert(src, out, s, texts=TEXTS, on_layer_done=stop)
+    assert not out.exists()
+    layer0 = tmp_path / "resume.work" / "layers" / "0.safetensors"
+    mtime = layer0.stat().st_mtime_ns
+    summary = convert(src, out, s, texts=TEXTS)
+    assert summary["resumed_layers"] == 1 and layer0.stat().st_mtime_ns == mtime
+    a, b = _tensors(full_out), _tensors(out)
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)  # same as an uninterrupted run
+
+
+def test_reuse_measurement_and_cli(converted, tmp_path):
+    from exl2_backend.cli.main import main
+
+    _, src, out, _ = converted
+    cal = tmp_path / "cal.txt"
+    cal.write_text("\n\n".join(TEXTS))
+    rc = main(["convert", str(src), str(tmp_path / "q3"), "--bpw", "3.0", "--head-bits", "4", "--measurement",
+               str(out / "measurement.json"), "--rows", "2", "--length", "32", "--cal", str(cal), "--no-progress"])
+    assert rc == 0
+    cfg = ModelConfig.from_dir(tmp_path / "q3")
+    assert cfg.quantization["bits"] == 3.0 and cfg.quantization["head_bits"] == 4
+    summary = json.loads((tmp_path / "q3.work" / "summary.json").read_text())
+    assert summary["achieved_bpw"] <= 3.0 and summary["timings"]["measure_s"] < 5
+
+
+def test_errors(converted, tmp_path):
+    _, src, out, _ = converted
+    meas = str(out / "measurement.json")
+    with pytest.raises(BudgetError):
+        convert(src, tmp_path / "a", _settings(tmp_path, "a", bpw=1.0, measurement=meas), texts=TEXTS)
+    with pytest.raises(BudgetError):
+        convert(src, tmp_path / "b", _settings(tmp_path, "b", bpw=9.5, measurement=meas), texts=TEXTS)
+    with pytest.raises(BudgetError):  # checked against the option tables before any measuring
+        convert(src, tmp_path / "f", _settings(tmp_path, "f", bpw=1.5), texts=TEXTS)
+    (tmp_path / "bad.json").write_text("{}")
+    with pytest.raises(ModelFormatError, match="measurement"):
+        convert(src, tmp_path / "g", _settings(tmp_path, "g", measurement=str(tmp_path / "bad.json")), texts=TEXTS)
+    with pytest.raises(ModelDirectoryError):
+        convert(tmp_path / "nope", tmp_path / "c", _settings(tmp_path, "c"), texts=TEXTS)
+    with pytest.raises(UnsupportedModelError):
+        convert(_bad_arch(tmp_path), tmp_path / "d", _settings(tmp_path, "d"), texts=TEXTS)
+    with pytest.raises(ModelFormatError, match="already quantized"):
+        convert(write_tiny_exl2_model(tmp_path / "q", tiny_config_dict()), tmp_path / "e", _settings(tmp_path, "e"),
+                texts=TEXTS)
+
+
+def _bad_arch(tmp_path):
+    d = tmp_path / "gpt2"
+    d.mkdir()
+    (d / "config.json").write_text(json.dumps({**tiny_config_dict(), "architectures": ["GPT2LMHeadModel"]}))
+    return d

@@ -17,30 +17,13 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("-v", "--verbose", action="store_true", help="log at INFO level")
     sub = parser.add_subparsers(dest="command", required=True)
 
-    from exl2_backend.cli import generate_cmd, info_cmd
+    from exl2_backend.cli import bench_cmd, convert_cmd, eval_cmd, generate_cmd, info_cmd, serve_cmd
 
-    generate_cmd.add_parser(sub)
-    info_cmd.add_parser(sub)
-    _add_optional(sub, "exl2_backend.cli.bench_cmd")
-    _add_optional(sub, "exl2_backend.cli.serve_cmd", adder="add_serve_parser", runner="run_serve")
-    _add_optional(sub, "exl2_backend.cli.convert_cmd")
-    _add_optional(sub, "exl2_backend.cli.eval_cmd")
+    # Each subcommand module imports its heavy dependencies (litserve, matplotlib) only when it runs.
+    for add in (generate_cmd.add_parser, info_cmd.add_parser, bench_cmd.add_parser, serve_cmd.add_serve_parser,
+                convert_cmd.add_parser, eval_cmd.add_parser):
+        add(sub)
     return parser
-
-
-def _add_optional(sub, module: str, adder: str = "add_parser", runner: str = "run") -> None:
-    """Register a subcommand whose module may need optional extras (litserve, matplotlib)."""
-    import importlib
-
-    try:
-        mod = importlib.import_module(module)
-    except ImportError as exc:
-        if exc.name and module.endswith(exc.name.rsplit(".", 1)[-1]):
-            return  # subcommand not shipped in this build
-        raise
-    p = getattr(mod, adder)(sub)
-    if p is not None and getattr(p, "_defaults", {}).get("func") is None:
-        p.set_defaults(func=getattr(mod, runner))
 
 
 def main(argv: list[str] | None = None) -> int:

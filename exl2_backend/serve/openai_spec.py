@@ -160,33 +160,32 @@ class Exl2OpenAISpec(LitSpec):
 
     # --- routes ----------------------------------------------------------------------------------------
 
-    async def chat_completions(self, request: Request) -> Response:
+    async def _parse(self, request: Request, schema):
+        """The validated request body, or the error Response (400 naming the field, 404 unknown model)."""
         body = await self._body(request)
         if isinstance(body, Response):
             return body
         try:
-            req = ChatCompletionRequest.model_validate(body)
+            req = schema.model_validate(body)
         except ValidationError as exc:
             param, message = first_error(exc)
             return _error_response(400, message, param=param)
-        if (bad := self._check_model(req.model)) is not None:
-            return bad
+        bad = self._check_model(req.model)
+        return req if bad is None else bad
+
+    async def chat_completions(self, request: Request) -> Response:
+        req = await self._parse(request, ChatCompletionRequest)
+        if isinstance(req, Response):
+            return req
         sid = f"chatcmpl-{uuid.uuid4().hex}"
         seq = dict(seq_id=sid, messages=[m.as_template_message() for m in req.messages],
                    max_new_tokens=req.limit(), **req.sampling_fields())
         return await self._run(request, req, sid, seq, chat=True)
 
     async def completions(self, request: Request) -> Response:
-        body = await self._body(request)
-        if isinstance(body, Response):
-            return body
-        try:
-            req = CompletionRequest.model_validate(body)
-        except ValidationError as exc:
-            param, message = first_error(exc)
-            return _error_response(400, message, param=param)
-        if (bad := self._check_model(req.model)) is not None:
-            return bad
+        req = await self._parse(request, CompletionRequest)
+        if isinstance(req, Response):
+            return req
         sid = f"cmpl-{uuid.uuid4().hex}"
         prompt = {"prompt": req.prompt} if isinstance(req.prompt, str) else {"prompt_ids": list(req.prompt)}
         seq = dict(seq_id=sid, max_new_tokens=req.limit(), **prompt, **req.sampling_fields())

@@ -106,5 +106,19 @@ class CapacityError(Exl2Error):
     """Not enough free KV pages or sequence slots right now; retry later."""
 
 
+class VramPlanError(ConfigError):
+    """The memory plan of a load does not fit: `device` lacks `shortfall_bytes` (raised before anything is
+    loaded; the message names the device, the shortfall in GB and what to change)."""
+
+    def __init__(self, message: str, *, device: str, shortfall_bytes: int, field: str | None = None):
+        super().__init__(message, field=field)
+        self.device = device
+        self.shortfall_bytes = int(shortfall_bytes)
+
+    @property
+    def shortfall_gb(self) -> float:
+        return self.shortfall_bytes / 1e9
+
+
 class EngineUnhealthyError(Exl2Error):
     """The engine hit an unrecoverable error (e.g. a CUDA fault) and must be reloaded."""

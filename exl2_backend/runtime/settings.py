@@ -37,6 +37,11 @@ class LoadSettings(BaseModel):
     max_chunk_size: int = Field(default=2048, ge=1)
     cache_type: str = "fp16"
     use_cuda_graphs: bool = True
+    # Multi-GPU (exl2_backend/plan/, model/split.py, model/tensor_parallel.py): a layer split with a budget in GB
+    # (1e9 bytes) per device, an automatic split over every visible GPU, or tensor parallelism over N GPUs.
+    gpu_split: tuple[float, ...] | None = None
+    autosplit: bool = False
+    tensor_parallel: int = Field(default=1, ge=1, le=64)
 
     @field_validator("device")
     @classmethod
@@ -62,6 +67,21 @@ class LoadSettings(BaseModel):
         if v not in CACHE_TYPES:
             raise ValueError(f"cache_type must be one of {CACHE_TYPES}, got {v!r}")
         return v
+
+    @field_validator("gpu_split")
+    @classmethod
+    def _check_gpu_split(cls, v):
+        if v is not None and (not v or any(not (x > 0) for x in v)):
+            raise ValueError(f"gpu_split must list a positive budget in GB per device, e.g. [20, 23], got {list(v)}")
+        return v
+
+    @model_validator(mode="after")
+    def _check_multi_gpu(self) -> LoadSettings:
+        modes = [n for n, on in (("gpu_split", self.gpu_split), ("autosplit", self.autosplit),
+                                 ("tensor_parallel", self.tensor_parallel > 1)) if on]
+        if len(modes) > 1:
+            raise ValueError(f"choose one of gpu_split, autosplit and tensor_parallel > 1 (got {', '.join(modes)})")
+        return self
 
     @model_validator(mode="after")
     def _check_sizes(self) -> LoadSettings:

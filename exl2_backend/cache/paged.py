@@ -10,20 +10,25 @@ from collections import Counter
 
 import torch
 
+from exl2_backend.cache.kv_types import GROUP, get_cache_type
 from exl2_backend.errors import CapacityError, Exl2Error
 
 
-def kv_bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
-    """Bytes of K+V cache one token occupies across all layers."""
+def kv_bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype = torch.float16,
+                       cache_type: str = "fp16") -> int:
+    """Bytes of K+V cache one token occupies across all layers (codes and scales for quantized types; an
+    fp16-type cache stores `dtype` elements, fp32 on CPU)."""
     elem = torch.empty((), dtype=dtype).element_size()
-    return 2 * num_layers * num_kv_heads * head_dim * elem
+    return get_cache_type(cache_type).bytes_per_token(num_layers, num_kv_heads, head_dim, elem)
 
 
 class PagedKVCache:
-    """K/V storage: `k[layer]`, `v[layer]` each `[P, S, Hkv, D]`."""
+    """K/V storage per layer. fp16 type: `k[layer]`, `v[layer]` each `[P, S, Hkv, D]` of `dtype`. Quantized types
+    (fp8, q8, q6, q4): `k[layer]` / `v[layer]` hold uint8 codes `[P, S, Hkv, D * bits / 8]` and
+    `k_scales[layer]` / `v_scales[layer]` fp16 `[P, S, Hkv, D / 32]` (ops/reference_kvquant.py)."""
 
     def __init__(self, num_layers: int, num_pages: int, page_size: int, num_kv_heads: int, head_dim: int,
-                 dtype: torch.dtype = torch.float16, device: str | torch.device = "cpu"):
+                 dtype: torch.dtype = torch.float16, device: str | torch.device = "cpu", cache_type: str = "fp16"):
         if num_pages < 1 or page_size < 1:
             raise ValueError(f"PagedKVCache needs num_pages >= 1 and page_size >= 1 (got {num_pages}, {page_size})")
         self.num_layers = num_layers
@@ -33,19 +38,52 @@ class PagedKVCache:
         self.head_dim = head_dim
         self.dtype = dtype
         self.device = torch.device(device)
-        shape = (num_pages, page_size, num_kv_heads, head_dim)
-        self.k = [torch.zeros(shape, dtype=dtype, device=self.device) for _ in range(num_layers)]
-        self.v = [torch.zeros(shape, dtype=dtype, device=self.device) for _ in range(num_layers)]
+        self.cache_type = get_cache_type(cache_type)
+        self.cache_type.check_head_dim(head_dim)
+        self.quantized = self.cache_type.quantized
+        self.k_format = self.cache_type.k.name  # "fp16" | "e4m3" | "int8" | "int4"
+        self.v_format = self.cache_type.v.name
+        if not self.quantized:
+            shape = (num_pages, page_size, num_kv_heads, head_dim)
+            self.k = [torch.zeros(shape, dtype=dtype, device=self.device) for _ in range(num_layers)]
+            self.v = [torch.zeros(shape, dtype=dtype, device=self.device) for _ in range(num_layers)]
+            self.k_scales = self.v_scales = None
+            return
+        rows = (num_pages, page_size, num_kv_heads)
+        kb, vb = self.cache_type.k.code_bytes(head_dim), self.cache_type.v.code_bytes(head_dim)
+        sshape = (*rows, head_dim // GROUP)
+        self.k = [torch.zeros((*rows, kb), dtype=torch.uint8, device=self.device) for _ in range(num_layers)]
+        self.v = [torch.zeros((*rows, vb), dtype=torch.uint8, device=self.device) for _ in range(num_layers)]
+        self.k_scales = [torch.zeros(sshape, dtype=torch.float16, device=self.device) for _ in range(num_layers)]
+        self.v_scales = [torch.zeros(sshape, dtype=torch.float16, device=self.device) for _ in range(num_layers)]
 
     @property
     def num_tokens(self) -> int:
         return self.num_pages * self.page_size
 
     def bytes_per_token(self) -> int:
-        return kv_bytes_per_token(self.num_layers, self.num_kv_heads, self.head_dim, self.dtype)
+        return kv_bytes_per_token(self.num_layers, self.num_kv_heads, self.head_dim, self.dtype, self.cache_type.name)
 
     def total_bytes(self) -> int:
         return self.bytes_per_token() * self.num_tokens
+
+    def tensors(self) -> list[torch.Tensor]:
+        """Every storage tensor (all `[P, S, ...]`), e.g. for page copies."""
+        out = self.k + self.v
+        if self.quantized:
+            out += self.k_scales + self.v_scales
+        return out
+
+    def copy_pages(self, src: list[int], dst: list[int]) -> None:
+        """Copy the contents (codes and scales alike) of pages `src` into pages `dst`, every layer."""
+        if len(src) != len(dst):
+            raise ValueError(f"copy_pages: {len(src)} source pages but {len(dst)} destinations")
+        if not src:
+            return
+        s = torch.tensor(src, dtype=torch.long, device=self.device)
+        d = torch.tensor(dst, dtype=torch.long, device=self.device)
+        for t in self.tensors():
+            t.index_copy_(0, d, t.index_select(0, s))
 
 
 class PageAllocator:

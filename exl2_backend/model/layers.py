@@ -53,6 +53,8 @@ class DecoderLayer:
         q, k, v = q.reshape(t, hq, d), k.reshape(t, hkv, d), v.reshape(t, hkv, d)
         k_cache, v_cache = cache.k[self.index], cache.v[self.index]  # [P, S, Hkv, D]
         if FUSED_ROPE_KV and k_cache.dtype == x.dtype:
+        if getattr(cache, "quantized", False):
+            return self._attention_quantized(q, k, v, positions, inv_freq, cache, meta, batch, x.dtype)
             # one launch: q rotated in place in the QKV output, rotated k and v written into the cache
             ops.rope_kv_write(q, k, v, positions, inv_freq, k_cache, v_cache, meta.slots)
         else:
@@ -65,5 +67,18 @@ class DecoderLayer:
 
     def mlp(self, x):
         """x [T, H] -> [T, H]."""
+    def _attention_quantized(self, q, k, v, positions, inv_freq, cache, meta: AttentionMetadata, batch: int, dtype):
+        """attention() over a quantized cache (fp8/q8/q6/q4): rope + quantize-on-write in one op, attention reading
+        the quantized pages."""
+        t = q.shape[0]
+        hq, d, i = self.num_heads, self.head_dim, self.index
+        kc, ks, vc, vs = cache.k[i], cache.k_scales[i], cache.v[i], cache.v_scales[i]  # codes / scales [P, S, Hkv, *]
+        ops.rope_kv_quant_write(q, k, v, positions, inv_freq, kc, ks, vc, vs, meta.slots, cache.k_format,
+                                cache.v_format)
+        q = q.reshape(batch, t // batch, hq, d)  # [B, Tq, Hq, D]
+        out = ops.paged_attention_quant(q, kc, ks, vc, vs, meta.block_tables, meta.context_lens, self.scale,
+                                        cache.k_format, cache.v_format)
+        return self.o(out.reshape(t, hq * d).to(dtype))  # [T, H]
+
         gate, up = self.gate_up(x).split(self.gate_up.splits, dim=-1)  # [T, I] each
         return self.down(ops.silu_mul(gate, up))

@@ -50,12 +50,13 @@ class LlamaModel:
         config = ModelConfig.from_dir(model_dir)
         return cls(config, load_weights(model_dir, config), device, dtype)
 
-    def make_cache(self, num_pages: int, page_size: int, dtype: torch.dtype | None = None):
-        """A `PagedKVCache` shaped for this model (storage dtype defaults to the activation dtype)."""
+    def make_cache(self, num_pages: int, page_size: int, dtype: torch.dtype | None = None, cache_type: str = "fp16"):
+        """A `PagedKVCache` shaped for this model (fp16-type storage dtype defaults to the activation dtype;
+        cache_type fp8/q8/q6/q4 stores quantized pages)."""
         from exl2_backend.cache import PagedKVCache
 
         return PagedKVCache(self.num_layers, num_pages, page_size, self.num_kv_heads, self.head_dim,
-                            dtype or self.dtype, self.device)
+                            dtype or self.dtype, self.device, cache_type)
 
     def head(self, x: torch.Tensor) -> torch.Tensor:
         """x [M, H] -> f32 logits [M, vocab_size]; columns past vocab_size (padded heads) are cut off."""

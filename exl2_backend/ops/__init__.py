@@ -14,10 +14,13 @@ from exl2_backend.ops.dispatch import (  # noqa: F401
     exl2_dequant,
     exl2_gemm,
     kv_cache_write,
+    kv_quant_write,
     paged_attention,
+    paged_attention_quant,
     prepare_linear,
     rms_norm,
     rope_inv_freq,
+    rope_kv_quant_write,
     rope_kv_write,
     silu_mul,
 )

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 try:
     from exl2_backend.ops.cuda_layers import *
+    from exl2_backend.ops.cuda_kvquant import kv_quant_write, paged_attention_quant, rope_kv_quant_write  # noqa: F401
 except ImportError:  # layer kernels not written yet: those ops run on the reference
     pass
 

@@ -99,6 +99,37 @@ def paged_attention(q, k_cache, v_cache, block_tables, context_lens, scale):
     return _pick("paged_attention", q)(q, k_cache, v_cache, block_tables, context_lens, scale)
 
 
+# --- quantized KV cache (cache types fp8, q8, q6, q4; ops/reference_kvquant.py) ---------------------------
+
+
+def _pick_kvquant(name: str, tensor: torch.Tensor) -> Callable:
+    if tensor.is_cuda:
+        mod = _cuda_module()
+        if mod is not None and hasattr(mod, name):
+            return getattr(mod, name)
+    from exl2_backend.ops import reference_kvquant
+
+    return getattr(reference_kvquant, name)
+
+
+def kv_quant_write(k, v, k_codes, k_scales, v_codes, v_scales, slots, k_fmt, v_fmt):
+    return _pick_kvquant("kv_quant_write", k_codes)(k, v, k_codes, k_scales, v_codes, v_scales, slots, k_fmt, v_fmt)
+
+
+def rope_kv_quant_write(q, k, v, positions, inv_freq, k_codes, k_scales, v_codes, v_scales, slots, k_fmt, v_fmt):
+    return _pick_kvquant("rope_kv_quant_write", k_codes)(q, k, v, positions, inv_freq, k_codes, k_scales, v_codes,
+                                                          v_scales, slots, k_fmt, v_fmt)
+
+
+def paged_attention_quant(q, k_codes, k_scales, v_codes, v_scales, block_tables, context_lens, scale, k_fmt, v_fmt):
+    args = (q, k_codes, k_scales, v_codes, v_scales, block_tables, context_lens, scale, k_fmt, v_fmt)
+    if q.is_cuda and q.shape[1] > DECODE_KERNEL_MAX_QUERIES:
+        from exl2_backend.ops.attention_prefill_quant import prefill_attention_quant
+
+        return prefill_attention_quant(*args)
+    return _pick_kvquant("paged_attention_quant", q)(*args)
+
+
 LinearOp = reference.LinearOp
 
 

@@ -42,7 +42,7 @@ CAPABILITIES = {
     "formats": ["exl2"],
     "architectures": ["LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM"],
     "devices": ["cpu", "cuda"],
-    "cache_types": ["fp16"],
+    "cache_types": ["fp16", "fp8", "q8", "q6", "q4"],
     "attention_backends": ["reference", "cuda"],
     "hooks": list(HOOK_NAMES),
     "capacity_unit": "tokens",

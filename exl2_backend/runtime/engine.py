@@ -45,14 +45,17 @@ class Engine:
         self.config = model.config
         self.device = model.device
         free = torch.cuda.mem_get_info(self.device)[0] if self.device.type == "cuda" else None
-        bpt = kv_bytes_per_token(model.num_layers, model.num_kv_heads, model.head_dim, model.dtype)
+        cache_type = settings.cache_type if settings is not None else "fp16"
+        bpt = kv_bytes_per_token(model.num_layers, model.num_kv_heads, model.head_dim, model.dtype, cache_type)
+        bpt += draft.kv_bytes_per_token if draft is not None else 0  # the draft's cache holds as many tokens
         self.settings = (settings or LoadSettings()).resolve(self.config, bpt, free)
         s = self.settings
         self.page_size = s.page_size
         self.max_seq_len = s.max_seq_len
         self.num_pages = math.ceil(s.cache_tokens / s.page_size)
-        self.cache = model.make_cache(self.num_pages, s.page_size)
-        self.pages = PageBudget(self.num_pages, s.page_size)
+        self.cache = model.make_cache(self.num_pages, s.page_size, cache_type=s.cache_type)
+        self.pages = PageBudget(self.num_pages, s.page_size, prefix_caching=s.prefix_caching,
+                                copy_pages=self.cache.copy_pages)
         self.runner = self._make_runner(math.ceil(s.max_seq_len / s.page_size))
         self.eos_ids = set(self.config.eos_token_ids or ())
         if tokenizer is not None:

@@ -7,10 +7,10 @@ from pathlib import Path
 import torch
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from exl2_backend.cache.kv_types import CACHE_TYPE_NAMES
 from exl2_backend.errors import ConfigError
 
-CACHE_TYPES = ("fp16",)
-PLANNED_CACHE_TYPES = ("fp8", "q8", "q6", "q4")
+CACHE_TYPES = CACHE_TYPE_NAMES  # fp16, fp8, q8, q6, q4 (exl2_backend/cache/kv_types.py)
 DEFAULT_MAX_SEQ_LEN = 4096
 CPU_CACHE_BUDGET_BYTES = 2 << 30  # default KV cache size limit on CPU
 CUDA_CACHE_FRACTION = 0.5  # of the free GPU memory after the weights, for the default KV cache
@@ -62,8 +62,6 @@ class LoadSettings(BaseModel):
     @classmethod
     def _check_cache_type(cls, v: str) -> str:
         v = v.strip().lower()
-        if v in PLANNED_CACHE_TYPES:
-            raise ValueError(f"cache_type {v!r} is not supported yet; use cache_type='fp16'")
         if v not in CACHE_TYPES:
             raise ValueError(f"cache_type must be one of {CACHE_TYPES}, got {v!r}")
         return v

@@ -1,0 +1,441 @@
+// Paged decode / verify attention reading quantized K/V pages directly (formats: layers/kv_quant.cuh), the
+// flash-decoding scheme of paged_attention.cu: grid (row_tiles * nsplit, Hkv, B), a CTA takes one kv head of
+// one sequence, RT query rows (row = j * G + g) and one split of the context; scores -> shared memory (phase 1),
+// softmax statistics (phase 2), o = sum p * v (phase 3), split partials combined by a reduce kernel.
+//
+// No page is ever expanded to fp16 in memory: each lane loads the codes of E consecutive elements of a key
+// (E * bits / 8 bytes) and its group scale, decodes them in registers and applies the scale once per dot product
+// (scores) or per probability (values). Rotated formats are attended in the rotated domain: q is rotated once
+// per CTA (q . k = Hq . Hk for the orthonormal H), the output is rotated back once per row (sum p Hv = H sum p v).
+#include <math.h>
+
+#include "layers/kv_quant.cuh"
+
+namespace exl2 {
+namespace layers {
+namespace {
+
+constexpr int NW = 4;  // warps per CTA
+constexpr int NT = NW * 32;
+
+template <int RT>
+constexpr int keys_max() {  // keys per split held in shared memory: RT * keys_max floats = 32 KiB
+  return RT <= 8 ? 1024 : 512;
+}
+
+constexpr int ilog2(int x) { return x <= 1 ? 0 : 1 + ilog2(x / 2); }
+
+struct QAttnParams {
+  const half* q;
+  int64_t q_bs, q_ts, q_hs;  // q strides (elements); dims contiguous
+  const uint8_t* kc;         // [P, S, Hkv, D * kbits / 8]
+  const half* ks;            // [P, S, Hkv, D / 32]
+  const uint8_t* vc;
+  const half* vs;
+  const int* block_tables;  // [B, bt_stride]
+  int64_t bt_stride;
+  const int* context_lens;  // [B]
+  half* out;                // [B, Tq, Hq, D] contiguous
+  float* part_o;            // [B, Tq, Hq, nsplit, D] (rotated domain for rotated V formats)
+  float* part_ml;           // [B, Tq, Hq, nsplit, 2] (max in log2 units, sum)
+  int Tq, Hq, Hkv, G, R, row_tiles, nsplit, min_split, log2S, max_pages, num_pages;
+  float scale_log2;  // softmax scale * log2(e)
+};
+
+__device__ __forceinline__ int clamp_ctx(int ctx, const QAttnParams& p) {
+  const int cap = p.max_pages << p.log2S;
+  return ctx < 0 ? 0 : (ctx > cap ? cap : ctx);
+}
+
+// Keys per split of a context of `ctx` keys (a multiple of 16, at least min_split): as paged_attention.cu.
+__device__ __forceinline__ int split_len(int ctx, int nsplit, int min_split) {
+  int L = (ctx + nsplit - 1) / nsplit;
+  L = (L + 15) & ~15;
+  return L > min_split ? L : min_split;
+}
+
+// Sum N per-lane values over the O*2 lanes of a group, halving the values a lane holds at each step while N > 1.
+template <int N, int O>
+__device__ __forceinline__ void butterfly(float* v, int lane) {
+  if constexpr (O >= 1) {
+    if constexpr (N > 1) {
+      constexpr int H = N / 2;
+      const bool upper = (lane & O) != 0;
+#pragma unroll
+      for (int i = 0; i < H; ++i) {
+        const float send = upper ? v[i] : v[i + H];
+        const float keep = upper ? v[i + H] : v[i];
+        v[i] = keep + __shfl_xor_sync(0xffffffffu, send, O);
+      }
+      butterfly<H, O / 2>(v, lane);
+    } else {
+      v[0] += __shfl_xor_sync(0xffffffffu, v[0], O);
+      butterfly<1, O / 2>(v, lane);
+    }
+  }
+}
+
+__device__ __forceinline__ float load_scale(const half* p) {
+  return __half2float(__ushort_as_half(__ldg(reinterpret_cast<const unsigned short*>(p))));
+}
+
+// E: elements per lane per key (16 for small row tiles: 16-byte int8 loads; 8 for large ones: fewer registers).
+template <int RT>
+constexpr int lane_elems() {
+  return RT <= 4 ? 16 : 8;
+}
+
+template <int D, int RT, int U, int KF, int VF>
+__global__ void __launch_bounds__(NT) paged_attention_quant_kernel(const QAttnParams p) {
+  constexpr int E = lane_elems<RT>();
+  constexpr int TPK = D / E;     // lanes per key
+  constexpr int KPW = 32 / TPK;  // keys per warp step
+  constexpr int KPS = NW * KPW;  // keys per CTA step
+  constexpr int KM = keys_max<RT>();
+  constexpr int NG = D / KV_GROUP;
+  constexpr int KBITS = KVFormat<KF>::BITS, VBITS = KVFormat<VF>::BITS;
+  constexpr int KNB = E * KBITS / 8, VNB = E * VBITS / 8;  // code bytes per lane per key
+  constexpr int KROW = D * KBITS / 8, VROW = D * VBITS / 8;  // code bytes per (slot, kv head)
+  constexpr int STEPS = ilog2(RT) < ilog2(TPK) ? ilog2(RT) : ilog2(TPK);  // halving butterfly steps
+  constexpr int NV = RT >> STEPS;                                          // rows a lane ends up owning
+  constexpr int REPL = (TPK >> STEPS) - 1;  // lanes holding copies of the same sums differ in these bits
+  static_assert(NW * RT * D <= RT * KM, "reduction buffer must fit in the score buffer");
+  static_assert(TPK >= 2 && TPK <= 32, "lanes per key");
+
+  extern __shared__ float smem[];  // q staging [RT][D]; scores [RT][KM]; cross-warp buffer [NW][RT][D]
+  __shared__ int pages[KM / 16 + 2];
+  __shared__ float row_m[RT], row_l[RT];
+
+  const int tile = blockIdx.x % p.row_tiles, split = blockIdx.x / p.row_tiles;
+  const int kvh = blockIdx.y, b = blockIdx.z;
+  const int ctx = clamp_ctx(p.context_lens[b], p);
+  const int L = split_len(ctx, p.nsplit, p.min_split);
+  const int start = split * L;
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  const int row0 = tile * RT;
+
+  if (start >= ctx) {  // an unused split (or an empty context): zeros unless the reduce kernel writes them
+    if (p.nsplit == 1) {
+      for (int i = tid; i < RT * D; i += NT) {
+        const int row = row0 + i / D;
+        if (row < p.R) {
+          const int j = row / p.G, hq = kvh * p.G + row % p.G;
+          p.out[(((int64_t)b * p.Tq + j) * p.Hq + hq) * D + i % D] = __float2half_rn(0.f);
+        }
+      }
+    }
+    return;
+  }
+  const int end = min(start + L, ctx);
+  const int n = end - start;
+
+  const int first_page = start >> p.log2S;
+  const int npages = ((end - 1) >> p.log2S) - first_page + 1;
+  for (int i = tid; i < npages; i += NT) {
+    int pg = p.block_tables[(int64_t)b * p.bt_stride + first_page + i];
+    pages[i] = pg < 0 ? 0 : (pg >= p.num_pages ? p.num_pages - 1 : pg);  // never fault on a bad table
+  }
+
+  // q rows -> shared memory, rotated like the keys, times scale * log2(e); one (row, group) per warp step
+  for (int u = warp; u < RT * NG; u += NW) {
+    const int r = u / NG, g = u % NG, row = row0 + r;
+    float x = 0.f;
+    if (row < p.R) {
+      const int j = row / p.G, hq = kvh * p.G + row % p.G;
+      x = __half2float(p.q[b * p.q_bs + j * p.q_ts + hq * p.q_hs + g * KV_GROUP + lane]);
+    }
+    if constexpr (KVFormat<KF>::ROT) x = warp_fwht32(x);
+    smem[r * D + g * KV_GROUP + lane] = x * p.scale_log2;
+  }
+  __syncthreads();  // pages[], q staging
+
+  const int ks = lane / TPK;        // key slot within the warp step
+  const int dl = (lane % TPK) * E;  // first of this lane's E elements (all in one scale group)
+  const int S_mask = (1 << p.log2S) - 1;
+
+  float qf[RT][E];
+#pragma unroll
+  for (int r = 0; r < RT; ++r)
+#pragma unroll
+    for (int e = 0; e < E; ++e) qf[r][e] = smem[r * D + dl + e];
+
+  int own_base = 0;  // rows this lane owns after the butterfly, and the last key each may see (causal)
+#pragma unroll
+  for (int k = 0; k < STEPS; ++k)
+    if (lane & (TPK >> (k + 1))) own_base += RT >> (k + 1);
+  const bool writer = (lane & REPL) == 0;
+  int own_lim[NV];
+#pragma unroll
+  for (int i = 0; i < NV; ++i) {
+    const int row = row0 + own_base + i;
+    own_lim[i] = row < p.R ? ctx - p.Tq + row / p.G : -1;
+  }
+  __syncthreads();  // q staging read: smem becomes the score buffer
+
+  auto row_index = [&](int t) -> int64_t {  // (slot, kv head) row of key t
+    const int64_t slot = ((int64_t)pages[(t >> p.log2S) - first_page] << p.log2S) | (t & S_mask);
+    return slot * p.Hkv + kvh;
+  };
+
+  // ---- phase 1: scores ----
+  for (int t0 = start; t0 < end; t0 += KPS * U) {
+    KVRaw<KNB> kr[U];
+    float ksc[U];
+#pragma unroll
+    for (int u = 0; u < U; ++u) {
+      const int t = t0 + u * KPS + warp * KPW + ks;
+      if (t < end) {
+        const int64_t ri = row_index(t);
+        kr[u] = kv_load<KNB>(p.kc + ri * KROW + dl * KBITS / 8);
+        ksc[u] = load_scale(p.ks + ri * NG + dl / KV_GROUP);
+      } else {
+        kr[u] = kv_zero<KNB>();
+        ksc[u] = 0.f;
+      }
+    }
+#pragma unroll
+    for (int u = 0; u < U; ++u) {
+      const int t = t0 + u * KPS + warp * KPW + ks;
+      float kf[E];
+      kv_decode<KF, E>(kr[u], kf);
+      float s[RT];
+#pragma unroll
+      for (int r = 0; r < RT; ++r) {
+        float a = 0.f;
+#pragma unroll
+        for (int e = 0; e < E; ++e) a = fmaf(qf[r][e], kf[e], a);
+        s[r] = a * ksc[u];
+      }
+      butterfly<RT, TPK / 2>(s, lane);
+      if (writer && t < end) {
+#pragma unroll
+        for (int i = 0; i < NV; ++i) smem[(own_base + i) * KM + (t - start)] = t <= own_lim[i] ? s[i] : -INFINITY;
+      }
+    }
+  }
+  __syncthreads();
+
+  // ---- phase 2: softmax statistics per row (log2 domain) ----
+  for (int r = warp; r < RT; r += NW) {
+    float* sr = smem + r * KM;
+    float m = -INFINITY;
+    for (int i = lane; i < n; i += 32) m = fmaxf(m, sr[i]);
+    m = warp_max(m);
+    const float mu = m == -INFINITY ? 0.f : m;  // fully masked row: all p = 0, no NaN
+    float l = 0.f;
+    for (int i = lane; i < n; i += 32) {
+      const float e = exp2f(sr[i] - mu);
+      sr[i] = e;
+      l += e;
+    }
+    l = warp_sum(l);
+    if (lane == 0) {
+      row_m[r] = m;
+      row_l[r] = l;
+    }
+  }
+  __syncthreads();
+
+  // ---- phase 3: o = sum_t p[t] * v[t] (scale folded into p) ----
+  float acc[RT][E];
+#pragma unroll
+  for (int r = 0; r < RT; ++r)
+#pragma unroll
+    for (int e = 0; e < E; ++e) acc[r][e] = 0.f;
+  for (int t0 = start; t0 < end; t0 += KPS * U) {
+    KVRaw<VNB> vr[U];
+    float vsc[U];
+#pragma unroll
+    for (int u = 0; u < U; ++u) {
+      const int t = t0 + u * KPS + warp * KPW + ks;
+      if (t < end) {
+        const int64_t ri = row_index(t);
+        vr[u] = kv_load<VNB>(p.vc + ri * VROW + dl * VBITS / 8);
+        vsc[u] = load_scale(p.vs + ri * NG + dl / KV_GROUP);
+      } else {
+        vr[u] = kv_zero<VNB>();
+        vsc[u] = 0.f;
+      }
+    }
+#pragma unroll
+    for (int u = 0; u < U; ++u) {
+      const int t = t0 + u * KPS + warp * KPW + ks;
+      if (t < end) {
+        float vf[E];
+        kv_decode<VF, E>(vr[u], vf);
+#pragma unroll
+        for (int r = 0; r < RT; ++r) {
+          const float pr = smem[r * KM + (t - start)] * vsc[u];
+#pragma unroll
+          for (int e = 0; e < E; ++e) acc[r][e] = fmaf(pr, vf[e], acc[r][e]);
+        }
+      }
+    }
+  }
+  // across the key slots of a warp, then across warps through shared memory
+#pragma unroll
+  for (int o = TPK; o < 32; o <<= 1)
+#pragma unroll
+    for (int r = 0; r < RT; ++r)
+#pragma unroll
+      for (int e = 0; e < E; ++e) acc[r][e] += __shfl_xor_sync(0xffffffffu, acc[r][e], o);
+  __syncthreads();  // done reading probabilities: reuse smem
+  float* red = smem;  // [NW][RT][D]
+  if (ks == 0) {
+#pragma unroll
+    for (int r = 0; r < RT; ++r)
+#pragma unroll
+      for (int e = 0; e < E; ++e) red[(warp * RT + r) * D + dl + e] = acc[r][e];
+  }
+  __syncthreads();
+  // A warp covers 32 consecutive dims of one row (RT * D and D are multiples of 32), so the rotation back
+  // is one in-warp transform; the row test is warp-uniform.
+  for (int i = tid; i < RT * D; i += NT) {
+    const int r = i / D, d = i % D, row = row0 + r;
+    if (row >= p.R) continue;
+    float o = 0.f;
+#pragma unroll
+    for (int w = 0; w < NW; ++w) o += red[(w * RT + r) * D + d];
+    const int j = row / p.G, hq = kvh * p.G + row % p.G;
+    const int64_t prow = ((int64_t)b * p.Tq + j) * p.Hq + hq;
+    if (p.nsplit == 1) {
+      const float l = row_l[r];
+      o = l > 0.f ? o / l : 0.f;
+      if constexpr (KVFormat<VF>::ROT) o = warp_fwht32(o);
+      p.out[prow * D + d] = __float2half_rn(o);
+    } else {
+      const int64_t ps = prow * p.nsplit + split;
+      p.part_o[ps * D + d] = o;
+      if (d == 0) {
+        p.part_ml[ps * 2] = row_m[r];
+        p.part_ml[ps * 2 + 1] = row_l[r];
+      }
+    }
+  }
+}
+
+// One CTA per output row (b, j, hq), one thread per dim: combine the splits in order, rotate back.
+template <int D, bool ROT>
+__global__ void __launch_bounds__(D) attn_quant_reduce_kernel(const QAttnParams p) {
+  const int64_t prow = blockIdx.x;
+  const int b = (int)(prow / ((int64_t)p.Tq * p.Hq));
+  const int d = threadIdx.x;
+  const int ctx = clamp_ctx(p.context_lens[b], p);
+  const int L = split_len(ctx, p.nsplit, p.min_split);
+  const int used = ctx > 0 ? (ctx + L - 1) / L : 0;
+  const float* ml = p.part_ml + prow * p.nsplit * 2;
+  const float* po = p.part_o + prow * p.nsplit * D + d;
+  float M = -INFINITY;
+  for (int s = 0; s < used; ++s) M = fmaxf(M, ml[2 * s]);
+  float num = 0.f, den = 0.f;
+  if (M != -INFINITY) {
+    for (int s = 0; s < used; ++s) {
+      const float w = exp2f(ml[2 * s] - M);
+      den = fmaf(w, ml[2 * s + 1], den);
+      num = fmaf(w, po[(int64_t)s * D], num);
+    }
+  }
+  float o = den > 0.f ? num / den : 0.f;
+  if constexpr (ROT) o = warp_fwht32(o);
+  p.out[prow * D + d] = __float2half_rn(o);
+}
+
+template <int D, int RT, int U, int KF, int VF>
+int launch(const QAttnParams& p, int B, cudaStream_t stream) {
+  EXL2_REQUIRE((int64_t)p.nsplit * keys_max<RT>() >= ((int64_t)p.max_pages << p.log2S),
+               "paged_attention_quant: nsplit %d too small for %d pages of %d (split <= %d keys)", p.nsplit,
+               p.max_pages, 1 << p.log2S, keys_max<RT>());
+  EXL2_REQUIRE(p.min_split <= keys_max<RT>() && p.min_split > 0, "paged_attention_quant: min_split %d out of range",
+               p.min_split);
+  const dim3 grid((unsigned)(p.row_tiles * p.nsplit), (unsigned)p.Hkv, (unsigned)B);
+  const size_t smem = sizeof(float) * RT * keys_max<RT>();
+  paged_attention_quant_kernel<D, RT, U, KF, VF><<<grid, NT, smem, stream>>>(p);
+  int st = check_launch("paged_attention_quant");
+  if (st != EXL2_OK || p.nsplit == 1) return st;
+  attn_quant_reduce_kernel<D, KVFormat<VF>::ROT><<<(unsigned)((int64_t)B * p.Tq * p.Hq), D, 0, stream>>>(p);
+  return check_launch("paged_attention_quant reduce");
+}
+
+template <int D, int KF, int VF>
+int launch_rt(const QAttnParams& p, int rt, int B, cudaStream_t stream) {
+  switch (rt) {  // key steps in flight: more for small tiles (few registers per key), fewer for large
+    case 1: return launch<D, 1, 8, KF, VF>(p, B, stream);
+    case 2: return launch<D, 2, 8, KF, VF>(p, B, stream);
+    case 4: return launch<D, 4, 8, KF, VF>(p, B, stream);
+    case 8: return launch<D, 8, 4, KF, VF>(p, B, stream);
+    case 16: return launch<D, 16, 2, KF, VF>(p, B, stream);
+  }
+  return set_error(EXL2_ERR_INVALID_ARGUMENT, "paged_attention_quant: bad row tile %d", rt);
+}
+
+template <int D>
+int launch_fmt(const QAttnParams& p, int rt, int kf, int vf, int B, cudaStream_t stream) {
+  if (kf == kFmtE4M3 && vf == kFmtE4M3) return launch_rt<D, kFmtE4M3, kFmtE4M3>(p, rt, B, stream);
+  if (kf == kFmtI8 && vf == kFmtI8) return launch_rt<D, kFmtI8, kFmtI8>(p, rt, B, stream);
+  if (kf == kFmtI8 && vf == kFmtI4) return launch_rt<D, kFmtI8, kFmtI4>(p, rt, B, stream);
+  if (kf == kFmtI4 && vf == kFmtI4) return launch_rt<D, kFmtI4, kFmtI4>(p, rt, B, stream);
+  return set_error(EXL2_ERR_UNSUPPORTED, "paged_attention_quant: format pair (%d, %d) not built", kf, vf);
+}
+
+}  // namespace
+}  // namespace layers
+}  // namespace exl2
+
+// q [B, Tq, Hq, D] fp16 (strides in elements, dims contiguous); k_codes / v_codes uint8 [P, S, Hkv, D * bits / 8]
+// and k_scales / v_scales fp16 [P, S, Hkv, D / 32], contiguous; formats 1 e4m3, 2 int8, 3 int4 (pairs as
+// kv_quant_write); block_tables [B, bt_stride] int32; context_lens [B] int32; out [B, Tq, Hq, D] fp16 contiguous;
+// workspace fp32 of B*Tq*Hq*nsplit*(D+2) floats (unused if nsplit == 1). Row tiles as exl2_paged_attention.
+EXL2_API int exl2_paged_attention_quant(const void* q, int64_t q_bs, int64_t q_ts, int64_t q_hs, const void* k_codes,
+                                        const void* k_scales, const void* v_codes, const void* v_scales, int k_fmt,
+                                        int v_fmt, const int32_t* block_tables, int64_t bt_stride,
+                                        const int32_t* context_lens, void* out, float* workspace, int64_t B,
+                                        int64_t Tq, int64_t Hq, int64_t Hkv, int64_t D, int64_t num_pages,
+                                        int64_t page_size, int64_t max_pages, int64_t nsplit, int64_t min_split,
+                                        float scale, cudaStream_t stream) {
+  using namespace exl2::layers;
+  EXL2_REQUIRE(D == 64 || D == 128, "paged_attention_quant: head_dim %lld not supported (64, 128)", (long long)D);
+  EXL2_REQUIRE(Hkv > 0 && Hq > 0 && Hq % Hkv == 0, "paged_attention_quant: Hq %lld not a multiple of Hkv %lld",
+               (long long)Hq, (long long)Hkv);
+  EXL2_REQUIRE(page_size >= 16 && (page_size & (page_size - 1)) == 0 && page_size <= (1 << 20),
+               "paged_attention_quant: page size %lld must be a power of two >= 16", (long long)page_size);
+  EXL2_REQUIRE(B >= 0 && B < 65536 && Tq > 0 && Hkv < 65536 && max_pages > 0 && num_pages > 0 && nsplit >= 1,
+               "paged_attention_quant: bad shape");
+  EXL2_REQUIRE(max_pages * page_size < (1ll << 30), "paged_attention_quant: context too long");
+  EXL2_REQUIRE(kv_fmt_valid(k_fmt) && kv_fmt_valid(v_fmt), "paged_attention_quant: bad formats %d, %d", k_fmt,
+               v_fmt);
+  if (B == 0) return EXL2_OK;
+  QAttnParams p;
+  p.q = (const half*)q;
+  p.q_bs = q_bs;
+  p.q_ts = q_ts;
+  p.q_hs = q_hs;
+  p.kc = (const uint8_t*)k_codes;
+  p.ks = (const half*)k_scales;
+  p.vc = (const uint8_t*)v_codes;
+  p.vs = (const half*)v_scales;
+  p.block_tables = block_tables;
+  p.bt_stride = bt_stride;
+  p.context_lens = context_lens;
+  p.out = (half*)out;
+  p.Tq = (int)Tq;
+  p.Hq = (int)Hq;
+  p.Hkv = (int)Hkv;
+  p.G = (int)(Hq / Hkv);
+  p.R = (int)(p.G * Tq);
+  const int rt = p.R <= 1 ? 1 : p.R <= 2 ? 2 : p.R <= 4 ? 4 : p.R <= 8 ? 8 : 16;
+  p.row_tiles = (p.R + rt - 1) / rt;
+  p.nsplit = (int)nsplit;
+  p.min_split = (int)min_split;
+  int log2S = 0;
+  while ((1ll << log2S) < page_size) ++log2S;
+  p.log2S = log2S;
+  p.max_pages = (int)max_pages;
+  p.num_pages = (int)num_pages;
+  p.scale_log2 = scale * 1.4426950408889634f;
+  p.part_o = workspace;
+  p.part_ml = workspace == nullptr ? nullptr : workspace + B * Tq * Hq * nsplit * D;
+  EXL2_REQUIRE(nsplit == 1 || workspace != nullptr, "paged_attention_quant: workspace required for nsplit > 1");
+  EXL2_REQUIRE((int64_t)p.row_tiles * nsplit < (1ll << 31), "paged_attention_quant: grid too large");
+  if (D == 64) return launch_fmt<64>(p, rt, k_fmt, v_fmt, (int)B, stream);
+  return launch_fmt<128>(p, rt, k_fmt, v_fmt, (int)B, stream);
+}

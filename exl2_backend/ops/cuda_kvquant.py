@@ -1,0 +1,230 @@
+"""CUDA versions of the quantized KV cache ops (csrc/layers/kv_quant.cu, csrc/layers/paged_attention_quant.cu),
+with the signatures of `ops/reference_kvquant.py`. Custom ops ("exl2_backend::<name>") with fake impls, launched
+on the current stream without host syncs, so the decode step stays capturable in a CUDA graph. Invalid inputs
+raise `InvalidRequestError`; configurations the kernels do not cover (head_dim other than 64/128 in attention,
+fp32 activations, non-contiguous caches) run the reference op instead, with one warning.
+
+  kv_quant_write(k, v, k_codes, k_scales, v_codes, v_scales, slots, k_fmt, v_fmt)
+  rope_kv_quant_write(q, k, v, positions, inv_freq, k_codes, k_scales, v_codes, v_scales, slots, k_fmt, v_fmt)
+  paged_attention_quant(q, k_codes, k_scales, v_codes, v_scales, block_tables, context_lens, scale, k_fmt, v_fmt,
+                        num_splits=0)
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import math
+
+import torch
+
+from exl2_backend.cache.kv_types import FORMATS, GROUP
+from exl2_backend.ops import library, reference_kvquant
+from exl2_backend.ops.cuda_layers import (
+    _ATTN_MIN_SPLIT,
+    _DTYPE_CODES,
+    _HALF,
+    _attn_keys_max,
+    _attn_row_tile,
+    _check,
+    _device_guard,
+    _index_tensor,
+    _num_sms,
+    _op,
+    _require,
+    _rope_inputs,
+    _stream,
+    attention_splits,
+)
+from exl2_backend.ops.library import F32, I32, I64, PTR, STREAM
+
+log = logging.getLogger("exl2_backend")
+
+_SIGNATURES = {
+    "exl2_kv_quant_write": (PTR, I64, I64, I64, PTR, I64, I64, PTR, I64, I64, I64, PTR, PTR, PTR, PTR, PTR, I64, PTR,
+                            PTR, I64, I64, I32, I32, I32, STREAM),
+    "exl2_paged_attention_quant": (PTR, I64, I64, I64, PTR, PTR, PTR, PTR, I32, I32, PTR, I64, PTR, PTR, PTR, I64, I64,
+                                   I64, I64, I64, I64, I64, I64, I64, I64, F32, STREAM),
+}
+_QUANT_FORMATS = ("e4m3", "int8", "int4")
+_PAIRS = {("e4m3", "e4m3"), ("int8", "int8"), ("int8", "int4"), ("int4", "int4")}  # the pairs the kernels build
+
+
+@functools.cache
+def _fn(name: str):
+    return library.declare(name, *_SIGNATURES[name])
+
+
+def _call(name: str, *args) -> None:
+    library.check(_fn(name)(*args), name)
+
+
+_warned: set[str] = set()
+
+
+def _fallback(op: str, why: str):
+    if op not in _warned:
+        _warned.add(op)
+        log.warning("exl2_backend: %s runs the reference op on the GPU: %s", op, why)
+    return getattr(reference_kvquant, op)
+
+
+def _cache_pair(op: str, name: str, codes, scales, fmt: str, device=None) -> tuple[int, int, int, int]:
+    """Validate one code/scale cache pair; -> (P, S, Hkv, D)."""
+    _require(fmt in _QUANT_FORMATS, f"{op}: {name} format {fmt!r} is not one of {_QUANT_FORMATS}", f"{name}_fmt")
+    _check(op, f"{name}_codes", codes, ndim=4, dtypes=(torch.uint8,), device=device)
+    _check(op, f"{name}_scales", scales, ndim=4, dtypes=(torch.float16,), device=codes.device)
+    p, s, hkv, g = scales.shape
+    d = g * GROUP
+    want = (p, s, hkv, FORMATS[fmt].code_bytes(d))
+    _require(tuple(codes.shape) == want, f"{op}: {name}_codes {tuple(codes.shape)} must be {want} for {fmt} with "
+             f"scales {tuple(scales.shape)}", f"{name}_codes")
+    _require(codes.is_contiguous() and scales.is_contiguous(), f"{op}: {name} caches must be contiguous",
+             f"{name}_codes")
+    return p, s, hkv, d
+
+
+def _caches(op, k_codes, k_scales, v_codes, v_scales, k_fmt, v_fmt, device=None):
+    shape = _cache_pair(op, "k", k_codes, k_scales, k_fmt, device)
+    _require(_cache_pair(op, "v", v_codes, v_scales, v_fmt, k_codes.device) == shape,
+             f"{op}: v cache shape disagrees with k cache", "v_scales")
+    _require((k_fmt, v_fmt) in _PAIRS, f"{op}: format pair ({k_fmt}, {v_fmt}) is not built (pairs: {sorted(_PAIRS)})",
+             "k_fmt")
+    return shape
+
+
+# --- quantize on write ------------------------------------------------------------------------------------
+
+
+def _write_launch(q, k, v, positions, inv_freq, k_codes, k_scales, v_codes, v_scales, slots, num_slots, k_fmt,
+                  v_fmt):
+    t, hkv, d = k.shape
+    with _device_guard(k_codes):
+        _call("exl2_kv_quant_write", q.data_ptr() if q is not None else None, q.stride(0) if q is not None else 0,
+              q.stride(1) if q is not None else 0, q.shape[1] if q is not None else 0, k.data_ptr(), k.stride(0),
+              k.stride(1), v.data_ptr(), v.stride(0), v.stride(1), hkv, k_codes.data_ptr(), k_scales.data_ptr(),
+              v_codes.data_ptr(), v_scales.data_ptr(), slots.data_ptr(), num_slots,
+              positions.data_ptr() if positions is not None else None,
+              inv_freq.data_ptr() if inv_freq is not None else None, t, d, FORMATS[k_fmt].abi, FORMATS[v_fmt].abi,
+              _DTYPE_CODES[k.dtype], _stream(k_codes))
+
+
+def _write_inputs(op, k, v, slots, k_codes, shape):
+    p, s, hkv, d = shape
+    for name, x in (("k", k), ("v", v)):
+        _check(op, name, x, ndim=3, device=k_codes.device)
+        _require(tuple(x.shape[1:]) == (hkv, d), f"{op}: {name} {tuple(x.shape)} must be [T, {hkv}, {d}]", name)
+    _require(v.shape[0] == k.shape[0] and isinstance(slots, torch.Tensor) and slots.dim() == 1
+             and slots.shape[0] == k.shape[0],
+             f"{op}: k {tuple(k.shape)}, v {tuple(v.shape)}, slots disagree on T", "slots")
+    return (k.dtype in _HALF and v.dtype == k.dtype and k.stride(-1) == 1 and v.stride(-1) == 1)
+
+
+@_op("kv_quant_write", ("k_codes", "k_scales", "v_codes", "v_scales"))
+def kv_quant_write(k: torch.Tensor, v: torch.Tensor, k_codes: torch.Tensor, k_scales: torch.Tensor,
+                   v_codes: torch.Tensor, v_scales: torch.Tensor, slots: torch.Tensor, k_fmt: str, v_fmt: str) -> None:
+    """k, v [T, Hkv, D] (strided views fine) quantized into the caches at slots [T] (page * S + offset), in place.
+    Negative slots and slots past the cache are skipped."""
+    op = "kv_quant_write"
+    shape = _caches(op, k_codes, k_scales, v_codes, v_scales, k_fmt, v_fmt)
+    if not _write_inputs(op, k, v, slots, k_codes, shape):
+        return _fallback(op, f"dtypes k {k.dtype}, v {v.dtype} or layout")(
+            k, v, k_codes, k_scales, v_codes, v_scales, slots, k_fmt, v_fmt)
+    slots = _index_tensor(slots, k_codes.device, torch.int64).contiguous()
+    if k.shape[0]:
+        _write_launch(None, k, v, None, None, k_codes, k_scales, v_codes, v_scales, slots, shape[0] * shape[1],
+                      k_fmt, v_fmt)
+
+
+@kv_quant_write.register_fake
+def _(k, v, k_codes, k_scales, v_codes, v_scales, slots, k_fmt, v_fmt):
+    return None
+
+
+@_op("rope_kv_quant_write", ("q", "k_codes", "k_scales", "v_codes", "v_scales"))
+def rope_kv_quant_write(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor,
+                        inv_freq: torch.Tensor, k_codes: torch.Tensor, k_scales: torch.Tensor, v_codes: torch.Tensor,
+                        v_scales: torch.Tensor, slots: torch.Tensor, k_fmt: str, v_fmt: str) -> None:
+    """One launch: q [T, Hq, D] rotated in place (RoPE); k rotated (rounded to its dtype, as apply_rope) and v
+    quantized into the caches at slots [T]. q, k, v may be strided views with a contiguous last dim."""
+    op = "rope_kv_quant_write"
+    shape = _caches(op, k_codes, k_scales, v_codes, v_scales, k_fmt, v_fmt)
+    _check(op, "q", q, ndim=3, device=k_codes.device)
+    _require(q.shape[0] == k.shape[0] and q.shape[2] == shape[3],
+             f"{op}: q {tuple(q.shape)} does not match k {tuple(k.shape)}", "q")
+    if not (_write_inputs(op, k, v, slots, k_codes, shape) and q.dtype == k.dtype and q.stride(-1) == 1):
+        return _fallback(op, f"dtypes q {q.dtype}, k {k.dtype}, v {v.dtype} or layout")(
+            q, k, v, positions, inv_freq, k_codes, k_scales, v_codes, v_scales, slots, k_fmt, v_fmt)
+    pos, inv = _rope_inputs(op, q, positions, inv_freq)
+    slots = _index_tensor(slots, k_codes.device, torch.int64).contiguous()
+    if k.shape[0]:
+        _write_launch(q, k, v, pos, inv, k_codes, k_scales, v_codes, v_scales, slots, shape[0] * shape[1], k_fmt,
+                      v_fmt)
+
+
+@rope_kv_quant_write.register_fake
+def _(q, k, v, positions, inv_freq, k_codes, k_scales, v_codes, v_scales, slots, k_fmt, v_fmt):
+    return None
+
+
+# --- attention over quantized pages ------------------------------------------------------------------------
+
+
+@_op("paged_attention_quant")
+def paged_attention_quant(q: torch.Tensor, k_codes: torch.Tensor, k_scales: torch.Tensor, v_codes: torch.Tensor,
+                          v_scales: torch.Tensor, block_tables: torch.Tensor, context_lens: torch.Tensor, scale: float,
+                          k_fmt: str, v_fmt: str, num_splits: int = 0) -> torch.Tensor:
+    """q [B, Tq, Hq, D] fp16, quantized caches -> [B, Tq, Hq, D]; semantics of reference.paged_attention (query j
+    of sequence b at position context_lens[b] - Tq + j, causal, GQA by head groups). num_splits 0 = automatic."""
+    op = "paged_attention_quant"
+    _check(op, "q", q, ndim=4)
+    p, s, hkv, d = _caches(op, k_codes, k_scales, v_codes, v_scales, k_fmt, v_fmt, device=q.device)
+    b, tq, hq, dq = q.shape
+    _require(dq == d, f"{op}: cache head_dim {d} != q head_dim {dq}", "q")
+    _require(hkv > 0 and hq % hkv == 0, f"{op}: {hq} query heads not a multiple of {hkv} kv heads", "q")
+    _require(isinstance(block_tables, torch.Tensor) and block_tables.dim() == 2 and block_tables.shape[0] == b,
+             f"{op}: block_tables must be [{b}, max_pages]", "block_tables")
+    _require(isinstance(context_lens, torch.Tensor) and context_lens.dim() == 1 and context_lens.shape[0] == b,
+             f"{op}: context_lens must be [{b}]", "context_lens")
+    _require(num_splits >= 0, f"{op}: num_splits must be >= 0", "num_splits")
+    why = None
+    if d not in (64, 128):
+        why = f"head_dim {d}"
+    elif q.dtype != torch.float16:
+        why = f"q dtype {q.dtype}"
+    elif s < 16 or s & (s - 1):
+        why = f"page size {s}"
+    if why is not None:
+        return _fallback(op, why)(q, k_codes, k_scales, v_codes, v_scales, block_tables, context_lens, scale, k_fmt,
+                                  v_fmt)
+    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    if b == 0 or tq == 0 or hq == 0:
+        return out
+    if q.stride(-1) != 1:
+        q = q.contiguous()
+    tables = _index_tensor(block_tables, q.device, torch.int32)
+    tables = tables if tables.stride(1) == 1 else tables.contiguous()
+    lens = _index_tensor(context_lens, q.device, torch.int32).contiguous()
+    max_pages = tables.shape[1]
+    _require(max_pages > 0, f"{op}: block_tables has no columns", "block_tables")
+    max_ctx = max_pages * s
+    dev_index = q.device.index if q.device.index is not None else torch.cuda.current_device()
+    rows = (hq // hkv) * tq
+    nsplit = num_splits or attention_splits(b, tq, hq, hkv, max_ctx, _num_sms(dev_index))
+    nsplit = max(nsplit, math.ceil(max_ctx / _attn_keys_max(_attn_row_tile(rows))))
+    ws = torch.empty(b * tq * hq * nsplit * (d + 2), dtype=torch.float32, device=q.device) if nsplit > 1 else None
+    with _device_guard(q):
+        _call("exl2_paged_attention_quant", q.data_ptr(), q.stride(0), q.stride(1), q.stride(2), k_codes.data_ptr(),
+              k_scales.data_ptr(), v_codes.data_ptr(), v_scales.data_ptr(), FORMATS[k_fmt].abi, FORMATS[v_fmt].abi,
+              tables.data_ptr(), tables.stride(0), lens.data_ptr(), out.data_ptr(),
+              ws.data_ptr() if ws is not None else None, b, tq, hq, hkv, d, p, s, max_pages, nsplit, _ATTN_MIN_SPLIT,
+              float(scale), _stream(q))
+    return out
+
+
+@paged_attention_quant.register_fake
+def _(q, k_codes, k_scales, v_codes, v_scales, block_tables, context_lens, scale, k_fmt, v_fmt, num_splits=0):
+    return torch.empty(q.shape, dtype=q.dtype, device=q.device)
+
+
+__all__ = ["kv_quant_write", "paged_attention_quant", "rope_kv_quant_write"]

@@ -98,9 +98,12 @@ class Engine:
         """Tokens of KV cache neither allocated nor reserved."""
         return self.pages.available * self.page_size
 
-    def can_admit(self, num_tokens: int) -> bool:
-        """Whether a sequence of up to `num_tokens` (prompt + max_new_tokens) would be admitted now."""
-        need = self.pages.pages_for(min(num_tokens, self.max_seq_len))
+    def can_admit(self, num_tokens: int, prompt_ids: list[int] | None = None) -> bool:
+        """Whether a sequence of up to `num_tokens` (prompt + max_new_tokens) would be admitted now. Without
+        `prompt_ids` the answer ignores prefix-cache hits (which only lower the cost)."""
+        total = min(num_tokens, self.max_seq_len)
+        match = self.pages.match(list(prompt_ids or ()))
+        need = self.pages.admission_cost(match, total)
         return self._num_active() < self.settings.max_batch_size and need <= self.pages.available
 
     def add_sequence(self, seq_id: str, prompt_ids: list[int], params: GenerationParams | None = None) -> None:
@@ -124,7 +127,8 @@ class Engine:
         if self._num_active() >= self.settings.max_batch_size:
             raise CapacityError(f"{self._num_active()} sequences are running (max_batch_size="
                                 f"{self.settings.max_batch_size}); retry after one finishes")
-        need = self.pages.pages_for(max_total)
+        match = self.pages.match(prompt)  # cached prefix pages (prefix caching)
+        need = self.pages.admission_cost(match, max_total)
         if need > self.pages.available:
             raise CapacityError(f"KV cache full: this sequence needs {need * self.page_size} tokens of cache, "
                                 f"{self.free_tokens()} are free; retry later or lower max_new_tokens")
@@ -132,7 +136,7 @@ class Engine:
         decoder = tok.incremental_decoder() if tok is not None else _NoDecoder()
         seq = Sequence(seq_id, prompt, params, max_total=max_total, vocab_size=self.model.vocab_size,
                        eos_ids=self.eos_ids, decoder=decoder, stop_matcher=StopMatcher(params.stop))
-        self.pages.reserve(seq, need)
+        seq.num_computed = seq.cached_tokens = self.pages.admit(seq, prompt, match, max_total)
         self.seqs[seq_id] = seq
 
     # --- exits -----------------------------------------------------------------------------------------
@@ -140,7 +144,7 @@ class Engine:
     def _finish(self, seq: Sequence, reason: str, error: str | None = None) -> None:
         seq.finish_reason = reason
         seq.error = error
-        self.pages.release(seq)
+        self.pages.release(seq, cache=reason != "error")  # a failed step may have left bad KV: do not cache it
 
     def _fail(self, seqs: list[Sequence], exc: BaseException) -> list[StepEvent]:
         log.exception("exl2_backend: step failed for %s", [s.seq_id for s in seqs], exc_info=exc)
@@ -184,7 +188,8 @@ class Engine:
 
     def prefill(self, seq_ids: list[str]) -> list[StepEvent]:
         """Run up to max_chunk_size more prompt tokens of each sequence. A sequence whose prompt completes
-        gets its first sampled token in its event; the others get an event with no tokens."""
+        gets its first sampled token in its event; the others get an event with no tokens. One forward
+        carries at most max_input_len tokens in all (bounded prefill scratch memory)."""
         seqs = self._lookup(seq_ids, prefilled=False)
         chunk = self.settings.max_chunk_size
         events: dict[str, StepEvent] = {}
@@ -192,8 +197,9 @@ class Engine:
         for s in seqs:
             groups.setdefault(min(chunk, s.prefill_remaining), []).append(s)
         for n, group in groups.items():
-            for i in range(0, len(group), self.settings.max_batch_size):
-                for ev in self._prefill_group(group[i : i + self.settings.max_batch_size], n):
+            per = max(1, min(self.settings.max_batch_size, self.settings.max_input_len // n))
+            for i in range(0, len(group), per):
+                for ev in self._prefill_group(group[i : i + per], n):
                     events[ev.seq_id] = ev
         return [events[sid] for sid in seq_ids]
 
@@ -205,6 +211,7 @@ class Engine:
                                      [s.num_computed for s in group], [s.pages for s in group])  # [B, V]
             for s in group:
                 s.num_computed += n
+                self.pages.cache_prefix(s)
             done = [i for i, s in enumerate(group) if not s.prefill_remaining]
             tokens = sample_for([group[i] for i in done], logits[done]) if done else []
         except Exception as exc:  # noqa: BLE001 - reported per sequence, pages returned
@@ -298,7 +305,7 @@ class Engine:
             "device": str(self.device),
             "page_size": self.page_size,
             "total_pages": self.num_pages,
-            "free_pages": self.pages.allocator.num_free,
+            "free_pages": self.pages.unheld,  # free or evictable (cached, held by no sequence)
             "reserved_pages": self.pages.reserved,
             "free_tokens": self.free_tokens(),
             "max_seq_len": self.max_seq_len,
@@ -306,8 +313,25 @@ class Engine:
             "sequences": len(self.seqs),
             "running": self._num_active(),
             "tokens_generated": self._tokens_generated,
+            **self.pages.prefix_stats(),
+            "max_input_len": self.settings.max_input_len,
+            "prefill_scratch_bytes": self.prefill_scratch_bytes(),
         }
 
+    def flush_prefix_cache(self) -> int:
+        """Forget every cached prefix page (pages held by live sequences stay theirs); returns pages freed."""
+        return self.pages.flush_prefix_cache()
+
+    def prefill_scratch_bytes(self) -> int:
+        """Planned upper bound of the device memory one prefill forward allocates beyond weights and KV cache
+        (max_input_len tokens in all): it does not grow with the prompt (runtime/scratch.py)."""
+        from exl2_backend.runtime.scratch import prefill_scratch_bytes
+
+        s = self.settings
+        return prefill_scratch_bytes(self.model, s.max_input_len, s.max_chunk_size, s.max_batch_size,
+                                     s.max_seq_len, s.page_size)
+
     def assert_no_leaks(self) -> None:
-        """Page accounting invariant (tests): every page is free or held by exactly one live sequence."""
+        """Page accounting invariant (tests): a page's refcount is its live holders (+1 when prefix-cached);
+        the rest are free; reservations add up."""
         self.pages.check(list(self.seqs.values()))

@@ -44,7 +44,8 @@ class StepEvent:
 
     token_ids: tokens sampled this step (empty while a prompt is still being prefilled); text: the new
     decoded text, held back while a stop string may be forming or a UTF-8 character is incomplete;
-    prompt_tokens / completion_tokens: running totals (usage)."""
+    prompt_tokens / completion_tokens: running totals (usage); cached_tokens: prompt tokens whose KV came
+    from the prefix cache instead of being computed."""
 
     seq_id: str
     token_ids: list[int]
@@ -53,6 +54,7 @@ class StepEvent:
     prompt_tokens: int
     completion_tokens: int
     error: str | None = None
+    cached_tokens: int = 0
 
     @property
     def finished(self) -> bool:

@@ -28,6 +28,7 @@ class Sequence:
         self.pages: list[int] = []
         self.reserved_pages = 0  # pages promised at admission but not yet allocated
         self.num_computed = 0
+        self.cached_tokens = 0  # prompt tokens reused from the prefix cache at admission
         self.finish_reason: str | None = None
         self.error: str | None = None
         self.generator = make_generator(params.sampling.seed)
@@ -93,4 +94,4 @@ class Sequence:
 
     def event(self, token_ids: list[int], text: str) -> StepEvent:
         return StepEvent(self.seq_id, token_ids, text, self.finish_reason, len(self.prompt_ids),
-                         len(self.output_ids), self.error)
+                         len(self.output_ids), self.error, self.cached_tokens)

@@ -34,7 +34,9 @@ class LoadSettings(BaseModel):
     cache_tokens: int | None = Field(default=None, ge=16)
     page_size: int = 256
     max_batch_size: int = Field(default=32, ge=1, le=1024)
-    max_chunk_size: int = Field(default=2048, ge=1)
+    max_chunk_size: int = Field(default=2048, ge=1)  # prompt tokens of one sequence per prefill step
+    max_input_len: int | None = Field(default=None, ge=1)  # tokens of one forward in all; None: max_chunk_size
+    prefix_caching: bool = True  # reuse the KV pages of cached prompt prefixes (cache/prefix.py)
     cache_type: str = "fp16"
     use_cuda_graphs: bool = True
     # Multi-GPU (exl2_backend/plan/, model/split.py, model/tensor_parallel.py): a layer split with a budget in GB
@@ -110,4 +112,8 @@ class LoadSettings(BaseModel):
             budget = CPU_CACHE_BUDGET_BYTES if device.type == "cpu" else int((free_bytes or 0) * CUDA_CACHE_FRACTION)
             cache_tokens = min(max_seq_len * self.max_batch_size, budget // max(bytes_per_token, 1))
             cache_tokens = max(cache_tokens, max_seq_len)
-        return self.model_copy(update={"device": str(device), "max_seq_len": max_seq_len, "cache_tokens": cache_tokens})
+        # max_input_len bounds one forward's tokens (and so prefill scratch memory); a chunk never exceeds it
+        max_input_len = self.max_input_len or self.max_chunk_size
+        return self.model_copy(update={"device": str(device), "max_seq_len": max_seq_len, "cache_tokens": cache_tokens,
+                                       "max_input_len": max_input_len,
+                                       "max_chunk_size": min(self.max_chunk_size, max_input_len)})

@@ -25,4 +25,32 @@ int check_launch(const char* what) {
 EXL2_API const char* exl2_last_error() { return g_last_error; }
 
 // Bumped whenever an exported signature changes; ops/library.py checks it.
-EXL2_API int exl2_abi_version() { return 1; }
+EXL2_API int exl2_abi_version() { return 2; }
+
+// --- programmatic dependent launch switch (common/pdl.cuh) ---
+#include "common/pdl.cuh"
+
+static int g_pdl = -1;  // -1: not decided yet (on where the current device is sm_90+)
+
+namespace exl2 {
+bool pdl_enabled() {
+  if (g_pdl < 0) {
+    int dev = 0, major = 0;
+    if (cudaGetDevice(&dev) != cudaSuccess ||
+        cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev) != cudaSuccess) {
+      (void)cudaGetLastError();
+      return false;
+    }
+    g_pdl = major >= 9 ? 1 : 0;
+  }
+  return g_pdl == 1;
+}
+}  // namespace exl2
+
+// on: 1 enables PDL launches where the device supports them, 0 disables; returns whether it is now enabled.
+EXL2_API int exl2_set_pdl(int on) {
+  g_pdl = -1;
+  const bool supported = exl2::pdl_enabled();
+  g_pdl = on && supported ? 1 : 0;
+  return g_pdl;
+}

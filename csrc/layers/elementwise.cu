@@ -1,5 +1,6 @@
 // silu_mul, embedding, kv_cache_write: memory-bound elementwise / gather / scatter kernels with 16-byte
 // accesses where the rows are aligned.
+#include "common/pdl.cuh"
 #include "layers/common.cuh"
 
 namespace exl2 {
@@ -10,6 +11,8 @@ namespace {
 template <typename T, int VEC>
 __global__ void silu_mul_kernel(const T* __restrict__ gate, int64_t gs, const T* __restrict__ up, int64_t us,
                                 T* __restrict__ out, int64_t os, int I) {
+  exl2::pdl_wait();  // inputs come from the previous kernel (PDL launch)
+  exl2::pdl_launch_dependents();
   const int64_t row = blockIdx.x;
   const int c = (blockIdx.y * blockDim.x + threadIdx.x) * VEC;
   if (c >= I) return;
@@ -28,6 +31,8 @@ __global__ void silu_mul_kernel(const T* __restrict__ gate, int64_t gs, const T*
 template <typename T, int VEC>
 __global__ void embedding_kernel(const int64_t* __restrict__ ids, const T* __restrict__ table, T* __restrict__ out,
                                  int64_t V, int H) {
+  exl2::pdl_wait();  // inputs come from the previous kernel (PDL launch)
+  exl2::pdl_launch_dependents();
   const int64_t t = blockIdx.x;
   const int64_t id = ids[t];
   const bool ok = id >= 0 && id < V;
@@ -49,6 +54,8 @@ template <typename W>
 __global__ void kv_cache_write_kernel(const W* __restrict__ k, int64_t kts, int64_t khs, const W* __restrict__ v,
                                       int64_t vts, int64_t vhs, W* __restrict__ kc, W* __restrict__ vc,
                                       const int64_t* __restrict__ slots, int64_t num_slots, int hkv, int dw) {
+  exl2::pdl_wait();  // inputs come from the previous kernel (PDL launch)
+  exl2::pdl_launch_dependents();
   const int64_t t = blockIdx.x;
   const int64_t slot = slots[t];
   if (slot < 0 || slot >= num_slots) return;
@@ -78,10 +85,10 @@ EXL2_API int exl2_silu_mul(const void* gate, int64_t gate_stride, const void* up
   const dim3 grid((unsigned)rows, (unsigned)((inter + threads * per - 1) / (threads * per)));
   EXL2_DISPATCH_HALF(dtype, T, {
     if (vec)
-      silu_mul_kernel<T, 8><<<grid, threads, 0, stream>>>((const T*)gate, gate_stride, (const T*)up, up_stride,
+      exl2::launch_kernel(silu_mul_kernel<T, 8>, grid, threads, 0, stream, (const T*)gate, gate_stride, (const T*)up, up_stride,
                                                           (T*)out, out_stride, (int)inter);
     else
-      silu_mul_kernel<T, 1><<<grid, threads, 0, stream>>>((const T*)gate, gate_stride, (const T*)up, up_stride,
+      exl2::launch_kernel(silu_mul_kernel<T, 1>, grid, threads, 0, stream, (const T*)gate, gate_stride, (const T*)up, up_stride,
                                                           (T*)out, out_stride, (int)inter);
   });
   return exl2::check_launch("silu_mul");
@@ -97,10 +104,10 @@ EXL2_API int exl2_embedding(const int64_t* ids, const void* table, void* out, in
   const int threads = nvec >= 256 ? 256 : (int)((nvec + 31) / 32 * 32);
   EXL2_DISPATCH_HALF(dtype, T, {
     if (vec)
-      embedding_kernel<T, 8><<<(unsigned)tokens, threads, 0, stream>>>(ids, (const T*)table, (T*)out, vocab,
+      exl2::launch_kernel(embedding_kernel<T, 8>, (unsigned)tokens, threads, 0, stream, ids, (const T*)table, (T*)out, vocab,
                                                                        (int)hidden);
     else
-      embedding_kernel<T, 1><<<(unsigned)tokens, threads, 0, stream>>>(ids, (const T*)table, (T*)out, vocab,
+      exl2::launch_kernel(embedding_kernel<T, 1>, (unsigned)tokens, threads, 0, stream, ids, (const T*)table, (T*)out, vocab,
                                                                        (int)hidden);
   });
   return exl2::check_launch("embedding");
@@ -119,11 +126,11 @@ EXL2_API int exl2_kv_cache_write(const void* k, int64_t k_ts, int64_t k_hs, cons
                    aligned16(k) && aligned16(v) && aligned16(k_cache) && aligned16(v_cache);
   const int threads = 128;
   if (vec) {
-    kv_cache_write_kernel<uint4><<<(unsigned)tokens, threads, 0, stream>>>(
+    exl2::launch_kernel(kv_cache_write_kernel<uint4>, (unsigned)tokens, threads, 0, stream, 
         (const uint4*)k, k_ts / 8, k_hs / 8, (const uint4*)v, v_ts / 8, v_hs / 8, (uint4*)k_cache, (uint4*)v_cache,
         slots, num_slots, (int)hkv, (int)(head_dim / 8));
   } else {
-    kv_cache_write_kernel<uint16_t><<<(unsigned)tokens, threads, 0, stream>>>(
+    exl2::launch_kernel(kv_cache_write_kernel<uint16_t>, (unsigned)tokens, threads, 0, stream, 
         (const uint16_t*)k, k_ts, k_hs, (const uint16_t*)v, v_ts, v_hs, (uint16_t*)k_cache, (uint16_t*)v_cache,
         slots, num_slots, (int)hkv, (int)head_dim);
   }

@@ -1,6 +1,7 @@
 // rms_norm and add_rms_norm (residual add fused): one CTA per row, fp32 accumulation, the row kept in
 // registers between the sum-of-squares pass and the scaling pass (re-read only past MAXV vectors per thread).
 // Same arithmetic as reference.rms_norm: y = (x * rsqrt(mean(x^2) + eps)) * w, rounded once.
+#include "common/pdl.cuh"
 #include "layers/common.cuh"
 
 namespace exl2 {
@@ -14,6 +15,8 @@ constexpr int MAXV = 4;  // vectors per thread cached in registers
 template <typename T, typename W, int VEC>
 __global__ void rms_norm_kernel(const T* x, int64_t x_stride, const T* res, int64_t res_stride, const W* w,
                                 T* out, int64_t out_stride, T* res_out, int64_t res_out_stride, int H, float eps) {
+  exl2::pdl_wait();  // inputs come from the previous kernel (PDL launch)
+  exl2::pdl_launch_dependents();
   __shared__ float scratch[33];
   const int64_t row = blockIdx.x;
   x += row * x_stride;
@@ -91,10 +94,10 @@ int launch(const void* x, int64_t xs, const void* res, int64_t rs, const void* w
   threads = threads < 32 ? 32 : (threads > 1024 ? 1024 : (threads + 31) / 32 * 32);
   const dim3 grid((unsigned)rows);
   if (vec) {
-    rms_norm_kernel<T, W, 8><<<grid, threads, 0, stream>>>(
+    exl2::launch_kernel(rms_norm_kernel<T, W, 8>, grid, threads, 0, stream, 
         (const T*)x, xs, (const T*)res, rs, (const W*)w, (T*)out, os, (T*)res_out, ros, (int)H, eps);
   } else {
-    rms_norm_kernel<T, W, 1><<<grid, threads, 0, stream>>>(
+    exl2::launch_kernel(rms_norm_kernel<T, W, 1>, grid, threads, 0, stream, 
         (const T*)x, xs, (const T*)res, rs, (const W*)w, (T*)out, os, (T*)res_out, ros, (int)H, eps);
   }
   return check_launch("rms_norm");

@@ -17,6 +17,7 @@
 // lanes with a butterfly that halves the row set at each step (RT + log2 TPK shuffles instead of RT * log2 TPK).
 #include <math.h>
 
+#include "common/pdl.cuh"
 #include "layers/common.cuh"
 
 namespace exl2 {
@@ -115,6 +116,8 @@ __device__ __forceinline__ float combine_splits(const AttnParams& p, int64_t pro
 // U: key steps per thread with loads in flight (more bytes in flight per CTA vs more registers)
 template <int D, int RT, int U>
 __global__ void __launch_bounds__(NT) paged_attention_kernel(const AttnParams p) {
+  exl2::pdl_wait();  // inputs come from the previous kernel (PDL launch)
+  exl2::pdl_launch_dependents();
   constexpr int TPK = D / 8;     // lanes per key
   constexpr int KPW = 32 / TPK;  // keys per warp step
   constexpr int KPS = NW * KPW;  // keys per CTA step
@@ -342,6 +345,8 @@ __global__ void __launch_bounds__(NT) paged_attention_kernel(const AttnParams p)
 // One CTA per output row (b, j, hq), one thread per dim: combine the splits in order.
 template <int D>
 __global__ void __launch_bounds__(D) attn_reduce_kernel(const AttnParams p) {
+  exl2::pdl_wait();  // inputs come from the previous kernel (PDL launch)
+  exl2::pdl_launch_dependents();
   const int64_t prow = blockIdx.x;
   const int b = (int)(prow / ((int64_t)p.Tq * p.Hq));
   const int d = threadIdx.x;
@@ -360,10 +365,10 @@ int launch(const AttnParams& p, int B, cudaStream_t stream) {
                p.min_split);
   const dim3 grid((unsigned)(p.row_tiles * p.nsplit), (unsigned)p.Hkv, (unsigned)B);
   const size_t smem = sizeof(float) * RT * keys_max<RT>();
-  paged_attention_kernel<D, RT, U><<<grid, NT, smem, stream>>>(p);
+  exl2::launch_kernel(paged_attention_kernel<D, RT, U>, grid, NT, smem, stream, p);
   int st = check_launch("paged_attention");
   if (st != EXL2_OK || p.nsplit == 1 || p.tickets != nullptr) return st;
-  attn_reduce_kernel<D><<<(unsigned)((int64_t)B * p.Tq * p.Hq), D, 0, stream>>>(p);
+  exl2::launch_kernel(attn_reduce_kernel<D>, (unsigned)((int64_t)B * p.Tq * p.Hq), D, 0, stream, p);
   return check_launch("paged_attention reduce");
 }
 

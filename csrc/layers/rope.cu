@@ -2,6 +2,7 @@
 // [T, H, D] views (last dim contiguous), e.g. q/k slices of a fused QKV output. One CTA per token.
 // Angle = float(position) * inv_freq in fp32 as the reference; cos/sin of that fp32 angle evaluated in double
 // and rounded to fp32 (fast math would turn sincosf into the approximate __sincosf).
+#include "common/pdl.cuh"
 #include "layers/common.cuh"
 
 namespace exl2 {
@@ -18,6 +19,8 @@ struct RopeTensor {
 template <typename T, int VEC>
 __global__ void rope_kernel(RopeTensor q, RopeTensor k, const int64_t* __restrict__ positions,
                             const float* __restrict__ inv_freq, int D) {
+  exl2::pdl_wait();  // inputs come from the previous kernel (PDL launch)
+  exl2::pdl_launch_dependents();
   extern __shared__ float cs[];  // cos [D/2], sin [D/2]
   const int64_t t = blockIdx.x;
   const int half = D / 2;
@@ -63,6 +66,8 @@ __global__ void rope_kv_kernel(RopeTensor q, RopeTensor k, const T* __restrict__
                                T* __restrict__ kc, T* __restrict__ vc, const int64_t* __restrict__ slots,
                                int64_t num_slots, const int64_t* __restrict__ positions,
                                const float* __restrict__ inv_freq, int D) {
+  exl2::pdl_wait();  // inputs come from the previous kernel (PDL launch)
+  exl2::pdl_launch_dependents();
   extern __shared__ float cs[];  // cos [D/2], sin [D/2]
   const int64_t t = blockIdx.x;
   const int half = D / 2;
@@ -144,9 +149,9 @@ EXL2_API int exl2_apply_rope(const void* q, int64_t q_ts, int64_t q_hs, void* q_
   const size_t smem = sizeof(float) * head_dim;
   EXL2_DISPATCH_HALF(dtype, T, {
     if (vec)
-      rope_kernel<T, 8><<<(unsigned)tokens, 128, smem, stream>>>(qt, kt, positions, inv_freq, (int)head_dim);
+      exl2::launch_kernel(rope_kernel<T, 8>, (unsigned)tokens, 128, smem, stream, qt, kt, positions, inv_freq, (int)head_dim);
     else
-      rope_kernel<T, 1><<<(unsigned)tokens, 128, smem, stream>>>(qt, kt, positions, inv_freq, (int)head_dim);
+      exl2::launch_kernel(rope_kernel<T, 1>, (unsigned)tokens, 128, smem, stream, qt, kt, positions, inv_freq, (int)head_dim);
   });
   return exl2::check_launch("apply_rope");
 }
@@ -173,11 +178,11 @@ EXL2_API int exl2_rope_kv_write(void* q, int64_t q_ts, int64_t q_hs, int64_t hq,
   const size_t smem = sizeof(float) * head_dim;
   EXL2_DISPATCH_HALF(dtype, T, {
     if (vec)
-      rope_kv_kernel<T, 8><<<(unsigned)tokens, 128, smem, stream>>>(
+      exl2::launch_kernel(rope_kv_kernel<T, 8>, (unsigned)tokens, 128, smem, stream, 
           qt, kt, (const T*)v, v_ts, v_hs, (T*)k_cache, (T*)v_cache, slots, num_slots, positions, inv_freq,
           (int)head_dim);
     else
-      rope_kv_kernel<T, 1><<<(unsigned)tokens, 128, smem, stream>>>(
+      exl2::launch_kernel(rope_kv_kernel<T, 1>, (unsigned)tokens, 128, smem, stream, 
           qt, kt, (const T*)v, v_ts, v_hs, (T*)k_cache, (T*)v_cache, slots, num_slots, positions, inv_freq,
           (int)head_dim);
   });

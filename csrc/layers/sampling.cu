@@ -12,6 +12,7 @@
 // race scores agree to within a few ulps (softmax sums are accumulated in a different order).
 #include <math.h>
 
+#include "common/pdl.cuh"
 #include "layers/common.cuh"
 
 namespace exl2 {
@@ -99,6 +100,8 @@ struct SampleArgs {
 };
 
 __global__ void __launch_bounds__(THREADS) sample_kernel(const SampleArgs a) {
+  exl2::pdl_wait();  // inputs come from the previous kernel (PDL launch)
+  exl2::pdl_launch_dependents();
   __shared__ Cand cscratch[33];
   __shared__ float fscratch[33];
   __shared__ bool is_last;
@@ -238,6 +241,6 @@ EXL2_API int exl2_sample_tokens(const float* logits, int64_t logits_stride, cons
   a.V = (int)V;
   a.nchunk = exl2_sample_tokens_chunks(V);
   EXL2_REQUIRE(aligned16(partials), "sample_tokens: partials must be 16-byte aligned");
-  sample_kernel<<<dim3((unsigned)a.nchunk, (unsigned)B), THREADS, 0, stream>>>(a);
+  exl2::launch_kernel(sample_kernel, dim3((unsigned)a.nchunk, (unsigned)B), THREADS, 0, stream, a);
   return exl2::check_launch("sample_tokens");
 }

@@ -9,6 +9,7 @@
 // in fp32 per quantization group and scaled at group end. Split-K partials go to an fp32 workspace; the last
 // block of a column block (atomic ticket) sums them in split order, so results are deterministic.
 #include "common/api.h"
+#include "common/pdl.cuh"
 #include "quant/exl2_quant.cuh"
 
 #include <algorithm>
@@ -494,6 +495,7 @@ struct GemvParams {
   int rbase[kMaxDesc][kMaxRuns + 1];  // first split of each run (rbase[nruns] = splits in all)
   const __half* x;  // [M, ldx]
   int ndesc, M, ldx, xstride;
+  int gate_off;  // 0: x is the input; > 0: input = silu(x[:, i]) * x[:, gate_off + i] (the fused MLP's silu_mul)
 };
 
 // Predicated streaming loads: the predicate lives inside the asm, so the outputs count as always written and
@@ -620,6 +622,30 @@ __device__ __forceinline__ void gv_gather(const GemvParams& p, const QDesc& d, i
   const unsigned short* xg = reinterpret_cast<const unsigned short*>(p.x);
   unsigned short* xo = reinterpret_cast<unsigned short*>(xs);
   const int items = rows * p.M;  // (token, row) pairs, all tokens' loads in flight together
+  if (p.gate_off > 0) {  // silu(gate) * up, the same arithmetic as silu_mul_kernel (bit-identical input)
+    const __half* xh = p.x;
+    for (int e0 = threadIdx.x; e0 < items; e0 += kB * T) {
+      __half g[kB], u[kB];
+      int o[kB];
+#pragma unroll
+      for (int k = 0; k < kB; ++k) {
+        const int e = e0 + k * T, m = e / rows, r = e - m * rows;
+        const unsigned i = e < items ? xm[r] : 0xFFFFu;
+        o[k] = m * p.xstride + r;
+        const bool ok = i != 0xFFFFu;
+        g[k] = ok ? __ldg(xh + (size_t)m * p.ldx + i) : __half(0.f);
+        u[k] = ok ? __ldg(xh + (size_t)m * p.ldx + p.gate_off + i) : __half(0.f);
+      }
+#pragma unroll
+      for (int k = 0; k < kB; ++k) {
+        if (e0 + k * T >= items) continue;
+        const float gf = __half2float(g[k]);
+        const float sv = __fdiv_rn(gf, __fadd_rn(1.f, __expf(-gf)));
+        xs[o[k]] = __float2half_rn(__fmul_rn(sv, __half2float(u[k])));
+      }
+    }
+    return;
+  }
   for (int e0 = threadIdx.x; e0 < items; e0 += kB * T) {
     unsigned short v[kB];
     int o[kB];
@@ -661,6 +687,8 @@ __device__ __forceinline__ void gv_run(const GemvParams& p, const QDesc& d, cons
   };
   load(wa, ia, cs);
   load(wb, ib, cs + CH);
+  // PDL: the weight loads above may run while the previous kernel finishes; x (and every write) comes after it.
+  exl2::pdl_wait();
   // the activation gather overlaps the first two batches' DRAM reads
   gv_gather(p, d, c0, ce - c0, xs, reinterpret_cast<unsigned short*>(xs + p.M * p.xstride));
   __syncthreads();
@@ -688,11 +716,16 @@ __device__ __forceinline__ void gv_block(const GemvParams& p, const QDesc& d, in
   const int M = p.M;
   const Run& run = d.runs[ri];
   const uint2* scl_lane = p.scl[di] + (size_t)j * 8 + gid;
+  exl2::pdl_launch_dependents();  // every block is resident now: the next kernel may launch into freed SMs
   {  // start the first chunk tiles' DRAM reads (into L2) before the dependent activation gather
     const int c = c0 + lane;
     if (lane < kGvPrefetch && c < c1) {
       const uint32_t* t = d.packed + run.word_base + ((long long)(c - run.chunk_start) * J + j) * 64 * B;
+#if __CUDA_ARCH__ >= 900
       asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(t), "r"(256 * B) : "memory");
+#else
+      asm volatile("prefetch.global.L2 [%0];" ::"l"(t));  // sm_80..89: no bulk prefetch, touch the first line
+#endif
     }
   }
   GvState s;
@@ -805,7 +838,7 @@ int gemv_launch(const GemvParams& p, int blocks, int smem, cudaStream_t stream) 
       return exl2::set_error((int)err, "exl2_gemv: %d bytes of shared memory: %s", smem, cudaGetErrorString(err));
     smem_set = smem;
   }
-  gemv_kernel<MINB><<<blocks, kGvWarps * 32, smem, stream>>>(p);
+  exl2::launch_kernel(gemv_kernel<MINB>, blocks, kGvWarps * 32, smem, stream, p);
   return exl2::check_launch("exl2_gemv");
 }
 
@@ -815,14 +848,17 @@ int gemv_launch(const GemvParams& p, int blocks, int smem, cudaStream_t stream) 
 // Small-M GEMV (M = 1..8). blob: ndesc descriptors (kDescLen int64, F_SCL16 set, F_KSPLIT the split count);
 // minb: the kernel variant's planned resident blocks per SM (2 or 3). Same output/workspace contract as exl2_gemm,
 // with column blocks of 256 (counters: one per 256-column block).
-EXL2_API int exl2_gemv(const int64_t* blob, int ndesc, const void* x, int M, int ldx, int minb, void* stream) {
+// gate_off > 0: fused silu_mul input (x [M, ldx] holds gate at columns [0, K) and up at [gate_off, gate_off + K)).
+EXL2_API int exl2_gemv(const int64_t* blob, int ndesc, const void* x, int M, int ldx, int gate_off, int minb,
+                       void* stream) {
   EXL2_REQUIRE(blob && x, "exl2_gemv: null argument");
   EXL2_REQUIRE(ndesc >= 1 && ndesc <= kMaxDesc, "exl2_gemv: %d descriptors (1..%d)", ndesc, kMaxDesc);
   EXL2_REQUIRE(M >= 1 && M <= 8, "exl2_gemv: M=%d outside 1..8", M);
   EXL2_REQUIRE(minb == 2 || minb == 3, "exl2_gemv: minb %d (2 or 3)", minb);
   GemvParams p{};
   p.x = reinterpret_cast<const __half*>(x);
-  p.ndesc = ndesc; p.M = M; p.ldx = ldx;
+  p.ndesc = ndesc; p.M = M; p.ldx = ldx; p.gate_off = gate_off;
+  EXL2_REQUIRE(gate_off >= 0, "exl2_gemv: gate_off %d < 0", gate_off);
   int blocks = 0, maxnch = 1;
   for (int i = 0; i < ndesc; ++i) {
     QDesc& d = p.d[i];
@@ -831,8 +867,9 @@ EXL2_API int exl2_gemv(const int64_t* blob, int ndesc, const void* x, int M, int
     if (st) return st;
     p.scl[i] = reinterpret_cast<const uint2*>(f[F_SCL16]);
     EXL2_REQUIRE(p.scl[i], "exl2_gemv: no fp16 scales");
-    EXL2_REQUIRE(ldx >= d.K && d.ldo >= d.N && d.out, "exl2_gemv: bad ldx=%d/ldo=%d for K=%d N=%d", ldx, d.ldo,
-                 d.K, d.N);
+    EXL2_REQUIRE(ldx >= d.K + gate_off && d.ldo >= d.N && d.out, "exl2_gemv: bad ldx=%d/ldo=%d for K=%d N=%d",
+                 ldx, d.ldo, d.K, d.N);
+    EXL2_REQUIRE(gate_off == 0 || gate_off >= d.K, "exl2_gemv: gate_off %d overlaps the gate (K=%d)", gate_off, d.K);
     EXL2_REQUIRE(d.ksplit >= 1 && d.ksplit <= d.C, "exl2_gemv: ksplit %d outside 1..%d", d.ksplit, d.C);
     EXL2_REQUIRE(d.ksplit == 1 || (d.ws && d.counters), "exl2_gemv: split-K needs a workspace and counters");
     d.ncolblk = (d.Np + kGvCols - 1) / kGvCols;

@@ -12,6 +12,8 @@ from exl2_backend import ops
 # Rope of q and k plus the KV-cache write as one op (ops.rope_kv_write); EXL2_BACKEND_FUSED_ROPE_KV=0 runs the
 # three ops apart (same values), for A/B timing.
 FUSED_ROPE_KV = os.environ.get("EXL2_BACKEND_FUSED_ROPE_KV", "1") != "0"
+# silu_mul folded into the down projection's GEMV (CUDA, small M); EXL2_BACKEND_FUSED_SILU_DOWN=0 for A/B timing.
+FUSED_SILU_DOWN = os.environ.get("EXL2_BACKEND_FUSED_SILU_DOWN", "1") != "0"
 
 
 @dataclass
@@ -51,10 +53,10 @@ class DecoderLayer:
         hq, hkv, d = self.num_heads, self.num_kv_heads, self.head_dim
         q, k, v = self.qkv(x).split(self.qkv.splits, dim=-1)  # [T, Hq*D], [T, Hkv*D], [T, Hkv*D] views
         q, k, v = q.reshape(t, hq, d), k.reshape(t, hkv, d), v.reshape(t, hkv, d)
-        k_cache, v_cache = cache.k[self.index], cache.v[self.index]  # [P, S, Hkv, D]
-        if FUSED_ROPE_KV and k_cache.dtype == x.dtype:
         if getattr(cache, "quantized", False):
             return self._attention_quantized(q, k, v, positions, inv_freq, cache, meta, batch, x.dtype)
+        k_cache, v_cache = cache.k[self.index], cache.v[self.index]  # [P, S, Hkv, D]
+        if FUSED_ROPE_KV and k_cache.dtype == x.dtype:
             # one launch: q rotated in place in the QKV output, rotated k and v written into the cache
             ops.rope_kv_write(q, k, v, positions, inv_freq, k_cache, v_cache, meta.slots)
         else:
@@ -65,8 +67,6 @@ class DecoderLayer:
         out = ops.paged_attention(q, k_cache, v_cache, meta.block_tables, meta.context_lens, self.scale)
         return self.o(out.reshape(t, hq * d).to(x.dtype))  # [T, H]
 
-    def mlp(self, x):
-        """x [T, H] -> [T, H]."""
     def _attention_quantized(self, q, k, v, positions, inv_freq, cache, meta: AttentionMetadata, batch: int, dtype):
         """attention() over a quantized cache (fp8/q8/q6/q4): rope + quantize-on-write in one op, attention reading
         the quantized pages."""
@@ -80,5 +80,10 @@ class DecoderLayer:
                                         cache.k_format, cache.v_format)
         return self.o(out.reshape(t, hq * d).to(dtype))  # [T, H]
 
-        gate, up = self.gate_up(x).split(self.gate_up.splits, dim=-1)  # [T, I] each
+    def mlp(self, x):
+        """x [T, H] -> [T, H]."""
+        gate_up = self.gate_up(x)  # [T, 2I]: gate | up
+        if hasattr(self.down, "gated") and FUSED_SILU_DOWN:
+            return self.down.gated(gate_up)  # CUDA: silu_mul applied inside the down GEMV's input gather
+        gate, up = gate_up.split(self.gate_up.splits, dim=-1)  # [T, I] each
         return self.down(ops.silu_mul(gate, up))

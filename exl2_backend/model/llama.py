@@ -75,16 +75,30 @@ class LlamaModel:
         if logits not in ("last", "all"):
             raise ValueError(f"logits must be 'last' or 'all', got {logits!r}")
         b, tq = input_ids.shape
-        pos = positions.reshape(-1)  # [T]
         h = ops.embedding(input_ids.reshape(-1), self.embed)  # [T, H]
-        residual = h
-        x = ops.rms_norm(h, self.layers[0].input_norm, self.eps) if self.layers else h
-        for i, layer in enumerate(self.layers):
-            if i > 0:
+        h, residual = self.run_layers(self.layers, h, None, positions.reshape(-1), self.inv_freq, cache, meta, b)
+        return self.run_head(h, residual, b, tq, logits)
+
+    def run_layers(self, layers, h: torch.Tensor, residual: torch.Tensor | None, positions: torch.Tensor,
+                   inv_freq: torch.Tensor, cache, meta: AttentionMetadata, batch: int):
+        """`layers` over h [T, H] -> (h, residual) [T, H]: the last MLP output and the residual stream before it.
+        residual None: h is the embedding output (the first layer's norm has nothing to add). A layer split
+        (model/split.py) runs each device's layers through this with that device's cache and metadata."""
+        for layer in layers:
+            if residual is None:
+                residual = h
+                x = ops.rms_norm(h, layer.input_norm, self.eps)
+            else:
                 x, residual = ops.add_rms_norm(h, residual, layer.input_norm, self.eps)
-            h = layer.attention(x, pos, self.inv_freq, cache, meta, b)
+            h = layer.attention(x, positions, inv_freq, cache, meta, batch)
             x, residual = ops.add_rms_norm(h, residual, layer.post_norm, self.eps)
             h = layer.mlp(x)
+        return h, residual
+
+    def run_head(self, h: torch.Tensor, residual: torch.Tensor | None, b: int, tq: int, logits: str) -> torch.Tensor:
+        """Final norm over h + residual [T, H], then the head: f32 logits [B, V] ("last") or [B, Tq, V] ("all")."""
+        if residual is None:  # no layers: the stream is the embedding itself
+            residual = h
         if logits == "last":
             h = h.reshape(b, tq, -1)[:, -1]  # [B, H]
             residual = residual.reshape(b, tq, -1)[:, -1]

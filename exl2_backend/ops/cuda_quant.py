@@ -227,7 +227,7 @@ def _fn(name: str):
         P, I32 = library.PTR, library.I32
         sig = {
             "exl2_gemm": (P, I32, P, I32, I32, library.STREAM),
-            "exl2_gemv": (P, I32, P, I32, I32, I32, library.STREAM),
+            "exl2_gemv": (P, I32, P, I32, I32, I32, I32, library.STREAM),
             "exl2_dequant": (P, P, I32, I32, library.STREAM),
         }[name]
         _fns[name] = library.declare(name, *sig)
@@ -376,7 +376,8 @@ class _Launch:
         library.check(st, "exl2_gemm")
         return out
 
-    def _gemv(self, x: torch.Tensor, ws: torch.Tensor, counters: torch.Tensor) -> torch.Tensor:
+    def _gemv(self, x: torch.Tensor, ws: torch.Tensor, counters: torch.Tensor, gate_off: int = 0) -> torch.Tensor:
+        """x [M, K], or with gate_off > 0 x [M, >= gate_off + K] holding gate and up (input = silu(gate) * up)."""
         m = x.shape[0]
         pl = self.gemv_plan(m)
         out = torch.empty(m, self.out_features, dtype=torch.float16, device=x.device)
@@ -387,8 +388,9 @@ class _Launch:
             blob[i, F_OUT] = out.data_ptr() + 2 * self.col_off[i]
             blob[i, F_WS] = ws.data_ptr() + 4 * pl.ws_off[i]
             blob[i, F_COUNTERS] = counters.data_ptr() + 4 * pl.cnt_off[i]
-        ldx = x.stride(0) if m > 1 else self.K
-        st = _fn("exl2_gemv")(blob.ctypes.data, len(self.parts), x.data_ptr(), m, ldx, GEMV_MINB, _stream(x.device))
+        ldx = x.stride(0) if m > 1 else x.shape[1]
+        st = _fn("exl2_gemv")(blob.ctypes.data, len(self.parts), x.data_ptr(), m, ldx, gate_off, GEMV_MINB,
+                              _stream(x.device))
         library.check(st, "exl2_gemv")
         return out
 
@@ -429,6 +431,27 @@ def _gemm_op(x: torch.Tensor, packed: torch.Tensor, handle: int, ws: torch.Tenso
 @_gemm_op.register_fake
 def _(x, packed, handle, ws, counters):
     return x.new_empty((x.shape[0], _REG[handle].out_features))
+
+
+@torch.library.custom_op("exl2_backend::exl2_gemv_gated", mutates_args=("ws", "counters"))
+def _gemv_gated_op(gate_up: torch.Tensor, packed: torch.Tensor, handle: int, ws: torch.Tensor,
+                   counters: torch.Tensor) -> torch.Tensor:
+    """gate_up [M <= 8, 2K] (gate | up) -> [M, N]: the GEMV of silu(gate) * up, silu_mul fused into its input."""
+    launch = _REG[handle]
+    k = launch.K
+    if gate_up.dim() != 2 or gate_up.shape[1] != 2 * k or gate_up.stride(1) != 1:
+        raise TensorShapeError(f"gate_up has shape {tuple(gate_up.shape)}, expected [M, {2 * k}] with contiguous rows",
+                               tensor="gate_up")
+    if gate_up.dtype != torch.float16 or gate_up.device != packed.device:
+        raise TensorShapeError(f"gate_up must be float16 on {packed.device}", tensor="gate_up")
+    if not 1 <= gate_up.shape[0] <= 8:
+        raise TensorShapeError(f"the gated GEMV takes 1..8 rows, got {gate_up.shape[0]}", tensor="gate_up")
+    return launch._gemv(gate_up, ws, counters, gate_off=k)
+
+
+@_gemv_gated_op.register_fake
+def _(gate_up, packed, handle, ws, counters):
+    return gate_up.new_empty((gate_up.shape[0], _REG[handle].out_features))
 
 
 @torch.library.custom_op("exl2_backend::exl2_dequant", mutates_args=())
@@ -477,6 +500,21 @@ class CudaLinearOp:
         """The fused kernel for x [M <= 32, K] whatever FUSED_MAX_M says (tests, benchmarks)."""
         ws = self.workspace
         return torch.ops.exl2_backend.exl2_gemm(x, self.launch.parts[0].packed, self.launch.handle, ws.ws, ws.counters)
+
+    def gated(self, gate_up: torch.Tensor) -> torch.Tensor:
+        """gate_up [M, 2K] (gate | up, the fused gate/up projection's output) -> [M, N] = self(silu(gate) * up).
+        Small M runs one GEMV that applies silu_mul while gathering its input (one kernel and one round trip of
+        the [M, K] intermediate fewer per layer); larger M runs silu_mul then the usual path."""
+        m = gate_up.shape[0]
+        k = self.in_features
+        if (1 <= m <= min(GEMV_MAX_M, FUSED_MAX_M, 8) and gate_up.shape[1] == 2 * k and gate_up.stride(-1) == 1
+                and gate_up.stride(0) == 2 * k):
+            ws = self.workspace
+            return torch.ops.exl2_backend.exl2_gemv_gated(gate_up, self.launch.parts[0].packed, self.launch.handle,
+                                                          ws.ws, ws.counters)
+        from exl2_backend import ops
+
+        return self(ops.silu_mul(gate_up[:, :k], gate_up[:, k:]))
 
     def fused_kernel(self, x: torch.Tensor, kernel: str) -> torch.Tensor:
         """One fused kernel by name ("gemv": M <= 8, "mma": M <= 32), bypassing routing (benchmarks, tests)."""

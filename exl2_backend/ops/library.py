@@ -37,6 +37,10 @@ def library_path() -> Path:
     return Path(__file__).resolve().parent.parent / "_lib" / "libexl2_kernels.so"
 
 
+# Must equal exl2_abi_version() of csrc/common/api.cu.
+ABI_VERSION = 2
+
+
 def _load() -> None:
     global _lib, _error, _tried
     if _tried:
@@ -53,11 +57,30 @@ def _load() -> None:
                 lib = ctypes.CDLL(str(path))
                 lib.exl2_last_error.restype = ctypes.c_char_p
                 lib.exl2_abi_version.restype = ctypes.c_int
-                _lib = lib
+                found = lib.exl2_abi_version()
+                if found != ABI_VERSION:  # an old build: calling it with today's signatures could crash
+                    _error = f"{path} has C ABI {found}, this package needs {ABI_VERSION}; rebuild it (pip install .)"
+                else:
+                    _lib = lib
+                    _apply_pdl_setting(lib)
             except (OSError, AttributeError) as exc:
                 _error = f"could not load {path}: {exc}"
     if _error is not None:
         log.info("exl2_backend: CUDA library unavailable (%s); using reference ops", _error)
+
+
+def _apply_pdl_setting(lib) -> None:
+    """Programmatic dependent launch (csrc/common/pdl.cuh) on sm_90+ unless EXL2_BACKEND_PDL=0."""
+    lib.exl2_set_pdl.argtypes = [ctypes.c_int]
+    lib.exl2_set_pdl.restype = ctypes.c_int
+    if os.environ.get("EXL2_BACKEND_PDL", "1") == "0":
+        lib.exl2_set_pdl(0)
+
+
+def set_pdl(on: bool) -> bool:
+    """Turn programmatic dependent launches on or off for launches (and graph captures) from now on; returns
+    whether they are on (never on below sm_90). Benchmarks compare both in one process."""
+    return bool(get().exl2_set_pdl(1 if on else 0))
 
 
 def available() -> bool:

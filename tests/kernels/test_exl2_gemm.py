@@ -334,3 +334,78 @@ def test_gemv_rejects_large_m():
     op = cuda_quant.prepare_linear([qt], "cuda")
     with pytest.raises(TensorShapeError):
         op.fused_kernel(_x(9, 256, 0), "gemv")
+
+
+# --- silu_mul fused into the GEMV input (the down projection), and programmatic dependent launch ------------
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("bits", [2, 3, 4, 5, 6, 8])
+@pytest.mark.parametrize("m", [1, 2, 5, 8])
+def test_gated_gemv_equals_silu_mul_then_gemv(bits, m):
+    """Exact: the gated gather computes silu(gate) * up with silu_mul's arithmetic, so the kernel sees the same
+    fp16 input and runs the same deterministic schedule. Odd K (tile edge) and a mixed-width layout."""
+    from exl2_backend import ops
+    from exl2_backend.ops import cuda_quant
+
+    qt = _to_cuda(make_qt([(bits, 128)] * 3 + [(bits, 32), (8, 32)], 333, seed=bits * 7 + m, bias=bits == 5))
+    op = cuda_quant.prepare_linear([qt], "cuda")
+    k = qt.in_features
+    gate_up = _x(m, 2 * k, seed=bits * 3 + m) * 2  # [M, 2K]
+    want = op.fused_kernel(ops.silu_mul(gate_up[:, :k], gate_up[:, k:]).contiguous(), "gemv")
+    got = op.gated(gate_up)
+    assert torch.equal(got, want)
+    ref, same = _ref(reference.silu_mul(gate_up[:, :k].float(), gate_up[:, k:].float()).half(), qt)
+    assert_close_rel(got, ref, same, msg=f"gated gemv {bits}-bit M={m}")
+
+
+@pytest.mark.cuda
+def test_gated_gemv_large_m_and_bad_shapes():
+    from exl2_backend import ops
+    from exl2_backend.ops import cuda_quant
+
+    qt = _to_cuda(make_qt([(4, 128)] * 4, 96, seed=3))
+    op = cuda_quant.prepare_linear([qt], "cuda")
+    k = qt.in_features
+    gate_up = _x(20, 2 * k, seed=4)  # past the GEMV: silu_mul + the routed path
+    want = op(ops.silu_mul(gate_up[:, :k], gate_up[:, k:]))
+    assert torch.equal(op.gated(gate_up), want)
+    with pytest.raises(TensorShapeError):
+        torch.ops.exl2_backend.exl2_gemv_gated(_x(1, 2 * k + 2, 0), op.launch.parts[0].packed, op.launch.handle,
+                                               op.workspace.ws, op.workspace.counters)
+
+
+@pytest.mark.cuda
+def test_pdl_on_and_off_give_identical_graph_replays():
+    """Programmatic dependent launch only changes when kernels start, never what they compute: a captured
+    norm -> GEMV -> gated GEMV -> sampling chain replays to the same bits with PDL on and off."""
+    from exl2_backend import ops
+    from exl2_backend.ops import cuda_quant, library
+
+    qt_up = _to_cuda(make_qt([(4, 128)] * 4, 576, seed=11))  # K 512 -> N 576
+    qt_down = _to_cuda(make_qt([(4, 128)] * 4 + [(8, 32), (6, 32)], 509, seed=12))  # K 576 -> N 509
+    up = cuda_quant.prepare_linear([qt_up, qt_up], "cuda")  # [M, 1200]: gate | up
+    down = cuda_quant.prepare_linear([qt_down], "cuda")
+    w = torch.rand(up.in_features, device="cuda").half() + 0.5
+    x = _x(1, up.in_features, seed=5)
+
+    def step():
+        h = ops.rms_norm(x, w, 1e-5)
+        return down.gated(up(h))
+
+    outs = []
+    try:
+        for on in (False, True):
+            library.set_pdl(on)
+            torch.cuda.synchronize()
+            step()  # warm-up outside capture
+            g = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(g):
+                y = step()
+            for _ in range(3):
+                g.replay()
+            torch.cuda.synchronize()
+            outs.append(y.clone())
+    finally:
+        library.set_pdl(True)
+    assert torch.equal(outs[0], outs[1])

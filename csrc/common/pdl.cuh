@@ -1,0 +1,46 @@
+// Programmatic dependent launch (PDL, sm_90+): a kernel launched with the attribute may start while the
+// previous kernel in the stream is still running. It must call pdl_wait() before it reads anything the
+// previous kernels wrote or writes anything they may still read; work on constant data (weights, their
+// scales and maps) may come before. pdl_launch_dependents() lets the next kernel launch early: called at a
+// block's start, the next kernel's blocks fill SMs as this kernel's blocks retire, hiding launch latency and
+// tails inside CUDA graphs (captured launches keep the attribute as programmatic graph edges).
+// On sm_80..89 both are no-ops and launch_kernel() never sets the attribute.
+#pragma once
+
+#include <cuda_runtime.h>
+
+namespace exl2 {
+
+__device__ __forceinline__ void pdl_wait() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.wait;" ::: "memory");
+#endif
+}
+
+__device__ __forceinline__ void pdl_launch_dependents() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+#endif
+}
+
+// Whether launches on the current device get the PDL attribute (set by exl2_set_pdl; off below sm_90).
+bool pdl_enabled();
+
+// Launch `kernel` (which must call pdl_wait() before any dependent access) with the PDL attribute when enabled.
+template <typename... Params, typename... Args>
+cudaError_t launch_kernel(void (*kernel)(Params...), dim3 grid, dim3 block, size_t smem, cudaStream_t stream,
+                          Args&&... args) {
+  cudaLaunchConfig_t cfg = {};
+  cfg.gridDim = grid;
+  cfg.blockDim = block;
+  cfg.dynamicSmemBytes = smem;
+  cfg.stream = stream;
+  cudaLaunchAttribute attr[1];
+  attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  attr[0].val.programmaticStreamSerializationAllowed = 1;
+  cfg.attrs = attr;
+  cfg.numAttrs = pdl_enabled() ? 1 : 0;
+  return cudaLaunchKernelEx(&cfg, kernel, static_cast<Params>(args)...);
+}
+
+}  // namespace exl2

@@ -21,25 +21,37 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def load_engine(model_dir: str | Path, device: str, max_seq_len: int, use_graphs: bool, max_batch_size: int = 1):
+def load_model(model_dir: str | Path, device: str):
+    """-> (LlamaModel on `device`, weight bytes per decode step, load seconds)."""
     from exl2_backend.format.config import ModelConfig
     from exl2_backend.format.reader import load_weights
     from exl2_backend.model import LlamaModel
+    from exl2_backend.runtime.settings import resolve_device
+
+    config = ModelConfig.from_dir(model_dir)
+    weights = load_weights(model_dir, config)
+    wbytes = weight_bytes_per_token(config, weights)
+    t0 = time.perf_counter()
+    model = LlamaModel(config, weights, resolve_device(device))
+    del weights
+    _sync(model.device)
+    return model, wbytes, time.perf_counter() - t0
+
+
+def load_engine(model_dir: str | Path, device: str, max_seq_len: int, use_graphs: bool, max_batch_size: int = 1,
+                cache_type: str = "fp16", loaded=None):
+    """-> (Engine, weight bytes per decode step, load seconds); `loaded` = a load_model result to reuse (one
+    model, several cache types)."""
     from exl2_backend.runtime import Engine, LoadSettings
     from exl2_backend.tokenizer import Tokenizer
 
     settings = LoadSettings(model_dir=str(model_dir), device=device, max_seq_len=max_seq_len,
                             cache_tokens=max_seq_len * max_batch_size, max_batch_size=max_batch_size,
-                            use_cuda_graphs=use_graphs)
-    config = ModelConfig.from_dir(model_dir)
-    weights = load_weights(model_dir, config)
-    wbytes = weight_bytes_per_token(config, weights)
-    t0 = time.perf_counter()
-    model = LlamaModel(config, weights, settings.torch_device)
-    del weights
+                            use_cuda_graphs=use_graphs, cache_type=cache_type)
+    model, wbytes, load_s = loaded or load_model(model_dir, device)
     engine = Engine(model, Tokenizer.from_dir(model_dir), settings)
     _sync(engine.device)
-    return engine, wbytes, time.perf_counter() - t0
+    return engine, wbytes, load_s
 
 
 def _prefill(engine, seq_id: str, prompt: list[int], new_tokens: int) -> float:
@@ -75,14 +87,18 @@ def _graph_step_seconds(engine, iters: int) -> float | None:
 
 def run_bench(model_dir: str | Path, *, contexts=(512, 2048, 8192, 32768), decode_tokens: int = 128,
               prefill_tokens: int = 2048, device: str = "auto", use_graphs: bool = True, seed: int = 0,
-              progress=None) -> dict:
-    """Measure and return a JSON-able dict: bandwidth, bytes/token, prefill and per-context decode speed."""
+              progress=None, cache_type: str = "fp16", loaded=None, bandwidth: float | None = None) -> dict:
+    """Measure and return a JSON-able dict: bandwidth, bytes/token, prefill and per-context decode speed with a
+    KV cache of `cache_type`. `loaded` (a load_model result) and `bandwidth` (GB/s) reuse what an earlier run
+    of the same model measured."""
     max_ctx = max(max(contexts), prefill_tokens) + decode_tokens + 8
     max_seq_len = math.ceil(max_ctx / 256) * 256
-    engine, wbytes, load_s = load_engine(model_dir, device, max_seq_len, use_graphs)
+    engine, wbytes, load_s = load_engine(model_dir, device, max_seq_len, use_graphs, cache_type=cache_type,
+                                         loaded=loaded)
     dev = engine.device
     config = engine.config
-    bandwidth = measure_read_bandwidth(dev) if dev.type == "cuda" else None
+    if bandwidth is None and dev.type == "cuda":
+        bandwidth = measure_read_bandwidth(dev)
     gen = torch.Generator().manual_seed(seed)
     vocab = config.vocab_size
 
@@ -94,6 +110,7 @@ def run_bench(model_dir: str | Path, *, contexts=(512, 2048, 8192, 32768), decod
         "gpu": torch.cuda.get_device_name(dev) if dev.type == "cuda" else None,
         "load_seconds": load_s, "read_bandwidth_gbs": bandwidth, "weight_bytes_per_token": wbytes,
         "cuda_graphs": type(engine.runner).__name__ == "CudaGraphRunner", "decode": [],
+        "cache_type": cache_type, "kv_bytes_per_token": decode_bytes(config, 0, 0, cache_type),
     }
     # Warm-up (kernel selection, graph capture) on a short sequence.
     _prefill(engine, "warmup", prompt(64), 8)
@@ -118,7 +135,7 @@ def run_bench(model_dir: str | Path, *, contexts=(512, 2048, 8192, 32768), decod
         step = (time.perf_counter() - t0) / decode_tokens
         gpu_step = _graph_step_seconds(engine, decode_tokens) if dev.type == "cuda" else None
         engine.release("seq")
-        nbytes = decode_bytes(config, wbytes, ctx)
+        nbytes = decode_bytes(config, wbytes, ctx, cache_type)
         row = {"context": ctx, "prefill_tokens_per_s": ctx / prefill_s, "decode_tokens_per_s": 1 / step,
                "decode_step_ms": step * 1e3, "bytes_per_token": nbytes}
         if gpu_step is not None:
@@ -133,27 +150,33 @@ def run_bench(model_dir: str | Path, *, contexts=(512, 2048, 8192, 32768), decod
     return result
 
 
-def plot(result: dict, path: str | Path) -> None:
-    """PNG of decode tokens/s against context length, with the roofline."""
+def plot(result: dict | list[dict], path: str | Path) -> None:
+    """PNG of decode tokens/s against context length, with the roofline; a list of results (one per cache type)
+    draws one engine-step and one roofline curve per cache type."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    rows = result["decode"]
-    ctx = [r["context"] for r in rows]
+    results = result if isinstance(result, list) else [result]
     fig, ax = plt.subplots(figsize=(7, 4.5))
-    ax.plot(ctx, [r["decode_tokens_per_s"] for r in rows], "o-", label="engine step")
-    if all("graph_tokens_per_s" in r for r in rows):
-        ax.plot(ctx, [r["graph_tokens_per_s"] for r in rows], "s--", label="graph replay only")
-    if all("roofline_tokens_per_s" in r for r in rows):
-        ax.plot(ctx, [r["roofline_tokens_per_s"] for r in rows], "k:", label="roofline (measured bandwidth)")
+    for r in results:
+        rows = r["decode"]
+        ctx = [x["context"] for x in rows]
+        tag = f" ({r.get('cache_type', 'fp16')} cache)" if len(results) > 1 else ""
+        line = ax.plot(ctx, [x["decode_tokens_per_s"] for x in rows], "o-", label=f"engine step{tag}")[0]
+        if len(results) == 1 and all("graph_tokens_per_s" in x for x in rows):
+            ax.plot(ctx, [x["graph_tokens_per_s"] for x in rows], "s--", label="graph replay only")
+        if all("roofline_tokens_per_s" in x for x in rows):
+            ax.plot(ctx, [x["roofline_tokens_per_s"] for x in rows], ":", color="k" if len(results) == 1 else
+                    line.get_color(), label=f"roofline{tag} (measured bandwidth)")
     ax.set_xscale("log", base=2)
     ax.set_xlabel("context (tokens)")
     ax.set_ylabel("decode tokens/s (batch 1)")
-    ax.set_title(f"{Path(result['model_dir']).name} on {result.get('gpu') or result['device']}")
+    first = results[0]
+    ax.set_title(f"{Path(first['model_dir']).name} on {first.get('gpu') or first['device']}")
     ax.grid(True, alpha=0.3)
-    ax.legend()
+    ax.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)

@@ -38,8 +38,13 @@ def kv_bytes_per_token_of_context(config: ModelConfig, bytes_per_element: int = 
     return 2 * config.num_hidden_layers * config.num_key_value_heads * config.head_dim * bytes_per_element
 
 
-def decode_bytes(config: ModelConfig, weight_bytes: int, context: int) -> int:
-    kv = kv_bytes_per_token_of_context(config)
+def decode_bytes(config: ModelConfig, weight_bytes: int, context: int, cache_type: str = "fp16") -> int:
+    """Bytes of one batch-1 decode step: weights + the cache (codes and scales of `cache_type`) of the context
+    read, and of the new token written."""
+    from exl2_backend.cache.kv_types import get_cache_type
+
+    kv = get_cache_type(cache_type).bytes_per_token(config.num_hidden_layers, config.num_key_value_heads,
+                                                   config.head_dim)
     return weight_bytes + kv * (context + 1)
 
 

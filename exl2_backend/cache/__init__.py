@@ -1,3 +1,17 @@
-"""Paged KV cache storage and the page allocator (architecture decision 5)."""
+"""Paged KV cache storage and the page allocator (architecture decision 5); cache storage types (kv_types).
 
-from exl2_backend.cache.paged import PageAllocator, PagedKVCache, kv_bytes_per_token  # noqa: F401
+The torch-based names load on first use, so `exl2_backend.cache.kv_types` (cache type facts for the CLI and
+settings) imports without torch."""
+
+_LAZY = {"PageAllocator", "PagedKVCache", "kv_bytes_per_token"}
+
+
+def __getattr__(name: str):
+    if name in _LAZY:
+        from exl2_backend.cache import paged
+
+        return getattr(paged, name)
+    raise AttributeError(f"module 'exl2_backend.cache' has no attribute {name!r}")
+
+
+__all__ = sorted(_LAZY)

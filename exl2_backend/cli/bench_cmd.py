@@ -6,9 +6,12 @@ that shape (mixed bit widths as the format allows) and benchmarks it; speed does
 
 from __future__ import annotations
 
+import gc
 import json
 import sys
 from pathlib import Path
+
+from exl2_backend.cache.kv_types import CACHE_TYPE_NAMES
 
 
 def add_parser(sub):
@@ -23,6 +26,11 @@ def add_parser(sub):
     p.add_argument("--prefill-tokens", type=int, default=2048)
     p.add_argument("--device", default="auto")
     p.add_argument("--no-graphs", action="store_true", help="decode eagerly (to show what graphs buy)")
+    p.add_argument("--cache-type", default="fp16",
+                   help="KV cache type(s), comma-separated, each measured in turn on the same loaded model: "
+                        f"{', '.join(CACHE_TYPE_NAMES)} (default fp16)")
+    p.add_argument("--vram-gb", type=float, default=None,
+                   help="GPU memory budget (GiB) for the max-context table (default: the device's memory; 24 on CPU)")
     p.add_argument("--json", help="write results as JSON to this path ('-' for stdout)")
     p.add_argument("--plot", help="write a PNG of tokens/s against context")
     p.set_defaults(func=run)
@@ -48,23 +56,108 @@ def _model_dir(args) -> Path:
     return out
 
 
-def run(args) -> int:
-    from exl2_backend.bench.decode import plot, run_bench
+def _cache_types(arg: str) -> list[str]:
+    types = [t.strip().lower() for t in arg.split(",") if t.strip()]
+    bad = [t for t in types if t not in CACHE_TYPE_NAMES]
+    if bad or not types:
+        raise SystemExit(f"error: --cache-type takes a comma-separated list of {', '.join(CACHE_TYPE_NAMES)}, "
+                         f"got {arg!r}")
+    return types
 
+
+def _free_device_memory() -> None:
+    import torch
+
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
+def run(args) -> int:
+    from exl2_backend.bench.decode import load_model, plot, run_bench
+
+    types = _cache_types(args.cache_type)
     contexts = tuple(int(c) for c in args.contexts.split(",") if c.strip())
-    result = run_bench(_model_dir(args), contexts=contexts, decode_tokens=args.decode_tokens,
-                       prefill_tokens=args.prefill_tokens, device=args.device, use_graphs=not args.no_graphs,
-                       progress=lambda m: print(m, file=sys.stderr))
-    _print_table(result)
+    model_dir = _model_dir(args)
+    loaded = load_model(model_dir, args.device)
+    results, bandwidth = [], None
+    for ct in types:
+        result = run_bench(model_dir, contexts=contexts, decode_tokens=args.decode_tokens,
+                           prefill_tokens=args.prefill_tokens, device=args.device, use_graphs=not args.no_graphs,
+                           progress=lambda m, ct=ct: print(f"[{ct} cache] {m}", file=sys.stderr), cache_type=ct,
+                           loaded=loaded, bandwidth=bandwidth)
+        bandwidth = result["read_bandwidth_gbs"]
+        results.append(result)
+        _print_table(result)
+        _free_device_memory()  # the engine (cache, graphs) of this type goes before the next one is built
+    budget = _budget(loaded[0], loaded[1], args.vram_gb)
+    _print_budget(budget)
+    if len(results) > 1:
+        _print_comparison(results)
+    out = {**results[0], "kv_cache_types": budget} if len(results) == 1 else {"runs": results, "kv_cache_types": budget}
     if args.json:
-        text = json.dumps(result, indent=2)
+        text = json.dumps(out, indent=2)
         if args.json == "-":
             print(text)
         else:
             Path(args.json).write_text(text)
     if args.plot:
-        plot(result, args.plot)
+        plot(results if len(results) > 1 else results[0], args.plot)
     return 0
+
+
+def _budget(model, weight_bytes: int, vram_gb: float | None) -> dict:
+    """Cache bytes per token of every type and the context fitting the VRAM budget (weights = what the loaded
+    model holds on its device, or the per-token weight bytes plus the embedding table on CPU)."""
+    import torch
+
+    from exl2_backend.cache.budget import DEFAULT_RESERVE_BYTES, GIB, cache_type_table
+
+    c = model.config
+    dev = model.device
+    if dev.type == "cuda":
+        weights = torch.cuda.memory_allocated(dev)
+        vram = int(vram_gb * GIB) if vram_gb else torch.cuda.get_device_properties(dev).total_memory
+    else:
+        weights = weight_bytes + c.vocab_size * c.hidden_size * 2
+        vram = int((vram_gb or 24.0) * GIB)
+    rows = cache_type_table(c.num_hidden_layers, c.num_key_value_heads, c.head_dim, weights_bytes=weights,
+                            vram_bytes=vram)
+    return {"vram_bytes": vram, "weights_bytes": weights, "reserve_bytes": DEFAULT_RESERVE_BYTES, "types": rows}
+
+
+def _print_budget(b: dict) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    gib = 1024**3
+    t = Table(title=f"KV cache per token and max context in {b['vram_bytes'] / gib:.1f} GiB "
+                    f"(weights {b['weights_bytes'] / gib:.2f} GiB, reserve {b['reserve_bytes'] / gib:.1f} GiB)")
+    for col in ("type", "K / V", "bytes/token", "vs fp16", "max context"):
+        t.add_column(col, justify="right")
+    for r in b["types"]:
+        t.add_row(r["cache_type"], f"{r['k_format']} / {r['v_format']}", str(r["bytes_per_token"]),
+                  f"{r['ratio_vs_fp16'] * 100:.1f}%", f"{r['max_context']:,}" if r["supported"] else "-")
+    Console().print(t)
+
+
+def _print_comparison(results: list[dict]) -> None:
+    """Decode tokens/s (engine step, and graph replay when measured) per context, one column per cache type."""
+    from rich.console import Console
+    from rich.table import Table
+
+    t = Table(title="decode tokens/s by cache type (engine step / graph replay)")
+    t.add_column("context", justify="right")
+    for r in results:
+        t.add_column(r["cache_type"], justify="right")
+    for i, row in enumerate(results[0]["decode"]):
+        cells = [str(row["context"])]
+        for r in results:
+            x = r["decode"][i]
+            g = f" / {x['graph_tokens_per_s']:.1f}" if "graph_tokens_per_s" in x else ""
+            cells.append(f"{x['decode_tokens_per_s']:.1f}{g}")
+        t.add_row(*cells)
+    Console().print(t)
 
 
 def _print_table(r: dict) -> None:
@@ -74,6 +167,7 @@ def _print_table(r: dict) -> None:
     bw = r["read_bandwidth_gbs"]
     title = (f"{r['model_dir']} on {r.get('gpu') or r['device']}; read bandwidth "
              f"{bw:.0f} GB/s" if bw else f"{r['model_dir']} on {r['device']}")
+    title += f"; {r.get('cache_type', 'fp16')} KV cache"
     t = Table(title=title)
     for col in ("context", "decode tok/s", "step ms", "graph tok/s", "MB/token", "roofline tok/s", "% roofline",
                 "graph %", "prefill tok/s"):

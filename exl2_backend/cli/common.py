@@ -5,13 +5,16 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+from exl2_backend.cache.kv_types import CACHE_TYPE_NAMES
+
 
 def add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("model_dir", nargs="?", default=None,
                    help="EXL2 (or FP16 HF) model directory; default: the embedded SmolLM2-135M-Instruct")
     p.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N")
     p.add_argument("--max-seq-len", type=int, default=None, help="context length to plan the cache for")
-    p.add_argument("--cache-type", default="fp16", help="KV cache storage type (fp16)")
+    p.add_argument("--cache-type", default="fp16", choices=CACHE_TYPE_NAMES,
+                   help="KV cache storage: fp16 (default), fp8, q8, q6 or q4 (quantized pages, more context per GB)")
 
 
 def add_sampling_args(p: argparse.ArgumentParser) -> None:

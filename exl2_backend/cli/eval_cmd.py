@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import sys
 
+from exl2_backend.cache.kv_types import CACHE_TYPE_NAMES
 from exl2_backend.quant.evaluate import DEFAULT_WINDOW
 
 DEFAULT_MAX_TOKENS = 4096
@@ -23,6 +24,9 @@ def add_parser(sub):
     p.add_argument("--window", type=int, default=DEFAULT_WINDOW,
                    help=f"tokens per evaluation window (default {DEFAULT_WINDOW})")
     p.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N")
+    p.add_argument("--cache-type", default="fp16", choices=CACHE_TYPE_NAMES,
+                   help="KV cache type of the evaluated model (the reference always uses fp16); with --reference "
+                        "equal to MODEL_DIR this measures what the quantized cache alone costs")
     p.add_argument("--json", action="store_true", help="print the figures as JSON")
     p.set_defaults(func=run)
     return p
@@ -44,7 +48,8 @@ def _table(result) -> None:
     console = Console()
     console.print(t)
     m = result.meta
-    console.print(f"model {m.get('model_dir')}\nreference {m.get('reference_dir')}\n"
+    console.print(f"model {m.get('model_dir')} (KV cache {m.get('cache_type', 'fp16')})\n"
+                  f"reference {m.get('reference_dir')}\n"
                   f"device {m.get('device')}, load {m.get('load_seconds')} s, eval {result.seconds:.1f} s")
 
 
@@ -64,7 +69,8 @@ def run(args) -> int:
             return 2
         text = path.read_text(encoding="utf-8", errors="replace")
     result = evaluate(args.model_dir, args.reference, text=text, max_tokens=args.max_tokens or None,
-                      window=args.window, device=args.device, progress=not args.json and sys.stderr.isatty())
+                      window=args.window, device=args.device, progress=not args.json and sys.stderr.isatty(),
+                      cache_type=args.cache_type)
     if args.text:
         result.meta["text"] = str(args.text)
     if args.json:

@@ -34,6 +34,8 @@ def render(info: dict, *, max_seq_len: int = 4096, console: Console | None = Non
     for k, v in rows:
         summary.add_row(k, v)
     console.print(summary)
+    if info.get("kv_cache_types"):
+        render_cache_types(info["kv_cache_types"], info.get("kv_cache_budget", {}), console)
 
     layers = Table(title="bits per weight by layer")
     layers.add_column("layer", justify="right")
@@ -43,3 +45,21 @@ def render(info: dict, *, max_seq_len: int = 4096, console: Console | None = Non
         hist = ", ".join(f"{b}b {frac * 100:.1f}%" for b, frac in layer["bit_histogram"].items())
         layers.add_row(str(layer["index"]), f"{layer['bpw']:.3f}", hist)
     console.print(layers)
+
+
+def render_cache_types(rows: list[dict], budget: dict, console: Console) -> None:
+    """KV cache bytes per token of each cache type, and the context that fits the VRAM budget."""
+    ctx, vram, reserve = budget.get("context"), budget.get("vram_gb"), budget.get("reserve_gb")
+    t = Table(title=f"KV cache types (max context in {vram:g} GiB after weights and a {reserve:g} GiB reserve)"
+              if vram is not None else "KV cache types")
+    for col in ("type", "K / V", "bytes/token", "vs fp16", f"GiB at {ctx}" if ctx else None, "max context"):
+        if col:
+            t.add_column(col, justify="right")
+    for r in rows:
+        cells = [r["cache_type"], f"{r['k_format']} / {r['v_format']}", str(r["bytes_per_token"]),
+                 f"{r['ratio_vs_fp16'] * 100:.1f}%"]
+        if ctx:
+            cells.append(f"{r['bytes_at_context'] / GB:.3f}")
+        cells.append(f"{r['max_context']:,}" if r.get("supported", True) and "max_context" in r else "-")
+        t.add_row(*cells)
+    console.print(t)

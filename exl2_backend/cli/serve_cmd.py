@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import argparse
 
+from exl2_backend.cache.kv_types import CACHE_TYPE_NAMES
+
 
 def add_serve_parser(subparsers) -> argparse.ArgumentParser:
     p = subparsers.add_parser(
@@ -20,6 +22,8 @@ def add_serve_parser(subparsers) -> argparse.ArgumentParser:
                    help="KV cache size in tokens, shared by all running sequences")
     p.add_argument("--max-batch-size", type=int, default=16, help="most sequences decoding together")
     p.add_argument("--max-chunk-size", type=int, default=None, help="prompt tokens per prefill step")
+    p.add_argument("--cache-type", default=None, choices=CACHE_TYPE_NAMES,
+                   help="KV cache storage: fp16 (default), fp8, q8, q6 or q4 (quantized pages, more context per GB)")
     p.add_argument("--max-queue", type=int, default=64,
                    help="requests that may wait (beyond free batch slots) before 503")
     p.add_argument("--model-id", default=None, help="name served at /v1/models (default: the directory name)")
@@ -35,5 +39,5 @@ def run_serve(args: argparse.Namespace) -> int:
     run_server(args.model_dir, host=args.host, port=args.port, cache_tokens=args.cache_tokens,
                max_concurrent=args.max_batch_size, max_seq_len=args.max_seq_len, device=args.device,
                max_chunk_size=args.max_chunk_size, max_queue=args.max_queue, model_id=args.model_id,
-               log_level=args.log_level, fast_queue=args.fast_queue)
+               log_level=args.log_level, fast_queue=args.fast_queue, cache_type=args.cache_type)
     return 0

@@ -67,14 +67,14 @@ def _windows(ids: list[int], window: int, bos: int | None) -> list[list[int]]:
 
 
 class _Runner:
-    """One model with a cache sized for one window; runs a window from position 0."""
+    """One model with a cache (of `cache_type`) sized for one window; runs a window from position 0."""
 
-    def __init__(self, model, window: int):
+    def __init__(self, model, window: int, cache_type: str = "fp16"):
         from exl2_backend.runtime.model_runner import ModelRunner
 
         pages = -(-window // PAGE_SIZE)
         self.table = list(range(pages))
-        self.runner = ModelRunner(model, model.make_cache(pages, PAGE_SIZE), pages)
+        self.runner = ModelRunner(model, model.make_cache(pages, PAGE_SIZE, cache_type=cache_type), pages)
 
     def logits(self, ids: list[int]) -> torch.Tensor:
         """f32 logits [T, V] for every position of `ids`."""
@@ -83,16 +83,19 @@ class _Runner:
 
 
 def evaluate_models(model, reference, ids: list[int], window: int = DEFAULT_WINDOW, bos: int | None = None,
-                    progress: bool = False) -> EvalResult:
-    """Compare loaded `model` and `reference` (`LlamaModel`s, same vocabulary) on token ids `ids`."""
+                    progress: bool = False, cache_type: str = "fp16",
+                    reference_cache_type: str = "fp16") -> EvalResult:
+    """Compare loaded `model` and `reference` (`LlamaModel`s, same vocabulary) on token ids `ids`. The model runs
+    over a KV cache of `cache_type`, the reference over one of `reference_cache_type` (with reference = model and
+    cache_type q4, KL measures what the quantized cache alone costs)."""
     if model.vocab_size != reference.vocab_size:
         raise ConfigError(f"vocabulary sizes differ: model {model.vocab_size}, reference {reference.vocab_size}")
     wins = _windows(ids, window, bos)
     if not wins:
         raise ValueError("need at least 2 tokens to evaluate")
     t0 = time.perf_counter()
-    run_m = _Runner(model, window)
-    run_r = _Runner(reference, window)  # own cache even when `reference is model` (then KL ~ 0 checks the path)
+    run_m = _Runner(model, window, cache_type)
+    run_r = _Runner(reference, window, reference_cache_type)  # own cache even when `reference is model` (then KL ~ 0 checks the path)
     nll_m = nll_r = kl_sum = 0.0
     kl_max = 0.0
     agree = hit_m = hit_r = n = 0
@@ -152,9 +155,10 @@ def tokenize_eval_text(model_dir: str | Path, text: str | None = None, max_token
 
 def evaluate(model_dir: str | Path, reference_dir: str | Path, text: str | None = None,
              max_tokens: int | None = None, window: int = DEFAULT_WINDOW, device: str = "auto",
-             progress: bool = False) -> EvalResult:
+             progress: bool = False, cache_type: str = "fp16") -> EvalResult:
     """Load `model_dir` (EXL2 or FP16) and `reference_dir` (FP16) and compare them on `text` (default: the
-    held-out evaluation text), at most `max_tokens` tokens of it, in windows of `window` tokens."""
+    held-out evaluation text), at most `max_tokens` tokens of it, in windows of `window` tokens. The model runs
+    over a KV cache of `cache_type`, the reference over an fp16 one."""
     from exl2_backend.model import LlamaModel
     from exl2_backend.runtime.settings import resolve_device
 
@@ -165,8 +169,8 @@ def evaluate(model_dir: str | Path, reference_dir: str | Path, text: str | None 
     same = Path(reference_dir).resolve() == Path(model_dir).resolve()
     reference = model if same else LlamaModel.from_dir(reference_dir, dev)
     load_s = time.perf_counter() - t0
-    result = evaluate_models(model, reference, ids, window=window, bos=bos, progress=progress)
+    result = evaluate_models(model, reference, ids, window=window, bos=bos, progress=progress, cache_type=cache_type)
     result.meta = {"model_dir": str(model_dir), "reference_dir": str(reference_dir), "device": str(dev),
                    "text": "held-out default (load_eval_text)" if text is None else "user text",
-                   "text_tokens": len(ids), "load_seconds": round(load_s, 2)}
+                   "text_tokens": len(ids), "load_seconds": round(load_s, 2), "cache_type": cache_type}
     return result

@@ -46,3 +46,23 @@ def sampling_from_args(args):
         repetition_penalty=args.repetition_penalty, frequency_penalty=args.frequency_penalty,
         presence_penalty=args.presence_penalty, seed=args.seed,
     )
+
+
+def add_prefill_args(p: argparse.ArgumentParser) -> None:
+    """Chunked prefill and prefix cache flags (generate, serve)."""
+    g = p.add_argument_group("prefill")
+    g.add_argument("--max-input-len", type=int, default=None, metavar="N",
+                   help="most tokens one forward pass carries across the batch (bounds prefill scratch memory; "
+                        "default: the chunk size)")
+    g.add_argument("--no-prefix-caching", dest="prefix_caching", action="store_false",
+                   help="do not reuse the KV pages of prompt prefixes seen before (prefix caching is on by default)")
+
+
+def prefill_settings_from_args(args) -> dict:
+    """LoadSettings fields of the prefill flags (only those given)."""
+    out = {}
+    if getattr(args, "max_input_len", None) is not None:
+        out["max_input_len"] = args.max_input_len
+    if not getattr(args, "prefix_caching", True):
+        out["prefix_caching"] = False
+    return out

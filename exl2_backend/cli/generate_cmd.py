@@ -7,6 +7,7 @@ import sys
 import time
 
 from exl2_backend.cli.common import add_model_args, add_sampling_args, resolve_model_dir, sampling_from_args
+from exl2_backend.cli.common import add_prefill_args, prefill_settings_from_args
 from exl2_backend.errors import InvalidRequestError
 
 
@@ -22,6 +23,7 @@ def add_parser(sub):
     p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     p.add_argument("--ignore-eos", action="store_true")
     add_sampling_args(p)
+    add_prefill_args(p)
     p.set_defaults(func=run)
     return p
 
@@ -45,7 +47,8 @@ def run(args) -> int:
 
     model_dir = resolve_model_dir(args.model_dir)
     settings = LoadSettings(model_dir=str(model_dir), device=args.device, max_seq_len=args.max_seq_len,
-                            cache_type=args.cache_type, max_batch_size=1)
+                            cache_type=args.cache_type, max_batch_size=1,
+                            **prefill_settings_from_args(args))
     t_load = time.perf_counter()
     engine = Engine.load(settings)
     t_load = time.perf_counter() - t_load

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 
 from exl2_backend.cache.kv_types import CACHE_TYPE_NAMES
+from exl2_backend.cli.common import add_prefill_args, prefill_settings_from_args
 
 
 def add_serve_parser(subparsers) -> argparse.ArgumentParser:
@@ -29,6 +30,7 @@ def add_serve_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--model-id", default=None, help="name served at /v1/models (default: the directory name)")
     p.add_argument("--fast-queue", action="store_true", help="ZeroMQ transport between HTTP and engine processes")
     p.add_argument("--log-level", default="warning", choices=["debug", "info", "warning", "error"])
+    add_prefill_args(p)
     p.set_defaults(func=run_serve)
     return p
 
@@ -39,5 +41,6 @@ def run_serve(args: argparse.Namespace) -> int:
     run_server(args.model_dir, host=args.host, port=args.port, cache_tokens=args.cache_tokens,
                max_concurrent=args.max_batch_size, max_seq_len=args.max_seq_len, device=args.device,
                max_chunk_size=args.max_chunk_size, max_queue=args.max_queue, model_id=args.model_id,
-               log_level=args.log_level, fast_queue=args.fast_queue, cache_type=args.cache_type)
+               log_level=args.log_level, fast_queue=args.fast_queue, cache_type=args.cache_type,
+               **prefill_settings_from_args(args))
     return 0

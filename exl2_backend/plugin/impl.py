@@ -49,6 +49,8 @@ CAPABILITIES = {
     "draft_verify": "exact-match",
     "stop_strings": True,
     "cancellation": "release",
+    "prefix_caching": True,
+    "chunked_prefill": True,
     "threading": "single-engine-thread",
 }
 
@@ -157,7 +159,9 @@ class Exl2Handle(BackendHandle):
             field = exc.field or "request"
             reason = "duplicate_id" if field == "seq_id" else "invalid_request"
             raise AdmissionRejected(f"{field}: {exc}", reason=reason, field=field, seq_id=sid) from exc
-        self._seqs[sid] = _SeqState(prompt_len=len(ids), prefill_remaining=len(ids), t_admit=time.perf_counter())
+        seq = self.engine.seqs.get(sid)  # a cached prompt prefix is not run again (prefix caching)
+        remaining = seq.prefill_remaining if seq is not None else len(ids)
+        self._seqs[sid] = _SeqState(prompt_len=len(ids), prefill_remaining=remaining, t_admit=time.perf_counter())
 
     # --- steps -----------------------------------------------------------------------------------------
 
@@ -195,7 +199,8 @@ class Exl2Handle(BackendHandle):
                 st.accepted += accepted
                 st.proposed += len(draft)
         out = Event(sid, list(ev.token_ids), ev.text, ev.finish_reason,
-                    Usage(prompt_tokens=int(ev.prompt_tokens), completion_tokens=int(ev.completion_tokens)),
+                    Usage(prompt_tokens=int(ev.prompt_tokens), completion_tokens=int(ev.completion_tokens),
+                          cached_tokens=int(ev.cached_tokens)),
                     accepted_drafts=accepted)
         if ev.finish_reason == "error":
             out.error = SequenceFailed(ev.error or "sequence failed", seq_id=sid)

@@ -212,6 +212,7 @@ class Engine:
             for s in group:
                 s.num_computed += n
                 self.pages.cache_prefix(s)
+                self.pages.cache_prefix(s)
             done = [i for i, s in enumerate(group) if not s.prefill_remaining]
             tokens = sample_for([group[i] for i in done], logits[done]) if done else []
         except Exception as exc:  # noqa: BLE001 - reported per sequence, pages returned
@@ -313,6 +314,9 @@ class Engine:
             "sequences": len(self.seqs),
             "running": self._num_active(),
             "tokens_generated": self._tokens_generated,
+            **self.pages.prefix_stats(),
+            "max_input_len": self.settings.max_input_len,
+            "prefill_scratch_bytes": self.prefill_scratch_bytes(),
             **self.pages.prefix_stats(),
             "max_input_len": self.settings.max_input_len,
             "prefill_scratch_bytes": self.prefill_scratch_bytes(),

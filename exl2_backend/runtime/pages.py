@@ -75,15 +75,20 @@ class PageBudget:
         self.reserve(seq, self.pages_for(max_total) - len(seq.pages))
         reused = len(seq.pages) * self.page_size
         cow = False
-        if match.cow_source is not None and self._copy_pages is not None:
+        if match.cow_source is not None and self._copy_pages is not None and seq.reserved_pages > 0:
             src = match.cow_source
-            self.prefix.pin(src)
-            if self.unheld >= 1:  # a page for the copy that is not the source itself
-                self.grow(seq, reused + 1)
-                self._copy_pages([src], [seq.pages[-1]])
-                reused += match.cow_tokens
-                cow = True
-            self.prefix.unpin(src)
+            self.prefix.pin(src)  # no eviction may take the source while its copy is made
+            try:
+                if self.unheld >= 1:  # a page for the copy that is not the source itself
+                    page = self._allocate(1)[0]  # from seq's reservation
+                    seq.pages.append(page)
+                    seq.reserved_pages -= 1
+                    self.reserved -= 1
+                    self._copy_pages([src], [page])
+                    reused += match.cow_tokens
+                    cow = True
+            finally:
+                self.prefix.unpin(src)
         if self.prefix is not None:
             self.prefix.record(len(prompt), reused, cow)
         return reused

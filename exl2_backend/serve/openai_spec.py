@@ -392,6 +392,18 @@ def render_metrics(stats: dict, model_id: str) -> str:
             yield gauge("kv_free_tokens", "KV cache tokens neither held nor reserved", backend.get("free_tokens"))
             yield gauge("kv_page_size", "tokens per KV page", backend.get("page_size"))
             yield gauge("max_seq_len", "context length (prompt + completion)", backend.get("max_seq_len"))
+            yield gauge("prefix_cache_pages", "KV pages indexed by the prefix cache (held or evictable)",
+                        backend.get("prefix_cached_pages"))
+            yield gauge("prefix_cache_evictable_pages", "cached KV pages no sequence holds (reusable, or free space)",
+                        backend.get("prefix_evictable_pages"))
+            yield gauge("prefix_cache_hit_rate", "share of admitted prompt tokens whose KV came from the prefix cache",
+                        backend.get("prefix_hit_rate"))
+            for key, doc in (("hit_tokens", "prompt tokens reused from the prefix cache"),
+                             ("lookup_tokens", "prompt tokens looked up in the prefix cache"),
+                             ("evictions", "cached KV pages evicted to make room")):
+                c = CounterMetricFamily(f"exl2_backend_prefix_cache_{key}", doc, labels=["model"])
+                c.add_metric([model_id], float(backend.get(f"prefix_{key}") or 0))
+                yield c
             yield counter("requests", "finished requests by outcome", stats.get("requests") or {}, "outcome")
             yield counter("rejected", "requests refused by reason", stats.get("rejected") or {}, "reason")
             yield counter("steps", "engine steps by kind", stats.get("steps") or {}, "kind")

@@ -66,6 +66,15 @@ class UnsupportedModelError(ConfigError):
     """The architecture in config.json is not one this backend implements."""
 
 
+class VocabMismatchError(ConfigError):
+    """A draft model for speculative decoding does not share the target's vocabulary (token ids mean
+    different things), so its proposals could not be checked against the target."""
+
+
+class InsufficientMemoryError(ConfigError):
+    """The models and KV caches asked for do not fit in the device's free memory (checked before allocating)."""
+
+
 class TokenizerError(Exl2Error):
     """tokenizer.json / tokenizer_config.json is missing or invalid, or a chat template fails to render."""
 

@@ -39,15 +39,15 @@ def load_model(model_dir: str | Path, device: str):
 
 
 def load_engine(model_dir: str | Path, device: str, max_seq_len: int, use_graphs: bool, max_batch_size: int = 1,
-                cache_type: str = "fp16", loaded=None):
+                cache_type: str = "fp16", loaded=None, spec: dict | None = None):
     """-> (Engine, weight bytes per decode step, load seconds); `loaded` = a load_model result to reuse (one
-    model, several cache types)."""
+    model, several cache types); `spec` = speculative decoding load settings (draft_model, ngram, ...)."""
     from exl2_backend.runtime import Engine, LoadSettings
     from exl2_backend.tokenizer import Tokenizer
 
     settings = LoadSettings(model_dir=str(model_dir), device=device, max_seq_len=max_seq_len,
                             cache_tokens=max_seq_len * max_batch_size, max_batch_size=max_batch_size,
-                            use_cuda_graphs=use_graphs, cache_type=cache_type)
+                            use_cuda_graphs=use_graphs, cache_type=cache_type, **(spec or {}))
     model, wbytes, load_s = loaded or load_model(model_dir, device)
     engine = Engine(model, Tokenizer.from_dir(model_dir), settings)
     _sync(engine.device)
@@ -87,14 +87,17 @@ def _graph_step_seconds(engine, iters: int) -> float | None:
 
 def run_bench(model_dir: str | Path, *, contexts=(512, 2048, 8192, 32768), decode_tokens: int = 128,
               prefill_tokens: int = 2048, device: str = "auto", use_graphs: bool = True, seed: int = 0,
-              progress=None, cache_type: str = "fp16", loaded=None, bandwidth: float | None = None) -> dict:
+              progress=None, cache_type: str = "fp16", loaded=None, bandwidth: float | None = None,
+              spec: dict | None = None) -> dict:
     """Measure and return a JSON-able dict: bandwidth, bytes/token, prefill and per-context decode speed with a
     KV cache of `cache_type`. `loaded` (a load_model result) and `bandwidth` (GB/s) reuse what an earlier run
-    of the same model measured."""
-    max_ctx = max(max(contexts), prefill_tokens) + decode_tokens + 8
+    of the same model measured. With `spec` (speculative decoding load settings) decode rates are tokens per
+    second over steps that emit one or more tokens, and result["speculation"] holds the acceptance figures."""
+    slack = 40 if spec else 4  # speculative steps may overshoot the measured token count
+    max_ctx = max(max(contexts), prefill_tokens) + decode_tokens + 4 + slack
     max_seq_len = math.ceil(max_ctx / 256) * 256
     engine, wbytes, load_s = load_engine(model_dir, device, max_seq_len, use_graphs, cache_type=cache_type,
-                                         loaded=loaded)
+                                         loaded=loaded, spec=spec)
     dev = engine.device
     config = engine.config
     if bandwidth is None and dev.type == "cuda":
@@ -109,7 +112,8 @@ def run_bench(model_dir: str | Path, *, contexts=(512, 2048, 8192, 32768), decod
         "model_dir": str(model_dir), "device": str(dev),
         "gpu": torch.cuda.get_device_name(dev) if dev.type == "cuda" else None,
         "load_seconds": load_s, "read_bandwidth_gbs": bandwidth, "weight_bytes_per_token": wbytes,
-        "cuda_graphs": type(engine.runner).__name__ == "CudaGraphRunner", "decode": [],
+        "cuda_graphs": type(getattr(engine.runner, "inner", engine.runner)).__name__ == "CudaGraphRunner",
+        "decode": [],
         "cache_type": cache_type, "kv_bytes_per_token": decode_bytes(config, 0, 0, cache_type),
     }
     # Warm-up (kernel selection, graph capture) on a short sequence.
@@ -124,15 +128,19 @@ def run_bench(model_dir: str | Path, *, contexts=(512, 2048, 8192, 32768), decod
     for ctx in contexts:
         if progress:
             progress(f"context {ctx}")
-        prefill_s = _prefill(engine, "seq", prompt(ctx), decode_tokens + 4)
+        prefill_s = _prefill(engine, "seq", prompt(ctx), decode_tokens + slack)
         for _ in range(2):
             engine.decode(["seq"])
         _sync(dev)
         t0 = time.perf_counter()
-        for _ in range(decode_tokens):
-            engine.decode(["seq"])
+        emitted = 0
+        for _ in range(decode_tokens):  # one token per step, or more when speculating
+            ev = engine.decode(["seq"])[0]
+            emitted += len(ev.token_ids)
+            if emitted >= decode_tokens or ev.finish_reason:
+                break
         _sync(dev)
-        step = (time.perf_counter() - t0) / decode_tokens
+        step = (time.perf_counter() - t0) / max(emitted, 1)  # seconds per generated token
         gpu_step = _graph_step_seconds(engine, decode_tokens) if dev.type == "cuda" else None
         engine.release("seq")
         nbytes = decode_bytes(config, wbytes, ctx, cache_type)
@@ -147,6 +155,8 @@ def run_bench(model_dir: str | Path, *, contexts=(512, 2048, 8192, 32768), decod
                 row["graph_pct_roofline"] = 100 / gpu_step / roof
         result["decode"].append(row)
     engine.assert_no_leaks()
+    if engine.spec is not None:
+        result["speculation"] = {k: v for k, v in engine.stats().items() if k.startswith("spec_")}
     return result
 
 

@@ -33,6 +33,9 @@ def add_parser(sub):
                    help="GPU memory budget (GiB) for the max-context table (default: the device's memory; 24 on CPU)")
     p.add_argument("--json", help="write results as JSON to this path ('-' for stdout)")
     p.add_argument("--plot", help="write a PNG of tokens/s against context")
+    from exl2_backend.cli.common import add_spec_args
+
+    add_spec_args(p)
     p.set_defaults(func=run)
     return p
 
@@ -75,6 +78,7 @@ def _free_device_memory() -> None:
 
 def run(args) -> int:
     from exl2_backend.bench.decode import load_model, plot, run_bench
+    from exl2_backend.cli.common import spec_settings_from_args
 
     types = _cache_types(args.cache_type)
     contexts = tuple(int(c) for c in args.contexts.split(",") if c.strip())
@@ -85,7 +89,7 @@ def run(args) -> int:
         result = run_bench(model_dir, contexts=contexts, decode_tokens=args.decode_tokens,
                            prefill_tokens=args.prefill_tokens, device=args.device, use_graphs=not args.no_graphs,
                            progress=lambda m, ct=ct: print(f"[{ct} cache] {m}", file=sys.stderr), cache_type=ct,
-                           loaded=loaded, bandwidth=bandwidth)
+                           loaded=loaded, bandwidth=bandwidth, spec=spec_settings_from_args(args) or None)
         bandwidth = result["read_bandwidth_gbs"]
         results.append(result)
         _print_table(result)
@@ -182,3 +186,8 @@ def _print_table(r: dict) -> None:
     p = r["prefill"]
     print(f"prefill {p['tokens']} tokens: {p['tokens_per_s']:.0f} tokens/s; load {r['load_seconds']:.1f} s; "
           f"weights {r['weight_bytes_per_token'] / 1e9:.3f} GB read per token; cuda graphs {r['cuda_graphs']}")
+    sp = r.get("speculation")
+    if sp:
+        print(f"speculation {sp['spec_mode']} (k={sp['spec_num_speculative_tokens']}): acceptance rate "
+              f"{sp['spec_acceptance_rate']:.1%}, mean accepted length {sp['spec_mean_accepted_length']:.2f}, "
+              f"{sp['spec_tokens_per_step']:.2f} tokens per step (random-token prompts: expect little acceptance)")

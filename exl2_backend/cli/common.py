@@ -66,3 +66,30 @@ def prefill_settings_from_args(args) -> dict:
     if not getattr(args, "prefix_caching", True):
         out["prefix_caching"] = False
     return out
+
+
+def add_spec_args(p: argparse.ArgumentParser) -> None:
+    """Speculative decoding flags (generate, serve, bench)."""
+    g = p.add_argument_group("speculative decoding")
+    g.add_argument("--draft-model", default=None, metavar="DIR",
+                   help="a small EXL2 model with the target's vocabulary that drafts tokens for the target to verify")
+    g.add_argument("--num-speculative-tokens", type=int, default=None, metavar="K",
+                   help="tokens drafted per step (default 4; the largest k with --adaptive-speculation is 2K)")
+    g.add_argument("--ngram", action="store_true",
+                   help="draft by prompt lookup (n-gram matches in the prompt and output; no draft model needed)")
+    g.add_argument("--adaptive-speculation", action="store_true",
+                   help="raise/lower k per sequence from the running acceptance rate")
+
+
+def spec_settings_from_args(args) -> dict:
+    """LoadSettings fields of the speculative decoding flags (only those given)."""
+    out = {}
+    if getattr(args, "draft_model", None):
+        out["draft_model"] = str(resolve_model_dir(args.draft_model))
+    if getattr(args, "num_speculative_tokens", None) is not None:
+        out["num_speculative_tokens"] = args.num_speculative_tokens
+    if getattr(args, "ngram", False):
+        out["ngram"] = True
+    if getattr(args, "adaptive_speculation", False):
+        out["adaptive_speculation"] = True
+    return out

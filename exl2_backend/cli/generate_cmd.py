@@ -6,7 +6,14 @@ import json
 import sys
 import time
 
-from exl2_backend.cli.common import add_model_args, add_sampling_args, resolve_model_dir, sampling_from_args
+from exl2_backend.cli.common import (
+    add_model_args,
+    add_sampling_args,
+    add_spec_args,
+    resolve_model_dir,
+    sampling_from_args,
+    spec_settings_from_args,
+)
 from exl2_backend.cli.common import add_prefill_args, prefill_settings_from_args
 from exl2_backend.errors import InvalidRequestError
 
@@ -24,6 +31,7 @@ def add_parser(sub):
     p.add_argument("--ignore-eos", action="store_true")
     add_sampling_args(p)
     add_prefill_args(p)
+    add_spec_args(p)
     p.set_defaults(func=run)
     return p
 
@@ -48,7 +56,7 @@ def run(args) -> int:
     model_dir = resolve_model_dir(args.model_dir)
     settings = LoadSettings(model_dir=str(model_dir), device=args.device, max_seq_len=args.max_seq_len,
                             cache_type=args.cache_type, max_batch_size=1,
-                            **prefill_settings_from_args(args))
+                            **prefill_settings_from_args(args), **spec_settings_from_args(args))
     t_load = time.perf_counter()
     engine = Engine.load(settings)
     t_load = time.perf_counter() - t_load
@@ -85,4 +93,9 @@ def run(args) -> int:
         f"first token {((t_first or t1) - t0) * 1000:.0f} ms, decode {rate:.1f} tokens/s, device {engine.device}]",
         file=sys.stderr,
     )
+    if engine.spec is not None:
+        st = engine.spec.stats()
+        print(f"[speculation {st['spec_mode']}: acceptance {st['spec_acceptance_rate']:.1%}, mean accepted length "
+              f"{st['spec_mean_accepted_length']:.2f}, {st['spec_tokens_per_step']:.2f} tokens per step]",
+              file=sys.stderr)
     return 0

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 
 from exl2_backend.cache.kv_types import CACHE_TYPE_NAMES
+from exl2_backend.cli.common import add_spec_args, spec_settings_from_args
 from exl2_backend.cli.common import add_prefill_args, prefill_settings_from_args
 
 
@@ -31,6 +32,7 @@ def add_serve_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--fast-queue", action="store_true", help="ZeroMQ transport between HTTP and engine processes")
     p.add_argument("--log-level", default="warning", choices=["debug", "info", "warning", "error"])
     add_prefill_args(p)
+    add_spec_args(p)
     p.set_defaults(func=run_serve)
     return p
 
@@ -42,5 +44,6 @@ def run_serve(args: argparse.Namespace) -> int:
                max_concurrent=args.max_batch_size, max_seq_len=args.max_seq_len, device=args.device,
                max_chunk_size=args.max_chunk_size, max_queue=args.max_queue, model_id=args.model_id,
                log_level=args.log_level, fast_queue=args.fast_queue, cache_type=args.cache_type,
-               **prefill_settings_from_args(args))
+               **prefill_settings_from_args(args),
+               **spec_settings_from_args(args))
     return 0

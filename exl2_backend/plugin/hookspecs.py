@@ -33,8 +33,10 @@ def exl2_load(settings: dict):
     """Load a model and return a `BackendHandle`, or None when these settings are not for this backend
     (`settings["backend"]` names another one). settings: `model_dir` (None = the backend's default model),
     `device`, `max_seq_len`, `cache_tokens`, `page_size`, `max_batch_size`, `max_chunk_size`, `cache_type`,
-    optional `model_id` (the name hosts show). Raises `exl2_backend.errors.ConfigError` /
-    `ModelFormatError` subclasses naming the field or file at fault."""
+    optional `model_id` (the name hosts show); speculative decoding: `draft_model` (a directory),
+    `num_speculative_tokens` (k, default 4), `ngram` (bool or {min_n, max_n}), `adaptive_speculation` — then
+    `exl2_decode` drafts and verifies, adding one or more tokens per sequence per call. Raises
+    `exl2_backend.errors.ConfigError` / `ModelFormatError` subclasses naming the field or file at fault."""
 
 
 @hookspec(firstresult=True)

@@ -47,6 +47,8 @@ CAPABILITIES = {
     "hooks": list(HOOK_NAMES),
     "capacity_unit": "tokens",
     "draft_verify": "exact-match",
+    "speculative_decoding": ["draft_model", "ngram", "adaptive_k"],  # LoadSettings draft_model / ngram / ...
+    "speculative_sampling": "rejection",  # sampled draft-model proposals keep the target's distribution
     "stop_strings": True,
     "cancellation": "release",
     "prefix_caching": True,

@@ -8,16 +8,24 @@ import torch
 from exl2_backend.ops.reference import apply_penalties, make_uniforms, sample_tokens
 
 
-def sample_for(seqs, logits: torch.Tensor) -> list[int]:
-    """logits f32 [B, V] (one row per sequence, V = the model's vocab_size) -> one token id per sequence."""
+def penalized_logits(seqs, logits: torch.Tensor) -> torch.Tensor:
+    """logits [B, V] -> f32 [B, V] with each sequence's repetition/frequency/presence penalties applied from
+    its prompt and output counts (objects with `params`, `prompt_counts`, `output_counts`)."""
     v = logits.shape[1]
-    params = [s.params.sampling for s in seqs]
     logits = logits.float()
     if any(s.prompt_counts is not None for s in seqs):
         zeros = torch.zeros(v)
         pc = torch.stack([zeros if s.prompt_counts is None else s.prompt_counts for s in seqs])  # [B, V]
         oc = torch.stack([zeros if s.output_counts is None else s.output_counts for s in seqs])
-        logits = apply_penalties(logits, pc.to(logits.device), oc.to(logits.device), params)
+        logits = apply_penalties(logits, pc.to(logits.device), oc.to(logits.device), [s.params.sampling for s in seqs])
+    return logits
+
+
+def sample_for(seqs, logits: torch.Tensor) -> list[int]:
+    """logits f32 [B, V] (one row per sequence, V = the model's vocab_size) -> one token id per sequence."""
+    v = logits.shape[1]
+    params = [s.params.sampling for s in seqs]
+    logits = penalized_logits(seqs, logits)
     # Greedy rows are the argmax (ties -> lowest id, as sample_tokens), drawing no uniforms so their
     # generators stay untouched; only the sampled rows go through the full sampler.
     tokens = torch.argmax(logits, dim=-1)  # [B]

@@ -9,6 +9,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 
 from exl2_backend.cache.kv_types import CACHE_TYPE_NAMES
 from exl2_backend.errors import ConfigError
+from exl2_backend.spec.config import DEFAULT_NUM_SPECULATIVE_TOKENS, MAX_SPECULATIVE_TOKENS, NgramConfig
 
 CACHE_TYPES = CACHE_TYPE_NAMES  # fp16, fp8, q8, q6, q4 (exl2_backend/cache/kv_types.py)
 DEFAULT_MAX_SEQ_LEN = 4096
@@ -44,6 +45,11 @@ class LoadSettings(BaseModel):
     gpu_split: tuple[float, ...] | None = None
     autosplit: bool = False
     tensor_parallel: int = Field(default=1, ge=1, le=64)
+    # Speculative decoding (exl2_backend/spec/): a draft model directory and/or n-gram (prompt-lookup) drafts.
+    draft_model: Path | None = None
+    num_speculative_tokens: int = Field(default=DEFAULT_NUM_SPECULATIVE_TOKENS, ge=1, le=MAX_SPECULATIVE_TOKENS)
+    ngram: bool | NgramConfig = False
+    adaptive_speculation: bool = False  # move k within [0, 2 * num_speculative_tokens] from the acceptance rate
 
     @field_validator("device")
     @classmethod
@@ -93,6 +99,11 @@ class LoadSettings(BaseModel):
     @property
     def torch_device(self) -> torch.device:
         return resolve_device(self.device)
+
+    @property
+    def speculative(self) -> bool:
+        """Whether decode steps speculate (a draft model or n-gram drafting is configured)."""
+        return self.draft_model is not None or bool(self.ngram)
 
     def resolve(self, config, bytes_per_token: int, free_bytes: int | None = None) -> LoadSettings:
         """Concrete settings for a model: device, max_seq_len, cache_tokens filled in.

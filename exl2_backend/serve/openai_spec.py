@@ -404,6 +404,18 @@ def render_metrics(stats: dict, model_id: str) -> str:
                 c = CounterMetricFamily(f"exl2_backend_prefix_cache_{key}", doc, labels=["model"])
                 c.add_metric([model_id], float(backend.get(f"prefix_{key}") or 0))
                 yield c
+            if backend.get("spec_mode"):  # speculative decoding (exl2_backend/spec/)
+                yield gauge("spec_acceptance_rate", "accepted / proposed draft tokens",
+                            backend.get("spec_acceptance_rate"))
+                yield gauge("spec_mean_accepted_length", "accepted draft tokens per verify step that drafted",
+                            backend.get("spec_mean_accepted_length"))
+                yield gauge("spec_tokens_per_step", "tokens per sequence per speculative step",
+                            backend.get("spec_tokens_per_step"))
+                for key, doc in (("spec_proposed_tokens", "draft tokens proposed"),
+                                 ("spec_accepted_tokens", "draft tokens accepted")):
+                    c = CounterMetricFamily(f"exl2_backend_{key}", doc, labels=["model"])
+                    c.add_metric([model_id], float(backend.get(key) or 0))
+                    yield c
             yield counter("requests", "finished requests by outcome", stats.get("requests") or {}, "outcome")
             yield counter("rejected", "requests refused by reason", stats.get("rejected") or {}, "reason")
             yield counter("steps", "engine steps by kind", stats.get("steps") or {}, "kind")

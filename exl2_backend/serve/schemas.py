@@ -33,6 +33,10 @@ class ServeSettings(BaseModel):
     cache_type: str | None = None
     max_input_len: int | None = Field(default=None, ge=1)  # tokens of one prefill forward in all (load setting)
     prefix_caching: bool | None = None  # reuse cached prompt prefixes (load setting; default on)
+    draft_model: str | None = None  # speculative decoding (load settings; see exl2_backend/spec/)
+    num_speculative_tokens: int | None = Field(default=None, ge=1)
+    ngram: bool | None = None
+    adaptive_speculation: bool | None = None
     max_queue: int = Field(default=64, ge=0)  # requests that may wait beyond the free batch slots before 503
     queue_timeout_s: float = Field(default=120.0, gt=0)  # a request waiting longer than this gets 503
     default_max_tokens: int | None = Field(default=None, ge=1)  # when a request gives none: up to the context
@@ -44,7 +48,8 @@ class ServeSettings(BaseModel):
 
     def load_settings(self) -> dict:
         keys = ("model_dir", "model_id", "device", "max_seq_len", "cache_tokens", "max_batch_size", "max_chunk_size",
-                "page_size", "cache_type", "backend")
+                "page_size", "cache_type", "backend", "draft_model", "num_speculative_tokens", "ngram",
+                "adaptive_speculation")
         keys += ("max_input_len", "prefix_caching")
         return {k: getattr(self, k) for k in keys if getattr(self, k) is not None}
 

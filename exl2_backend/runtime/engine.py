@@ -44,6 +44,11 @@ class Engine:
         self.tokenizer = tokenizer
         self.config = model.config
         self.device = model.device
+        draft = None
+        if settings is not None and settings.draft_model is not None:  # loaded and checked before cache sizing
+            from exl2_backend.spec.loader import load_draft
+
+            draft = load_draft(model, tokenizer, settings)
         free = torch.cuda.mem_get_info(self.device)[0] if self.device.type == "cuda" else None
         cache_type = settings.cache_type if settings is not None else "fp16"
         bpt = kv_bytes_per_token(model.num_layers, model.num_kv_heads, model.head_dim, model.dtype, cache_type)
@@ -57,6 +62,11 @@ class Engine:
         self.pages = PageBudget(self.num_pages, s.page_size, prefix_caching=s.prefix_caching,
                                 copy_pages=self.cache.copy_pages)
         self.runner = self._make_runner(math.ceil(s.max_seq_len / s.page_size))
+        self.spec = None  # speculative decoding (exl2_backend/spec/): decode steps draft and verify
+        if s.speculative:
+            from exl2_backend.spec.decoder import SpecDecoder
+
+            self.spec = SpecDecoder(self, draft)
         self.eos_ids = set(self.config.eos_token_ids or ())
         if tokenizer is not None:
             self.eos_ids |= set(getattr(tokenizer, "eos_token_ids", ()) or ())
@@ -67,6 +77,9 @@ class Engine:
         """CUDA-graph decode (decision 3) when on a GPU with the kernel library and use_cuda_graphs; eager
         otherwise, and also when capture fails (logged once: slower, same results)."""
         s = self.settings
+        make = getattr(self.model, "make_runner", None)
+        if make is not None:  # layer-split and tensor-parallel models bring their own runner
+            return make(self.cache, max_pages, s)
         if self.device.type == "cuda" and s.use_cuda_graphs and ops.cuda_enabled():
             from exl2_backend.runtime.cuda_graphs import CudaGraphRunner
 
@@ -81,13 +94,21 @@ class Engine:
     @classmethod
     def load(cls, settings: LoadSettings) -> Engine:
         """Load the model and tokenizer of `settings.model_dir` onto `settings.device`."""
-        from exl2_backend.model import LlamaModel
+        from exl2_backend.runtime.placement import load_model
         from exl2_backend.tokenizer import Tokenizer
 
         if settings.model_dir is None:
             raise InvalidRequestError("LoadSettings.model_dir is required to load a model", field="model_dir")
-        model = LlamaModel.from_dir(settings.model_dir, settings.torch_device)
+        # memory plan first (VramPlanError before anything is allocated), then one device, a layer split or
+        # tensor-parallel ranks (runtime/placement.py)
+        model, settings = load_model(settings)
         return cls(model, Tokenizer.from_dir(settings.model_dir), settings)
+
+    def close(self) -> None:
+        """Stop what the model runs besides this process (tensor-parallel ranks); idempotent."""
+        close = getattr(self.model, "close", None)
+        if close is not None:
+            close()
 
     # --- admission ---------------------------------------------------------------------------------------
 
@@ -144,6 +165,8 @@ class Engine:
     def _finish(self, seq: Sequence, reason: str, error: str | None = None) -> None:
         seq.finish_reason = reason
         seq.error = error
+        if self.spec is not None:
+            self.spec.forget(seq.seq_id)
         self.pages.release(seq, cache=reason != "error")  # a failed step may have left bad KV: do not cache it
 
     def _fail(self, seqs: list[Sequence], exc: BaseException) -> list[StepEvent]:
@@ -212,7 +235,6 @@ class Engine:
             for s in group:
                 s.num_computed += n
                 self.pages.cache_prefix(s)
-                self.pages.cache_prefix(s)
             done = [i for i, s in enumerate(group) if not s.prefill_remaining]
             tokens = sample_for([group[i] for i in done], logits[done]) if done else []
         except Exception as exc:  # noqa: BLE001 - reported per sequence, pages returned
@@ -221,18 +243,23 @@ class Engine:
         return [self._emit(s, [first[i]]) if i in first else s.event([], "") for i, s in enumerate(group)]
 
     def decode(self, seq_ids: list[str]) -> list[StepEvent]:
-        """One new token for each sequence, batched (groups of at most max_batch_size)."""
+        """One new token for each sequence, batched (groups of at most max_batch_size). With speculation
+        configured, a step drafts and verifies instead (exl2_backend/spec/): one or more tokens each."""
         seqs = self._lookup(seq_ids, prefilled=True)
+        if self.spec is not None:
+            return self.spec.decode(seqs)
         events = []
         for i in range(0, len(seqs), self.settings.max_batch_size):
             events += self._decode_group(seqs[i : i + self.settings.max_batch_size], {})
         return events
 
-    def verify(self, seq_ids: list[str], drafts: dict[str, list[int]]) -> list[StepEvent]:
+    def verify(self, seq_ids: list[str], drafts: dict[str, list[int]],
+               draft_probs: dict[str, list[torch.Tensor | None]] | None = None) -> list[StepEvent]:
         """Check host-supplied draft tokens: one forward over [last token, d1..dk] per sequence; drafts are
         accepted while the sampled token equals them (exact-match: greedy output equals plain decoding,
         sampled output keeps the model's distribution), then one more token is sampled. KV of rejected
-        positions is rolled back."""
+        positions is rolled back. draft_probs[seq_id][j] (optional, [V] f32): the distribution draft j was
+        sampled from; such a draft is accepted by rejection sampling instead (spec/rejection.py)."""
         seqs = self._lookup(seq_ids, prefilled=True)
         clipped = {}
         for s in seqs:
@@ -247,11 +274,12 @@ class Engine:
         events = {}
         for group in groups.values():
             for i in range(0, len(group), self.settings.max_batch_size):
-                for ev in self._decode_group(group[i : i + self.settings.max_batch_size], clipped):
+                for ev in self._decode_group(group[i : i + self.settings.max_batch_size], clipped, draft_probs):
                     events[ev.seq_id] = ev
         return [events[sid] for sid in seq_ids]
 
-    def _decode_group(self, group: list[Sequence], drafts: dict[str, list[int]]) -> list[StepEvent]:
+    def _decode_group(self, group: list[Sequence], drafts: dict[str, list[int]],
+                      draft_probs: dict | None = None) -> list[StepEvent]:
         k = len(drafts.get(group[0].seq_id, []))
         try:
             starts = [s.num_tokens - 1 for s in group]  # position of each sequence's last sampled token
@@ -260,7 +288,8 @@ class Engine:
             inputs = [[s.last_token] + drafts.get(s.seq_id, []) for s in group]
             logits = self.runner.run(inputs, starts, [s.pages for s in group], "all" if k else "last")
             if k:
-                return [self._accept(s, logits[b], drafts[s.seq_id]) for b, s in enumerate(group)]
+                return [self._accept(s, logits[b], drafts[s.seq_id], (draft_probs or {}).get(s.seq_id))
+                        for b, s in enumerate(group)]
             tokens = sample_for(group, logits)
             for s in group:
                 s.num_computed += 1
@@ -268,12 +297,18 @@ class Engine:
         except Exception as exc:  # noqa: BLE001 - reported per sequence, pages returned
             return self._fail(group, exc)
 
-    def _accept(self, s: Sequence, logits: torch.Tensor, draft: list[int]) -> StepEvent:
+    def _accept(self, s: Sequence, logits: torch.Tensor, draft: list[int], probs=None) -> StepEvent:
         """logits [k+1, V]: row j predicts the token after draft[:j]. Sample row by row (penalty counts see
         the accepted tokens); stop at the first mismatch or finish."""
         taken, text = [], ""
         for j in range(len(draft) + 1):
-            t = sample_for([s], logits[j : j + 1])[0]
+            q = probs[j] if probs is not None and j < len(draft) and s.params.sampling.temperature != 0 else None
+            if q is None:
+                t = sample_for([s], logits[j : j + 1])[0]
+            else:  # a sampled draft with its distribution: rejection sampling keeps the target's distribution
+                from exl2_backend.spec.rejection import accept_or_resample
+
+                t = accept_or_resample(s, logits[j : j + 1], draft[j], q)
             s.num_computed += 1
             delta, reason = s.append_token(t)
             taken.append(t)
@@ -314,9 +349,7 @@ class Engine:
             "sequences": len(self.seqs),
             "running": self._num_active(),
             "tokens_generated": self._tokens_generated,
-            **self.pages.prefix_stats(),
-            "max_input_len": self.settings.max_input_len,
-            "prefill_scratch_bytes": self.prefill_scratch_bytes(),
+            **(self.spec.stats() if self.spec is not None else {}),  # acceptance rate, mean accepted length
             **self.pages.prefix_stats(),
             "max_input_len": self.settings.max_input_len,
             "prefill_scratch_bytes": self.prefill_scratch_bytes(),
@@ -339,3 +372,5 @@ class Engine:
         """Page accounting invariant (tests): a page's refcount is its live holders (+1 when prefix-cached);
         the rest are free; reservations add up."""
         self.pages.check(list(self.seqs.values()))
+        if self.spec is not None:
+            self.spec.check()  # the draft model's cache too

@@ -12,11 +12,11 @@ A greedy check runs a small model for 20 decode steps: the variants' graphs must
 bit-identical logits (the fused ops compute the same bits as the unfused ones); the eager GPU path and the
 CPU reference model (fp32) are compared by token agreement (informational: fp16 vs fp32).
 
-Variants (switches that keep the old path selectable):
-  before:  rope(q), rope(k), kv_cache_write as three ops; attention splits combined by a second kernel
-  rope:    ops.rope_kv_write (one launch) instead of the three ops (the default)
-  tickets: attention splits combined by the last CTA (tickets, one launch; EXL2_BACKEND_ATTN_TICKETS=1)
-  after:   both
+Variants (switches that keep the old path selectable; all use the fused rope + KV write):
+  before:  no programmatic dependent launch, silu_mul as its own kernel (the 2026-11-29 path)
+  pdl:     programmatic dependent launch (EXL2_BACKEND_PDL, ops.library.set_pdl) on every decode kernel
+  silu:    silu_mul folded into the down GEMV's input gather (EXL2_BACKEND_FUSED_SILU_DOWN)
+  after:   both (the default)
 
 Shapes: "llama3-8b" is written with 4 layers of Llama-3.1-8B width and the full 128256-token head, then
 loaded as 32 layers (layer i reuses the weights of layer i % 4, each packed into its own GPU copy, so the
@@ -50,10 +50,10 @@ SMOLLM2 = {"hidden_size": 576, "num_hidden_layers": 30, "intermediate_size": 153
            "rope_theta": 100000.0, "max_position_embeddings": 8192}
 
 VARIANTS = {
-    "before": {"fused_rope_kv": False, "attn_tickets": False},
-    "rope": {"fused_rope_kv": True, "attn_tickets": False},
-    "tickets": {"fused_rope_kv": False, "attn_tickets": True},
-    "after": {"fused_rope_kv": True, "attn_tickets": True},
+    "before": {"pdl": False, "silu_down": False},
+    "pdl": {"pdl": True, "silu_down": False},
+    "silu": {"pdl": False, "silu_down": True},
+    "after": {"pdl": True, "silu_down": True},
 }
 
 
@@ -93,9 +93,10 @@ def load(name: str, workdir: Path):
 
 def set_variant(v: dict) -> None:
     from exl2_backend.model import layers
+    from exl2_backend.ops import library
 
-    layers.FUSED_ROPE_KV = v["fused_rope_kv"]
-    os.environ["EXL2_BACKEND_ATTN_TICKETS"] = "1" if v["attn_tickets"] else "0"
+    layers.FUSED_SILU_DOWN = v["silu_down"]
+    library.set_pdl(v["pdl"])  # recorded into the graphs captured from now on
 
 
 def make_engine(model, graphs: bool = True, max_seq_len: int = 2048):
@@ -270,7 +271,7 @@ def greedy_check(workdir: Path, results: dict, steps: int = 20) -> bool:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--shapes", default="smollm2,llama3-8b")
-    ap.add_argument("--variants", default="before,rope,tickets,after")
+    ap.add_argument("--variants", default="before,pdl,silu,after")
     ap.add_argument("--workdir", default="/tmp/profile_decode")
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     ap.add_argument("--no-check", action="store_true")

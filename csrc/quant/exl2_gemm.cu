@@ -610,15 +610,20 @@ __device__ __forceinline__ void gv_chunk(const uint32_t (&w)[2][B], int info, co
 }
 
 // Block-wide gather of the split's activations into shared memory, stored row order: xs[m * xstride + r].
-// Two phases so no load waits on another in registers: the split's xmap slice to shared memory (16-byte
-// loads), then 8 independent 2-byte activation loads in flight per thread.
-__device__ __forceinline__ void gv_gather(const GemvParams& p, const QDesc& d, int c0, int nch, __half* xs,
-                                          unsigned short* xm) {
-  constexpr int T = kGvWarps * 32, kB = 8;
+// Two phases so no load waits on another in registers: gv_load_xmap copies the split's xmap slice (a constant)
+// to shared memory with 16-byte loads, before the PDL wait; gv_gather then keeps 8 independent 2-byte
+// activation loads in flight per thread.
+__device__ __forceinline__ void gv_load_xmap(const QDesc& d, int c0, int nch, unsigned short* xm) {
+  constexpr int T = kGvWarps * 32;
   const int rows = nch * kChunkRows;
   const uint4* src = reinterpret_cast<const uint4*>(d.xmap + c0 * kChunkRows);
   for (int v = threadIdx.x; v < rows / 8; v += T) reinterpret_cast<uint4*>(xm)[v] = __ldg(src + v);
   __syncthreads();
+}
+
+__device__ __forceinline__ void gv_gather(const GemvParams& p, int nch, __half* xs, const unsigned short* xm) {
+  constexpr int T = kGvWarps * 32, kB = 8;
+  const int rows = nch * kChunkRows;
   const unsigned short* xg = reinterpret_cast<const unsigned short*>(p.x);
   unsigned short* xo = reinterpret_cast<unsigned short*>(xs);
   const int items = rows * p.M;  // (token, row) pairs, all tokens' loads in flight together
@@ -687,10 +692,12 @@ __device__ __forceinline__ void gv_run(const GemvParams& p, const QDesc& d, cons
   };
   load(wa, ia, cs);
   load(wb, ib, cs + CH);
-  // PDL: the weight loads above may run while the previous kernel finishes; x (and every write) comes after it.
+  unsigned short* xm = reinterpret_cast<unsigned short*>(xs + p.M * p.xstride);
+  gv_load_xmap(d, c0, ce - c0, xm);
+  // PDL: the constant loads above may run while the previous kernel finishes; x (and every write) comes after it.
   exl2::pdl_wait();
   // the activation gather overlaps the first two batches' DRAM reads
-  gv_gather(p, d, c0, ce - c0, xs, reinterpret_cast<unsigned short*>(xs + p.M * p.xstride));
+  gv_gather(p, ce - c0, xs, xm);
   __syncthreads();
 #pragma unroll 1
   for (int c = cs; c < ce; c += 2 * CH) {

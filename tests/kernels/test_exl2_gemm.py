@@ -348,7 +348,7 @@ def test_gated_gemv_equals_silu_mul_then_gemv(bits, m):
     from exl2_backend import ops
     from exl2_backend.ops import cuda_quant
 
-    qt = _to_cuda(make_qt([(bits, 128)] * 3 + [(bits, 32), (8, 32)], 333, seed=bits * 7 + m, bias=bits == 5))
+    qt = _to_cuda(make_qt([(8, 32)] + [(bits, 128)] * 3 + [(bits, 32)], 333, seed=bits * 7 + m, bias=bits == 5))
     op = cuda_quant.prepare_linear([qt], "cuda")
     k = qt.in_features
     gate_up = _x(m, 2 * k, seed=bits * 3 + m) * 2  # [M, 2K]

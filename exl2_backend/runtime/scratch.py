@@ -46,11 +46,19 @@ def prefill_attention_scratch(tq: int, hq: int, hkv: int, d: int, page_size: int
     return own + block + fixed
 
 
-def decode_kernel_workspace(rows: int, hq: int, d: int, max_seq_len: int) -> int:
-    """Split-K workspace of the paged decode kernel (ops/cuda_layers.paged_attention) for `rows` queries
-    (summed over the batch) at a context of max_seq_len: splits <= max(ctx / 512, min(ctx / 64, 1024))."""
-    splits = max(math.ceil(max_seq_len / 512), min(math.ceil(max_seq_len / 64), 1024))
-    return rows * hq * splits * (d + 2) * _F32
+def decode_kernel_workspace(max_rows: int, max_batch_size: int, hq: int, hkv: int, d: int, max_seq_len: int,
+                            num_sms: int) -> int:
+    """Split workspace of the paged decode kernel (ops/cuda_layers.paged_attention), which takes chunks of
+    <= 16 queries per sequence, at a context of max_seq_len: the largest over the batch shapes that fit."""
+    from exl2_backend.ops.cuda_layers import _attn_keys_max, _attn_row_tile, attention_splits
+
+    worst = 0
+    for tq in range(1, DECODE_KERNEL_MAX_QUERIES + 1):
+        b = max(1, min(max_batch_size, max_rows // tq))
+        splits = attention_splits(b, tq, hq, hkv, max_seq_len, num_sms)
+        splits = max(splits, math.ceil(max_seq_len / _attn_keys_max(_attn_row_tile((hq // hkv) * tq))))
+        worst = max(worst, b * tq * hq * splits * (d + 2) * _F32)
+    return worst
 
 
 def prefill_scratch_bytes(model, max_input_len: int, max_chunk: int, max_batch_size: int, max_seq_len: int,
@@ -63,8 +71,13 @@ def prefill_scratch_bytes(model, max_input_len: int, max_chunk: int, max_batch_s
     h, hq, hkv, d = cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
     v = model.vocab_size
     base = 5 * t * h * elem + 3 * t * _I64
+    num_sms = 132  # H200; the real count when on a GPU
+    if model.device.type == "cuda":
+        import torch
+
+        num_sms = torch.cuda.get_device_properties(model.device).multi_processor_count
     attn_core = max(prefill_attention_scratch(tq, hq, hkv, d, page_size, max_seq_len, elem),
-                    decode_kernel_workspace(min(t, DECODE_KERNEL_MAX_QUERIES * max_batch_size), hq, d, max_seq_len))
+                    decode_kernel_workspace(t, max_batch_size, hq, hkv, d, max_seq_len, num_sms))
     attn = mlp = 0
     for layer in model.layers:
         attn = max(attn, linear_scratch(layer.qkv, t, elem) + 2 * t * hq * d * elem + attn_core

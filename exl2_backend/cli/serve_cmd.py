@@ -5,7 +5,6 @@ from __future__ import annotations
 import argparse
 
 from exl2_backend.cache.kv_types import CACHE_TYPE_NAMES
-from exl2_backend.cli.common import add_prefill_args, prefill_settings_from_args
 from exl2_backend.cli.common import add_spec_args, spec_settings_from_args
 from exl2_backend.cli.common import add_prefill_args, prefill_settings_from_args
 

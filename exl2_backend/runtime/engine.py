@@ -349,9 +349,6 @@ class Engine:
             "sequences": len(self.seqs),
             "running": self._num_active(),
             "tokens_generated": self._tokens_generated,
-            **self.pages.prefix_stats(),
-            "max_input_len": self.settings.max_input_len,
-            "prefill_scratch_bytes": self.prefill_scratch_bytes(),
             **(self.spec.stats() if self.spec is not None else {}),  # acceptance rate, mean accepted length
             **self.pages.prefix_stats(),
             "max_input_len": self.settings.max_input_len,

@@ -11,12 +11,15 @@ from __future__ import annotations
 
 import logging
 import math
+import os
+from collections.abc import Callable
 
 import torch
 
 from exl2_backend import ops
 from exl2_backend.cache import kv_bytes_per_token
 from exl2_backend.errors import CapacityError, InvalidRequestError, PromptTooLongError
+from exl2_backend.runtime.lookahead import DecodeLookahead
 from exl2_backend.runtime.model_runner import ModelRunner
 from exl2_backend.runtime.pages import PageBudget
 from exl2_backend.runtime.params import GenerationParams, StepEvent
@@ -26,6 +29,14 @@ from exl2_backend.runtime.settings import LoadSettings
 from exl2_backend.tokenizer import StopMatcher
 
 log = logging.getLogger("exl2_backend")
+
+
+def _notify(callback: Callable[[], None]) -> None:
+    """Run a host's step callback; its failure is the host's problem, never the sequences' (logged)."""
+    try:
+        callback()
+    except Exception:  # noqa: BLE001
+        log.exception("exl2_backend: a host's on_launched callback failed")
 
 
 class _NoDecoder:
@@ -72,6 +83,10 @@ class Engine:
             self.eos_ids |= set(getattr(tokenizer, "eos_token_ids", ()) or ())
         self.seqs: dict[str, Sequence] = {}
         self._tokens_generated = 0
+        # greedy CUDA-graph decode keeps the next step in flight (runtime/lookahead.py); EXL2_BACKEND_LOOKAHEAD=0 off
+        self.lookahead = None
+        if os.environ.get("EXL2_BACKEND_LOOKAHEAD", "1") != "0" and DecodeLookahead.supports(self.runner):
+            self.lookahead = DecodeLookahead(self, self.runner)
 
     def _make_runner(self, max_pages: int) -> ModelRunner:
         """CUDA-graph decode (decision 3) when on a GPU with the kernel library and use_cuda_graphs; eager
@@ -242,15 +257,29 @@ class Engine:
         first = dict(zip(done, tokens))
         return [self._emit(s, [first[i]]) if i in first else s.event([], "") for i, s in enumerate(group)]
 
-    def decode(self, seq_ids: list[str]) -> list[StepEvent]:
+    def decode(self, seq_ids: list[str], on_launched: Callable[[], None] | None = None) -> list[StepEvent]:
         """One new token for each sequence, batched (groups of at most max_batch_size). With speculation
-        configured, a step drafts and verifies instead (exl2_backend/spec/): one or more tokens each."""
+        configured, a step drafts and verifies instead (exl2_backend/spec/): one or more tokens each.
+
+        on_launched: called once, on this thread, when the step's device work is queued and before the engine
+        waits for it (on CPU: before the synchronous forward). A host publishes the previous step's results
+        there, so its Python runs while the GPU computes instead of delaying the next launch (GIL). Not called
+        with speculation on or when the step fails before launching; the host then publishes afterwards."""
         seqs = self._lookup(seq_ids, prefilled=True)
         if self.spec is not None:
             return self.spec.decode(seqs)
+        if self.lookahead is not None and self.lookahead.eligible(seqs):
+            try:
+                return self.lookahead.decode(seqs)
+            except Exception as exc:  # noqa: BLE001 - reported per sequence, pages returned
+                self.lookahead.drop()
+                return self._fail(seqs, exc)
+        if self.lookahead is not None:
+            self.lookahead.drop()
         events = []
         for i in range(0, len(seqs), self.settings.max_batch_size):
-            events += self._decode_group(seqs[i : i + self.settings.max_batch_size], {})
+            events += self._decode_group(seqs[i : i + self.settings.max_batch_size], {}, on_launched=on_launched)
+            on_launched = None
         return events
 
     def verify(self, seq_ids: list[str], drafts: dict[str, list[int]],
@@ -279,14 +308,19 @@ class Engine:
         return [events[sid] for sid in seq_ids]
 
     def _decode_group(self, group: list[Sequence], drafts: dict[str, list[int]],
-                      draft_probs: dict | None = None) -> list[StepEvent]:
+                      draft_probs: dict | None = None, *, on_launched=None) -> list[StepEvent]:
         k = len(drafts.get(group[0].seq_id, []))
         try:
             starts = [s.num_tokens - 1 for s in group]  # position of each sequence's last sampled token
             for s, p in zip(group, starts):
                 self.pages.grow(s, p + 1 + k)
             inputs = [[s.last_token] + drafts.get(s.seq_id, []) for s in group]
+            sync_forward = self.device.type != "cuda"  # eager CPU forward: nothing overlaps, notify before it
+            if on_launched is not None and sync_forward:
+                _notify(on_launched)
             logits = self.runner.run(inputs, starts, [s.pages for s in group], "all" if k else "last")
+            if on_launched is not None and not sync_forward:  # queued on the GPU; sampling below waits for it
+                _notify(on_launched)
             if k:
                 return [self._accept(s, logits[b], drafts[s.seq_id], (draft_probs or {}).get(s.seq_id))
                         for b, s in enumerate(group)]
@@ -353,6 +387,8 @@ class Engine:
             **self.pages.prefix_stats(),
             "max_input_len": self.settings.max_input_len,
             "prefill_scratch_bytes": self.prefill_scratch_bytes(),
+            "lookahead_steps_used": self.lookahead.steps_ahead_used if self.lookahead is not None else 0,
+            "lookahead_steps_dropped": self.lookahead.steps_ahead_dropped if self.lookahead is not None else 0,
         }
 
     def flush_prefix_cache(self) -> int:

@@ -17,6 +17,7 @@ Variants (switches that keep the old path selectable; all use the fused rope + K
   pdl:     programmatic dependent launch (EXL2_BACKEND_PDL, ops.library.set_pdl) on every decode kernel
   silu:    silu_mul folded into the down GEMV's input gather (EXL2_BACKEND_FUSED_SILU_DOWN)
   after:   both (the default)
+  tickets: after + attention splits combined by their last CTA (one kernel; EXL2_BACKEND_ATTN_TICKETS=1)
 
 Shapes: "llama3-8b" is written with 4 layers of Llama-3.1-8B width and the full 128256-token head, then
 loaded as 32 layers (layer i reuses the weights of layer i % 4, each packed into its own GPU copy, so the
@@ -54,6 +55,7 @@ VARIANTS = {
     "pdl": {"pdl": True, "silu_down": False},
     "silu": {"pdl": False, "silu_down": True},
     "after": {"pdl": True, "silu_down": True},
+    "tickets": {"pdl": True, "silu_down": True, "attn_tickets": True},
 }
 
 
@@ -97,6 +99,7 @@ def set_variant(v: dict) -> None:
 
     layers.FUSED_SILU_DOWN = v["silu_down"]
     library.set_pdl(v["pdl"])  # recorded into the graphs captured from now on
+    os.environ["EXL2_BACKEND_ATTN_TICKETS"] = "1" if v.get("attn_tickets") else "0"
 
 
 def make_engine(model, graphs: bool = True, max_seq_len: int = 2048):

@@ -398,11 +398,13 @@ class Engine:
     def prefill_scratch_bytes(self) -> int:
         """Planned upper bound of the device memory one prefill forward allocates beyond weights and KV cache
         (max_input_len tokens in all): it does not grow with the prompt (runtime/scratch.py)."""
-        from exl2_backend.runtime.scratch import prefill_scratch_bytes
+        if getattr(self, "_scratch_bytes", None) is None:  # settings are fixed: plan once
+            from exl2_backend.runtime.scratch import prefill_scratch_bytes
 
-        s = self.settings
-        return prefill_scratch_bytes(self.model, s.max_input_len, s.max_chunk_size, s.max_batch_size,
-                                     s.max_seq_len, s.page_size)
+            s = self.settings
+            self._scratch_bytes = prefill_scratch_bytes(self.model, s.max_input_len, s.max_chunk_size,
+                                                        s.max_batch_size, s.max_seq_len, s.page_size)
+        return self._scratch_bytes
 
     def assert_no_leaks(self) -> None:
         """Page accounting invariant (tests): a page's refcount is its live holders (+1 when prefix-cached);

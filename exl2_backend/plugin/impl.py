@@ -53,6 +53,7 @@ CAPABILITIES = {
     "cancellation": "release",
     "prefix_caching": True,
     "chunked_prefill": True,
+    "multi_gpu": ["gpu_split", "autosplit", "tensor_parallel"],  # load settings of the same names
     "threading": "single-engine-thread",
 }
 
@@ -274,6 +275,8 @@ class Exl2Handle(BackendHandle):
     def unload(self) -> bool:
         self.release(list(self._seqs))
         engine, self.engine = self.engine, None
+        if engine is not None:
+            engine.close()  # tensor-parallel ranks stop with the engine
         self._fatal = self._fatal or "unloaded"
         device = getattr(engine, "device", None)
         del engine

@@ -4,6 +4,7 @@ For each decoder layer's attention and MLP block: run the FP16 block on the cali
 build the shared Hessians, GPTQ-quantize each projection once per distinct option, then for each combined
 option run the block with those weights and record accuracy = 1 - mean_rows(|y_q - y_ref| / |y_ref|). The
 next block's input is the FP16 reference output. Results use measurement.json's record shape (doc a.5).
+Everything runs on the device of the hidden states (GPU or CPU).
 """
 
 from __future__ import annotations
@@ -14,7 +15,16 @@ import torch
 
 from exl2_backend.format.layout import ATTENTION_OPTIONS, MLP_OPTIONS, QuantOption
 from exl2_backend.format.reader import LayerWeights, linear_shape
-from exl2_backend.quant.blocks import BLOCK_PROJS, HESSIAN_SOURCE, dense_weights, run_block
+from exl2_backend.quant.blocks import (
+    BLOCK_PROJS,
+    FIRST_INPUT,
+    HESSIAN_SOURCE,
+    block_core,
+    block_output,
+    dense_weights,
+    row_chunks,
+    run_block,
+)
 from exl2_backend.quant.gptq import HessianAccumulator, PreparedHessian, gptq_quantize
 
 OPTION_TABLES = {"attn": ATTENTION_OPTIONS, "mlp": MLP_OPTIONS}
@@ -29,34 +39,45 @@ def block_key(layer: int, kind: str) -> str:
 
 
 def hessians(capture: dict[str, list[torch.Tensor]]) -> dict[str, PreparedHessian]:
-    """Prepared (permuted, factored) Hessian per captured input name."""
+    """Prepared (permuted, factored) Hessian per captured input name, on the activations' device."""
     out = {}
     for name, chunks in capture.items():
-        acc = HessianAccumulator(chunks[0].shape[-1])
+        acc = HessianAccumulator(chunks[0].shape[-1], chunks[0].device)
         for c in chunks:
             acc.add(c)
         out[name] = PreparedHessian.from_hessian(acc.result(), acc.h.shape[0])
     return out
 
 
-def rel_error(y: torch.Tensor, ref: torch.Tensor) -> float:
-    """mean over rows of |y - ref|_F / |ref|_F; y, ref [R, T, H]."""
-    num = (y - ref).flatten(1).norm(dim=1)
-    den = ref.flatten(1).norm(dim=1).clamp_min(1e-10)
-    return float((num / den).mean())
+class RowErrors:
+    """Accumulates per-row |y - ref|_F and |ref|_F over row chunks (no full y is kept)."""
+
+    def __init__(self):
+        self.num: list[torch.Tensor] = []
+        self.den: list[torch.Tensor] = []
+
+    def add(self, y: torch.Tensor, ref: torch.Tensor) -> None:
+        self.num.append((y - ref).flatten(1).norm(dim=1))
+        self.den.append(ref.flatten(1).norm(dim=1).clamp_min(1e-10))
+
+    def mean(self) -> float:
+        """mean over rows of |y - ref|_F / |ref|_F (one host sync)."""
+        return float((torch.cat(self.num) / torch.cat(self.den)).mean())
 
 
 def measure_block(kind: str, x: torch.Tensor, lw: LayerWeights, cfg, inv_freq,
                   option_ids: Sequence[int] | None = None, step: Callable[[], None] | None = None
                   ) -> tuple[list[dict], torch.Tensor]:
-    """x [R, T, H] -> (records for the block's options, FP16 reference output [R, T, H])."""
+    """x [R, T, H] -> (records for the block's options, FP16 reference output [R, T, H]), on x's device."""
     projs = BLOCK_PROJS[kind]
     table = OPTION_TABLES[kind]
     ids = list(range(len(table))) if option_ids is None else list(option_ids)
-    w_ref = dense_weights(lw, projs)
+    w_ref = dense_weights(lw, projs, x.device)
     capture: dict = {}
     y_ref = run_block(kind, x, lw, w_ref, cfg, inv_freq, capture)
+    xn = capture[FIRST_INPUT[kind]]  # normed block input per row chunk: the same for every option
     hs = hessians(capture)
+    del capture
     cache: dict[tuple[str, str], torch.Tensor] = {}  # (proj, option) -> fp32 [N, K] dequantized weight
     records = []
     for i in ids:
@@ -66,14 +87,18 @@ def measure_block(kind: str, x: torch.Tensor, lw: LayerWeights, cfg, inv_freq,
         for proj, opt in zip(projs, table[i]):
             ck = (proj, str(opt))
             if ck not in cache:  # options repeat across rows of the table: quantize each once
-                res = gptq_quantize(proj, w_ref[proj], hs[HESSIAN_SOURCE[proj]], opt, bias=w_ref.get(f"{proj}.bias"))
+                res = gptq_quantize(proj, w_ref[proj], hs[HESSIAN_SOURCE[proj]], opt, bias=w_ref.get(f"{proj}.bias"),
+                                    pack=False)
                 cache[ck] = res.weight()
             w_q[proj] = cache[ck]
             k, n = linear_shape(cfg, proj)
             bits += opt.total_bits(k, n, bias=cfg.has_bias(proj))
             rec[proj] = opt.to_json()
-        y = run_block(kind, x, lw, w_q, cfg, inv_freq)
-        accuracy = max(1.0 - rel_error(y, y_ref), 1e-6)
+        err = RowErrors()
+        for xc, xnc, yc in zip(row_chunks(x), xn, row_chunks(y_ref)):
+            a = block_core(kind, xnc, xc.shape[0], w_q, cfg, inv_freq)
+            err.add(block_output(kind, xc, a, w_q), yc)
+        accuracy = max(1.0 - err.mean(), 1e-6)
         records.append({"accuracy": accuracy, "total_bits": int(bits), "option_index": i, **rec})
         if step is not None:
             step()

@@ -26,41 +26,74 @@ def runtime_scales(q_scale_max: torch.Tensor, codes: torch.Tensor) -> torch.Tens
     return (sq.float() * max16.float().unsqueeze(-1)).half()
 
 
-def _bin_weighted(r: torch.Tensor, f: torch.Tensor, bins_per_step: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Collapse (r, weight f) pairs into bins 1/bins_per_step of a quantization step wide.
+_P_ON_DEVICE: dict[str, torch.Tensor] = {}
 
-    Returns the f-weighted mean r of each non-empty bin and the bin's total weight. The objective is smooth
-    in r between rounding boundaries, so evaluating it at bin means is accurate to well under 1% while
-    costing 97 x bins instead of 97 x elements (a 49152-column head group has 6M elements).
+
+def _p_grid(device: torch.device) -> torch.Tensor:
+    """P_GRID on `device`, copied once (a per-call copy would be a host-device sync on the GPU)."""
+    key = str(device)
+    if key not in _P_ON_DEVICE:
+        _P_ON_DEVICE[key] = P_GRID.to(device)
+    return _P_ON_DEVICE[key]
+
+
+def stretch_errors_reference(r: torch.Tensor, f: torch.Tensor, p_grid: torch.Tensor, bits: int,
+                             norm: float = NORM) -> torch.Tensor:
+    """Exact search objective: r [rows, N] (weights in units of their column scale), f [N] column weights ->
+    float64 [P] sums of f * |clamp(round(r / p), -z, maxq - z) * p - r|^norm (triton_kernels' reference)."""
+    z, maxq = 1 << (bits - 1), (1 << bits) - 1
+    out = []
+    for p in p_grid.to(r.device):
+        e = (torch.clamp(torch.round(r / p), -z, maxq - z) * p - r).abs_().pow_(norm)  # [rows, N]
+        out.append((e * f).double().sum())
+    return torch.stack(out)
+
+
+def _binned_errors(r: torch.Tensor, f: torch.Tensor, p_grid: torch.Tensor, bits: int,
+                   bins_per_step: int = 64) -> torch.Tensor:
+    """The objective evaluated on (r, f) pairs collapsed into bins 1/bins_per_step of a step wide.
+
+    It is smooth in r between rounding boundaries, so the f-weighted bin means give it to well under 1% at
+    P x bins instead of P x elements of work (a 49152-column head group has 6M elements). The bin range is
+    fixed per width: |r| <= (maxq/2) * max(base/s) = (maxq/2) * 1.5^2 (the code rounding of a column's scale
+    shrinks it by at most (1/1.5)^2), so no size depends on the data and nothing waits for the device.
     """
-    lim = float(r.abs().max()) + 1e-6
-    nb = int(min(max(2 * lim * bins_per_step, 64), 1 << 16))
-    idx = ((r + lim) * (nb / (2 * lim))).to(torch.int32).clamp_(0, nb - 1)
-    wsum = torch.zeros(nb).index_add_(0, idx, f)
-    rsum = torch.zeros(nb).index_add_(0, idx, f * r)
-    keep = wsum > 0
-    return rsum[keep] / wsum[keep], wsum[keep]
+    z, maxq = 1 << (bits - 1), (1 << bits) - 1
+    lim = 1.125 * maxq + 1.0
+    nb = int(2 * lim * bins_per_step)
+    r, w = r.flatten(), f.expand(r.shape).flatten()
+    idx = ((r + lim) * (nb / (2 * lim))).to(torch.int64).clamp_(0, nb - 1)
+    wsum = torch.zeros(nb, device=r.device).index_add_(0, idx, w)
+    rsum = torch.zeros(nb, device=r.device).index_add_(0, idx, w * r)
+    rep = rsum / wsum.clamp_min(1e-30)  # empty bins: weight 0, contribute nothing
+    p = p_grid.unsqueeze(1)  # [P, 1]
+    e = (torch.clamp(torch.round(rep / p), -z, maxq - z) * p - rep).abs_().pow_(NORM)  # [P, bins]
+    return e.double() @ wsum.double()  # [P]
 
 
-def search_group_scales(w: torch.Tensor, bits: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """w: fp32 [rows, N] (one group, unpadded columns) -> (codes int32 [N] in 0..15, q_scale_max fp16 scalar)."""
+def search_group_scales(w: torch.Tensor, bits: int, check_finite: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+    """w: fp32 [rows, N] (one group, unpadded columns) -> (codes int32 [N] in 0..15, q_scale_max fp16 scalar).
+
+    Runs on w's device without a host sync when check_finite is False (the caller then checks the fp16
+    maxima for overflow once per tensor). On a GPU with triton the stretch objective is exact; elsewhere binned.
+    """
     maxq = (1 << bits) - 1
-    z = 1 << (bits - 1)
     base = (w.abs().amax(dim=0) + 1e-12) / (maxq / 2)  # [Np]
     smax = base.max()
     qs = torch.clamp(torch.round(16 * torch.sqrt(base / smax)), 1, 16)  # [Np]
     s = (qs / 16) ** 2 * smax  # [Np] candidate scale before the stretch
+    r = w / s  # [rows, Np] weights in units of their column's scale
+    f = (s / smax) ** NORM  # [Np]: |s e|^3.5 = s^3.5 |e|^3.5; /smax avoids underflow
+    grid = _p_grid(w.device)
+    from exl2_backend.quant import triton_kernels
 
-    r = (w / s).flatten()  # [rows*Np] weights in units of their column's scale
-    f = ((s / smax) ** NORM).expand_as(w).flatten()  # |s e|^3.5 = s^3.5 |e|^3.5; /smax avoids underflow
-    rep, wt = _bin_weighted(r, f, bins_per_step=64)
-    p = P_GRID.unsqueeze(1)  # [P, 1]
-    e = (torch.clamp(torch.round(rep / p), -z, maxq - z) * p - rep).abs_().pow_(NORM)  # [P, bins]
-    err = e.double() @ wt.double()  # [P]
-    p_best = P_GRID[int(torch.argmin(err))]
-    q_scale_max = (smax * p_best).to(torch.float16)
-    if not torch.isfinite(q_scale_max):
-        raise NonFiniteScaleError(f"group maximum {float(smax * p_best):.3g} overflows fp16")
+    if triton_kernels.available(w.device):
+        err = triton_kernels.stretch_errors(r, f, grid, bits, NORM)
+    else:
+        err = _binned_errors(r, f, grid, bits)
+    q_scale_max = (smax * grid[torch.argmin(err)]).to(torch.float16)
+    if check_finite and not torch.isfinite(q_scale_max):
+        raise NonFiniteScaleError(f"group maximum {float(smax) * float(grid[torch.argmin(err)]):.3g} overflows fp16")
     return (qs - 1).to(torch.int32), q_scale_max
 
 
@@ -71,32 +104,30 @@ def quantize_rtn(
     perm: torch.Tensor | None = None,
     bias: torch.Tensor | None = None,
 ) -> QTensor:
-    """Quantize an HF-layout weight [N, K] with `option`. perm [K]: stored row k holds original feature perm[k]."""
+    """Quantize an HF-layout weight [N, K] with `option` (on weight's device; the QTensor comes back on the CPU).
+    perm [K]: stored row k holds original feature perm[k]."""
     n, k = weight.shape
+    dev = weight.device
     if not torch.isfinite(weight).all():
         raise ModelFormatError("weight holds NaN or infinite values; cannot quantize", tensor=f"{key}.weight")
     np_ = pad32(n)
-    w = torch.zeros(k, np_, dtype=torch.float32)  # [K, Np] EXL2 layout (transposed), padding columns zero
+    w = torch.zeros(k, np_, dtype=torch.float32, device=dev)  # [K, Np] EXL2 layout (transposed), padding zero
     w[:, :n] = weight.detach().float().t()
-    if perm is None:
-        perm = torch.arange(k)
+    perm = torch.arange(k) if perm is None else perm.detach().cpu()
     perm = perm.long().flatten()
     if perm.numel() != k or not torch.equal(torch.sort(perm).values, torch.arange(k)):
         raise ValueError(f"{key}: perm must be a permutation of 0..{k - 1}")
-    w = w[perm]  # stored (activation) order
+    w = w[perm.to(dev)]  # stored (activation) order
     groups = option.group_layout(k)
 
-    qvalues = torch.empty(k, np_, dtype=torch.int32)  # [K, Np]
-    codes = torch.empty(len(groups), np_, dtype=torch.int32)  # [G, Np]
-    smax = torch.empty(len(groups), dtype=torch.float16)  # [G]
+    qvalues = torch.empty(k, np_, dtype=torch.int32, device=dev)  # [K, Np]
+    codes = torch.zeros(len(groups), np_, dtype=torch.int32, device=dev)  # [G, Np]; padding columns: code 0
+    smax = torch.empty(len(groups), dtype=torch.float16, device=dev)  # [G]
     row = 0
     for g, (bits, rows) in enumerate(groups):
         wg = w[row : row + rows]  # [rows, Np]
-        try:
-            c, m = search_group_scales(wg[:, :n], bits)
-        except NonFiniteScaleError as e:
-            raise NonFiniteScaleError(f"group {g}: {e}", tensor=f"{key}.q_scale_max") from None
-        codes[g, :n], codes[g, n:] = c, 0  # padding columns: code 0 (converter convention)
+        c, m = search_group_scales(wg[:, :n], bits, check_finite=False)
+        codes[g, :n] = c
         smax[g] = m
         scale = runtime_scales(m.unsqueeze(0), codes[g : g + 1]).float()  # [1, Np]
         z = 1 << (bits - 1)
@@ -105,5 +136,16 @@ def quantize_rtn(
         q[:, n:] = z  # padding columns decode to exactly 0
         qvalues[row : row + rows] = q.to(torch.int32)
         row += rows
+    check_scale_maxima(key, smax)
     invperm = torch.argsort(perm).to(torch.int32)
-    return build_qtensor(key, qvalues, codes, smax, groups, invperm, n, bias=bias)
+    return build_qtensor(key, qvalues.cpu(), codes.cpu(), smax.cpu(), groups, invperm, n,
+                         bias=None if bias is None else bias.detach().cpu())
+
+
+def check_scale_maxima(key: str, smax: torch.Tensor) -> None:
+    """One check per tensor (one host sync on a GPU): every group's fp16 q_scale_max must be finite."""
+    bad = ~torch.isfinite(smax)
+    if bool(bad.any()):
+        g = int(bad.nonzero()[0, 0])
+        raise NonFiniteScaleError(f"group {g}: the scale maximum overflows fp16 (weights too large for EXL2's "
+                                  "fp16 scales)", tensor=f"{key}.q_scale_max")

@@ -25,7 +25,7 @@ TEXTS = [
     "checks types, optimizes the intermediate form and finally emits code for the target processor."),
 ]
 FAST = {"rows": 4, "length": 48, "measure_rows": 2, "attn_options": [0, 4, 6, 9, 14, 18],
-        "mlp_options": [0, 4, 7, 9, 13, 16], "progress": False}
+        "mlp_options": [0, 4, 7, 9, 13, 16], "progress": False, "checkpoint_s": 0.0}
 
 
 def _settings(tmp_path, name, **kw) -> ConvertSettings:

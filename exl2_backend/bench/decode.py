@@ -21,8 +21,11 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def load_model(model_dir: str | Path, device: str):
-    """-> (LlamaModel on `device`, weight bytes per decode step, load seconds)."""
+def load_model(model_dir: str | Path, device: str, multi: dict | None = None):
+    """-> (LlamaModel on `device`, weight bytes per decode step, load seconds). `multi`: multi-GPU load
+    settings (gpu_split / autosplit / tensor_parallel): the model Engine.load would build (planned, checked)."""
+    if multi:
+        return _load_placed(model_dir, device, multi)
     from exl2_backend.format.config import ModelConfig
     from exl2_backend.format.reader import load_weights
     from exl2_backend.model import LlamaModel
@@ -38,8 +41,24 @@ def load_model(model_dir: str | Path, device: str):
     return model, wbytes, time.perf_counter() - t0
 
 
+def _load_placed(model_dir, device: str, multi: dict):
+    from exl2_backend.plan import describe_dir
+    from exl2_backend.runtime import LoadSettings
+    from exl2_backend.runtime.placement import load_model as place
+
+    desc = describe_dir(model_dir)
+    wbytes = sum(d.disk_bytes() for layer in desc.layers for d in layer.values())  # as weight_bytes_per_token
+    wbytes += desc.head.disk_bytes() if desc.head is not None else 2 * desc.config.vocab_size * desc.hidden
+    wbytes += 2 * desc.hidden * (2 * len(desc.layers) + 2)  # norms, final norm, one embedding row
+    t0 = time.perf_counter()
+    model, _ = place(LoadSettings(model_dir=str(model_dir), device=device, **multi))
+    for dev in getattr(model, "devices", [model.device]):
+        _sync(dev)
+    return model, wbytes, time.perf_counter() - t0
+
+
 def load_engine(model_dir: str | Path, device: str, max_seq_len: int, use_graphs: bool, max_batch_size: int = 1,
-                cache_type: str = "fp16", loaded=None, spec: dict | None = None):
+                cache_type: str = "fp16", loaded=None, spec: dict | None = None, multi: dict | None = None):
     """-> (Engine, weight bytes per decode step, load seconds); `loaded` = a load_model result to reuse (one
     model, several cache types); `spec` = speculative decoding load settings (draft_model, ngram, ...)."""
     from exl2_backend.runtime import Engine, LoadSettings
@@ -47,8 +66,8 @@ def load_engine(model_dir: str | Path, device: str, max_seq_len: int, use_graphs
 
     settings = LoadSettings(model_dir=str(model_dir), device=device, max_seq_len=max_seq_len,
                             cache_tokens=max_seq_len * max_batch_size, max_batch_size=max_batch_size,
-                            use_cuda_graphs=use_graphs, cache_type=cache_type, **(spec or {}))
-    model, wbytes, load_s = loaded or load_model(model_dir, device)
+                            use_cuda_graphs=use_graphs, cache_type=cache_type, **(spec or {}), **(multi or {}))
+    model, wbytes, load_s = loaded or load_model(model_dir, device, multi)
     engine = Engine(model, Tokenizer.from_dir(model_dir), settings)
     _sync(engine.device)
     return engine, wbytes, load_s
@@ -88,7 +107,7 @@ def _graph_step_seconds(engine, iters: int) -> float | None:
 def run_bench(model_dir: str | Path, *, contexts=(512, 2048, 8192, 32768), decode_tokens: int = 128,
               prefill_tokens: int = 2048, device: str = "auto", use_graphs: bool = True, seed: int = 0,
               progress=None, cache_type: str = "fp16", loaded=None, bandwidth: float | None = None,
-              spec: dict | None = None) -> dict:
+              spec: dict | None = None, multi: dict | None = None) -> dict:
     """Measure and return a JSON-able dict: bandwidth, bytes/token, prefill and per-context decode speed with a
     KV cache of `cache_type`. `loaded` (a load_model result) and `bandwidth` (GB/s) reuse what an earlier run
     of the same model measured. With `spec` (speculative decoding load settings) decode rates are tokens per
@@ -97,7 +116,7 @@ def run_bench(model_dir: str | Path, *, contexts=(512, 2048, 8192, 32768), decod
     max_ctx = max(max(contexts), prefill_tokens) + decode_tokens + 4 + slack
     max_seq_len = math.ceil(max_ctx / 256) * 256
     engine, wbytes, load_s = load_engine(model_dir, device, max_seq_len, use_graphs, cache_type=cache_type,
-                                         loaded=loaded, spec=spec)
+                                         loaded=loaded, spec=spec, multi=multi)
     dev = engine.device
     config = engine.config
     if bandwidth is None and dev.type == "cuda":
@@ -116,6 +135,9 @@ def run_bench(model_dir: str | Path, *, contexts=(512, 2048, 8192, 32768), decod
         "decode": [],
         "cache_type": cache_type, "kv_bytes_per_token": decode_bytes(config, 0, 0, cache_type),
     }
+    plan = getattr(engine.model, "plan", None)
+    if plan is not None and plan.mode != "single":  # layer split / tensor parallel: where everything went
+        result["placement"] = plan.to_dict()
     # Warm-up (kernel selection, graph capture) on a short sequence.
     _prefill(engine, "warmup", prompt(64), 8)
     for _ in range(4):

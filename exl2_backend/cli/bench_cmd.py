@@ -31,6 +31,9 @@ def add_parser(sub):
                         f"{', '.join(CACHE_TYPE_NAMES)} (default fp16)")
     p.add_argument("--vram-gb", type=float, default=None,
                    help="GPU memory budget (GiB) for the max-context table (default: the device's memory; 24 on CPU)")
+    from exl2_backend.cli.common import add_multi_gpu_args
+
+    add_multi_gpu_args(p)
     p.add_argument("--json", help="write results as JSON to this path ('-' for stdout)")
     p.add_argument("--plot", help="write a PNG of tokens/s against context")
     from exl2_backend.cli.common import add_spec_args
@@ -78,18 +81,20 @@ def _free_device_memory() -> None:
 
 def run(args) -> int:
     from exl2_backend.bench.decode import load_model, plot, run_bench
-    from exl2_backend.cli.common import spec_settings_from_args
+    from exl2_backend.cli.common import multi_gpu_settings_from_args, spec_settings_from_args
 
     types = _cache_types(args.cache_type)
     contexts = tuple(int(c) for c in args.contexts.split(",") if c.strip())
     model_dir = _model_dir(args)
-    loaded = load_model(model_dir, args.device)
+    multi = multi_gpu_settings_from_args(args)
+    loaded = load_model(model_dir, args.device, multi)
     results, bandwidth = [], None
     for ct in types:
         result = run_bench(model_dir, contexts=contexts, decode_tokens=args.decode_tokens,
                            prefill_tokens=args.prefill_tokens, device=args.device, use_graphs=not args.no_graphs,
                            progress=lambda m, ct=ct: print(f"[{ct} cache] {m}", file=sys.stderr), cache_type=ct,
-                           loaded=loaded, bandwidth=bandwidth, spec=spec_settings_from_args(args) or None)
+                           loaded=loaded, bandwidth=bandwidth, spec=spec_settings_from_args(args) or None,
+                           multi=multi)
         bandwidth = result["read_bandwidth_gbs"]
         results.append(result)
         _print_table(result)

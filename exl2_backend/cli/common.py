@@ -1,4 +1,4 @@
-"""Arguments shared by several subcommands (model location, device, context, sampling)."""
+"""Arguments shared by several subcommands (model location, device, context, multi-GPU, sampling)."""
 
 from __future__ import annotations
 
@@ -15,6 +15,35 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-seq-len", type=int, default=None, help="context length to plan the cache for")
     p.add_argument("--cache-type", default="fp16", choices=CACHE_TYPE_NAMES,
                    help="KV cache storage: fp16 (default), fp8, q8, q6 or q4 (quantized pages, more context per GB)")
+    add_multi_gpu_args(p)
+
+
+def add_multi_gpu_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("multi-GPU (one of)")
+    g.add_argument("--gpu-split", metavar="GB,GB,...",
+                   help="layer split: a budget in GB (1e9 bytes) per device, e.g. 20,23 for cuda:0 and cuda:1")
+    g.add_argument("--autosplit", action="store_true",
+                   help="layer split over every visible GPU, filled in order (KV cache and scratch reserved)")
+    g.add_argument("--tensor-parallel", type=int, default=1, metavar="N",
+                   help="tensor parallelism over N GPUs (one process per GPU, NCCL)")
+
+
+def multi_gpu_settings_from_args(args) -> dict:
+    """LoadSettings fields of the multi-GPU flags (only those given); a malformed --gpu-split is a ConfigError."""
+    from exl2_backend.errors import ConfigError
+
+    out: dict = {}
+    if getattr(args, "gpu_split", None):
+        try:
+            out["gpu_split"] = [float(x) for x in args.gpu_split.split(",") if x.strip()]
+        except ValueError:
+            raise ConfigError(f"--gpu-split takes GB per device separated by commas (e.g. 20,23), got "
+                              f"{args.gpu_split!r}", field="gpu_split") from None
+    if getattr(args, "autosplit", False):
+        out["autosplit"] = True
+    if (getattr(args, "tensor_parallel", 1) or 1) > 1:
+        out["tensor_parallel"] = args.tensor_parallel
+    return out
 
 
 def add_sampling_args(p: argparse.ArgumentParser) -> None:

@@ -15,6 +15,7 @@ from exl2_backend.cli.common import (
     spec_settings_from_args,
 )
 from exl2_backend.cli.common import add_prefill_args, prefill_settings_from_args
+from exl2_backend.cli.common import multi_gpu_settings_from_args
 from exl2_backend.errors import InvalidRequestError
 
 
@@ -56,7 +57,8 @@ def run(args) -> int:
     model_dir = resolve_model_dir(args.model_dir)
     settings = LoadSettings(model_dir=str(model_dir), device=args.device, max_seq_len=args.max_seq_len,
                             cache_type=args.cache_type, max_batch_size=1,
-                            **prefill_settings_from_args(args), **spec_settings_from_args(args))
+                            **prefill_settings_from_args(args), **spec_settings_from_args(args),
+                            **multi_gpu_settings_from_args(args))
     t_load = time.perf_counter()
     engine = Engine.load(settings)
     t_load = time.perf_counter() - t_load
@@ -98,4 +100,5 @@ def run(args) -> int:
         print(f"[speculation {st['spec_mode']}: acceptance {st['spec_acceptance_rate']:.1%}, mean accepted length "
               f"{st['spec_mean_accepted_length']:.2f}, {st['spec_tokens_per_step']:.2f} tokens per step]",
               file=sys.stderr)
+    engine.close()  # tensor-parallel ranks
     return 0

@@ -1,4 +1,5 @@
-"""`exl2-backend info`: architecture, bits per weight per layer, sizes and estimated memory of a model."""
+"""`exl2-backend info`: architecture, bits per weight per layer, sizes, and the memory plan of a load (per device,
+with --gpu-split / --autosplit / --tensor-parallel); exits 1 when that plan does not fit."""
 
 from __future__ import annotations
 
@@ -16,15 +17,48 @@ def add_parser(sub):
                    help="GPU memory budget (GiB) for the max-context column of the KV cache table (default 24)")
     p.add_argument("--reserve-gb", type=float, default=1.0,
                    help="part of --vram-gb kept for activations, scratch and the CUDA context (default 1)")
+    g = p.add_argument_group("memory plan (what a load with these settings would put on each device)")
+    g.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N (cuda works without a GPU: "
+                   "sizes are shown, budgets only checked against --gpu-split)")
+    g.add_argument("--cache-tokens", type=int, default=None, help="KV cache size in tokens (default: as the engine)")
+    g.add_argument("--cache-type", default="fp16", help="KV cache type of the plan (fp16, fp8, q8, q6, q4)")
+    g.add_argument("--max-batch-size", type=int, default=1, help="decode batch the scratch is planned for")
+    g.add_argument("--draft-model", default=None, help="a draft model directory planned beside the model")
+    from exl2_backend.cli.common import add_multi_gpu_args
+
+    add_multi_gpu_args(p)
     p.set_defaults(func=run)
     return p
+
+
+def _memory_plan(args, model_dir):
+    """-> (VramPlan, VramPlanError | None) for the plan flags."""
+    from exl2_backend.cli.common import multi_gpu_settings_from_args
+    from exl2_backend.errors import VramPlanError
+    from exl2_backend.plan import plan_load
+    from exl2_backend.runtime import LoadSettings
+
+    settings = LoadSettings(model_dir=str(model_dir), device=args.device, max_seq_len=args.max_seq_len,
+                            cache_tokens=args.cache_tokens, cache_type=args.cache_type,
+                            max_batch_size=args.max_batch_size, draft_model=args.draft_model,
+                            **multi_gpu_settings_from_args(args))
+    plan = plan_load(settings)
+    try:
+        plan.check()
+    except VramPlanError as exc:
+        return plan, exc
+    return plan, None
 
 
 def run(args) -> int:
     from exl2_backend.cache.budget import GIB, cache_type_table
     from exl2_backend.format.inspect import describe_model
 
-    info = describe_model(resolve_model_dir(args.model_dir))
+    model_dir = resolve_model_dir(args.model_dir)
+    info = describe_model(model_dir)
+    plan, plan_error = _memory_plan(args, model_dir)
+    info["memory_plan"] = {**plan.to_dict(), "fits": plan_error is None,
+                           "error": None if plan_error is None else str(plan_error)}
     info["kv_cache_types"] = cache_type_table(
         info["num_layers"], info["num_key_value_heads"], info["head_dim"],
         weights_bytes=info["memory"]["weights_bytes"], vram_bytes=int(args.vram_gb * GIB),
@@ -32,8 +66,9 @@ def run(args) -> int:
     info["kv_cache_budget"] = {"vram_gb": args.vram_gb, "reserve_gb": args.reserve_gb, "context": args.max_seq_len}
     if args.json:
         print(json.dumps(info, indent=2, default=str))
-        return 0
-    from exl2_backend.cli.info_render import render
+        return 0 if plan_error is None else 1
+    from exl2_backend.cli.info_render import render, render_plan
 
     render(info, max_seq_len=args.max_seq_len)
-    return 0
+    render_plan(plan, plan_error)
+    return 0 if plan_error is None else 1

@@ -63,3 +63,27 @@ def render_cache_types(rows: list[dict], budget: dict, console: Console) -> None
         cells.append(f"{r['max_context']:,}" if r.get("supported", True) and "max_context" in r else "-")
         t.add_row(*cells)
     console.print(t)
+
+
+def render_plan(plan, error=None, console: Console | None = None) -> None:
+    """The VramPlan per device (GB = 1e9 bytes), and why it does not fit when it does not."""
+    console = console or Console()
+    title = (f"memory plan: {plan.mode}, {plan.backend} weights, {plan.cache_tokens} cache tokens ({plan.cache_type}),"
+             f" max_seq_len {plan.max_seq_len}")
+    t = Table(title=title)
+    for col in ("device", "layers", "holds", "weights GB", "KV cache GB", "draft GB", "scratch GB", "reserve GB",
+                "peak GB", "budget GB"):
+        t.add_column(col, justify="right")
+    for d in plan.devices:
+        holds = ", ".join(x for x, on in (("embedding", d.embed), ("head", d.head)) if on) or "-"
+        budget = "unchecked" if d.capacity is None else f"{d.capacity / 1e9:.2f} ({d.capacity_source})"
+        peak = f"{d.peak / 1e9:.2f}" + (f" [red](-{d.shortfall / 1e9:.2f})[/red]" if d.shortfall else "")
+        t.add_row(d.device, f"{d.layers[0]}-{d.layers[1] - 1}" if d.layers[1] > d.layers[0] else "-", holds,
+                  f"{d.weights / 1e9:.2f}", f"{d.kv_cache / 1e9:.2f}", f"{d.draft / 1e9:.2f}",
+                  f"{d.scratch / 1e9:.2f}", f"{d.reserve / 1e9:.2f}", peak, budget)
+    console.print(t)
+    for note in plan.notes:
+        console.print(f"note: {note}")
+    if error is not None:
+        console.print(f"[red]does not fit:[/red] {error}")
+

@@ -7,6 +7,7 @@ import argparse
 from exl2_backend.cache.kv_types import CACHE_TYPE_NAMES
 from exl2_backend.cli.common import add_spec_args, spec_settings_from_args
 from exl2_backend.cli.common import add_prefill_args, prefill_settings_from_args
+from exl2_backend.cli.common import add_multi_gpu_args, multi_gpu_settings_from_args
 
 
 def add_serve_parser(subparsers) -> argparse.ArgumentParser:
@@ -33,6 +34,7 @@ def add_serve_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--log-level", default="warning", choices=["debug", "info", "warning", "error"])
     add_prefill_args(p)
     add_spec_args(p)
+    add_multi_gpu_args(p)
     p.set_defaults(func=run_serve)
     return p
 
@@ -45,5 +47,5 @@ def run_serve(args: argparse.Namespace) -> int:
                max_chunk_size=args.max_chunk_size, max_queue=args.max_queue, model_id=args.model_id,
                log_level=args.log_level, fast_queue=args.fast_queue, cache_type=args.cache_type,
                **prefill_settings_from_args(args),
-               **spec_settings_from_args(args))
+               **spec_settings_from_args(args), **multi_gpu_settings_from_args(args))
     return 0

@@ -74,7 +74,7 @@ class SegmentGraphRunner(ModelRunner):
         self.statics = [_Statics(seg.device, n, w, hidden, model.dtype, first=(s == 0))
                         for s, seg in enumerate(model.segments)]
         self._stage = torch.zeros(n, 4 + w, dtype=torch.int64).pin_memory()  # one staging row per sequence
-        self._graphs: dict[int, list[torch.cuda.CUDAGraph]] = {}
+        self._segment_graphs: dict[int, list[torch.cuda.CUDAGraph]] = {}
         self._outputs: dict[int, list[torch.Tensor]] = {}
         self._pools: dict[torch.device, object] = {}
         self.replays = 0
@@ -109,13 +109,13 @@ class SegmentGraphRunner(ModelRunner):
                     out = self._segment_step(s, b)
             graphs.append(graph)
             outs.append(out)
-        self._graphs[b], self._outputs[b] = graphs, outs
+        self._segment_graphs[b], self._outputs[b] = graphs, outs
         log.info("exl2_backend: captured %d segment decode graphs for batch bucket %d", len(graphs), b)
 
     def capture_all(self) -> None:
         """Capture every bucket now (largest first, so smaller graphs reuse the pools' memory)."""
         for b in reversed(self.buckets):
-            if b not in self._graphs:
+            if b not in self._segment_graphs:
                 self._reset_static()
                 self._capture(b)
 
@@ -148,11 +148,11 @@ class SegmentGraphRunner(ModelRunner):
         if logits != "last" or len(tokens[0]) != 1 or b > self.buckets[-1]:
             return super().run(tokens, starts, block_tables, logits)
         bucket = next(x for x in self.buckets if x >= b)
-        if bucket not in self._graphs:
+        if bucket not in self._segment_graphs:
             self._reset_static()
             self._capture(bucket)
         self._upload(tokens, starts, block_tables, bucket)
-        graphs, outs = self._graphs[bucket], self._outputs[bucket]
+        graphs, outs = self._segment_graphs[bucket], self._outputs[bucket]
         for s, graph in enumerate(graphs):
             with torch.cuda.device(self.statics[s].device):
                 graph.replay()

@@ -116,7 +116,9 @@ class TPRunner:
                               logits)
         return self.inner.run(tokens, starts, block_tables, logits)
 
-    def __getattr__(self, name):  # page_size, device, buckets, graphs, ... are the local runner's
+    def __getattr__(self, name):  # page_size, device, buckets, replays, ... are the local runner's
+        if name.startswith("_"):  # never the local graphs: replaying them alone would hang in a collective
+            raise AttributeError(name)
         return getattr(self.inner, name)
 
 

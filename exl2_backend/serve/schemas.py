@@ -37,6 +37,9 @@ class ServeSettings(BaseModel):
     num_speculative_tokens: int | None = Field(default=None, ge=1)
     ngram: bool | None = None
     adaptive_speculation: bool | None = None
+    gpu_split: list[float] | None = None  # multi-GPU load settings (exl2_backend/plan/): GB per device,
+    autosplit: bool | None = None  # or every visible GPU filled in order,
+    tensor_parallel: int | None = Field(default=None, ge=1)  # or tensor parallelism over N GPUs
     max_queue: int = Field(default=64, ge=0)  # requests that may wait beyond the free batch slots before 503
     queue_timeout_s: float = Field(default=120.0, gt=0)  # a request waiting longer than this gets 503
     default_max_tokens: int | None = Field(default=None, ge=1)  # when a request gives none: up to the context
@@ -51,6 +54,7 @@ class ServeSettings(BaseModel):
                 "page_size", "cache_type", "backend", "draft_model", "num_speculative_tokens", "ngram",
                 "adaptive_speculation")
         keys += ("max_input_len", "prefix_caching")
+        keys += ("gpu_split", "autosplit", "tensor_parallel")
         return {k: getattr(self, k) for k in keys if getattr(self, k) is not None}
 
 

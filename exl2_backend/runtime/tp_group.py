@@ -32,6 +32,15 @@ def rank_device(device_type: str, rank: int) -> torch.device:
     return torch.device("cuda", rank) if device_type == "cuda" else torch.device("cpu")
 
 
+def device_memory(device: torch.device) -> dict:
+    """This process's allocator figures on `device` (bytes): allocated now, peak, reserved."""
+    if device.type != "cuda":
+        return {}
+    torch.cuda.synchronize(device)
+    return {"allocated": torch.cuda.memory_allocated(device), "max_allocated": torch.cuda.max_memory_allocated(device),
+            "reserved": torch.cuda.memory_reserved(device)}
+
+
 def build_runner(model, cache, max_pages: int, max_batch_size: int, use_graphs: bool) -> ModelRunner:
     """The same runner kind on every rank (they must run the same collectives): decode graphs on CUDA with
     the kernel library, eager otherwise. A capture failure is raised, not papered over with an eager runner:
@@ -77,6 +86,8 @@ def _worker(rank: int, world: int, port: int, source, device_type: str, conn) ->
             elif cmd == "make_runner":
                 runner = build_runner(model, cache, *args)
                 conn.send(("ok", None))
+            elif cmd == "memory":
+                conn.send(("ok", device_memory(model.device)))
     except BaseException:  # noqa: BLE001 - reported to rank 0, then this rank exits
         try:
             conn.send(("error", traceback.format_exc()))
@@ -149,6 +160,19 @@ class Coordinator:
             kind, detail = c.recv()
             if kind == "error":
                 raise EngineUnhealthyError(f"tensor-parallel rank {r} failed during {what}: {detail}")
+
+    def rank_memory(self) -> list[dict]:
+        """device_memory of every rank (rank 0 first)."""
+        self.send("memory")
+        out = [device_memory(self.model.device)]
+        for r, c in enumerate(self.conns, start=1):
+            if not c.poll(60):
+                raise EngineUnhealthyError(f"tensor-parallel rank {r} did not report its memory")
+            kind, detail = c.recv()
+            if kind == "error":
+                raise EngineUnhealthyError(f"tensor-parallel rank {r} failed: {detail}")
+            out.append(detail)
+        return out
 
     def mirror_cache(self, cache, num_pages: int, page_size: int, args, kwargs):
         self.send("make_cache", num_pages, page_size, *args, **kwargs)

@@ -19,39 +19,51 @@ CHAT = [{"role": "user", "content": "Write a long story about a lighthouse keepe
 
 @dataclass
 class StreamResult:
-    ttft_s: float  # request sent -> first content chunk
+    ttft_s: float  # request sent -> first SSE event (the role chunk, sent when the first token arrives)
     total_s: float  # request sent -> stream closed
     tokens: int  # completion tokens reported in usage
-    first_to_last_s: float  # first -> last content chunk
+    first_to_last_s: float  # first SSE event -> the chunk carrying finish_reason (first -> last token)
+
+    @property
+    def decode_tokens_per_s(self) -> float:
+        """Tokens after the first over the time from the first to the last: the same definition as the direct
+        engine measurement (independent of whether tokens decode to text, as random-weight models' often don't)."""
+        return (self.tokens - 1) / self.first_to_last_s if self.tokens > 1 and self.first_to_last_s > 0 else 0.0
 
 
-def stream_chat(base_url: str, model: str, max_tokens: int, *, timeout: float = 600.0) -> StreamResult:
-    """One streaming chat completion; token count from `stream_options.include_usage`."""
+def stream_chat(base_url: str, model: str, max_tokens: int, *, timeout: float = 600.0,
+                client: httpx.Client | None = None) -> StreamResult:
+    """One streaming chat completion (greedy, ignore_eos); token count from `stream_options.include_usage`."""
     body = {"model": model, "messages": CHAT, "max_tokens": max_tokens, "temperature": 0, "stream": True,
             "ignore_eos": True, "stream_options": {"include_usage": True}}
+    own = client is None
+    client = client or httpx.Client(base_url=base_url, timeout=timeout)
     t0 = time.perf_counter()
     first = last = None
     tokens = 0
-    with httpx.Client(base_url=base_url, timeout=timeout) as client:
-        with client.stream("POST", "/v1/chat/completions", json=body) as resp:
+    try:
+        with client.stream("POST", base_url + "/v1/chat/completions", json=body) as resp:
             resp.raise_for_status()
             for line in resp.iter_lines():
                 if not line.startswith("data: ") or line == "data: [DONE]":
                     continue
+                now = time.perf_counter()
+                first = first or now
                 chunk = json.loads(line[6:])
                 if chunk.get("usage"):
                     tokens = chunk["usage"]["completion_tokens"]
-                if any(c.get("delta", {}).get("content") for c in chunk.get("choices", [])):
-                    last = time.perf_counter()
-                    first = first or last
+                if any(c.get("finish_reason") for c in chunk.get("choices", [])):
+                    last = now
+    finally:
+        if own:
+            client.close()
     end = time.perf_counter()
     first = first or end
     return StreamResult(first - t0, end - t0, tokens, (last or end) - first)
 
 
 def time_to_first_token(base_url: str, model: str, reps: int = 5) -> float:
-    """Median seconds of a max_tokens=1 request: TTFT that does not depend on the first token having text
-    (random-weight models often emit tokens that decode to nothing, so no content chunk marks them)."""
+    """Median seconds of a non-streaming max_tokens=1 request (a whole round trip for one token)."""
     body = {"model": model, "messages": CHAT, "max_tokens": 1, "temperature": 0, "ignore_eos": True}
     times = []
     with httpx.Client(base_url=base_url, timeout=600) as client:
@@ -63,30 +75,29 @@ def time_to_first_token(base_url: str, model: str, reps: int = 5) -> float:
 
 
 def concurrent_streams(base_url: str, model: str, n: int, max_tokens: int, ttft_s: float | None = None) -> dict:
-    """n streams started together; aggregate tokens/s over the wall time, mean TTFT and per-stream rates.
-    With `ttft_s` (from time_to_first_token) per-stream decode rates are (tokens - 1) / (total - ttft_s)."""
+    """n streams started together; aggregate tokens/s over the wall time, mean TTFT and per-stream decode rates
+    (first -> last token). `ttft_s` is accepted for compatibility and unused."""
     results: list[StreamResult | Exception] = [None] * n  # type: ignore[list-item]
+    start = threading.Barrier(n)
 
     def worker(i: int) -> None:
         try:
-            results[i] = stream_chat(base_url, model, max_tokens)
+            with httpx.Client(base_url=base_url, timeout=600.0) as client:  # connect outside the timed part
+                start.wait(60)
+                results[i] = stream_chat(base_url, model, max_tokens, client=client)
         except Exception as exc:  # noqa: BLE001 - reported in the summary
             results[i] = exc
 
     threads = [threading.Thread(target=worker, args=(i,)) for i in range(n)]
-    t0 = time.perf_counter()
     for t in threads:
         t.start()
     for t in threads:
         t.join()
-    wall = time.perf_counter() - t0
     ok = [r for r in results if isinstance(r, StreamResult)]
     errors = [repr(r) for r in results if not isinstance(r, StreamResult)]
     tokens = sum(r.tokens for r in ok)
-    if ttft_s is not None:
-        per_stream = [(r.tokens - 1) / (r.total_s - ttft_s) for r in ok if r.tokens > 1 and r.total_s > ttft_s]
-    else:
-        per_stream = [(r.tokens - 1) / r.first_to_last_s for r in ok if r.tokens > 1 and r.first_to_last_s > 0]
+    wall = max((r.total_s for r in ok), default=0.0)  # all started at the barrier: the slowest one's time
+    per_stream = [r.decode_tokens_per_s for r in ok if r.tokens > 1]
     return {"streams": n, "ok": len(ok), "errors": errors[:3], "tokens": tokens, "wall_s": wall,
             "aggregate_tokens_per_s": tokens / wall if wall else 0.0,
             "mean_ttft_ms": 1e3 * sum(r.ttft_s for r in ok) / max(len(ok), 1),

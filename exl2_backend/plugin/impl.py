@@ -249,7 +249,7 @@ class Exl2Handle(BackendHandle):
         ids = list(batch.seq_ids)
         if not ids:
             return []
-        return [self._event(ev) for ev in self._call(self.engine.decode, ids)]
+        return [self._event(ev) for ev in self._call(self.engine.decode, ids, batch.on_launched)]
 
     def draft_verify(self, batch: StepBatch) -> list[Event]:
         ids = batch.ids()

@@ -7,6 +7,7 @@ read events and catch errors without the engine's dependencies. See docs/hooks.m
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from typing import Any, Literal
 
@@ -103,11 +104,16 @@ class StepBatch:
       admitted earlier whose prompt is not finished).
     - decode: one token for each of `seq_ids`.
     - draft_verify: `drafts[seq_id]` are host-proposed next tokens; `seq_ids` defaults to the drafts' keys
-      (a listed id without drafts does a plain decode step)."""
+      (a listed id without drafts does a plain decode step).
+    - on_launched (optional, decode; hook API 1.1): a no-argument callable the backend calls once, on the
+      calling thread, when the step's device work is queued and before it waits for it. Hosts publish the
+      previous step's results there so their Python overlaps the GPU's work; a backend may not call it (then
+      the host publishes after the hook returns). It must not call hooks."""
 
     seq_ids: list[str] = field(default_factory=list)
     new: list[SequenceRequest] = field(default_factory=list)
     drafts: dict[str, list[int]] = field(default_factory=dict)
+    on_launched: Callable[[], None] | None = None
 
     def ids(self) -> list[str]:
         ids = list(self.seq_ids)

@@ -7,9 +7,15 @@ queue, and join the running batch at a step boundary: each iteration of the engi
      sequence still prefilling (`exl2_prefill`); a request the engine cannot fit now ("no_capacity")
      goes back to the head of the queue until a running sequence finishes,
   3. decodes one token for every running sequence (`exl2_decode`),
-  4. publishes each sequence's events to its own asyncio queue (one `call_soon_threadsafe` per step) and
-     forgets finished sequences (their pages are already free).
+  4. publishes each sequence's events to its own asyncio queue (one `call_soon_threadsafe` per asyncio loop
+     per step) and forgets finished sequences (their pages are already free).
 Nothing here reaches past the hooks (architecture decision 8).
+
+Why step i's events are published from step i+1's `on_launched` callback (hook API 1.1): the asyncio side
+(predict, LitServe's transport) shares this process's GIL with the engine thread. Woken at the end of step i
+it would run exactly while this thread prepares step i+1, and every µs of it would delay the next launch.
+Published once step i+1 is queued on the GPU, it runs while the GPU computes. Tokens wait only for the
+next step's host-side preparation; events are published at once whenever no decode step follows.
 """
 
 from __future__ import annotations
@@ -32,6 +38,7 @@ from exl2_backend.plugin.types import (
 log = logging.getLogger("exl2_backend.serve")
 
 TOKENS_PER_S_WINDOW = 10.0  # seconds over which /metrics averages generated tokens per second
+STATS_REFRESH_S = 0.25  # while busy, the backend's stats (/metrics) are refreshed at most this often
 
 
 class QueueFull(Exception):
@@ -120,12 +127,13 @@ class EngineLoop:
     """Drives one loaded backend handle through the hooks from a dedicated thread."""
 
     def __init__(self, hook, handle, *, max_batch_size: int = 16, max_queue: int = 64,
-                 queue_timeout_s: float = 120.0, name: str = "exl2-engine"):
+                 queue_timeout_s: float = 120.0, publish_on_launch: bool = True, name: str = "exl2-engine"):
         self.hook = hook  # pm.hook (a pluggy HookRelay)
         self.handle = handle
         self.max_batch_size = max_batch_size
         self.max_queue = max_queue
         self.queue_timeout_s = queue_timeout_s
+        self.publish_on_launch = publish_on_launch  # False: publish at the end of each step (for comparison)
         self._cv = threading.Condition()
         self._waiting: collections.deque[_Job] = collections.deque()
         self._cancels: set[str] = set()
@@ -138,6 +146,9 @@ class EngineLoop:
         self._counters = _Counters()
         self._recent: collections.deque[tuple[float, int]] = collections.deque()  # (time, tokens) per step
         self._backend_stats: dict = {}
+        self._stats_at = -1e9  # engine thread: when _backend_stats was last refreshed
+        self._stats_stale = False  # engine thread: sequences came or went since then (pages moved)
+        self._pending: list[tuple[Stream, Event]] = []  # engine thread: events waiting for the next launch
         self._t0 = time.monotonic()
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
 
@@ -227,6 +238,11 @@ class EngineLoop:
         try:
             while True:
                 with self._cv:
+                    idle = not self._stop and not self._has_work()
+                if idle:  # going idle: nothing may stay unpublished, and /metrics shows the final state
+                    self._flush()
+                    self._refresh_backend_stats()
+                with self._cv:
                     while not self._stop and not self._has_work():
                         self._cv.wait(timeout=1.0)
                         self._expire_waiting(time.monotonic())
@@ -244,6 +260,12 @@ class EngineLoop:
                     break
         finally:
             self._shutdown()
+
+    def _flush(self) -> None:
+        """Publish the events held for the next launch (engine thread; also the decode's on_launched)."""
+        if self._pending:
+            items, self._pending = self._pending, []
+            self._deliver(items)
 
     def _deliver(self, items: list[tuple[Stream, Event]]) -> None:
         by_loop: dict[asyncio.AbstractEventLoop, list[tuple[Stream, Event]]] = {}
@@ -304,6 +326,7 @@ class EngineLoop:
             self._admitting = len(new)
         prefilling = [sid for sid, j in self._active.items() if j.prefilling]
         if new or prefilling:
+            self._flush()  # an eager prompt chunk takes a while: do not hold the previous tokens through it
             t = time.perf_counter()
             events = self.hook.exl2_prefill(handle=self.handle, batch=StepBatch(seq_ids=prefilling,
                                                                                new=[j.req for j in new]))
@@ -332,17 +355,35 @@ class EngineLoop:
 
         # 3. one decode step for every sequence past its prompt
         decoding = [sid for sid, j in self._active.items() if not j.prefilling]
+        launched = False
         if decoding:
+            self._pending += out  # published as soon as this step is queued on the device
+            out = []
+
+            def on_launched() -> None:
+                nonlocal launched
+                launched = True
+                self._flush()
+
             t = time.perf_counter()
-            events = self.hook.exl2_decode(handle=self.handle, batch=StepBatch(seq_ids=decoding))
+            events = self.hook.exl2_decode(handle=self.handle, batch=StepBatch(
+                seq_ids=decoding, on_launched=on_launched if self.publish_on_launch else None))
             self._account("decode", time.perf_counter() - t, events)
+            self._flush()  # the backend did not call on_launched (or failed before launching)
             for ev in events:
                 job = self._active.get(ev.seq_id)
                 if job is not None:
                     self._route(job, ev, out)
 
-        self._refresh_backend_stats()
-        self._deliver(out)
+        if cancels or new or self._stats_stale or time.monotonic() - self._stats_at >= STATS_REFRESH_S:
+            self._refresh_backend_stats()
+        if launched and any(not j.prefilling for j in self._active.values()):
+            # another decode step follows at once: publish from its launch. (A backend that did not call
+            # on_launched, e.g. one already keeping the next step in flight, gets its events published now.)
+            self._pending += out
+        else:
+            self._flush()
+            self._deliver(out)
 
     def _route(self, job: _Job, ev: Event, out: list) -> None:
         """Queue an event for its stream; drop finished sequences from the running set."""
@@ -350,6 +391,7 @@ class EngineLoop:
             job.prefilling = False
         out.append((job.sink, ev))
         if ev.finished:
+            self._stats_stale = True
             if self._active.pop(ev.seq_id, None) is not None:
                 self._blocked = False  # pages came free: the queue head may fit now
             self._counters.requests[ev.finish_reason if ev.error is None or ev.finish_reason != "error"
@@ -366,6 +408,7 @@ class EngineLoop:
                 self._recent.append((time.monotonic(), n))
 
     def _refresh_backend_stats(self) -> None:
+        self._stats_at, self._stats_stale = time.monotonic(), False
         try:
             s = self.hook.exl2_stats(handle=self.handle) or {}
         except Exception:  # noqa: BLE001 - stats are best effort
@@ -376,6 +419,7 @@ class EngineLoop:
     def _die(self, message: str) -> None:
         """Tier 3: fail everything, refuse new requests."""
         log.error("exl2_backend: the engine is unhealthy: %s", message)
+        self._flush()
         with self._cv:
             self._fatal = message
             waiting = list(self._waiting)
@@ -387,6 +431,7 @@ class EngineLoop:
         self._deliver(items)
 
     def _shutdown(self) -> None:
+        self._flush()
         with self._cv:
             waiting = list(self._waiting)
             self._waiting.clear()

@@ -13,12 +13,14 @@ unknown sampler fields and always reports finish_reason "stop" (§1.6).
 Wire format between the spec (API process) and predict (worker process): the spec puts a plain dict
 `{"op": "generate", "request": {...SequenceRequest fields...}}` or a control dict (`{"op": "cancel",
 "seq_id"}`, `{"op": "stats"}`, `{"op": "health"}`) on LitServe's request queue; predict yields plain dicts
-(LitServe JSON-encodes them): `{"text", "token_ids", "finish_reason", "usage", "timings"}` per step, or
+(strings, JSON lines): `{"text", "token_ids", "finish_reason"}` per step, plus "usage" and "timings" on the
+final one, or
 `{"error": {"status", "message", "param", "code", "type", "retry_after"}}`.
 """
 
 from __future__ import annotations
 
+import json
 import logging
 from typing import Any
 
@@ -56,6 +58,18 @@ def error_from_backend(err: Exception) -> dict:
     return error_dict(500, f"{type(err).__name__}: {err}", type_="server_error")
 
 
+def _encode_event(ev) -> str:
+    """One event as the JSON line LitServe sends to the API server (strings pass its encoder unchanged).
+    Usage and timings ride only on the final event: the spec reads them there, and per token they are
+    work on the GIL the engine thread shares."""
+    item = {"text": ev.text, "token_ids": ev.token_ids, "finish_reason": ev.finish_reason}
+    if ev.finish_reason is not None:
+        item["usage"] = ev.usage.to_dict()
+        if ev.timings is not None:
+            item["timings"] = ev.timings.to_dict()
+    return json.dumps(item, separators=(",", ":")) + "\n"
+
+
 class Exl2LitAPI(ls.LitAPI):
     """One worker = one engine. Construct with a ServeSettings (or dict); nothing heavy happens before setup."""
 
@@ -82,7 +96,8 @@ class Exl2LitAPI(ls.LitAPI):
         if handle is None:
             raise RuntimeError(f"no installed backend accepted these load settings: {load}")
         self._engine_loop = EngineLoop(pm.hook, handle, max_batch_size=s.max_batch_size, max_queue=s.max_queue,
-                                       queue_timeout_s=s.queue_timeout_s).start()
+                                       queue_timeout_s=s.queue_timeout_s,
+                                       publish_on_launch=s.publish_on_launch).start()
 
     async def decode_request(self, request: Any) -> Any:
         return request
@@ -122,12 +137,8 @@ class Exl2LitAPI(ls.LitAPI):
                     done = True
                     yield error_from_backend(ev.error)
                     return
-                item = {"text": ev.text, "token_ids": ev.token_ids, "finish_reason": ev.finish_reason,
-                        "usage": ev.usage.to_dict()}
-                if ev.timings is not None:
-                    item["timings"] = ev.timings.to_dict()
                 done = ev.finished
-                yield item
+                yield _encode_event(ev)
                 if done:
                     return
         finally:

@@ -107,16 +107,38 @@ class Exl2OpenAISpec(LitSpec):
         return uid
 
     async def _items(self, uid: str) -> AsyncIterator[dict]:
-        """The worker's items for one submitted payload, as dicts."""
-        item = self.response_buffer[uid]
+        """The worker's items for one submitted payload, as dicts. Token items that arrived together (this
+        reader fell behind) come out merged into one, so a slow client or a busy API process costs one SSE
+        chunk per wakeup rather than one per token."""
+        buf = self.response_buffer[uid]
+        queue, ready = buf.response_queue, buf.event
         try:
-            async for data, status in self.data_streamer(item.response_queue, item.event, send_status=True):
-                if status == LitAPIStatus.ERROR:
-                    log.error("exl2_backend: the worker failed a request: %r", data)
-                    yield {"error": {"status": 500, "message": "internal error in the inference worker",
-                                     "type": "server_error"}}
-                    return
-                yield json.loads(data) if isinstance(data, (str, bytes)) else data
+            while True:
+                await ready.wait()
+                ready.clear()  # nothing can be appended between here and the drain (same event loop, no await)
+                merged = None
+                while queue:
+                    data, status = queue.popleft()
+                    if status == LitAPIStatus.FINISH_STREAMING:
+                        if merged is not None:
+                            yield merged
+                        return
+                    if status == LitAPIStatus.ERROR:
+                        if merged is not None:
+                            yield merged
+                        log.error("exl2_backend: the worker failed a request: %r", data)
+                        yield {"error": {"status": 500, "message": "internal error in the inference worker",
+                                         "type": "server_error"}}
+                        return
+                    item = json.loads(data) if isinstance(data, (str, bytes)) else data
+                    if merged is not None and _mergeable(merged, item):
+                        merged = _merge_items(merged, item)
+                        continue
+                    if merged is not None:
+                        yield merged
+                    merged = item
+                if merged is not None:
+                    yield merged
         finally:
             self.response_buffer.pop(uid, None)
 
@@ -140,9 +162,14 @@ class Exl2OpenAISpec(LitSpec):
     @staticmethod
     async def _next(agen: AsyncIterator[dict], watch: _Watch | None) -> dict | None:
         """Next item, or None at the end; raises _Disconnected if the client went away (checked at most every
-        DISCONNECT_POLL_S, also while items keep arriving)."""
-        if watch is not None:
-            await watch.check()
+        DISCONNECT_POLL_S, also while items keep arriving). Without a watch (streaming: Starlette cancels the
+        task on a disconnect) it simply awaits the next item."""
+        if watch is None:
+            try:
+                return await agen.__anext__()
+            except StopAsyncIteration:
+                return None
+        await watch.check()
         task = asyncio.ensure_future(agen.__anext__())
         try:
             while True:
@@ -152,8 +179,7 @@ class Exl2OpenAISpec(LitSpec):
                         return task.result()
                     except StopAsyncIteration:
                         return None
-                if watch is not None:
-                    await watch.check()
+                await watch.check()
         finally:
             if not task.done():
                 task.cancel()
@@ -431,6 +457,18 @@ def render_metrics(stats: dict, model_id: str) -> str:
     registry = CollectorRegistry(auto_describe=False)
     registry.register(_Collector())
     return generate_latest(registry).decode()
+
+
+def _mergeable(a: dict, b: dict) -> bool:
+    """Two token items of one stream that can travel as one (neither is an error, `a` is not the last)."""
+    return "text" in a and "text" in b and not a.get("finish_reason") and "error" not in a and "error" not in b
+
+
+def _merge_items(a: dict, b: dict) -> dict:
+    out = dict(b)  # b's finish_reason, usage and timings (only the last item carries them)
+    out["text"] = a["text"] + b["text"]
+    out["token_ids"] = list(a.get("token_ids") or ()) + list(b.get("token_ids") or ())
+    return out
 
 
 def _usage(item: dict) -> dict:

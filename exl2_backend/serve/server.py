@@ -64,7 +64,7 @@ def build_server(settings: ServeSettings | dict | None = None, **overrides):
     settings = validate_settings({**data, **overrides})
     accelerator, devices = _accelerator(settings.device)
     api = Exl2LitAPI(settings)
-    return ls.LitServer(
+    server = ls.LitServer(
         api,
         accelerator=accelerator,
         devices=devices,
@@ -73,6 +73,12 @@ def build_server(settings: ServeSettings | dict | None = None, **overrides):
         model_metadata={"model": served_model_id(settings), "backend": "exl2_backend"},
         fast_queue=settings.fast_queue,
     )
+    config = getattr(server, "transport_config", None)
+    if settings.fast_queue and getattr(config, "transport_type", None) == "mp":
+        # LitServe 0.2.19 builds TransportConfig(transport_config=...) (a misspelt field pydantic ignores), so
+        # fast_queue silently keeps the multiprocessing-Manager transport; the field it meant to set:
+        config.transport_type = "zmq"
+    return server
 
 
 def run_server(model_dir: str | None = None, host: str = "127.0.0.1", port: int = 8000,

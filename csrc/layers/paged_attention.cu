@@ -116,8 +116,9 @@ __device__ __forceinline__ float combine_splits(const AttnParams& p, int64_t pro
 // U: key steps per thread with loads in flight (more bytes in flight per CTA vs more registers)
 template <int D, int RT, int U>
 __global__ void __launch_bounds__(NT) paged_attention_kernel(const AttnParams p) {
-  exl2::pdl_wait();  // inputs come from the previous kernel (PDL launch)
-  exl2::pdl_launch_dependents();
+  // PDL: before the wait this kernel reads only what earlier kernels than the previous one wrote (block
+  // tables, context lengths: the previous kernel had passed its own wait when this one launched) and only
+  // prefetches K/V into L2 (a hint; the newest slot, written by the previous kernel, is read after the wait).
   constexpr int TPK = D / 8;     // lanes per key
   constexpr int KPW = 32 / TPK;  // keys per warp step
   constexpr int KPS = NW * KPW;  // keys per CTA step
@@ -140,6 +141,8 @@ __global__ void __launch_bounds__(NT) paged_attention_kernel(const AttnParams p)
   const int row0 = tile * RT;
 
   if (start >= ctx) {  // an unused split (or an empty context)
+    exl2::pdl_wait();
+    exl2::pdl_launch_dependents();
     // no key at all (ctx == 0): the reference gives zeros, written here unless the reduce kernel does it
     if (p.nsplit == 1 || (p.tickets != nullptr && split == 0)) {
       for (int i = tid; i < RT * D; i += NT) {
@@ -161,6 +164,16 @@ __global__ void __launch_bounds__(NT) paged_attention_kernel(const AttnParams p)
     int pg = p.block_tables[(int64_t)b * p.bt_stride + first_page + i];
     pages[i] = pg < 0 ? 0 : (pg >= p.num_pages ? p.num_pages - 1 : pg);  // never fault on a bad table
   }
+  __syncthreads();  // pages[]
+  for (int i = tid; i < 2 * n; i += NT) {  // this CTA's K and V rows of head kvh into L2 (D halves, 2 lines)
+    const int t = start + (i >> 1);
+    const int64_t slot = ((int64_t)pages[(t >> p.log2S) - first_page] << p.log2S) | (t & ((1 << p.log2S) - 1));
+    const half* row = ((i & 1) ? p.vc : p.kc) + slot * (int64_t)p.Hkv * D + (int64_t)kvh * D;
+#pragma unroll
+    for (int off = 0; off < D; off += 64) asm volatile("prefetch.global.L2 [%0];" ::"l"(row + off));
+  }
+  exl2::pdl_wait();  // inputs come from the previous kernel (PDL launch)
+  exl2::pdl_launch_dependents();
 
   const int ks = lane / TPK;       // key slot within the warp step
   const int dl = (lane % TPK) * 8; // first of this lane's 8 dims
@@ -194,7 +207,6 @@ __global__ void __launch_bounds__(NT) paged_attention_kernel(const AttnParams p)
     const int row = row0 + own_base + i;
     own_lim[i] = row < p.R ? ctx - p.Tq + row / p.G : -1;
   }
-  __syncthreads();  // pages[]
 
   auto key_offset = [&](int t) -> int64_t {
     const int64_t slot = ((int64_t)pages[(t >> p.log2S) - first_page] << p.log2S) | (t & S_mask);

@@ -190,16 +190,16 @@ def test_settings_defaults():
 @pytest.mark.slow
 def test_default_model_chat_prefix_reuse(default_model_dir):
     """SmolLM2: a long shared system prompt; the second chat reuses it and answers exactly like a cold engine
-    whose prefill is split at the same token (bitwise logits), and like an unsplit one (same tokens)."""
+    whose prefill is split at the same token (bitwise logits). (Unsplit vs split: the tiny-model test.)"""
     from exl2_backend.tokenizer import Tokenizer
 
     tok = Tokenizer.from_dir(default_model_dir)
-    system = ("You are a meticulous assistant for a shipping company. " * 12).strip()
+    system = ("You are a meticulous assistant for a shipping company. " * 8).strip()
     chats = [[{"role": "system", "content": system}, {"role": "user", "content": q}]
              for q in ("Where is Paris?", "Name three colours.")]
     p1, p2 = (tok.encode_chat(c) for c in chats)
     shared = next(i for i, (x, y) in enumerate(zip(p1, p2)) if x != y)
-    gp = GenerationParams(sampling=GREEDY, max_new_tokens=12)
+    gp = GenerationParams(sampling=GREEDY, max_new_tokens=6)
 
     def second(**kw):
         engine = Engine.load(LoadSettings(model_dir=default_model_dir, device="cpu", max_seq_len=512,
@@ -216,8 +216,6 @@ def test_default_model_chat_prefix_reuse(default_model_dir):
     cold, rec_c, _, out_c = second(max_chunk_size=shared, prefix_caching=False)
     assert cached == shared and out_w == out_c
     assert torch.equal(rec_w.logits[-len(out_w)], rec_c.logits[-len(out_c)])
-    _, _, _, out_plain = second(prefix_caching=False)
-    assert out_plain == out_w
     assert warm.stats()["prefix_hit_rate"] > 0.3
     warm.assert_no_leaks()
 

@@ -155,3 +155,23 @@ def test_device_resolution():
     if not torch.cuda.is_available():
         with pytest.raises(ConfigError, match="no CUDA device"):
             resolve_device("cuda")
+
+
+def test_random_fp16_model_at_a_shape_converts(tmp_path):
+    """The timing script's input: a random FP16 dir of a given shape, cut to fewer layers, converts and loads."""
+    from exl2_backend.format.random_fp16_model import fp16_config, write_random_fp16_model
+
+    shape = {"hidden_size": 128, "num_hidden_layers": 4, "intermediate_size": 256, "num_attention_heads": 4,
+             "num_key_value_heads": 2, "vocab_size": 400}
+    src = write_random_fp16_model(tmp_path / "fp16", shape, num_layers=2)
+    assert fp16_config(shape, 2)["num_hidden_layers"] == 2
+    fp16 = load_weights(src, ModelConfig.from_dir(src))
+    assert len(fp16.layers) == 2 and fp16.layers[1].down_proj.weight.dtype == torch.float16
+    assert abs(float(fp16.layers[1].down_proj.weight.float().std()) - 256**-0.5) < 0.005
+    summary = convert(src, tmp_path / "q", ConvertSettings(**{**FAST, "work_dir": str(tmp_path / "q.work"),
+                                                             "device": "cpu", "uniform": "4:1@32"}))
+    assert summary["layers"] == 2 and set(summary["timings"]) >= {"load_s", "measure_s", "quant_layers_s", "head_s",
+                                                                  "write_s", "total_s"}
+    assert isinstance(load_weights(tmp_path / "q", ModelConfig.from_dir(tmp_path / "q")).lm_head, QTensor)
+    with pytest.raises(ValueError):
+        fp16_config(shape, 5)

@@ -1,0 +1,229 @@
+"""ExLlamaV2 0.3.2 against our engine on the same EXL2 directories, on the GPU (the lead's device run).
+
+(a) Compatibility: ExLlamaV2 loads our converter's output (default: the 4.0 bpw SmolLM2 from
+    scripts/convert_table.py) and a random llama3-8b-shape directory from format/random_model.py; its logits on
+    the same token ids are compared with our engine's (KL both ways, top-1 agreement, max |diff| and that over
+    the logit range). Agreement means both read the same weights the same way.
+(b) Speed of ExLlamaV2 on --speed-dir (default: the random 8B dir): batch-1 decode tok/s at ~1k context
+    (single-token `forward` calls with a cache, greedy token fed back, as architecture.md measured it) and
+    2k-token prefill tok/s (one 2048-token forward into the cache). --ours adds our engine's figures on the same
+    directory (exl2_backend.bench.decode.run_bench) for a same-session comparison.
+
+ExLlamaV2 runs with flash-attn, xformers and torch SDPA off (config.no_flash_attn / no_xformers / no_sdpa: its
+SDPA path drops the causal mask on plain multi-token forwards, see architecture.md), and torch's cuDNN SDPA
+backend is disabled for the whole process. --sdpa-speed also times ExLlamaV2 with its SDPA path on (the
+configuration of architecture.md's prefill figures). Needs `pip install exllamav2==0.3.2` (it JIT-builds its
+extension on first import, ~2.5 min; the time is reported). Prints one JSON object and writes it to --out.
+
+    python scripts/device/exllamav2_compare.py --out $OUT [--smol-dir D] [--random-dir D] [--ours]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+PAGE = 64
+
+
+def _log(msg: str) -> None:
+    print(f"[{time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
+
+
+def load_exllamav2(model_dir: Path, max_seq_len: int):
+    """(model, cache, config) of ExLlamaV2 on the first GPU, flash-attn / xformers / SDPA off."""
+    from exllamav2 import ExLlamaV2, ExLlamaV2Cache, ExLlamaV2Config
+
+    config = ExLlamaV2Config(str(model_dir))
+    config.no_flash_attn = True
+    config.no_xformers = True
+    config.no_sdpa = True
+    config.max_seq_len = max_seq_len
+    model = ExLlamaV2(config)
+    cache = ExLlamaV2Cache(model, max_seq_len=max_seq_len, lazy=True)
+    model.load_autosplit(cache, progress=False)
+    return model, cache, config
+
+
+def exllamav2_logits(model, cache, ids: list[int]) -> torch.Tensor:
+    """fp32 [T, V] logits of one sequence from position 0."""
+    cache.current_seq_len = 0
+    with torch.inference_mode():
+        out = model.forward(torch.tensor([ids], dtype=torch.long), cache)
+    return out[0].float().cpu()
+
+
+def our_logits(model_dir: Path, ids: list[int]) -> torch.Tensor:
+    """fp32 [T, V] logits of our engine (CUDA library) for one sequence from position 0."""
+    from exl2_backend.model import LlamaModel
+    from exl2_backend.runtime.model_runner import ModelRunner
+
+    model = LlamaModel.from_dir(model_dir, "cuda")
+    pages = math.ceil(len(ids) / PAGE)
+    runner = ModelRunner(model, model.make_cache(pages, PAGE), pages)
+    with torch.inference_mode():
+        out = runner.run([ids], [0], [list(range(pages))], logits="all")[0].float().cpu()
+    del runner, model
+    torch.cuda.empty_cache()
+    return out
+
+
+def compare_logits(ours: torch.Tensor, theirs: torch.Tensor) -> dict:
+    """Agreement figures of two [T, V] logit tensors (ExLlamaV2's taken as the reference for KL)."""
+    v = min(ours.shape[-1], theirs.shape[-1])  # ExLlamaV2 may pad the head to a multiple of 32 (-65504 there)
+    ours, theirs = ours[:, :v], theirs[:, :v]
+    lo, lt = ours.log_softmax(-1).double(), theirs.log_softmax(-1).double()
+    kl_t_o = (lt.exp() * (lt - lo)).sum(-1)  # [T] KL(exllamav2 || ours)
+    kl_o_t = (lo.exp() * (lo - lt)).sum(-1)
+    diff = (ours - theirs).abs().max().item()
+    scale = (theirs.max() - theirs.min()).item()
+    return {"tokens": ours.shape[0], "kl_exllamav2_ours_mean": kl_t_o.mean().item(),
+            "kl_exllamav2_ours_max": kl_t_o.max().item(), "kl_ours_exllamav2_mean": kl_o_t.mean().item(),
+            "top1_agreement": (ours.argmax(-1) == theirs.argmax(-1)).double().mean().item(),
+            "max_abs_diff": diff, "logit_range": scale, "max_abs_diff_over_range": diff / max(scale, 1e-9)}
+
+
+def compat(model_dir: Path, ids: list[int]) -> dict:
+    t0 = time.perf_counter()
+    model, cache, _ = load_exllamav2(model_dir, max_seq_len=max(1024, len(ids) + 16))
+    load_s = time.perf_counter() - t0
+    theirs = exllamav2_logits(model, cache, ids)
+    model.unload()
+    del model, cache
+    torch.cuda.empty_cache()
+    ours = our_logits(model_dir, ids)
+    res = compare_logits(ours, theirs)
+    res.update(model_dir=str(model_dir), exllamav2_load_s=load_s, finite=bool(torch.isfinite(theirs).all()))
+    _log(f"compat {model_dir.name}: KL {res['kl_exllamav2_ours_mean']:.2e}, top-1 {res['top1_agreement']:.4f}, "
+         f"max|diff| {res['max_abs_diff']:.3g} of range {res['logit_range']:.3g}")
+    return res
+
+
+def _sync() -> None:
+    torch.cuda.synchronize()
+
+
+def exllamav2_speed(model_dir: Path, context: int, decode_tokens: int, prefill_tokens: int, sdpa_modes) -> dict:
+    max_len = max(context + decode_tokens + 64, prefill_tokens + 64)
+    model, cache, config = load_exllamav2(model_dir, max_seq_len=max_len)
+    vocab = config.vocab_size
+    gen = torch.Generator().manual_seed(0)
+    out = {"model_dir": str(model_dir), "context": context, "decode_tokens": decode_tokens,
+           "prefill_tokens": prefill_tokens, "modes": {}}
+    with torch.inference_mode():
+        for sdpa in sdpa_modes:
+            config.no_sdpa = not sdpa  # read on every forward
+            # decode: prefill `context` tokens, then single-token forwards feeding back the greedy token
+            rates = []
+            for _ in range(3):
+                cache.current_seq_len = 0
+                ids = torch.randint(0, vocab, (1, context), generator=gen)
+                model.forward(ids[:, :-1], cache, preprocess_only=True)
+                tok = ids[:, -1:]
+                for _ in range(8):  # warm-up steps (grow the cache a little)
+                    tok = model.forward(tok, cache)[:, -1:].argmax(-1).cpu()
+                _sync()
+                t0 = time.perf_counter()
+                for _ in range(decode_tokens):
+                    tok = model.forward(tok, cache)[:, -1:].argmax(-1).cpu()
+                _sync()
+                rates.append(decode_tokens / (time.perf_counter() - t0))
+            # prefill: one forward of `prefill_tokens` into an empty cache
+            prefill = []
+            for _ in range(4):
+                cache.current_seq_len = 0
+                ids = torch.randint(0, vocab, (1, prefill_tokens), generator=gen)
+                _sync()
+                t0 = time.perf_counter()
+                model.forward(ids, cache, preprocess_only=True)
+                _sync()
+                prefill.append(prefill_tokens / (time.perf_counter() - t0))
+            mode = "sdpa" if sdpa else "no_sdpa"
+            out["modes"][mode] = {"decode_tok_s": statistics.median(rates), "decode_runs": rates,
+                                  "prefill_tok_s": statistics.median(prefill[1:]), "prefill_runs": prefill}
+            _log(f"exllamav2 {mode}: decode {out['modes'][mode]['decode_tok_s']:.1f} tok/s at {context} context, "
+                 f"prefill {out['modes'][mode]['prefill_tok_s']:.0f} tok/s")
+    model.unload()
+    del model, cache
+    torch.cuda.empty_cache()
+    return out
+
+
+def ours_speed(model_dir: Path, context: int, decode_tokens: int, prefill_tokens: int) -> dict:
+    from exl2_backend.bench.decode import run_bench
+
+    r = run_bench(model_dir, contexts=(context,), decode_tokens=decode_tokens, prefill_tokens=prefill_tokens,
+                  device="cuda")
+    _log(f"ours: {json.dumps({k: r[k] for k in ('decode', 'prefill') if k in r}, default=str)[:300]}")
+    return r
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--out", required=True)
+    p.add_argument("--smol-dir", default="/tmp/convert_table/opt_4.0",
+                   help="a converted SmolLM2 dir (skipped if absent)")
+    p.add_argument("--random-dir", default="/tmp/models/llama3-8b",
+                   help="random llama3-8b EXL2 dir (written if absent)")
+    p.add_argument("--speed-dir", default=None, help="directory to time (default: --random-dir)")
+    p.add_argument("--tokens", type=int, default=512, help="tokens per logits comparison")
+    p.add_argument("--context", type=int, default=1024)
+    p.add_argument("--decode-tokens", type=int, default=128)
+    p.add_argument("--prefill-tokens", type=int, default=2048)
+    p.add_argument("--sdpa-speed", action="store_true", help="also time ExLlamaV2 with its SDPA path on")
+    p.add_argument("--ours", action="store_true", help="also run our bench on the speed directory")
+    args = p.parse_args()
+
+    torch.backends.cuda.enable_cudnn_sdp(False)  # cuDNN SDPA rebuilds a plan per key length (architecture.md)
+    result: dict = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__}
+    t0 = time.perf_counter()
+    import exllamav2  # JIT-builds its extension on first use
+
+    from exllamav2.ext import exllamav2_ext  # noqa: F401  (forces the build here, so it is timed)
+
+    result["exllamav2"] = {"version": getattr(exllamav2, "__version__", "?"), "import_s": time.perf_counter() - t0}
+    _log(f"exllamav2 {result['exllamav2']['version']} ready in {result['exllamav2']['import_s']:.0f} s")
+
+    from exl2_backend.format.random_model import write_random_exl2_model
+
+    random_dir = Path(args.random_dir)
+    if not (random_dir / "config.json").is_file():
+        t = time.perf_counter()
+        write_random_exl2_model(random_dir, "llama3-8b", bpw=4.0, head_bits=6)
+        result["random_dir_write_s"] = time.perf_counter() - t
+    result["compat"] = []
+    smol = Path(args.smol_dir)
+    if (smol / "config.json").is_file():
+        from exl2_backend.quant.evaluate import tokenize_eval_text
+
+        ids, bos = tokenize_eval_text(smol, max_tokens=args.tokens - 1)
+        ids = ([bos] if bos is not None else []) + ids
+        result["compat"].append({"name": "smollm2_converted", **compat(smol, ids)})
+    else:
+        _log(f"no converted SmolLM2 dir at {smol}; skipped")
+    gen = torch.Generator().manual_seed(1)
+    rand_ids = torch.randint(0, 128000, (args.tokens,), generator=gen).tolist()
+    result["compat"].append({"name": "random_llama3_8b", **compat(random_dir, rand_ids)})
+
+    speed_dir = Path(args.speed_dir or random_dir)
+    modes = (False, True) if args.sdpa_speed else (False,)
+    result["exllamav2_speed"] = exllamav2_speed(speed_dir, args.context, args.decode_tokens, args.prefill_tokens,
+                                                modes)
+    if args.ours:
+        result["ours_speed"] = ours_speed(speed_dir, args.context, args.decode_tokens, args.prefill_tokens)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "exllamav2_compare.json").write_text(json.dumps(result, indent=1, default=str))
+    print(json.dumps(result, indent=1, default=str))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -42,17 +42,23 @@ def device_memory(device: torch.device) -> dict:
 
 
 def build_runner(model, cache, max_pages: int, max_batch_size: int, use_graphs: bool) -> ModelRunner:
-    """The same runner kind on every rank (they must run the same collectives): decode graphs on CUDA with
-    the kernel library, eager otherwise. A capture failure is raised, not papered over with an eager runner:
-    the other ranks would be replaying graphs."""
+    """Decode graphs (NCCL collectives captured with the kernels) on CUDA with the kernel library, eager
+    otherwise. Every rank must end with the same kind (they run the same collectives): a capture failure
+    falls back to eager on the rank that hit it -- the same code fails the same way on every rank -- and
+    rank 0 compares the kinds the ranks report (Coordinator.mirror_runner)."""
     from exl2_backend import ops
 
     if model.device.type == "cuda" and use_graphs and ops.cuda_enabled():
         from exl2_backend.runtime.cuda_graphs import CudaGraphRunner
 
-        runner = CudaGraphRunner(model, cache, max_pages, max_batch_size)
-        runner.capture_all()
-        return runner
+        try:
+            runner = CudaGraphRunner(model, cache, max_pages, max_batch_size)
+            runner.capture_all()
+            return runner
+        except Exception as exc:  # noqa: BLE001 - eager steps give the same results, slower
+            log.warning("exl2_backend: tensor-parallel graph capture failed on %s (%s); decoding eagerly",
+                        model.device, exc)
+            torch.cuda.synchronize(model.device)
     return ModelRunner(model, cache, max_pages)
 
 
@@ -85,7 +91,7 @@ def _worker(rank: int, world: int, port: int, source, device_type: str, conn) ->
                 conn.send(("ok", None))
             elif cmd == "make_runner":
                 runner = build_runner(model, cache, *args)
-                conn.send(("ok", None))
+                conn.send(("ok", type(runner).__name__))
             elif cmd == "memory":
                 conn.send(("ok", device_memory(model.device)))
     except BaseException:  # noqa: BLE001 - reported to rank 0, then this rank exits
@@ -153,13 +159,16 @@ class Coordinator:
             if not p.is_alive():
                 raise EngineUnhealthyError(f"tensor-parallel rank {r} exited (code {p.exitcode})")
 
-    def _acks(self, what: str, timeout: float = READY_TIMEOUT_S) -> None:
+    def _acks(self, what: str, timeout: float = READY_TIMEOUT_S) -> list:
+        out = []
         for r, c in enumerate(self.conns, start=1):
             if not c.poll(timeout):
                 raise EngineUnhealthyError(f"tensor-parallel rank {r} did not answer {what} in {timeout:.0f} s")
             kind, detail = c.recv()
             if kind == "error":
                 raise EngineUnhealthyError(f"tensor-parallel rank {r} failed during {what}: {detail}")
+            out.append(detail)
+        return out
 
     def rank_memory(self) -> list[dict]:
         """device_memory of every rank (rank 0 first)."""
@@ -183,7 +192,10 @@ class Coordinator:
         self.send("make_runner", max_pages, max_batch_size, use_graphs)
         local = cache.local if isinstance(cache, _MirroredCache) else cache
         inner = build_runner(self.model, local, max_pages, max_batch_size, use_graphs)
-        self._acks("make_runner")
+        kinds = [type(inner).__name__, *self._acks("make_runner")]
+        if len(set(kinds)) != 1:
+            raise EngineUnhealthyError(f"tensor-parallel ranks built different runners {kinds}; load with "
+                                       "use_cuda_graphs=False")
         return TPRunner(inner, self)
 
     def close(self) -> None:

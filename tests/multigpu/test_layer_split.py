@@ -114,10 +114,29 @@ def test_bad_segments_raise(model_dir):
         SplitLlamaModel(config, weights, [Segment(CPU, 0, 2), Segment(CPU, 3, 4)])
 
 
+def _dequantized(weights):
+    """The same weights with every QTensor replaced by its fp16 dequantization (what the reference ops keep)."""
+    from dataclasses import fields, replace
+
+    from exl2_backend.format.reader import DenseLinear
+    from exl2_backend.ops import reference
+
+    def dense(lin):
+        if not hasattr(lin, "q_weight"):
+            return lin
+        n = lin.out_features
+        return DenseLinear(lin.key, reference.exl2_dequant(lin)[:, :n].t().contiguous(),
+                           None if lin.bias is None else lin.bias[:n])
+
+    layers = [replace(lw, **{f.name: dense(getattr(lw, f.name)) for f in fields(lw) if f.name.endswith("proj")})
+              for lw in weights.layers]
+    return replace(weights, layers=layers, lm_head=None if weights.lm_head is None else dense(weights.lm_head))
+
+
 def test_default_model_split_on_cpu_matches_unsplit(default_model_dir):
     """SmolLM2-135M (30 layers, tied head) split 12 + 18 over two CPU segments: same greedy answer."""
     config = ModelConfig.from_dir(default_model_dir)
-    weights = load_weights(default_model_dir, config)
+    weights = _dequantized(load_weights(default_model_dir, config))  # dequantize once for both models
     prompt = [1, 504, 3458, 282, 4649, 314]  # token ids; their text does not matter here
     outs = []
     for model in (LlamaModel(config, weights, CPU), SplitLlamaModel(config, weights, _segments([12], 30))):

@@ -10,6 +10,7 @@ import pytest
 from exl2_backend.plugin.manager import get_plugin_manager
 from exl2_backend.plugin.types import SequenceRequest, StepBatch
 from exl2_backend.runtime import Engine, GenerationParams, LoadSettings
+from exl2_backend.runtime.generate import generate_stream
 from exl2_backend.sampling import SamplingParams
 from exl2_backend.serve.engine_loop import EngineLoop
 from tests.helpers.synth import tiny_config_dict, write_tiny_exl2_model
@@ -54,9 +55,7 @@ def test_engine_calls_on_launched_once_per_decode_and_tokens_do_not_change(model
                                       cache_tokens=1024, page_size=16))
     plain = []
     params = GenerationParams(sampling=SamplingParams.greedy(), max_new_tokens=6, ignore_eos=True)
-    for i, sid in enumerate(["a", "b"]):
-        from exl2_backend.runtime.generate import generate_stream
-
+    for i in range(2):
         plain.append([t for ev in generate_stream(engine, [5 + i, 17, 42, 7 * i + 1], params) for t in ev.token_ids])
     tokens, calls = _decode_all(engine)
     assert tokens == plain

@@ -33,8 +33,6 @@ GB = 1e9
 CUDA_RESERVE = 512 << 20  # cuBLAS workspaces, allocator rounding and fragmentation, per CUDA device
 NCCL_RESERVE = 1 << 30  # NCCL communicator buffers of a tensor-parallel rank
 KERNEL_WORKSPACE = 64 << 20  # split-K partials and tickets of the EXL2 kernels (ops/cuda_quant.workspace)
-DEQUANT_SLICE = 8192  # ops/cuda_quant.DEQUANT_SLICE: columns dequantized at once on the large-M path
-FUSED_MAX_M = 8  # above this many rows a linear dequantizes to scratch (ops/cuda_quant.FUSED_MAX_M)
 
 
 @dataclass
@@ -195,29 +193,65 @@ def _activation_bytes(desc: ModelDesc, dims: _Dims, tokens: int, itemsize: int) 
     return tokens * per * itemsize
 
 
+class _OpShape:
+    """What runtime/scratch.py reads of a prepared linear op, from LinearDescs sharing an input."""
+
+    def __init__(self, descs: list[LinearDesc]):
+        self.splits = [d.out_features for d in descs]
+        self.out_features = sum(self.splits)
+        self.in_features = descs[0].in_features
+
+
+class _LayerShape:
+    def __init__(self, parts: dict[str, LinearDesc]):
+        self.qkv = _OpShape([parts["q_proj"], parts["k_proj"], parts["v_proj"]])
+        self.o = _OpShape([parts["o_proj"]])
+        self.gate_up = _OpShape([parts["gate_proj"], parts["up_proj"]])
+        self.down = _OpShape([parts["down_proj"]])
+
+
+class _Heads:
+    """A config with a rank's head counts."""
+
+    def __init__(self, config, dims: _Dims):
+        self._config = config
+        self.num_attention_heads, self.num_key_value_heads = dims.hq, dims.hkv
+
+    def __getattr__(self, name):
+        return getattr(self._config, name)
+
+
+class _ModelShape:
+    """The attributes runtime/scratch.prefill_scratch_bytes reads of a loaded model, before loading."""
+
+    def __init__(self, desc: ModelDesc, dims: _Dims, layers: list[dict[str, LinearDesc]], head, itemsize: int,
+                 device: str):
+        self.config = _Heads(desc.config, dims)
+        self.dtype = torch.float16 if itemsize == 2 else torch.float32
+        self.vocab_size = dims.vocab
+        cuda_here = device.startswith("cuda") and torch.cuda.is_available()
+        self.device = torch.device(device if cuda_here else "cpu")  # the SM count is read from a real GPU only
+        self.layers = [_LayerShape(p) for p in layers]
+        self.lm_head = None if head is None else _OpShape([head])
+
+
 def _scratch(desc: ModelDesc, dims: _Dims, settings, backend: str, itemsize: int, *, last: bool,
-             linears: list[LinearDesc]) -> int:
-    """Kernel workspace + decode graph pool (largest bucket) + one prefill forward's peak."""
-    c = desc.config
+             layers: list[dict[str, LinearDesc]], head: LinearDesc | None, device: str) -> int:
+    """Kernel workspace + decode graph pool (largest bucket) + one prefill forward's peak (the bound of
+    runtime/scratch.prefill_scratch_bytes, which the GPU tests check against measured peaks)."""
+    from exl2_backend.runtime.scratch import prefill_scratch_bytes
+
     batch = settings.max_batch_size
     t = getattr(settings, "max_input_len", None) or settings.max_chunk_size
-    ctx = settings.max_seq_len
+    chunk = min(settings.max_chunk_size, t)
+    shape = _ModelShape(desc, dims, layers, head if last else None, itemsize, device)
+    prefill = prefill_scratch_bytes(shape, t, chunk, batch, settings.max_seq_len, settings.page_size)
+    if backend != "packed":  # eager reference path: no graphs, no kernel workspace
+        return prefill
     decode = _activation_bytes(desc, dims, batch, itemsize)
     if last:
         buckets = [b for b in (1, 2, 4, 8, 16, 32, 64, 128, 256) if b < batch] + [batch]
         decode += batch * dims.vocab * (4 + itemsize) + sum(buckets) * dims.vocab * 4  # logits, kept outputs
-    prefill = _activation_bytes(desc, dims, t, itemsize)
-    # prefill attention: one sequence's K/V gathered from pages, GQA-expanded for SDPA, and the causal mask
-    kv_rows = ctx * dims.hkv * c.head_dim * itemsize
-    prefill += 2 * kv_rows + (2 * ctx * dims.hq * c.head_dim * itemsize if dims.hq > dims.hkv else 0) + t * ctx
-    if backend == "packed" and t > FUSED_MAX_M and linears:  # large M: a dequantized slice + its product
-        cols = max(min(DEQUANT_SLICE, d.padded_out_features) for d in linears)
-        kmax = max(d.in_features for d in linears)
-        prefill += 2 * (kmax * cols + t * cols)
-    if last:
-        prefill += min(t, batch) * dims.vocab * (4 + itemsize)
-    if backend != "packed":  # eager reference path: no graphs, no kernel workspace
-        return prefill
     return KERNEL_WORKSPACE + decode + prefill
 
 
@@ -331,7 +365,8 @@ def _place(plan: VramPlan, desc: ModelDesc, draft, settings, tokens: int, backen
     devs = plan.devices
     first, last_dev = devs[0], devs[-1]
     for d in devs:
-        d.scratch = _scratch(desc, full, settings, backend, itemsize, last=True, linears=all_linears)
+        d.scratch = _scratch(desc, full, settings, backend, itemsize, last=True, layers=list(desc.layers),
+                             head=desc.head, device=d.device)
         d.load_transient = _transient(all_linears, backend)
     first.embed, first.weights, first.draft = True, desc.embed_bytes(itemsize), draft_b
     head_b = desc.head_bytes(backend, itemsize)
@@ -416,8 +451,10 @@ class _TPBuilder:
             d.weights += desc.norm_bytes(itemsize) + (0 if head is None else head.device_bytes(backend, itemsize))
             d.kv_cache = kv_layer * c.num_hidden_layers
             d.draft = draft_b if rank == 0 else 0
-            lin = parts + ([head] if head else [])
-            d.scratch = _scratch(desc, dims, settings, backend, itemsize, last=True, linears=lin)
+            names = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+            layers = [dict(zip(names, parts[i : i + 7])) for i in range(0, len(parts), 7)]
+            d.scratch = _scratch(desc, dims, settings, backend, itemsize, last=True, layers=layers, head=head,
+                                 device=d.device)
             d.scratch += 2 * settings.max_batch_size * c.vocab_size * 4  # gathered logits
             d.load_transient = _transient([p for p in desc.layers[0].values()] + ([desc.head] if desc.head else []),
                                           backend)

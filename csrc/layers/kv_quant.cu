@@ -40,14 +40,33 @@ __device__ __forceinline__ void quantize_group(float x, uint8_t* codes, half* sc
   using Fmt = KVFormat<F>;
   if constexpr (Fmt::ROT) x = warp_fwht32(x);
   const float amax = warp_max(fabsf(x));
-  const half s16 = __float2half_rn(fminf(__fdiv_rn(amax, Fmt::QMAX), 65504.f));
-  const float s = __half2float(s16);
+  half s16 = __float2half_rn(fminf(__fdiv_rn(amax, Fmt::div(0)), 65504.f));
   if constexpr (F == kFmtE4M3) {
+    const float s = __half2float(s16);
     uint8_t code = 0;
     if (s != 0.f) code = __nv_cvt_float_to_fp8(fminf(fmaxf(__fdiv_rn(x, s), -448.f), 448.f), __NV_SATFINITE, __NV_E4M3);
     codes[lane] = code;
   } else {
-    const float c = s != 0.f ? fminf(fmaxf(rintf(__fdiv_rn(x, s)), -Fmt::QMAX - 1.f), Fmt::QMAX) : 0.f;
+    // candidate scales in order; a later one must beat the best squared error strictly (warp_sum's xor order is
+    // the reference's halving sum, and every step is a single rounded op, so the choice is reproducible)
+    float c = 0.f, best = 0.f;
+#pragma unroll
+    for (int i = 0; i < Fmt::NDIV; ++i) {
+      const half t16 = i == 0 ? s16 : __float2half_rn(fminf(__fdiv_rn(amax, Fmt::div(i)), 65504.f));
+      const float s = __half2float(t16);
+      const float ci = s != 0.f ? fminf(fmaxf(rintf(__fdiv_rn(x, s)), -Fmt::QMAX - 1.f), Fmt::QMAX) : 0.f;
+      if constexpr (Fmt::NDIV > 1) {
+        const float d = __fsub_rn(x, __fmul_rn(ci, s));
+        const float err = warp_sum(__fmul_rn(d, d));
+        if (i == 0 || err < best) {
+          best = err;
+          c = ci;
+          s16 = t16;
+        }
+      } else {
+        c = ci;
+      }
+    }
     const int code = (int)c + (int)Fmt::QMAX + 1;
     if constexpr (F == kFmtI8) {
       codes[lane] = (uint8_t)code;

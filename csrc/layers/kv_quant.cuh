@@ -20,23 +20,33 @@ constexpr float KV_INV_SQRT_GROUP = 0.17677669529663688f;  // 1 / sqrt(32) round
 
 template <int F>
 struct KVFormat;
+// QMAX: largest code magnitude; NDIV / div(i): candidate divisors of the group absmax (scale = absmax / div),
+// the one with the smallest squared group error wins (kv_types.py KVFormat.divisors).
 template <>
 struct KVFormat<kFmtE4M3> {
   static constexpr int BITS = 8;
   static constexpr bool ROT = false;
   static constexpr float QMAX = 448.f;
+  static constexpr int NDIV = 1;
+  __device__ static constexpr float div(int) { return 448.f; }
 };
 template <>
 struct KVFormat<kFmtI8> {
   static constexpr int BITS = 8;
   static constexpr bool ROT = true;
   static constexpr float QMAX = 127.f;
+  static constexpr int NDIV = 1;
+  __device__ static constexpr float div(int) { return 127.f; }
 };
 template <>
 struct KVFormat<kFmtI4> {
   static constexpr int BITS = 4;
   static constexpr bool ROT = true;
   static constexpr float QMAX = 7.f;
+  static constexpr int NDIV = 6;
+  __device__ static constexpr float div(int i) {
+    return i == 0 ? 7.f : i == 1 ? 7.5f : i == 2 ? 8.f : i == 3 ? 8.5f : i == 4 ? 9.f : 10.f;
+  }
 };
 
 inline bool kv_fmt_valid(int f) { return f == kFmtE4M3 || f == kFmtI8 || f == kFmtI4; }

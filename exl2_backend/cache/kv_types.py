@@ -32,8 +32,15 @@ class KVFormat:
     name: str  # "fp16" | "e4m3" | "int8" | "int4"
     bits: int  # bits of one stored element code
     abi: int  # format code of the C ABI (csrc/layers/kv_quant.cuh KVFmt); 0 = fp16 (not a quantized format)
-    qmax: int  # largest code magnitude the group absmax maps to (scale = absmax / qmax)
+    qmax: int  # largest code magnitude
     rotated: bool  # Hadamard-rotated in groups of GROUP before quantizing
+    # Candidate divisors of the group absmax: scale = absmax / divisor; with several, the one with the smallest
+    # squared error of the group wins (clipping the largest elements a little buys a finer grid for the rest).
+    divisors: tuple[float, ...] = ()
+
+    @property
+    def scale_divisors(self) -> tuple[float, ...]:
+        return self.divisors or (float(self.qmax),)
 
     @property
     def quantized(self) -> bool:
@@ -54,7 +61,7 @@ FORMATS = {
     "fp16": KVFormat("fp16", 16, 0, 0, False),
     "e4m3": KVFormat("e4m3", 8, 1, 448, False),
     "int8": KVFormat("int8", 8, 2, 127, True),
-    "int4": KVFormat("int4", 4, 3, 7, True),
+    "int4": KVFormat("int4", 4, 3, 7, True, (7.0, 7.5, 8.0, 8.5, 9.0, 10.0)),
 }
 
 

@@ -6,7 +6,9 @@ Per (token, kv head) row of D elements, in groups of G = 32 (formats in `exl2_ba
   1. x = the row in fp32 (k after RoPE, rounded to the activation dtype as the model would store it).
   2. integer formats: y = fwht32(x) * (1/sqrt(32)) per group (butterfly stages h = 1, 2, 4, 8, 16:
      (a, b) -> (a + b, a - b)), an orthonormal, self-inverse rotation. e4m3: y = x.
-  3. scale = fp16(min(absmax(y) / qmax, 65504)) per group (IEEE fp32 division); s = float(scale).
+  3. scale = fp16(min(absmax(y) / divisor, 65504)) per group (IEEE fp32 division); s = float(scale). The
+     divisor is qmax (448 e4m3, 127 int8); int4 tries 7, 7.5, 8, 8.5, 9, 10 and keeps the first with the
+     smallest sum of (y - c * s)^2, summed in the fixed halving order (i, i + 16), (i, i + 8), ... .
   4. int8 / int4: c = clamp(round_half_even(y / s), -qmax - 1, qmax), stored as c + 128 / c + 8 (unsigned);
      e4m3: the e4m3fn code (round to nearest even) of clamp(y / s, -448, 448). A zero scale stores code 0
      (value 0). int4 packs element 2j in the low nibble of byte j and 2j + 1 in the high nibble.
@@ -48,6 +50,24 @@ def fwht32(x: torch.Tensor) -> torch.Tensor:
     return y.reshape(shape) * torch.tensor(INV_SQRT_GROUP, dtype=torch.float32)
 
 
+def _scaled(g: torch.Tensor, amax: torch.Tensor, divisor: float):
+    """-> (scale fp16 [..., G], g / scale [..., G, 32] (g where the scale is 0), zero-scale mask [..., G, 1])."""
+    # tensor / tensor: a true IEEE division on every device (a python scalar divisor may become a reciprocal
+    # multiply in ATen's CUDA kernels)
+    scale = torch.div(amax, torch.full_like(amax, divisor)).clamp(max=FP16_MAX).half()  # [..., G]
+    s = scale.float()[..., None]  # [..., G, 1]
+    zero = s == 0
+    return scale, torch.div(g, torch.where(zero, torch.ones_like(s), s)), zero
+
+
+def _halving_sum(e: torch.Tensor) -> torch.Tensor:
+    """Sum over the last dim (32) in the order of a warp's xor reduction: (i, i + 16), then (i, i + 8), ..."""
+    while e.shape[-1] > 1:
+        h = e.shape[-1] // 2
+        e = e[..., :h] + e[..., h:]
+    return e[..., 0]
+
+
 def quantize(x: torch.Tensor, fmt: str | KVFormat) -> tuple[torch.Tensor, torch.Tensor]:
     """x [..., D] (any float dtype, D % 32 == 0) -> (codes uint8 [..., D * bits / 8], scales fp16 [..., D / 32])."""
     f = _fmt(fmt)
@@ -59,18 +79,25 @@ def quantize(x: torch.Tensor, fmt: str | KVFormat) -> tuple[torch.Tensor, torch.
         y = fwht32(y)
     g = y.reshape(*x.shape[:-1], d // GROUP, GROUP)  # [..., G, 32]
     amax = g.abs().amax(-1)  # [..., G]
-    # tensor / tensor: a true IEEE division on every device (a python scalar divisor may become a reciprocal
-    # multiply in ATen's CUDA kernels)
-    scale = torch.div(amax, torch.full_like(amax, float(f.qmax))).clamp(max=FP16_MAX).half()  # [..., G]
-    s = scale.float()[..., None]  # [..., G, 1]
-    zero = s == 0
-    v = torch.div(g, torch.where(zero, torch.ones_like(s), s))  # [..., G, 32]
     if f.name == "e4m3":
+        scale, v, zero = _scaled(g, amax, float(f.qmax))
         v = torch.where(zero, torch.zeros_like(v), v.clamp(-448.0, 448.0))
         codes = v.to(torch.float8_e4m3fn).view(torch.uint8)
     else:
         bias = f.qmax + 1
-        c = torch.where(zero, torch.zeros_like(v), torch.round(v).clamp(-bias, f.qmax))
+        best = None
+        for div in f.scale_divisors:
+            sc, v, zero = _scaled(g, amax, div)
+            c = torch.where(zero, torch.zeros_like(v), torch.round(v).clamp(-bias, f.qmax))  # [..., G, 32]
+            diff = g - c * sc.float()[..., None]
+            err = _halving_sum(diff * diff)  # [..., G]
+            if best is None:
+                best = (sc, c, err)
+            else:
+                better = err < best[2]  # strict: the earlier divisor wins ties
+                best = (torch.where(better, sc, best[0]), torch.where(better[..., None], c, best[1]),
+                        torch.where(better, err, best[2]))
+        scale, c = best[0], best[1]
         codes = (c + bias).to(torch.uint8)
     codes = codes.reshape(*x.shape[:-1], d)
     if f.bits == 4:

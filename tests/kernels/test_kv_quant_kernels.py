@@ -1,0 +1,349 @@
+"""CUDA quantized KV cache kernels against ops/reference_kvquant.py.
+
+Write kernel (csrc/layers/kv_quant.cu): codes and scales must equal the reference bit for bit (integer work),
+for fp16 and bf16 inputs, strided views, padded slots; the fused RoPE variant equals the CUDA apply_rope kernel
+followed by the reference quantizer (rope_kv_write's own contract: the same bits as the unfused ops), and q
+is rotated exactly as apply_rope.
+
+Attention kernel (csrc/layers/paged_attention_quant.cu): compared with reference.paged_attention over the
+dequantized pages in fp32 (same function of the stored codes), tolerance of tests/kernels/test_paged_attention.py:
+max error <= 2 x the error of fp16 SDPA on the same dequantized K/V, + 2e-3.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from exl2_backend.cache.kv_types import FORMATS
+from exl2_backend.ops import reference
+from exl2_backend.ops import reference_kvquant as R
+from tests.helpers.tolerances import assert_close_rel, assert_exact
+
+pytestmark = pytest.mark.cuda
+
+DEV = "cuda"
+PAIRS = [("e4m3", "e4m3"), ("int8", "int8"), ("int8", "int4"), ("int4", "int4")]  # fp8, q8, q6, q4
+
+
+def kq():
+    from exl2_backend.ops import cuda_kvquant
+
+    return cuda_kvquant
+
+
+def empty_cache(p, s, hkv, d, kf, vf, fill=0):
+    """Code/scale caches with garbage in every slot (writes must cover exactly their slots)."""
+    kc = torch.full((p, s, hkv, FORMATS[kf].code_bytes(d)), fill, dtype=torch.uint8, device=DEV)
+    vc = torch.full((p, s, hkv, FORMATS[vf].code_bytes(d)), fill, dtype=torch.uint8, device=DEV)
+    ks = torch.full((p, s, hkv, d // 32), 7.0, dtype=torch.float16, device=DEV)
+    vs = torch.full_like(ks, 7.0)
+    return kc, ks, vc, vs
+
+
+def ref_write(k, v, caches, slots, kf, vf):
+    """The reference on CPU copies (CPU torch: IEEE division everywhere), copied back."""
+    host = [t.cpu() for t in caches]
+    R.kv_quant_write(k.cpu(), v.cpu(), *host, slots.cpu(), kf, vf)
+    return [t.to(DEV) for t in host]
+
+
+def kv_like(t, h, d, dtype, seed):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(t, h, d, generator=g)
+    x[..., 5] *= 10  # an outlier channel
+    x[: t // 3] *= 1e-3  # small rows (e4m3 subnormals after scaling)
+    return x.to(dtype).to(DEV)
+
+
+@pytest.mark.parametrize("kf,vf", PAIRS)
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("hkv,d", [(1, 32), (3, 64), (8, 128), (2, 256)])
+def test_write_exact_codes(kf, vf, dtype, hkv, d):
+    t, p, s = 37, 6, 16
+    k, v = kv_like(t, hkv, d, dtype, 0), kv_like(t, hkv, d, dtype, 1)
+    slots = torch.randperm(p * s)[:t].to(DEV)
+    slots[3], slots[10] = -1, p * s + 5  # padding rows and past-the-cache slots write nothing
+    caches = empty_cache(p, s, hkv, d, kf, vf, fill=0xAB)
+    want = ref_write(k, v, caches, torch.where(slots >= p * s, -1, slots), kf, vf)
+    kq().kv_quant_write(k, v, *caches, slots, kf, vf)
+    for name, a, b in zip(("k codes", "k scales", "v codes", "v scales"), caches, want):
+        assert_exact(a, b, f"{name} {kf}/{vf} {dtype} {hkv}x{d}")
+
+
+def test_write_strided_views_of_a_qkv_output():
+    t, hq, hkv, d = 9, 8, 2, 128
+    qkv = torch.randn(t, (hq + 2 * hkv) * d, device=DEV).half()
+    k = qkv[:, hq * d : (hq + hkv) * d].view(t, hkv, d)
+    v = qkv[:, (hq + hkv) * d :].view(t, hkv, d)
+    slots = torch.arange(t, device=DEV) * 3
+    for kf, vf in PAIRS:
+        caches = empty_cache(4, 16, hkv, d, kf, vf)
+        want = ref_write(k.contiguous(), v.contiguous(), caches, slots, kf, vf)
+        kq().kv_quant_write(k, v, *caches, slots, kf, vf)
+        for a, b in zip(caches, want):
+            assert_exact(a, b, f"strided {kf}/{vf}")
+
+
+@pytest.mark.parametrize("kf,vf", PAIRS)
+def test_fused_rope_write_equals_rope_kernel_then_reference_quantizer(kf, vf):
+    from exl2_backend.ops import cuda_layers
+
+    t, hq, hkv, d = 11, 8, 2, 128
+    qkv = torch.randn(t, (hq + 2 * hkv) * d, device=DEV).half()
+    q = qkv[:, : hq * d].view(t, hq, d)
+    k = qkv[:, hq * d : (hq + hkv) * d].view(t, hkv, d)
+    v = qkv[:, (hq + hkv) * d :].view(t, hkv, d)
+    pos = torch.tensor([0, 1, 2, 100, 1000, 4095, 4096, 9999, 31, 32, 65535], device=DEV)
+    inv = reference.rope_inv_freq(d, 500000.0).to(DEV)
+    slots = torch.arange(t, device=DEV) + 5
+    slots[2] = -1
+    q_want = cuda_layers.apply_rope(q, pos, inv)
+    k_rot = cuda_layers.apply_rope(k, pos, inv)
+    caches = empty_cache(2, 16, hkv, d, kf, vf)
+    want = ref_write(k_rot, v.contiguous(), caches, slots, kf, vf)
+    kq().rope_kv_quant_write(q, k, v, pos, inv, *caches, slots, kf, vf)
+    assert_exact(q, q_want, "q rotated in place")
+    for a, b in zip(caches, want):
+        assert_exact(a, b, f"rope write {kf}/{vf}")
+
+
+def test_write_many_tokens_prefill_chunk():
+    t, hkv, d = 2048, 8, 128
+    k, v = kv_like(t, hkv, d, torch.float16, 3), kv_like(t, hkv, d, torch.float16, 4)
+    slots = torch.randperm(160 * 16)[:t].to(DEV)
+    caches = empty_cache(160, 16, hkv, d, "int4", "int4")
+    want = ref_write(k, v, caches, slots, "int4", "int4")
+    kq().kv_quant_write(k, v, *caches, slots, "int4", "int4")
+    for a, b in zip(caches, want):
+        assert_exact(a, b, "2048-token write")
+
+
+# --- attention ------------------------------------------------------------------------------------------------
+
+
+def build(lens, hkv, d, page, kf, vf, seed=0, spare=5):
+    """Random K/V per sequence quantized into shuffled pages; unused slots hold garbage codes and NaN scales and
+    unused table entries garbage, so any read outside the context shows up."""
+    g = torch.Generator(device="cpu").manual_seed(seed)
+    need = [max(1, -(-n // page)) for n in lens]
+    num_pages = sum(need) + spare
+    kc, ks, vc, vs = empty_cache(num_pages, page, hkv, d, kf, vf, fill=0x77)
+    ks.fill_(float("nan"))
+    vs.fill_(float("nan"))
+    order = torch.randperm(num_pages, generator=g).tolist()
+    tables = torch.full((len(lens), max(need) + 2), -1, dtype=torch.int32)
+    tables[:, -1] = 10**6
+    for b, n in enumerate(lens):
+        pages = [order.pop() for _ in range(need[b])]
+        tables[b, : need[b]] = torch.tensor(pages, dtype=torch.int32)
+        k = torch.randn(n, hkv, d, generator=g)
+        k[..., 3] *= 8
+        v = torch.randn(n, hkv, d, generator=g)
+        pos = torch.arange(n)
+        slots = (torch.tensor(pages)[pos // page] * page + pos % page).to(DEV)
+        kq().kv_quant_write(k.half().to(DEV), v.half().to(DEV), kc, ks, vc, vs, slots, kf, vf)
+    return (kc, ks, vc, vs), tables.to(DEV), torch.tensor(lens, dtype=torch.int32, device=DEV)
+
+
+def sdpa_fp16(q, kd, vd, tables, lens, scale):
+    """fp16 SDPA per sequence over the dequantized pages (GQA expanded, causal by absolute position)."""
+    b_, tq, hq, d = q.shape
+    s, hkv = kd.shape[1], kd.shape[2]
+    out = torch.zeros_like(q)
+    for b in range(b_):
+        n = int(lens[b])
+        if n <= 0:
+            continue
+        pages = tables[b, : -(-n // s)].long()
+        k = kd.index_select(0, pages).reshape(-1, hkv, d)[:n].half()
+        v = vd.index_select(0, pages).reshape(-1, hkv, d)[:n].half()
+        kk = k.repeat_interleave(hq // hkv, dim=1).transpose(0, 1)[None]
+        vv = v.repeat_interleave(hq // hkv, dim=1).transpose(0, 1)[None]
+        mask = torch.arange(n, device=DEV)[None, :] <= (torch.arange(tq, device=DEV) + n - tq)[:, None]
+        o = F.scaled_dot_product_attention(q[b].transpose(0, 1)[None], kk, vv, attn_mask=mask, scale=scale)
+        out[b] = torch.where(mask.any(-1)[:, None, None], o[0].transpose(0, 1), torch.zeros_like(o[0].transpose(0, 1)))
+    return out
+
+
+def check(lens, tq, hq, hkv, d, kf, vf, page=16, num_splits=0, seed=0, q=None):
+    caches, tables, ctx = build(lens, hkv, d, page, kf, vf, seed)
+    if q is None:
+        q = torch.randn(len(lens), tq, hq, d, device=DEV).half()
+    scale = 1 / math.sqrt(d)
+    out = kq().paged_attention_quant(q, *caches, tables, ctx, scale, kf, vf, num_splits)
+    kd, vd, tab = R.gather_dequantized(*caches, tables, ctx, kf, vf)  # fp32 pages actually read
+    ref = reference.paged_attention(q.float(), kd, vd, tab, ctx, scale)
+    base = sdpa_fp16(q.contiguous(), kd, vd, tab, ctx, scale)
+    assert_close_rel(out, ref, base, msg=f"{kf}/{vf} lens={lens} tq={tq} {hq}/{hkv}x{d} page={page} "
+                                          f"splits={num_splits}")
+    return out
+
+
+@pytest.mark.parametrize("kf,vf", PAIRS)
+@pytest.mark.parametrize("n", [1, 15, 16, 17, 255, 257, 1000, 8193])
+@pytest.mark.parametrize("hq,hkv,d", [(9, 3, 64), (32, 8, 128)])
+def test_single_sequence(kf, vf, n, hq, hkv, d):
+    check([n], 1, hq, hkv, d, kf, vf, page=256 if n >= 1000 else 16)
+
+
+@pytest.mark.parametrize("kf,vf", PAIRS)
+@pytest.mark.parametrize("page", [16, 64, 256])
+def test_batch_of_lengths(kf, vf, page):
+    g = torch.Generator().manual_seed(3)
+    lens = torch.randint(1, 1500, (16,), generator=g).tolist()
+    lens[0], lens[1], lens[2] = 1, 256, 4097
+    check(lens, 1, 32, 8, 128, kf, vf, page=page)
+    check(lens[:7], 4, 9, 3, 64, kf, vf, page=page, seed=1)
+
+
+@pytest.mark.parametrize("kf,vf", PAIRS)
+@pytest.mark.parametrize("num_splits", [1, 2, 7, 64])
+def test_forced_splits(kf, vf, num_splits):
+    lens = [1, 17, 300, 2000] if num_splits > 1 else [1, 17, 300, 900]  # one split holds <= 1024 keys
+    check(lens, 1, 32, 8, 128, kf, vf, num_splits=num_splits)
+    check(lens, 3, 9, 3, 64, kf, vf, num_splits=num_splits)
+
+
+@pytest.mark.parametrize("kf,vf", PAIRS)
+@pytest.mark.parametrize("tq,hq,hkv", [(16, 32, 8), (16, 9, 3), (2, 64, 8), (1, 8, 8), (3, 16, 8), (7, 32, 8),
+                                       (1, 16, 1)])
+def test_row_tiles_and_gqa_ratios(kf, vf, tq, hq, hkv):
+    """G * Tq query rows per kv head from 1 to 128 (every row-tile size, several tiles per head); GQA 1 to 16."""
+    check([40, 700, 2500], tq, hq, hkv, 128, kf, vf, page=64)
+    check([33], tq, hq, hkv, 64, kf, vf, page=16, seed=2)
+
+
+def test_short_contexts_give_zeros():
+    for kf, vf in PAIRS:
+        out = check([0, 2, 5, 100], 5, 9, 3, 64, kf, vf)
+        assert torch.all(out[0] == 0) and torch.all(out[1, :3] == 0)
+        out = check([0, 3], 1, 32, 8, 128, kf, vf, num_splits=4)
+        assert torch.all(out[0] == 0)
+
+
+def test_strided_q_from_qkv():
+    b, tq, hq, hkv, d = 2, 3, 32, 8, 128
+    qkv = torch.randn(b, tq, (hq + 2 * hkv) * d, device=DEV).half()
+    q = qkv[..., : hq * d].view(b, tq, hq, d)
+    for kf, vf in PAIRS:
+        check([50, 3000], tq, hq, hkv, d, kf, vf, page=256, q=q)
+
+
+def test_close_to_fp16_cache_attention():
+    """End to end: attention over each quantized cache vs the fp16 kernel over the unquantized K/V."""
+    from exl2_backend.ops import cuda_layers
+
+    lens, hq, hkv, d, page = [300, 2000], 32, 8, 128, 64
+    g = torch.Generator().manual_seed(5)
+    kv = [(torch.randn(n, hkv, d, generator=g).half().to(DEV), torch.randn(n, hkv, d, generator=g).half().to(DEV))
+          for n in lens]
+    tables = torch.arange(2 * 32, dtype=torch.int32, device=DEV).view(2, 32)
+    q = torch.randn(2, 1, hq, d, device=DEV).half()
+    kc16 = torch.zeros(64, page, hkv, d, dtype=torch.float16, device=DEV)
+    vc16 = torch.zeros_like(kc16)
+    caches = {pair: empty_cache(64, page, hkv, d, *pair) for pair in PAIRS}
+    for b, (k, v) in enumerate(kv):
+        pos = torch.arange(k.shape[0], device=DEV)
+        slots = tables[b].long()[pos // page] * page + pos % page
+        cuda_layers.kv_cache_write(k, v, kc16, vc16, slots)
+        for pair, c in caches.items():
+            kq().kv_quant_write(k, v, *c, slots, *pair)
+    lens_t = torch.tensor(lens, dtype=torch.int32, device=DEV)
+    want = cuda_layers.paged_attention(q, kc16, vc16, tables, lens_t, d**-0.5).float()
+    for (kf, vf), tol in zip(PAIRS, (0.05, 0.01, 0.12, 0.15)):
+        out = kq().paged_attention_quant(q, *caches[(kf, vf)], tables, lens_t, d**-0.5, kf, vf).float()
+        rel = float((out - want).norm() / want.norm())
+        assert rel < tol, (kf, vf, rel)
+
+
+def test_deterministic():
+    caches, tables, ctx = build([5000, 7000], 8, 128, 256, "int4", "int4")
+    q = torch.randn(2, 1, 32, 128, device=DEV).half()
+    a = kq().paged_attention_quant(q, *caches, tables, ctx, 0.1, "int4", "int4")
+    for _ in range(3):
+        assert_exact(kq().paged_attention_quant(q, *caches, tables, ctx, 0.1, "int4", "int4"), a, "run to run")
+
+
+def test_cuda_graph_replay():
+    """Write + attention captured once with a fixed table width; replays see new lengths, slots and queries."""
+    hq, hkv, d, page = 32, 8, 128, 256
+    caches, tables, ctx = build([3000, 9000], hkv, d, page, "int8", "int4")
+    q = torch.randn(2, 1, hq, d, device=DEV).half()
+    k = torch.randn(2, hkv, d, device=DEV).half()
+    slots = torch.tensor([-1, -1], device=DEV)
+
+    def step():
+        kq().kv_quant_write(k, k, *caches, slots, "int8", "int4")
+        return kq().paged_attention_quant(q, *caches, tables, ctx, 0.08, "int8", "int4")
+
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        step()
+    torch.cuda.current_stream().wait_stream(s)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        out = step()
+    for lens in ([3000, 9000], [1, 8999], [2999, 257]):
+        ctx.copy_(torch.tensor(lens, dtype=torch.int32))
+        q.copy_(torch.randn_like(q))
+        g.replay()
+        torch.cuda.synchronize()
+        assert_exact(out, kq().paged_attention_quant(q, *caches, tables, ctx, 0.08, "int8", "int4"),
+                     f"replay lens={lens}")
+
+
+def test_fallbacks_and_errors():
+    from exl2_backend.errors import InvalidRequestError
+
+    caches, tables, ctx = build([40], 2, 96, 16, "int8", "int8")  # head_dim 96: reference on the GPU
+    q = torch.randn(1, 1, 4, 96, device=DEV).half()
+    out = kq().paged_attention_quant(q, *caches, tables, ctx, 0.1, "int8", "int8")
+    torch.testing.assert_close(out, R.paged_attention_quant(q, *caches, tables, ctx, 0.1, "int8", "int8"))
+    bad_pair = empty_cache(4, 16, 2, 96, "int4", "int8")
+    with pytest.raises(InvalidRequestError, match="format pair"):
+        kq().paged_attention_quant(q, *bad_pair, tables, ctx, 0.1, "int4", "int8")
+    with pytest.raises(InvalidRequestError, match="must be"):
+        kq().paged_attention_quant(q, *caches, tables, ctx, 0.1, "int4", "int4")  # code width mismatch
+
+
+def test_opcheck():
+    caches, tables, ctx = build([20, 300], 3, 64, 16, "int8", "int4")
+    q = torch.randn(2, 2, 9, 64, device=DEV).half()
+    torch.library.opcheck(torch.ops.exl2_backend.paged_attention_quant.default,
+                          (q, *caches, tables, ctx, 0.125, "int8", "int4"))
+    k = torch.randn(3, 3, 64, device=DEV).half()
+    torch.library.opcheck(torch.ops.exl2_backend.kv_quant_write.default,
+                          (k, k, *caches, torch.tensor([0, 5, 17], device=DEV), "int8", "int4"))
+
+
+def test_no_host_sync():
+    caches, tables, ctx = build([100, 5000], 8, 128, 256, "int4", "int4")
+    q = torch.randn(2, 1, 32, 128, device=DEV).half()
+    k = torch.randn(2, 8, 128, device=DEV).half()
+    slots = torch.tensor([3, 700], device=DEV)
+    kq().paged_attention_quant(q, *caches, tables, ctx, 0.1, "int4", "int4")
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        kq().kv_quant_write(k, k, *caches, slots, "int4", "int4")
+        kq().paged_attention_quant(q, *caches, tables, ctx, 0.1, "int4", "int4")
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+
+
+def test_prefill_path_over_quantized_history():
+    """More than 16 queries per sequence: dequantized key blocks + SDPA, same semantics as the reference."""
+    from exl2_backend import ops
+
+    caches, tables, ctx = build([700, 100], 8, 128, 64, "int8", "int4")
+    q = torch.randn(2, 64, 32, 128, device=DEV).half()
+    out = ops.paged_attention_quant(q, *caches, tables, ctx, 0.09, "int8", "int4")
+    kd, vd, tab = R.gather_dequantized(*caches, tables, ctx, "int8", "int4")
+    ref = reference.paged_attention(q.float(), kd, vd, tab, ctx, 0.09)
+    base = sdpa_fp16(q, kd, vd, tab, ctx, 0.09)
+    assert_close_rel(out, ref, base, msg="prefill over quantized history")

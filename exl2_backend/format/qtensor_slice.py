@@ -61,8 +61,9 @@ def select_group_rows(qt: QTensor, g0: int, g1: int) -> tuple[QTensor, torch.Ten
     r0, r1 = first.row_start, last.row_start + last.rows
     q_groups = torch.tensor([v for g in groups[g0:g1] for v in (g.bits, g.qrow_start - q0)], dtype=torch.int16)
     features = qt.q_perm.long()[r0:r1]  # [rows]: stored row r0 + j holds original feature features[j]
-    part = QTensor(key=qt.key, q_weight=qt.q_weight[q0:q1], q_scale=qt.q_scale[g0:g1],
-                   q_scale_max=qt.q_scale_max[g0:g1], q_groups=q_groups.to(qt.q_groups.device),
+    # scales are copied: a prepared op keeps its q_scale, and a view would keep the whole tensor alive
+    part = QTensor(key=qt.key, q_weight=qt.q_weight[q0:q1], q_scale=qt.q_scale[g0:g1].clone(),
+                   q_scale_max=qt.q_scale_max[g0:g1].clone(), q_groups=q_groups.to(qt.q_groups.device),
                    q_invperm=torch.arange(r1 - r0, dtype=torch.int32, device=qt.q_invperm.device),
                    out_features=qt.out_features, bias=qt.bias, source=qt.source)
     return part, features

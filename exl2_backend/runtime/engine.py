@@ -335,9 +335,14 @@ class Engine:
         """logits [k+1, V]: row j predicts the token after draft[:j]. Sample row by row (penalty counts see
         the accepted tokens); stop at the first mismatch or finish."""
         taken, text = [], ""
+        # Greedy without penalties: each row's token is its argmax whatever was accepted before (one sync).
+        greedy = s.params.sampling.temperature == 0 and s.prompt_counts is None
+        argmax = logits.float().argmax(-1).tolist() if greedy else None  # [k+1]
         for j in range(len(draft) + 1):
             q = probs[j] if probs is not None and j < len(draft) and s.params.sampling.temperature != 0 else None
-            if q is None:
+            if argmax is not None:
+                t = argmax[j]
+            elif q is None:
                 t = sample_for([s], logits[j : j + 1])[0]
             else:  # a sampled draft with its distribution: rejection sampling keeps the target's distribution
                 from exl2_backend.spec.rejection import accept_or_resample

@@ -45,6 +45,7 @@ class SpecDecoder:
         self.draft_steps = 0  # ... of them with at least one real proposal
         self.proposed = 0  # real draft tokens (padding excluded)
         self.accepted = 0
+        self.rejections = 0  # steps whose real drafts were not all accepted (the per-token estimate's misses)
         self.emitted = 0  # tokens added by speculative steps (accepted drafts + the target's own)
         if draft is not None:
             draft.allocate(engine.num_pages, engine.page_size, engine.max_seq_len, s.max_batch_size,
@@ -71,7 +72,9 @@ class SpecDecoder:
         if isinstance(self.engine.runner, CudaGraphRunner):
             from exl2_backend.spec.verify_graphs import VerifyGraphRunner
 
-            self.engine.runner = VerifyGraphRunner(self.engine.runner, self.k_max + 1)
+            runner = VerifyGraphRunner(self.engine.runner, self.k_max + 1)
+            runner.capture([1], [self.k + 1])  # the single-stream step now; other shapes on first use
+            self.engine.runner = runner
 
     @property
     def mode(self) -> str:
@@ -164,6 +167,7 @@ class SpecDecoder:
                 self.draft_steps += 1
                 self.proposed += real[sid]
                 self.accepted += accepted
+                self.rejections += int(accepted < real[sid])
             st.controller.update(real.get(sid, 0), accepted)
             if self.draft is not None and not ev.finished:
                 self.draft.rollback(s, start[sid], d)
@@ -194,6 +198,10 @@ class SpecDecoder:
             "spec_proposed_tokens": self.proposed,
             "spec_accepted_tokens": self.accepted,
             "spec_acceptance_rate": self.accepted / self.proposed if self.proposed else 0.0,
+            # per-token acceptance probability under the geometric model (adaptive.py): accepted / (accepted +
+            # first rejections); drafts after a rejection are never judged
+            "spec_alpha": (self.accepted / (self.accepted + self.rejections)
+                           if self.accepted + self.rejections else 0.0),
             "spec_mean_accepted_length": self.accepted / self.draft_steps if self.draft_steps else 0.0,
             "spec_tokens_per_step": self.emitted / self.steps if self.steps else 0.0,
             "spec_draft_cost": self.costs.draft,

@@ -82,6 +82,20 @@ class VerifyGraphRunner:
         self._verify_graphs[(b, tq)], self._verify_outputs[(b, tq)] = graph, out
         log.info("exl2_backend: captured verify graph for batch bucket %d, %d tokens", b, tq)
 
+    def capture(self, batch_sizes, tqs) -> None:
+        """Capture the graphs of these batch sizes (rounded up to buckets) and token counts now (warm-up)."""
+        for b in batch_sizes:
+            bucket = next((x for x in self.inner.buckets if x >= b), None)
+            for tq in tqs:
+                if bucket is None or not 2 <= tq <= self.max_tq or (bucket, tq) in self._verify_graphs:
+                    continue
+                try:
+                    self._capture(bucket, tq)
+                except Exception as exc:  # noqa: BLE001 - eager verify is a correct fallback
+                    log.warning("exl2_backend: verify graph capture failed (%s); verifying eagerly", exc)
+                    self._failed = True
+                    return
+
     def _upload(self, buf: _Buffers, tokens, starts, block_tables, bucket: int, tq: int) -> None:
         s = self.inner.page_size
         st = buf.stage

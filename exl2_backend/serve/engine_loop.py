@@ -15,7 +15,8 @@ Why step i's events are published from step i+1's `on_launched` callback (hook A
 (predict, LitServe's transport) shares this process's GIL with the engine thread. Woken at the end of step i
 it would run exactly while this thread prepares step i+1, and every µs of it would delay the next launch.
 Published once step i+1 is queued on the GPU, it runs while the GPU computes. Tokens wait only for the
-next step's host-side preparation; events are published at once whenever no decode step follows.
+next step's host-side preparation; a prefill's events (first tokens, refusals) and every event after which
+no decode step follows are published at once.
 """
 
 from __future__ import annotations
@@ -352,6 +353,8 @@ class EngineLoop:
                     self._blocked = True
                     self._waiting.extendleft(reversed(requeue))
                 self._admitting = 0
+            self._deliver(out)  # first tokens and refusals now: holding them through a decode step adds to TTFT
+            out = []
 
         # 3. one decode step for every sequence past its prompt
         decoding = [sid for sid, j in self._active.items() if not j.prefilling]

@@ -364,10 +364,11 @@ def _place(plan: VramPlan, desc: ModelDesc, draft, settings, tokens: int, backen
     full = _Dims(c.num_attention_heads, c.num_key_value_heads, c.intermediate_size, c.vocab_size)
     devs = plan.devices
     first, last_dev = devs[0], devs[-1]
+    scratch = _scratch(desc, full, settings, backend, itemsize, last=True, layers=list(desc.layers), head=desc.head,
+                       device=devs[0].device)  # every device may run the widest layer and the head
+    transient = _transient(all_linears, backend)
     for d in devs:
-        d.scratch = _scratch(desc, full, settings, backend, itemsize, last=True, layers=list(desc.layers),
-                             head=desc.head, device=d.device)
-        d.load_transient = _transient(all_linears, backend)
+        d.scratch, d.load_transient = scratch, transient
     first.embed, first.weights, first.draft = True, desc.embed_bytes(itemsize), draft_b
     head_b = desc.head_bytes(backend, itemsize)
     if len(devs) == 1:

@@ -91,12 +91,20 @@ def compare_memory(rows: list[dict], mem: list[dict]) -> None:
 def split_budget(settings: LoadSettings, desc, free: dict) -> float:
     """The smallest first-device budget (GB, 0.25 steps) that puts half the layers on cuda:0."""
     half = desc.config.num_hidden_layers // 2
-    for quarter in range(40, 4 * 140):
-        gb = quarter / 4
-        plan = plan_load(settings.model_copy(update={"gpu_split": (gb, 140.0)}), desc=desc, free_memory=free)
-        if plan.devices[0].layers[1] >= half:
-            return gb
-    raise RuntimeError("no budget splits the layers")
+
+    def layers_on_first(quarter: int) -> int:
+        plan = plan_load(settings.model_copy(update={"gpu_split": (quarter / 4, 140.0)}), desc=desc, free_memory=free)
+        return plan.devices[0].layers[1]
+
+    lo, hi = 4, 4 * 140  # layers_on_first grows with the budget: bisect for the first quarter-GB reaching half
+    if layers_on_first(hi) < half:
+        raise RuntimeError("no budget splits the layers")
+    for _ in range(12):
+        if hi - lo <= 1:
+            break
+        mid = (lo + hi) // 2
+        lo, hi = (lo, mid) if layers_on_first(mid) >= half else (mid, hi)
+    return hi / 4
 
 
 def run_mode(mode: str, src: RandomSource, desc, args) -> dict:
@@ -115,23 +123,24 @@ def run_mode(mode: str, src: RandomSource, desc, args) -> dict:
     plan.check()
     settings = base.model_copy(update={"max_seq_len": plan.max_seq_len, "cache_tokens": plan.cache_tokens})
     config = src.config()
-    t0 = time.perf_counter()
-    if mode == "single":
-        model = LlamaModel(config, src.weights(config, torch.device("cuda:0")), "cuda:0")
-    elif mode == "split":
-        from exl2_backend.model.split import SplitLlamaModel, segments_from_plan
-
-        model = SplitLlamaModel(config, src.weights(config, torch.device("cuda:0")), segments_from_plan(plan))
-    else:
-        from exl2_backend.runtime.tp_group import launch_tensor_parallel
-
-        model = launch_tensor_parallel(src, 2, "cuda")
-    sync_all()
-    load_weights_s = time.perf_counter() - t0
-    engine = Engine(model, None, settings)
-    sync_all()
-    load_s = time.perf_counter() - t0
+    model = engine = None
     try:
+        t0 = time.perf_counter()
+        if mode == "single":
+            model = LlamaModel(config, src.weights(config, torch.device("cuda:0")), "cuda:0")
+        elif mode == "split":
+            from exl2_backend.model.split import SplitLlamaModel, segments_from_plan
+
+            model = SplitLlamaModel(config, src.weights(config, torch.device("cuda:0")), segments_from_plan(plan))
+        else:
+            from exl2_backend.runtime.tp_group import launch_tensor_parallel
+
+            model = launch_tensor_parallel(src, 2, "cuda")
+        sync_all()
+        load_weights_s = time.perf_counter() - t0
+        engine = Engine(model, None, settings)
+        sync_all()
+        load_s = time.perf_counter() - t0
         gen = torch.Generator().manual_seed(0)
         prompt = torch.randint(0, config.vocab_size, (args.prompt_tokens,), generator=gen).tolist()
         out = measure(engine, prompt, args.decode_tokens)
@@ -144,7 +153,10 @@ def run_mode(mode: str, src: RandomSource, desc, args) -> dict:
                    segments=plan.segments() if mode == "split" else None)
         return out
     finally:
-        engine.close()
+        if engine is not None:
+            engine.close()  # tensor-parallel ranks
+        elif hasattr(model, "close"):
+            model.close()
         del engine, model
         free_all()
 

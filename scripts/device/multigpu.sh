@@ -6,6 +6,6 @@
 source scripts/device/common.sh
 nvidia-smi --query-gpu=index,name,memory.used,memory.total --format=csv > "$OUT/gpus.txt" 2>&1
 nvidia-smi topo -m >> "$OUT/gpus.txt" 2>&1
-timeout 150 python3 -m pytest tests/multigpu -q -m cuda -p no:cacheprovider 2>&1 | tee "$OUT/multigpu_tests.txt" | tail -6
-timeout 450 python3 scripts/device/multigpu.py --out "$OUT/multigpu.json" --budget-s 330 2>&1 \
+timeout 120 python3 -m pytest tests/multigpu -q -m cuda -p no:cacheprovider 2>&1 | tee "$OUT/multigpu_tests.txt" | tail -6
+timeout 450 python3 scripts/device/multigpu.py --out "$OUT/multigpu.json" --budget-s 300 2>&1 \
   | tee "$OUT/multigpu.txt" | grep -v '^ ' | tail -30

@@ -13,6 +13,7 @@ unsplit model's output bit for bit. Decode graphs are captured per segment by ru
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -188,8 +189,10 @@ class SplitLlamaModel(LlamaModel):
             dev = seg.device
             if s > 0:
                 state = (state[0].to(dev), state[1].to(dev))
-            state = self.run_segment(s, state, positions.to(dev), cache.segments[s], meta_to(meta, dev), b, tq,
-                                     logits)
+            # the kernel library launches on the current device: make it the segment's
+            with torch.cuda.device(dev) if dev.type == "cuda" else contextlib.nullcontext():
+                state = self.run_segment(s, state, positions.to(dev), cache.segments[s], meta_to(meta, dev), b, tq,
+                                         logits)
         return state
 
     __call__ = forward

@@ -105,7 +105,9 @@ class SegmentGraphRunner(ModelRunner):
                 if dev not in self._pools:
                     self._pools[dev] = torch.cuda.graph_pool_handle()
                 graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph, pool=self._pools[dev]):
+                # an explicit capture stream on this device: torch's default one lives on the device that was
+                # current when the first graph of the process was captured
+                with torch.cuda.graph(graph, pool=self._pools[dev], stream=stream):
                     out = self._segment_step(s, b)
             graphs.append(graph)
             outs.append(out)

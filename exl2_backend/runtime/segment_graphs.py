@@ -2,10 +2,10 @@
 
 A CUDA graph belongs to one device, so the decode step of a split model is captured segment by segment, each
 on its own device's static buffers (token ids on the first; positions, block tables, context lengths and
-cache slots on every device; the incoming [2, B, H] hidden state on every device after the first). A step
-uploads the inputs to every device, replays segment 0, copies its [2, b, H] output (MLP output and residual
-stream, stacked inside the graph so the boundary costs one device-to-device copy) into segment 1's input
-buffer, replays segment 1, and so on; the last segment's graph yields the logits. Copies and replays are
+cache slots on every device; the incoming [2, b, H] hidden state of each bucket on every device after the
+first). A step uploads the inputs to every device, replays segment 0, copies its [2, b, H] output (MLP output
+and residual stream, stacked inside the graph so the boundary costs one device-to-device copy) into segment
+1's input buffer, replays segment 1, and so on; the last segment's graph yields the logits. Copies and replays are
 stream-ordered on the devices' current streams (torch synchronises the two streams of a cross-device copy
 with events), so the host never waits inside a step.
 
@@ -32,7 +32,9 @@ class _Statics:
     def __init__(self, device: torch.device, n: int, width: int, hidden: int, dtype: torch.dtype, first: bool):
         self.device = device
         self.ids = torch.zeros(n, 1, dtype=torch.int64, device=device) if first else None  # [Bmax, 1]
-        self.state = None if first else torch.zeros(2, n, hidden, dtype=dtype, device=device)  # [2, Bmax, H]
+        # incoming (h, residual) per batch bucket, [2, b, H] each: contiguous, so the hand-over is one copy
+        self.state: dict[int, torch.Tensor] = {}
+        self.hidden, self.dtype, self.first = hidden, dtype, first
         self.pos = torch.zeros(n, 1, dtype=torch.int64, device=device)  # [Bmax, 1]
         self.tables = torch.zeros(n, width, dtype=torch.int32, device=device)  # [Bmax, max_pages]
         self.lens = torch.ones(n, dtype=torch.int32, device=device)  # [Bmax]
@@ -43,8 +45,13 @@ class _Statics:
     def meta(self, b: int) -> AttentionMetadata:
         return AttentionMetadata(block_tables=self.tables[:b], context_lens=self.lens[:b], slots=self.slots[:b])
 
+    def state_in(self, b: int) -> torch.Tensor:
+        if b not in self.state:
+            self.state[b] = torch.zeros(2, b, self.hidden, dtype=self.dtype, device=self.device)
+        return self.state[b]
+
     def reset(self) -> None:
-        for t in (self.ids, self.pos, self.tables, self.state):
+        for t in (self.ids, self.pos, self.tables, *self.state.values()):
             if t is not None:
                 t.zero_()
         self.lens.fill_(1)
@@ -84,7 +91,7 @@ class SegmentGraphRunner(ModelRunner):
     def _segment_step(self, s: int, b: int) -> torch.Tensor:
         """Segment s of a decode step on the static buffers: [2, b, H] state, or [b, V] logits after the last."""
         st = self.statics[s]
-        inp = st.ids[:b] if s == 0 else (st.state[0, :b], st.state[1, :b])
+        inp = st.ids[:b] if s == 0 else tuple(st.state_in(b))  # (h, residual) [b, H] each
         with torch.inference_mode():
             out = self.model.run_segment(s, inp, st.pos[:b], self.cache.segments[s], st.meta(b), b, 1, "last")
             if s < len(self.statics) - 1:
@@ -159,6 +166,6 @@ class SegmentGraphRunner(ModelRunner):
             with torch.cuda.device(self.statics[s].device):
                 graph.replay()
             if s + 1 < len(graphs):
-                self.statics[s + 1].state[:, :bucket].copy_(outs[s], non_blocking=True)
+                self.statics[s + 1].state_in(bucket).copy_(outs[s], non_blocking=True)
         self.replays += 1
         return outs[-1][:b]

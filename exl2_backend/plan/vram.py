@@ -406,9 +406,10 @@ def _place(plan: VramPlan, desc: ModelDesc, draft, settings, tokens: int, backen
 
 def _check_tp(config, world: int) -> None:
     if config.num_key_value_heads % world or config.num_attention_heads % world:
+        common = math.gcd(config.num_attention_heads, config.num_key_value_heads)
         raise ConfigError(f"tensor_parallel={world} must divide the model's {config.num_attention_heads} attention "
-                          f"heads and {config.num_key_value_heads} KV heads; use a divisor of "
-                          f"{math.gcd(config.num_attention_heads, config.num_key_value_heads)}", field="tensor_parallel")
+                          f"heads and {config.num_key_value_heads} KV heads; use a divisor of {common}",
+                          field="tensor_parallel")
 
 
 class _TPBuilder:

@@ -5,7 +5,6 @@ computed here on the CPU from header-only descriptions, with the free memory giv
 from __future__ import annotations
 
 import pytest
-import torch
 
 from exl2_backend.errors import VramPlanError
 from exl2_backend.ops.cuda_quant import pack_qtensor

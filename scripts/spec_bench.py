@@ -18,6 +18,7 @@
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import subprocess
 import sys
@@ -172,7 +173,8 @@ def step_costs(shape, dev: torch.device, context: int, iters: int, ks=KS) -> dic
         out["engine_verify_ms"][k] = wall_ms(lambda: e.verify(["s"], {"s": [seq.last_token ^ 1] * k}), dev, iters)
     e.release("s")
     e.assert_no_leaks()
-    del e, model
+    del e, model, runner
+    gc.collect()  # engine <-> SpecDecoder reference cycle: free the graphs and weights now
     if dev.type == "cuda":
         torch.cuda.empty_cache()
     return out
@@ -196,7 +198,7 @@ def rtn_model(fp16_dir: Path, out: Path, bpw: float, head_bits: int, dev: torch.
     with ShardIndex(fp16_dir) as index:
         for key in index.keys():
             if key.endswith("norm.weight") or key == "model.embed_tokens.weight":
-                tensors[key] = index.get(key)
+                tensors[key] = index.get(key).clone()  # outlives the memory map
         for i, (ai, mi) in enumerate(choose_options(config, bpw)):
             for projs, opts in ((ATTN_PROJS, ATTENTION_OPTIONS[ai]), (MLP_PROJS, MLP_OPTIONS[mi])):
                 for proj, opt in zip(projs, opts):

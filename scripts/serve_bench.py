@@ -21,6 +21,7 @@ import argparse
 import gc
 import json
 import os
+import signal
 import statistics
 import sys
 import time
@@ -83,6 +84,12 @@ def direct(model_dir: str, device: str, max_tokens: int, max_batch: int, reps: i
     return _summary(eng[1:]), _summary(hooks[1:])
 
 
+def _progress(name: str, r: dict) -> None:
+    extra = "".join(f", {c['streams']} streams {c['aggregate_tokens_per_s']:.1f} tok/s" for c in r.get("concurrent", []))
+    print(f"[{name}] TTFT {r['ttft_ms']:.1f} ms, decode {r['decode_tokens_per_s']:.1f} tok/s{extra}",
+          file=sys.stderr, flush=True)
+
+
 def _summary(runs: list[dict]) -> dict:
     return {"ttft_ms": statistics.median(r["ttft_ms"] for r in runs),
             "decode_tokens_per_s": statistics.median(r["decode_tokens_per_s"] for r in runs),
@@ -129,6 +136,7 @@ def main() -> None:
                          "publish_on_launch=false (repeatable; one server start each)")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # a timeout still stops the server subprocess
 
     if args.shape:
         from exl2_backend.format.random_model import write_random_exl2_model
@@ -150,8 +158,11 @@ def main() -> None:
               "gpu": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None}
     result["direct_engine"], result["direct_hooks"] = direct(model_dir, args.device, args.max_tokens, max_batch,
                                                              args.reps)
+    _progress("direct engine", result["direct_engine"])
+    _progress("direct hooks", result["direct_hooks"])
     result["server"] = server(model_dir, args.device, args.max_tokens, streams, args.reps,
                               {"fast_queue": True} if args.fast_queue else {})
+    _progress("server", result["server"])
     result["compare"] = {}
     for item in args.compare:
         key, _, value = item.partition("=")

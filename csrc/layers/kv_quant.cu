@@ -7,6 +7,7 @@
 // many CTAs instead of looping in one. The q heads are spread over the Y CTAs of a token.
 #include <math.h>
 
+#include "common/pdl.cuh"
 #include "layers/kv_quant.cuh"
 
 namespace exl2 {
@@ -80,6 +81,8 @@ __device__ __forceinline__ void quantize_group(float x, uint8_t* codes, half* sc
 
 template <typename T, int KF, int VF>
 __global__ void __launch_bounds__(QW * 32) kv_quant_kernel(const KVQuantArgs a) {
+  exl2::pdl_wait();  // inputs come from the previous kernel (PDL launch)
+  exl2::pdl_launch_dependents();
   extern __shared__ float cs[];  // cos [D/2], sin [D/2] (rope only)
   const int64_t t = blockIdx.x;
   const int y = blockIdx.y, Y = gridDim.y;
@@ -141,7 +144,7 @@ void launch(const KVQuantArgs& a, int64_t tokens, cudaStream_t stream) {
   const int units = 2 * a.hk * (a.D / KV_GROUP);
   const int y = (units + QW - 1) / QW;
   const size_t smem = a.positions != nullptr ? sizeof(float) * a.D : 0;
-  kv_quant_kernel<T, KF, VF><<<dim3((unsigned)tokens, (unsigned)y), QW * 32, smem, stream>>>(a);
+  exl2::launch_kernel(kv_quant_kernel<T, KF, VF>, dim3((unsigned)tokens, (unsigned)y), QW * 32, smem, stream, a);
 }
 
 template <typename T>

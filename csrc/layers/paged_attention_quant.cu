@@ -9,6 +9,7 @@
 // per CTA (q . k = Hq . Hk for the orthonormal H), the output is rotated back once per row (sum p Hv = H sum p v).
 #include <math.h>
 
+#include "common/pdl.cuh"
 #include "layers/kv_quant.cuh"
 
 namespace exl2 {
@@ -87,6 +88,8 @@ constexpr int lane_elems() {
 
 template <int D, int RT, int U, int KF, int VF>
 __global__ void __launch_bounds__(NT) paged_attention_quant_kernel(const QAttnParams p) {
+  exl2::pdl_wait();  // inputs come from the previous kernel (PDL launch)
+  exl2::pdl_launch_dependents();
   constexpr int E = lane_elems<RT>();
   constexpr int TPK = D / E;     // lanes per key
   constexpr int KPW = 32 / TPK;  // keys per warp step
@@ -317,6 +320,8 @@ __global__ void __launch_bounds__(NT) paged_attention_quant_kernel(const QAttnPa
 // One CTA per output row (b, j, hq), one thread per dim: combine the splits in order, rotate back.
 template <int D, bool ROT>
 __global__ void __launch_bounds__(D) attn_quant_reduce_kernel(const QAttnParams p) {
+  exl2::pdl_wait();
+  exl2::pdl_launch_dependents();
   const int64_t prow = blockIdx.x;
   const int b = (int)(prow / ((int64_t)p.Tq * p.Hq));
   const int d = threadIdx.x;
@@ -349,10 +354,11 @@ int launch(const QAttnParams& p, int B, cudaStream_t stream) {
                p.min_split);
   const dim3 grid((unsigned)(p.row_tiles * p.nsplit), (unsigned)p.Hkv, (unsigned)B);
   const size_t smem = sizeof(float) * RT * keys_max<RT>();
-  paged_attention_quant_kernel<D, RT, U, KF, VF><<<grid, NT, smem, stream>>>(p);
+  exl2::launch_kernel(paged_attention_quant_kernel<D, RT, U, KF, VF>, grid, NT, smem, stream, p);
   int st = check_launch("paged_attention_quant");
   if (st != EXL2_OK || p.nsplit == 1) return st;
-  attn_quant_reduce_kernel<D, KVFormat<VF>::ROT><<<(unsigned)((int64_t)B * p.Tq * p.Hq), D, 0, stream>>>(p);
+  exl2::launch_kernel(attn_quant_reduce_kernel<D, KVFormat<VF>::ROT>, (unsigned)((int64_t)B * p.Tq * p.Hq), D, 0,
+                      stream, p);
   return check_launch("paged_attention_quant reduce");
 }
 

@@ -173,11 +173,13 @@ def step_costs(shape, dev: torch.device, context: int, iters: int, ks=KS) -> dic
         out["engine_verify_ms"][k] = wall_ms(lambda: e.verify(["s"], {"s": [seq.last_token ^ 1] * k}), dev, iters)
     e.release("s")
     e.assert_no_leaks()
-    del e, model, runner
-    gc.collect()  # engine <-> SpecDecoder reference cycle: free the graphs and weights now
+    return out
+
+
+def free_device_memory(dev: torch.device) -> None:
+    gc.collect()  # engine <-> SpecDecoder reference cycle: free the last engine's graphs and weights now
     if dev.type == "cuda":
         torch.cuda.empty_cache()
-    return out
 
 
 # --- 2. models ----------------------------------------------------------------------------------------------------
@@ -400,7 +402,9 @@ def main(argv=None) -> int:
     if "costs" not in skip:
         t0 = time.perf_counter()
         result["costs_8b"] = step_costs(shapes["target"], dev, context, iters)
+        free_device_memory(dev)
         result["costs_1b_draft"] = step_costs(shapes["draft"], dev, context, iters, ks=(4,))
+        free_device_memory(dev)
         log(f"step costs in {time.perf_counter() - t0:.0f} s: 8B decode {result['costs_8b'].get('decode_ms')} ms, "
             f"verify ratio {result['costs_8b'].get('verify_ratio')}")
     if "smollm2" not in skip:

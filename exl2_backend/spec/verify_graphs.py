@@ -18,6 +18,24 @@ from exl2_backend.model import AttentionMetadata
 log = logging.getLogger("exl2_backend")
 
 
+def stage_rows(st: torch.Tensor, tokens, starts, block_tables, bucket: int, tq: int, page_size: int) -> None:
+    """Fill staging rows st [>= bucket, 3*Tq + 1 + width] int64 for a verify step: per sequence
+    [ids (Tq) | positions (Tq) | cache slots (Tq) | context length | block table (width)]; rows past the batch
+    are padding (no KV write, context Tq, page 0)."""
+    st[:bucket].zero_()
+    st[:bucket, tq : 2 * tq] = torch.arange(tq)
+    st[:bucket, 2 * tq : 3 * tq] = -1
+    st[:bucket, 3 * tq] = tq
+    for i, (t, p, pages) in enumerate(zip(tokens, starts, block_tables)):
+        pos = torch.arange(p, p + tq)  # [Tq]
+        table = torch.as_tensor(pages, dtype=torch.int64)
+        st[i, :tq] = torch.as_tensor(t, dtype=torch.int64)
+        st[i, tq : 2 * tq] = pos
+        st[i, 2 * tq : 3 * tq] = table[pos // page_size] * page_size + pos % page_size
+        st[i, 3 * tq] = p + tq
+        st[i, 3 * tq + 1 : 3 * tq + 1 + len(pages)] = table
+
+
 class _Buffers:
     """Static inputs of the graphs with Tq new tokens per sequence."""
 
@@ -97,23 +115,10 @@ class VerifyGraphRunner:
                     return
 
     def _upload(self, buf: _Buffers, tokens, starts, block_tables, bucket: int, tq: int) -> None:
-        s = self.inner.page_size
-        st = buf.stage
         buf.uploaded.synchronize()  # the staging rows are reused only after their last copy finished
-        st[:bucket].zero_()
-        st[:bucket, 2 * tq : 3 * tq] = -1  # padded rows: no KV write
-        st[:bucket, tq : 2 * tq] = torch.arange(tq)
-        st[:bucket, 3 * tq] = tq
-        for i, (t, p, pages) in enumerate(zip(tokens, starts, block_tables)):
-            pos = torch.arange(p, p + tq)  # [Tq]
-            table = torch.as_tensor(pages, dtype=torch.int64)
-            st[i, :tq] = torch.as_tensor(t, dtype=torch.int64)
-            st[i, tq : 2 * tq] = pos
-            st[i, 2 * tq : 3 * tq] = table[pos // s] * s + pos % s
-            st[i, 3 * tq] = p + tq
-            st[i, 3 * tq + 1 : 3 * tq + 1 + len(pages)] = table
+        stage_rows(buf.stage, tokens, starts, block_tables, bucket, tq, self.inner.page_size)
         dev = buf.stage_dev[:bucket]
-        dev.copy_(st[:bucket], non_blocking=True)
+        dev.copy_(buf.stage[:bucket], non_blocking=True)
         buf.uploaded.record()
         buf.ids[:bucket] = dev[:, :tq]
         buf.pos[:bucket] = dev[:, tq : 2 * tq]

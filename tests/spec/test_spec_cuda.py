@@ -31,17 +31,18 @@ def plain(default_model_dir):
     e = Engine.load(LoadSettings(model_dir=default_model_dir, **SETTINGS))
     prompts = [e.tokenizer.encode_chat([{"role": "user", "content": c}]) for c in CHATS]
     ids = [f"c{i}" for i in range(len(prompts))]
-    return ids, prompts, run(e, ids, prompts, PARAMS)
+    alone = run(e, ids[:1], prompts[:1], PARAMS)  # batch 1 and batch 3 references (GPU batch invariance is
+    return ids, prompts, alone, run(e, ids, prompts, PARAMS)  # bitwise only up to near ties)
 
 
 @pytest.mark.parametrize("mode", ["ngram", "draft_model"])
 def test_gpu_greedy_identical(plain, default_model_dir, mode):
-    ids, prompts, ref = plain
+    ids, prompts, ref_alone, ref = plain
     kw = {"ngram": True} if mode == "ngram" else {"draft_model": default_model_dir}  # self-drafting: all accepted
     e = Engine.load(LoadSettings(model_dir=default_model_dir, **SETTINGS, **kw))
     assert isinstance(e.runner, VerifyGraphRunner)
     alone = run(e, ids[:1], prompts[:1], PARAMS)
-    assert alone[ids[0]] == ref[ids[0]]
+    assert alone[ids[0]] == ref_alone[ids[0]]
     assert run(e, ids, prompts, PARAMS) == ref
     assert e.runner.verify_replays > 0  # verify steps replayed graphs
     if mode == "draft_model":
@@ -65,7 +66,7 @@ def test_verify_graph_logits_match_eager(default_model_dir):
     e = Engine.load(LoadSettings(model_dir=default_model_dir, ngram=True, **SETTINGS))
     runner = e.runner
     g = torch.Generator().manual_seed(0)
-    for b, tq in [(1, 5), (3, 5), (2, 9)]:
+    for b, tq in [(1, 5), (3, 5), (2, 3)]:  # Tq up to k + 1 = 5 replays graphs
         pages = [[2 * i, 2 * i + 1] for i in range(b)]  # pages untouched by any sequence (none is admitted)
         tokens = torch.randint(0, 1000, (b, tq), generator=g).tolist()
         starts = [37 + 11 * i for i in range(b)]
@@ -78,6 +79,9 @@ def test_verify_graph_logits_match_eager(default_model_dir):
 
 
 def test_draft_that_does_not_fit_fails_before_allocating(default_model_dir):
+    import gc
+
+    gc.collect()
     torch.cuda.synchronize()
     before = torch.cuda.memory_allocated()
     free = torch.cuda.mem_get_info()[0]
@@ -85,4 +89,4 @@ def test_draft_that_does_not_fit_fails_before_allocating(default_model_dir):
     with pytest.raises(ConfigError):
         Engine.load(LoadSettings(model_dir=default_model_dir, draft_model=default_model_dir, device="cuda",
                                  max_seq_len=2048, cache_tokens=huge))
-    assert torch.cuda.memory_allocated() == before
+    assert torch.cuda.memory_allocated() <= before  # nothing allocated (a collection may only free)

@@ -14,6 +14,22 @@
 
 #include <algorithm>
 
+namespace {
+// Function attributes (max dynamic shared memory, carveout) are per device: remember what was set for each
+// kernel on each device, so a model split over GPUs configures every GPU it launches on.
+enum { kGemmFuncId, kGemv2FuncId = kGemmFuncId + 4, kGemv3FuncId, kNumFuncIds };  // gemm: one per MT (1..4)
+constexpr int kMaxDevices = 64;
+int& smem_set_for_device(int func) {
+  static int set[kNumFuncIds][kMaxDevices] = {};
+  int dev = 0;
+  if (cudaGetDevice(&dev) != cudaSuccess || dev < 0 || dev >= kMaxDevices) {
+    (void)cudaGetLastError();
+    dev = 0;
+  }
+  return set[func][dev];
+}
+}  // namespace
+
 namespace exl2q {
 namespace {
 
@@ -403,7 +419,7 @@ int parse_desc(const int64_t* f, QDesc& d) {
 
 template <int MT>
 int launch(const GemmParams& p, int blocks, int smem, cudaStream_t stream) {
-  static int smem_set = 0;
+  int& smem_set = smem_set_for_device(kGemmFuncId + MT - 1);
   if (smem_set == 0) {  // a hint: ask for the largest shared-memory carveout so planned blocks stay resident
     if (cudaFuncSetAttribute(gemm_kernel<MT>, cudaFuncAttributePreferredSharedMemoryCarveout, 100) != cudaSuccess)
       (void)cudaGetLastError();  // not fatal; clear it so check_launch does not report it
@@ -833,7 +849,7 @@ __global__ void __launch_bounds__(kGvWarps * 32, MINB) gemv_kernel(const __grid_
 
 template <int MINB>
 int gemv_launch(const GemvParams& p, int blocks, int smem, cudaStream_t stream) {
-  static int smem_set = 0;
+  int& smem_set = smem_set_for_device(MINB == 3 ? kGemv3FuncId : kGemv2FuncId);
   if (smem_set == 0) {
     if (cudaFuncSetAttribute(gemv_kernel<MINB>, cudaFuncAttributePreferredSharedMemoryCarveout, 100) != cudaSuccess)
       (void)cudaGetLastError();

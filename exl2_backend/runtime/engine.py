@@ -385,6 +385,8 @@ class Engine:
             "free_tokens": self.free_tokens(),
             "max_seq_len": self.max_seq_len,
             "cache_tokens": self.num_pages * self.page_size,
+            "cache_type": self.cache.cache_type.name,
+            "cache_bytes_per_token": self.cache.bytes_per_token(),
             "sequences": len(self.seqs),
             "running": self._num_active(),
             "tokens_generated": self._tokens_generated,

@@ -125,6 +125,7 @@ def test_cache_bytes_in_engine_sizing(tiny_dir):
     assert q4 * 16 == fp16 * 4.5
     e = _engine(tiny_dir, "q4", cache_tokens=None, max_batch_size=2)
     assert e.cache.bytes_per_token() == q4
+    assert e.stats()["cache_type"] == "q4" and e.stats()["cache_bytes_per_token"] == q4
     assert e.cache.k[0].dtype == torch.uint8 and e.cache.k_scales[0].dtype == torch.float16
 
 

@@ -150,7 +150,6 @@ class SpecDecoder:
             d += [fill] * (n - len(d))
             if sid in probs:
                 probs[sid] = list(probs[sid]) + [None] * (n - len(probs[sid]))
-        start = {s.seq_id: s.num_tokens for s in group}
         t0 = time.perf_counter()
         events = engine.verify([s.seq_id for s in group], drafts, probs or None)
         verify_s = time.perf_counter() - t0
@@ -170,7 +169,7 @@ class SpecDecoder:
                 self.rejections += int(accepted < real[sid])
             st.controller.update(real.get(sid, 0), accepted)
             if self.draft is not None and not ev.finished:
-                self.draft.rollback(s, start[sid], d)
+                self.draft.rollback(s)
         self._update_costs(verify_s, width)
         return events
 

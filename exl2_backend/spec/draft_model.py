@@ -33,6 +33,8 @@ class _DraftSeq:
         self.pages: list[int] = []
         self.reserved_pages = 0
         self.num_computed = 0
+        self.proposal: list[int] = []  # the tokens the last proposal fed and produced (their KV is cached)
+        self.proposal_start = 0  # the sequence's num_tokens when it was made
         # Its own stream of uniforms: the target's generator is left to the target's sampling.
         self.generator = make_generator(None if seed is None else (seed + 0x9E3779B97F4A7C15) % (1 << 64))
 
@@ -111,17 +113,19 @@ class DraftModel:
         if st is not None:
             self.pages.release(st)
 
-    def rollback(self, seq, start_tokens: int, draft: list[int]) -> None:
-        """After verification: keep the KV of the committed tokens (the accepted prefix of `draft`, proposed
-        when the sequence had `start_tokens` tokens), free the pages past it."""
+    def rollback(self, seq) -> None:
+        """After verification: keep the draft KV of tokens the sequence committed (the prefix of the last
+        proposal that the target kept: drafts the verify clipped or padded over do not count), free the pages
+        past it."""
         st = self.states.get(seq.seq_id)
         if st is None:
             return
-        new = seq.tokens[start_tokens:]
+        new = seq.tokens[st.proposal_start :]
         a = 0
-        while a < min(len(draft), len(new)) and draft[a] == new[a]:
+        while a < min(len(st.proposal), len(new)) and st.proposal[a] == new[a]:
             a += 1
-        st.num_computed = min(st.num_computed, start_tokens + a, seq.num_tokens - 1)
+        st.num_computed = min(st.num_computed, st.proposal_start + a, seq.num_tokens - 1)
+        st.proposal, st.proposal_start = [], 0
         self.pages.shrink(st, st.num_computed)
 
     def check(self) -> None:
@@ -195,4 +199,6 @@ class DraftModel:
                 st.num_computed = p + j + 1
         self.forward_seconds += time.perf_counter() - t0
         self.forward_steps += k
+        for s, st in zip(seqs, states):
+            st.proposal, st.proposal_start = drafts[s.seq_id], s.num_tokens
         return drafts, probs

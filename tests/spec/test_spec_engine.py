@@ -14,6 +14,7 @@ from exl2_backend.errors import ConfigError, InsufficientMemoryError, VocabMisma
 from exl2_backend.format.config import ModelConfig
 from exl2_backend.model import LlamaModel
 from exl2_backend.runtime import Engine, GenerationParams, LoadSettings
+from exl2_backend.runtime.model_runner import ModelRunner
 from exl2_backend.sampling import SamplingParams
 from exl2_backend.spec.memory import plan_draft
 from tests.engine.test_engine import run
@@ -91,19 +92,42 @@ def test_greedy_identical_to_plain_decoding(dirs, target, mode, batch):
         assert not d.states and d.pages.allocator.num_free == d.pages.num_pages and d.pages.reserved == 0
 
 
+def _draft_kv_is_committed(draft, seq, st) -> None:
+    """The draft cache holds, at positions < st.num_computed, the K of the sequence's committed tokens (what a
+    fresh prefill of them writes): never the K of a rejected or padded-over draft."""
+    n = st.num_computed
+    if n == 0:
+        return
+    fresh_pages = -(-n // 16)
+    fresh = draft.model.make_cache(fresh_pages, 16)
+    ModelRunner(draft.model, fresh, fresh_pages).run([seq.tokens[:n]], [0], [list(range(fresh_pages))])
+    pos = torch.arange(n)
+    pages = torch.tensor(st.pages)[pos // 16]
+    for layer in range(draft.model.num_layers):
+        got = draft.cache.k[layer][pages, pos % 16]  # [n, Hkv, D]
+        want = fresh.k[layer][pos // 16, pos % 16]
+        assert torch.allclose(got, want, atol=1e-4, rtol=1e-4), (seq.seq_id, layer, n)
+
+
 def test_rollback_keeps_both_caches_consistent_mid_run(dirs, target):
     """Step by step: after every speculative step each cache holds exactly the pages its computed tokens
-    need; releasing some sequences mid-run frees their pages in both caches."""
+    need, the draft's KV is that of committed tokens only (also when a proposal was clipped near the length
+    limit and padded), and releasing sequences mid-run frees their pages in both caches."""
     e = engine(target, draft_model=dirs["draft"], ngram=True, num_speculative_tokens=6)
     ps = prompts(4, seed=3)
-    params = GenerationParams(sampling=SamplingParams(temperature=0.8, seed=1), max_new_tokens=60)
     for i, p in enumerate(ps):
+        params = GenerationParams(sampling=SamplingParams(temperature=0.8, seed=i), max_new_tokens=14 + 9 * i)
         e.add_sequence(f"s{i}", p, params)
     while any(not ev.token_ids for ev in e.prefill([f"s{i}" for i in range(4)])):
         pass
     live = [f"s{i}" for i in range(4)]
     draft = e.spec.draft
-    for step in range(12):
+    for step in range(14):
+        if not live:
+            break
+        if step == 1:  # different k per sequence: short proposals are padded to the longest in the verify
+            for sid, k in zip(live, (1, 3, 6, 2)):
+                e.spec.seqs[sid].controller.k = k
         for ev in e.decode(live):
             if ev.finish_reason:
                 live.remove(ev.seq_id)
@@ -114,13 +138,35 @@ def test_rollback_keeps_both_caches_consistent_mid_run(dirs, target):
             if st is not None:
                 assert st.num_computed <= seq.num_tokens - 1
                 assert len(st.pages) == -(-st.num_computed // 16)
-        if step == 4:
-            e.release(live.pop(0))
-            assert live and "s0" not in draft.states
+                _draft_kv_is_committed(draft, seq, st)
+        if step == 4 and len(live) > 1:
+            gone = live.pop()
+            e.release(gone)
+            assert gone not in draft.states
     for sid in list(e.seqs):
         e.release(sid)
     e.assert_no_leaks()
     assert not draft.states and draft.pages.allocator.num_free == draft.pages.num_pages
+
+
+def test_draft_rollback_keeps_only_the_committed_prefix(dirs, target):
+    """The draft cached K for its own proposal x1..x(k-1); when the sequence committed x1 and then something
+    else, only x1's K may stay (whatever the verify's padded drafts were)."""
+    e = engine(target, draft_model=dirs["draft"])
+    e.add_sequence("a", prompts(1, seed=5)[0], GenerationParams(sampling=GREEDY, max_new_tokens=40, ignore_eos=True))
+    e.prefill(["a"])
+    seq, draft = e.seqs["a"], e.spec.draft
+    start = seq.num_tokens
+    x = draft.propose([seq], 4)[0]["a"]
+    st = draft.states["a"]
+    assert st.num_computed == start + 3  # the last token, x1, x2, x3 were fed
+    for t in (x[0], (x[1] + 1) % V, x[2]):  # committed: x1, then a token other than x2
+        seq.append_token(t)
+    draft.rollback(seq)
+    assert st.num_computed == start + 1 and len(st.pages) == -(-(start + 1) // 16)
+    _draft_kv_is_committed(draft, seq, st)
+    e.release("a")
+    e.assert_no_leaks()
 
 
 def _token_counts(e, n: int, seed0: int, positions: int) -> list[torch.Tensor]:

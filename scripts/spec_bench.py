@@ -227,6 +227,7 @@ def prepare_models(fp16_dir: Path, root: Path, dev: torch.device, quant: str, ti
             cmd = [sys.executable, "-m", "exl2_backend.cli.main", "convert", str(fp16_dir), str(out[name]),
                    "--bpw", str(bpw), "--head-bits", str(hb), "--rows", "16", "--length", "512",
                    "--measure-rows", "4", "--no-progress", "--device", str(dev)]
+            cmd += ["--tf32"] if dev.type == "cuda" else []
             procs[name] = (subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True),
                            time.perf_counter())
         for name, (proc, t0) in procs.items():
@@ -370,7 +371,7 @@ def main(argv=None) -> int:
     ap.add_argument("--max-new-tokens", type=int, default=192)
     ap.add_argument("--quant", choices=["auto", "convert", "rtn"], default="auto",
                     help="how the 6.0 / 2.5 bpw SmolLM2 models are made (auto: convert, RTN if it fails or times out)")
-    ap.add_argument("--convert-timeout", type=float, default=75.0)
+    ap.add_argument("--convert-timeout", type=float, default=90.0, help="seconds for both conversions (in parallel)")
     ap.add_argument("--work-dir", default="/tmp/spec_bench")
     ap.add_argument("--skip", default="", help="comma list of parts to skip: costs,smollm2")
     ap.add_argument("--smoke", action="store_true", help="tiny shapes and few tokens (checks the flow on a CPU)")

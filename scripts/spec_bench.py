@@ -5,8 +5,9 @@
    captured graphs (CUDA events over replays), the eager verify forward, and whole engine steps (host included).
    The same decode cost for a Llama-3.2-1B-shape draft.
 2. Acceptance: target SmolLM2-135M at 6.0 bpw, draft SmolLM2-135M at 2.5 bpw, made from the FP16 default model
-   by `exl2-backend convert` (GPTQ, reduced calibration, time-limited) or, when that fails or runs out of time,
-   by round-to-nearest with the same per-layer option mix (JSON "models" says which); n-gram drafting and the
+   by `exl2-backend convert` (GPTQ with measurement and optimizer, reduced calibration; or GPTQ with one uniform
+   option when the full conversion does not finish in time; round-to-nearest as the last resort, which at
+   2.5 bpw leaves SmolLM2 unusable as a draft: JSON "models" says which was used); n-gram drafting and the
    draft model on chat, code-editing and summarization prompts (greedy; the draft model also sampled).
 3. End-to-end decode tokens/s (batch 1, greedy: identical text in every mode) with and without speculation.
 4. Expected speedup of an 8B target with a 1B-shape draft from (1)'s step costs and (2)'s acceptance.
@@ -216,39 +217,62 @@ def rtn_model(fp16_dir: Path, out: Path, bpw: float, head_bits: int, dev: torch.
     return {"method": "rtn", "bpw": bpw, "head_bits": head_bits}
 
 
+UNIFORM = {"target": "6:1@128", "draft": "3:0.4@64 2:0.6@64"}  # ~6.08 and ~2.55 bpw on SmolLM2's shapes
+
+
 def prepare_models(fp16_dir: Path, root: Path, dev: torch.device, quant: str, timeout_s: float) -> dict:
-    """{"target": (dir, info), "draft": (dir, info)}: conversions run in parallel, each time-limited."""
+    """{"target": (dir, info), "draft": (dir, info)}. "auto" runs, all in parallel within timeout_s, the full
+    converter (measurement + optimizer + GPTQ, reduced calibration) and GPTQ with one uniform option per model
+    (no measurement); it takes the full conversion if it finished, else the uniform one, else round-to-nearest
+    with the per-layer option mix of random_model.choose_options."""
     specs = {"target": (6.0, 6), "draft": (2.5, 4)}
-    out = {name: root / f"smollm2-{bpw}bpw" for name, (bpw, _) in specs.items()}
     info: dict[str, dict] = {}
+    chosen: dict[str, Path] = {}
     if quant in ("auto", "convert"):
-        procs = {}
+        procs = []
         for name, (bpw, hb) in specs.items():
-            cmd = [sys.executable, "-m", "exl2_backend.cli.main", "convert", str(fp16_dir), str(out[name]),
-                   "--bpw", str(bpw), "--head-bits", str(hb), "--rows", "16", "--length", "512",
-                   "--measure-rows", "4", "--no-progress", "--device", str(dev)]
-            cmd += ["--tf32"] if dev.type == "cuda" else []
-            procs[name] = (subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True),
-                           time.perf_counter())
-        for name, (proc, t0) in procs.items():
+            for kind in (("full", "uniform") if quant == "auto" else ("full",)):
+                out = root / f"smollm2-{bpw}bpw-{kind}"
+                cmd = [sys.executable, "-m", "exl2_backend.cli.main", "convert", str(fp16_dir), str(out),
+                       "--bpw", str(bpw), "--head-bits", str(hb), "--rows", "16", "--length", "512",
+                       "--measure-rows", "4", "--no-progress", "--device", str(dev)]
+                cmd += ["--tf32"] if dev.type == "cuda" else []
+                cmd += ["--uniform", UNIFORM[name]] if kind == "uniform" else []
+                procs.append((name, kind, out, subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                                                text=True)))
+        t0 = time.perf_counter()
+        results = {}
+        for name, kind, out, proc in procs:
             try:
                 text, _ = proc.communicate(timeout=max(timeout_s - (time.perf_counter() - t0), 1))
-                ok = proc.returncode == 0 and (out[name] / "config.json").exists()
-                info[name] = {"method": "convert (GPTQ)", "bpw": specs[name][0], "seconds": time.perf_counter() - t0,
-                              "ok": ok, "log_tail": text[-400:]}
+                ok = proc.returncode == 0 and (out / "config.json").exists()
+                results[(name, kind)] = {"ok": ok, "seconds": time.perf_counter() - t0, "log_tail": text[-300:]}
             except subprocess.TimeoutExpired:
                 proc.kill()
                 proc.communicate()
-                info[name] = {"method": "convert (GPTQ)", "ok": False, "log_tail": f"timed out after {timeout_s} s"}
+                results[(name, kind)] = {"ok": False, "log_tail": f"timed out after {timeout_s:.0f} s"}
+        for name, (bpw, _) in specs.items():
+            for kind in ("full", "uniform"):
+                r = results.get((name, kind))
+                if r and r["ok"]:
+                    method = "convert (GPTQ, measured + optimized)" if kind == "full" else \
+                        f"convert (GPTQ, uniform {UNIFORM[name]!r})"
+                    chosen[name] = root / f"smollm2-{bpw}bpw-{kind}"
+                    info[name] = {"method": method, "target_bpw": bpw, "seconds": r["seconds"]}
+                    break
+            if name not in chosen:
+                info[name] = {"convert_failed": {k: r["log_tail"] for (n, k), r in results.items() if n == name}}
     for name, (bpw, hb) in specs.items():
-        if info.get(name, {}).get("ok"):
+        if name in chosen:
             continue
         t0 = time.perf_counter()
-        why = info.get(name, {}).get("log_tail")
-        info[name] = {**rtn_model(fp16_dir, out[name], bpw, hb, dev), "seconds": time.perf_counter() - t0}
-        if why:
-            info[name]["convert_failed"] = why
-    return {name: (out[name], info[name]) for name in specs}
+        chosen[name] = root / f"smollm2-{bpw}bpw-rtn"
+        info[name] = {**info.get(name, {}), **rtn_model(fp16_dir, chosen[name], bpw, hb, dev),
+                      "seconds": time.perf_counter() - t0}
+    for name, path in chosen.items():
+        q = json.loads((path / "config.json").read_text()).get("quantization_config") or {}
+        info[name]["bits_in_config"] = q.get("bits")
+    return {name: (chosen[name], info[name]) for name in specs}
 
 
 # --- 2./3. acceptance and end-to-end speed ---------------------------------------------------------------------

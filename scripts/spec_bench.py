@@ -386,18 +386,28 @@ def expected_speedup(costs8: dict, costs1: dict, accept: dict) -> dict:
     return out
 
 
+def _int_keys(d):
+    """JSON turned the k keys into strings: back to ints (recursively)."""
+    if not isinstance(d, dict):
+        return d
+    return {int(k) if isinstance(k, str) and k.isdigit() else k: _int_keys(v) for k, v in d.items()}
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", help="JSON path (default: stdout)")
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--context", type=int, default=1024)
     ap.add_argument("--iters", type=int, default=50)
-    ap.add_argument("--max-new-tokens", type=int, default=192)
+    ap.add_argument("--max-new-tokens", type=int, default=160)
     ap.add_argument("--quant", choices=["auto", "convert", "rtn"], default="auto",
                     help="how the 6.0 / 2.5 bpw SmolLM2 models are made (auto: convert, RTN if it fails or times out)")
-    ap.add_argument("--convert-timeout", type=float, default=90.0, help="seconds for both conversions (in parallel)")
+    ap.add_argument("--convert-timeout", type=float, default=60.0, help="seconds for the conversions (in parallel)")
     ap.add_argument("--work-dir", default="/tmp/spec_bench")
     ap.add_argument("--skip", default="", help="comma list of parts to skip: costs,smollm2")
+    ap.add_argument("--costs-json", default=None,
+                    help="step costs from an earlier run's JSON (default with --skip costs: WORK_DIR/costs.json if "
+                         "an earlier run on this machine left it) for the expected-speedup part")
     ap.add_argument("--smoke", action="store_true", help="tiny shapes and few tokens (checks the flow on a CPU)")
     args = ap.parse_args(argv)
     dev = torch.device(args.device)
@@ -432,9 +442,18 @@ def main(argv=None) -> int:
         free_device_memory(dev)
         log(f"step costs in {time.perf_counter() - t0:.0f} s: 8B decode {result['costs_8b'].get('decode_ms')} ms, "
             f"verify ratio {result['costs_8b'].get('verify_ratio')}")
+        (work / "costs.json").write_text(json.dumps({k: result[k] for k in ("costs_8b", "costs_1b_draft")}))
+    else:
+        path = Path(args.costs_json) if args.costs_json else work / "costs.json"
+        if path.is_file():
+            earlier = json.loads(path.read_text())
+            for key in ("costs_8b", "costs_1b_draft"):
+                if key in earlier:
+                    result[key] = _int_keys(earlier[key])
+            result["costs_from"] = str(path)
     if "smollm2" not in skip:
         result["workloads"] = workloads_run(models["target"][0], models["draft"][0], dev, max_new)
-        if "costs" not in skip:
+        if "costs_8b" in result and "costs_1b_draft" in result:
             result["expected_8b_with_1b_draft"] = expected_speedup(result["costs_8b"], result["costs_1b_draft"],
                                                                    result["workloads"])
     result["total_seconds"] = time.perf_counter() - t_start

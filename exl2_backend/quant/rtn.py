@@ -50,11 +50,12 @@ def stretch_errors_reference(r: torch.Tensor, f: torch.Tensor, p_grid: torch.Ten
 
 
 def _binned_errors(r: torch.Tensor, f: torch.Tensor, p_grid: torch.Tensor, bits: int,
-                   bins_per_step: int = 64) -> torch.Tensor:
+                   bins_per_step: int = 32) -> torch.Tensor:
     """The objective evaluated on (r, f) pairs collapsed into bins 1/bins_per_step of a step wide.
 
-    It is smooth in r between rounding boundaries, so the f-weighted bin means give it to well under 1% at
-    P x bins instead of P x elements of work (a 49152-column head group has 6M elements). The bin range is
+    It is smooth in r between rounding boundaries, so the f-weighted bin means pick a stretch within 0.05% of
+    the exact optimum (measured over all widths; 16 bins per step: 0.7%) at P x bins instead of P x elements
+    of work (a 49152-column head group has 6M elements). The bin range is
     fixed per width: |r| <= (maxq/2) * max(base/s) = (maxq/2) * 1.5^2 (the code rounding of a column's scale
     shrinks it by at most (1/1.5)^2), so no size depends on the data and nothing waits for the device.
     """
@@ -67,8 +68,9 @@ def _binned_errors(r: torch.Tensor, f: torch.Tensor, p_grid: torch.Tensor, bits:
     rsum = torch.zeros(nb, device=r.device).index_add_(0, idx, w * r)
     rep = rsum / wsum.clamp_min(1e-30)  # empty bins: weight 0, contribute nothing
     p = p_grid.unsqueeze(1)  # [P, 1]
-    e = (torch.clamp(torch.round(rep / p), -z, maxq - z) * p - rep).abs_().pow_(NORM)  # [P, bins]
-    return e.double() @ wsum.double()  # [P]
+    e = (torch.clamp(torch.round(rep / p), -z, maxq - z) * p - rep).abs_()  # [P, bins]
+    e = e.pow(3).mul_(e.sqrt_()) if NORM == 3.5 else e.pow_(NORM)  # |e|^3.5 as e^3 sqrt(e): cheaper than pow
+    return (e @ wsum).double()  # [P]; fp32 sums over <= 37k bins
 
 
 def search_group_scales(w: torch.Tensor, bits: int, check_finite: bool = True) -> tuple[torch.Tensor, torch.Tensor]:

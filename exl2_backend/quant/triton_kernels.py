@@ -20,7 +20,9 @@ except ImportError:  # pragma: no cover - depends on the install
     triton = None
     tl = None
 
-_MAGIC = 12582912.0  # 1.5 * 2^23: (x + M) - M rounds |x| < 2^22 to the nearest integer, ties to even
+# Rounding in the kernels: (x + 12582912.0) - 12582912.0, with 12582912 = 1.5 * 2^23, rounds |x| < 2^22 to the
+# nearest integer with ties to even (torch.round's rule); inputs are clamped to a few steps first. (Written as a
+# literal: triton kernels may only read constexpr globals.)
 
 
 def _interpret() -> bool:
@@ -52,7 +54,7 @@ if triton is not None:
             w_r = tl.sum(tl.where(ridx[:, None] == r, tile, 0.0), axis=0)  # [BN] current row r
             x = tl.math.div_rn(w_r, safe)
             x = tl.minimum(tl.maximum(x, -zf - 1.0), mq - zf + 1.0)  # same result after the final clamp
-            x = (x + _MAGIC) - _MAGIC  # round half to even, as torch.round
+            x = (x + 12582912.0) - 12582912.0  # round half to even, as torch.round
             q = tl.minimum(tl.maximum(x + zf, 0.0), mq)
             q = tl.where(zero_col, zf, q)
             d = ((q - zf) * scale).to(tl.float16).to(tl.float32)  # exact product, one fp16 rounding
@@ -77,7 +79,7 @@ if triton is not None:
             p = tl.load(p_ptr + i)
             x = tl.math.div_rn(r, p)
             x = tl.minimum(tl.maximum(x, lo - 1.0), hi + 1.0)
-            x = (x + _MAGIC) - _MAGIC
+            x = (x + 12582912.0) - 12582912.0
             x = tl.minimum(tl.maximum(x, lo), hi)
             e = tl.abs(x * p - r)
             if NORM == 3.5:
@@ -103,7 +105,7 @@ def gptq_group(w: torch.Tensor, u: torch.Tensor, scale: torch.Tensor, bits: int
     q = torch.empty(rows, n, dtype=torch.float32, device=w.device)
     d = torch.empty_like(q)
     e = torch.empty_like(q)
-    block_n = 64 if rows > 64 else 128
+    block_n = 64 if rows > 32 else 128  # [ROWS, BLOCK_N] fp32 tile in registers: <= 170 per thread, no spills
     grid = (triton.cdiv(n, block_n),)
     _gptq_group_kernel[grid](w, u, scale.contiguous(), q, d, e, n, w.stride(0), u.stride(0), u.stride(1),
                              float(z), float(maxq),

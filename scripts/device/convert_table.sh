@@ -15,6 +15,11 @@ if [ -z "${EXL2_BACKEND_DEFAULT_GGUF:-}" ]; then
 fi
 export EXL2_BACKEND_CACHE_DIR=${EXL2_BACKEND_CACHE_DIR:-/tmp/exl2cache}
 python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__, torch.cuda.get_device_name())"
+# the converter's GPU tests first (triton kernels bit-exact with their references, a GPU conversion decoding to
+# exactly its intended weights): a failure here would make every figure below meaningless
+python3 -m pytest tests/unit/test_convert_device.py tests/unit/test_gptq.py -q -m cuda -p no:cacheprovider 2>&1 \
+  | tee "$OUT/convert_cuda_tests.txt" | tail -5
+grep -q " failed" "$OUT/convert_cuda_tests.txt" && { echo "converter GPU tests failed; stopping"; exit 1; }
 python3 scripts/convert_table.py --out "$OUT" --work /tmp/convert_table 2>&1 | tee "$OUT/convert_table.log" | tail -32
 python3 scripts/convert_timing.py --out "$OUT" --shape llama3-8b --layers 4 2>&1 | tail -2
 python3 scripts/convert_timing.py --out "$OUT" --shape llama3-8b --layers 4 --tf32 --tag _tf32 2>&1 | tail -1

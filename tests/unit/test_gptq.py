@@ -127,3 +127,17 @@ def test_optimizer_reaches_target_closely_on_real_tables():
     for target in (3.0, 4.0, 4.65, 5.5):
         bpw = achieved_bpw(slots, optimize(slots, numel, target), numel)
         assert target - 0.02 <= bpw <= target, (target, bpw)
+
+
+def test_measurement_error_is_relative_per_token():
+    """A token with massive activations must not hide the other tokens' error (measure.py's docstring)."""
+    from exl2_backend.quant.measure import TokenErrors
+
+    ref = torch.ones(2, 4, 8)  # [rows, T, H]
+    ref[0, 0] *= 1000.0  # one massive token
+    acc = TokenErrors()
+    for r in range(2):  # added chunk by chunk, as the measurement does
+        acc.add(ref[r : r + 1] + 0.1, ref[r : r + 1])
+    assert acc.mean() == pytest.approx((7 * 0.1 + 1e-4) / 8, rel=1e-4)
+    row_wise = float(((0.1 * torch.ones(8, 4 * 8)).norm(dim=1)[:1] / ref[0].flatten().norm()).item())
+    assert row_wise < 0.001  # what a per-row ratio would have reported for row 0

@@ -82,16 +82,41 @@ def test_prefix_cache_reuses_quantized_pages(tiny_dir, cache_type):
     engine.assert_no_leaks()
 
 
+def _last_logits(model_dir, cache_type, ids: list[int]) -> torch.Tensor:
+    """Logits after prefilling `ids` in chunks of 24 (the history read back from `cache_type` pages)."""  # [V]
+    engine = _engine(model_dir, cache_type)
+    run, seen = engine.runner.run, {}
+
+    def capture(*args, **kw):
+        seen["logits"] = out = run(*args, **kw)
+        return out
+
+    engine.runner.run = capture
+    _run(engine, {"a": ids}, 1)
+    return seen["logits"][0].float()
+
+
 def test_quantized_cache_matches_fp16_greedy_on_tiny_model(tiny_dir):
-    """fp8 and q8 caches give the fp16-cache tokens on the tiny model (its logit margins are far above their
-    noise); q6 and q4 start the same way (free-running greedy text diverges for good after one flip)."""
+    """fp8 and q8 caches give the fp16-cache tokens on the tiny model for 16 steps, q6 and q4 for 4, except
+    at a near tie: where a cache type first picks another token, fp16's top two logits are within that cache
+    type's logit error (1% of the logit range for fp8/q8, 3% for q6/q4) and its logits there are within that
+    error of fp16's. (Seed 1 has such a tie at step 15, top-2 gap 1.4e-4 of a 4.8 range: fp8/q8 flip it.)"""
     g = torch.Generator().manual_seed(1)
-    prompts = {"a": torch.randint(0, 290, (50,), generator=g).tolist()}
-    want = _run(_engine(tiny_dir, "fp16"), prompts, 16)["a"]
+    prompt = torch.randint(0, 290, (50,), generator=g).tolist()
+    want = _run(_engine(tiny_dir, "fp16"), {"a": prompt}, 16)["a"]
     for ct in QUANTIZED:
-        got = _run(_engine(tiny_dir, ct), prompts, 16)["a"]
-        n = 16 if ct in ("fp8", "q8") else 4
-        assert got[:n] == want[:n], (ct, got, want)
+        got = _run(_engine(tiny_dir, ct), {"a": prompt}, 16)["a"]
+        n, rel = (16, 0.01) if ct in ("fp8", "q8") else (4, 0.03)
+        k = next((i for i in range(n) if got[i] != want[i]), n)
+        if k == n:
+            continue
+        ref = _last_logits(tiny_dir, "fp16", prompt + want[:k])
+        out = _last_logits(tiny_dir, ct, prompt + want[:k])
+        tol = rel * float(ref.max() - ref.min())
+        top2 = ref.topk(2).values
+        assert int(ref.argmax()) == want[k] and int(out.argmax()) == got[k], (ct, k)
+        assert float(top2[0] - top2[1]) < tol, (ct, k, "diverged without a near tie", got, want)
+        assert float((out - ref).abs().max()) < tol, (ct, k)
 
 
 def test_verify_drafts_over_a_quantized_cache(tiny_dir):

@@ -59,7 +59,7 @@ def evaluate_dir(model_dir: Path, reference, ids: list[int], bos, device: str, w
 
 
 def run(out: Path, work: Path, device: str, max_tokens: int | None, window: int, bpws=BPWS,
-        fp16: Path | None = None, sizes: dict | None = None) -> dict:
+        fp16: Path | None = None, sizes: dict | None = None, measurement: Path | None = None) -> dict:
     from exl2_backend.default_model import ensure_default_fp16
     from exl2_backend.model import LlamaModel
     from exl2_backend.quant.convert import ConvertSettings, convert
@@ -88,10 +88,13 @@ def run(out: Path, work: Path, device: str, max_tokens: int | None, window: int,
         return row
 
     base = {"device": device, "progress": False, "attn_options": None, "mlp_options": None, **(sizes or {})}
-    # 1. measure once (every option), converting at 4.0 on the way
-    first = convert_eval("opt_4.0", ConvertSettings(bpw=4.0, head_bits=head_bits_for(4.0), **base), kind="optimized")
-    measurement = work / "opt_4.0" / "measurement.json"
-    shutil.copyfile(measurement, out / "smollm2_measurement.json")
+    # 1. measure once (every option), converting at 4.0 on the way; or reuse a given measurement
+    given = str(measurement) if measurement else None
+    first = convert_eval("opt_4.0", ConvertSettings(bpw=4.0, head_bits=head_bits_for(4.0), measurement=given, **base),
+                         kind="optimized")
+    if measurement is None:
+        measurement = work / "opt_4.0" / "measurement.json"
+        shutil.copyfile(measurement, out / "smollm2_measurement.json")
     measure_s = first["timings"]["measure_s"]
     # 2. every other bitrate from that measurement
     for bpw in bpws:
@@ -122,7 +125,7 @@ def run(out: Path, work: Path, device: str, max_tokens: int | None, window: int,
     }
     ratios = {"kl4_over_rtn4": at4["kl"] / rtn["kl"], "kl4_over_uniform_gptq4": at4["kl"] / gptq["kl"],
               "matched_over_uniform_gptq4": matched["kl"] / gptq["kl"]}
-    return {"model": "SmolLM2-135M-Instruct", "fp16_dir": str(fp16), "device": device,
+    return {"model": "SmolLM2-135M-Instruct", "fp16_dir": str(fp16), "device": device, "measurement": given,
             "gpu": torch.cuda.get_device_name() if device.startswith("cuda") else None,
             "eval_tokens": len(ids), "window": window, "measure_s": measure_s, "rows": rows, "checks": checks,
             "ratios": ratios, "all_passed": all(checks.values()), "total_s": time.perf_counter() - t_start,
@@ -132,7 +135,8 @@ def run(out: Path, work: Path, device: str, max_tokens: int | None, window: int,
 def markdown(result: dict) -> str:
     lines = [f"SmolLM2-135M-Instruct on {result['gpu'] or result['device']}, {result['eval_tokens']} held-out tokens "
              f"(windows of {result['window']}); FP16 perplexity {result['rows'][0]['reference_perplexity']:.3f}; "
-             f"measurement {result['measure_s']:.0f} s",
+             + (f"measurement {result['measure_s']:.0f} s" if not result.get("measurement")
+                else f"measurement reused from {Path(result['measurement']).name}"),
              "",
              "| model | target bpw | achieved bpw | head bits | perplexity | KL (nats/token) | top-1 agreement |",
              "| --- | --- | --- | --- | --- | --- | --- |"]
@@ -155,6 +159,9 @@ def main() -> int:
     p.add_argument("--window", type=int, default=512)
     p.add_argument("--bpws", default=",".join(f"{b:g}" for b in BPWS))
     p.add_argument("--fp16-dir", default=None, help="source model (default: the SmolLM2 default model's FP16 dir)")
+    p.add_argument("--measurement", default=None,
+                   help="reuse this measurement.json (e.g. exl2_backend/data/smollm2_measurement.json) instead of "
+                        "measuring every option")
     p.add_argument("--quick", action="store_true", help="tiny calibration (a smoke test of the script on CPU)")
     args = p.parse_args()
     device = "cuda" if args.device == "auto" and torch.cuda.is_available() else args.device
@@ -163,7 +170,8 @@ def main() -> int:
     out.mkdir(parents=True, exist_ok=True)
     sizes = {"rows": 4, "length": 64, "measure_rows": 2} if args.quick else None
     result = run(out, Path(args.work), device, args.max_tokens or None, args.window,
-                 tuple(float(b) for b in args.bpws.split(",")), Path(args.fp16_dir) if args.fp16_dir else None, sizes)
+                 tuple(float(b) for b in args.bpws.split(",")), Path(args.fp16_dir) if args.fp16_dir else None, sizes,
+                 Path(args.measurement) if args.measurement else None)
     (out / "convert_table.json").write_text(json.dumps(result, indent=1, default=str))
     md = markdown(result)
     (out / "convert_table.md").write_text(md)

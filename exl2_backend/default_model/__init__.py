@@ -3,8 +3,8 @@
 from exl2_backend.default_model.gguf_import import gguf_to_hf_dir
 from exl2_backend.default_model.prepare import (
     DEFAULT_DECODER_BPW,
-    DEFAULT_HEAD_BPW,
     DEFAULT_RECIPE,
+    MEASUREMENT_FILE,
     cache_root,
     ensure_default_fp16,
     ensure_default_model,
@@ -13,8 +13,8 @@ from exl2_backend.default_model.prepare import (
 
 __all__ = [
     "DEFAULT_DECODER_BPW",
-    "DEFAULT_HEAD_BPW",
     "DEFAULT_RECIPE",
+    "MEASUREMENT_FILE",
     "cache_root",
     "ensure_default_fp16",
     "ensure_default_model",

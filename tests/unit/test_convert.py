@@ -135,3 +135,31 @@ def _bad_arch(tmp_path):
     d.mkdir()
     (d / "config.json").write_text(json.dumps({**tiny_config_dict(), "architectures": ["GPT2LMHeadModel"]}))
     return d
+
+
+def test_converter_output_has_the_format_exllamav2_loaded(converted, tmp_path):
+    """ExLlamaV2 0.3.2 loaded directories from format.random_model on the H200 (llama3-8b shape, 2026-12-01: its
+    logits matched ours, mean KL 0.0048). The converter's output at the same config has exactly that file
+    format: the same tensor names, dtypes, option-independent shapes and per-linear shape rules, and the same
+    quantization_config fields."""
+    from exl2_backend.format.random_model import write_random_exl2_model
+
+    _, _, out, _ = converted
+    loaded = write_random_exl2_model(tmp_path / "random", tiny_config_dict())
+    ours, theirs = _tensors(out), _tensors(loaded)
+    assert sorted(ours) == sorted(theirs)
+    for key, t in ours.items():
+        r = theirs[key]
+        assert t.dtype == r.dtype, key
+        suffix = key.rsplit(".", 1)[1]
+        if suffix in ("weight", "q_invperm"):  # FP16 tensors and the permutation: fixed by the config
+            assert t.shape == r.shape, key
+        elif suffix == "q_weight":  # [packed rows, N]: the rows depend on the chosen bit widths
+            assert t.shape[1] == r.shape[1], key
+        elif suffix in ("q_scale", "q_scale_max", "q_groups"):  # one entry (q_groups: two) per group
+            groups = ours[key.rsplit(".", 1)[0] + ".q_scale_max"].shape[0]
+            assert t.shape[0] == (2 * groups if suffix == "q_groups" else groups), key
+            assert t.shape[1:] == r.shape[1:], key  # q_scale: [G, N / 8] packed 4-bit codes
+    q_ours = json.loads((out / "config.json").read_text())["quantization_config"]
+    q_theirs = json.loads((loaded / "config.json").read_text())["quantization_config"]
+    assert set(q_theirs) <= set(q_ours) and q_ours["quant_method"] == q_theirs["quant_method"] == "exl2"

@@ -134,8 +134,9 @@ def wall_ms(fn, dev: torch.device, iters: int) -> float:
     return (time.perf_counter() - t0) * 1e3 / iters
 
 
-def step_costs(shape, dev: torch.device, context: int, iters: int, ks=KS) -> dict:
-    """Decode vs (k+1)-token verify costs of a random model of `shape` at `context` tokens."""
+def step_costs(shape, dev: torch.device, context: int, iters: int, ks=KS, kernels: bool = False) -> dict:
+    """Decode vs (k+1)-token verify costs of a random model of `shape` at `context` tokens. `kernels`: also
+    the kernel table (count and µs per step, torch.profiler) of the decode graph and of each verify graph."""
     from exl2_backend.runtime.model_runner import ModelRunner
 
     t0 = time.perf_counter()
@@ -168,6 +169,12 @@ def step_costs(shape, dev: torch.device, context: int, iters: int, ks=KS) -> dic
             out["verify_ratio"][k] = out["verify_ms"][k] / out["decode_ms"]
             out["eager_verify_ms"][k] = wall_ms(lambda: ModelRunner.run(runner.inner, toks, [pos], [seq.pages], "all"),
                                                 dev, max(iters // 4, 3))
+        if kernels:  # where a verify step's extra time goes, kernel by kernel
+            from profile_decode import kernel_table  # scripts/ is sys.path[0] when run as a script
+
+            out["kernels"] = {"decode": kernel_table(runner.inner._graphs[1].replay, 10)}
+            for k in ks:
+                out["kernels"][f"verify_k{k}"] = kernel_table(runner._verify_graphs[(1, k + 1)].replay, 10)
     # Whole engine steps (sampling, bookkeeping, host-device syncs): plain decode vs verify of k wrong drafts.
     out["engine_decode_ms"] = wall_ms(lambda: e.verify(["s"], {}), dev, iters)
     out["engine_verify_ms"] = {}
@@ -411,6 +418,7 @@ def main(argv=None) -> int:
     ap.add_argument("--costs-json", default=None,
                     help="step costs from an earlier run's JSON (default with --skip costs: WORK_DIR/costs.json if "
                          "an earlier run on this machine left it) for the expected-speedup part")
+    ap.add_argument("--kernels", action="store_true", help="kernel tables of the 8B decode and verify graphs")
     ap.add_argument("--smoke", action="store_true", help="tiny shapes and few tokens (checks the flow on a CPU)")
     args = ap.parse_args(argv)
     dev = torch.device(args.device)
@@ -439,7 +447,7 @@ def main(argv=None) -> int:
             skip.add("smollm2")
     if "costs" not in skip:
         t0 = time.perf_counter()
-        result["costs_8b"] = step_costs(shapes["target"], dev, context, iters)
+        result["costs_8b"] = step_costs(shapes["target"], dev, context, iters, kernels=args.kernels)
         free_device_memory(dev)
         result["costs_1b_draft"] = step_costs(shapes["draft"], dev, context, iters, ks=(4,))
         free_device_memory(dev)

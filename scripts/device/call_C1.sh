@@ -3,21 +3,14 @@
 # ExLlamaV2's JIT build in the background (for C2 on the warm machine); the GPU tests that need no SmolLM2;
 # speculative step costs on the 8B/1B shapes; serving overhead and throughput on the 8B shape; 8B-shape
 # conversion wall time. C2 must follow within 30 s.
-mkdir -p exl2_backend/_lib && gunzip -c .dev/libexl2_kernels.so.gz > exl2_backend/_lib/libexl2_kernels.so
-export EXL2_SKIP_BUILD=1
+export EXL2_CARRIED_LIBRARY=1
 source scripts/device/common.sh
-python3 -c "from exl2_backend.ops import library as l; assert l.available(), l.load_error()" 2>&1 | tail -2 \
-  || { unset EXL2_SKIP_BUILD; rm -f exl2_backend/_lib/libexl2_kernels.so; source scripts/device/common.sh; }
 mkdir -p /tmp/smol && cp .dev/gguf_part_a* /tmp/smol/ 2>/dev/null
 export EXL2_BACKEND_CACHE_DIR=/tmp/exl2cache
 nvidia-smi --query-gpu=name,clocks.max.sm,clocks.max.mem --format=csv,noheader
-(t0=$(date +%s); python3 -c "import exllamav2; from exllamav2.ext import exllamav2_ext" > "$OUT/exl_jit.txt" 2>&1;
- echo "jit rc=$? in $(( $(date +%s) - t0 )) s" >> "$OUT/exl_jit.txt") &
-JIT=$!
+start_exllamav2_jit
 t=$(date +%s)
-timeout 140 python3 -m pytest tests/kernels tests/unit/test_convert_device.py tests/multigpu/test_multigpu_cuda.py \
-  tests/engine/test_prefill_memory.py tests/serve/test_batch_invariance.py \
-  -q -m cuda -p no:cacheprovider --timeout 100 -rf -x 2>&1 | tee "$OUT/cuda_tests_c1.txt" | grep -E "FAILED|passed|failed|Error" | tail -12
+timeout 140 python3 -m pytest $CUDA_TESTS_NO_SMOLLM2 -q -m cuda -p no:cacheprovider --timeout 100 -rf -x 2>&1 | tee "$OUT/cuda_tests_c1.txt" | grep -E "FAILED|passed|failed|Error" | tail -12
 echo "tests $(( $(date +%s) - t )) s"; t=$(date +%s)
 python3 -c "from exl2_backend.format.random_model import write_random_exl2_model as w; w('/tmp/models/llama3-8b', 'llama3-8b', bpw=4.0)"
 timeout 110 python3 scripts/spec_bench.py --skip smollm2 --iters 30 --work-dir /tmp/spec_bench --out "$OUT/spec_costs.json" \

@@ -17,19 +17,7 @@ FP16=/tmp/exl2cache/default/fp16
 timeout 90 python3 -m exl2_backend.cli.main convert $FP16 /tmp/smol40 --bpw 4.0 --head-bits 6 --device cuda \
   --measurement exl2_backend/data/smollm2_measurement.json --no-progress > "$OUT/convert_gpu_4.0.txt" 2>&1
 tail -2 "$OUT/convert_gpu_4.0.txt"
-timeout 60 python3 - <<'PY' 2>&1 | tail -4
-import json, os, sys, torch
-sys.path.insert(0, "scripts/device")
-torch.backends.cuda.enable_cudnn_sdp(False)
-from pathlib import Path
-from exllamav2_compare import compat
-from exl2_backend.quant.evaluate import tokenize_eval_text
-d = Path("/tmp/smol40")
-ids, bos = tokenize_eval_text(d, max_tokens=511)
-r = compat(d, ([bos] if bos is not None else []) + ids)
-Path(os.environ["OUT"], "exllamav2_smollm2.json").write_text(json.dumps(r, indent=1, default=str))
-print("exllamav2 on converted SmolLM2 4.0 bpw:", json.dumps(r, default=str)[:700])
-PY
+timeout 150 python3 scripts/device/exllamav2_compare.py --out "$OUT" --compat-only /tmp/smol40 2>&1 | tail -3
 echo "convert+exllamav2 $(( $(date +%s) - t )) s"; t=$(date +%s)
 timeout 130 python3 scripts/spec_bench.py --skip costs --work-dir /tmp/spec_bench --out "$OUT/spec_smollm2.json" \
   2> "$OUT/spec_smollm2.log"; tail -12 "$OUT/spec_smollm2.log"
@@ -40,7 +28,5 @@ timeout 120 python3 -m pytest tests/engine/test_gpu_parity.py tests/engine/test_
 echo "tests $(( $(date +%s) - t )) s"; t=$(date +%s)
 timeout 60 python3 scripts/kvcache_device.py quality --window 1024 --max-tokens 4096 2>&1 | tee "$OUT/kvcache_quality.txt" | tail -8
 t=$(date +%s)
-timeout 150 python3 -m pytest tests/kernels tests/unit/test_convert_device.py tests/multigpu/test_multigpu_cuda.py \
-  tests/engine/test_prefill_memory.py tests/serve/test_batch_invariance.py \
-  -q -m cuda -p no:cacheprovider --timeout 100 -rf 2>&1 | tee "$OUT/cuda_tests_c2b.txt" | grep -E "FAILED|passed|failed|Error" | tail -14
+timeout 150 python3 -m pytest $CUDA_TESTS_NO_SMOLLM2 -q -m cuda -p no:cacheprovider --timeout 100 -rf 2>&1 | tee "$OUT/cuda_tests_c2b.txt" | grep -E "FAILED|passed|failed|Error" | tail -14
 echo "tests b $(( $(date +%s) - t )) s"

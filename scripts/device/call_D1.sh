@@ -7,18 +7,11 @@
 #     model with random weights, all options measured), logits compared with ours;
 #  3. the kernel tables of the 8B decode and verify graphs (why a k = 4 verify costs 1.47x a decode step);
 #  4. serving overhead with the timed request warmed up.
-mkdir -p exl2_backend/_lib && gunzip -c .dev/libexl2_kernels.so.gz > exl2_backend/_lib/libexl2_kernels.so
-export EXL2_SKIP_BUILD=1
+export EXL2_CARRIED_LIBRARY=1
 source scripts/device/common.sh
-python3 -c "from exl2_backend.ops import library as l; assert l.available(), l.load_error()" 2>&1 | tail -2 \
-  || { unset EXL2_SKIP_BUILD; rm -f exl2_backend/_lib/libexl2_kernels.so; source scripts/device/common.sh; }
-(t0=$(date +%s); python3 -c "import exllamav2; from exllamav2.ext import exllamav2_ext" > "$OUT/exl_jit.txt" 2>&1;
- echo "jit rc=$? in $(( $(date +%s) - t0 )) s" >> "$OUT/exl_jit.txt") &
-JIT=$!
+start_exllamav2_jit
 t=$(date +%s)
-timeout 150 python3 -m pytest tests/kernels tests/unit/test_convert_device.py tests/multigpu/test_multigpu_cuda.py \
-  tests/engine/test_prefill_memory.py tests/serve/test_batch_invariance.py \
-  -q -m cuda -p no:cacheprovider --timeout 100 -rf 2>&1 | tee "$OUT/cuda_tests_d1.txt" | grep -E "FAILED|passed|failed|Error" | tail -12
+timeout 150 python3 -m pytest $CUDA_TESTS_NO_SMOLLM2 -q -m cuda -p no:cacheprovider --timeout 100 -rf 2>&1 | tee "$OUT/cuda_tests_d1.txt" | grep -E "FAILED|passed|failed|Error" | tail -12
 echo "tests $(( $(date +%s) - t )) s"; t=$(date +%s)
 timeout 90 python3 scripts/convert_timing.py --out "$OUT" --shape llama3-8b --layers 2 --tf32 2>&1 | tail -1
 echo "convert $(( $(date +%s) - t )) s"; t=$(date +%s)
@@ -31,16 +24,6 @@ timeout 120 python3 scripts/serve_bench.py --shape llama3-8b --bpw 4.0 --model-o
 tail -8 "$OUT/serve_bench.txt"
 echo "serve $(( $(date +%s) - t )) s"; t=$(date +%s)
 wait $JIT; tail -1 "$OUT/exl_jit.txt"
-timeout 90 python3 - <<'PY' 2>&1 | tail -3
-import json, os, sys, torch
-sys.path.insert(0, "scripts/device")
-torch.backends.cuda.enable_cudnn_sdp(False)
-from pathlib import Path
-from exllamav2_compare import compat
-d = Path("/tmp/convert_timing/exl2_llama3-8b_L2")
-ids = torch.randint(0, 128256, (512,), generator=torch.Generator().manual_seed(0)).tolist()
-r = compat(d, ids)
-Path(os.environ["OUT"], "exllamav2_converted.json").write_text(json.dumps(r, indent=1, default=str))
-print("exllamav2 on our converter's output:", json.dumps(r, default=str)[:700])
-PY
+timeout 90 python3 scripts/device/exllamav2_compare.py --out "$OUT" --compat-only /tmp/convert_timing/exl2_llama3-8b_L2 \
+  --random-ids 2>&1 | tail -3
 echo "compat $(( $(date +%s) - t )) s"

@@ -1,4 +1,5 @@
-# Sourced by the device-call scripts: carried wheels, the CUDA library built for sm_90a, PYTHONPATH.
+# Sourced by the device-call scripts: carried wheels, the CUDA library built for sm_90a (or carried, with
+# EXL2_CARRIED_LIBRARY=1), PYTHONPATH, and start_exllamav2_jit.
 set -uo pipefail
 export PYTHONUNBUFFERED=1 EXL2_BACKEND_ALLOW_MISSING_DEFAULT=1
 # ExLlamaV2 JIT-builds its extension into the torch extensions dir: keep it under /tmp, which survives between
@@ -8,8 +9,27 @@ if ! python3 -c "import pydantic, litserve" 2>/dev/null; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
 fi
 export PYTHONPATH="$PWD:/tmp/site"
-if [ "${EXL2_SKIP_BUILD:-0}" != 1 ] && { [ ! -f exl2_backend/_lib/libexl2_kernels.so ] || [ -n "$(find csrc -newer exl2_backend/_lib/libexl2_kernels.so -name "*.cu*")" ]; }; then
-  EXL2_BACKEND_CUDA_ARCHS=90a EXL2_BACKEND_BUILD_JOBS=16 python3 setup.py -q build_ext --inplace > "$OUT/build.txt" 2>&1 \
-    || { tail -40 "$OUT/build.txt"; exit 1; }
-fi
+# The CUDA library for sm_90a, unless it is present and newer than csrc/ (or EXL2_SKIP_BUILD=1).
+build_library() {
+  if [ "${EXL2_SKIP_BUILD:-0}" != 1 ] && { [ ! -f exl2_backend/_lib/libexl2_kernels.so ] || [ -n "$(find csrc -newer exl2_backend/_lib/libexl2_kernels.so -name "*.cu*")" ]; }; then
+    EXL2_BACKEND_CUDA_ARCHS=90a EXL2_BACKEND_BUILD_JOBS=16 python3 setup.py -q build_ext --inplace > "$OUT/build.txt" 2>&1 \
+      || { tail -40 "$OUT/build.txt"; exit 1; }
+  fi
+}
+# The library built here and carried gzipped (.dev/libexl2_kernels.so.gz): used when it loads, built otherwise.
+use_carried_library() {
+  mkdir -p exl2_backend/_lib && gunzip -c .dev/libexl2_kernels.so.gz > exl2_backend/_lib/libexl2_kernels.so
+  python3 -c "from exl2_backend.ops import library as l; assert l.available(), l.load_error()" 2>&1 | tail -2 \
+    || { rm -f exl2_backend/_lib/libexl2_kernels.so; EXL2_SKIP_BUILD=0 build_library; }
+}
+if [ "${EXL2_CARRIED_LIBRARY:-0}" = 1 ]; then use_carried_library; else build_library; fi
+# ExLlamaV2's JIT build (~2.5 min) in the background; `wait $JIT` before using it.
+start_exllamav2_jit() {
+  (t0=$(date +%s); python3 -c "import exllamav2; from exllamav2.ext import exllamav2_ext" > "$OUT/exl_jit.txt" 2>&1
+   echo "jit rc=$? in $(( $(date +%s) - t0 )) s" >> "$OUT/exl_jit.txt") &
+  JIT=$!
+}
+# The GPU tests that need no SmolLM2 (the default model's GGUF does not fit one call's carry with the wheels).
+CUDA_TESTS_NO_SMOLLM2="tests/kernels tests/unit/test_convert_device.py tests/multigpu/test_multigpu_cuda.py
+  tests/engine/test_prefill_memory.py tests/serve/test_batch_invariance.py"
 exl2() { python3 -m exl2_backend.cli.main "$@"; }

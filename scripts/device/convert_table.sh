@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Device call (about 5-6 GPU minutes): issue 4's bitrate table on SmolLM2-135M and an 8B-shape conversion timing.
 # Needs the SmolLM2 GGUF: EXL2_BACKEND_DEFAULT_GGUF, or its parts (.dev/gguf_part_a*, carried over two calls as
-# call_a.sh / call_b.sh do, kept in /tmp/smol). Writes to $OUT:
+# call_C1.sh / call_C2.sh do, kept in /tmp/smol). Writes to $OUT:
 #   convert_table.{json,md,log}  the table (target/achieved bpw, perplexity, KL, top-1) and its checks
 #   smollm2_measurement.json     commit it as exl2_backend/data/smollm2_measurement.json (the default model's)
 #   convert_timing_llama3-8b_L4{,_tf32}.json  8B-shape conversion of 4 layers, fp32 and TF32 forwards, extrapolated

@@ -16,6 +16,7 @@ configuration of architecture.md's prefill figures). Needs `pip install exllamav
 extension on first import, ~2.5 min; the time is reported). Prints one JSON object and writes it to --out.
 
     python scripts/device/exllamav2_compare.py --out $OUT [--smol-dir D] [--random-dir D] [--ours]
+    python scripts/device/exllamav2_compare.py --out $OUT --compat-only DIR [--random-ids]   # (a) on DIR only
 """
 
 from __future__ import annotations
@@ -165,6 +166,25 @@ def ours_speed(model_dir: Path, context: int, decode_tokens: int, prefill_tokens
     return r
 
 
+def text_ids(model_dir: Path, tokens: int) -> list[int]:
+    """`tokens` ids of the held-out evaluation text in `model_dir`'s tokenizer, BOS first where it has one."""
+    from exl2_backend.quant.evaluate import tokenize_eval_text
+
+    ids, bos = tokenize_eval_text(model_dir, max_tokens=tokens - 1)
+    return ([bos] if bos is not None else []) + ids
+
+
+def random_ids(tokens: int) -> list[int]:
+    """`tokens` reproducible random ids below 128000 (random-weight models)."""
+    return torch.randint(0, 128000, (tokens,), generator=torch.Generator().manual_seed(1)).tolist()
+
+
+def _write(out: Path, name: str, result: dict) -> None:
+    out.mkdir(parents=True, exist_ok=True)
+    (out / name).write_text(json.dumps(result, indent=1, default=str))
+    print(json.dumps(result, indent=1, default=str))
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", required=True)
@@ -179,6 +199,9 @@ def main() -> int:
     p.add_argument("--prefill-tokens", type=int, default=2048)
     p.add_argument("--sdpa-speed", action="store_true", help="also time ExLlamaV2 with its SDPA path on")
     p.add_argument("--ours", action="store_true", help="also run our bench on the speed directory")
+    p.add_argument("--compat-only", default=None, metavar="DIR",
+                   help="only compare logits on DIR (held-out text; writes exllamav2_compat.json)")
+    p.add_argument("--random-ids", action="store_true", help="--compat-only with random token ids (random models)")
     args = p.parse_args()
 
     torch.backends.cuda.enable_cudnn_sdp(False)  # cuDNN SDPA rebuilds a plan per key length (architecture.md)
@@ -191,6 +214,12 @@ def main() -> int:
     result["exllamav2"] = {"version": getattr(exllamav2, "__version__", "?"), "import_s": time.perf_counter() - t0}
     _log(f"exllamav2 {result['exllamav2']['version']} ready in {result['exllamav2']['import_s']:.0f} s")
 
+    if args.compat_only:  # (a) on one directory, e.g. the converter's output
+        d = Path(args.compat_only)
+        result["compat"] = compat(d, random_ids(args.tokens) if args.random_ids else text_ids(d, args.tokens))
+        _write(Path(args.out), "exllamav2_compat.json", result)
+        return 0
+
     from exl2_backend.format.random_model import write_random_exl2_model
 
     random_dir = Path(args.random_dir)
@@ -201,16 +230,10 @@ def main() -> int:
     result["compat"] = []
     smol = Path(args.smol_dir)
     if (smol / "config.json").is_file():
-        from exl2_backend.quant.evaluate import tokenize_eval_text
-
-        ids, bos = tokenize_eval_text(smol, max_tokens=args.tokens - 1)
-        ids = ([bos] if bos is not None else []) + ids
-        result["compat"].append({"name": "smollm2_converted", **compat(smol, ids)})
+        result["compat"].append({"name": "smollm2_converted", **compat(smol, text_ids(smol, args.tokens))})
     else:
         _log(f"no converted SmolLM2 dir at {smol}; skipped")
-    gen = torch.Generator().manual_seed(1)
-    rand_ids = torch.randint(0, 128000, (args.tokens,), generator=gen).tolist()
-    result["compat"].append({"name": "random_llama3_8b", **compat(random_dir, rand_ids)})
+    result["compat"].append({"name": "random_llama3_8b", **compat(random_dir, random_ids(args.tokens))})
 
     speed_dir = Path(args.speed_dir or random_dir)
     modes = (False, True) if args.sdpa_speed else (False,)
@@ -218,10 +241,7 @@ def main() -> int:
                                                 modes)
     if args.ours:
         result["ours_speed"] = ours_speed(speed_dir, args.context, args.decode_tokens, args.prefill_tokens)
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "exllamav2_compare.json").write_text(json.dumps(result, indent=1, default=str))
-    print(json.dumps(result, indent=1, default=str))
+    _write(Path(args.out), "exllamav2_compare.json", result)
     return 0
 
 

@@ -104,7 +104,7 @@ def sweep_gemv_minb(bw, k, n, option) -> dict:
     p = base.launch.parts[0]
     ops = [base] + [cuda_quant.clone_for_bench(base) for _ in range(copies_for(gemv_bytes(p, 1)) - 1)]
     x = torch.randn(1, k, device="cuda").half()
-    for minb in (2, 3):
+    for minb in (0, 2, 3):  # 0: TMA ring (sm_90+)
         cuda_quant.GEMV_MINB = minb
         t = graph_time_us([(lambda o=o, x=x: o.fused_kernel(x, "gemv")) for o in ops])
         out[minb] = {"us": round(t, 2), "pct": round(100 * gemv_bytes(p, 1) / t / 1e3 / bw, 1),
@@ -118,13 +118,15 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick", action="store_true", help="fewer shapes and M values")
     ap.add_argument("--m1", action="store_true", help="only M = 1 of each shape (variant comparison)")
-    ap.add_argument("--one", action="store_true", help="a few M = 1 launches of the first shape (for ncu)")
+    ap.add_argument("--one", action="store_true", help="a few launches of one shape (for ncu)")
+    ap.add_argument("--shape", type=int, default=0, help="--one: index into SHAPES")
+    ap.add_argument("--m", type=int, default=1, help="--one: rows of x")
     args = ap.parse_args()
     torch.manual_seed(0)
     if args.one:
-        _, k, n, opt = SHAPES[0]
+        _, k, n, opt = SHAPES[args.shape]
         op = cuda_quant.prepare_linear([qtensor(k, n, opt, 0, "cuda")], "cuda")
-        x = torch.randn(1, k, device="cuda").half()
+        x = torch.randn(args.m, k, device="cuda").half()
         for _ in range(3):
             op.fused(x)
         torch.cuda.synchronize()

@@ -18,6 +18,7 @@ Variants (switches that keep the old path selectable; all use the fused rope + K
   silu:    silu_mul folded into the down GEMV's input gather (EXL2_BACKEND_FUSED_SILU_DOWN)
   after:   both (the default)
   tickets: after + attention splits combined by their last CTA (one kernel; EXL2_BACKEND_ATTN_TICKETS=1)
+  regbatch: after with the register-batch small-M GEMV (EXL2_BACKEND_GEMV_MINB=2) instead of the TMA-ring one
 
 Shapes: "llama3-8b" is written with 4 layers of Llama-3.1-8B width and the full 128256-token head, then
 loaded as 32 layers (layer i reuses the weights of layer i % 4, each packed into its own GPU copy, so the
@@ -56,6 +57,7 @@ VARIANTS = {
     "silu": {"pdl": False, "silu_down": True},
     "after": {"pdl": True, "silu_down": True},
     "tickets": {"pdl": True, "silu_down": True, "attn_tickets": True},
+    "regbatch": {"pdl": True, "silu_down": True, "gemv_minb": 2},  # the register-batch GEMV instead of the TMA ring
 }
 
 
@@ -95,9 +97,10 @@ def load(name: str, workdir: Path):
 
 def set_variant(v: dict) -> None:
     from exl2_backend.model import layers
-    from exl2_backend.ops import library
+    from exl2_backend.ops import cuda_quant, library
 
     layers.FUSED_SILU_DOWN = v["silu_down"]
+    cuda_quant.GEMV_MINB = v.get("gemv_minb", 0)
     library.set_pdl(v["pdl"])  # recorded into the graphs captured from now on
     os.environ["EXL2_BACKEND_ATTN_TICKETS"] = "1" if v.get("attn_tickets") else "0"
 

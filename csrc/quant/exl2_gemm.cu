@@ -10,6 +10,7 @@
 // block of a column block (atomic ticket) sums them in split order, so results are deterministic.
 #include "common/api.h"
 #include "common/pdl.cuh"
+#include "quant/exl2_gemv.cuh"
 #include "quant/exl2_quant.cuh"
 
 #include <algorithm>
@@ -49,19 +50,6 @@ __device__ __forceinline__ void cp_async16(uint32_t smem_addr, const void* src) 
 __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
 template <int N>
 __device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;\n" ::"n"(N)); }
-
-__device__ __forceinline__ void mma16816(float (&c)[4], uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3,
-                                         uint32_t b0, uint32_t b1) {
-  asm("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"
-      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-      : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
-}
-
-__device__ __forceinline__ float2 h2_to_f2(uint32_t u) {
-  __half2 h;
-  memcpy(&h, &u, sizeof(h));
-  return __half22float2(h);
-}
 
 constexpr int kGatherBatch = 4;  // activation gather items in flight per thread (registers vs. latency)
 
@@ -501,18 +489,7 @@ EXL2_API int exl2_gemm(const int64_t* blob, int ndesc, const void* x, int M, int
 namespace exl2q {
 namespace {
 
-constexpr int kGvWarps = 8;
-constexpr int kGvCols = kGvWarps * kWarpCols;  // 256
 constexpr int kGvPrefetch = 4;  // chunk tiles per warp prefetched into L2 before the gather
-
-struct GemvParams {
-  QDesc d[kMaxDesc];
-  const uint2* scl[kMaxDesc];
-  int rbase[kMaxDesc][kMaxRuns + 1];  // first split of each run (rbase[nruns] = splits in all)
-  const __half* x;  // [M, ldx]
-  int ndesc, M, ldx, xstride;
-  int gate_off;  // 0: x is the input; > 0: input = silu(x[:, i]) * x[:, gate_off + i] (the fused MLP's silu_mul)
-};
 
 // Predicated streaming loads: the predicate lives inside the asm, so the outputs count as always written and
 // the register batches are never kept alive across a skipped load (which made ptxas spill them).
@@ -572,117 +549,6 @@ __device__ __forceinline__ void gv_load(const uint32_t* tile, int lane, uint32_t
   }
 }
 
-struct GvState {
-  float acc[2][4];
-  float cg[2][4];
-  uint2 sc;   // fp16 scales of the current group (lane layout)
-  int g;      // current group
-};
-
-__device__ __forceinline__ void gv_flush(GvState& s) {
-  const float2 s0 = h2_to_f2(s.sc.x), s1 = h2_to_f2(s.sc.y);
-#pragma unroll
-  for (int nt = 0; nt < 2; ++nt) {
-    const float sa = nt ? s1.x : s0.x, sb = nt ? s1.y : s0.y;
-    s.acc[nt][0] += sa * s.cg[nt][0];
-    s.acc[nt][1] += sa * s.cg[nt][1];
-    s.acc[nt][2] += sb * s.cg[nt][2];
-    s.acc[nt][3] += sb * s.cg[nt][3];
-#pragma unroll
-    for (int e = 0; e < 4; ++e) s.cg[nt][e] = 0.f;
-  }
-}
-
-template <int B, int S>
-__device__ __forceinline__ void gv_kstep(const uint32_t (&w)[2][B], uint32_t x0, uint32_t x1, GvState& s) {
-#pragma unroll
-  for (int nt = 0; nt < 2; ++nt) {
-    const uint32_t a0 = pair_qz<B, 4 * S + 0>(w[nt]);
-    const uint32_t a1 = pair_qz<B, 4 * S + 1>(w[nt]);
-    const uint32_t a2 = pair_qz<B, 4 * S + 2>(w[nt]);
-    const uint32_t a3 = pair_qz<B, 4 * S + 3>(w[nt]);
-    mma16816(s.cg[nt], a0, a1, a2, a3, x0, x1);
-  }
-}
-
-template <int B, int U>
-__device__ __forceinline__ void gv_unit(const uint32_t (&w)[2][B], int info, const __half* xl, GvState& s,
-                                        const uint2* scl_lane, int scl_gstride, int G) {
-  const uint4 xv = *reinterpret_cast<const uint4*>(xl + 32 * U);
-  gv_kstep<B, 2 * U>(w, xv.x, xv.y, s);
-  gv_kstep<B, 2 * U + 1>(w, xv.z, xv.w, s);
-  if ((info >> (30 + U)) & 1) {
-    gv_flush(s);
-    ++s.g;
-    if (s.g < G) s.sc = __ldg(scl_lane + (size_t)s.g * scl_gstride);  // used a whole group later
-  }
-}
-
-template <int B>
-__device__ __forceinline__ void gv_chunk(const uint32_t (&w)[2][B], int info, const __half* xl, GvState& s,
-                                         const uint2* scl_lane, int scl_gstride, int G) {
-  gv_unit<B, 0>(w, info, xl, s, scl_lane, scl_gstride, G);
-  gv_unit<B, 1>(w, info, xl, s, scl_lane, scl_gstride, G);
-}
-
-// Block-wide gather of the split's activations into shared memory, stored row order: xs[m * xstride + r].
-// Two phases so no load waits on another in registers: gv_load_xmap copies the split's xmap slice (a constant)
-// to shared memory with 16-byte loads, before the PDL wait; gv_gather then keeps 8 independent 2-byte
-// activation loads in flight per thread.
-__device__ __forceinline__ void gv_load_xmap(const QDesc& d, int c0, int nch, unsigned short* xm) {
-  constexpr int T = kGvWarps * 32;
-  const int rows = nch * kChunkRows;
-  const uint4* src = reinterpret_cast<const uint4*>(d.xmap + c0 * kChunkRows);
-  for (int v = threadIdx.x; v < rows / 8; v += T) reinterpret_cast<uint4*>(xm)[v] = __ldg(src + v);
-  __syncthreads();
-}
-
-__device__ __forceinline__ void gv_gather(const GemvParams& p, int nch, __half* xs, const unsigned short* xm) {
-  constexpr int T = kGvWarps * 32, kB = 8;
-  const int rows = nch * kChunkRows;
-  const unsigned short* xg = reinterpret_cast<const unsigned short*>(p.x);
-  unsigned short* xo = reinterpret_cast<unsigned short*>(xs);
-  const int items = rows * p.M;  // (token, row) pairs, all tokens' loads in flight together
-  if (p.gate_off > 0) {  // silu(gate) * up, the same arithmetic as silu_mul_kernel (bit-identical input)
-    const __half* xh = p.x;
-    for (int e0 = threadIdx.x; e0 < items; e0 += kB * T) {
-      __half g[kB], u[kB];
-      int o[kB];
-#pragma unroll
-      for (int k = 0; k < kB; ++k) {
-        const int e = e0 + k * T, m = e / rows, r = e - m * rows;
-        const unsigned i = e < items ? xm[r] : 0xFFFFu;
-        o[k] = m * p.xstride + r;
-        const bool ok = i != 0xFFFFu;
-        g[k] = ok ? __ldg(xh + (size_t)m * p.ldx + i) : __half(0.f);
-        u[k] = ok ? __ldg(xh + (size_t)m * p.ldx + p.gate_off + i) : __half(0.f);
-      }
-#pragma unroll
-      for (int k = 0; k < kB; ++k) {
-        if (e0 + k * T >= items) continue;
-        const float gf = __half2float(g[k]);
-        const float sv = __fdiv_rn(gf, __fadd_rn(1.f, __expf(-gf)));
-        xs[o[k]] = __float2half_rn(__fmul_rn(sv, __half2float(u[k])));
-      }
-    }
-    return;
-  }
-  for (int e0 = threadIdx.x; e0 < items; e0 += kB * T) {
-    unsigned short v[kB];
-    int o[kB];
-#pragma unroll
-    for (int u = 0; u < kB; ++u) {
-      const int e = e0 + u * T, m = e / rows, r = e - m * rows;
-      const unsigned i = e < items ? xm[r] : 0xFFFFu;
-      o[u] = m * p.xstride + r;
-      v[u] = i == 0xFFFFu ? (unsigned short)0 : __ldg(xg + (size_t)m * p.ldx + i);
-    }
-#pragma unroll
-    for (int u = 0; u < kB; ++u)
-      if (e0 + u * T < items) xo[o[u]] = v[u];
-  }
-}
-
 // Chunks [cs, ce) of one width run, ping-ponging two register batches.
 template <int B>
 __device__ __forceinline__ void gv_run(const GemvParams& p, const QDesc& d, const Run& run, int cs, int ce, int c0,
@@ -709,11 +575,12 @@ __device__ __forceinline__ void gv_run(const GemvParams& p, const QDesc& d, cons
   load(wa, ia, cs);
   load(wb, ib, cs + CH);
   unsigned short* xm = reinterpret_cast<unsigned short*>(xs + p.M * p.xstride);
-  gv_load_xmap(d, c0, ce - c0, xm);
+  gv_load_xmap(d, c0, ce - c0, xm, kGvWarps * 32);
+  __syncthreads();
   // PDL: the constant loads above may run while the previous kernel finishes; x (and every write) comes after it.
   exl2::pdl_wait();
   // the activation gather overlaps the first two batches' DRAM reads
-  gv_gather(p, ce - c0, xs, xm);
+  gv_gather(p, ce - c0, xs, xm, kGvWarps * 32);
   __syncthreads();
 #pragma unroll 1
   for (int c = cs; c < ce; c += 2 * CH) {
@@ -752,10 +619,7 @@ __device__ __forceinline__ void gv_block(const GemvParams& p, const QDesc& d, in
     }
   }
   GvState s;
-#pragma unroll
-  for (int nt = 0; nt < 2; ++nt)
-#pragma unroll
-    for (int e = 0; e < 4; ++e) s.acc[nt][e] = s.cg[nt][e] = 0.f;
+  gv_zero(s);
   s.g = __ldg(d.info + c0) & kInfoGroupMask;
   s.sc = __ldg(scl_lane + (size_t)s.g * J * 8);
   const __half* xl = xs + min(gid, M - 1) * p.xstride + 8 * t4;  // tokens >= M: duplicates, discarded
@@ -763,80 +627,26 @@ __device__ __forceinline__ void gv_block(const GemvParams& p, const QDesc& d, in
   // A group that continues past this split is scaled here (its partial is linear in the scale).
   if (!((__ldg(d.info + c1 - 1) >> 31) & 1)) gv_flush(s);
 
-  // Accumulator element e of nt: column 32j + 16nt + gid + 8*(e>=2), token 2*t4 + (e&1).
-  const int n0 = jw * kWarpCols;
   if (ksplit == 1) {
-    if (active) {
-#pragma unroll
-      for (int nt = 0; nt < 2; ++nt)
-#pragma unroll
-        for (int e = 0; e < 4; ++e) {
-          const int n = n0 + 16 * nt + gid + 8 * (e >> 1), m = 2 * t4 + (e & 1);
-          if (m < M && n < d.N) {
-            float v = s.acc[nt][e];
-            if (d.bias) v += __half2float(d.bias[n]);
-            d.out[(size_t)m * d.ldo + n] = __float2half_rn(v);
-          }
-        }
-    }
+    if (active) gv_store(d, s, jw * kWarpCols, M, gsplit, false);
     return;
   }
-  if (active) {
-    float* ws = d.ws + (size_t)gsplit * M * d.Np;
-#pragma unroll
-    for (int nt = 0; nt < 2; ++nt)
-#pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        const int n = n0 + 16 * nt + gid + 8 * (e >> 1), m = 2 * t4 + (e & 1);
-        if (m < M) ws[(size_t)m * d.Np + n] = s.acc[nt][e];
-      }
-  }
-  // Ticket: partials released by one gpu-scope acq_rel atomic after the barrier; the last block acquires them.
+  if (active) gv_store(d, s, jw * kWarpCols, M, gsplit, true);
   __syncthreads();
   __shared__ int s_last;
-  if (tid == 0) {
-    int prev;
-    asm volatile("atom.acq_rel.gpu.global.add.s32 %0, [%1], %2;"
-                 : "=r"(prev) : "l"(d.counters + colblk), "r"(1) : "memory");
-    s_last = prev == ksplit - 1;
-  }
+  if (tid == 0) s_last = gv_ticket(d, colblk, ksplit);
   __syncthreads();
   if (!s_last) return;
-  const int nblk0 = colblk * kGvCols;
-  const int ncols = min(kGvCols, d.N - nblk0);
-  for (int e = tid; e < ncols * M; e += blockDim.x) {
-    const int m = e / ncols, n = nblk0 + e % ncols;
-    const float* src = d.ws + (size_t)m * d.Np + n;
-    const size_t stride = (size_t)M * d.Np;
-    float v = 0.f;
-    for (int s0 = 0; s0 < ksplit; s0 += 16) {  // 16 loads in flight, summed in split order
-      float t[16];
-#pragma unroll
-      for (int u = 0; u < 16; ++u) t[u] = s0 + u < ksplit ? __ldcg(src + (s0 + u) * stride) : 0.f;
-#pragma unroll
-      for (int u = 0; u < 16; ++u) v += t[u];
-    }
-    if (d.bias) v += __half2float(d.bias[n]);
-    d.out[(size_t)m * d.ldo + n] = __float2half_rn(v);
-  }
+  gv_reduce_partials(d, colblk, ksplit, M, tid, blockDim.x);
   if (tid == 0) d.counters[colblk] = 0;  // ready for the next launch (and graph replay)
 }
 
 template <int MINB>
 __global__ void __launch_bounds__(kGvWarps * 32, MINB) gemv_kernel(const __grid_constant__ GemvParams p) {
-  int di = 0;
-  while (di + 1 < p.ndesc && (int)blockIdx.x >= p.d[di + 1].block_start) ++di;
-  const QDesc& d = p.d[di];
-  const int local = blockIdx.x - d.block_start;
-  const int colblk = local % d.ncolblk, gsplit = local / d.ncolblk;
-  // Splits are numbered run by run: run r owns splits [rbase[r], rbase[r+1]), equal chunk shares inside it.
-  int ri = 0;
-  while (ri + 1 < d.nruns && gsplit >= p.rbase[di][ri + 1]) ++ri;
+  const GvWork w = gv_work(p);
+  const QDesc& d = p.d[w.di];
+  const int di = w.di, ri = w.ri, colblk = w.colblk, gsplit = w.gsplit, ksplit = w.ksplit, c0 = w.c0, c1 = w.c1;
   const Run& r = d.runs[ri];
-  const int ks = p.rbase[di][ri + 1] - p.rbase[di][ri], sr = gsplit - p.rbase[di][ri];
-  const int nr = r.chunk_end - r.chunk_start;
-  const int c0 = r.chunk_start + nr * sr / ks, c1 = r.chunk_start + nr * (sr + 1) / ks;
-  const int ksplit = p.rbase[di][d.nruns];
   switch (r.bits) {
     case 8: gv_block<8>(p, d, di, ri, colblk, gsplit, ksplit, c0, c1); break;
     case 6: gv_block<6>(p, d, di, ri, colblk, gsplit, ksplit, c0, c1); break;
@@ -869,7 +679,8 @@ int gemv_launch(const GemvParams& p, int blocks, int smem, cudaStream_t stream) 
 }  // namespace exl2q
 
 // Small-M GEMV (M = 1..8). blob: ndesc descriptors (kDescLen int64, F_SCL16 set, F_KSPLIT the split count);
-// minb: the kernel variant's planned resident blocks per SM (2 or 3). Same output/workspace contract as exl2_gemm,
+// minb: 0 = the TMA-ring kernel on sm_90+ (the register-batch kernel with 2 blocks per SM below sm_90); 2 or 3 =
+// the register-batch kernel variant with that many planned resident blocks per SM. Same output/workspace contract as exl2_gemm,
 // with column blocks of 256 (counters: one per 256-column block).
 // gate_off > 0: fused silu_mul input (x [M, ldx] holds gate at columns [0, K) and up at [gate_off, gate_off + K)).
 EXL2_API int exl2_gemv(const int64_t* blob, int ndesc, const void* x, int M, int ldx, int gate_off, int minb,
@@ -877,7 +688,7 @@ EXL2_API int exl2_gemv(const int64_t* blob, int ndesc, const void* x, int M, int
   EXL2_REQUIRE(blob && x, "exl2_gemv: null argument");
   EXL2_REQUIRE(ndesc >= 1 && ndesc <= kMaxDesc, "exl2_gemv: %d descriptors (1..%d)", ndesc, kMaxDesc);
   EXL2_REQUIRE(M >= 1 && M <= 8, "exl2_gemv: M=%d outside 1..8", M);
-  EXL2_REQUIRE(minb == 2 || minb == 3, "exl2_gemv: minb %d (2 or 3)", minb);
+  EXL2_REQUIRE(minb == 0 || minb == 2 || minb == 3, "exl2_gemv: minb %d (0, 2 or 3)", minb);
   GemvParams p{};
   p.x = reinterpret_cast<const __half*>(x);
   p.ndesc = ndesc; p.M = M; p.ldx = ldx; p.gate_off = gate_off;
@@ -914,9 +725,32 @@ EXL2_API int exl2_gemv(const int64_t* blob, int ndesc, const void* x, int M, int
     blocks += d.ncolblk * total;
   }
   p.xstride = maxnch * kChunkRows + 8;  // +16 bytes: token rows start in different banks
+  p.maxnch = maxnch;
+  cudaStream_t s = reinterpret_cast<cudaStream_t>(stream);
+  if (minb == 0) {
+    int dev = 0, major = 0;
+    if (cudaGetDevice(&dev) != cudaSuccess ||
+        cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev) != cudaSuccess) {
+      (void)cudaGetLastError();
+      major = 0;
+    }
+    if (major >= 9) {
+      // Ring: sized so two blocks share an SM (227 KB, 1 KB reserved per block); one block with a larger ring
+      // when two slots of the widest run do not fit that way.
+      const int extra = gemv_tma_smem_extra(M, p.xstride, maxnch);
+      int max_bits = 2;
+      for (int i = 0; i < ndesc; ++i) max_bits = std::max(max_bits, p.d[i].runs[0].bits);  // runs: widest first
+      const int min_ring = 2 * kGvWarps * 256 * max_bits;
+      int ring = ((227 * 1024 / 2 - 1024 - 256 - extra) / 128) * 128;  // 256: static shared memory, slack
+      if (ring < min_ring) ring = std::min(((227 * 1024 - 1024 - extra) / 128) * 128, 32 * kGvWarps * 256 * max_bits);
+      EXL2_REQUIRE(ring >= min_ring, "exl2_gemv: %d bytes of activations per block; use a larger ksplit", extra);
+      p.ring_bytes = ring;
+      return gemv_tma_launch(p, blocks, ring + extra, s);
+    }
+    minb = 2;
+  }
   const int smem = align16(M * p.xstride * 2) + maxnch * kChunkRows * 2;  // + the xmap slice
   EXL2_REQUIRE(smem <= 227 * 1024, "exl2_gemv: needs %d bytes of shared memory; use a larger ksplit", smem);
-  cudaStream_t s = reinterpret_cast<cudaStream_t>(stream);
   return minb == 3 ? gemv_launch<3>(p, blocks, smem, s) : gemv_launch<2>(p, blocks, smem, s);
 }
 

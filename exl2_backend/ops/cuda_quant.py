@@ -45,11 +45,13 @@ _DESC_LEN = 19 + 4 * _MAX_RUNS
  F_G, F_NRUNS, F_KSPLIT, F_RUNS) = range(19)
 F_SCL16 = F_RUNS + 4 * _MAX_RUNS
 
-# Small-M GEMV kernel (exl2_gemm.cu gemv_kernel): used for M <= GEMV_MAX_M. Blocks of 8 warps (256 columns);
-# GEMV_MINB = planned resident blocks per SM (the variant's __launch_bounds__: 2 -> 128 registers, no spills;
-# 3 -> 80 registers, small spills). H200, 2026-11-29, M=1: 2 gave 15.8 us vs 17.1 us on 4096x14336.
+# Small-M GEMV kernels: used for M <= GEMV_MAX_M. Blocks of 8 compute warps (256 columns). GEMV_MINB selects:
+# 0 = the TMA-ring kernel on sm_90+ (exl2_gemv_tma.cu; the register-batch kernel below sm_90), planned at 2 blocks
+# per SM; 2 or 3 = the register-batch kernel (exl2_gemm.cu gemv_kernel) with that many planned resident blocks per
+# SM (2 -> 128 registers, no spills; 3 -> 80 registers, small spills; H200 2026-11-29, M=1: 2 gave 15.8 us vs
+# 17.1 us on 4096x14336).
 GEMV_MAX_M = int(os.environ.get("EXL2_BACKEND_GEMV_MAX_M", "8"))
-GEMV_MINB = int(os.environ.get("EXL2_BACKEND_GEMV_MINB", "2"))
+GEMV_MINB = int(os.environ.get("EXL2_BACKEND_GEMV_MINB", "0"))
 _GEMV_COLS = 256
 
 
@@ -320,7 +322,7 @@ class _Launch:
         key = ("gemv", m, GEMV_MINB)
         if key not in self._plans:
             ncol = [-(-p.Np // _GEMV_COLS) for p in self.parts]
-            ks = max(1, self.sms * GEMV_MINB // sum(ncol))
+            ks = max(1, self.sms * (GEMV_MINB or 2) // sum(ncol))
             # activations of one split in shared memory: <= ~48 KB at M tokens
             ks = max(ks, -(-max(p.Kpad for p in self.parts) * m * 2 // (48 << 10)))
             ks = min(ks, min(p.C for p in self.parts))

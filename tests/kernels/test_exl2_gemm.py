@@ -310,7 +310,7 @@ def test_gemv_each_width(bits, m):
 
 
 @pytest.mark.cuda
-@pytest.mark.parametrize("minb", [2, 3])
+@pytest.mark.parametrize("minb", [0, 2, 3])  # 0: the TMA-ring kernel on sm_90+
 def test_gemv_variants_and_splits(monkeypatch, minb):
     from exl2_backend.ops import cuda_quant
 
@@ -324,6 +324,25 @@ def test_gemv_variants_and_splits(monkeypatch, minb):
         first = op.fused_kernel(x, "gemv")
         assert_close_rel(first, ref, same, msg=f"gemv minb={minb} M={m}")
         assert torch.equal(op.fused_kernel(x, "gemv"), first)  # deterministic split-K reduction
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("minb", [0, 2])
+@pytest.mark.parametrize("bits", [2, 4, 8])
+def test_gemv_long_splits_wrap_the_ring(monkeypatch, minb, bits):
+    """One split per column block (planned for a 1-SM device): each block streams all 40 chunks, several times
+    around the TMA kernel's ring (6 to 26 slots), with a partial last column block (700 columns: 6 of 8 warps)."""
+    from exl2_backend.ops import cuda_quant
+
+    monkeypatch.setattr(cuda_quant, "GEMV_MINB", minb)
+    qt = _to_cuda(make_qt([(bits, 128)] * 20, 700, seed=bits, bias=True))  # K = 2560: 40 chunks
+    op = cuda_quant.prepare_linear([qt], "cuda")
+    op.launch.sms = 1
+    for m in (1, 3, 8):
+        assert op.launch.gemv_plan(m).ksplit == 1
+        x = _x(m, qt.in_features, seed=m)
+        ref, same = _ref(x, qt)
+        assert_close_rel(op.fused_kernel(x, "gemv"), ref, same, msg=f"gemv ring wrap {bits}-bit minb={minb} M={m}")
 
 
 @pytest.mark.cuda

@@ -1,0 +1,245 @@
+// Small-M GEMV (M = 1..8) shared parts: the launch parameters, the activation gather and the mma helpers used by
+// both GEMV kernels: the register-batch kernel in exl2_gemm.cu (sm_80..89, and a fallback) and the TMA-ring
+// kernel in exl2_gemv_tma.cu (sm_90+). Packed layout and decode: exl2_quant.cuh.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include "quant/exl2_quant.cuh"
+
+namespace exl2q {
+
+constexpr int kGvWarps = 8;                    // compute warps per block, on 8 adjacent 32-column warp tiles
+constexpr int kGvCols = kGvWarps * kWarpCols;  // 256 columns per block
+
+struct GemvParams {
+  QDesc d[kMaxDesc];
+  const uint2* scl[kMaxDesc];         // fp16 scales in lane layout [G][J][8 gid] uint2 (cuda_quant._lane_scales)
+  int rbase[kMaxDesc][kMaxRuns + 1];  // first split of each run (rbase[nruns] = splits in all)
+  const __half* x;                    // [M, ldx]
+  int ndesc, M, ldx, xstride;
+  int gate_off;  // 0: x is the input; > 0: input = silu(x[:, i]) * x[:, gate_off + i] (the fused MLP's silu_mul)
+  int maxnch;    // most chunks of any block (sizes the staged activations, xmap slice and chunk info)
+  int ring_bytes;  // TMA kernel: bytes of its weight ring
+};
+
+// The block's work: descriptor, run, column block and chunk range [c0, c1). Splits are numbered run by run:
+// run r owns splits [rbase[r], rbase[r+1]), equal chunk shares inside it, so a block never crosses runs.
+struct GvWork {
+  int di, ri, colblk, gsplit, ksplit, c0, c1;
+};
+
+__device__ __forceinline__ GvWork gv_work(const GemvParams& p) {
+  GvWork w;
+  w.di = 0;
+  while (w.di + 1 < p.ndesc && (int)blockIdx.x >= p.d[w.di + 1].block_start) ++w.di;
+  const QDesc& d = p.d[w.di];
+  const int local = blockIdx.x - d.block_start;
+  w.colblk = local % d.ncolblk;
+  w.gsplit = local / d.ncolblk;
+  w.ri = 0;
+  while (w.ri + 1 < d.nruns && w.gsplit >= p.rbase[w.di][w.ri + 1]) ++w.ri;
+  const Run& r = d.runs[w.ri];
+  const int ks = p.rbase[w.di][w.ri + 1] - p.rbase[w.di][w.ri], sr = w.gsplit - p.rbase[w.di][w.ri];
+  const int nr = r.chunk_end - r.chunk_start;
+  w.c0 = r.chunk_start + nr * sr / ks;
+  w.c1 = r.chunk_start + nr * (sr + 1) / ks;
+  w.ksplit = p.rbase[w.di][d.nruns];
+  return w;
+}
+
+__device__ __forceinline__ void mma16816(float (&c)[4], uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3,
+                                         uint32_t b0, uint32_t b1) {
+  asm("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"
+      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+      : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+}
+
+__device__ __forceinline__ float2 h2_to_f2(uint32_t u) {
+  __half2 h;
+  memcpy(&h, &u, sizeof(h));
+  return __half22float2(h);
+}
+
+// Per-lane accumulators of one warp tile (M <= 8: tokens are the mma N dimension, one token tile).
+struct GvState {
+  float acc[2][4];  // [n-tile][c0..c3]: running total
+  float cg[2][4];   // current group's unscaled sum
+  uint2 sc;         // fp16 scales of the current group (lane layout)
+  int g;            // current group
+};
+
+__device__ __forceinline__ void gv_zero(GvState& s) {
+#pragma unroll
+  for (int nt = 0; nt < 2; ++nt)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) s.acc[nt][e] = s.cg[nt][e] = 0.f;
+}
+
+// acc += scale * cg for the current group; cg = 0.
+__device__ __forceinline__ void gv_flush(GvState& s) {
+  const float2 s0 = h2_to_f2(s.sc.x), s1 = h2_to_f2(s.sc.y);
+#pragma unroll
+  for (int nt = 0; nt < 2; ++nt) {
+    const float sa = nt ? s1.x : s0.x, sb = nt ? s1.y : s0.y;
+    s.acc[nt][0] += sa * s.cg[nt][0];
+    s.acc[nt][1] += sa * s.cg[nt][1];
+    s.acc[nt][2] += sb * s.cg[nt][2];
+    s.acc[nt][3] += sb * s.cg[nt][3];
+#pragma unroll
+    for (int e = 0; e < 4; ++e) s.cg[nt][e] = 0.f;
+  }
+}
+
+template <int B, int S>
+__device__ __forceinline__ void gv_kstep(const uint32_t (&w)[2][B], uint32_t x0, uint32_t x1, GvState& s) {
+#pragma unroll
+  for (int nt = 0; nt < 2; ++nt) {
+    const uint32_t a0 = pair_qz<B, 4 * S + 0>(w[nt]);
+    const uint32_t a1 = pair_qz<B, 4 * S + 1>(w[nt]);
+    const uint32_t a2 = pair_qz<B, 4 * S + 2>(w[nt]);
+    const uint32_t a3 = pair_qz<B, 4 * S + 3>(w[nt]);
+    mma16816(s.cg[nt], a0, a1, a2, a3, x0, x1);
+  }
+}
+
+// One 32-row unit U of a chunk: two k-steps, then the group end if the chunk info says so (the next group's
+// scales are loaded then, a whole group before their use).
+template <int B, int U>
+__device__ __forceinline__ void gv_unit(const uint32_t (&w)[2][B], int info, const __half* xl, GvState& s,
+                                        const uint2* scl_lane, int scl_gstride, int G) {
+  const uint4 xv = *reinterpret_cast<const uint4*>(xl + 32 * U);
+  gv_kstep<B, 2 * U>(w, xv.x, xv.y, s);
+  gv_kstep<B, 2 * U + 1>(w, xv.z, xv.w, s);
+  if ((info >> (30 + U)) & 1) {
+    gv_flush(s);
+    ++s.g;
+    if (s.g < G) s.sc = __ldg(scl_lane + (size_t)s.g * scl_gstride);
+  }
+}
+
+template <int B>
+__device__ __forceinline__ void gv_chunk(const uint32_t (&w)[2][B], int info, const __half* xl, GvState& s,
+                                         const uint2* scl_lane, int scl_gstride, int G) {
+  gv_unit<B, 0>(w, info, xl, s, scl_lane, scl_gstride, G);
+  gv_unit<B, 1>(w, info, xl, s, scl_lane, scl_gstride, G);
+}
+
+// Accumulator element e of n-tile nt: column n0 + 16nt + gid + 8*(e>=2), token 2*t4 + (e&1). Writes the warp
+// tile's result (ksplit == 1) or its split partial into the fp32 workspace.
+__device__ __forceinline__ void gv_store(const QDesc& d, const GvState& s, int n0, int M, int gsplit, bool partial) {
+  const int lane = threadIdx.x & 31, gid = lane >> 2, t4 = lane & 3;
+  float* ws = partial ? d.ws + (size_t)gsplit * M * d.Np : nullptr;
+#pragma unroll
+  for (int nt = 0; nt < 2; ++nt)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      const int n = n0 + 16 * nt + gid + 8 * (e >> 1), m = 2 * t4 + (e & 1);
+      if (m >= M) continue;
+      if (partial) {
+        ws[(size_t)m * d.Np + n] = s.acc[nt][e];
+      } else if (n < d.N) {
+        float v = s.acc[nt][e];
+        if (d.bias) v += __half2float(d.bias[n]);
+        d.out[(size_t)m * d.ldo + n] = __float2half_rn(v);
+      }
+    }
+}
+
+// The split-K ticket: one gpu-scope acq_rel atomic by thread 0 after the caller's barrier releases every
+// thread's partials (cumulativity); true for the last block of the column block, which then reduces.
+__device__ __forceinline__ bool gv_ticket(const QDesc& d, int colblk, int ksplit) {
+  int prev;
+  asm volatile("atom.acq_rel.gpu.global.add.s32 %0, [%1], %2;" : "=r"(prev) : "l"(d.counters + colblk), "r"(1)
+               : "memory");
+  return prev == ksplit - 1;
+}
+
+// The split's slice of xmap (a constant) into shared memory with 16-byte loads, by `nthreads` threads from
+// thread 0 (callers synchronize). Safe before the PDL wait.
+__device__ __forceinline__ void gv_load_xmap(const QDesc& d, int c0, int nch, unsigned short* xm, int nthreads) {
+  const int rows = nch * kChunkRows;
+  const uint4* src = reinterpret_cast<const uint4*>(d.xmap + c0 * kChunkRows);
+  for (int v = threadIdx.x; v < rows / 8; v += nthreads) reinterpret_cast<uint4*>(xm)[v] = __ldg(src + v);
+}
+
+// Gather of the split's activations into shared memory in stored row order, xs[m * xstride + r], by `nthreads`
+// threads from thread 0 (callers synchronize); 8 independent 2-byte loads in flight per thread. With gate_off
+// the input is silu(gate) * up, the same arithmetic as silu_mul_kernel (bit-identical).
+__device__ __forceinline__ void gv_gather(const GemvParams& p, int nch, __half* xs, const unsigned short* xm,
+                                          int nthreads) {
+  constexpr int kB = 8;
+  const int T = nthreads;
+  const int rows = nch * kChunkRows;
+  const unsigned short* xg = reinterpret_cast<const unsigned short*>(p.x);
+  unsigned short* xo = reinterpret_cast<unsigned short*>(xs);
+  const int items = rows * p.M;  // (token, row) pairs, all tokens' loads in flight together
+  if (p.gate_off > 0) {
+    const __half* xh = p.x;
+    for (int e0 = threadIdx.x; e0 < items; e0 += kB * T) {
+      __half g[kB], u[kB];
+      int o[kB];
+#pragma unroll
+      for (int k = 0; k < kB; ++k) {
+        const int e = e0 + k * T, m = e / rows, r = e - m * rows;
+        const unsigned i = e < items ? xm[r] : 0xFFFFu;
+        o[k] = m * p.xstride + r;
+        const bool ok = i != 0xFFFFu;
+        g[k] = ok ? __ldg(xh + (size_t)m * p.ldx + i) : __half(0.f);
+        u[k] = ok ? __ldg(xh + (size_t)m * p.ldx + p.gate_off + i) : __half(0.f);
+      }
+#pragma unroll
+      for (int k = 0; k < kB; ++k) {
+        if (e0 + k * T >= items) continue;
+        const float gf = __half2float(g[k]);
+        const float sv = __fdiv_rn(gf, __fadd_rn(1.f, __expf(-gf)));
+        xs[o[k]] = __float2half_rn(__fmul_rn(sv, __half2float(u[k])));
+      }
+    }
+    return;
+  }
+  for (int e0 = threadIdx.x; e0 < items; e0 += kB * T) {
+    unsigned short v[kB];
+    int o[kB];
+#pragma unroll
+    for (int u = 0; u < kB; ++u) {
+      const int e = e0 + u * T, m = e / rows, r = e - m * rows;
+      const unsigned i = e < items ? xm[r] : 0xFFFFu;
+      o[u] = m * p.xstride + r;
+      v[u] = i == 0xFFFFu ? (unsigned short)0 : __ldg(xg + (size_t)m * p.ldx + i);
+    }
+#pragma unroll
+    for (int u = 0; u < kB; ++u)
+      if (e0 + u * T < items) xo[o[u]] = v[u];
+  }
+}
+
+// Sum of the split partials of column block `colblk` in split order, plus bias, into out (the last block of a
+// column block runs it after the ticket). `tid`/`nthreads`: the calling threads.
+__device__ __forceinline__ void gv_reduce_partials(const QDesc& d, int colblk, int ksplit, int M, int tid,
+                                                   int nthreads) {
+  const int nblk0 = colblk * kGvCols;
+  const int ncols = min(kGvCols, d.N - nblk0);
+  for (int e = tid; e < ncols * M; e += nthreads) {
+    const int m = e / ncols, n = nblk0 + e % ncols;
+    const float* src = d.ws + (size_t)m * d.Np + n;
+    const size_t stride = (size_t)M * d.Np;
+    float v = 0.f;
+    for (int s0 = 0; s0 < ksplit; s0 += 16) {  // 16 loads in flight, summed in split order
+      float t[16];
+#pragma unroll
+      for (int u = 0; u < 16; ++u) t[u] = s0 + u < ksplit ? __ldcg(src + (s0 + u) * stride) : 0.f;
+#pragma unroll
+      for (int u = 0; u < 16; ++u) v += t[u];
+    }
+    if (d.bias) v += __half2float(d.bias[n]);
+    d.out[(size_t)m * d.ldo + n] = __float2half_rn(v);
+  }
+}
+
+// TMA-ring GEMV launch (exl2_gemv_tma.cu): p fully planned (ring_bytes set), `smem` dynamic bytes.
+int gemv_tma_launch(const GemvParams& p, int blocks, int smem, cudaStream_t stream);
+// Dynamic shared memory the TMA kernel needs beside its ring.
+int gemv_tma_smem_extra(int M, int xstride, int maxnch);
+
+}  // namespace exl2q

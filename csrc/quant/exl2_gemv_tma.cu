@@ -1,0 +1,235 @@
+// Small-M EXL2 GEMV for sm_90+ (M = 1..8): weights stream through a shared-memory ring filled by bulk
+// asynchronous copies (cp.async.bulk, the TMA engine), so the bytes in flight are bounded by shared memory
+// (~100 KB per block) instead of the registers of the register-batch kernel (exl2_gemm.cu), which held ~2 KB per
+// warp and reached ~40% of the H200's bandwidth at 13 resident warps per SM.
+//
+// Block: 8 compute warps on 8 adjacent 32-column warp tiles (256 columns) plus one producer warp. For chunk c,
+// the 8 tiles are adjacent in the packed layout (exl2_quant.cuh), so one chunk of the block is ONE contiguous
+// copy of nwa * 256 * B bytes into a ring slot. The producer's lane 0 keeps `stages` slots in flight: it waits
+// for a slot's `empty` mbarrier (one arrival per compute warp), posts the byte count on its `full` mbarrier and
+// issues the copy with an L2 evict-first hint (weights are read once per step; activations stay cached). The
+// producer starts before the PDL wait: weights, scales, xmap and chunk info are constants, so their DRAM
+// latency overlaps the previous kernel's tail; only the activation gather waits.
+//
+// Compute warps: per chunk, wait `full`, read the lane's words (16-byte shared loads, conflict-free), release
+// the slot, decode with the fp16 mantissa trick straight into mma.m16n8k16 A registers (exl2_gemv.cuh). Split-K
+// partials are reduced in split order by the last block of each column block (deterministic), like the
+// register-batch kernel. Compute warps synchronize among themselves with named barrier 1 (256 threads), so the
+// producer never joins a barrier it could deadlock on.
+#include <algorithm>
+
+#include "common/api.h"
+#include "common/pdl.cuh"
+#include "quant/exl2_gemv.cuh"
+
+namespace exl2q {
+namespace {
+
+constexpr int kTmaMaxStages = 32;
+constexpr int kTmaComputeThreads = kGvWarps * 32;
+constexpr int kTmaThreads = kTmaComputeThreads + 32;  // + the producer warp
+constexpr int kBarBytes = 2 * kTmaMaxStages * 8;      // full[kTmaMaxStages], empty[kTmaMaxStages]
+
+__host__ __device__ inline int align16(int x) { return (x + 15) & ~15; }
+
+__device__ __forceinline__ uint32_t smem_addr(const void* p) { return (uint32_t)__cvta_generic_to_shared(p); }
+
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+__device__ __forceinline__ void mbar_init(uint32_t bar, uint32_t count) {
+  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(bar), "r"(count) : "memory");
+}
+__device__ __forceinline__ void mbar_expect_tx(uint32_t bar, uint32_t bytes) {
+  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(bar), "r"(bytes) : "memory");
+}
+__device__ __forceinline__ void mbar_arrive(uint32_t bar) {
+  asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" ::"r"(bar) : "memory");
+}
+__device__ __forceinline__ bool mbar_try_wait(uint32_t bar, uint32_t parity) {
+  uint32_t ok;
+  asm volatile(
+      "{\n .reg .pred p;\n mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n selp.u32 %0, 1, 0, p;\n}\n"
+      : "=r"(ok) : "r"(bar), "r"(parity) : "memory");
+  return ok != 0;
+}
+// Completion of phase k of a barrier is seen as parity k & 1.
+__device__ __forceinline__ void mbar_wait(uint32_t bar, uint32_t parity) {
+  while (!mbar_try_wait(bar, parity)) {
+  }
+}
+__device__ __forceinline__ uint64_t evict_first_policy() {
+  uint64_t pol;
+  asm volatile("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;" : "=l"(pol));
+  return pol;
+}
+__device__ __forceinline__ void bulk_copy(uint32_t dst, const void* src, uint32_t bytes, uint32_t bar, uint64_t pol) {
+  asm volatile(
+      "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes.L2::cache_hint [%0], [%1], %2, [%3], %4;"
+      ::"r"(dst), "l"(src), "r"(bytes), "r"(bar), "l"(pol) : "memory");
+}
+__device__ __forceinline__ void prefetch_l2(const void* src, uint32_t bytes) {
+  asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(src), "r"(bytes) : "memory");
+}
+__device__ __forceinline__ void compute_sync() {
+  asm volatile("bar.sync 1, %0;" ::"n"(kTmaComputeThreads) : "memory");
+}
+
+template <int B>
+__device__ __forceinline__ void tma_block(const GemvParams& p, const GvWork& wk, unsigned char* smem) {
+  const QDesc& d = p.d[wk.di];
+  const Run& run = d.runs[wk.ri];
+  const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
+  const int J = d.Np / kWarpCols, j0 = wk.colblk * kGvWarps;
+  const int nwa = min(kGvWarps, J - j0);  // active compute warps (a partial last column block has fewer)
+  const int c0 = wk.c0, nch = wk.c1 - wk.c0, M = p.M;
+  constexpr int kTileBytes = 256 * B;  // one warp tile of one chunk (64 rows x 32 columns x B bits)
+  constexpr int kSlotBytes = kGvWarps * kTileBytes;
+  const int stages = min(kTmaMaxStages, p.ring_bytes / kSlotBytes);
+
+  // Shared memory: [barriers][ring][x: M x xstride halves][xmap slice][chunk info]
+  const uint32_t bar0 = smem_addr(smem);
+  unsigned char* ring = smem + kBarBytes;
+  __half* xs = reinterpret_cast<__half*>(ring + p.ring_bytes);
+  unsigned short* xm = reinterpret_cast<unsigned short*>(reinterpret_cast<unsigned char*>(xs) +
+                                                         align16(M * p.xstride * 2));
+  int* s_info = reinterpret_cast<int*>(xm + p.maxnch * kChunkRows);
+  auto full_bar = [&](int s) { return bar0 + 8 * s; };
+  auto empty_bar = [&](int s) { return bar0 + 8 * (kTmaMaxStages + s); };
+
+  if (tid == 0) {
+    for (int s = 0; s < stages; ++s) {
+      mbar_init(full_bar(s), 1);
+      mbar_init(empty_bar(s), nwa);
+    }
+    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+  }
+  __syncthreads();
+
+  if (warp == kGvWarps) {  // producer
+    // The scale rows of this block's groups into L2 (the compute warps read them one group ahead).
+    const int g_first = __ldg(d.info + c0) & kInfoGroupMask;
+    const int g_last = min(d.G - 1, (__ldg(d.info + wk.c1 - 1) & kInfoGroupMask) + 1);
+    for (int g = g_first + lane; g <= g_last; g += 32)
+      prefetch_l2(p.scl[wk.di] + ((size_t)g * J + j0) * 8, nwa * 64);
+    if (lane == 0) {
+      const uint64_t pol = evict_first_policy();
+      const unsigned char* src = reinterpret_cast<const unsigned char*>(d.packed + run.word_base) +
+                                 ((size_t)(c0 - run.chunk_start) * J + j0) * kTileBytes;
+      const size_t step = (size_t)J * kTileBytes;
+      const uint32_t bytes = nwa * kTileBytes;
+      const uint32_t ring_s = smem_addr(ring);
+      int s = 0;
+      uint32_t phase = 0;
+      for (int i = 0; i < nch; ++i) {
+        if (i >= stages) mbar_wait(empty_bar(s), phase ^ 1);  // the slot's previous use was released
+        mbar_expect_tx(full_bar(s), bytes);
+        bulk_copy(ring_s + s * kSlotBytes, src, bytes, full_bar(s), pol);
+        src += step;
+        if (++s == stages) {
+          s = 0;
+          phase ^= 1;
+        }
+      }
+    }
+    return;
+  }
+
+  // Compute warps. Constants first (before the PDL wait), then the activation gather.
+  gv_load_xmap(d, c0, nch, xm, kTmaComputeThreads);
+  for (int i = tid; i < nch; i += kTmaComputeThreads) s_info[i] = __ldg(d.info + c0 + i);
+  exl2::pdl_wait();
+  compute_sync();
+  gv_gather(p, nch, xs, xm, kTmaComputeThreads);
+  compute_sync();
+
+  const bool active = warp < nwa;
+  const int gid = lane >> 2, t4 = lane & 3;
+  GvState st;
+  gv_zero(st);
+  if (active) {
+    const uint2* scl_lane = p.scl[wk.di] + (size_t)(j0 + warp) * 8 + gid;
+    st.g = s_info[0] & kInfoGroupMask;
+    st.sc = __ldg(scl_lane + (size_t)st.g * J * 8);
+    const __half* xl = xs + min(gid, M - 1) * p.xstride + 8 * t4;  // tokens >= M: duplicates, discarded
+    const uint32_t* tile = reinterpret_cast<const uint32_t*>(ring + warp * kTileBytes);
+    int s = 0;
+    uint32_t phase = 0;
+#pragma unroll 1
+    for (int i = 0; i < nch; ++i) {
+      mbar_wait(full_bar(s), phase);
+      uint32_t w[2][B];
+      load_lane_words<B>(tile + s * (kSlotBytes / 4), lane, w);
+      __syncwarp();
+      if (lane == 0) mbar_arrive(empty_bar(s));  // release: the warp's reads of the slot are done
+      gv_chunk<B>(w, s_info[i], xl + i * kChunkRows, st, scl_lane, J * 8, d.G);
+      if (++s == stages) {
+        s = 0;
+        phase ^= 1;
+      }
+    }
+    // A group that continues past this split is scaled here (its partial is linear in the scale).
+    if (!((s_info[nch - 1] >> 31) & 1)) gv_flush(st);
+  }
+
+  const int n0 = (j0 + warp) * kWarpCols;
+  if (wk.ksplit == 1) {
+    if (active) gv_store(d, st, n0, M, wk.gsplit, false);
+    return;
+  }
+  if (active) gv_store(d, st, n0, M, wk.gsplit, true);
+  __shared__ int s_last;
+  compute_sync();
+  if (tid == 0) s_last = gv_ticket(d, wk.colblk, wk.ksplit);
+  compute_sync();
+  if (!s_last) return;
+  gv_reduce_partials(d, wk.colblk, wk.ksplit, M, tid, kTmaComputeThreads);
+  if (tid == 0) d.counters[wk.colblk] = 0;  // ready for the next launch (and graph replay)
+}
+#endif
+
+__global__ void __launch_bounds__(kTmaThreads, 2) gemv_tma_kernel(const __grid_constant__ GemvParams p) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  extern __shared__ __align__(128) unsigned char smem[];
+  exl2::pdl_launch_dependents();  // every block is resident now: the next kernel may launch into freed SMs
+  const GvWork wk = gv_work(p);
+  switch (p.d[wk.di].runs[wk.ri].bits) {
+    case 8: tma_block<8>(p, wk, smem); break;
+    case 6: tma_block<6>(p, wk, smem); break;
+    case 5: tma_block<5>(p, wk, smem); break;
+    case 4: tma_block<4>(p, wk, smem); break;
+    case 3: tma_block<3>(p, wk, smem); break;
+    default: tma_block<2>(p, wk, smem); break;
+  }
+#else
+  __trap();  // the host launches this kernel on sm_90+ only
+#endif
+}
+
+constexpr int kMaxDevices = 64;
+
+}  // namespace
+
+int gemv_tma_smem_extra(int M, int xstride, int maxnch) {
+  return kBarBytes + align16(M * xstride * 2) + maxnch * kChunkRows * 2 + align16(maxnch * 4);
+}
+
+int gemv_tma_launch(const GemvParams& p, int blocks, int smem, cudaStream_t stream) {
+  static int smem_set[kMaxDevices] = {};  // the function attribute is per device
+  int dev = 0;
+  if (cudaGetDevice(&dev) != cudaSuccess || dev < 0 || dev >= kMaxDevices) {
+    (void)cudaGetLastError();
+    dev = 0;
+  }
+  if (smem > smem_set[dev]) {
+    cudaError_t err = cudaFuncSetAttribute(gemv_tma_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
+    if (err != cudaSuccess)
+      return exl2::set_error((int)err, "exl2_gemv (TMA): %d bytes of shared memory: %s", smem, cudaGetErrorString(err));
+    if (smem_set[dev] == 0 &&
+        cudaFuncSetAttribute(gemv_tma_kernel, cudaFuncAttributePreferredSharedMemoryCarveout, 100) != cudaSuccess)
+      (void)cudaGetLastError();  // a hint only
+    smem_set[dev] = smem;
+  }
+  exl2::launch_kernel(gemv_tma_kernel, blocks, kTmaThreads, smem, stream, p);
+  return exl2::check_launch("exl2_gemv (TMA)");
+}
+
+}  // namespace exl2q

@@ -14,6 +14,7 @@
 #include "quant/exl2_quant.cuh"
 
 #include <algorithm>
+#include <cstdlib>
 
 namespace {
 // Function attributes (max dynamic shared memory, carveout) are per device: remember what was set for each
@@ -735,15 +736,20 @@ EXL2_API int exl2_gemv(const int64_t* blob, int ndesc, const void* x, int M, int
       major = 0;
     }
     if (major >= 9) {
-      // Ring: sized so two blocks share an SM (227 KB, 1 KB reserved per block); one block with a larger ring
-      // when two slots of the widest run do not fit that way.
-      const int extra = gemv_tma_smem_extra(M, p.xstride, maxnch);
+      // Ring: enough bytes in flight for the bandwidth, no more: everything a block loads through the cache
+      // (activations, chunk info) queues behind its ring's copies. EXL2_GEMV_RING_KB overrides (benchmarks).
+      static const int ring_kb = [] {
+        const char* e = getenv("EXL2_GEMV_RING_KB");
+        return e && atoi(e) > 0 ? atoi(e) : 48;
+      }();
+      p.maxgrp = 2 * maxnch + 1;  // a chunk holds at most two group ends
+      const int extra = gemv_tma_smem_extra(M, p.xstride, maxnch, p.maxgrp);
       int max_bits = 2;
       for (int i = 0; i < ndesc; ++i) max_bits = std::max(max_bits, p.d[i].runs[0].bits);  // runs: widest first
-      const int min_ring = 2 * kGvWarps * 256 * max_bits;
-      int ring = ((227 * 1024 / 2 - 1024 - 256 - extra) / 128) * 128;  // 256: static shared memory, slack
-      if (ring < min_ring) ring = std::min(((227 * 1024 - 1024 - extra) / 128) * 128, 32 * kGvWarps * 256 * max_bits);
-      EXL2_REQUIRE(ring >= min_ring, "exl2_gemv: %d bytes of activations per block; use a larger ksplit", extra);
+      const int slot = kGvWarps * 256 * max_bits;
+      const int ring = std::max(2 * slot, (ring_kb * 1024 / slot) * slot);
+      EXL2_REQUIRE(ring + extra <= 227 * 1024 - 1024, "exl2_gemv: %d bytes of shared memory per block; use a larger ksplit",
+                   ring + extra);
       p.ring_bytes = ring;
       return gemv_tma_launch(p, blocks, ring + extra, s);
     }

@@ -21,6 +21,7 @@ struct GemvParams {
   int gate_off;  // 0: x is the input; > 0: input = silu(x[:, i]) * x[:, gate_off + i] (the fused MLP's silu_mul)
   int maxnch;    // most chunks of any block (sizes the staged activations, xmap slice and chunk info)
   int ring_bytes;  // TMA kernel: bytes of its weight ring
+  int maxgrp;      // TMA kernel: most quantization groups any block touches (sizes its staged scales)
 };
 
 // The block's work: descriptor, run, column block and chunk range [c0, c1). Splits are numbered run by run:
@@ -104,8 +105,9 @@ __device__ __forceinline__ void gv_kstep(const uint32_t (&w)[2][B], uint32_t x0,
 }
 
 // One 32-row unit U of a chunk: two k-steps, then the group end if the chunk info says so (the next group's
-// scales are loaded then, a whole group before their use).
-template <int B, int U>
+// scales are loaded then, a whole group before their use). kSmem: the scales were staged in shared memory
+// (plain loads) instead of read from global memory through the read-only cache.
+template <int B, int U, bool kSmem>
 __device__ __forceinline__ void gv_unit(const uint32_t (&w)[2][B], int info, const __half* xl, GvState& s,
                                         const uint2* scl_lane, int scl_gstride, int G) {
   const uint4 xv = *reinterpret_cast<const uint4*>(xl + 32 * U);
@@ -114,15 +116,15 @@ __device__ __forceinline__ void gv_unit(const uint32_t (&w)[2][B], int info, con
   if ((info >> (30 + U)) & 1) {
     gv_flush(s);
     ++s.g;
-    if (s.g < G) s.sc = __ldg(scl_lane + (size_t)s.g * scl_gstride);
+    if (s.g < G) s.sc = kSmem ? scl_lane[s.g * scl_gstride] : __ldg(scl_lane + (size_t)s.g * scl_gstride);
   }
 }
 
-template <int B>
+template <int B, bool kSmem = false>
 __device__ __forceinline__ void gv_chunk(const uint32_t (&w)[2][B], int info, const __half* xl, GvState& s,
                                          const uint2* scl_lane, int scl_gstride, int G) {
-  gv_unit<B, 0>(w, info, xl, s, scl_lane, scl_gstride, G);
-  gv_unit<B, 1>(w, info, xl, s, scl_lane, scl_gstride, G);
+  gv_unit<B, 0, kSmem>(w, info, xl, s, scl_lane, scl_gstride, G);
+  gv_unit<B, 1, kSmem>(w, info, xl, s, scl_lane, scl_gstride, G);
 }
 
 // Accumulator element e of n-tile nt: column n0 + 16nt + gid + 8*(e>=2), token 2*t4 + (e&1). Writes the warp
@@ -239,7 +241,7 @@ __device__ __forceinline__ void gv_reduce_partials(const QDesc& d, int colblk, i
 
 // TMA-ring GEMV launch (exl2_gemv_tma.cu): p fully planned (ring_bytes set), `smem` dynamic bytes.
 int gemv_tma_launch(const GemvParams& p, int blocks, int smem, cudaStream_t stream);
-// Dynamic shared memory the TMA kernel needs beside its ring.
-int gemv_tma_smem_extra(int M, int xstride, int maxnch);
+// Dynamic shared memory the TMA kernel needs beside its ring; maxgrp: most groups a block touches.
+int gemv_tma_smem_extra(int M, int xstride, int maxnch, int maxgrp);
 
 }  // namespace exl2q

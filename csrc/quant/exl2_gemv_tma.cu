@@ -28,7 +28,8 @@ namespace {
 constexpr int kTmaMaxStages = 32;
 constexpr int kTmaComputeThreads = kGvWarps * 32;
 constexpr int kTmaThreads = kTmaComputeThreads + 32;  // + the producer warp
-constexpr int kBarBytes = 2 * kTmaMaxStages * 8;      // full[kTmaMaxStages], empty[kTmaMaxStages]
+constexpr int kBarBytes = (2 * kTmaMaxStages + 2) * 8;  // full[kTmaMaxStages], empty[kTmaMaxStages], scales
+constexpr int kGroupScaleBytes = kGvWarps * 8 * 8;       // one group's scales of the block: [8 warps][8 gid] uint2
 
 __host__ __device__ inline int align16(int x) { return (x + 15) & ~15; }
 
@@ -66,9 +67,6 @@ __device__ __forceinline__ void bulk_copy(uint32_t dst, const void* src, uint32_
       "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes.L2::cache_hint [%0], [%1], %2, [%3], %4;"
       ::"r"(dst), "l"(src), "r"(bytes), "r"(bar), "l"(pol) : "memory");
 }
-__device__ __forceinline__ void prefetch_l2(const void* src, uint32_t bytes) {
-  asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(src), "r"(bytes) : "memory");
-}
 __device__ __forceinline__ void compute_sync() {
   asm volatile("bar.sync 1, %0;" ::"n"(kTmaComputeThreads) : "memory");
 }
@@ -85,45 +83,58 @@ __device__ __forceinline__ void tma_block(const GemvParams& p, const GvWork& wk,
   constexpr int kSlotBytes = kGvWarps * kTileBytes;
   const int stages = min(kTmaMaxStages, p.ring_bytes / kSlotBytes);
 
-  // Shared memory: [barriers][ring][x: M x xstride halves][xmap slice][chunk info]
+  // Shared memory: [barriers][ring][scales: maxgrp x 8 warps x 8 gid uint2][x: M x xstride halves][xmap slice]
+  // [chunk info]
   const uint32_t bar0 = smem_addr(smem);
   unsigned char* ring = smem + kBarBytes;
-  __half* xs = reinterpret_cast<__half*>(ring + p.ring_bytes);
+  uint2* s_scl = reinterpret_cast<uint2*>(ring + p.ring_bytes);
+  __half* xs = reinterpret_cast<__half*>(reinterpret_cast<unsigned char*>(s_scl) + p.maxgrp * kGroupScaleBytes);
   unsigned short* xm = reinterpret_cast<unsigned short*>(reinterpret_cast<unsigned char*>(xs) +
                                                          align16(M * p.xstride * 2));
   int* s_info = reinterpret_cast<int*>(xm + p.maxnch * kChunkRows);
   auto full_bar = [&](int s) { return bar0 + 8 * s; };
   auto empty_bar = [&](int s) { return bar0 + 8 * (kTmaMaxStages + s); };
+  const uint32_t scale_bar = bar0 + 8 * (2 * kTmaMaxStages);
 
   if (tid == 0) {
     for (int s = 0; s < stages; ++s) {
       mbar_init(full_bar(s), 1);
       mbar_init(empty_bar(s), nwa);
     }
+    mbar_init(scale_bar, 1);
     asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
   }
   __syncthreads();
 
   if (warp == kGvWarps) {  // producer
-    // The scale rows of this block's groups into L2 (the compute warps read them one group ahead).
+    const uint64_t pol = evict_first_policy();
+    const unsigned char* src = reinterpret_cast<const unsigned char*>(d.packed + run.word_base) +
+                               ((size_t)(c0 - run.chunk_start) * J + j0) * kTileBytes;
+    const size_t step = (size_t)J * kTileBytes;
+    const uint32_t bytes = nwa * kTileBytes;
+    const uint32_t ring_s = smem_addr(ring);
+    const int first = min(stages, nch);
+    if (lane == 0)  // the first slots need no release: start their DRAM reads before anything else
+      for (int i = 0; i < first; ++i) {
+        mbar_expect_tx(full_bar(i), bytes);
+        bulk_copy(ring_s + i * kSlotBytes, src + i * step, bytes, full_bar(i), pol);
+      }
+    // The scales of this block's groups, staged once: loads through the cache would queue behind the ring's
+    // copies (~ring bytes / bandwidth per SM) on every group of the compute warps' critical path.
     const int g_first = __ldg(d.info + c0) & kInfoGroupMask;
-    const int g_last = min(d.G - 1, (__ldg(d.info + wk.c1 - 1) & kInfoGroupMask) + 1);
-    for (int g = g_first + lane; g <= g_last; g += 32)
-      prefetch_l2(p.scl[wk.di] + ((size_t)g * J + j0) * 8, nwa * 64);
+    const int ngrp = (__ldg(d.info + wk.c1 - 1) & kInfoGroupMask) - g_first + 1;  // <= maxgrp (host bound)
+    if (lane == 0) mbar_expect_tx(scale_bar, ngrp * nwa * 64);
+    __syncwarp();
+    for (int g = lane; g < ngrp; g += 32)
+      bulk_copy(smem_addr(s_scl) + g * kGroupScaleBytes, p.scl[wk.di] + ((size_t)(g_first + g) * J + j0) * 8,
+                nwa * 64, scale_bar, pol);
     if (lane == 0) {
-      const uint64_t pol = evict_first_policy();
-      const unsigned char* src = reinterpret_cast<const unsigned char*>(d.packed + run.word_base) +
-                                 ((size_t)(c0 - run.chunk_start) * J + j0) * kTileBytes;
-      const size_t step = (size_t)J * kTileBytes;
-      const uint32_t bytes = nwa * kTileBytes;
-      const uint32_t ring_s = smem_addr(ring);
-      int s = 0;
-      uint32_t phase = 0;
-      for (int i = 0; i < nch; ++i) {
-        if (i >= stages) mbar_wait(empty_bar(s), phase ^ 1);  // the slot's previous use was released
+      int s = first == stages ? 0 : first;
+      uint32_t phase = first == stages ? 1 : 0;
+      for (int i = first; i < nch; ++i) {
+        mbar_wait(empty_bar(s), phase ^ 1);  // the slot's previous use was released
         mbar_expect_tx(full_bar(s), bytes);
-        bulk_copy(ring_s + s * kSlotBytes, src, bytes, full_bar(s), pol);
-        src += step;
+        bulk_copy(ring_s + s * kSlotBytes, src + i * step, bytes, full_bar(s), pol);
         if (++s == stages) {
           s = 0;
           phase ^= 1;
@@ -146,9 +157,11 @@ __device__ __forceinline__ void tma_block(const GemvParams& p, const GvWork& wk,
   GvState st;
   gv_zero(st);
   if (active) {
-    const uint2* scl_lane = p.scl[wk.di] + (size_t)(j0 + warp) * 8 + gid;
-    st.g = s_info[0] & kInfoGroupMask;
-    st.sc = __ldg(scl_lane + (size_t)st.g * J * 8);
+    const uint2* scl_lane = s_scl + warp * 8 + gid;  // group g of the block: scl_lane[g * 64], g from 0
+    const int ngrp = (s_info[nch - 1] & kInfoGroupMask) - (s_info[0] & kInfoGroupMask) + 1;
+    mbar_wait(scale_bar, 0);
+    st.g = 0;
+    st.sc = scl_lane[0];
     const __half* xl = xs + min(gid, M - 1) * p.xstride + 8 * t4;  // tokens >= M: duplicates, discarded
     const uint32_t* tile = reinterpret_cast<const uint32_t*>(ring + warp * kTileBytes);
     int s = 0;
@@ -160,7 +173,7 @@ __device__ __forceinline__ void tma_block(const GemvParams& p, const GvWork& wk,
       load_lane_words<B>(tile + s * (kSlotBytes / 4), lane, w);
       __syncwarp();
       if (lane == 0) mbar_arrive(empty_bar(s));  // release: the warp's reads of the slot are done
-      gv_chunk<B>(w, s_info[i], xl + i * kChunkRows, st, scl_lane, J * 8, d.G);
+      gv_chunk<B, true>(w, s_info[i], xl + i * kChunkRows, st, scl_lane, kGvWarps * 8, ngrp);
       if (++s == stages) {
         s = 0;
         phase ^= 1;
@@ -208,8 +221,9 @@ constexpr int kMaxDevices = 64;
 
 }  // namespace
 
-int gemv_tma_smem_extra(int M, int xstride, int maxnch) {
-  return kBarBytes + align16(M * xstride * 2) + maxnch * kChunkRows * 2 + align16(maxnch * 4);
+int gemv_tma_smem_extra(int M, int xstride, int maxnch, int maxgrp) {
+  return kBarBytes + maxgrp * kGroupScaleBytes + align16(M * xstride * 2) + maxnch * kChunkRows * 2 +
+         align16(maxnch * 4);
 }
 
 int gemv_tma_launch(const GemvParams& p, int blocks, int smem, cudaStream_t stream) {

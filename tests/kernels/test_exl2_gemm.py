@@ -338,6 +338,8 @@ def test_gemv_long_splits_wrap_the_ring(monkeypatch, minb, bits):
     qt = _to_cuda(make_qt([(bits, 128)] * 20, 700, seed=bits, bias=True))  # K = 2560: 40 chunks
     op = cuda_quant.prepare_linear([qt], "cuda")
     op.launch.sms = 1
+    op.launch._plans.clear()  # planned at load for this device's SMs
+    op.launch.reserve(8)
     for m in (1, 3, 8):
         assert op.launch.gemv_plan(m).ksplit == 1
         x = _x(m, qt.in_features, seed=m)

@@ -740,7 +740,7 @@ EXL2_API int exl2_gemv(const int64_t* blob, int ndesc, const void* x, int M, int
       // (activations, chunk info) queues behind its ring's copies. EXL2_GEMV_RING_KB overrides (benchmarks).
       static const int ring_kb = [] {
         const char* e = getenv("EXL2_GEMV_RING_KB");
-        return e && atoi(e) > 0 ? atoi(e) : 48;
+        return e && atoi(e) > 0 ? atoi(e) : 32;
       }();
       p.maxgrp = 2 * maxnch + 1;  // a chunk holds at most two group ends
       const int extra = gemv_tma_smem_extra(M, p.xstride, maxnch, p.maxgrp);

@@ -14,6 +14,7 @@
 #include "quant/exl2_quant.cuh"
 
 #include <algorithm>
+#include <cstdio>
 #include <cstdlib>
 
 namespace {
@@ -742,6 +743,17 @@ EXL2_API int exl2_gemv(const int64_t* blob, int ndesc, const void* x, int M, int
         const char* e = getenv("EXL2_GEMV_RING_KB");
         return e && atoi(e) > 0 ? atoi(e) : 32;
       }();
+      static const int probe = [] {
+        const char* e = getenv("EXL2_GEMV_PROBE");
+        const int v = e ? atoi(e) & 7 : 0;
+        if (v) fprintf(stderr, "exl2_backend: EXL2_GEMV_PROBE=%d: GEMV timing probe, results are WRONG\n", v);
+        return v;
+      }();
+      p.probe = probe;
+      static const int prefetch_kb = [] {  // L2 prefetch past the ring, KB per block (0 = off until measured)
+        const char* e = getenv("EXL2_GEMV_PREFETCH_KB");
+        return e && atoi(e) > 0 ? atoi(e) : 0;
+      }();
       p.maxgrp = 2 * maxnch + 1;  // a chunk holds at most two group ends
       const int extra = gemv_tma_smem_extra(M, p.xstride, maxnch, p.maxgrp);
       int max_bits = 2;
@@ -751,6 +763,7 @@ EXL2_API int exl2_gemv(const int64_t* blob, int ndesc, const void* x, int M, int
       EXL2_REQUIRE(ring + extra <= 227 * 1024 - 1024, "exl2_gemv: %d bytes of shared memory per block; use a larger ksplit",
                    ring + extra);
       p.ring_bytes = ring;
+      p.prefetch_bytes = prefetch_kb * 1024;
       return gemv_tma_launch(p, blocks, ring + extra, s);
     }
     minb = 2;

@@ -12,6 +12,12 @@ namespace exl2q {
 constexpr int kGvWarps = 8;                    // compute warps per block, on 8 adjacent 32-column warp tiles
 constexpr int kGvCols = kGvWarps * kWarpCols;  // 256 columns per block
 
+// Timing probes of the TMA kernel (METHOD: time variants that leave one stage out, take differences). Each bit
+// skips a stage and makes the result wrong; set only by benchmarks through EXL2_GEMV_PROBE.
+constexpr int kProbeNoGather = 1;  // activations not gathered (shared memory left as is)
+constexpr int kProbeNoReduce = 2;  // split partials written, no ticket and no final reduction
+constexpr int kProbeNoMath = 4;    // weights streamed through the ring, no decode or mma
+
 struct GemvParams {
   QDesc d[kMaxDesc];
   const uint2* scl[kMaxDesc];         // fp16 scales in lane layout [G][J][8 gid] uint2 (cuda_quant._lane_scales)
@@ -22,6 +28,8 @@ struct GemvParams {
   int maxnch;    // most chunks of any block (sizes the staged activations, xmap slice and chunk info)
   int ring_bytes;  // TMA kernel: bytes of its weight ring
   int maxgrp;      // TMA kernel: most quantization groups any block touches (sizes its staged scales)
+  int probe;       // TMA kernel, timing probes only (results are wrong): kProbe* bits, from EXL2_GEMV_PROBE
+  int prefetch_bytes;  // TMA kernel: weight bytes per block past the ring's first fill prefetched into L2 early
 };
 
 // The block's work: descriptor, run, column block and chunk range [c0, c1). Splits are numbered run by run:

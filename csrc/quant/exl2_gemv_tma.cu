@@ -123,6 +123,11 @@ __device__ __forceinline__ void tma_block(const GemvParams& p, const GvWork& wk,
         mbar_expect_tx(full_bar(i), bytes);
         bulk_copy(ring_s + i * kSlotBytes, src + i * step, bytes, full_bar(i), pol);
       }
+    // Further chunks into L2 while the previous kernels finish (the small kernels between two GEMVs leave the
+    // DRAM idle for microseconds; the ring alone holds 32 KB per block).
+    const int pf_end = min(nch, first + (int)(p.prefetch_bytes / bytes));
+    for (int i = first + lane; i < pf_end; i += 32)
+      asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(src + i * step), "r"(bytes) : "memory");
     // The scales of this block's groups, staged once: loads through the cache would queue behind the ring's
     // copies (~ring bytes / bandwidth per SM) on every group of the compute warps' critical path.
     const int g_first = __ldg(d.info + c0) & kInfoGroupMask;
@@ -154,7 +159,7 @@ __device__ __forceinline__ void tma_block(const GemvParams& p, const GvWork& wk,
   for (int i = tid; i < nch; i += kTmaComputeThreads) s_info[i] = __ldg(d.info + c0 + i);
   exl2::pdl_wait();
   compute_sync();
-  gv_gather(p, nch, xs, xm, kTmaComputeThreads);
+  if (!(p.probe & kProbeNoGather)) gv_gather(p, nch, xs, xm, kTmaComputeThreads);
   compute_sync();
 
   const bool active = warp < nwa;
@@ -179,7 +184,10 @@ __device__ __forceinline__ void tma_block(const GemvParams& p, const GvWork& wk,
       load_lane_words<B>(tile + s * (kSlotBytes / 4), lane, w);
       __syncwarp();
       if (lane == 0) mbar_arrive(empty_bar(s));  // release: the warp's reads of the slot are done
-      gv_chunk<B, true>(w, s_info[i], xl + i * kChunkRows, st, scl_lane, kGvWarps * 8, ngrp);
+      if (!(p.probe & kProbeNoMath))
+        gv_chunk<B, true>(w, s_info[i], xl + i * kChunkRows, st, scl_lane, kGvWarps * 8, ngrp);
+      else
+        asm volatile("" ::"r"(w[0][0]), "r"(w[1][B - 1]));  // keep the shared loads
       if (++s == stages) {
         s = 0;
         phase ^= 1;
@@ -195,6 +203,7 @@ __device__ __forceinline__ void tma_block(const GemvParams& p, const GvWork& wk,
     return;
   }
   if (active) gv_store(d, st, n0, M, wk.gsplit, true);
+  if (p.probe & kProbeNoReduce) return;
   __shared__ int s_last;
   compute_sync();
   if (tid == 0) s_last = gv_ticket(d, wk.colblk, wk.ksplit);

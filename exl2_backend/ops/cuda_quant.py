@@ -52,6 +52,9 @@ F_SCL16 = F_RUNS + 4 * _MAX_RUNS
 # 17.1 us on 4096x14336).
 GEMV_MAX_M = int(os.environ.get("EXL2_BACKEND_GEMV_MAX_M", "8"))
 GEMV_MINB = int(os.environ.get("EXL2_BACKEND_GEMV_MINB", "0"))
+# Blocks per SM the GEMV's split-K factor aims at (one wave of the planned resident blocks); the TMA kernel's
+# default. Below 1 (e.g. 0.4) plans fewer, longer blocks: no split-K reduction where the columns fill the GPU.
+GEMV_BLOCKS_PER_SM = float(os.environ.get("EXL2_BACKEND_GEMV_BLOCKS_PER_SM", "2"))
 _GEMV_COLS = 256
 
 
@@ -319,10 +322,11 @@ class _Launch:
     def gemv_plan(self, m: int) -> _Plan:
         """GEMV kernel: split-K factor filling one wave of GEMV_MINB blocks of 256 columns per SM; per-run
         splits may add up to _MAX_RUNS more (the kernel shares the factor among width runs)."""
-        key = ("gemv", m, GEMV_MINB)
+        per_sm = GEMV_MINB or GEMV_BLOCKS_PER_SM
+        key = ("gemv", m, GEMV_MINB, per_sm)
         if key not in self._plans:
             ncol = [-(-p.Np // _GEMV_COLS) for p in self.parts]
-            ks = max(1, self.sms * (GEMV_MINB or 2) // sum(ncol))
+            ks = max(1, int(self.sms * per_sm) // sum(ncol))
             # activations of one split in shared memory: <= ~48 KB at M tokens
             ks = max(ks, -(-max(p.Kpad for p in self.parts) * m * 2 // (48 << 10)))
             ks = min(ks, min(p.C for p in self.parts))

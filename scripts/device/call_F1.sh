@@ -1,0 +1,36 @@
+#!/usr/bin/env bash
+# Device call F1 (next session; carry .whl and .dev/libexl2_kernels.so.gz, rebuilt after any csrc change with
+# `gzip -9 -c exl2_backend/_lib/libexl2_kernels.so > .dev/libexl2_kernels.so.gz`). Where the TMA GEMV's ~6 us
+# per launch goes, and two knobs that might shrink it:
+#  1. kernel tests, batch invariance, and the plan-vs-allocator test alone (it now prints where the bytes went);
+#  2. timing probes (EXL2_GEMV_PROBE: 1 no gather, 2 no split-K reduction, 4 no decode/mma; results wrong) per
+#     shape at M = 1 and 5;
+#  3. split-K factor (EXL2_BACKEND_GEMV_BLOCKS_PER_SM 0.5 .. 3, with a 64 KB ring where blocks are few);
+#  4. L2 prefetch past the ring before the PDL wait (EXL2_GEMV_PREFETCH_KB 0 / 64 / 128): 8B decode step times.
+export EXL2_CARRIED_LIBRARY=1
+source scripts/device/common.sh
+R="$OUT/r"; mkdir -p "$R"
+t=$(date +%s)
+timeout 60 python3 -m pytest tests/kernels/test_exl2_gemm.py -q -m cuda -p no:cacheprovider --timeout 60 -rf 2>&1 \
+  | tee "$R/gemm_tests.txt" | grep -E "FAILED|passed|failed|Error" | tail -4
+timeout 90 python3 -m pytest tests/serve/test_batch_invariance.py tests/multigpu/test_multigpu_cuda.py -q -m cuda \
+  -p no:cacheprovider --timeout 60 -rf 2>&1 | tee "$R/more_tests.txt" | grep -E "FAILED|passed|failed|Error" | tail -4
+echo "tests $(( $(date +%s) - t )) s"; t=$(date +%s)
+m1() { grep M1 "$1" | awk '{printf "%s ", $(NF-10)}'; }
+for pr in 0 1 2 4 3 7; do
+  EXL2_GEMV_PROBE=$pr timeout 40 python3 scripts/bench_gemm.py --m1 > "$R/probe$pr.txt" 2>&1
+  echo "probe $pr: $(m1 "$R/probe$pr.txt")"
+done | tee "$R/probes.txt"
+for b in 0.5 1 2 3; do
+  ring=32; case $b in 0.5|1) ring=64;; esac
+  EXL2_BACKEND_GEMV_BLOCKS_PER_SM=$b EXL2_GEMV_RING_KB=$ring timeout 40 python3 scripts/bench_gemm.py --m1 > "$R/bps$b.txt" 2>&1
+  echo "blocks/SM $b ring $ring: $(m1 "$R/bps$b.txt")"
+done | tee "$R/blocks.txt"
+echo "kernel $(( $(date +%s) - t )) s"; t=$(date +%s)
+for kb in 0 64 128; do
+  EXL2_GEMV_PREFETCH_KB=$kb timeout 60 python3 scripts/profile_decode.py --shapes llama3-8b --variants after \
+    --workdir /tmp/prof --no-check --out "$R" > "$R/profile_pf$kb.txt" 2>&1
+  echo "prefetch $kb KB: $(grep -E '########' "$R/profile_pf$kb.txt" | head -1)"
+done | tee "$R/prefetch.txt"
+echo "decode $(( $(date +%s) - t )) s"
+tar -czf "$OUT/f1.tar.gz" -C "$OUT" r && rm -rf "$R"

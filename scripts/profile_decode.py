@@ -19,6 +19,7 @@ Variants (switches that keep the old path selectable; all use the fused rope + K
   after:   both (the default)
   tickets: after + attention splits combined by their last CTA (one kernel; EXL2_BACKEND_ATTN_TICKETS=1)
   regbatch: after with the register-batch small-M GEMV (EXL2_BACKEND_GEMV_MINB=2) instead of the TMA-ring one
+  cluster:  after with the TMA GEMV's split-K partials reduced inside thread-block clusters (GEMV_MINB=1)
 
 Shapes: "llama3-8b" is written with 4 layers of Llama-3.1-8B width and the full 128256-token head, then
 loaded as 32 layers (layer i reuses the weights of layer i % 4, each packed into its own GPU copy, so the
@@ -58,6 +59,7 @@ VARIANTS = {
     "after": {"pdl": True, "silu_down": True},
     "tickets": {"pdl": True, "silu_down": True, "attn_tickets": True},
     "regbatch": {"pdl": True, "silu_down": True, "gemv_minb": 2},  # the register-batch GEMV instead of the TMA ring
+    "cluster": {"pdl": True, "silu_down": True, "gemv_minb": 1},  # TMA ring, split-K reduced inside clusters
 }
 
 

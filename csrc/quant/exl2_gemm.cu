@@ -680,8 +680,42 @@ int gemv_launch(const GemvParams& p, int blocks, int smem, cudaStream_t stream) 
 }  // namespace
 }  // namespace exl2q
 
+namespace {
+// Exactly `total` splits over the runs of d (shares by bytes, at least 1 and at most the run's chunks each), for
+// the TMA kernel's cluster mode where every descriptor's split count is the cluster size. False if impossible.
+bool exact_run_splits(const exl2q::QDesc& d, int total, int* rbase, int& maxnch) {
+  using namespace exl2q;
+  if (total < d.nruns) return false;
+  const long long w = total_weight(d);
+  int k[kMaxRuns], sum = 0;
+  for (int r = 0; r < d.nruns; ++r) {
+    const int nr = d.runs[r].chunk_end - d.runs[r].chunk_start;
+    k[r] = (int)std::min<long long>(nr, std::max<long long>(1, (long long)total * nr * d.runs[r].bits / w));
+    sum += k[r];
+  }
+  for (int guard = 0; sum != total && guard < 4 * total + 8; ++guard) {  // one split at a time, widest run first
+    for (int r = 0; r < d.nruns && sum != total; ++r) {
+      const int nr = d.runs[r].chunk_end - d.runs[r].chunk_start;
+      if (sum < total && k[r] < nr) { ++k[r]; ++sum; }
+      else if (sum > total && k[r] > 1) { --k[r]; --sum; }
+    }
+  }
+  if (sum != total) return false;
+  int acc = 0;
+  for (int r = 0; r < d.nruns; ++r) {
+    const int nr = d.runs[r].chunk_end - d.runs[r].chunk_start;
+    rbase[r] = acc;
+    acc += k[r];
+    maxnch = std::max(maxnch, (nr + k[r] - 1) / k[r]);
+  }
+  rbase[d.nruns] = acc;
+  return true;
+}
+}  // namespace
+
 // Small-M GEMV (M = 1..8). blob: ndesc descriptors (kDescLen int64, F_SCL16 set, F_KSPLIT the split count);
-// minb: 0 = the TMA-ring kernel on sm_90+ (the register-batch kernel with 2 blocks per SM below sm_90); 2 or 3 =
+// minb: 0 = the TMA-ring kernel on sm_90+ (the register-batch kernel with 2 blocks per SM below sm_90); 1 = the
+// same with its split-K reduced inside thread-block clusters (not yet measured on the GPU); 2 or 3 =
 // the register-batch kernel variant with that many planned resident blocks per SM. Same output/workspace contract as exl2_gemm,
 // with column blocks of 256 (counters: one per 256-column block).
 // gate_off > 0: fused silu_mul input (x [M, ldx] holds gate at columns [0, K) and up at [gate_off, gate_off + K)).
@@ -690,7 +724,7 @@ EXL2_API int exl2_gemv(const int64_t* blob, int ndesc, const void* x, int M, int
   EXL2_REQUIRE(blob && x, "exl2_gemv: null argument");
   EXL2_REQUIRE(ndesc >= 1 && ndesc <= kMaxDesc, "exl2_gemv: %d descriptors (1..%d)", ndesc, kMaxDesc);
   EXL2_REQUIRE(M >= 1 && M <= 8, "exl2_gemv: M=%d outside 1..8", M);
-  EXL2_REQUIRE(minb == 0 || minb == 2 || minb == 3, "exl2_gemv: minb %d (0, 2 or 3)", minb);
+  EXL2_REQUIRE(minb >= 0 && minb <= 3, "exl2_gemv: minb %d (0..3)", minb);
   GemvParams p{};
   p.x = reinterpret_cast<const __half*>(x);
   p.ndesc = ndesc; p.M = M; p.ldx = ldx; p.gate_off = gate_off;
@@ -729,7 +763,7 @@ EXL2_API int exl2_gemv(const int64_t* blob, int ndesc, const void* x, int M, int
   p.xstride = maxnch * kChunkRows + 8;  // +16 bytes: token rows start in different banks
   p.maxnch = maxnch;
   cudaStream_t s = reinterpret_cast<cudaStream_t>(stream);
-  if (minb == 0) {
+  if (minb <= 1) {
     int dev = 0, major = 0;
     if (cudaGetDevice(&dev) != cudaSuccess ||
         cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev) != cudaSuccess) {
@@ -750,6 +784,27 @@ EXL2_API int exl2_gemv(const int64_t* blob, int ndesc, const void* x, int M, int
         return v;
       }();
       p.probe = probe;
+      // minb 1: cluster split-K. Every descriptor gets exactly ksplit splits, reduced inside a cluster of that
+      // many blocks (2..16) through distributed shared memory; the ticket path where that is not possible.
+      const int C = p.d[0].ksplit;
+      bool cluster = minb == 1 && C >= 2 && C <= 16 && !(probe & kProbeNoReduce);
+      for (int i = 0; i < ndesc && cluster; ++i) cluster = p.d[i].ksplit == C;
+      if (cluster) {
+        int rb[kMaxDesc][kMaxRuns + 1], mx = 1;
+        for (int i = 0; i < ndesc && cluster; ++i) cluster = exact_run_splits(p.d[i], C, rb[i], mx);
+        if (cluster) {
+          blocks = 0;
+          for (int i = 0; i < ndesc; ++i) {
+            for (int r = 0; r <= p.d[i].nruns; ++r) p.rbase[i][r] = rb[i][r];
+            p.d[i].block_start = blocks;
+            blocks += p.d[i].ncolblk * C;
+          }
+          maxnch = mx;
+          p.xstride = maxnch * kChunkRows + 8;
+          p.maxnch = maxnch;
+          p.cluster = C;
+        }
+      }
       static const int prefetch_kb = [] {  // L2 prefetch past the ring, KB per block (0 = off until measured)
         const char* e = getenv("EXL2_GEMV_PREFETCH_KB");
         return e && atoi(e) > 0 ? atoi(e) : 0;

@@ -30,6 +30,8 @@ struct GemvParams {
   int maxgrp;      // TMA kernel: most quantization groups any block touches (sizes its staged scales)
   int probe;       // TMA kernel, timing probes only (results are wrong): kProbe* bits, from EXL2_GEMV_PROBE
   int prefetch_bytes;  // TMA kernel: weight bytes per block past the ring's first fill prefetched into L2 early
+  int cluster;  // TMA kernel: 0, or the split count C of every descriptor, reduced through distributed shared
+                // memory inside a cluster of C blocks instead of the global workspace and ticket
 };
 
 // The block's work: descriptor, run, column block and chunk range [c0, c1). Splits are numbered run by run:
@@ -44,8 +46,9 @@ __device__ __forceinline__ GvWork gv_work(const GemvParams& p) {
   while (w.di + 1 < p.ndesc && (int)blockIdx.x >= p.d[w.di + 1].block_start) ++w.di;
   const QDesc& d = p.d[w.di];
   const int local = blockIdx.x - d.block_start;
-  w.colblk = local % d.ncolblk;
-  w.gsplit = local / d.ncolblk;
+  // Cluster mode: a column block's splits are consecutive blocks, one cluster (split = rank in the cluster).
+  w.colblk = p.cluster ? local / p.cluster : local % d.ncolblk;
+  w.gsplit = p.cluster ? local % p.cluster : local / d.ncolblk;
   w.ri = 0;
   while (w.ri + 1 < d.nruns && w.gsplit >= p.rbase[w.di][w.ri + 1]) ++w.ri;
   const Run& r = d.runs[w.ri];

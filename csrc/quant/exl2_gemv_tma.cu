@@ -70,6 +70,54 @@ __device__ __forceinline__ void bulk_copy(uint32_t dst, const void* src, uint32_
       "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes.L2::cache_hint [%0], [%1], %2, [%3], %4;"
       ::"r"(dst), "l"(src), "r"(bytes), "r"(bar), "l"(pol) : "memory");
 }
+__device__ __forceinline__ void cluster_sync() {  // every thread of every block of the cluster
+  asm volatile("barrier.cluster.arrive.release.aligned;\nbarrier.cluster.wait.acquire.aligned;" ::: "memory");
+}
+__device__ __forceinline__ float ld_cluster(uint32_t local_addr, uint32_t rank) {  // the same offset in block `rank`
+  uint32_t remote;
+  float v;
+  asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(remote) : "r"(local_addr), "r"(rank));
+  asm volatile("ld.shared::cluster.f32 %0, [%1];" : "=f"(v) : "r"(remote) : "memory");
+  return v;
+}
+
+// Cluster split-K: every block leaves its partial [M][256] in its own (drained) ring; after a cluster barrier,
+// block `rank` sums the columns [rank * 256 / C, (rank + 1) * 256 / C) over the C blocks in split order
+// (deterministic, as the ticket path), adds the bias and writes the output; a second barrier keeps every
+// block's shared memory alive until the others have read it. Called by all threads, producer warp included.
+__device__ __forceinline__ void cluster_reduce(const QDesc& d, const GvWork& wk, const GvState& st, bool active,
+                                               bool compute, int n0, int M, float* part) {
+  const int tid = threadIdx.x, lane = tid & 31, gid = lane >> 2, t4 = lane & 3;
+  const int nblk0 = wk.colblk * kGvCols, C = wk.ksplit;
+  if (compute && active) {
+#pragma unroll
+    for (int nt = 0; nt < 2; ++nt)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const int c = n0 - nblk0 + 16 * nt + gid + 8 * (e >> 1), m = 2 * t4 + (e & 1);
+        if (m < M) part[m * kGvCols + c] = st.acc[nt][e];
+      }
+  }
+  __syncwarp();
+  cluster_sync();
+  if (compute) {
+    const int rank = wk.gsplit, c_begin = rank * kGvCols / C, c_end = (rank + 1) * kGvCols / C;
+    const int width = c_end - c_begin;
+    const uint32_t base = smem_addr(part);
+    for (int e = tid; e < width * M; e += kTmaComputeThreads) {
+      const int m = e / width, c = c_begin + e % width, n = nblk0 + c;
+      if (n >= d.N) continue;
+      const uint32_t a = base + 4 * (m * kGvCols + c);
+      float v = 0.f;
+      for (int s = 0; s < C; ++s) v += ld_cluster(a, s);
+      if (d.bias) v += __half2float(d.bias[n]);
+      d.out[(size_t)m * d.ldo + n] = __float2half_rn(v);
+    }
+  }
+  __syncwarp();
+  cluster_sync();
+}
+
 __device__ __forceinline__ void compute_sync() {
   asm volatile("bar.sync 1, %0;" ::"n"(kTmaComputeThreads) : "memory");
 }
@@ -150,6 +198,8 @@ __device__ __forceinline__ void tma_block(const GemvParams& p, const GvWork& wk,
         }
       }
     }
+    __syncwarp();
+    if (p.cluster) cluster_reduce(d, wk, GvState{}, false, false, 0, M, nullptr);
     return;
   }
 
@@ -199,6 +249,10 @@ __device__ __forceinline__ void tma_block(const GemvParams& p, const GvWork& wk,
   const int n0 = (j0 + warp) * kWarpCols;
   if (wk.ksplit == 1) {
     if (active) gv_store(d, st, n0, M, wk.gsplit, false);
+    return;
+  }
+  if (p.cluster) {  // the ring is drained: every copy into it was waited for and read
+    cluster_reduce(d, wk, st, active, true, n0, M, reinterpret_cast<float*>(ring));
     return;
   }
   if (active) gv_store(d, st, n0, M, wk.gsplit, true);
@@ -256,8 +310,33 @@ int gemv_tma_launch(const GemvParams& p, int blocks, int smem, cudaStream_t stre
       (void)cudaGetLastError();  // a hint only
     smem_set[dev] = smem;
   }
-  exl2::launch_kernel(gemv_tma_kernel, blocks, kTmaThreads, smem, stream, p);
-  return exl2::check_launch("exl2_gemv (TMA)");
+  if (!p.cluster) {
+    exl2::launch_kernel(gemv_tma_kernel, blocks, kTmaThreads, smem, stream, p);
+    return exl2::check_launch("exl2_gemv (TMA)");
+  }
+  static bool non_portable_set[kMaxDevices] = {};
+  if (p.cluster > 8 && !non_portable_set[dev]) {
+    cudaError_t err = cudaFuncSetAttribute(gemv_tma_kernel, cudaFuncAttributeNonPortableClusterSizeAllowed, 1);
+    if (err != cudaSuccess)
+      return exl2::set_error((int)err, "exl2_gemv (TMA): cluster of %d: %s", p.cluster, cudaGetErrorString(err));
+    non_portable_set[dev] = true;
+  }
+  cudaLaunchConfig_t cfg = {};
+  cfg.gridDim = dim3(blocks);
+  cfg.blockDim = dim3(kTmaThreads);
+  cfg.dynamicSmemBytes = smem;
+  cfg.stream = stream;
+  cudaLaunchAttribute attr[2];
+  attr[0].id = cudaLaunchAttributeClusterDimension;
+  attr[0].val.clusterDim.x = p.cluster;
+  attr[0].val.clusterDim.y = 1;
+  attr[0].val.clusterDim.z = 1;
+  attr[1].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  attr[1].val.programmaticStreamSerializationAllowed = 1;
+  cfg.attrs = attr;
+  cfg.numAttrs = exl2::pdl_enabled() ? 2 : 1;
+  cudaLaunchKernelEx(&cfg, gemv_tma_kernel, p);
+  return exl2::check_launch("exl2_gemv (TMA, cluster)");
 }
 
 }  // namespace exl2q

@@ -47,7 +47,8 @@ F_SCL16 = F_RUNS + 4 * _MAX_RUNS
 
 # Small-M GEMV kernels: used for M <= GEMV_MAX_M. Blocks of 8 compute warps (256 columns). GEMV_MINB selects:
 # 0 = the TMA-ring kernel on sm_90+ (exl2_gemv_tma.cu; the register-batch kernel below sm_90), planned at 2 blocks
-# per SM; 2 or 3 = the register-batch kernel (exl2_gemm.cu gemv_kernel) with that many planned resident blocks per
+# per SM; 1 = the same with the split-K partials reduced inside thread-block clusters (distributed shared memory,
+# no workspace round trip; not yet measured on the GPU); 2 or 3 = the register-batch kernel (exl2_gemm.cu gemv_kernel) with that many planned resident blocks per
 # SM (2 -> 128 registers, no spills; 3 -> 80 registers, small spills; H200 2026-11-29, M=1: 2 gave 15.8 us vs
 # 17.1 us on 4096x14336).
 GEMV_MAX_M = int(os.environ.get("EXL2_BACKEND_GEMV_MAX_M", "8"))
@@ -322,7 +323,7 @@ class _Launch:
     def gemv_plan(self, m: int) -> _Plan:
         """GEMV kernel: split-K factor filling one wave of GEMV_MINB blocks of 256 columns per SM; per-run
         splits may add up to _MAX_RUNS more (the kernel shares the factor among width runs)."""
-        per_sm = GEMV_MINB or GEMV_BLOCKS_PER_SM
+        per_sm = GEMV_MINB if GEMV_MINB >= 2 else GEMV_BLOCKS_PER_SM
         key = ("gemv", m, GEMV_MINB, per_sm)
         if key not in self._plans:
             ncol = [-(-p.Np // _GEMV_COLS) for p in self.parts]

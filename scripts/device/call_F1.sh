@@ -6,7 +6,8 @@
 #  2. timing probes (EXL2_GEMV_PROBE: 1 no gather, 2 no split-K reduction, 4 no decode/mma; results wrong) per
 #     shape at M = 1 and 5;
 #  3. split-K factor (EXL2_BACKEND_GEMV_BLOCKS_PER_SM 0.5 .. 3, with a 64 KB ring where blocks are few);
-#  4. L2 prefetch past the ring before the PDL wait (EXL2_GEMV_PREFETCH_KB 0 / 64 / 128): 8B decode step times.
+#  4. cluster split-K (EXL2_BACKEND_GEMV_MINB=1) per shape, and the 8B decode step with/without it;
+#  5. L2 prefetch past the ring before the PDL wait (EXL2_GEMV_PREFETCH_KB 0 / 64 / 128): 8B decode step times.
 export EXL2_CARRIED_LIBRARY=1
 source scripts/device/common.sh
 R="$OUT/r"; mkdir -p "$R"
@@ -26,7 +27,11 @@ for b in 0.5 1 2 3; do
   EXL2_BACKEND_GEMV_BLOCKS_PER_SM=$b EXL2_GEMV_RING_KB=$ring timeout 40 python3 scripts/bench_gemm.py --m1 > "$R/bps$b.txt" 2>&1
   echo "blocks/SM $b ring $ring: $(m1 "$R/bps$b.txt")"
 done | tee "$R/blocks.txt"
+EXL2_BACKEND_GEMV_MINB=1 timeout 40 python3 scripts/bench_gemm.py --m1 > "$R/cluster.txt" 2>&1
+echo "cluster split-K: $(m1 "$R/cluster.txt")" | tee -a "$R/blocks.txt"
 echo "kernel $(( $(date +%s) - t )) s"; t=$(date +%s)
+timeout 80 python3 scripts/profile_decode.py --shapes llama3-8b --variants after,cluster --workdir /tmp/prof \
+  --no-check --out "$R" > "$R/profile_cluster.txt" 2>&1; grep -E '########|!!' "$R/profile_cluster.txt" | head -3
 for kb in 0 64 128; do
   EXL2_GEMV_PREFETCH_KB=$kb timeout 60 python3 scripts/profile_decode.py --shapes llama3-8b --variants after \
     --workdir /tmp/prof --no-check --out "$R" > "$R/profile_pf$kb.txt" 2>&1

@@ -310,7 +310,7 @@ def test_gemv_each_width(bits, m):
 
 
 @pytest.mark.cuda
-@pytest.mark.parametrize("minb", [0, 2, 3])  # 0: the TMA-ring kernel on sm_90+
+@pytest.mark.parametrize("minb", [0, 1, 2, 3])  # 0: the TMA-ring kernel on sm_90+, 1: with cluster split-K
 def test_gemv_variants_and_splits(monkeypatch, minb):
     from exl2_backend.ops import cuda_quant
 
@@ -327,7 +327,7 @@ def test_gemv_variants_and_splits(monkeypatch, minb):
 
 
 @pytest.mark.cuda
-@pytest.mark.parametrize("minb", [0, 2])
+@pytest.mark.parametrize("minb", [0, 1, 2])
 @pytest.mark.parametrize("bits", [2, 4, 8])
 def test_gemv_long_splits_wrap_the_ring(monkeypatch, minb, bits):
     """One split per column block (planned for a 1-SM device): each block streams all 40 chunks, several times
@@ -345,6 +345,32 @@ def test_gemv_long_splits_wrap_the_ring(monkeypatch, minb, bits):
         x = _x(m, qt.in_features, seed=m)
         ref, same = _ref(x, qt)
         assert_close_rel(op.fused_kernel(x, "gemv"), ref, same, msg=f"gemv ring wrap {bits}-bit minb={minb} M={m}")
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("sms", [8, 20, 64])  # split-K factor 2, 5 and 16 over 8 column blocks
+def test_gemv_cluster_split_k_fused_parts(monkeypatch, sms):
+    """minb 1: three linears in one launch, each with exactly ksplit splits reduced inside a thread-block cluster
+    (a 3-run part needs ksplit >= 3; below that the launch takes the ticket path; 16 is a non-portable cluster
+    size). Against the reference, and deterministic."""
+    from exl2_backend.ops import cuda_quant
+
+    monkeypatch.setattr(cuda_quant, "GEMV_MINB", 1)
+    widths = [(8, 32)] * 4 + [(4, 128)] * 11 + [(2, 128)] * 2  # 3 runs: ksplit 2 takes the ticket path
+    qts = [_to_cuda(make_qt(g, n, seed=i, bias=i == 1, key=f"p{i}"))
+           for i, (g, n) in enumerate([(widths, 700), ([(4, 128)] * 14, 300), ([(8, 64)] * 4 + [(4, 128)] * 12, 520)])]
+    assert len({q.in_features for q in qts}) == 1
+    op = cuda_quant.prepare_linear(qts, "cuda")
+    op.launch.sms = sms
+    op.launch._plans.clear()
+    op.launch.reserve(8)
+    for m in (1, 5, 8):
+        x = _x(m, qts[0].in_features, seed=m)
+        first = op.fused_kernel(x, "gemv")
+        for t, got in zip(qts, first.split(op.splits, dim=1)):
+            ref, same = _ref(x, t)
+            assert_close_rel(got, ref, same, msg=f"cluster split-K sms={sms} M={m} part {t.key}")
+        assert torch.equal(op.fused_kernel(x, "gemv"), first)
 
 
 @pytest.mark.cuda

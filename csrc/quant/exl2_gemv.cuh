@@ -177,53 +177,77 @@ __device__ __forceinline__ void gv_load_xmap(const QDesc& d, int c0, int nch, un
 }
 
 // Gather of the split's activations into shared memory in stored row order, xs[m * xstride + r], by `nthreads`
-// threads from thread 0 (callers synchronize); 8 independent 2-byte loads in flight per thread. With gate_off
-// the input is silu(gate) * up, the same arithmetic as silu_mul_kernel (bit-identical).
-__device__ __forceinline__ void gv_gather(const GemvParams& p, int nch, __half* xs, const unsigned short* xm,
-                                          int nthreads) {
-  constexpr int kB = 8;
-  const int T = nthreads;
-  const int rows = nch * kChunkRows;
+// threads from thread 0 (callers synchronize). Thread t owns rows t, t + T, ... of every token: `per` row slots
+// per token, M * per (token, slot) items, kB of them in flight per round (the gated input loads two values per
+// item). Every round waits a whole L2 latency (behind the block's queued weight copies in the TMA kernel), so
+// gv_gather picks the smallest kB that takes all items in one round, up to kMaxB (the TMA kernel: 16; 32 made
+// ptxas spill under its 96-register cap): a verify (M = 5, 4 row slots per thread) takes two rounds, not three.
+// With gate_off the input is silu(gate) * up, the same arithmetic as silu_mul_kernel (bit-identical).
+template <int kB, bool kGated>
+__device__ __forceinline__ void gv_gather_rounds(const GemvParams& p, int rows, int per, __half* xs,
+                                                 const unsigned short* xm, int T) {
+  static_assert(kB % 2 == 0, "values are kept two per register");
+  const int total = per * p.M;
   const unsigned short* xg = reinterpret_cast<const unsigned short*>(p.x);
   unsigned short* xo = reinterpret_cast<unsigned short*>(xs);
-  const int items = rows * p.M;  // (token, row) pairs, all tokens' loads in flight together
-  if (p.gate_off > 0) {
-    const __half* xh = p.x;
-    for (int e0 = threadIdx.x; e0 < items; e0 += kB * T) {
-      __half g[kB], u[kB];
-      int o[kB];
+  for (int base = 0; base < total; base += kB) {
+    const int m0 = base / per, sl0 = base - m0 * per;
+    uint32_t g[kB / 2], u[kGated ? kB / 2 : 1];  // two 16-bit values per register (register pressure)
+    int m = m0, sl = sl0;
 #pragma unroll
-      for (int k = 0; k < kB; ++k) {
-        const int e = e0 + k * T, m = e / rows, r = e - m * rows;
-        const unsigned i = e < items ? xm[r] : 0xFFFFu;
-        o[k] = m * p.xstride + r;
-        const bool ok = i != 0xFFFFu;
-        g[k] = ok ? __ldg(xh + (size_t)m * p.ldx + i) : __half(0.f);
-        u[k] = ok ? __ldg(xh + (size_t)m * p.ldx + p.gate_off + i) : __half(0.f);
+    for (int k = 0; k < kB; ++k) {
+      const int r = threadIdx.x + sl * T;
+      const unsigned i = base + k < total && r < rows ? xm[r] : 0xFFFFu;
+      const unsigned short* xr = xg + (size_t)m * p.ldx;
+      const uint32_t gv = i == 0xFFFFu ? 0u : (uint32_t)__ldg(xr + i);
+      g[k / 2] = k % 2 ? g[k / 2] | (gv << 16) : gv;
+      if constexpr (kGated) {
+        const uint32_t uv = i == 0xFFFFu ? 0u : (uint32_t)__ldg(xr + p.gate_off + i);
+        u[k / 2] = k % 2 ? u[k / 2] | (uv << 16) : uv;
       }
-#pragma unroll
-      for (int k = 0; k < kB; ++k) {
-        if (e0 + k * T >= items) continue;
-        const float gf = __half2float(g[k]);
-        const float sv = __fdiv_rn(gf, __fadd_rn(1.f, __expf(-gf)));
-        xs[o[k]] = __float2half_rn(__fmul_rn(sv, __half2float(u[k])));
+      if (++sl == per) {
+        sl = 0;
+        ++m;
       }
     }
-    return;
+    m = m0;
+    sl = sl0;
+#pragma unroll
+    for (int k = 0; k < kB; ++k) {  // the same (token, row) walk again: positions are not kept in registers
+      const int r = threadIdx.x + sl * T;
+      if (base + k < total && r < rows) {
+        const unsigned short gv = (unsigned short)(g[k / 2] >> (16 * (k % 2)));
+        if constexpr (kGated) {
+          const unsigned short uv = (unsigned short)(u[k / 2] >> (16 * (k % 2)));
+          const float gf = __half2float(__ushort_as_half(gv));
+          const float sv = __fdiv_rn(gf, __fadd_rn(1.f, __expf(-gf)));
+          xs[m * p.xstride + r] = __float2half_rn(__fmul_rn(sv, __half2float(__ushort_as_half(uv))));
+        } else {
+          xo[m * p.xstride + r] = gv;
+        }
+      }
+      if (++sl == per) {
+        sl = 0;
+        ++m;
+      }
+    }
   }
-  for (int e0 = threadIdx.x; e0 < items; e0 += kB * T) {
-    unsigned short v[kB];
-    int o[kB];
-#pragma unroll
-    for (int u = 0; u < kB; ++u) {
-      const int e = e0 + u * T, m = e / rows, r = e - m * rows;
-      const unsigned i = e < items ? xm[r] : 0xFFFFu;
-      o[u] = m * p.xstride + r;
-      v[u] = i == 0xFFFFu ? (unsigned short)0 : __ldg(xg + (size_t)m * p.ldx + i);
-    }
-#pragma unroll
-    for (int u = 0; u < kB; ++u)
-      if (e0 + u * T < items) xo[o[u]] = v[u];
+}
+
+template <int kMaxB = 8>
+__device__ __forceinline__ void gv_gather(const GemvParams& p, int nch, __half* xs, const unsigned short* xm,
+                                          int nthreads) {
+  const int rows = nch * kChunkRows, per = (rows + nthreads - 1) / nthreads, total = per * p.M;
+  const bool gated = p.gate_off > 0;
+  if (kMaxB >= 32 && total > 16) {
+    if (gated) gv_gather_rounds<kMaxB >= 32 ? 16 : 8, true>(p, rows, per, xs, xm, nthreads);  // 2 loads per item
+    else gv_gather_rounds<kMaxB >= 32 ? 32 : 8, false>(p, rows, per, xs, xm, nthreads);
+  } else if (kMaxB >= 16 && total > 8) {
+    if (gated) gv_gather_rounds<8, true>(p, rows, per, xs, xm, nthreads);
+    else gv_gather_rounds<kMaxB >= 16 ? 16 : 8, false>(p, rows, per, xs, xm, nthreads);
+  } else {
+    if (gated) gv_gather_rounds<8, true>(p, rows, per, xs, xm, nthreads);
+    else gv_gather_rounds<8, false>(p, rows, per, xs, xm, nthreads);
   }
 }
 

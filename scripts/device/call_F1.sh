@@ -7,7 +7,8 @@
 #     shape at M = 1 and 5;
 #  3. split-K factor (EXL2_BACKEND_GEMV_BLOCKS_PER_SM 0.5 .. 3, with a 64 KB ring where blocks are few);
 #  4. cluster split-K (EXL2_BACKEND_GEMV_MINB=1) per shape, and the 8B decode step with/without it;
-#  5. L2 prefetch past the ring before the PDL wait (EXL2_GEMV_PREFETCH_KB 0 / 64 / 128): 8B decode step times.
+#  5. L2 prefetch past the ring before the PDL wait (EXL2_GEMV_PREFETCH_KB 0 / 64 / 128): 8B decode step times;
+#  6. verify costs with the gather taking up to 16 items per thread per round (k = 4: two rounds, was three).
 export EXL2_CARRIED_LIBRARY=1
 source scripts/device/common.sh
 R="$OUT/r"; mkdir -p "$R"
@@ -37,5 +38,7 @@ for kb in 0 64 128; do
     --workdir /tmp/prof --no-check --out "$R" > "$R/profile_pf$kb.txt" 2>&1
   echo "prefetch $kb KB: $(grep -E '########' "$R/profile_pf$kb.txt" | head -1)"
 done | tee "$R/prefetch.txt"
+timeout 60 python3 scripts/spec_bench.py --skip smollm2 --kernels --iters 30 --work-dir /tmp/spec_bench \
+  --out "$R/spec_costs_kernels.json" 2> "$R/spec_costs.log"; grep "step costs" "$R/spec_costs.log" | tail -1
 echo "decode $(( $(date +%s) - t )) s"
 tar -czf "$OUT/f1.tar.gz" -C "$OUT" r && rm -rf "$R"

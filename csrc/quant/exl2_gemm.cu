@@ -16,6 +16,7 @@
 #include <algorithm>
 #include <cstdio>
 #include <cstdlib>
+#include <cstring>
 
 namespace {
 // Function attributes (max dynamic shared memory, carveout) are per device: remember what was set for each
@@ -582,7 +583,7 @@ __device__ __forceinline__ void gv_run(const GemvParams& p, const QDesc& d, cons
   // PDL: the constant loads above may run while the previous kernel finishes; x (and every write) comes after it.
   exl2::pdl_wait();
   // the activation gather overlaps the first two batches' DRAM reads
-  gv_gather(p, ce - c0, xs, xm, kGvWarps * 32);
+  gv_gather_items(p, ce - c0, xs, xm, kGvWarps * 32);
   __syncthreads();
 #pragma unroll 1
   for (int c = cs; c < ce; c += 2 * CH) {
@@ -784,6 +785,11 @@ EXL2_API int exl2_gemv(const int64_t* blob, int ndesc, const void* x, int M, int
         return v;
       }();
       p.probe = probe;
+      static const int gather_rows = [] {  // EXL2_GEMV_GATHER=rows: the row-slot gather (not yet the default)
+        const char* e = getenv("EXL2_GEMV_GATHER");
+        return e && strcmp(e, "rows") == 0 ? 1 : 0;
+      }();
+      p.gather_rows = gather_rows;
       // minb 1: cluster split-K. Every descriptor gets exactly ksplit splits, reduced inside a cluster of that
       // many blocks (2..16) through distributed shared memory; the ticket path where that is not possible.
       const int C = p.d[0].ksplit;

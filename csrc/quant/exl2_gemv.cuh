@@ -30,6 +30,7 @@ struct GemvParams {
   int maxgrp;      // TMA kernel: most quantization groups any block touches (sizes its staged scales)
   int probe;       // TMA kernel, timing probes only (results are wrong): kProbe* bits, from EXL2_GEMV_PROBE
   int prefetch_bytes;  // TMA kernel: weight bytes per block past the ring's first fill prefetched into L2 early
+  int gather_rows;  // 1: gv_gather (row slots, up to 16 loads per round), 0: gv_gather_items (EXL2_GEMV_GATHER)
   int cluster;  // TMA kernel: 0, or the split count C of every descriptor, reduced through distributed shared
                 // memory inside a cluster of C blocks instead of the global workspace and ticket
 };
@@ -174,6 +175,59 @@ __device__ __forceinline__ void gv_load_xmap(const QDesc& d, int c0, int nch, un
   const int rows = nch * kChunkRows;
   const uint4* src = reinterpret_cast<const uint4*>(d.xmap + c0 * kChunkRows);
   for (int v = threadIdx.x; v < rows / 8; v += nthreads) reinterpret_cast<uint4*>(xm)[v] = __ldg(src + v);
+}
+
+// Gather of the split's activations into shared memory in stored row order, xs[m * xstride + r], by `nthreads`
+// threads from thread 0 (callers synchronize); 8 independent 2-byte loads in flight per thread, items in
+// (token, row) order. With gate_off the input is silu(gate) * up, the same arithmetic as silu_mul_kernel
+// (bit-identical). The default; gv_gather (row slots, up to 16 loads per round) is selected by
+// GemvParams::gather_rows until it has run on the GPU.
+__device__ __forceinline__ void gv_gather_items(const GemvParams& p, int nch, __half* xs, const unsigned short* xm,
+                                          int nthreads) {
+  constexpr int kB = 8;
+  const int T = nthreads;
+  const int rows = nch * kChunkRows;
+  const unsigned short* xg = reinterpret_cast<const unsigned short*>(p.x);
+  unsigned short* xo = reinterpret_cast<unsigned short*>(xs);
+  const int items = rows * p.M;  // (token, row) pairs, all tokens' loads in flight together
+  if (p.gate_off > 0) {
+    const __half* xh = p.x;
+    for (int e0 = threadIdx.x; e0 < items; e0 += kB * T) {
+      __half g[kB], u[kB];
+      int o[kB];
+#pragma unroll
+      for (int k = 0; k < kB; ++k) {
+        const int e = e0 + k * T, m = e / rows, r = e - m * rows;
+        const unsigned i = e < items ? xm[r] : 0xFFFFu;
+        o[k] = m * p.xstride + r;
+        const bool ok = i != 0xFFFFu;
+        g[k] = ok ? __ldg(xh + (size_t)m * p.ldx + i) : __half(0.f);
+        u[k] = ok ? __ldg(xh + (size_t)m * p.ldx + p.gate_off + i) : __half(0.f);
+      }
+#pragma unroll
+      for (int k = 0; k < kB; ++k) {
+        if (e0 + k * T >= items) continue;
+        const float gf = __half2float(g[k]);
+        const float sv = __fdiv_rn(gf, __fadd_rn(1.f, __expf(-gf)));
+        xs[o[k]] = __float2half_rn(__fmul_rn(sv, __half2float(u[k])));
+      }
+    }
+    return;
+  }
+  for (int e0 = threadIdx.x; e0 < items; e0 += kB * T) {
+    unsigned short v[kB];
+    int o[kB];
+#pragma unroll
+    for (int u = 0; u < kB; ++u) {
+      const int e = e0 + u * T, m = e / rows, r = e - m * rows;
+      const unsigned i = e < items ? xm[r] : 0xFFFFu;
+      o[u] = m * p.xstride + r;
+      v[u] = i == 0xFFFFu ? (unsigned short)0 : __ldg(xg + (size_t)m * p.ldx + i);
+    }
+#pragma unroll
+    for (int u = 0; u < kB; ++u)
+      if (e0 + u * T < items) xo[o[u]] = v[u];
+  }
 }
 
 // Gather of the split's activations into shared memory in stored row order, xs[m * xstride + r], by `nthreads`

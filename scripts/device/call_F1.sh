@@ -8,13 +8,16 @@
 #  3. split-K factor (EXL2_BACKEND_GEMV_BLOCKS_PER_SM 0.5 .. 3, with a 64 KB ring where blocks are few);
 #  4. cluster split-K (EXL2_BACKEND_GEMV_MINB=1) per shape, and the 8B decode step with/without it;
 #  5. L2 prefetch past the ring before the PDL wait (EXL2_GEMV_PREFETCH_KB 0 / 64 / 128): 8B decode step times;
-#  6. verify costs with the gather taking up to 16 items per thread per round (k = 4: two rounds, was three).
+#  6. verify costs with the row-slot gather (EXL2_GEMV_GATHER=rows: up to 16 loads per thread per round, a k = 4
+#     verify in two rounds, was three) against the default; its kernel tests first.
 export EXL2_CARRIED_LIBRARY=1
 source scripts/device/common.sh
 R="$OUT/r"; mkdir -p "$R"
 t=$(date +%s)
 timeout 60 python3 -m pytest tests/kernels/test_exl2_gemm.py -q -m cuda -p no:cacheprovider --timeout 60 -rf 2>&1 \
   | tee "$R/gemm_tests.txt" | grep -E "FAILED|passed|failed|Error" | tail -4
+EXL2_GEMV_GATHER=rows timeout 60 python3 -m pytest tests/kernels/test_exl2_gemm.py -q -m cuda -p no:cacheprovider \
+  --timeout 60 -rf -k gemv 2>&1 | tee "$R/gemm_tests_rows.txt" | grep -E "FAILED|passed|failed|Error" | tail -4
 timeout 90 python3 -m pytest tests/serve/test_batch_invariance.py tests/multigpu/test_multigpu_cuda.py -q -m cuda \
   -p no:cacheprovider --timeout 60 -rf 2>&1 | tee "$R/more_tests.txt" | grep -E "FAILED|passed|failed|Error" | tail -4
 echo "tests $(( $(date +%s) - t )) s"; t=$(date +%s)
@@ -38,7 +41,9 @@ for kb in 0 64 128; do
     --workdir /tmp/prof --no-check --out "$R" > "$R/profile_pf$kb.txt" 2>&1
   echo "prefetch $kb KB: $(grep -E '########' "$R/profile_pf$kb.txt" | head -1)"
 done | tee "$R/prefetch.txt"
-timeout 60 python3 scripts/spec_bench.py --skip smollm2 --kernels --iters 30 --work-dir /tmp/spec_bench \
-  --out "$R/spec_costs_kernels.json" 2> "$R/spec_costs.log"; grep "step costs" "$R/spec_costs.log" | tail -1
+for g in items rows; do
+  EXL2_GEMV_GATHER=$g timeout 60 python3 scripts/spec_bench.py --skip smollm2 --iters 30 --work-dir /tmp/spec_bench \
+    --out "$R/spec_costs_$g.json" 2> "$R/spec_costs_$g.log"; echo "gather $g: $(grep 'step costs' "$R/spec_costs_$g.log" | tail -1)"
+done
 echo "decode $(( $(date +%s) - t )) s"
 tar -czf "$OUT/f1.tar.gz" -C "$OUT" r && rm -rf "$R"

@@ -9,7 +9,8 @@
 #  4. cluster split-K (EXL2_BACKEND_GEMV_MINB=1) per shape, and the 8B decode step with/without it;
 #  5. L2 prefetch past the ring before the PDL wait (EXL2_GEMV_PREFETCH_KB 0 / 64 / 128): 8B decode step times;
 #  6. verify costs with the row-slot gather (EXL2_GEMV_GATHER=rows: up to 16 loads per thread per round, a k = 4
-#     verify in two rounds, was three) against the default; its kernel tests first.
+#     verify in two rounds, was three) against the default; its kernel tests first;
+#  7. ncu of the 32k decode attention, fp16 and q8 cache (issue 6: q8 is slower than fp16 there).
 export EXL2_CARRIED_LIBRARY=1
 source scripts/device/common.sh
 R="$OUT/r"; mkdir -p "$R"
@@ -45,5 +46,12 @@ for g in items rows; do
   EXL2_GEMV_GATHER=$g timeout 60 python3 scripts/spec_bench.py --skip smollm2 --iters 30 --work-dir /tmp/spec_bench \
     --out "$R/spec_costs_$g.json" 2> "$R/spec_costs_$g.log"; echo "gather $g: $(grep 'step costs' "$R/spec_costs_$g.log" | tail -1)"
 done
-echo "decode $(( $(date +%s) - t )) s"
+echo "decode $(( $(date +%s) - t )) s"; t=$(date +%s)
+for ct in fp16 q8; do  # issue 6: is the 32k decode attention issue-bound (q8 not faster than fp16)?
+  timeout 45 ncu --clock-control none --set full -k regex:paged_attention --launch-skip 1 --launch-count 1 \
+    -o "$R/attn_$ct" python3 scripts/attention_once.py --cache-type $ct --context 32768 > "$R/attn_$ct.log" 2>&1
+  ncu --import "$R/attn_$ct.ncu-rep" --page details > "$R/attn_$ct.details.txt" 2>&1; rm -f "$R/attn_$ct.ncu-rep"
+  echo "$ct: $(grep -E '^    Duration|DRAM Throughput|Issue Slots Busy' "$R/attn_$ct.details.txt" | tr -s ' ' | tr '\n' ';')"
+done
+echo "attention $(( $(date +%s) - t )) s"
 tar -czf "$OUT/f1.tar.gz" -C "$OUT" r && rm -rf "$R"

@@ -108,8 +108,12 @@ __device__ __forceinline__ void cluster_reduce(const QDesc& d, const GvWork& wk,
       const int m = e / width, c = c_begin + e % width, n = nblk0 + c;
       if (n >= d.N) continue;
       const uint32_t a = base + 4 * (m * kGvCols + c);
+      float t[16];  // all C remote loads in flight, then the sum in split order (zeros past C, as the ticket path)
+#pragma unroll
+      for (int s = 0; s < 16; ++s) t[s] = s < C ? ld_cluster(a, s) : 0.f;
       float v = 0.f;
-      for (int s = 0; s < C; ++s) v += ld_cluster(a, s);
+#pragma unroll
+      for (int s = 0; s < 16; ++s) v += t[s];
       if (d.bias) v += __half2float(d.bias[n]);
       d.out[(size_t)m * d.ldo + n] = __float2half_rn(v);
     }

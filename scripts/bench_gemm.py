@@ -33,7 +33,7 @@ SHAPES = [  # (name, K, N, option)
     ("k/v 4096x1024", 4096, 1024, "4:1@128"),
 ]
 WIDTHS = ["2:1@128", "3:1@128", "6:1@128", "8:1@128"]  # 4096x14336, M = 1
-FUSED_M = [1, 2, 4, 8, 16]
+FUSED_M = [1, 2, 4, 5, 8, 9, 16, 32]  # the TMA GEMV takes M <= 32 (sm_90+); the mma kernel M <= 32
 DEQ_M = [8, 16, 32, 64]
 
 
@@ -71,7 +71,8 @@ def bench_shape(name, k, n, option, bw, ms_fused, ms_deq, rows, seed=0):
         io = m * k * 2 + m * n * 2
         if m in ms_fused:
             t_old = graph_time_us([(lambda o=o, x=x: o.fused_kernel(x, "mma")) for o in ops])
-            t_new = graph_time_us([(lambda o=o, x=x: o.fused_kernel(x, "gemv")) for o in ops]) if m <= 8 else None
+            cap = cuda_quant.gemv_row_cap(torch.device("cuda"))
+            t_new = graph_time_us([(lambda o=o, x=x: o.fused_kernel(x, "gemv")) for o in ops]) if m <= cap else None
             res["mma"][m] = t_old
             res["gemv"][m] = t_new
             res["fused"][m] = min(t_old, t_new or t_old)

@@ -714,7 +714,8 @@ bool exact_run_splits(const exl2q::QDesc& d, int total, int* rbase, int& maxnch)
 }
 }  // namespace
 
-// Small-M GEMV (M = 1..8). blob: ndesc descriptors (kDescLen int64, F_SCL16 set, F_KSPLIT the split count);
+// Small-M GEMV (M = 1..8; 1..32 with the TMA kernel, one decode feeding up to 4 token tiles). blob: ndesc
+// descriptors (kDescLen int64, F_SCL16 set, F_KSPLIT the split count);
 // minb: 0 = the TMA-ring kernel on sm_90+ (the register-batch kernel with 2 blocks per SM below sm_90); 1 = the
 // same with its split-K reduced inside thread-block clusters (not yet measured on the GPU); 2 or 3 =
 // the register-batch kernel variant with that many planned resident blocks per SM. Same output/workspace contract as exl2_gemm,
@@ -724,7 +725,7 @@ EXL2_API int exl2_gemv(const int64_t* blob, int ndesc, const void* x, int M, int
                        void* stream) {
   EXL2_REQUIRE(blob && x, "exl2_gemv: null argument");
   EXL2_REQUIRE(ndesc >= 1 && ndesc <= kMaxDesc, "exl2_gemv: %d descriptors (1..%d)", ndesc, kMaxDesc);
-  EXL2_REQUIRE(M >= 1 && M <= 8, "exl2_gemv: M=%d outside 1..8", M);
+  EXL2_REQUIRE(M >= 1 && M <= 32, "exl2_gemv: M=%d outside 1..32", M);
   EXL2_REQUIRE(minb >= 0 && minb <= 3, "exl2_gemv: minb %d (0..3)", minb);
   GemvParams p{};
   p.x = reinterpret_cast<const __half*>(x);
@@ -820,7 +821,8 @@ EXL2_API int exl2_gemv(const int64_t* blob, int ndesc, const void* x, int M, int
       int max_bits = 2;
       for (int i = 0; i < ndesc; ++i) max_bits = std::max(max_bits, p.d[i].runs[0].bits);  // runs: widest first
       const int slot = kGvWarps * 256 * max_bits;
-      const int ring = std::max(2 * slot, (ring_kb * 1024 / slot) * slot);
+      // at least two slots of the widest run, and room for the cluster reduction's [M][256] fp32 partials
+      const int ring = std::max(std::max(2 * slot, M * kGvCols * 4), (ring_kb * 1024 / slot) * slot);
       EXL2_REQUIRE(ring + extra <= 227 * 1024 - 1024, "exl2_gemv: %d bytes of shared memory per block; use a larger ksplit",
                    ring + extra);
       p.ring_bytes = ring;
@@ -829,6 +831,7 @@ EXL2_API int exl2_gemv(const int64_t* blob, int ndesc, const void* x, int M, int
     }
     minb = 2;
   }
+  EXL2_REQUIRE(M <= 8, "exl2_gemv: M=%d needs the TMA kernel (sm_90+, minb 0 or 1); this one takes 1..8", M);
   const int smem = align16(M * p.xstride * 2) + maxnch * kChunkRows * 2;  // + the xmap slice
   EXL2_REQUIRE(smem <= 227 * 1024, "exl2_gemv: needs %d bytes of shared memory; use a larger ksplit", smem);
   return minb == 3 ? gemv_launch<3>(p, blocks, smem, s) : gemv_launch<2>(p, blocks, smem, s);

@@ -160,6 +160,117 @@ __device__ __forceinline__ void gv_store(const QDesc& d, const GvState& s, int n
     }
 }
 
+// ---- several token tiles (M = 9..32, the TMA kernel only): the same decode feeds MT mmas per A fragment ----
+template <int MT>
+struct GvStateMT {
+  float acc[2][MT][4];  // [n-tile][token tile][c0..c3]
+  float cg[2][MT][4];
+  uint2 sc;
+  int g;
+};
+
+template <int MT>
+__device__ __forceinline__ void gv_zero(GvStateMT<MT>& s) {
+#pragma unroll
+  for (int nt = 0; nt < 2; ++nt)
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) s.acc[nt][mt][e] = s.cg[nt][mt][e] = 0.f;
+}
+
+template <int MT>
+__device__ __forceinline__ void gv_flush(GvStateMT<MT>& s) {
+  const float2 s0 = h2_to_f2(s.sc.x), s1 = h2_to_f2(s.sc.y);
+#pragma unroll
+  for (int nt = 0; nt < 2; ++nt) {
+    const float sa = nt ? s1.x : s0.x, sb = nt ? s1.y : s0.y;
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt) {
+      s.acc[nt][mt][0] += sa * s.cg[nt][mt][0];
+      s.acc[nt][mt][1] += sa * s.cg[nt][mt][1];
+      s.acc[nt][mt][2] += sb * s.cg[nt][mt][2];
+      s.acc[nt][mt][3] += sb * s.cg[nt][mt][3];
+#pragma unroll
+      for (int e = 0; e < 4; ++e) s.cg[nt][mt][e] = 0.f;
+    }
+  }
+}
+
+template <int B, int S, int MT>
+__device__ __forceinline__ void gv_kstep_mt(const uint32_t (&w)[2][B], const uint32_t (&xb)[MT][4],
+                                            GvStateMT<MT>& s) {
+#pragma unroll
+  for (int nt = 0; nt < 2; ++nt) {
+    const uint32_t a0 = pair_qz<B, 4 * S + 0>(w[nt]);
+    const uint32_t a1 = pair_qz<B, 4 * S + 1>(w[nt]);
+    const uint32_t a2 = pair_qz<B, 4 * S + 2>(w[nt]);
+    const uint32_t a3 = pair_qz<B, 4 * S + 3>(w[nt]);
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt)
+      mma16816(s.cg[nt][mt], a0, a1, a2, a3, xb[mt][2 * (S & 1)], xb[mt][2 * (S & 1) + 1]);
+  }
+}
+
+// One 32-row unit: B operands of every token tile (one 16-byte shared load each), two k-steps, group end.
+// xl[mt]: the lane's activations of token tile mt (tokens >= M point at row M - 1: computed, discarded); row:
+// the chunk's first row in the staged activations.
+template <int B, int U, int MT>
+__device__ __forceinline__ void gv_unit_mt(const uint32_t (&w)[2][B], int info, const __half* const (&xl)[MT],
+                                           int row, GvStateMT<MT>& s, const uint2* scl_lane, int scl_gstride,
+                                           int G) {
+  uint32_t xb[MT][4];
+#pragma unroll
+  for (int mt = 0; mt < MT; ++mt) {
+    const uint4 v = *reinterpret_cast<const uint4*>(xl[mt] + row + 32 * U);
+    xb[mt][0] = v.x; xb[mt][1] = v.y; xb[mt][2] = v.z; xb[mt][3] = v.w;
+  }
+  gv_kstep_mt<B, 2 * U, MT>(w, xb, s);
+  gv_kstep_mt<B, 2 * U + 1, MT>(w, xb, s);
+  if ((info >> (30 + U)) & 1) {
+    gv_flush(s);
+    ++s.g;
+    if (s.g < G) s.sc = scl_lane[s.g * scl_gstride];  // staged in shared memory
+  }
+}
+
+template <int B, int MT>
+__device__ __forceinline__ void gv_chunk_mt(const uint32_t (&w)[2][B], int info, const __half* const (&xl)[MT],
+                                            int row, GvStateMT<MT>& s, const uint2* scl_lane, int scl_gstride,
+                                            int G) {
+  gv_unit_mt<B, 0, MT>(w, info, xl, row, s, scl_lane, scl_gstride, G);
+  gv_unit_mt<B, 1, MT>(w, info, xl, row, s, scl_lane, scl_gstride, G);
+}
+
+// Element e of (nt, mt): column n0 + 16nt + gid + 8*(e>=2), token 8mt + 2*t4 + (e&1); as gv_store.
+template <int MT>
+__device__ __forceinline__ void gv_store(const QDesc& d, const GvStateMT<MT>& s, int n0, int M, int gsplit,
+                                         bool partial) {
+  const int lane = threadIdx.x & 31, gid = lane >> 2, t4 = lane & 3;
+  float* ws = partial ? d.ws + (size_t)gsplit * M * d.Np : nullptr;
+#pragma unroll
+  for (int nt = 0; nt < 2; ++nt)
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const int n = n0 + 16 * nt + gid + 8 * (e >> 1), m = 8 * mt + 2 * t4 + (e & 1);
+        if (m >= M) continue;
+        if (partial) {
+          ws[(size_t)m * d.Np + n] = s.acc[nt][mt][e];
+        } else if (n < d.N) {
+          float v = s.acc[nt][mt][e];
+          if (d.bias) v += __half2float(d.bias[n]);
+          d.out[(size_t)m * d.ldo + n] = __float2half_rn(v);
+        }
+      }
+}
+
+// The accumulator of element (nt, mt, e) and its token, for code shared between the state types.
+__device__ __forceinline__ float gv_acc(const GvState& s, int nt, int, int e) { return s.acc[nt][e]; }
+template <int MT>
+__device__ __forceinline__ float gv_acc(const GvStateMT<MT>& s, int nt, int mt, int e) { return s.acc[nt][mt][e]; }
+
 // The split-K ticket: one gpu-scope acq_rel atomic by thread 0 after the caller's barrier releases every
 // thread's partials (cumulativity); true for the last block of the column block, which then reduces.
 __device__ __forceinline__ bool gv_ticket(const QDesc& d, int colblk, int ksplit) {

@@ -21,6 +21,7 @@
 // register-batch kernel. Compute warps synchronize among themselves with named barrier 1 (256 threads), so the
 // producer never joins a barrier it could deadlock on.
 #include <algorithm>
+#include <type_traits>
 
 #include "common/api.h"
 #include "common/pdl.cuh"
@@ -85,7 +86,8 @@ __device__ __forceinline__ float ld_cluster(uint32_t local_addr, uint32_t rank) 
 // block `rank` sums the columns [rank * 256 / C, (rank + 1) * 256 / C) over the C blocks in split order
 // (deterministic, as the ticket path), adds the bias and writes the output; a second barrier keeps every
 // block's shared memory alive until the others have read it. Called by all threads, producer warp included.
-__device__ __forceinline__ void cluster_reduce(const QDesc& d, const GvWork& wk, const GvState& st, bool active,
+template <int MT, typename State>
+__device__ __forceinline__ void cluster_reduce(const QDesc& d, const GvWork& wk, const State& st, bool active,
                                                bool compute, int n0, int M, float* part) {
   const int tid = threadIdx.x, lane = tid & 31, gid = lane >> 2, t4 = lane & 3;
   const int nblk0 = wk.colblk * kGvCols, C = wk.ksplit;
@@ -93,10 +95,12 @@ __device__ __forceinline__ void cluster_reduce(const QDesc& d, const GvWork& wk,
 #pragma unroll
     for (int nt = 0; nt < 2; ++nt)
 #pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        const int c = n0 - nblk0 + 16 * nt + gid + 8 * (e >> 1), m = 2 * t4 + (e & 1);
-        if (m < M) part[m * kGvCols + c] = st.acc[nt][e];
-      }
+      for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          const int c = n0 - nblk0 + 16 * nt + gid + 8 * (e >> 1), m = 8 * mt + 2 * t4 + (e & 1);
+          if (m < M) part[m * kGvCols + c] = gv_acc(st, nt, mt, e);
+        }
   }
   __syncwarp();
   cluster_sync();
@@ -126,7 +130,9 @@ __device__ __forceinline__ void compute_sync() {
   asm volatile("bar.sync 1, %0;" ::"n"(kTmaComputeThreads) : "memory");
 }
 
-template <int B>
+// MT token tiles of 8 (M <= 8 * MT): MT == 1 keeps the single-tile state and helpers of the register-batch
+// kernel; MT > 1 decodes each A fragment once for MT mmas.
+template <int B, int MT>
 __device__ __forceinline__ void tma_block(const GemvParams& p, const GvWork& wk, unsigned char* smem) {
   const QDesc& d = p.d[wk.di];
   const Run& run = d.runs[wk.ri];
@@ -203,7 +209,7 @@ __device__ __forceinline__ void tma_block(const GemvParams& p, const GvWork& wk,
       }
     }
     __syncwarp();
-    if (p.cluster) cluster_reduce(d, wk, GvState{}, false, false, 0, M, nullptr);
+    if (p.cluster) cluster_reduce<1>(d, wk, GvState{}, false, false, 0, M, nullptr);
     return;
   }
 
@@ -220,7 +226,7 @@ __device__ __forceinline__ void tma_block(const GemvParams& p, const GvWork& wk,
 
   const bool active = warp < nwa;
   const int gid = lane >> 2, t4 = lane & 3;
-  GvState st;
+  std::conditional_t<MT == 1, GvState, GvStateMT<MT>> st;
   gv_zero(st);
   if (active) {
     const uint2* scl_lane = s_scl + warp * 8 + gid;  // group g of the block: scl_lane[g * 64], g from 0
@@ -230,6 +236,9 @@ __device__ __forceinline__ void tma_block(const GemvParams& p, const GvWork& wk,
     st.g = 0;
     st.sc = scl_lane[0];
     const __half* xl = xs + min(gid, M - 1) * p.xstride + 8 * t4;  // tokens >= M: duplicates, discarded
+    const __half* xls[MT];  // the same for every token tile
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt) xls[mt] = xs + min(8 * mt + gid, M - 1) * p.xstride + 8 * t4;
     const uint32_t* tile = reinterpret_cast<const uint32_t*>(ring + warp * kTileBytes);
     int s = 0;
     uint32_t phase = 0;
@@ -240,10 +249,13 @@ __device__ __forceinline__ void tma_block(const GemvParams& p, const GvWork& wk,
       load_lane_words<B>(tile + s * (kSlotBytes / 4), lane, w);
       __syncwarp();
       if (lane == 0) mbar_arrive(empty_bar(s));  // release: the warp's reads of the slot are done
-      if (!(p.probe & kProbeNoMath))
-        gv_chunk<B, true>(w, s_info[i], xl + i * kChunkRows, st, scl_lane, kGvWarps * 8, ngrp);
-      else
+      if (p.probe & kProbeNoMath) {
         asm volatile("" ::"r"(w[0][0]), "r"(w[1][B - 1]));  // keep the shared loads
+      } else if constexpr (MT == 1) {
+        gv_chunk<B, true>(w, s_info[i], xl + i * kChunkRows, st, scl_lane, kGvWarps * 8, ngrp);
+      } else {
+        gv_chunk_mt<B, MT>(w, s_info[i], xls, i * kChunkRows, st, scl_lane, kGvWarps * 8, ngrp);
+      }
       if (++s == stages) {
         s = 0;
         phase ^= 1;
@@ -259,7 +271,7 @@ __device__ __forceinline__ void tma_block(const GemvParams& p, const GvWork& wk,
     return;
   }
   if (p.cluster) {  // the ring is drained: every copy into it was waited for and read
-    cluster_reduce(d, wk, st, active, true, n0, M, reinterpret_cast<float*>(ring));
+    cluster_reduce<MT>(d, wk, st, active, true, n0, M, reinterpret_cast<float*>(ring));
     return;
   }
   if (active) gv_store(d, st, n0, M, wk.gsplit, true);
@@ -274,18 +286,20 @@ __device__ __forceinline__ void tma_block(const GemvParams& p, const GvWork& wk,
 }
 #endif
 
-__global__ void __launch_bounds__(kTmaThreads, 2) gemv_tma_kernel(const __grid_constant__ GemvParams p) {
+// Two blocks per SM up to two token tiles; one with the registers of four.
+template <int MT>
+__global__ void __launch_bounds__(kTmaThreads, MT <= 2 ? 2 : 1) gemv_tma_kernel(const __grid_constant__ GemvParams p) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   extern __shared__ __align__(128) unsigned char smem[];
   exl2::pdl_launch_dependents();  // every block is resident now: the next kernel may launch into freed SMs
   const GvWork wk = gv_work(p);
   switch (p.d[wk.di].runs[wk.ri].bits) {
-    case 8: tma_block<8>(p, wk, smem); break;
-    case 6: tma_block<6>(p, wk, smem); break;
-    case 5: tma_block<5>(p, wk, smem); break;
-    case 4: tma_block<4>(p, wk, smem); break;
-    case 3: tma_block<3>(p, wk, smem); break;
-    default: tma_block<2>(p, wk, smem); break;
+    case 8: tma_block<8, MT>(p, wk, smem); break;
+    case 6: tma_block<6, MT>(p, wk, smem); break;
+    case 5: tma_block<5, MT>(p, wk, smem); break;
+    case 4: tma_block<4, MT>(p, wk, smem); break;
+    case 3: tma_block<3, MT>(p, wk, smem); break;
+    default: tma_block<2, MT>(p, wk, smem); break;
   }
 #else
   __trap();  // the host launches this kernel on sm_90+ only
@@ -301,29 +315,32 @@ int gemv_tma_smem_extra(int M, int xstride, int maxnch, int maxgrp) {
          align16(maxnch * 4);
 }
 
-int gemv_tma_launch(const GemvParams& p, int blocks, int smem, cudaStream_t stream) {
-  static int smem_set[kMaxDevices] = {};  // the function attribute is per device
+namespace {
+template <int MT>
+int launch_mt(const GemvParams& p, int blocks, int smem, cudaStream_t stream) {
+  static int smem_set[kMaxDevices] = {};  // function attributes are per kernel and per device
+  static bool non_portable_set[kMaxDevices] = {};
   int dev = 0;
   if (cudaGetDevice(&dev) != cudaSuccess || dev < 0 || dev >= kMaxDevices) {
     (void)cudaGetLastError();
     dev = 0;
   }
+  auto kernel = gemv_tma_kernel<MT>;
   if (smem > smem_set[dev]) {
-    cudaError_t err = cudaFuncSetAttribute(gemv_tma_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
+    cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
     if (err != cudaSuccess)
       return exl2::set_error((int)err, "exl2_gemv (TMA): %d bytes of shared memory: %s", smem, cudaGetErrorString(err));
     if (smem_set[dev] == 0 &&
-        cudaFuncSetAttribute(gemv_tma_kernel, cudaFuncAttributePreferredSharedMemoryCarveout, 100) != cudaSuccess)
+        cudaFuncSetAttribute(kernel, cudaFuncAttributePreferredSharedMemoryCarveout, 100) != cudaSuccess)
       (void)cudaGetLastError();  // a hint only
     smem_set[dev] = smem;
   }
   if (!p.cluster) {
-    exl2::launch_kernel(gemv_tma_kernel, blocks, kTmaThreads, smem, stream, p);
+    exl2::launch_kernel(kernel, blocks, kTmaThreads, smem, stream, p);
     return exl2::check_launch("exl2_gemv (TMA)");
   }
-  static bool non_portable_set[kMaxDevices] = {};
   if (p.cluster > 8 && !non_portable_set[dev]) {
-    cudaError_t err = cudaFuncSetAttribute(gemv_tma_kernel, cudaFuncAttributeNonPortableClusterSizeAllowed, 1);
+    cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeNonPortableClusterSizeAllowed, 1);
     if (err != cudaSuccess)
       return exl2::set_error((int)err, "exl2_gemv (TMA): cluster of %d: %s", p.cluster, cudaGetErrorString(err));
     non_portable_set[dev] = true;
@@ -342,8 +359,17 @@ int gemv_tma_launch(const GemvParams& p, int blocks, int smem, cudaStream_t stre
   attr[1].val.programmaticStreamSerializationAllowed = 1;
   cfg.attrs = attr;
   cfg.numAttrs = exl2::pdl_enabled() ? 2 : 1;
-  cudaLaunchKernelEx(&cfg, gemv_tma_kernel, p);
+  cudaLaunchKernelEx(&cfg, kernel, p);
   return exl2::check_launch("exl2_gemv (TMA, cluster)");
+}
+}  // namespace
+
+int gemv_tma_launch(const GemvParams& p, int blocks, int smem, cudaStream_t stream) {
+  switch ((p.M + 7) / 8) {
+    case 1: return launch_mt<1>(p, blocks, smem, stream);
+    case 2: return launch_mt<2>(p, blocks, smem, stream);
+    default: return launch_mt<4>(p, blocks, smem, stream);  // M = 17..32
+  }
 }
 
 }  // namespace exl2q

@@ -56,6 +56,18 @@ GEMV_MINB = int(os.environ.get("EXL2_BACKEND_GEMV_MINB", "0"))
 # Blocks per SM the GEMV's split-K factor aims at (one wave of the planned resident blocks); the TMA kernel's
 # default. Below 1 (e.g. 0.4) plans fewer, longer blocks: no split-K reduction where the columns fill the GPU.
 GEMV_BLOCKS_PER_SM = float(os.environ.get("EXL2_BACKEND_GEMV_BLOCKS_PER_SM", "2"))
+_CAPABILITY: dict[int, tuple[int, int]] = {}
+
+
+def gemv_row_cap(device: torch.device) -> int:
+    """Rows the small-M GEMV takes on `device`: 32 with the TMA kernel (sm_90+, GEMV_MINB 0 or 1: one decode feeds
+    up to four token tiles), else 8. Routing still stops at GEMV_MAX_M (default 8) until M > 8 is measured."""
+    if GEMV_MINB > 1 or device.type != "cuda":
+        return 8
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    if index not in _CAPABILITY:
+        _CAPABILITY[index] = torch.cuda.get_device_capability(index)
+    return 32 if _CAPABILITY[index][0] >= 9 else 8
 _GEMV_COLS = 256
 
 
@@ -360,14 +372,15 @@ class _Launch:
     def reserve(self, max_m: int) -> None:
         ws = workspace(self.device)
         need = [self.plan(m).ws_numel for m in range(1, max_m + 1)]
-        need += [self.gemv_plan(m).ws_numel for m in range(1, min(8, max_m) + 1)]
+        need += [self.gemv_plan(m).ws_numel for m in range(1, min(gemv_row_cap(self.device), max_m) + 1)]
         ws.reserve(max(need))
 
     def gemm(self, x: torch.Tensor, ws: torch.Tensor, counters: torch.Tensor, kernel: str = "auto") -> torch.Tensor:
         m = x.shape[0]
-        if kernel == "gemv" or (kernel == "auto" and m <= min(GEMV_MAX_M, 8)):
-            if m > 8:
-                raise TensorShapeError(f"the GEMV kernel takes 1..8 rows, got {m}", tensor="x")
+        cap = gemv_row_cap(self.device)
+        if kernel == "gemv" or (kernel == "auto" and m <= min(GEMV_MAX_M, cap)):
+            if m > cap:
+                raise TensorShapeError(f"the GEMV kernel takes 1..{cap} rows here, got {m}", tensor="x")
             return self._gemv(x, ws, counters)
         pl = self.plan(m)
         out = torch.empty(m, self.out_features, dtype=torch.float16, device=x.device)
@@ -443,7 +456,8 @@ def _(x, packed, handle, ws, counters):
 @torch.library.custom_op("exl2_backend::exl2_gemv_gated", mutates_args=("ws", "counters"))
 def _gemv_gated_op(gate_up: torch.Tensor, packed: torch.Tensor, handle: int, ws: torch.Tensor,
                    counters: torch.Tensor) -> torch.Tensor:
-    """gate_up [M <= 8, 2K] (gate | up) -> [M, N]: the GEMV of silu(gate) * up, silu_mul fused into its input."""
+    """gate_up [M, 2K] (gate | up) -> [M, N]: the GEMV of silu(gate) * up, silu_mul fused into its input (M up to
+    the device's GEMV row cap)."""
     launch = _REG[handle]
     k = launch.K
     if gate_up.dim() != 2 or gate_up.shape[1] != 2 * k or gate_up.stride(1) != 1:
@@ -451,8 +465,9 @@ def _gemv_gated_op(gate_up: torch.Tensor, packed: torch.Tensor, handle: int, ws:
                                tensor="gate_up")
     if gate_up.dtype != torch.float16 or gate_up.device != packed.device:
         raise TensorShapeError(f"gate_up must be float16 on {packed.device}", tensor="gate_up")
-    if not 1 <= gate_up.shape[0] <= 8:
-        raise TensorShapeError(f"the gated GEMV takes 1..8 rows, got {gate_up.shape[0]}", tensor="gate_up")
+    cap = gemv_row_cap(packed.device)
+    if not 1 <= gate_up.shape[0] <= cap:
+        raise TensorShapeError(f"the gated GEMV takes 1..{cap} rows here, got {gate_up.shape[0]}", tensor="gate_up")
     return launch._gemv(gate_up, ws, counters, gate_off=k)
 
 
@@ -514,8 +529,8 @@ class CudaLinearOp:
         the [M, K] intermediate fewer per layer); larger M runs silu_mul then the usual path."""
         m = gate_up.shape[0]
         k = self.in_features
-        if (1 <= m <= min(GEMV_MAX_M, FUSED_MAX_M, 8) and gate_up.shape[1] == 2 * k and gate_up.stride(-1) == 1
-                and gate_up.stride(0) == 2 * k):
+        if (1 <= m <= min(GEMV_MAX_M, FUSED_MAX_M, gemv_row_cap(self.device)) and gate_up.shape[1] == 2 * k
+                and gate_up.stride(-1) == 1 and gate_up.stride(0) == 2 * k):
             ws = self.workspace
             return torch.ops.exl2_backend.exl2_gemv_gated(gate_up, self.launch.parts[0].packed, self.launch.handle,
                                                           ws.ws, ws.counters)
@@ -524,7 +539,7 @@ class CudaLinearOp:
         return self(ops.silu_mul(gate_up[:, :k], gate_up[:, k:]))
 
     def fused_kernel(self, x: torch.Tensor, kernel: str) -> torch.Tensor:
-        """One fused kernel by name ("gemv": M <= 8, "mma": M <= 32), bypassing routing (benchmarks, tests)."""
+        """One fused kernel by name ("gemv": M <= gemv_row_cap, "mma": M <= 32), bypassing routing (benchmarks, tests)."""
         ws = self.workspace
         return self.launch.gemm(x, ws.ws, ws.counters, kernel=kernel)
 

@@ -374,13 +374,49 @@ def test_gemv_cluster_split_k_fused_parts(monkeypatch, sms):
 
 
 @pytest.mark.cuda
-def test_gemv_rejects_large_m():
+@pytest.mark.parametrize("bits", [2, 4, 5, 8])
+@pytest.mark.parametrize("m", [9, 12, 16, 17, 24, 32])
+def test_gemv_token_tiles_on_the_tma_kernel(monkeypatch, bits, m):
+    """The TMA kernel takes up to 32 rows (one decode feeding 2 or 4 token tiles): plain, gated (silu_mul in the
+    gather, bit-identical to silu_mul then the GEMV) and cluster split-K, against the reference."""
+    from exl2_backend import ops
     from exl2_backend.ops import cuda_quant
 
+    if cuda_quant.gemv_row_cap(torch.device("cuda")) < 32:
+        pytest.skip("the GEMV takes more than 8 rows with the TMA kernel only (sm_90+)")
+    monkeypatch.setattr(cuda_quant, "GEMV_MAX_M", 32)
+    monkeypatch.setattr(cuda_quant, "FUSED_MAX_M", 32)
+    qt = _to_cuda(make_qt([(8, 32)] + [(bits, 128)] * 6 + [(bits, 32)], 700, seed=bits * 5 + m, bias=bits == 4))
+    op = cuda_quant.prepare_linear([qt], "cuda")
+    k = qt.in_features
+    x = _x(m, k, seed=m)
+    ref, same = _ref(x, qt)
+    got = op.fused_kernel(x, "gemv")
+    assert_close_rel(got, ref, same, msg=f"gemv {bits}-bit M={m}")
+    assert torch.equal(op(x), got)  # routed to the GEMV too
+    gate_up = _x(m, 2 * k, seed=m + 100)
+    xs = ops.silu_mul(gate_up[:, :k], gate_up[:, k:]).contiguous()
+    assert torch.equal(op.gated(gate_up), op.fused_kernel(xs, "gemv"))
+    monkeypatch.setattr(cuda_quant, "GEMV_MINB", 1)
+    op.launch.sms = 12  # a split-K factor of 8 over the 3 column blocks: cluster reduction
+    op.launch._plans.clear()
+    op.launch.reserve(32)
+    assert_close_rel(op.fused_kernel(x, "gemv"), ref, same, msg=f"cluster gemv {bits}-bit M={m}")
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("minb", [0, 2])
+def test_gemv_rejects_large_m(monkeypatch, minb):
+    """More rows than the kernel takes (32 for the TMA kernel, 8 for register batches): a typed error."""
+    from exl2_backend.ops import cuda_quant
+
+    monkeypatch.setattr(cuda_quant, "GEMV_MINB", minb)
     qt = _to_cuda(make_qt([(4, 128)] * 2, 64, seed=1))
     op = cuda_quant.prepare_linear([qt], "cuda")
+    cap = cuda_quant.gemv_row_cap(torch.device("cuda"))
+    assert cap == (8 if minb == 2 else cap)
     with pytest.raises(TensorShapeError):
-        op.fused_kernel(_x(9, 256, 0), "gemv")
+        op.fused_kernel(_x(cap + 1, 256, 0), "gemv")
 
 
 # --- silu_mul fused into the GEMV input (the down projection), and programmatic dependent launch ------------

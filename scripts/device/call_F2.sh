@@ -1,0 +1,22 @@
+#!/usr/bin/env bash
+# Device call F2 (next session, after F1; carry .whl and .dev/libexl2_kernels.so.gz): the TMA GEMV for M = 9..32
+# (two or four token tiles per decode) against the mma kernel and dequantize + cuBLAS, and what it does to the
+# verify of k = 8..15 drafts (issue 7) and to batched decode.
+#  1. its kernel tests (token tiles, gated, cluster); 2. bench_gemm (M = 1..32 per shape, crossover);
+#  3. verify costs k = 1..8 with M <= 8 and M <= 16 routed to the GEMV.
+export EXL2_CARRIED_LIBRARY=1
+source scripts/device/common.sh
+R="$OUT/r"; mkdir -p "$R"
+t=$(date +%s)
+timeout 120 python3 -m pytest tests/kernels/test_exl2_gemm.py -q -m cuda -p no:cacheprovider --timeout 60 -rf \
+  -k "token_tiles or cluster or rejects" 2>&1 | tee "$R/tiles_tests.txt" | grep -E "FAILED|passed|failed|Error" | tail -4
+echo "tests $(( $(date +%s) - t )) s"; t=$(date +%s)
+timeout 200 python3 scripts/bench_gemm.py --quick > "$R/bench_gemm.txt" 2>&1; grep -A40 "^shape" "$R/bench_gemm.txt" | head -45
+echo "bench_gemm $(( $(date +%s) - t )) s"; t=$(date +%s)
+for mm in 8 16; do
+  EXL2_BACKEND_GEMV_MAX_M=$mm EXL2_BACKEND_FUSED_MAX_M=$mm timeout 70 python3 scripts/spec_bench.py --skip smollm2 \
+    --iters 30 --work-dir /tmp/spec_bench --out "$R/spec_costs_m$mm.json" 2> "$R/spec_costs_m$mm.log"
+  echo "GEMV up to M=$mm: $(grep 'step costs' "$R/spec_costs_m$mm.log" | tail -1)"
+done
+echo "spec $(( $(date +%s) - t )) s"
+tar -czf "$OUT/f2.tar.gz" -C "$OUT" r && rm -rf "$R"

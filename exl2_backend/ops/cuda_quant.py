@@ -372,7 +372,9 @@ class _Launch:
     def reserve(self, max_m: int) -> None:
         ws = workspace(self.device)
         need = [self.plan(m).ws_numel for m in range(1, max_m + 1)]
-        need += [self.gemv_plan(m).ws_numel for m in range(1, min(gemv_row_cap(self.device), max_m) + 1)]
+        # GEMV rows up to GEMV_MAX_M (at least 8) only: a 32-row plan of a 128k-column head would hold 115 MB
+        gemv_m = min(max(GEMV_MAX_M, 8), gemv_row_cap(self.device), max_m)
+        need += [self.gemv_plan(m).ws_numel for m in range(1, gemv_m + 1)]
         ws.reserve(max(need))
 
     def gemm(self, x: torch.Tensor, ws: torch.Tensor, counters: torch.Tensor, kernel: str = "auto") -> torch.Tensor:

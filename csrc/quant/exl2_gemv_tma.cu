@@ -218,8 +218,8 @@ __device__ __forceinline__ void tma_block(const GemvParams& p, const GvWork& wk,
   for (int i = tid; i < nch; i += kTmaComputeThreads) s_info[i] = __ldg(d.info + c0 + i);
   exl2::pdl_wait();
   compute_sync();
-  if (!(p.probe & kProbeNoGather)) {
-    if (p.gather_rows) gv_gather<16>(p, nch, xs, xm, kTmaComputeThreads);
+  if (!(p.probe & kProbeNoGather)) {  // M > 8: M loads per row slot, 16 or 32 in flight (M = 32: 6 or 3 rounds)
+    if (MT > 1 || p.gather_rows) gv_gather<MT >= 4 ? 32 : 16>(p, nch, xs, xm, kTmaComputeThreads);
     else gv_gather_items(p, nch, xs, xm, kTmaComputeThreads);
   }
   compute_sync();

@@ -1,6 +1,7 @@
-// Small-M GEMV (M = 1..8) shared parts: the launch parameters, the activation gather and the mma helpers used by
-// both GEMV kernels: the register-batch kernel in exl2_gemm.cu (sm_80..89, and a fallback) and the TMA-ring
-// kernel in exl2_gemv_tma.cu (sm_90+). Packed layout and decode: exl2_quant.cuh.
+// Small-M GEMV shared parts: the launch parameters, the block work split, the activation gathers, the decode into
+// mma A registers, the stores and the split-K ticket, used by both GEMV kernels: the register-batch kernel in
+// exl2_gemm.cu (M = 1..8; sm_80..89, and a fallback) and the TMA-ring kernel in exl2_gemv_tma.cu (sm_90+,
+// M = 1..32 with one decode feeding up to four token tiles). Packed layout and decode: exl2_quant.cuh.
 #pragma once
 
 #include <cuda_runtime.h>
@@ -30,7 +31,7 @@ struct GemvParams {
   int maxgrp;      // TMA kernel: most quantization groups any block touches (sizes its staged scales)
   int probe;       // TMA kernel, timing probes only (results are wrong): kProbe* bits, from EXL2_GEMV_PROBE
   int prefetch_bytes;  // TMA kernel: weight bytes per block past the ring's first fill prefetched into L2 early
-  int gather_rows;  // 1: gv_gather (row slots, up to 16 loads per round), 0: gv_gather_items (EXL2_GEMV_GATHER)
+  int gather_rows;  // M <= 8: 1 = gv_gather (row slots, up to 16 loads per round), 0 = gv_gather_items
   int cluster;  // TMA kernel: 0, or the split count C of every descriptor, reduced through distributed shared
                 // memory inside a cluster of C blocks instead of the global workspace and ticket
 };

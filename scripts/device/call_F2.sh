@@ -3,7 +3,8 @@
 # (two or four token tiles per decode) against the mma kernel and dequantize + cuBLAS, and what it does to the
 # verify of k = 8..15 drafts (issue 7) and to batched decode.
 #  1. its kernel tests (token tiles, gated, cluster); 2. bench_gemm (M = 1..32 per shape, crossover);
-#  3. verify costs k = 1..8 with M <= 8 and M <= 16 routed to the GEMV.
+#  3. verify costs k = 1..8 with M <= 8 and M <= 16 routed to the GEMV;
+#  4. prefix-cache time to first token (4096 shared + 32 new tokens) with M <= 8 and M <= 32 on the GEMV.
 export EXL2_CARRIED_LIBRARY=1
 source scripts/device/common.sh
 R="$OUT/r"; mkdir -p "$R"
@@ -18,5 +19,14 @@ for mm in 8 16; do
     --iters 30 --work-dir /tmp/spec_bench --out "$R/spec_costs_m$mm.json" 2> "$R/spec_costs_m$mm.log"
   echo "GEMV up to M=$mm: $(grep 'step costs' "$R/spec_costs_m$mm.log" | tail -1)"
 done
-echo "spec $(( $(date +%s) - t )) s"
+echo "spec $(( $(date +%s) - t )) s"; t=$(date +%s)
+# issue 6: time to first token of 4096 shared + 32 new tokens, second request, with the 32-row suffix on the GEMV
+[ -f /tmp/models/llama3-8b/config.json ] || python3 -c "from exl2_backend.format.random_model import \
+write_random_exl2_model as w; w('/tmp/models/llama3-8b', 'llama3-8b', bpw=4.0)"
+for mm in 8 32; do
+  EXL2_BACKEND_GEMV_MAX_M=$mm EXL2_BACKEND_FUSED_MAX_M=$mm timeout 90 python3 scripts/prefix_prefill.py \
+    /tmp/models/llama3-8b --long 0 --json "$R/prefix_m$mm.json" > "$R/prefix_m$mm.txt" 2>&1
+  echo "GEMV up to M=$mm: $(tail -2 "$R/prefix_m$mm.txt" | tr '\n' ' ')"
+done
+echo "prefix $(( $(date +%s) - t )) s"
 tar -czf "$OUT/f2.tar.gz" -C "$OUT" r && rm -rf "$R"

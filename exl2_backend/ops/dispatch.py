@@ -88,7 +88,8 @@ def rope_kv_write(q, k, v, positions, inv_freq, k_cache, v_cache, slots):
 
 
 # Above this many queries per sequence a step is a prefill chunk: tensor-core SDPA beats the decode kernel.
-DECODE_KERNEL_MAX_QUERIES = 16
+# EXL2_BACKEND_DECODE_ATTN_MAX_Q (1..64) moves the line for measurements (a 32-token suffix over a cached prefix).
+DECODE_KERNEL_MAX_QUERIES = min(max(int(os.environ.get("EXL2_BACKEND_DECODE_ATTN_MAX_Q", "16")), 1), 64)
 
 
 def paged_attention(q, k_cache, v_cache, block_tables, context_lens, scale):

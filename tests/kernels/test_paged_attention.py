@@ -106,9 +106,11 @@ def test_forced_splits(num_splits):
     check(lens, 3, 9, 3, 64, page=16, num_splits=num_splits)
 
 
-@pytest.mark.parametrize("tq,hq,hkv", [(16, 32, 8), (16, 9, 3), (2, 64, 8), (1, 8, 8), (3, 16, 8), (7, 32, 8)])
+@pytest.mark.parametrize("tq,hq,hkv", [(16, 32, 8), (16, 9, 3), (2, 64, 8), (1, 8, 8), (3, 16, 8), (7, 32, 8),
+                                       (32, 32, 8)])
 def test_row_tiles(tq, hq, hkv):
-    """G * Tq query rows per kv head from 1 to 64: every row-tile size, several tiles per head."""
+    """G * Tq query rows per kv head from 1 to 128: every row-tile size, several tiles per head (Tq = 32: a short
+    suffix over a cached prefix, EXL2_BACKEND_DECODE_ATTN_MAX_Q=32)."""
     check([40, 700, 2500], tq, hq, hkv, 128, page=64)
     check([33], tq, hq, hkv, 64, page=16, seed=2)
 

@@ -4,7 +4,7 @@
 # per launch goes, and two knobs that might shrink it:
 #  1. kernel tests, batch invariance, and the plan-vs-allocator test alone (it now prints where the bytes went);
 #  2. timing probes (EXL2_GEMV_PROBE: 1 no gather, 2 no split-K reduction, 4 no decode/mma; results wrong) per
-#     shape at M = 1 and 5;
+#     shape at M = 1;
 #  3. split-K factor (EXL2_BACKEND_GEMV_BLOCKS_PER_SM 0.5 .. 3, with a 64 KB ring where blocks are few);
 #  4. cluster split-K (EXL2_BACKEND_GEMV_MINB=1) per shape, and the 8B decode step with/without it;
 #  5. L2 prefetch past the ring before the PDL wait (EXL2_GEMV_PREFETCH_KB 0 / 64 / 128): 8B decode step times;

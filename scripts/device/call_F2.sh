@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Device call F2 (next session, after F1; carry .whl and .dev/libexl2_kernels.so.gz): the TMA GEMV for M = 9..32
 # (two or four token tiles per decode) against the mma kernel and dequantize + cuBLAS, and what it does to the
-# verify of k = 8..15 drafts (issue 7) and to batched decode.
+# k = 8 verify (issue 7) and to a 32-token prefill over a cached prefix (issue 6).
 #  1. its kernel tests (token tiles, gated, cluster); 2. bench_gemm (M = 1..32 per shape, crossover);
 #  3. verify costs k = 1..8 with M <= 8 and M <= 16 routed to the GEMV;
 #  4. prefix-cache time to first token (4096 shared + 32 new tokens) with the 32-token suffix's linears on the GEMV

@@ -56,67 +56,27 @@ __device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_gr
 
 constexpr int kGatherBatch = 4;  // activation gather items in flight per thread (registers vs. latency)
 
-template <int MT>
-struct Acc {
-  float acc[2][MT][4];  // [n-tile][token tile][c0..c3]: running total
-  float cg[2][MT][4];   // current group's unscaled sum
-};
-
-// acc += scale * cg for the current group; cg = 0. sc: the lane's fp16 scales {(a0, b0), (a1, b1)} for
-// columns 16nt + gid (a) and 16nt + gid + 8 (b).
-template <int MT>
-__device__ __forceinline__ void flush(Acc<MT>& a, uint2 sc) {
-  const float2 s0 = h2_to_f2(sc.x), s1 = h2_to_f2(sc.y);
-#pragma unroll
-  for (int nt = 0; nt < 2; ++nt) {
-    const float sa = nt ? s1.x : s0.x, sb = nt ? s1.y : s0.y;
-#pragma unroll
-    for (int mt = 0; mt < MT; ++mt) {
-      a.acc[nt][mt][0] += sa * a.cg[nt][mt][0];
-      a.acc[nt][mt][1] += sa * a.cg[nt][mt][1];
-      a.acc[nt][mt][2] += sb * a.cg[nt][mt][2];
-      a.acc[nt][mt][3] += sb * a.cg[nt][mt][3];
-#pragma unroll
-      for (int e = 0; e < 4; ++e) a.cg[nt][mt][e] = 0.f;
-    }
-  }
-}
-
-template <int B, int MT, int S>
-__device__ __forceinline__ void kstep(const uint32_t (&w)[2][B], const uint32_t (&xb)[MT][4], Acc<MT>& a) {
-#pragma unroll
-  for (int nt = 0; nt < 2; ++nt) {
-    uint32_t a0 = pair_qz<B, 4 * S + 0>(w[nt]);
-    uint32_t a1 = pair_qz<B, 4 * S + 1>(w[nt]);
-    uint32_t a2 = pair_qz<B, 4 * S + 2>(w[nt]);
-    uint32_t a3 = pair_qz<B, 4 * S + 3>(w[nt]);
-#pragma unroll
-    for (int mt = 0; mt < MT; ++mt)
-      mma16816(a.cg[nt][mt], a0, a1, a2, a3, xb[mt][2 * (S & 1)], xb[mt][2 * (S & 1) + 1]);
-  }
-}
-
 // One 32-row unit U of a chunk: B operands (8 activations per lane and token tile), two k-steps, group end.
 template <int B, int MT, int U>
 __device__ __forceinline__ void unit(const uint32_t (&w)[2][B], const __half* xchunk, const int (&xoff)[MT], int info,
-                                     int& gl, const uint2* s_sc, Acc<MT>& a) {
+                                     int& gl, const uint2* s_sc, TileAcc<MT>& a) {
   uint32_t xb[MT][4];
 #pragma unroll
   for (int mt = 0; mt < MT; ++mt) {
     uint4 v = *reinterpret_cast<const uint4*>(xchunk + xoff[mt] + 32 * U);
     xb[mt][0] = v.x; xb[mt][1] = v.y; xb[mt][2] = v.z; xb[mt][3] = v.w;
   }
-  kstep<B, MT, 2 * U>(w, xb, a);
-  kstep<B, MT, 2 * U + 1>(w, xb, a);
+  tile_kstep<B, MT, 2 * U>(w, xb, a);
+  tile_kstep<B, MT, 2 * U + 1>(w, xb, a);
   if ((info >> (30 + U)) & 1) {
-    flush(a, s_sc[gl * (kBlockWarps * 8)]);
+    tile_flush(a, s_sc[gl * (kBlockWarps * 8)]);
     ++gl;
   }
 }
 
 template <int B, int MT>
 __device__ __forceinline__ void chunk(const uint32_t* slot, int lane, const __half* xchunk, const int (&xoff)[MT],
-                                      int info, int& gl, const uint2* s_sc, Acc<MT>& a) {
+                                      int info, int& gl, const uint2* s_sc, TileAcc<MT>& a) {
   uint32_t w[2][B];
   load_lane_words<B>(slot, lane, w);
   unit<B, MT, 0>(w, xchunk, xoff, info, gl, s_sc, a);
@@ -223,13 +183,8 @@ __global__ void __launch_bounds__(128, MT <= 2 ? 4 : 3) gemm_kernel(const __grid
     }
   }
 
-  Acc<MT> a;
-#pragma unroll
-  for (int nt = 0; nt < 2; ++nt)
-#pragma unroll
-    for (int mt = 0; mt < MT; ++mt)
-#pragma unroll
-      for (int e = 0; e < 4; ++e) a.acc[nt][mt][e] = a.cg[nt][mt][e] = 0.f;
+  TileAcc<MT> a;
+  tile_zero(a);
   int xoff[MT];
 #pragma unroll
   for (int mt = 0; mt < MT; ++mt) xoff[mt] = min(mt * 8 + gid, M - 1) * p.xstride + 8 * t4;  // tokens >= M: discarded
@@ -307,49 +262,18 @@ __global__ void __launch_bounds__(128, MT <= 2 ? 4 : 3) gemm_kernel(const __grid
     __syncthreads();  // the next window overwrites xs
   }
   // A group that continues past this split is scaled here (its partial is linear in the scale).
-  if (active && nch > 0 && !((s_info[nch - 1] >> 31) & 1)) flush(a, s_sc_lane[gl * (kBlockWarps * 8)]);
+  if (active && nch > 0 && !((s_info[nch - 1] >> 31) & 1)) tile_flush(a, s_sc_lane[gl * (kBlockWarps * 8)]);
 
-  // Accumulator element e of (nt, mt): column n0 + 16nt + gid + 8*(e>=2), token 8mt + 2*t4 + (e&1).
   if (d.ksplit == 1) {
-    if (active) {
-#pragma unroll
-      for (int nt = 0; nt < 2; ++nt)
-#pragma unroll
-        for (int mt = 0; mt < MT; ++mt)
-#pragma unroll
-          for (int e = 0; e < 4; ++e) {
-            const int n = n0 + 16 * nt + gid + 8 * (e >> 1), m = 8 * mt + 2 * t4 + (e & 1);
-            if (m < M && n < d.N) {
-              float v = a.acc[nt][mt][e];
-              if (d.bias) v += __half2float(d.bias[n]);
-              d.out[(size_t)m * d.ldo + n] = __float2half_rn(v);
-            }
-          }
-    }
+    if (active) gv_store<MT>(d, a, n0, M, split, false);
     return;
   }
-  if (active) {
-    float* ws = d.ws + (size_t)split * M * d.Np;
-#pragma unroll
-    for (int nt = 0; nt < 2; ++nt)
-#pragma unroll
-      for (int mt = 0; mt < MT; ++mt)
-#pragma unroll
-        for (int e = 0; e < 4; ++e) {
-          const int n = n0 + 16 * nt + gid + 8 * (e >> 1), m = 8 * mt + 2 * t4 + (e & 1);
-          if (m < M) ws[(size_t)m * d.Np + n] = a.acc[nt][mt][e];
-        }
-  }
+  if (active) gv_store<MT>(d, a, n0, M, split, true);
   // Ticket: the block's partials are released by one gpu-scope acq_rel atomic after the barrier (cumulative
   // over the other threads' stores); the last block acquires them the same way.
   __syncthreads();
   __shared__ int s_last;
-  if (tid == 0) {
-    int prev;
-    asm volatile("atom.acq_rel.gpu.global.add.s32 %0, [%1], %2;"
-                 : "=r"(prev) : "l"(d.counters + colblk), "r"(1) : "memory");
-    s_last = prev == d.ksplit - 1;
-  }
+  if (tid == 0) s_last = gv_ticket(d, colblk, d.ksplit);
   __syncthreads();
   if (!s_last) return;
   const int ncols = min(kBlockCols, d.N - nblk0);
@@ -631,10 +555,10 @@ __device__ __forceinline__ void gv_block(const GemvParams& p, const QDesc& d, in
   if (!((__ldg(d.info + c1 - 1) >> 31) & 1)) gv_flush(s);
 
   if (ksplit == 1) {
-    if (active) gv_store(d, s, jw * kWarpCols, M, gsplit, false);
+    if (active) gv_store<1>(d, s, jw * kWarpCols, M, gsplit, false);
     return;
   }
-  if (active) gv_store(d, s, jw * kWarpCols, M, gsplit, true);
+  if (active) gv_store<1>(d, s, jw * kWarpCols, M, gsplit, true);
   __syncthreads();
   __shared__ int s_last;
   if (tid == 0) s_last = gv_ticket(d, colblk, ksplit);

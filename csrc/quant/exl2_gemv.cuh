@@ -75,6 +75,71 @@ __device__ __forceinline__ float2 h2_to_f2(uint32_t u) {
   return __half22float2(h);
 }
 
+// ---- MT token tiles of 8 (the mma kernel and the TMA GEMV for M > 8): one decoded A fragment feeds MT mmas ----
+template <int MT>
+struct TileAcc {
+  float acc[2][MT][4];  // [n-tile][token tile][c0..c3]: running total
+  float cg[2][MT][4];   // current group's unscaled sum
+};
+
+template <int MT>
+__device__ __forceinline__ void tile_zero(TileAcc<MT>& a) {
+#pragma unroll
+  for (int nt = 0; nt < 2; ++nt)
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) a.acc[nt][mt][e] = a.cg[nt][mt][e] = 0.f;
+}
+
+// acc += scale * cg for the current group; cg = 0. sc: the lane's fp16 scales {(a0, b0), (a1, b1)} for
+// columns 16nt + gid (a) and 16nt + gid + 8 (b).
+template <int MT>
+__device__ __forceinline__ void tile_flush(TileAcc<MT>& a, uint2 sc) {
+  const float2 s0 = h2_to_f2(sc.x), s1 = h2_to_f2(sc.y);
+#pragma unroll
+  for (int nt = 0; nt < 2; ++nt) {
+    const float sa = nt ? s1.x : s0.x, sb = nt ? s1.y : s0.y;
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt) {
+      a.acc[nt][mt][0] += sa * a.cg[nt][mt][0];
+      a.acc[nt][mt][1] += sa * a.cg[nt][mt][1];
+      a.acc[nt][mt][2] += sb * a.cg[nt][mt][2];
+      a.acc[nt][mt][3] += sb * a.cg[nt][mt][3];
+#pragma unroll
+      for (int e = 0; e < 4; ++e) a.cg[nt][mt][e] = 0.f;
+    }
+  }
+}
+
+// k-step S of a 32-row unit: decode the lane's 4 pairs of each n-tile once, one mma per token tile.
+template <int B, int MT, int S>
+__device__ __forceinline__ void tile_kstep(const uint32_t (&w)[2][B], const uint32_t (&xb)[MT][4], TileAcc<MT>& a) {
+#pragma unroll
+  for (int nt = 0; nt < 2; ++nt) {
+    const uint32_t a0 = pair_qz<B, 4 * S + 0>(w[nt]);
+    const uint32_t a1 = pair_qz<B, 4 * S + 1>(w[nt]);
+    const uint32_t a2 = pair_qz<B, 4 * S + 2>(w[nt]);
+    const uint32_t a3 = pair_qz<B, 4 * S + 3>(w[nt]);
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt)
+      mma16816(a.cg[nt][mt], a0, a1, a2, a3, xb[mt][2 * (S & 1)], xb[mt][2 * (S & 1) + 1]);
+  }
+}
+
+// Every accumulator element of a lane's warp tile: f(nt, mt, e, c, m) with c = 16nt + gid + 8*(e>=2) the column
+// within the 32-column tile and m = 8mt + 2*t4 + (e&1) the token (the mma C fragment layout).
+template <int MT, typename F>
+__device__ __forceinline__ void for_each_acc(F&& f) {
+  const int lane = threadIdx.x & 31, gid = lane >> 2, t4 = lane & 3;
+#pragma unroll
+  for (int nt = 0; nt < 2; ++nt)
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) f(nt, mt, e, 16 * nt + gid + 8 * (e >> 1), 8 * mt + 2 * t4 + (e & 1));
+}
+
 // Per-lane accumulators of one warp tile (M <= 8: tokens are the mma N dimension, one token tile).
 struct GvState {
   float acc[2][4];  // [n-tile][c0..c3]: running total
@@ -140,78 +205,18 @@ __device__ __forceinline__ void gv_chunk(const uint32_t (&w)[2][B], int info, co
   gv_unit<B, 1, kSmem>(w, info, xl, s, scl_lane, scl_gstride, G);
 }
 
-// Accumulator element e of n-tile nt: column n0 + 16nt + gid + 8*(e>=2), token 2*t4 + (e&1). Writes the warp
-// tile's result (ksplit == 1) or its split partial into the fp32 workspace.
-__device__ __forceinline__ void gv_store(const QDesc& d, const GvState& s, int n0, int M, int gsplit, bool partial) {
-  const int lane = threadIdx.x & 31, gid = lane >> 2, t4 = lane & 3;
-  float* ws = partial ? d.ws + (size_t)gsplit * M * d.Np : nullptr;
-#pragma unroll
-  for (int nt = 0; nt < 2; ++nt)
-#pragma unroll
-    for (int e = 0; e < 4; ++e) {
-      const int n = n0 + 16 * nt + gid + 8 * (e >> 1), m = 2 * t4 + (e & 1);
-      if (m >= M) continue;
-      if (partial) {
-        ws[(size_t)m * d.Np + n] = s.acc[nt][e];
-      } else if (n < d.N) {
-        float v = s.acc[nt][e];
-        if (d.bias) v += __half2float(d.bias[n]);
-        d.out[(size_t)m * d.ldo + n] = __float2half_rn(v);
-      }
-    }
-}
-
-// ---- several token tiles (M = 9..32, the TMA kernel only): the same decode feeds MT mmas per A fragment ----
+// ---- several token tiles in the TMA GEMV (M = 9..32): a TileAcc plus the group state ----
 template <int MT>
 struct GvStateMT {
-  float acc[2][MT][4];  // [n-tile][token tile][c0..c3]
-  float cg[2][MT][4];
-  uint2 sc;
-  int g;
+  TileAcc<MT> a;
+  uint2 sc;  // fp16 scales of the current group (lane layout)
+  int g;     // current group
 };
 
 template <int MT>
-__device__ __forceinline__ void gv_zero(GvStateMT<MT>& s) {
-#pragma unroll
-  for (int nt = 0; nt < 2; ++nt)
-#pragma unroll
-    for (int mt = 0; mt < MT; ++mt)
-#pragma unroll
-      for (int e = 0; e < 4; ++e) s.acc[nt][mt][e] = s.cg[nt][mt][e] = 0.f;
-}
-
+__device__ __forceinline__ void gv_zero(GvStateMT<MT>& s) { tile_zero(s.a); }
 template <int MT>
-__device__ __forceinline__ void gv_flush(GvStateMT<MT>& s) {
-  const float2 s0 = h2_to_f2(s.sc.x), s1 = h2_to_f2(s.sc.y);
-#pragma unroll
-  for (int nt = 0; nt < 2; ++nt) {
-    const float sa = nt ? s1.x : s0.x, sb = nt ? s1.y : s0.y;
-#pragma unroll
-    for (int mt = 0; mt < MT; ++mt) {
-      s.acc[nt][mt][0] += sa * s.cg[nt][mt][0];
-      s.acc[nt][mt][1] += sa * s.cg[nt][mt][1];
-      s.acc[nt][mt][2] += sb * s.cg[nt][mt][2];
-      s.acc[nt][mt][3] += sb * s.cg[nt][mt][3];
-#pragma unroll
-      for (int e = 0; e < 4; ++e) s.cg[nt][mt][e] = 0.f;
-    }
-  }
-}
-
-template <int B, int S, int MT>
-__device__ __forceinline__ void gv_kstep_mt(const uint32_t (&w)[2][B], const uint32_t (&xb)[MT][4],
-                                            GvStateMT<MT>& s) {
-#pragma unroll
-  for (int nt = 0; nt < 2; ++nt) {
-    const uint32_t a0 = pair_qz<B, 4 * S + 0>(w[nt]);
-    const uint32_t a1 = pair_qz<B, 4 * S + 1>(w[nt]);
-    const uint32_t a2 = pair_qz<B, 4 * S + 2>(w[nt]);
-    const uint32_t a3 = pair_qz<B, 4 * S + 3>(w[nt]);
-#pragma unroll
-    for (int mt = 0; mt < MT; ++mt)
-      mma16816(s.cg[nt][mt], a0, a1, a2, a3, xb[mt][2 * (S & 1)], xb[mt][2 * (S & 1) + 1]);
-  }
-}
+__device__ __forceinline__ void gv_flush(GvStateMT<MT>& s) { tile_flush(s.a, s.sc); }
 
 // One 32-row unit: B operands of every token tile (one 16-byte shared load each), two k-steps, group end.
 // xl[mt]: the lane's activations of token tile mt (tokens >= M point at row M - 1: computed, discarded); row:
@@ -226,8 +231,8 @@ __device__ __forceinline__ void gv_unit_mt(const uint32_t (&w)[2][B], int info, 
     const uint4 v = *reinterpret_cast<const uint4*>(xl[mt] + row + 32 * U);
     xb[mt][0] = v.x; xb[mt][1] = v.y; xb[mt][2] = v.z; xb[mt][3] = v.w;
   }
-  gv_kstep_mt<B, 2 * U, MT>(w, xb, s);
-  gv_kstep_mt<B, 2 * U + 1, MT>(w, xb, s);
+  tile_kstep<B, MT, 2 * U>(w, xb, s.a);
+  tile_kstep<B, MT, 2 * U + 1>(w, xb, s.a);
   if ((info >> (30 + U)) & 1) {
     gv_flush(s);
     ++s.g;
@@ -243,34 +248,30 @@ __device__ __forceinline__ void gv_chunk_mt(const uint32_t (&w)[2][B], int info,
   gv_unit_mt<B, 1, MT>(w, info, xl, row, s, scl_lane, scl_gstride, G);
 }
 
-// Element e of (nt, mt): column n0 + 16nt + gid + 8*(e>=2), token 8mt + 2*t4 + (e&1); as gv_store.
-template <int MT>
-__device__ __forceinline__ void gv_store(const QDesc& d, const GvStateMT<MT>& s, int n0, int M, int gsplit,
-                                         bool partial) {
-  const int lane = threadIdx.x & 31, gid = lane >> 2, t4 = lane & 3;
-  float* ws = partial ? d.ws + (size_t)gsplit * M * d.Np : nullptr;
-#pragma unroll
-  for (int nt = 0; nt < 2; ++nt)
-#pragma unroll
-    for (int mt = 0; mt < MT; ++mt)
-#pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        const int n = n0 + 16 * nt + gid + 8 * (e >> 1), m = 8 * mt + 2 * t4 + (e & 1);
-        if (m >= M) continue;
-        if (partial) {
-          ws[(size_t)m * d.Np + n] = s.acc[nt][mt][e];
-        } else if (n < d.N) {
-          float v = s.acc[nt][mt][e];
-          if (d.bias) v += __half2float(d.bias[n]);
-          d.out[(size_t)m * d.ldo + n] = __float2half_rn(v);
-        }
-      }
-}
-
-// The accumulator of element (nt, mt, e) and its token, for code shared between the state types.
+// The accumulator of element (nt, mt, e), for code shared between the single-tile state, the MT-tile state
+// and the mma kernel's bare TileAcc.
 __device__ __forceinline__ float gv_acc(const GvState& s, int nt, int, int e) { return s.acc[nt][e]; }
 template <int MT>
-__device__ __forceinline__ float gv_acc(const GvStateMT<MT>& s, int nt, int mt, int e) { return s.acc[nt][mt][e]; }
+__device__ __forceinline__ float gv_acc(const GvStateMT<MT>& s, int nt, int mt, int e) { return s.a.acc[nt][mt][e]; }
+template <int MT>
+__device__ __forceinline__ float gv_acc(const TileAcc<MT>& a, int nt, int mt, int e) { return a.acc[nt][mt][e]; }
+
+// Writes the warp tile's result (ksplit == 1: + bias, fp16, columns < N) or its split partial into the fp32
+// workspace. MT: the state's token tiles (1 for GvState). Used by all three small-M kernels.
+template <int MT, typename State>
+__device__ __forceinline__ void gv_store(const QDesc& d, const State& s, int n0, int M, int gsplit, bool partial) {
+  float* ws = partial ? d.ws + (size_t)gsplit * M * d.Np : nullptr;
+  for_each_acc<MT>([&](int nt, int mt, int e, int c, int m) {
+    const int n = n0 + c;
+    if (m < M && partial) {
+      ws[(size_t)m * d.Np + n] = gv_acc(s, nt, mt, e);
+    } else if (m < M && n < d.N) {
+      float v = gv_acc(s, nt, mt, e);
+      if (d.bias) v += __half2float(d.bias[n]);
+      d.out[(size_t)m * d.ldo + n] = __float2half_rn(v);
+    }
+  });
+}
 
 // The split-K ticket: one gpu-scope acq_rel atomic by thread 0 after the caller's barrier releases every
 // thread's partials (cumulativity); true for the last block of the column block, which then reduces.

@@ -89,19 +89,12 @@ __device__ __forceinline__ float ld_cluster(uint32_t local_addr, uint32_t rank) 
 template <int MT, typename State>
 __device__ __forceinline__ void cluster_reduce(const QDesc& d, const GvWork& wk, const State& st, bool active,
                                                bool compute, int n0, int M, float* part) {
-  const int tid = threadIdx.x, lane = tid & 31, gid = lane >> 2, t4 = lane & 3;
+  const int tid = threadIdx.x;
   const int nblk0 = wk.colblk * kGvCols, C = wk.ksplit;
-  if (compute && active) {
-#pragma unroll
-    for (int nt = 0; nt < 2; ++nt)
-#pragma unroll
-      for (int mt = 0; mt < MT; ++mt)
-#pragma unroll
-        for (int e = 0; e < 4; ++e) {
-          const int c = n0 - nblk0 + 16 * nt + gid + 8 * (e >> 1), m = 8 * mt + 2 * t4 + (e & 1);
-          if (m < M) part[m * kGvCols + c] = gv_acc(st, nt, mt, e);
-        }
-  }
+  if (compute && active)
+    for_each_acc<MT>([&](int nt, int mt, int e, int c, int m) {
+      if (m < M) part[m * kGvCols + n0 - nblk0 + c] = gv_acc(st, nt, mt, e);
+    });
   __syncwarp();
   cluster_sync();
   if (compute) {
@@ -267,14 +260,14 @@ __device__ __forceinline__ void tma_block(const GemvParams& p, const GvWork& wk,
 
   const int n0 = (j0 + warp) * kWarpCols;
   if (wk.ksplit == 1) {
-    if (active) gv_store(d, st, n0, M, wk.gsplit, false);
+    if (active) gv_store<MT>(d, st, n0, M, wk.gsplit, false);
     return;
   }
   if (p.cluster) {  // the ring is drained: every copy into it was waited for and read
     cluster_reduce<MT>(d, wk, st, active, true, n0, M, reinterpret_cast<float*>(ring));
     return;
   }
-  if (active) gv_store(d, st, n0, M, wk.gsplit, true);
+  if (active) gv_store<MT>(d, st, n0, M, wk.gsplit, true);
   if (p.probe & kProbeNoReduce) return;
   __shared__ int s_last;
   compute_sync();

@@ -6,7 +6,7 @@
 # Everything lands in one archive ($OUT takes at most 8 files).
 export EXL2_CARRIED_LIBRARY=1
 source scripts/device/common.sh
-R="$OUT/r"; mkdir -p "$R"
+results_dir
 t=$(date +%s)
 timeout 120 python3 -m pytest tests/kernels/test_exl2_gemm.py -q -m cuda -p no:cacheprovider --timeout 60 -x -rf 2>&1 \
   | tee "$R/gemm_tests.txt" | grep -E "FAILED|passed|failed|Error" | tail -6
@@ -39,4 +39,4 @@ echo "spec $(( $(date +%s) - t )) s"; t=$(date +%s)
 timeout 150 python3 -m pytest $CUDA_TESTS_NO_SMOLLM2 -q -m cuda -p no:cacheprovider --timeout 100 -rf 2>&1 \
   | tee "$R/cuda_tests.txt" | grep -E "FAILED|passed|failed|Error" | tail -8
 echo "tests $(( $(date +%s) - t )) s"
-tar -czf "$OUT/e2.tar.gz" -C "$OUT" r && rm -rf "$R"
+pack_results e2

@@ -5,7 +5,7 @@
 #  verify costs; 5. the multi-GPU allocator test alone, then the other no-SmolLM2 GPU tests. One archive back.
 export EXL2_CARRIED_LIBRARY=1
 source scripts/device/common.sh
-R="$OUT/r"; mkdir -p "$R"
+results_dir
 t=$(date +%s)
 timeout 100 python3 -m pytest tests/kernels/test_exl2_gemm.py -q -m cuda -p no:cacheprovider --timeout 60 -rf 2>&1 \
   | tee "$R/gemm_tests.txt" | grep -E "FAILED|passed|failed|Error" | tail -6
@@ -40,4 +40,4 @@ timeout 60 python3 -m pytest tests/multigpu/test_multigpu_cuda.py -q -m cuda -p 
 timeout 130 python3 -m pytest $CUDA_TESTS_NO_SMOLLM2 -q -m cuda -p no:cacheprovider --timeout 100 -rf \
   --deselect tests/kernels/test_exl2_gemm.py 2>&1 | tee "$R/cuda_tests.txt" | grep -E "FAILED|passed|failed|Error" | tail -6
 echo "tests $(( $(date +%s) - t )) s"
-tar -czf "$OUT/e3.tar.gz" -C "$OUT" r && rm -rf "$R"
+pack_results e3

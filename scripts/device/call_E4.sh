@@ -3,7 +3,7 @@
 # group count fixed (a last chunk whose unit 0 ends a group touches one more group) and a 32 KB ring (E3 sweep).
 export EXL2_CARRIED_LIBRARY=1
 source scripts/device/common.sh
-R="$OUT/r"; mkdir -p "$R"
+results_dir
 t=$(date +%s)
 timeout 60 python3 -m pytest tests/kernels/test_exl2_gemm.py -q -m cuda -p no:cacheprovider --timeout 60 -rf 2>&1 \
   | tee "$R/gemm_tests.txt" | grep -E "FAILED|passed|failed|Error" | tail -4
@@ -19,4 +19,4 @@ grep -A6 "decode tokens/s by cache" "$R/bench_8b.txt" | tail -3
 timeout 45 python3 scripts/spec_bench.py --skip smollm2 --iters 30 --work-dir /tmp/spec_bench \
   --out "$R/spec_costs.json" 2> "$R/spec_costs.log"; grep "step costs" "$R/spec_costs.log" | tail -1
 echo "bench $(( $(date +%s) - t )) s"
-tar -czf "$OUT/e4.tar.gz" -C "$OUT" r && rm -rf "$R"
+pack_results e4

@@ -13,7 +13,7 @@
 #  7. ncu of the 32k decode attention, fp16 and q8 cache (issue 6: q8 is slower than fp16 there).
 export EXL2_CARRIED_LIBRARY=1
 source scripts/device/common.sh
-R="$OUT/r"; mkdir -p "$R"
+results_dir
 t=$(date +%s)
 timeout 60 python3 -m pytest tests/kernels/test_exl2_gemm.py -q -m cuda -p no:cacheprovider --timeout 60 -rf 2>&1 \
   | tee "$R/gemm_tests.txt" | grep -E "FAILED|passed|failed|Error" | tail -4
@@ -54,4 +54,4 @@ for ct in fp16 q8; do  # issue 6: is the 32k decode attention issue-bound (q8 no
   echo "$ct: $(grep -E '^    Duration|DRAM Throughput|Issue Slots Busy' "$R/attn_$ct.details.txt" | tr -s ' ' | tr '\n' ';')"
 done
 echo "attention $(( $(date +%s) - t )) s"
-tar -czf "$OUT/f1.tar.gz" -C "$OUT" r && rm -rf "$R"
+pack_results f1

@@ -8,7 +8,7 @@
 #     and its attention on the decode kernel (EXL2_BACKEND_DECODE_ATTN_MAX_Q=32) or not.
 export EXL2_CARRIED_LIBRARY=1
 source scripts/device/common.sh
-R="$OUT/r"; mkdir -p "$R"
+results_dir
 t=$(date +%s)
 timeout 120 python3 -m pytest tests/kernels/test_exl2_gemm.py -q -m cuda -p no:cacheprovider --timeout 60 -rf \
   -k "token_tiles or cluster or rejects" 2>&1 | tee "$R/tiles_tests.txt" | grep -E "FAILED|passed|failed|Error" | tail -4
@@ -34,4 +34,4 @@ for cfg in "8 16" "32 16" "32 32"; do  # GEMV rows, decode-attention queries (th
   echo "GEMV up to M=$1, decode attention up to Tq=$2: $(tail -2 "$R/prefix_m$1_q$2.txt" | tr '\n' ' ')"
 done
 echo "prefix $(( $(date +%s) - t )) s"
-tar -czf "$OUT/f2.tar.gz" -C "$OUT" r && rm -rf "$R"
+pack_results f2

@@ -33,3 +33,7 @@ start_exllamav2_jit() {
 CUDA_TESTS_NO_SMOLLM2="tests/kernels tests/unit/test_convert_device.py tests/multigpu/test_multigpu_cuda.py
   tests/engine/test_prefill_memory.py tests/serve/test_batch_invariance.py"
 exl2() { python3 -m exl2_backend.cli.main "$@"; }
+# Results of a call as one archive ($OUT brings back at most 8 files): write under $R after results_dir, then
+# pack_results NAME at the end ($OUT/NAME.tar.gz).
+results_dir() { R="$OUT/r"; mkdir -p "$R"; }
+pack_results() { tar -czf "$OUT/$1.tar.gz" -C "$OUT" r && rm -rf "$R"; }

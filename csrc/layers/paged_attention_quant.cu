@@ -80,17 +80,24 @@ __device__ __forceinline__ float load_scale(const half* p) {
   return __half2float(__ushort_as_half(__ldg(reinterpret_cast<const unsigned short*>(p))));
 }
 
-// E: elements per lane per key (16 for small row tiles: 16-byte int8 loads; 8 for large ones: fewer registers).
-template <int RT>
+// E: elements per lane per key. 16 for one or two rows (a 16-byte load of 8-bit codes); 8 from four rows on, except
+// 4-bit codes at four rows (8 bytes either way). The q and accumulator registers are RT * E each: at E = 16 the
+// 8-bit kernel of four rows (GQA 4, the 8B's decode) took 168 registers, 3 CTAs per SM and 1.33 waves at 32k
+// (ncu, H200 2026-12-02: 91.7 us, DRAM 17% of peak, against 57.7 us for the fp16 cache).
+#ifndef EXL2_ATTN_Q4_RT4_ELEMS  // elements per lane of 4-bit codes at four rows (measurement builds: 8)
+#define EXL2_ATTN_Q4_RT4_ELEMS 16
+#endif
+template <int RT, int BITS>
 constexpr int lane_elems() {
-  return RT <= 4 ? 16 : 8;
+  return RT <= 2 ? 16 : (RT <= 4 && BITS <= 4) ? EXL2_ATTN_Q4_RT4_ELEMS : 8;
 }
 
 template <int D, int RT, int U, int KF, int VF>
 __global__ void __launch_bounds__(NT) paged_attention_quant_kernel(const QAttnParams p) {
   exl2::pdl_wait();  // inputs come from the previous kernel (PDL launch)
   exl2::pdl_launch_dependents();
-  constexpr int E = lane_elems<RT>();
+  constexpr int MAXB = KVFormat<KF>::BITS > KVFormat<VF>::BITS ? KVFormat<KF>::BITS : KVFormat<VF>::BITS;
+  constexpr int E = lane_elems<RT, MAXB>();
   constexpr int TPK = D / E;     // lanes per key
   constexpr int KPW = 32 / TPK;  // keys per warp step
   constexpr int KPS = NW * KPW;  // keys per CTA step

@@ -28,9 +28,10 @@ from exl2_backend.errors import TensorShapeError, UnsupportedBitWidthError
 from exl2_backend.format.qtensor import QTensor
 from exl2_backend.ops import library
 
-# Largest M that uses the fused kernel (which supports 1..32); above it, dequantize + cuBLAS. Measured on the
-# H200 (scripts/bench_gemm.py, 2026-11-29): dequant+cuBLAS first wins at M=16 on 4096x14336 and 4096x4096, M=32 on
-# 14336x4096, M=8 on 4096x1024 (a 2 MB matrix, where both are launch-bound).
+# Largest M that uses the mma kernel (which supports 1..32) where the GEMV does not take M (below sm_90, or its
+# split-K partials would not fit WORKSPACE_BUDGET); above it, dequantize + cuBLAS. Measured on the H200
+# (scripts/bench_gemm.py, 2026-11-29): dequant+cuBLAS first wins over the mma kernel at M=16 on 4096x14336 and
+# 4096x4096, M=32 on 14336x4096, M=8 on 4096x1024 (a 2 MB matrix, where both are launch-bound).
 FUSED_MAX_M = int(os.environ.get("EXL2_BACKEND_FUSED_MAX_M", "8"))
 # Planned resident blocks per SM by token tiles (MT = ceil(M/8)); must match the kernel's __launch_bounds__.
 BLOCKS_PER_SM = {1: 4, 2: 4, 3: 3, 4: 3}
@@ -51,7 +52,14 @@ F_SCL16 = F_RUNS + 4 * _MAX_RUNS
 # no workspace round trip; not yet measured on the GPU); 2 or 3 = the register-batch kernel (exl2_gemm.cu gemv_kernel) with that many planned resident blocks per
 # SM (2 -> 128 registers, no spills; 3 -> 80 registers, small spills; H200 2026-11-29, M=1: 2 gave 15.8 us vs
 # 17.1 us on 4096x14336).
-GEMV_MAX_M = int(os.environ.get("EXL2_BACKEND_GEMV_MAX_M", "8"))
+# Rows routed to the GEMV (capped by gemv_row_cap): 32 since 2026-12-02 (H200, call F2): M = 9 on the GEMV made
+# the 8B's k = 8 verify 2.25x a decode step instead of 4.55x (dequant + cuBLAS), and M = 32 cut a 32-token
+# prefill over a 4k cached prefix from 83 to 61 ms.
+GEMV_MAX_M = int(os.environ.get("EXL2_BACKEND_GEMV_MAX_M", "32"))
+# Bytes the GEMV's split-K partials may take (plan/vram.py KERNEL_WORKSPACE counts 64 MB with the tickets): a
+# launch whose plan needs more (a 128k-column head at M > 12: its activations split K six ways at M = 32, ~200 MB
+# of partials, as many bytes as the weights) runs on the mma kernel or dequant + cuBLAS instead.
+WORKSPACE_BUDGET = 60 << 20
 GEMV_MINB = int(os.environ.get("EXL2_BACKEND_GEMV_MINB", "0"))
 # Blocks per SM the GEMV's split-K factor aims at (one wave of the planned resident blocks); the TMA kernel's
 # default. Below 1 (e.g. 0.4) plans fewer, longer blocks: no split-K reduction where the columns fill the GPU.
@@ -61,7 +69,7 @@ _CAPABILITY: dict[int, tuple[int, int]] = {}
 
 def gemv_row_cap(device: torch.device) -> int:
     """Rows the small-M GEMV takes on `device`: 32 with the TMA kernel (sm_90+, GEMV_MINB 0 or 1: one decode feeds
-    up to four token tiles), else 8. Routing still stops at GEMV_MAX_M (default 8) until M > 8 is measured."""
+    up to four token tiles), else 8."""
     if GEMV_MINB > 1 or device.type != "cuda":
         return 8
     index = device.index if device.index is not None else torch.cuda.current_device()
@@ -257,19 +265,29 @@ def _stream(device: torch.device) -> int:
 
 
 class _Workspace:
-    """Per-device split-K partials (grow-only: captured graphs keep pointing at older buffers, so they stay
-    alive) and the per-column-block tickets, which every launch leaves at zero."""
+    """Per-device split-K partials (grow-only) and the per-column-block tickets, which every launch leaves at zero.
+    A buffer that a CUDA graph may have captured stays alive when the workspace grows (the graph keeps pointing
+    at it); one that no capture saw is freed (model loading grows it linear by linear)."""
 
     def __init__(self, device: torch.device):
         self.device = device
         self.ws = torch.empty(0, dtype=torch.float32, device=device)
         self.counters = torch.zeros(1 << 16, dtype=torch.int32, device=device)
         self._old: list[torch.Tensor] = []
+        self._captured = False  # self.ws was handed to a launch during a stream capture
+
+    def buffers(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(partials, tickets) for one launch."""
+        if not self._captured and self.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            self._captured = True
+        return self.ws, self.counters
 
     def reserve(self, numel: int) -> None:
         if numel > self.ws.numel():
-            self._old.append(self.ws)
+            if self._captured:
+                self._old.append(self.ws)
             self.ws = torch.empty(numel, dtype=torch.float32, device=self.device)
+            self._captured = False
 
 
 _WORKSPACES: dict[torch.device, _Workspace] = {}
@@ -277,7 +295,7 @@ _WORKSPACES: dict[torch.device, _Workspace] = {}
 
 def workspace(device: torch.device) -> _Workspace:
     device = torch.device(device)
-    if device.index is None:
+    if device.type == "cuda" and device.index is None:
         device = torch.device("cuda", torch.cuda.current_device())
     if device not in _WORKSPACES:
         _WORKSPACES[device] = _Workspace(device)
@@ -369,18 +387,26 @@ class _Launch:
             self._plans[m] = _Plan(ks, blob, ws_off, cnt_off, ws_numel)
         return self._plans[m]
 
+    def takes_gemv(self, m: int) -> bool:
+        """Whether auto-routing sends M rows to the GEMV: within GEMV_MAX_M and the row cap, partials in budget."""
+        return 1 <= m <= min(GEMV_MAX_M, gemv_row_cap(self.device)) and \
+            4 * self.gemv_plan(m).ws_numel <= WORKSPACE_BUDGET
+
+    def takes_fused(self, m: int) -> bool:
+        """Whether M rows run a fused kernel (GEMV or mma) rather than dequantize + cuBLAS."""
+        return self.takes_gemv(m) or 1 <= m <= min(FUSED_MAX_M, 32)
+
     def reserve(self, max_m: int) -> None:
+        """Workspace for every routed launch of up to max_m rows."""
         ws = workspace(self.device)
         need = [self.plan(m).ws_numel for m in range(1, max_m + 1)]
-        # GEMV rows up to GEMV_MAX_M (at least 8) only: a 32-row plan of a 128k-column head would hold 115 MB
-        gemv_m = min(max(GEMV_MAX_M, 8), gemv_row_cap(self.device), max_m)
-        need += [self.gemv_plan(m).ws_numel for m in range(1, gemv_m + 1)]
+        need += [self.gemv_plan(m).ws_numel for m in range(1, max_m + 1) if self.takes_gemv(m)]
         ws.reserve(max(need))
 
     def gemm(self, x: torch.Tensor, ws: torch.Tensor, counters: torch.Tensor, kernel: str = "auto") -> torch.Tensor:
         m = x.shape[0]
         cap = gemv_row_cap(self.device)
-        if kernel == "gemv" or (kernel == "auto" and m <= min(GEMV_MAX_M, cap)):
+        if kernel == "gemv" or (kernel == "auto" and self.takes_gemv(m)):
             if m > cap:
                 raise TensorShapeError(f"the GEMV kernel takes 1..{cap} rows here, got {m}", tensor="x")
             return self._gemv(x, ws, counters)
@@ -492,8 +518,9 @@ def _(packed, handle, part, n_begin, n_end):
 
 
 class CudaLinearOp:
-    """`LinearOp`-compatible: __call__(x [..., K] fp16) -> [..., sum N]. Fused kernel for M <= FUSED_MAX_M,
-    dequantize-to-scratch + cuBLAS above (dequantized weights are never kept)."""
+    """`LinearOp`-compatible: __call__(x [..., K] fp16) -> [..., sum N]. Fused kernels for small M (the GEMV up to
+    GEMV_MAX_M rows, the mma kernel up to FUSED_MAX_M where the GEMV does not take M), dequantize-to-scratch +
+    cuBLAS above (dequantized weights are never kept)."""
 
     def __init__(self, parts: list[PackedQ], device: torch.device, dtype: torch.dtype = torch.float16):
         self.launch = _Launch(parts, device)
@@ -514,7 +541,7 @@ class CudaLinearOp:
         m = x2.shape[0]
         if m == 0:
             y = x2.new_empty((0, self.out_features))
-        elif m <= min(FUSED_MAX_M, 32):
+        elif self.launch.takes_fused(m):
             y = self.fused(x2)
         else:
             y = self._dequant_matmul(x2)
@@ -522,8 +549,8 @@ class CudaLinearOp:
 
     def fused(self, x: torch.Tensor) -> torch.Tensor:
         """The fused kernel for x [M <= 32, K] whatever FUSED_MAX_M says (tests, benchmarks)."""
-        ws = self.workspace
-        return torch.ops.exl2_backend.exl2_gemm(x, self.launch.parts[0].packed, self.launch.handle, ws.ws, ws.counters)
+        ws, counters = self.workspace.buffers()
+        return torch.ops.exl2_backend.exl2_gemm(x, self.launch.parts[0].packed, self.launch.handle, ws, counters)
 
     def gated(self, gate_up: torch.Tensor) -> torch.Tensor:
         """gate_up [M, 2K] (gate | up, the fused gate/up projection's output) -> [M, N] = self(silu(gate) * up).
@@ -531,19 +558,23 @@ class CudaLinearOp:
         the [M, K] intermediate fewer per layer); larger M runs silu_mul then the usual path."""
         m = gate_up.shape[0]
         k = self.in_features
-        if (1 <= m <= min(GEMV_MAX_M, FUSED_MAX_M, gemv_row_cap(self.device)) and gate_up.shape[1] == 2 * k
+        if (self.launch.takes_gemv(m) and gate_up.shape[1] == 2 * k
                 and gate_up.stride(-1) == 1 and gate_up.stride(0) == 2 * k):
-            ws = self.workspace
+            ws, counters = self.workspace.buffers()
             return torch.ops.exl2_backend.exl2_gemv_gated(gate_up, self.launch.parts[0].packed, self.launch.handle,
-                                                          ws.ws, ws.counters)
+                                                          ws, counters)
         from exl2_backend import ops
 
         return self(ops.silu_mul(gate_up[:, :k], gate_up[:, k:]))
 
     def fused_kernel(self, x: torch.Tensor, kernel: str) -> torch.Tensor:
-        """One fused kernel by name ("gemv": M <= gemv_row_cap, "mma": M <= 32), bypassing routing (benchmarks, tests)."""
+        """One fused kernel by name ("gemv": M <= gemv_row_cap, "mma": M <= 32), bypassing routing and the workspace
+        budget (benchmarks, tests)."""
         ws = self.workspace
-        return self.launch.gemm(x, ws.ws, ws.counters, kernel=kernel)
+        m = x.shape[0]
+        if kernel == "gemv" and 1 <= m <= gemv_row_cap(self.device):
+            ws.reserve(self.launch.gemv_plan(m).ws_numel)
+        return self.launch.gemm(x, *ws.buffers(), kernel=kernel)
 
     def _dequant_matmul(self, x: torch.Tensor) -> torch.Tensor:
         outs = []

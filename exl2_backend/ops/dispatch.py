@@ -87,9 +87,10 @@ def rope_kv_write(q, k, v, positions, inv_freq, k_cache, v_cache, slots):
     return _pick("rope_kv_write", q)(q, k, v, positions, inv_freq, k_cache, v_cache, slots)
 
 
-# Above this many queries per sequence a step is a prefill chunk: tensor-core SDPA beats the decode kernel.
-# EXL2_BACKEND_DECODE_ATTN_MAX_Q (1..64) moves the line for measurements (a 32-token suffix over a cached prefix).
-DECODE_KERNEL_MAX_QUERIES = min(max(int(os.environ.get("EXL2_BACKEND_DECODE_ATTN_MAX_Q", "16")), 1), 64)
+# Above this many queries per sequence a step is a prefill chunk: tensor-core SDPA beats the decode kernel. 32
+# since 2026-12-02 (H200, call F2): a 32-token suffix over a 4k cached prefix took 22.9 ms to its first token with
+# the decode kernel against 61.2 ms with the blocked SDPA path. EXL2_BACKEND_DECODE_ATTN_MAX_Q (1..64) moves it.
+DECODE_KERNEL_MAX_QUERIES = min(max(int(os.environ.get("EXL2_BACKEND_DECODE_ATTN_MAX_Q", "32")), 1), 64)
 
 
 def paged_attention(q, k_cache, v_cache, block_tables, context_lens, scale):

@@ -49,7 +49,8 @@ def prefill_attention_scratch(tq: int, hq: int, hkv: int, d: int, page_size: int
 def decode_kernel_workspace(max_rows: int, max_batch_size: int, hq: int, hkv: int, d: int, max_seq_len: int,
                             num_sms: int) -> int:
     """Split workspace of the paged decode kernel (ops/cuda_layers.paged_attention), which takes chunks of
-    <= 16 queries per sequence, at a context of max_seq_len: the largest over the batch shapes that fit."""
+    <= DECODE_KERNEL_MAX_QUERIES queries per sequence, at a context of max_seq_len: the largest over the batch
+    shapes that fit."""
     from exl2_backend.ops.cuda_layers import _attn_keys_max, _attn_row_tile, attention_splits
 
     worst = 0

@@ -500,3 +500,93 @@ def test_pdl_on_and_off_give_identical_graph_replays():
     finally:
         library.set_pdl(True)
     assert torch.equal(outs[0], outs[1])
+
+
+# --- routing between the GEMV, the mma kernel and dequantize + cuBLAS; the workspace ---------------------------
+
+
+def test_gemv_routing_respects_the_workspace_budget_cpu(monkeypatch):
+    """Auto-routing takes the GEMV for M up to the row cap exactly while its split-K partials fit
+    WORKSPACE_BUDGET; reserve() covers the routed plans and nothing beyond the budget."""
+    from exl2_backend.ops import cuda_quant
+
+    monkeypatch.setattr(cuda_quant, "gemv_row_cap", lambda device: 32)
+    monkeypatch.setattr(cuda_quant, "_WORKSPACES", {})
+    launch = cuda_quant._Launch([pack_qtensor(make_qt([(4, 128)] * 8, 2048, seed=3), "cpu")], torch.device("cpu"))
+    need = {m: 4 * launch.gemv_plan(m).ws_numel for m in range(1, 33)}
+    assert need[32] > need[1] > 0  # more rows: more activation splits, more partials
+    budget = need[16]
+    monkeypatch.setattr(cuda_quant, "WORKSPACE_BUDGET", budget)
+    for m in range(1, 33):
+        assert launch.takes_gemv(m) == (need[m] <= budget), m
+        assert launch.takes_fused(m) == (need[m] <= budget or m <= cuda_quant.FUSED_MAX_M), m
+    monkeypatch.setattr(cuda_quant, "GEMV_MAX_M", 4)
+    assert launch.takes_gemv(4) and not launch.takes_gemv(5)
+    monkeypatch.setattr(cuda_quant, "GEMV_MAX_M", 32)
+    launch.reserve(32)
+    ws = cuda_quant.workspace(torch.device("cpu"))
+    assert 4 * ws.ws.numel() == max([4 * launch.plan(m).ws_numel for m in range(1, 33)]
+                                    + [b for b in need.values() if b <= budget])
+
+
+def test_workspace_frees_uncaptured_buffers_when_it_grows_cpu():
+    from exl2_backend.ops.cuda_quant import _Workspace
+
+    ws = _Workspace(torch.device("cpu"))
+    ws.reserve(100)
+    first, _ = ws.buffers()
+    ws.reserve(50)  # never shrinks
+    assert ws.ws is first
+    ws.reserve(200)
+    assert ws.ws.numel() == 200 and ws._old == []  # no capture saw the 100-float buffer: freed
+    ws._captured = True
+    ws.reserve(300)
+    assert len(ws._old) == 1 and ws._old[0].numel() == 200 and not ws._captured
+
+
+@pytest.mark.cuda
+def test_workspace_keeps_a_captured_buffer_alive_when_it_grows():
+    from exl2_backend.ops import cuda_quant
+
+    op = cuda_quant.prepare_linear([_to_cuda(make_qt([(4, 128)] * 4, 512, seed=4))], "cuda")
+    x = _x(1, 512, 0)
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        op.fused(x)  # warm-up off the capture
+    torch.cuda.current_stream().wait_stream(s)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        y = op.fused(x)
+    ws = op.workspace
+    captured = ws.ws
+    ws.reserve(ws.ws.numel() + (1 << 20))
+    assert any(t is captured for t in ws._old)
+    g.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(y, op.fused(x))
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("m", [1, 8, 9, 16, 32])
+def test_routing_picks_gemv_mma_or_dequant(monkeypatch, m):
+    """Each route gives the reference within tolerance: the GEMV up to 32 rows on sm_90+; over the workspace
+    budget the mma kernel up to FUSED_MAX_M rows and dequantize + cuBLAS above."""
+    from exl2_backend.ops import cuda_quant
+    from tests.helpers.synth import random_qtensor
+
+    qt = _to_cuda(random_qtensor("w", 1024, 1500, "5:0.1@128 4:0.9@128", seed=m))
+    op = cuda_quant.prepare_linear([qt], "cuda")
+    x = _x(m, 1024, seed=m)
+    ref, same = _ref(x, qt)
+    cap = cuda_quant.gemv_row_cap(x.device)
+    assert op.launch.takes_gemv(m) == (m <= cap)
+    assert_close_rel(op(x), ref, same, msg=f"routed M={m}")
+    if m <= cap:
+        assert torch.equal(op(x), op.fused_kernel(x, "gemv"))
+    monkeypatch.setattr(cuda_quant, "WORKSPACE_BUDGET", 0)
+    assert not op.launch.takes_gemv(m)
+    got = op(x)
+    assert_close_rel(got, ref, same, msg=f"over budget M={m}")
+    if m <= cuda_quant.FUSED_MAX_M:
+        assert torch.equal(got, op.fused_kernel(x, "mma"))

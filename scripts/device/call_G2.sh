@@ -28,5 +28,13 @@ done
 echo "ncu $(( $(date +%s) - t )) s"; t=$(date +%s)
 timeout 90 python3 scripts/prefix_prefill.py /tmp/models/llama3-8b --long 0 --json "$R/prefix.json" > "$R/prefix.txt" 2>&1
 tail -2 "$R/prefix.txt"
-echo "prefix $(( $(date +%s) - t )) s"
+echo "prefix $(( $(date +%s) - t )) s"; t=$(date +%s)
+# issue 3: the 1B and 70B shapes (random 4.0 bpw, fp16 cache, 1k context)
+for sh in llama3-1b llama3-70b; do
+  timeout 150 python3 -m exl2_backend.cli.main bench --shape $sh --bpw 4.0 --model-out /tmp/models/$sh --contexts 1024 \
+    --json "$R/bench_$sh.json" > "$R/bench_$sh.txt" 2>&1
+  echo "$sh: $(grep -A4 "decode tokens/s by cache" "$R/bench_$sh.txt" | tail -2 | tr '\n' ' ')"
+  rm -rf /tmp/models/$sh
+done
+echo "shapes $(( $(date +%s) - t )) s"
 pack_results g2

@@ -14,6 +14,7 @@
 #include "quant/exl2_quant.cuh"
 
 #include <algorithm>
+#include <cstdint>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
@@ -646,7 +647,7 @@ bool exact_run_splits(const exl2q::QDesc& d, int total, int* rbase, int& maxnch)
 // with column blocks of 256 (counters: one per 256-column block).
 // gate_off > 0: fused silu_mul input (x [M, ldx] holds gate at columns [0, K) and up at [gate_off, gate_off + K)).
 EXL2_API int exl2_gemv(const int64_t* blob, int ndesc, const void* x, int M, int ldx, int gate_off, int minb,
-                       void* stream) {
+                       const void* xpre, int xpre_ld, void* stream) {
   EXL2_REQUIRE(blob && x, "exl2_gemv: null argument");
   EXL2_REQUIRE(ndesc >= 1 && ndesc <= kMaxDesc, "exl2_gemv: %d descriptors (1..%d)", ndesc, kMaxDesc);
   EXL2_REQUIRE(M >= 1 && M <= 32, "exl2_gemv: M=%d outside 1..32", M);
@@ -654,6 +655,10 @@ EXL2_API int exl2_gemv(const int64_t* blob, int ndesc, const void* x, int M, int
   GemvParams p{};
   p.x = reinterpret_cast<const __half*>(x);
   p.ndesc = ndesc; p.M = M; p.ldx = ldx; p.gate_off = gate_off;
+  p.xpre = reinterpret_cast<const __half*>(xpre);
+  p.xpre_ld = xpre_ld;
+  EXL2_REQUIRE(!xpre || (xpre_ld > 0 && xpre_ld % 8 == 0 && reinterpret_cast<uintptr_t>(xpre) % 16 == 0),
+               "exl2_gemv: pre-gathered input needs a row stride that is a multiple of 8 and 16-byte alignment");
   EXL2_REQUIRE(gate_off >= 0, "exl2_gemv: gate_off %d < 0", gate_off);
   int blocks = 0, maxnch = 1;
   for (int i = 0; i < ndesc; ++i) {
@@ -667,6 +672,7 @@ EXL2_API int exl2_gemv(const int64_t* blob, int ndesc, const void* x, int M, int
                  ldx, d.ldo, d.K, d.N);
     EXL2_REQUIRE(gate_off == 0 || gate_off >= d.K, "exl2_gemv: gate_off %d overlaps the gate (K=%d)", gate_off, d.K);
     EXL2_REQUIRE(d.ksplit >= 1 && d.ksplit <= d.C, "exl2_gemv: ksplit %d outside 1..%d", d.ksplit, d.C);
+    EXL2_REQUIRE(!xpre || d.Kpad <= xpre_ld, "exl2_gemv: pre-gathered rows %d < Kpad %d", xpre_ld, d.Kpad);
     EXL2_REQUIRE(d.ksplit == 1 || (d.ws && d.counters), "exl2_gemv: split-K needs a workspace and counters");
     d.ncolblk = (d.Np + kGvCols - 1) / kGvCols;
     d.block_start = blocks;
@@ -756,6 +762,7 @@ EXL2_API int exl2_gemv(const int64_t* blob, int ndesc, const void* x, int M, int
     minb = 2;
   }
   EXL2_REQUIRE(M <= 8, "exl2_gemv: M=%d needs the TMA kernel (sm_90+, minb 0 or 1); this one takes 1..8", M);
+  EXL2_REQUIRE(!xpre, "exl2_gemv: pre-gathered input needs the TMA kernel (sm_90+, minb 0 or 1)");
   const int smem = align16(M * p.xstride * 2) + maxnch * kChunkRows * 2;  // + the xmap slice
   EXL2_REQUIRE(smem <= 227 * 1024, "exl2_gemv: needs %d bytes of shared memory; use a larger ksplit", smem);
   return minb == 3 ? gemv_launch<3>(p, blocks, smem, s) : gemv_launch<2>(p, blocks, smem, s);

@@ -34,6 +34,8 @@ struct GemvParams {
   int gather_rows;  // M <= 8: 1 = gv_gather (row slots, up to 16 loads per round), 0 = gv_gather_items
   int cluster;  // TMA kernel: 0, or the split count C of every descriptor, reduced through distributed shared
                 // memory inside a cluster of C blocks instead of the global workspace and ticket
+  const __half* xpre;  // TMA kernel: null, or the input already in stored row order, xpre[(di * M + m) * xpre_ld
+  int xpre_ld;         // + r] (exl2_gemv_pregather.cu; silu_mul applied): blocks copy their rows, no gather
 };
 
 // The block's work: descriptor, run, column block and chunk range [c0, c1). Splits are numbered run by run:
@@ -397,6 +399,30 @@ __device__ __forceinline__ void gv_gather_rounds(const GemvParams& p, int rows, 
         sl = 0;
         ++m;
       }
+    }
+  }
+}
+
+// The split's rows of the pre-gathered input (GemvParams::xpre, part di) into xs[m * xstride + r] with 16-byte
+// loads, four in flight per thread, by `nthreads` threads from thread 0 (callers synchronize).
+__device__ __forceinline__ void gv_copy_pregathered(const GemvParams& p, int di, int c0, int nch, __half* xs,
+                                                    int nthreads) {
+  constexpr int kB = 4;
+  const int vec = nch * kChunkRows / 8, total = vec * p.M;  // 16-byte vectors per token, in all
+  const uint4* src = reinterpret_cast<const uint4*>(p.xpre + (size_t)di * p.M * p.xpre_ld + (size_t)c0 * kChunkRows);
+  const int ldv = p.xpre_ld / 8, xsv = p.xstride / 8;
+  uint4* dst = reinterpret_cast<uint4*>(xs);
+  for (int e0 = threadIdx.x; e0 < total; e0 += kB * nthreads) {
+    uint4 t[kB];
+#pragma unroll
+    for (int u = 0; u < kB; ++u) {
+      const int e = e0 + u * nthreads, m = e / vec;
+      t[u] = e < total ? __ldg(src + (size_t)m * ldv + (e - m * vec)) : make_uint4(0, 0, 0, 0);
+    }
+#pragma unroll
+    for (int u = 0; u < kB; ++u) {
+      const int e = e0 + u * nthreads, m = e / vec;
+      if (e < total) dst[m * xsv + (e - m * vec)] = t[u];
     }
   }
 }

@@ -212,7 +212,8 @@ __device__ __forceinline__ void tma_block(const GemvParams& p, const GvWork& wk,
   exl2::pdl_wait();
   compute_sync();
   if (!(p.probe & kProbeNoGather)) {  // M > 8: M loads per row slot, 16 or 32 in flight (M = 32: 6 or 3 rounds)
-    if (MT > 1 || p.gather_rows) gv_gather<MT >= 4 ? 32 : 16>(p, nch, xs, xm, kTmaComputeThreads);
+    if (p.xpre) gv_copy_pregathered(p, wk.di, c0, nch, xs, kTmaComputeThreads);
+    else if (MT > 1 || p.gather_rows) gv_gather<MT >= 4 ? 32 : 16>(p, nch, xs, xm, kTmaComputeThreads);
     else gv_gather_items(p, nch, xs, xm, kTmaComputeThreads);
   }
   compute_sync();

@@ -58,7 +58,8 @@ _SIGNATURES = {
 # 4 CTAs per SM was best at 8k and 32k; splits shorter than 64 keys lost at 2k (33 splits of 64 keys: 649 GB/s,
 # 64 of 32: 570); 8 key steps in flight (flags bit 0) gained 4-7% at 8k/32k/B=16 and lost 4% at 512.
 _ATTN_MIN_SPLIT = 64  # keys; short contexts are not cut finer than this
-_ATTN_CTAS_PER_SM = 4  # automatic split: aim for this many CTAs per multiprocessor
+# automatic split: aim for this many CTAs per multiprocessor (EXL2_BACKEND_ATTN_CTAS_PER_SM for measurements)
+_ATTN_CTAS_PER_SM = max(1, int(os.environ.get("EXL2_BACKEND_ATTN_CTAS_PER_SM", "4")))
 _ATTN_FLAGS = 1  # bit 0: 8 key steps in flight per thread instead of 4 (row tiles <= 4)
 _SAMPLE_CHUNK = 2048  # tokens per CTA of the sampling kernel (csrc/layers/sampling.cu CHUNK)
 # Split-combine tickets of paged attention and row counters of the sampler: int32 per-device buffers zeroed

@@ -56,6 +56,11 @@ F_SCL16 = F_RUNS + 4 * _MAX_RUNS
 # the 8B's k = 8 verify 2.25x a decode step instead of 4.55x (dequant + cuBLAS), and M = 32 cut a 32-token
 # prefill over a 4k cached prefix from 83 to 61 ms.
 GEMV_MAX_M = int(os.environ.get("EXL2_BACKEND_GEMV_MAX_M", "32"))
+# From this many rows on, the TMA GEMV's input is gathered into each part's stored row order by one small kernel
+# first (csrc/quant/exl2_gemv_pregather.cu) and its blocks copy their rows with 16-byte loads; below, every block
+# gathers its rows two bytes at a time (at M = 5 that made the 14336x4096 GEMV 1.8x its M = 1 time, H200 G1).
+# 0 = never (EXL2_BACKEND_GEMV_PREGATHER_MIN_M; the default until measured on the GPU).
+GEMV_PREGATHER_MIN_M = int(os.environ.get("EXL2_BACKEND_GEMV_PREGATHER_MIN_M", "0"))
 # Bytes the GEMV's split-K partials may take (plan/vram.py KERNEL_WORKSPACE counts 64 MB with the tickets): a
 # launch whose plan needs more (a 128k-column head at M > 12: its activations split K six ways at M = 32, ~200 MB
 # of partials, as many bytes as the weights) runs on the mma kernel or dequant + cuBLAS instead.
@@ -253,7 +258,8 @@ def _fn(name: str):
         P, I32 = library.PTR, library.I32
         sig = {
             "exl2_gemm": (P, I32, P, I32, I32, library.STREAM),
-            "exl2_gemv": (P, I32, P, I32, I32, I32, I32, library.STREAM),
+            "exl2_gemv": (P, I32, P, I32, I32, I32, I32, P, I32, library.STREAM),
+            "exl2_gemv_pregather": (P, I32, P, I32, I32, I32, P, I32, library.STREAM),
             "exl2_dequant": (P, P, I32, I32, library.STREAM),
         }[name]
         _fns[name] = library.declare(name, *sig)
@@ -437,8 +443,16 @@ class _Launch:
             blob[i, F_WS] = ws.data_ptr() + 4 * pl.ws_off[i]
             blob[i, F_COUNTERS] = counters.data_ptr() + 4 * pl.cnt_off[i]
         ldx = x.stride(0) if m > 1 else x.shape[1]
+        stream = _stream(x.device)
+        pre, ld = None, 0
+        if 0 < GEMV_PREGATHER_MIN_M <= m and gemv_row_cap(self.device) == 32:
+            ld = max(p.Kpad for p in self.parts)  # a multiple of 64
+            pre = torch.empty(len(self.parts) * m * ld, dtype=torch.float16, device=x.device)  # [parts, M, ld]
+            st = _fn("exl2_gemv_pregather")(blob.ctypes.data, len(self.parts), x.data_ptr(), m, ldx, gate_off,
+                                            pre.data_ptr(), ld, stream)
+            library.check(st, "exl2_gemv_pregather")
         st = _fn("exl2_gemv")(blob.ctypes.data, len(self.parts), x.data_ptr(), m, ldx, gate_off, GEMV_MINB,
-                              _stream(x.device))
+                              None if pre is None else pre.data_ptr(), ld, stream)
         library.check(st, "exl2_gemv")
         return out
 

@@ -590,3 +590,29 @@ def test_routing_picks_gemv_mma_or_dequant(monkeypatch, m):
     assert_close_rel(got, ref, same, msg=f"over budget M={m}")
     if m <= cuda_quant.FUSED_MAX_M:
         assert torch.equal(got, op.fused_kernel(x, "mma"))
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("m", [1, 2, 5, 8, 9, 17, 32])
+def test_pregathered_input_is_bit_identical(monkeypatch, m):
+    """The TMA GEMV with its input gathered by one small kernel first (GEMV_PREGATHER_MIN_M) equals the in-kernel
+    gather bit for bit: three fused parts with their own permutations and padded row counts (Kpad 512, 448,
+    448), widths 8/5/4, bias, split-K; plain and gated (silu_mul in the pre-gather)."""
+    from exl2_backend.ops import cuda_quant
+
+    if cuda_quant.gemv_row_cap(torch.device("cuda")) < 32:
+        pytest.skip("the pre-gathered input is read by the TMA kernel only (sm_90+)")
+    parts = [make_qt([(8, 32), (4, 416)], 300, seed=m, bias=True, key="a"),
+             make_qt([(4, 448)], 64, seed=m + 1, key="b"), make_qt([(5, 64), (4, 384)], 520, seed=m + 2, key="c")]
+    op = cuda_quant.prepare_linear([_to_cuda(q) for q in parts], "cuda")
+    assert sorted({p.Kpad for p in op.launch.parts}) == [448, 512]
+    x = _x(m, 448, seed=m)
+    gate_up = _x(m, 2 * 448, seed=m + 50)
+    monkeypatch.setattr(cuda_quant, "GEMV_PREGATHER_MIN_M", 0)
+    plain, gated = op.fused_kernel(x, "gemv"), op.gated(gate_up)
+    monkeypatch.setattr(cuda_quant, "GEMV_PREGATHER_MIN_M", 1)
+    assert torch.equal(op.fused_kernel(x, "gemv"), plain)
+    assert torch.equal(op.gated(gate_up), gated)
+    for q, got in zip(parts, plain.split(op.splits, dim=1)):
+        ref, same = _ref(x, _to_cuda(q))
+        assert_close_rel(got, ref, same, msg=f"pre-gathered M={m} part {q.key}")

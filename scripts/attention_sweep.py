@@ -66,7 +66,7 @@ def main() -> int:
         for c in (int(x) for x in args.ctas.split(",")):
             ns = attention_splits(1, 1, HQ, HKV, args.context, sms, ctas_per_sm=c)
 
-            def call(i, ns=ns):
+            def call(i, ns=ns, cache=cache):
                 if cache.quantized:
                     return cuda_kvquant.paged_attention_quant(q, cache.k[i], cache.k_scales[i], cache.v[i],
                                                               cache.v_scales[i], tables, lens, D**-0.5, cache.k_format,

@@ -21,9 +21,11 @@ import torch
 from exl2_backend.cache.kv_types import FORMATS, GROUP
 from exl2_backend.ops import library, reference_kvquant
 from exl2_backend.ops.cuda_layers import (
+    _ATTN_CTAS_PER_SM,
     _ATTN_MIN_SPLIT,
     _DTYPE_CODES,
     _HALF,
+    ATTN_CTAS_PER_SM_8BIT,
     _attn_keys_max,
     _attn_row_tile,
     _check,
@@ -210,7 +212,8 @@ def paged_attention_quant(q: torch.Tensor, k_codes: torch.Tensor, k_scales: torc
     max_ctx = max_pages * s
     dev_index = q.device.index if q.device.index is not None else torch.cuda.current_device()
     rows = (hq // hkv) * tq
-    nsplit = num_splits or attention_splits(b, tq, hq, hkv, max_ctx, _num_sms(dev_index))
+    ctas = ATTN_CTAS_PER_SM_8BIT if "int8" in (k_fmt, v_fmt) or "e4m3" in (k_fmt, v_fmt) else _ATTN_CTAS_PER_SM
+    nsplit = num_splits or attention_splits(b, tq, hq, hkv, max_ctx, _num_sms(dev_index), ctas)
     nsplit = max(nsplit, math.ceil(max_ctx / _attn_keys_max(_attn_row_tile(rows))))
     ws = torch.empty(b * tq * hq * nsplit * (d + 2), dtype=torch.float32, device=q.device) if nsplit > 1 else None
     with _device_guard(q):

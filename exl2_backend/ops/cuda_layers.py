@@ -58,8 +58,13 @@ _SIGNATURES = {
 # 4 CTAs per SM was best at 8k and 32k; splits shorter than 64 keys lost at 2k (33 splits of 64 keys: 649 GB/s,
 # 64 of 32: 570); 8 key steps in flight (flags bit 0) gained 4-7% at 8k/32k/B=16 and lost 4% at 512.
 _ATTN_MIN_SPLIT = 64  # keys; short contexts are not cut finer than this
-# automatic split: aim for this many CTAs per multiprocessor (EXL2_BACKEND_ATTN_CTAS_PER_SM for measurements)
-_ATTN_CTAS_PER_SM = max(1, int(os.environ.get("EXL2_BACKEND_ATTN_CTAS_PER_SM", "4")))
+# Automatic split: aim for this many CTAs per multiprocessor. The quantized-cache kernel with 8-bit codes (fp8,
+# q8, q6's keys; 80 registers, 6 CTAs resident per SM) aims at 6: one full wave at GQA 4. H200 call G3
+# (scripts/attention_sweep.py, 8B attention at 32k): q8 68.9 us at 6 against 82.3 at 4; fp16 (96 registers) and
+# q4 (128) were best at 4 (72.8 / 58.7 us; at 6: 80.4 / 79.5). EXL2_BACKEND_ATTN_CTAS_PER_SM sets both (sweeps).
+_ATTN_CTAS_ENV = os.environ.get("EXL2_BACKEND_ATTN_CTAS_PER_SM")
+_ATTN_CTAS_PER_SM = max(1, int(_ATTN_CTAS_ENV or 4))
+ATTN_CTAS_PER_SM_8BIT = max(1, int(_ATTN_CTAS_ENV or 6))
 _ATTN_FLAGS = 1  # bit 0: 8 key steps in flight per thread instead of 4 (row tiles <= 4)
 _SAMPLE_CHUNK = 2048  # tokens per CTA of the sampling kernel (csrc/layers/sampling.cu CHUNK)
 # Split-combine tickets of paged attention and row counters of the sampler: int32 per-device buffers zeroed

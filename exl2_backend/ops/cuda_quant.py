@@ -56,11 +56,15 @@ F_SCL16 = F_RUNS + 4 * _MAX_RUNS
 # the 8B's k = 8 verify 2.25x a decode step instead of 4.55x (dequant + cuBLAS), and M = 32 cut a 32-token
 # prefill over a 4k cached prefix from 83 to 61 ms.
 GEMV_MAX_M = int(os.environ.get("EXL2_BACKEND_GEMV_MAX_M", "32"))
-# From this many rows on, the TMA GEMV's input is gathered into each part's stored row order by one small kernel
-# first (csrc/quant/exl2_gemv_pregather.cu) and its blocks copy their rows with 16-byte loads; below, every block
-# gathers its rows two bytes at a time (at M = 5 that made the 14336x4096 GEMV 1.8x its M = 1 time, H200 G1).
-# 0 = never (EXL2_BACKEND_GEMV_PREGATHER_MIN_M; the default until measured on the GPU).
-GEMV_PREGATHER_MIN_M = int(os.environ.get("EXL2_BACKEND_GEMV_PREGATHER_MIN_M", "0"))
+# The TMA GEMV's input is gathered into each part's stored row order by one small kernel first
+# (csrc/quant/exl2_gemv_pregather.cu), its blocks then copying their rows with 16-byte loads, when a block would
+# otherwise gather at least this many (token, row) items two bytes at a time: M x Kpad / ksplit. H200, call G3
+# (scripts/bench_gemm.py, same code with and without): 14336x4096 (896 rows per block) at M = 4 / 8 / 32 took
+# 20.2 / 25.0 / 77.4 us pre-gathered against 24.1 / 36.8 / 128.1; 4096x4096 (256 rows) lost at M <= 8 (15.4
+# against 14.9 us at 2,048 items) and won from M = 16 (23.4 against 25.4); 4096x14336 (1,024 rows) broke even
+# at M = 4. The 8B's k = 4 verify fell from 1.60x to 1.43x a decode step with it from M = 2.
+# EXL2_BACKEND_GEMV_PREGATHER_ITEMS: 0 = never, 1 = always.
+GEMV_PREGATHER_ITEMS = int(os.environ.get("EXL2_BACKEND_GEMV_PREGATHER_ITEMS", "3072"))
 # Bytes the GEMV's split-K partials may take (plan/vram.py KERNEL_WORKSPACE counts 64 MB with the tickets): a
 # launch whose plan needs more (a 128k-column head at M > 12: its activations split K six ways at M = 32, ~200 MB
 # of partials, as many bytes as the weights) runs on the mma kernel or dequant + cuBLAS instead.
@@ -445,8 +449,9 @@ class _Launch:
         ldx = x.stride(0) if m > 1 else x.shape[1]
         stream = _stream(x.device)
         pre, ld = None, 0
-        if 0 < GEMV_PREGATHER_MIN_M <= m and gemv_row_cap(self.device) == 32:
-            ld = max(p.Kpad for p in self.parts)  # a multiple of 64
+        kpad = max(p.Kpad for p in self.parts)
+        if 0 < GEMV_PREGATHER_ITEMS <= m * kpad // pl.ksplit and gemv_row_cap(self.device) == 32:
+            ld = kpad  # a multiple of 64
             pre = torch.empty(len(self.parts) * m * ld, dtype=torch.float16, device=x.device)  # [parts, M, ld]
             st = _fn("exl2_gemv_pregather")(blob.ctypes.data, len(self.parts), x.data_ptr(), m, ldx, gate_off,
                                             pre.data_ptr(), ld, stream)

@@ -51,12 +51,20 @@ def decode_kernel_workspace(max_rows: int, max_batch_size: int, hq: int, hkv: in
     """Split workspace of the paged decode kernel (ops/cuda_layers.paged_attention), which takes chunks of
     <= DECODE_KERNEL_MAX_QUERIES queries per sequence, at a context of max_seq_len: the largest over the batch
     shapes that fit."""
-    from exl2_backend.ops.cuda_layers import _attn_keys_max, _attn_row_tile, attention_splits
+    from exl2_backend.ops.cuda_layers import (
+        _ATTN_CTAS_PER_SM,
+        ATTN_CTAS_PER_SM_8BIT,
+        _attn_keys_max,
+        _attn_row_tile,
+        attention_splits,
+    )
+
+    ctas = max(_ATTN_CTAS_PER_SM, ATTN_CTAS_PER_SM_8BIT)  # the split of any cache type
 
     worst = 0
     for tq in range(1, DECODE_KERNEL_MAX_QUERIES + 1):
         b = max(1, min(max_batch_size, max_rows // tq))
-        splits = attention_splits(b, tq, hq, hkv, max_seq_len, num_sms)
+        splits = attention_splits(b, tq, hq, hkv, max_seq_len, num_sms, ctas)
         splits = max(splits, math.ceil(max_seq_len / _attn_keys_max(_attn_row_tile((hq // hkv) * tq))))
         worst = max(worst, b * tq * hq * splits * (d + 2) * _F32)
     return worst

@@ -595,7 +595,7 @@ def test_routing_picks_gemv_mma_or_dequant(monkeypatch, m):
 @pytest.mark.cuda
 @pytest.mark.parametrize("m", [1, 2, 5, 8, 9, 17, 32])
 def test_pregathered_input_is_bit_identical(monkeypatch, m):
-    """The TMA GEMV with its input gathered by one small kernel first (GEMV_PREGATHER_MIN_M) equals the in-kernel
+    """The TMA GEMV with its input gathered by one small kernel first (GEMV_PREGATHER_ITEMS) equals the in-kernel
     gather bit for bit: three fused parts with their own permutations and padded row counts (Kpad 512, 448,
     448), widths 8/5/4, bias, split-K; plain and gated (silu_mul in the pre-gather)."""
     from exl2_backend.ops import cuda_quant
@@ -608,9 +608,9 @@ def test_pregathered_input_is_bit_identical(monkeypatch, m):
     assert sorted({p.Kpad for p in op.launch.parts}) == [448, 512]
     x = _x(m, 448, seed=m)
     gate_up = _x(m, 2 * 448, seed=m + 50)
-    monkeypatch.setattr(cuda_quant, "GEMV_PREGATHER_MIN_M", 0)
+    monkeypatch.setattr(cuda_quant, "GEMV_PREGATHER_ITEMS", 0)  # never
     plain, gated = op.fused_kernel(x, "gemv"), op.gated(gate_up)
-    monkeypatch.setattr(cuda_quant, "GEMV_PREGATHER_MIN_M", 1)
+    monkeypatch.setattr(cuda_quant, "GEMV_PREGATHER_ITEMS", 1)  # always
     assert torch.equal(op.fused_kernel(x, "gemv"), plain)
     assert torch.equal(op.gated(gate_up), gated)
     for q, got in zip(parts, plain.split(op.splits, dim=1)):

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Device call G4 (2026-12-02, session 5, ~90 s; carry .whl and .dev/libexl2_kernels.so.gz, the G3 library): the
+# Device call G4 (prepared in session 5, not yet run: no device time was left; ~90 s; carry .whl and .dev/libexl2_kernels.so.gz, the G3 library): the
 # defaults chosen from G3 — the GEMV pre-gather where a block would gather >= 3,072 items, and the 8-bit-cache
 # attention split at 6 CTAs per SM — run through their tests and the two measurements they are for.
 export EXL2_CARRIED_LIBRARY=1

@@ -410,8 +410,9 @@ EXL2_API int exl2_paged_attention_row_tile(int64_t rows) {
 // q [B, Tq, Hq, D] fp16 (strides in elements, dims contiguous, 16-byte aligned rows); caches [P, S, Hkv, D]
 // fp16 contiguous; block_tables [B, bt_stride] int32 (first max_pages entries used); context_lens [B] int32;
 // out [B, Tq, Hq, D] fp16 contiguous; workspace fp32 of B*Tq*Hq*nsplit*(D+2) floats (unused if nsplit == 1);
-// flags: bit 0 = deeper load unroll for small row tiles. tickets: int32 [B * Hkv * row_tiles], all zero (and left
-// so), to combine the splits inside the one launch; null: a second (reduce) launch does it.
+// flags: bit 0 = deeper load unroll for small row tiles; bits 1-2 = row tile cap (0: 16, 1: 8, 2: 4; more,
+// smaller tiles for a verify step's rows, ops/cuda_layers.ATTN_MAX_ROW_TILE). tickets: int32 [B * Hkv * row_tiles],
+// all zero (and left so), to combine the splits inside the one launch; null: a second (reduce) launch does it.
 EXL2_API int exl2_paged_attention(const void* q, int64_t q_bs, int64_t q_ts, int64_t q_hs, const void* k_cache,
                                   const void* v_cache, const int32_t* block_tables, int64_t bt_stride,
                                   const int32_t* context_lens, void* out, float* workspace, int64_t B, int64_t Tq,
@@ -444,7 +445,9 @@ EXL2_API int exl2_paged_attention(const void* q, int64_t q_bs, int64_t q_ts, int
   p.Hkv = (int)Hkv;
   p.G = (int)(Hq / Hkv);
   p.R = (int)(p.G * Tq);
-  const int rt = exl2_paged_attention_row_tile(p.R);
+  const int cap_code = (flags >> 1) & 3;
+  EXL2_REQUIRE(cap_code <= 2, "paged_attention: bad row tile cap code %d", cap_code);
+  const int rt = min(exl2_paged_attention_row_tile(p.R), 16 >> cap_code);
   p.row_tiles = (p.R + rt - 1) / rt;
   p.nsplit = (int)nsplit;
   p.min_split = (int)min_split;

@@ -83,13 +83,11 @@ __device__ __forceinline__ float load_scale(const half* p) {
 // E: elements per lane per key. 16 for one or two rows (a 16-byte load of 8-bit codes); 8 from four rows on, except
 // 4-bit codes at four rows (8 bytes either way). The q and accumulator registers are RT * E each: at E = 16 the
 // 8-bit kernel of four rows (GQA 4, the 8B's decode) took 168 registers, 3 CTAs per SM and 1.33 waves at 32k
-// (ncu, H200 2026-12-02: 91.7 us, DRAM 17% of peak, against 57.7 us for the fp16 cache).
-#ifndef EXL2_ATTN_Q4_RT4_ELEMS  // elements per lane of 4-bit codes at four rows (measurement builds: 8)
-#define EXL2_ATTN_Q4_RT4_ELEMS 16
-#endif
+// (ncu, H200 2026-12-02: 91.7 us, DRAM 17% of peak; at E = 8: 80 registers, 75.0 us). The 4-bit kernel at E = 8
+// got slower (52.9 -> 74.8 us), so it keeps 16.
 template <int RT, int BITS>
 constexpr int lane_elems() {
-  return RT <= 2 ? 16 : (RT <= 4 && BITS <= 4) ? EXL2_ATTN_Q4_RT4_ELEMS : 8;
+  return RT <= 2 || (RT <= 4 && BITS <= 4) ? 16 : 8;
 }
 
 template <int D, int RT, int U, int KF, int VF>
@@ -397,14 +395,15 @@ int launch_fmt(const QAttnParams& p, int rt, int kf, int vf, int B, cudaStream_t
 // q [B, Tq, Hq, D] fp16 (strides in elements, dims contiguous); k_codes / v_codes uint8 [P, S, Hkv, D * bits / 8]
 // and k_scales / v_scales fp16 [P, S, Hkv, D / 32], contiguous; formats 1 e4m3, 2 int8, 3 int4 (pairs as
 // kv_quant_write); block_tables [B, bt_stride] int32; context_lens [B] int32; out [B, Tq, Hq, D] fp16 contiguous;
-// workspace fp32 of B*Tq*Hq*nsplit*(D+2) floats (unused if nsplit == 1). Row tiles as exl2_paged_attention.
+// workspace fp32 of B*Tq*Hq*nsplit*(D+2) floats (unused if nsplit == 1). Row tiles as exl2_paged_attention, at
+// most max_row_tile (4, 8 or 16) rows each.
 EXL2_API int exl2_paged_attention_quant(const void* q, int64_t q_bs, int64_t q_ts, int64_t q_hs, const void* k_codes,
                                         const void* k_scales, const void* v_codes, const void* v_scales, int k_fmt,
                                         int v_fmt, const int32_t* block_tables, int64_t bt_stride,
                                         const int32_t* context_lens, void* out, float* workspace, int64_t B,
                                         int64_t Tq, int64_t Hq, int64_t Hkv, int64_t D, int64_t num_pages,
                                         int64_t page_size, int64_t max_pages, int64_t nsplit, int64_t min_split,
-                                        float scale, cudaStream_t stream) {
+                                        float scale, int max_row_tile, cudaStream_t stream) {
   using namespace exl2::layers;
   EXL2_REQUIRE(D == 64 || D == 128, "paged_attention_quant: head_dim %lld not supported (64, 128)", (long long)D);
   EXL2_REQUIRE(Hkv > 0 && Hq > 0 && Hq % Hkv == 0, "paged_attention_quant: Hq %lld not a multiple of Hkv %lld",
@@ -435,7 +434,10 @@ EXL2_API int exl2_paged_attention_quant(const void* q, int64_t q_bs, int64_t q_t
   p.Hkv = (int)Hkv;
   p.G = (int)(Hq / Hkv);
   p.R = (int)(p.G * Tq);
-  const int rt = p.R <= 1 ? 1 : p.R <= 2 ? 2 : p.R <= 4 ? 4 : p.R <= 8 ? 8 : 16;
+  EXL2_REQUIRE(max_row_tile == 4 || max_row_tile == 8 || max_row_tile == 16,
+               "paged_attention_quant: row tile cap %d (4, 8 or 16)", max_row_tile);
+  int rt = p.R <= 1 ? 1 : p.R <= 2 ? 2 : p.R <= 4 ? 4 : p.R <= 8 ? 8 : 16;
+  rt = rt < max_row_tile ? rt : max_row_tile;
   p.row_tiles = (p.R + rt - 1) / rt;
   p.nsplit = (int)nsplit;
   p.min_split = (int)min_split;

@@ -19,7 +19,7 @@ import math
 import torch
 
 from exl2_backend.cache.kv_types import FORMATS, GROUP
-from exl2_backend.ops import library, reference_kvquant
+from exl2_backend.ops import cuda_layers, library, reference_kvquant
 from exl2_backend.ops.cuda_layers import (
     _ATTN_CTAS_PER_SM,
     _ATTN_MIN_SPLIT,
@@ -46,10 +46,16 @@ _SIGNATURES = {
     "exl2_kv_quant_write": (PTR, I64, I64, I64, PTR, I64, I64, PTR, I64, I64, I64, PTR, PTR, PTR, PTR, PTR, I64, PTR,
                             PTR, I64, I64, I32, I32, I32, STREAM),
     "exl2_paged_attention_quant": (PTR, I64, I64, I64, PTR, PTR, PTR, PTR, I32, I32, PTR, I64, PTR, PTR, PTR, I64, I64,
-                                   I64, I64, I64, I64, I64, I64, I64, I64, F32, STREAM),
+                                   I64, I64, I64, I64, I64, I64, I64, I64, F32, I32, STREAM),
 }
 _QUANT_FORMATS = ("e4m3", "int8", "int4")
 _PAIRS = {("e4m3", "e4m3"), ("int8", "int8"), ("int8", "int4"), ("int4", "int4")}  # the pairs the kernels build
+
+
+def quant_attention_ctas(k_fmt: str, v_fmt: str) -> int:
+    """CTAs per SM the automatic split aims at: 8-bit codes in either cache run the 80-register kernel (6
+    resident per SM), 4-bit ones the 128-register kernel (4); see cuda_layers.ATTN_CTAS_PER_SM_8BIT."""
+    return ATTN_CTAS_PER_SM_8BIT if {"int8", "e4m3"} & {k_fmt, v_fmt} else _ATTN_CTAS_PER_SM
 
 
 @functools.cache
@@ -212,8 +218,8 @@ def paged_attention_quant(q: torch.Tensor, k_codes: torch.Tensor, k_scales: torc
     max_ctx = max_pages * s
     dev_index = q.device.index if q.device.index is not None else torch.cuda.current_device()
     rows = (hq // hkv) * tq
-    ctas = ATTN_CTAS_PER_SM_8BIT if "int8" in (k_fmt, v_fmt) or "e4m3" in (k_fmt, v_fmt) else _ATTN_CTAS_PER_SM
-    nsplit = num_splits or attention_splits(b, tq, hq, hkv, max_ctx, _num_sms(dev_index), ctas)
+    nsplit = num_splits or attention_splits(b, tq, hq, hkv, max_ctx, _num_sms(dev_index),
+                                            quant_attention_ctas(k_fmt, v_fmt))
     nsplit = max(nsplit, math.ceil(max_ctx / _attn_keys_max(_attn_row_tile(rows))))
     ws = torch.empty(b * tq * hq * nsplit * (d + 2), dtype=torch.float32, device=q.device) if nsplit > 1 else None
     with _device_guard(q):
@@ -221,7 +227,7 @@ def paged_attention_quant(q: torch.Tensor, k_codes: torch.Tensor, k_scales: torc
               k_scales.data_ptr(), v_codes.data_ptr(), v_scales.data_ptr(), FORMATS[k_fmt].abi, FORMATS[v_fmt].abi,
               tables.data_ptr(), tables.stride(0), lens.data_ptr(), out.data_ptr(),
               ws.data_ptr() if ws is not None else None, b, tq, hq, hkv, d, p, s, max_pages, nsplit, _ATTN_MIN_SPLIT,
-              float(scale), _stream(q))
+              float(scale), cuda_layers.ATTN_MAX_ROW_TILE, _stream(q))
     return out
 
 

@@ -66,6 +66,12 @@ _ATTN_CTAS_ENV = os.environ.get("EXL2_BACKEND_ATTN_CTAS_PER_SM")
 _ATTN_CTAS_PER_SM = max(1, int(_ATTN_CTAS_ENV or 4))
 ATTN_CTAS_PER_SM_8BIT = max(1, int(_ATTN_CTAS_ENV or 6))
 _ATTN_FLAGS = 1  # bit 0: 8 key steps in flight per thread instead of 4 (row tiles <= 4)
+# Most query rows per CTA tile (4, 8 or 16). A verify step of k = 4 at GQA 4 has 20 rows per kv head: two tiles
+# of 16 (168-224 registers) or five of 4 (80-96, each a decode CTA's work, K/V re-read from L2). 16 until
+# measured; EXL2_BACKEND_ATTN_MAX_ROW_TILE for the measurement.
+ATTN_MAX_ROW_TILE = int(os.environ.get("EXL2_BACKEND_ATTN_MAX_ROW_TILE", "16"))
+if ATTN_MAX_ROW_TILE not in (4, 8, 16):
+    raise ValueError(f"EXL2_BACKEND_ATTN_MAX_ROW_TILE must be 4, 8 or 16, got {ATTN_MAX_ROW_TILE}")
 _SAMPLE_CHUNK = 2048  # tokens per CTA of the sampling kernel (csrc/layers/sampling.cu CHUNK)
 # Split-combine tickets of paged attention and row counters of the sampler: int32 per-device buffers zeroed
 # once and left at zero by every launch (the last CTA resets its entry), so no memset runs per call or in a
@@ -94,7 +100,13 @@ def _attn_tickets_enabled() -> bool:
 
 
 def _attn_row_tile(rows: int) -> int:
-    return 1 if rows <= 1 else 2 if rows <= 2 else 4 if rows <= 4 else 8 if rows <= 8 else 16
+    natural = 1 if rows <= 1 else 2 if rows <= 2 else 4 if rows <= 4 else 8 if rows <= 8 else 16
+    return min(natural, ATTN_MAX_ROW_TILE)
+
+
+def _attn_flags() -> int:
+    """The kernel's flags: deeper unroll (bit 0) and the row tile cap (bits 1-2: 16 >> code)."""
+    return _ATTN_FLAGS | {16: 0, 8: 1, 4: 2}[ATTN_MAX_ROW_TILE] << 1
 
 
 def _attn_keys_max(row_tile: int) -> int:
@@ -523,7 +535,7 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         _call("exl2_paged_attention", q.data_ptr(), q.stride(0), q.stride(1), q.stride(2), k_cache.data_ptr(),
               v_cache.data_ptr(), tables.data_ptr(), tables.stride(0), lens.data_ptr(), out.data_ptr(),
               ws.data_ptr() if ws is not None else None, b, tq, hq, hkv, d, p, s, max_pages, nsplit,
-              _ATTN_MIN_SPLIT, float(scale), _ATTN_FLAGS, tickets.data_ptr() if tickets is not None else None,
+              _ATTN_MIN_SPLIT, float(scale), _attn_flags(), tickets.data_ptr() if tickets is not None else None,
               _stream(q))
     return out
 

@@ -217,6 +217,17 @@ def test_row_tiles_and_gqa_ratios(kf, vf, tq, hq, hkv):
     check([33], tq, hq, hkv, 64, kf, vf, page=16, seed=2)
 
 
+@pytest.mark.parametrize("kf,vf", PAIRS)
+@pytest.mark.parametrize("cap", [4, 8])
+def test_row_tile_cap(monkeypatch, kf, vf, cap):
+    """ops/cuda_layers.ATTN_MAX_ROW_TILE: a verify step's 20 rows per kv head in 5 tiles of 4 or 3 of 8."""
+    from exl2_backend.ops import cuda_layers
+
+    monkeypatch.setattr(cuda_layers, "ATTN_MAX_ROW_TILE", cap)
+    check([40, 700, 2500], 5, 32, 8, 128, kf, vf, page=64)
+    check([33, 1500], 9, 9, 3, 64, kf, vf, page=16, seed=3)
+
+
 def test_short_contexts_give_zeros():
     for kf, vf in PAIRS:
         out = check([0, 2, 5, 100], 5, 9, 3, 64, kf, vf)

@@ -115,6 +115,18 @@ def test_row_tiles(tq, hq, hkv):
     check([33], tq, hq, hkv, 64, page=16, seed=2)
 
 
+@pytest.mark.parametrize("cap", [4, 8])
+def test_row_tile_cap(monkeypatch, cap):
+    """ATTN_MAX_ROW_TILE (flags bits 1-2): a verify step's rows in more, smaller tiles, the same function; with
+    the kernel's splits (keys per split by the capped tile) and the ticket combine."""
+    monkeypatch.setattr(cl(), "ATTN_MAX_ROW_TILE", cap)
+    assert cl()._attn_row_tile(20) == cap and cl()._attn_row_tile(2) == 2
+    check([40, 700, 2500], 5, 32, 8, 128, page=64)  # 20 rows per kv head: 5 tiles of 4 or 3 of 8
+    check([33, 1500], 9, 9, 3, 64, page=16, seed=3)
+    monkeypatch.setenv("EXL2_BACKEND_ATTN_TICKETS", "1")
+    check([300, 2000], 5, 32, 8, 128, page=64, seed=4)
+
+
 def test_deep_unroll_variant(monkeypatch):
     """flags bit 0 (8 key steps in flight, row tiles <= 4) computes the same function."""
     monkeypatch.setattr(cl(), "_ATTN_FLAGS", 1)

@@ -1,0 +1,44 @@
+"""The decode attention's launch planning on the host (ops/cuda_layers.py, ops/cuda_kvquant.py): row tiles and
+their cap, the flags word, the automatic context split and the CTAs per SM it aims at by cache format. Plain
+Python: runs without a GPU."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from exl2_backend.ops import cuda_kvquant, cuda_layers
+
+
+@pytest.mark.parametrize("rows,natural", [(1, 1), (2, 2), (3, 4), (4, 4), (5, 8), (8, 8), (9, 16), (128, 16)])
+@pytest.mark.parametrize("cap", [4, 8, 16])
+def test_row_tile_is_the_natural_tile_up_to_the_cap(monkeypatch, rows, natural, cap):
+    monkeypatch.setattr(cuda_layers, "ATTN_MAX_ROW_TILE", cap)
+    assert cuda_layers._attn_row_tile(rows) == min(natural, cap)
+    assert cuda_layers._attn_flags() == cuda_layers._ATTN_FLAGS | {16: 0, 8: 2, 4: 4}[cap]
+
+
+@pytest.mark.parametrize("ctx", [64, 1024, 4096, 32768, 131072])
+@pytest.mark.parametrize("tq,hq,hkv", [(1, 32, 8), (5, 32, 8), (32, 32, 8), (1, 9, 3)])
+@pytest.mark.parametrize("ctas", [4, 6])
+def test_splits_cover_the_context_within_the_tile_limit(ctx, tq, hq, hkv, ctas):
+    """Enough splits that no split holds more keys than the tile's shared memory takes; no more than the
+    CTA target asks for, nor splits shorter than the minimum."""
+    sms = 132
+    n = cuda_layers.attention_splits(1, tq, hq, hkv, ctx, sms, ctas)
+    rt = cuda_layers._attn_row_tile((hq // hkv) * tq)
+    need = math.ceil(ctx / cuda_layers._attn_keys_max(rt))
+    assert n >= need
+    tiles = hkv * math.ceil((hq // hkv) * tq / rt)
+    assert n == need or n <= max(1, math.ceil(sms * ctas / tiles), math.ceil(ctx / cuda_layers._ATTN_MIN_SPLIT))
+
+
+def test_8bit_cache_formats_aim_at_more_ctas_per_sm():
+    assert cuda_kvquant.quant_attention_ctas("int8", "int8") == cuda_layers.ATTN_CTAS_PER_SM_8BIT
+    assert cuda_kvquant.quant_attention_ctas("e4m3", "e4m3") == cuda_layers.ATTN_CTAS_PER_SM_8BIT
+    assert cuda_kvquant.quant_attention_ctas("int8", "int4") == cuda_layers.ATTN_CTAS_PER_SM_8BIT  # q6
+    assert cuda_kvquant.quant_attention_ctas("int4", "int4") == cuda_layers._ATTN_CTAS_PER_SM
+    q8 = cuda_layers.attention_splits(1, 1, 32, 8, 32768, 132, cuda_kvquant.quant_attention_ctas("int8", "int8"))
+    q4 = cuda_layers.attention_splits(1, 1, 32, 8, 32768, 132, cuda_kvquant.quant_attention_ctas("int4", "int4"))
+    assert (q8, q4) == (99, 66)  # one full wave of 6 / 4 CTAs per SM on 132 SMs (8 kv heads)

@@ -23,6 +23,20 @@ __device__ __forceinline__ void pdl_launch_dependents() {
 #endif
 }
 
+// pdl_wait() then pdl_launch_dependents(), for a kernel with nothing to do before the wait. A measurement build
+// with EXL2_PDL_EARLY_TRIGGER triggers first: the next kernel may then launch (and a GEMV request its first
+// weights) while this one still waits on its predecessor. Safe either way: a dependent launches only once every
+// block of this grid has started, and its own pdl_wait() still waits for this grid to complete.
+__device__ __forceinline__ void pdl_wait_and_trigger() {
+#ifdef EXL2_PDL_EARLY_TRIGGER
+  pdl_launch_dependents();
+  pdl_wait();
+#else
+  pdl_wait();
+  pdl_launch_dependents();
+#endif
+}
+
 // Whether launches on the current device get the PDL attribute (set by exl2_set_pdl; off below sm_90).
 bool pdl_enabled();
 

@@ -11,8 +11,7 @@ namespace {
 template <typename T, int VEC>
 __global__ void silu_mul_kernel(const T* __restrict__ gate, int64_t gs, const T* __restrict__ up, int64_t us,
                                 T* __restrict__ out, int64_t os, int I) {
-  exl2::pdl_wait();  // inputs come from the previous kernel (PDL launch)
-  exl2::pdl_launch_dependents();
+  exl2::pdl_wait_and_trigger();  // inputs come from the previous kernel (PDL launch)
   const int64_t row = blockIdx.x;
   const int c = (blockIdx.y * blockDim.x + threadIdx.x) * VEC;
   if (c >= I) return;
@@ -31,8 +30,7 @@ __global__ void silu_mul_kernel(const T* __restrict__ gate, int64_t gs, const T*
 template <typename T, int VEC>
 __global__ void embedding_kernel(const int64_t* __restrict__ ids, const T* __restrict__ table, T* __restrict__ out,
                                  int64_t V, int H) {
-  exl2::pdl_wait();  // inputs come from the previous kernel (PDL launch)
-  exl2::pdl_launch_dependents();
+  exl2::pdl_wait_and_trigger();  // inputs come from the previous kernel (PDL launch)
   const int64_t t = blockIdx.x;
   const int64_t id = ids[t];
   const bool ok = id >= 0 && id < V;
@@ -54,8 +52,7 @@ template <typename W>
 __global__ void kv_cache_write_kernel(const W* __restrict__ k, int64_t kts, int64_t khs, const W* __restrict__ v,
                                       int64_t vts, int64_t vhs, W* __restrict__ kc, W* __restrict__ vc,
                                       const int64_t* __restrict__ slots, int64_t num_slots, int hkv, int dw) {
-  exl2::pdl_wait();  // inputs come from the previous kernel (PDL launch)
-  exl2::pdl_launch_dependents();
+  exl2::pdl_wait_and_trigger();  // inputs come from the previous kernel (PDL launch)
   const int64_t t = blockIdx.x;
   const int64_t slot = slots[t];
   if (slot < 0 || slot >= num_slots) return;

@@ -81,8 +81,7 @@ __device__ __forceinline__ void quantize_group(float x, uint8_t* codes, half* sc
 
 template <typename T, int KF, int VF>
 __global__ void __launch_bounds__(QW * 32) kv_quant_kernel(const KVQuantArgs a) {
-  exl2::pdl_wait();  // inputs come from the previous kernel (PDL launch)
-  exl2::pdl_launch_dependents();
+  exl2::pdl_wait_and_trigger();  // inputs come from the previous kernel (PDL launch)
   extern __shared__ float cs[];  // cos [D/2], sin [D/2] (rope only)
   const int64_t t = blockIdx.x;
   const int y = blockIdx.y, Y = gridDim.y;

@@ -15,8 +15,7 @@ constexpr int MAXV = 4;  // vectors per thread cached in registers
 template <typename T, typename W, int VEC>
 __global__ void rms_norm_kernel(const T* x, int64_t x_stride, const T* res, int64_t res_stride, const W* w,
                                 T* out, int64_t out_stride, T* res_out, int64_t res_out_stride, int H, float eps) {
-  exl2::pdl_wait();  // inputs come from the previous kernel (PDL launch)
-  exl2::pdl_launch_dependents();
+  exl2::pdl_wait_and_trigger();  // inputs come from the previous kernel (PDL launch)
   __shared__ float scratch[33];
   const int64_t row = blockIdx.x;
   x += row * x_stride;

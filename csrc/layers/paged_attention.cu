@@ -141,8 +141,7 @@ __global__ void __launch_bounds__(NT) paged_attention_kernel(const AttnParams p)
   const int row0 = tile * RT;
 
   if (start >= ctx) {  // an unused split (or an empty context)
-    exl2::pdl_wait();
-    exl2::pdl_launch_dependents();
+    exl2::pdl_wait_and_trigger();
     // no key at all (ctx == 0): the reference gives zeros, written here unless the reduce kernel does it
     if (p.nsplit == 1 || (p.tickets != nullptr && split == 0)) {
       for (int i = tid; i < RT * D; i += NT) {
@@ -172,8 +171,7 @@ __global__ void __launch_bounds__(NT) paged_attention_kernel(const AttnParams p)
 #pragma unroll
     for (int off = 0; off < D; off += 64) asm volatile("prefetch.global.L2 [%0];" ::"l"(row + off));
   }
-  exl2::pdl_wait();  // inputs come from the previous kernel (PDL launch)
-  exl2::pdl_launch_dependents();
+  exl2::pdl_wait_and_trigger();  // inputs come from the previous kernel (PDL launch)
 
   const int ks = lane / TPK;       // key slot within the warp step
   const int dl = (lane % TPK) * 8; // first of this lane's 8 dims
@@ -357,8 +355,7 @@ __global__ void __launch_bounds__(NT) paged_attention_kernel(const AttnParams p)
 // One CTA per output row (b, j, hq), one thread per dim: combine the splits in order.
 template <int D>
 __global__ void __launch_bounds__(D) attn_reduce_kernel(const AttnParams p) {
-  exl2::pdl_wait();  // inputs come from the previous kernel (PDL launch)
-  exl2::pdl_launch_dependents();
+  exl2::pdl_wait_and_trigger();  // inputs come from the previous kernel (PDL launch)
   const int64_t prow = blockIdx.x;
   const int b = (int)(prow / ((int64_t)p.Tq * p.Hq));
   const int d = threadIdx.x;

@@ -92,8 +92,7 @@ constexpr int lane_elems() {
 
 template <int D, int RT, int U, int KF, int VF>
 __global__ void __launch_bounds__(NT) paged_attention_quant_kernel(const QAttnParams p) {
-  exl2::pdl_wait();  // inputs come from the previous kernel (PDL launch)
-  exl2::pdl_launch_dependents();
+  exl2::pdl_wait_and_trigger();  // inputs come from the previous kernel (PDL launch)
   constexpr int MAXB = KVFormat<KF>::BITS > KVFormat<VF>::BITS ? KVFormat<KF>::BITS : KVFormat<VF>::BITS;
   constexpr int E = lane_elems<RT, MAXB>();
   constexpr int TPK = D / E;     // lanes per key
@@ -325,8 +324,7 @@ __global__ void __launch_bounds__(NT) paged_attention_quant_kernel(const QAttnPa
 // One CTA per output row (b, j, hq), one thread per dim: combine the splits in order, rotate back.
 template <int D, bool ROT>
 __global__ void __launch_bounds__(D) attn_quant_reduce_kernel(const QAttnParams p) {
-  exl2::pdl_wait();
-  exl2::pdl_launch_dependents();
+  exl2::pdl_wait_and_trigger();
   const int64_t prow = blockIdx.x;
   const int b = (int)(prow / ((int64_t)p.Tq * p.Hq));
   const int d = threadIdx.x;

@@ -19,8 +19,7 @@ struct RopeTensor {
 template <typename T, int VEC>
 __global__ void rope_kernel(RopeTensor q, RopeTensor k, const int64_t* __restrict__ positions,
                             const float* __restrict__ inv_freq, int D) {
-  exl2::pdl_wait();  // inputs come from the previous kernel (PDL launch)
-  exl2::pdl_launch_dependents();
+  exl2::pdl_wait_and_trigger();  // inputs come from the previous kernel (PDL launch)
   extern __shared__ float cs[];  // cos [D/2], sin [D/2]
   const int64_t t = blockIdx.x;
   const int half = D / 2;
@@ -66,8 +65,7 @@ __global__ void rope_kv_kernel(RopeTensor q, RopeTensor k, const T* __restrict__
                                T* __restrict__ kc, T* __restrict__ vc, const int64_t* __restrict__ slots,
                                int64_t num_slots, const int64_t* __restrict__ positions,
                                const float* __restrict__ inv_freq, int D) {
-  exl2::pdl_wait();  // inputs come from the previous kernel (PDL launch)
-  exl2::pdl_launch_dependents();
+  exl2::pdl_wait_and_trigger();  // inputs come from the previous kernel (PDL launch)
   extern __shared__ float cs[];  // cos [D/2], sin [D/2]
   const int64_t t = blockIdx.x;
   const int half = D / 2;

@@ -100,8 +100,7 @@ struct SampleArgs {
 };
 
 __global__ void __launch_bounds__(THREADS) sample_kernel(const SampleArgs a) {
-  exl2::pdl_wait();  // inputs come from the previous kernel (PDL launch)
-  exl2::pdl_launch_dependents();
+  exl2::pdl_wait_and_trigger();  // inputs come from the previous kernel (PDL launch)
   __shared__ Cand cscratch[33];
   __shared__ float fscratch[33];
   __shared__ bool is_last;

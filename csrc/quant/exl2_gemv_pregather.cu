@@ -32,8 +32,7 @@ __global__ void __launch_bounds__(kThreads) gemv_pregather_kernel(const __grid_c
   const bool live = r0 < p.kpad[part];
   uint4 idx = make_uint4(0, 0, 0, 0);
   if (live) idx = __ldg(reinterpret_cast<const uint4*>(p.xmap[part] + r0));  // a constant: before the wait
-  exl2::pdl_wait();  // x comes from the previous kernel
-  exl2::pdl_launch_dependents();
+  exl2::pdl_wait_and_trigger();  // x comes from the previous kernel
   if (!live) return;
   const unsigned short* iv = reinterpret_cast<const unsigned short*>(&idx);
   const __half* xr = p.x + (size_t)m * p.ldx;

@@ -280,9 +280,16 @@ __device__ __forceinline__ void tma_block(const GemvParams& p, const GvWork& wk,
 }
 #endif
 
-// Two blocks per SM up to two token tiles; one with the registers of four.
+// Two blocks per SM up to two token tiles; one with the registers of four. A measurement build with
+// EXL2_GEMV_TMA_MT1_MIN_BLOCKS=3 leaves room for a third block of one token tile (72 registers, 68 bytes spilled)
+// while the split-K plan stays at two per SM: the next launch's blocks can then become resident, and request their
+// weights, before this launch's blocks retire.
+#ifndef EXL2_GEMV_TMA_MT1_MIN_BLOCKS
+#define EXL2_GEMV_TMA_MT1_MIN_BLOCKS 2
+#endif
 template <int MT>
-__global__ void __launch_bounds__(kTmaThreads, MT <= 2 ? 2 : 1) gemv_tma_kernel(const __grid_constant__ GemvParams p) {
+__global__ void __launch_bounds__(kTmaThreads, MT == 1 ? EXL2_GEMV_TMA_MT1_MIN_BLOCKS : MT <= 2 ? 2 : 1)
+    gemv_tma_kernel(const __grid_constant__ GemvParams p) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   extern __shared__ __align__(128) unsigned char smem[];
   exl2::pdl_launch_dependents();  // every block is resident now: the next kernel may launch into freed SMs

@@ -721,6 +721,11 @@ EXL2_API int exl2_gemv(const int64_t* blob, int ndesc, const void* x, int M, int
         return e && strcmp(e, "rows") == 0 ? 1 : 0;
       }();
       p.gather_rows = gather_rows;
+      static const int reduce_vec4 = [] {  // EXL2_GEMV_REDUCE=vec4: four columns per item (not yet the default)
+        const char* e = getenv("EXL2_GEMV_REDUCE");
+        return e && strcmp(e, "vec4") == 0 ? 1 : 0;
+      }();
+      p.reduce_vec4 = reduce_vec4;
       // minb 1: cluster split-K. Every descriptor gets exactly ksplit splits, reduced inside a cluster of that
       // many blocks (2..16) through distributed shared memory; the ticket path where that is not possible.
       const int C = p.d[0].ksplit;

@@ -275,7 +275,8 @@ __device__ __forceinline__ void tma_block(const GemvParams& p, const GvWork& wk,
   if (tid == 0) s_last = gv_ticket(d, wk.colblk, wk.ksplit);
   compute_sync();
   if (!s_last) return;
-  gv_reduce_partials(d, wk.colblk, wk.ksplit, M, tid, kTmaComputeThreads);
+  if (p.reduce_vec4) gv_reduce_partials_vec4(d, wk.colblk, wk.ksplit, M, tid, kTmaComputeThreads);
+  else gv_reduce_partials(d, wk.colblk, wk.ksplit, M, tid, kTmaComputeThreads);
   if (tid == 0) d.counters[wk.colblk] = 0;  // ready for the next launch (and graph replay)
 }
 #endif

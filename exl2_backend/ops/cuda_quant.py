@@ -49,9 +49,10 @@ F_SCL16 = F_RUNS + 4 * _MAX_RUNS
 # Small-M GEMV kernels: used for M <= GEMV_MAX_M. Blocks of 8 compute warps (256 columns). GEMV_MINB selects:
 # 0 = the TMA-ring kernel on sm_90+ (exl2_gemv_tma.cu; the register-batch kernel below sm_90), planned at 2 blocks
 # per SM; 1 = the same with the split-K partials reduced inside thread-block clusters (distributed shared memory,
-# no workspace round trip; not yet measured on the GPU); 2 or 3 = the register-batch kernel (exl2_gemm.cu gemv_kernel) with that many planned resident blocks per
-# SM (2 -> 128 registers, no spills; 3 -> 80 registers, small spills; H200 2026-11-29, M=1: 2 gave 15.8 us vs
-# 17.1 us on 4096x14336).
+# no workspace round trip; H200 F1 2026-12-02: slower, 21.8 against 15.0 us on 14336x4096); 2 or 3 = the
+# register-batch kernel (exl2_gemm.cu gemv_kernel) with that many planned resident blocks per SM (2 -> 128
+# registers, no spills; 3 -> 80 registers, small spills; H200 2026-11-29, M=1: 2 gave 15.8 us vs 17.1 us on
+# 4096x14336).
 # Rows routed to the GEMV (capped by gemv_row_cap): 32 since 2026-12-02 (H200, call F2): M = 9 on the GEMV made
 # the 8B's k = 8 verify 2.25x a decode step instead of 4.55x (dequant + cuBLAS), and M = 32 cut a 32-token
 # prefill over a 4k cached prefix from 83 to 61 ms.

@@ -6,7 +6,9 @@
 #     prefill memory, batch invariance);
 #  2. verify costs with the defaults (pre-gather where a block gathers >= 3,072 items; G3 had 1.43x at k = 4 with
 #     it from M = 2) and with the attention row tile capped at 8 and 4 (a k = 4 verify's 20 rows per kv head in
-#     3 or 5 tiles instead of 2 of 16; G1's tables: attention 832 us per verify step against 262 per decode);
+#     3 or 5 tiles instead of 2 of 16; G1's tables: attention 832 us per verify step against 262 per decode),
+#     and with the split-K partials summed four columns per item (EXL2_GEMV_REDUCE=vec4: at M = 5 and 16
+#     splits, 2 rounds of L2 latency instead of 5);
 #  3. the 8B decode at 1k and 32k by cache type with the per-type attention splits (q8 at 6 CTAs per SM).
 export EXL2_CARRIED_LIBRARY=1
 source scripts/device/common.sh
@@ -16,10 +18,11 @@ t=$(date +%s)
 timeout 300 python3 -m pytest $CUDA_TESTS_NO_SMOLLM2 -q -m cuda -p no:cacheprovider --timeout 120 -rf 2>&1 \
   | tee "$R/tests.txt" | grep -E "FAILED|passed|failed|Error" | tail -8
 echo "tests $(( $(date +%s) - t )) s"; t=$(date +%s)
-for cap in 16 8 4; do
-  EXL2_BACKEND_ATTN_MAX_ROW_TILE=$cap timeout 50 python3 scripts/spec_bench.py --skip smollm2 --iters 30 \
-    --work-dir /tmp/spec_bench --out "$R/spec_costs_rt$cap.json" 2> "$R/spec_costs_rt$cap.log"
-  echo "row tile <= $cap: $(grep 'step costs' "$R/spec_costs_rt$cap.log" | tail -1)"
+for cfg in "16 scalar" "8 scalar" "4 scalar" "16 vec4"; do
+  set -- $cfg
+  EXL2_BACKEND_ATTN_MAX_ROW_TILE=$1 EXL2_GEMV_REDUCE=$2 timeout 50 python3 scripts/spec_bench.py --skip smollm2 \
+    --iters 30 --work-dir /tmp/spec_bench --out "$R/spec_costs_rt$1_$2.json" 2> "$R/spec_costs_rt$1_$2.log"
+  echo "row tile <= $1, split-K sum $2: $(grep 'step costs' "$R/spec_costs_rt$1_$2.log" | tail -1)"
 done
 echo "verify $(( $(date +%s) - t )) s"; t=$(date +%s)
 timeout 110 python3 -m exl2_backend.cli.main bench --shape llama3-8b --bpw 4.0 --model-out /tmp/models/llama3-8b \

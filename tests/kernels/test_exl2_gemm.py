@@ -616,3 +616,39 @@ def test_pregathered_input_is_bit_identical(monkeypatch, m):
     for q, got in zip(parts, plain.split(op.splits, dim=1)):
         ref, same = _ref(x, _to_cuda(q))
         assert_close_rel(got, ref, same, msg=f"pre-gathered M={m} part {q.key}")
+
+
+_REDUCE_SCRIPT = """
+import sys, torch
+from exl2_backend.ops import cuda_quant
+from tests.kernels.test_exl2_dequant import _to_cuda, make_qt
+outs = []
+for m in (1, 3, 5, 8, 16, 32):
+    parts = [_to_cuda(make_qt([(8, 64), (4, 960)], 301, seed=m, bias=True, key="a")),
+             _to_cuda(make_qt([(4, 1024)], 1000, seed=m + 1, key="b"))]
+    op = cuda_quant.prepare_linear(parts, "cuda")
+    x = torch.randn(m, 1024, generator=torch.Generator().manual_seed(m)).half().cuda()
+    outs.append(op.fused_kernel(x, "gemv").cpu())
+torch.save(outs, sys.argv[1])
+"""
+
+
+@pytest.mark.cuda
+def test_vec4_split_reduction_is_bit_identical(tmp_path):
+    """EXL2_GEMV_REDUCE=vec4 (read once per process: run in subprocesses) sums the same partials in the same order
+    as the scalar reduction: odd column counts (301: a partial quad), bias, two parts, M = 1..32."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2]
+    got = {}
+    for mode in ("scalar", "vec4"):
+        path = f"{root}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"
+        env = {**os.environ, "EXL2_GEMV_REDUCE": mode, "PYTHONPATH": path}
+        out = tmp_path / f"{mode}.pt"
+        subprocess.run([sys.executable, "-c", _REDUCE_SCRIPT, str(out)], env=env, cwd=root, check=True, timeout=120)
+        got[mode] = torch.load(out)
+    for a, b in zip(got["scalar"], got["vec4"]):
+        assert torch.equal(a, b)

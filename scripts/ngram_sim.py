@@ -4,8 +4,9 @@ Greedy speculation emits exactly the plain greedy tokens, so how many drafts a v
 on the transcript: at each step the proposer sees prompt + output so far, drafts up to k tokens, and the step
 emits the matching prefix plus one token. This replays that for several (min_n, max_n, k) settings on the
 transcripts of `scripts/spec_bench.py`'s workloads (generated here, greedy, on any device) and prints tokens per
-step; with verify costs relative to a decode step (measured by `spec_bench.py`: `--costs 1.13,1.30,1.61,4.67`
-for k = 1, 2, 4, 8 on the 8B shape) it also prints the expected speed-up.
+step; with verify costs relative to a decode step (measured by `spec_bench.py`: `--costs 1.168,1.274,1.429,1.811`
+for k = 1, 2, 4, 8 on the 8B shape, 2026-12-02 G3) it also prints the expected speed-up, each step costed by its
+draft width (a step with no draft is a plain decode step).
 
     python scripts/ngram_sim.py [--model DIR] [--device cpu] [--max-new 160] [--json out.json]
 """
@@ -48,6 +49,26 @@ def replay(prompt: list[int], output: list[int], min_n: int, max_n: int, k: int)
             "acceptance_rate": accepted / drafted if drafted else 0.0, "draft_len_histogram": hist}
 
 
+def step_cost(width: int, costs: dict[int, float]) -> float:
+    """Cost of a step relative to a plain decode step. A step with no draft IS a plain decode step (the
+    engine's verify of zero drafts runs the decode path: runtime/engine.py _decode_group); a draft of `width`
+    tokens costs the measured verify of that width, interpolated linearly between measured widths."""
+    table = {0: 1.0, **costs}
+    if width in table:
+        return table[width]
+    lo = max(w for w in table if w < width)
+    hi = min((w for w in table if w > width), default=None)
+    if hi is None:
+        raise ValueError(f"no verify cost measured for a draft of {width} tokens or more")
+    return table[lo] + (table[hi] - table[lo]) * (width - lo) / (hi - lo)
+
+
+def expected_speedup(r: dict, costs: dict[int, float]) -> float:
+    """Plain decode steps (one per token) over the cost of the replayed steps, each by its draft width."""
+    tokens = r["tokens_per_step"] * r["steps"]
+    return tokens / sum(n * step_cost(w, costs) for w, n in r["draft_len_histogram"].items())
+
+
 def transcripts(model: str | None, device: str, max_new: int) -> dict[str, tuple[list[int], list[int]]]:
     from spec_bench import WORKLOADS
 
@@ -85,7 +106,7 @@ def main() -> None:
     ap.add_argument("--model", default=None, help="EXL2 model directory (default: the embedded default model)")
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--max-new", type=int, default=160)
-    ap.add_argument("--costs", default="1.13,1.30,1.61,4.67", help="verify cost / decode step at k = 1,2,4,8")
+    ap.add_argument("--costs", default="1.168,1.274,1.429,1.811", help="verify cost / decode step at k = 1,2,4,8")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
     costs = dict(zip((1, 2, 4, 8), (float(c) for c in args.costs.split(","))))
@@ -95,10 +116,10 @@ def main() -> None:
         results[name] = {}
         for min_n, max_n, k in SETTINGS:
             r = replay(prompt, output, min_n, max_n, k)
-            if k in costs:  # every step is a verify of k + 1 rows, whatever was drafted (fixed graph width)
-                r["expected_speedup_fixed_k"] = r["tokens_per_step"] / costs[k]
+            if k in costs:
+                r["expected_speedup"] = expected_speedup(r, costs)
             results[name][f"min{min_n}_max{max_n}_k{k}"] = r
-            sp = r.get("expected_speedup_fixed_k")
+            sp = r.get("expected_speedup")
             print(f"{name:14s} min_n {min_n} max_n {max_n} k {k:2d}: {r['tokens_per_step']:.2f} tokens/step, "
                   f"accept {r['acceptance_rate']:.0%}" + (f", expected x{sp:.2f} at the 8B's verify cost" if sp else ""))
     if args.json:

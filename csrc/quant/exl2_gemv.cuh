@@ -78,7 +78,7 @@ __device__ __forceinline__ float2 h2_to_f2(uint32_t u) {
   return __half22float2(h);
 }
 
-// ---- MT token tiles of 8 (the mma kernel and the TMA GEMV for M > 8): one decoded A fragment feeds MT mmas ----
+// ---- MT token tiles of 8 (all three small-M kernels): one decoded A fragment feeds MT mmas ----
 template <int MT>
 struct TileAcc {
   float acc[2][MT][4];  // [n-tile][token tile][c0..c3]: running total
@@ -143,47 +143,20 @@ __device__ __forceinline__ void for_each_acc(F&& f) {
       for (int e = 0; e < 4; ++e) f(nt, mt, e, 16 * nt + gid + 8 * (e >> 1), 8 * mt + 2 * t4 + (e & 1));
 }
 
-// Per-lane accumulators of one warp tile (M <= 8: tokens are the mma N dimension, one token tile).
-struct GvState {
-  float acc[2][4];  // [n-tile][c0..c3]: running total
-  float cg[2][4];   // current group's unscaled sum
-  uint2 sc;         // fp16 scales of the current group (lane layout)
-  int g;            // current group
+// Per-lane state of one warp tile: a TileAcc plus the current group. MT = 1 (M <= 8, tokens the mma N dimension)
+// in the register-batch kernel and the TMA GEMV; more token tiles in the TMA GEMV for M = 9..32.
+template <int MT>
+struct GvStateMT {
+  TileAcc<MT> a;
+  uint2 sc;  // fp16 scales of the current group (lane layout)
+  int g;     // current group
 };
+using GvState = GvStateMT<1>;
 
-__device__ __forceinline__ void gv_zero(GvState& s) {
-#pragma unroll
-  for (int nt = 0; nt < 2; ++nt)
-#pragma unroll
-    for (int e = 0; e < 4; ++e) s.acc[nt][e] = s.cg[nt][e] = 0.f;
-}
-
-// acc += scale * cg for the current group; cg = 0.
-__device__ __forceinline__ void gv_flush(GvState& s) {
-  const float2 s0 = h2_to_f2(s.sc.x), s1 = h2_to_f2(s.sc.y);
-#pragma unroll
-  for (int nt = 0; nt < 2; ++nt) {
-    const float sa = nt ? s1.x : s0.x, sb = nt ? s1.y : s0.y;
-    s.acc[nt][0] += sa * s.cg[nt][0];
-    s.acc[nt][1] += sa * s.cg[nt][1];
-    s.acc[nt][2] += sb * s.cg[nt][2];
-    s.acc[nt][3] += sb * s.cg[nt][3];
-#pragma unroll
-    for (int e = 0; e < 4; ++e) s.cg[nt][e] = 0.f;
-  }
-}
-
-template <int B, int S>
-__device__ __forceinline__ void gv_kstep(const uint32_t (&w)[2][B], uint32_t x0, uint32_t x1, GvState& s) {
-#pragma unroll
-  for (int nt = 0; nt < 2; ++nt) {
-    const uint32_t a0 = pair_qz<B, 4 * S + 0>(w[nt]);
-    const uint32_t a1 = pair_qz<B, 4 * S + 1>(w[nt]);
-    const uint32_t a2 = pair_qz<B, 4 * S + 2>(w[nt]);
-    const uint32_t a3 = pair_qz<B, 4 * S + 3>(w[nt]);
-    mma16816(s.cg[nt], a0, a1, a2, a3, x0, x1);
-  }
-}
+template <int MT>
+__device__ __forceinline__ void gv_zero(GvStateMT<MT>& s) { tile_zero(s.a); }
+template <int MT>
+__device__ __forceinline__ void gv_flush(GvStateMT<MT>& s) { tile_flush(s.a, s.sc); }
 
 // One 32-row unit U of a chunk: two k-steps, then the group end if the chunk info says so (the next group's
 // scales are loaded then, a whole group before their use). kSmem: the scales were staged in shared memory
@@ -192,8 +165,9 @@ template <int B, int U, bool kSmem>
 __device__ __forceinline__ void gv_unit(const uint32_t (&w)[2][B], int info, const __half* xl, GvState& s,
                                         const uint2* scl_lane, int scl_gstride, int G) {
   const uint4 xv = *reinterpret_cast<const uint4*>(xl + 32 * U);
-  gv_kstep<B, 2 * U>(w, xv.x, xv.y, s);
-  gv_kstep<B, 2 * U + 1>(w, xv.z, xv.w, s);
+  const uint32_t xb[1][4] = {{xv.x, xv.y, xv.z, xv.w}};
+  tile_kstep<B, 1, 2 * U>(w, xb, s.a);
+  tile_kstep<B, 1, 2 * U + 1>(w, xb, s.a);
   if ((info >> (30 + U)) & 1) {
     gv_flush(s);
     ++s.g;
@@ -208,19 +182,7 @@ __device__ __forceinline__ void gv_chunk(const uint32_t (&w)[2][B], int info, co
   gv_unit<B, 1, kSmem>(w, info, xl, s, scl_lane, scl_gstride, G);
 }
 
-// ---- several token tiles in the TMA GEMV (M = 9..32): a TileAcc plus the group state ----
-template <int MT>
-struct GvStateMT {
-  TileAcc<MT> a;
-  uint2 sc;  // fp16 scales of the current group (lane layout)
-  int g;     // current group
-};
-
-template <int MT>
-__device__ __forceinline__ void gv_zero(GvStateMT<MT>& s) { tile_zero(s.a); }
-template <int MT>
-__device__ __forceinline__ void gv_flush(GvStateMT<MT>& s) { tile_flush(s.a, s.sc); }
-
+// ---- several token tiles in the TMA GEMV (M = 9..32) ----
 // One 32-row unit: B operands of every token tile (one 16-byte shared load each), two k-steps, group end.
 // xl[mt]: the lane's activations of token tile mt (tokens >= M point at row M - 1: computed, discarded); row:
 // the chunk's first row in the staged activations.
@@ -251,9 +213,8 @@ __device__ __forceinline__ void gv_chunk_mt(const uint32_t (&w)[2][B], int info,
   gv_unit_mt<B, 1, MT>(w, info, xl, row, s, scl_lane, scl_gstride, G);
 }
 
-// The accumulator of element (nt, mt, e), for code shared between the single-tile state, the MT-tile state
-// and the mma kernel's bare TileAcc.
-__device__ __forceinline__ float gv_acc(const GvState& s, int nt, int, int e) { return s.acc[nt][e]; }
+// The accumulator of element (nt, mt, e), for code shared between the GEMV states and the mma kernel's bare
+// TileAcc.
 template <int MT>
 __device__ __forceinline__ float gv_acc(const GvStateMT<MT>& s, int nt, int mt, int e) { return s.a.acc[nt][mt][e]; }
 template <int MT>

@@ -21,7 +21,6 @@
 // register-batch kernel. Compute warps synchronize among themselves with named barrier 1 (256 threads), so the
 // producer never joins a barrier it could deadlock on.
 #include <algorithm>
-#include <type_traits>
 
 #include "common/api.h"
 #include "common/pdl.cuh"
@@ -123,8 +122,8 @@ __device__ __forceinline__ void compute_sync() {
   asm volatile("bar.sync 1, %0;" ::"n"(kTmaComputeThreads) : "memory");
 }
 
-// MT token tiles of 8 (M <= 8 * MT): MT == 1 keeps the single-tile state and helpers of the register-batch
-// kernel; MT > 1 decodes each A fragment once for MT mmas.
+// MT token tiles of 8 (M <= 8 * MT): MT == 1 runs the register-batch kernel's chunk walk (gv_chunk); MT > 1
+// decodes each A fragment once for MT mmas (gv_chunk_mt).
 template <int B, int MT>
 __device__ __forceinline__ void tma_block(const GemvParams& p, const GvWork& wk, unsigned char* smem) {
   const QDesc& d = p.d[wk.di];
@@ -220,7 +219,7 @@ __device__ __forceinline__ void tma_block(const GemvParams& p, const GvWork& wk,
 
   const bool active = warp < nwa;
   const int gid = lane >> 2, t4 = lane & 3;
-  std::conditional_t<MT == 1, GvState, GvStateMT<MT>> st;
+  GvStateMT<MT> st;
   gv_zero(st);
   if (active) {
     const uint2* scl_lane = s_scl + warp * 8 + gid;  // group g of the block: scl_lane[g * 64], g from 0

@@ -1,5 +1,6 @@
 // silu_mul, embedding, kv_cache_write: memory-bound elementwise / gather / scatter kernels with 16-byte
 // accesses where the rows are aligned.
+#include "common/activation.cuh"
 #include "common/pdl.cuh"
 #include "layers/common.cuh"
 
@@ -20,8 +21,7 @@ __global__ void silu_mul_kernel(const T* __restrict__ gate, int64_t gs, const T*
   load_vec<VEC>(up + row * us + c, u);
 #pragma unroll
   for (int k = 0; k < VEC; ++k) {
-    const float s = __fdiv_rn(g[k], __fadd_rn(1.f, __expf(-g[k])));  // silu in fp32, as F.silu on .float()
-    g[k] = __fmul_rn(s, u[k]);
+    g[k] = exl2::silu_mul(g[k], u[k]);
   }
   store_vec<VEC>(out + row * os + c, g);
 }

@@ -6,6 +6,7 @@
 
 #include <cuda_runtime.h>
 
+#include "common/activation.cuh"
 #include "quant/exl2_quant.cuh"
 
 namespace exl2q {
@@ -284,9 +285,7 @@ __device__ __forceinline__ void gv_gather_items(const GemvParams& p, int nch, __
 #pragma unroll
       for (int k = 0; k < kB; ++k) {
         if (e0 + k * T >= items) continue;
-        const float gf = __half2float(g[k]);
-        const float sv = __fdiv_rn(gf, __fadd_rn(1.f, __expf(-gf)));
-        xs[o[k]] = __float2half_rn(__fmul_rn(sv, __half2float(u[k])));
+        xs[o[k]] = __float2half_rn(exl2::silu_mul(__half2float(g[k]), __half2float(u[k])));
       }
     }
     return;
@@ -350,9 +349,8 @@ __device__ __forceinline__ void gv_gather_rounds(const GemvParams& p, int rows, 
         const unsigned short gv = (unsigned short)(g[k / 2] >> (16 * (k % 2)));
         if constexpr (kGated) {
           const unsigned short uv = (unsigned short)(u[k / 2] >> (16 * (k % 2)));
-          const float gf = __half2float(__ushort_as_half(gv));
-          const float sv = __fdiv_rn(gf, __fadd_rn(1.f, __expf(-gf)));
-          xs[m * p.xstride + r] = __float2half_rn(__fmul_rn(sv, __half2float(__ushort_as_half(uv))));
+          xs[m * p.xstride + r] = __float2half_rn(
+              exl2::silu_mul(__half2float(__ushort_as_half(gv)), __half2float(__ushort_as_half(uv))));
         } else {
           xo[m * p.xstride + r] = gv;
         }

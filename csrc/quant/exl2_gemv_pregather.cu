@@ -5,6 +5,7 @@
 // per block 896 rows x M tokens of scattered 2-byte loads, a 32-byte L2 sector each, 264 blocks.
 #include <cuda_fp16.h>
 
+#include "common/activation.cuh"
 #include "common/api.h"
 #include "common/pdl.cuh"
 #include "quant/exl2_quant.cuh"
@@ -46,11 +47,8 @@ __global__ void __launch_bounds__(kThreads) gemv_pregather_kernel(const __grid_c
       u[k] = ok ? __ldg(xr + p.gate_off + iv[k]) : __half(0.f);
     }
 #pragma unroll
-    for (int k = 0; k < kRowsPerThread; ++k) {  // the arithmetic of silu_mul_kernel (bit-identical)
-      const float gf = __half2float(g[k]);
-      const float sv = __fdiv_rn(gf, __fadd_rn(1.f, __expf(-gf)));
-      v[k] = __float2half_rn(__fmul_rn(sv, __half2float(u[k])));
-    }
+    for (int k = 0; k < kRowsPerThread; ++k)
+      v[k] = __float2half_rn(exl2::silu_mul(__half2float(g[k]), __half2float(u[k])));
   } else {
 #pragma unroll
     for (int k = 0; k < kRowsPerThread; ++k) v[k] = iv[k] != 0xFFFFu ? __ldg(xr + iv[k]) : __half(0.f);

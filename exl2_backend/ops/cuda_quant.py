@@ -340,6 +340,7 @@ class _Launch:
         self.device = device
         self.K = parts[0].K
         self.splits = [p.N for p in parts]
+        self.kpad = max(p.Kpad for p in parts)  # rows of the longest part, padding included
         self.out_features = sum(self.splits)
         self.col_off = list(itertools.accumulate([0] + self.splits[:-1]))
         self.sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 132
@@ -370,7 +371,7 @@ class _Launch:
             ncol = [-(-p.Np // _GEMV_COLS) for p in self.parts]
             ks = max(1, int(self.sms * per_sm) // sum(ncol))
             # activations of one split in shared memory: <= ~48 KB at M tokens
-            ks = max(ks, -(-max(p.Kpad for p in self.parts) * m * 2 // (48 << 10)))
+            ks = max(ks, -(-self.kpad * m * 2 // (48 << 10)))
             ks = min(ks, min(p.C for p in self.parts))
             blob = np.stack(self._descs).copy()
             blob[:, F_KSPLIT] = ks
@@ -450,9 +451,8 @@ class _Launch:
         ldx = x.stride(0) if m > 1 else x.shape[1]
         stream = _stream(x.device)
         pre, ld = None, 0
-        kpad = max(p.Kpad for p in self.parts)
-        if 0 < GEMV_PREGATHER_ITEMS <= m * kpad // pl.ksplit and gemv_row_cap(self.device) == 32:
-            ld = kpad  # a multiple of 64
+        if 0 < GEMV_PREGATHER_ITEMS <= m * self.kpad // pl.ksplit and gemv_row_cap(self.device) == 32:
+            ld = self.kpad  # a multiple of 64
             pre = torch.empty(len(self.parts) * m * ld, dtype=torch.float16, device=x.device)  # [parts, M, ld]
             st = _fn("exl2_gemv_pregather")(blob.ctypes.data, len(self.parts), x.data_ptr(), m, ldx, gate_off,
                                             pre.data_ptr(), ld, stream)

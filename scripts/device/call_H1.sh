@@ -15,8 +15,7 @@ source scripts/device/common.sh
 results_dir
 trap '[ -d "$R" ] && pack_results h1' EXIT
 t=$(date +%s)
-timeout 300 python3 -m pytest $CUDA_TESTS_NO_SMOLLM2 -q -m cuda -p no:cacheprovider --timeout 120 -rf 2>&1 \
-  | tee "$R/tests.txt" | grep -E "FAILED|passed|failed|Error" | tail -8
+gpu_tests tests 300 $CUDA_TESTS_NO_SMOLLM2 --timeout 120
 echo "tests $(( $(date +%s) - t )) s"; t=$(date +%s)
 for cfg in "16 scalar" "8 scalar" "4 scalar" "16 vec4"; do
   set -- $cfg

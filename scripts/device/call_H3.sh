@@ -18,9 +18,8 @@ for v in default early early_res3; do
   lib=""; [ $v != default ] && lib=/tmp/lib_$v.so
   t=$(date +%s)
   if [ $v != default ]; then
-    EXL2_BACKEND_LIBRARY=$lib timeout 120 python3 -m pytest tests/kernels/test_exl2_gemm.py \
-      tests/kernels/test_paged_attention.py tests/kernels/test_layers.py -q -m cuda -p no:cacheprovider \
-      --timeout 60 -rf -x 2>&1 | tee "$R/tests_$v.txt" | grep -E "FAILED|passed|failed|Error" | tail -3
+    EXL2_BACKEND_LIBRARY=$lib gpu_tests "tests_$v" 120 tests/kernels/test_exl2_gemm.py \
+      tests/kernels/test_paged_attention.py tests/kernels/test_layers.py --timeout 60 -x
   fi
   EXL2_BACKEND_LIBRARY=$lib timeout 80 python3 scripts/profile_decode.py --shapes llama3-8b --variants after \
     --workdir /tmp/prof --no-check --out "$R" > "$R/profile_$v.txt" 2>&1

@@ -33,6 +33,14 @@ start_exllamav2_jit() {
 CUDA_TESTS_NO_SMOLLM2="tests/kernels tests/unit/test_convert_device.py tests/multigpu/test_multigpu_cuda.py
   tests/engine/test_prefill_memory.py tests/serve/test_batch_invariance.py"
 exl2() { python3 -m exl2_backend.cli.main "$@"; }
+# GPU tests: gpu_tests NAME SECONDS [pytest arguments...]; the whole output in $R/NAME.txt (after results_dir),
+# the failures and the summary on stdout.
+gpu_tests() {
+  local name=$1 secs=$2
+  shift 2
+  timeout "$secs" python3 -m pytest "$@" -q -m cuda -p no:cacheprovider -rf 2>&1 | tee "$R/$name.txt" \
+    | grep -E "FAILED|passed|failed|Error" | tail -8
+}
 # Results of a call as one archive ($OUT brings back at most 8 files): write under $R after results_dir, then
 # pack_results NAME at the end ($OUT/NAME.tar.gz).
 results_dir() { R="$OUT/r"; mkdir -p "$R"; }

@@ -13,13 +13,14 @@ bit-identical logits (the fused ops compute the same bits as the unfused ones); 
 CPU reference model (fp32) are compared by token agreement (informational: fp16 vs fp32).
 
 Variants (switches that keep the old path selectable; all use the fused rope + KV write):
-  before:  no programmatic dependent launch, silu_mul as its own kernel (the 2026-11-29 path)
+  before:  no programmatic dependent launch, silu_mul and add_rms_norm as their own kernels (the 2026-11-29 path)
   pdl:     programmatic dependent launch (EXL2_BACKEND_PDL, ops.library.set_pdl) on every decode kernel
   silu:    silu_mul folded into the down GEMV's input gather (EXL2_BACKEND_FUSED_SILU_DOWN)
-  after:   both (the default)
+  after:   both, and add_rms_norm inside the GEMV after it (the default)
   tickets: after + attention splits combined by their last CTA (one kernel; EXL2_BACKEND_ATTN_TICKETS=1)
   regbatch: after with the register-batch small-M GEMV (EXL2_BACKEND_GEMV_MINB=2) instead of the TMA-ring one
   cluster:  after with the TMA GEMV's split-K partials reduced inside thread-block clusters (GEMV_MINB=1)
+  nonorm:   after with add_rms_norm as its own kernel instead of inside the next GEMV (EXL2_BACKEND_FUSED_NORM=0)
 
 Shapes: "llama3-8b" is written with 4 layers of Llama-3.1-8B width and the full 128256-token head, then
 loaded as 32 layers (layer i reuses the weights of layer i % 4, each packed into its own GPU copy, so the
@@ -53,13 +54,14 @@ SMOLLM2 = {"hidden_size": 576, "num_hidden_layers": 30, "intermediate_size": 153
            "rope_theta": 100000.0, "max_position_embeddings": 8192}
 
 VARIANTS = {
-    "before": {"pdl": False, "silu_down": False},
+    "before": {"pdl": False, "silu_down": False, "fused_norm": False},
     "pdl": {"pdl": True, "silu_down": False},
     "silu": {"pdl": False, "silu_down": True},
     "after": {"pdl": True, "silu_down": True},
     "tickets": {"pdl": True, "silu_down": True, "attn_tickets": True},
     "regbatch": {"pdl": True, "silu_down": True, "gemv_minb": 2},  # the register-batch GEMV instead of the TMA ring
     "cluster": {"pdl": True, "silu_down": True, "gemv_minb": 1},  # TMA ring, split-K reduced inside clusters
+    "nonorm": {"pdl": True, "silu_down": True, "fused_norm": False},  # add_rms_norm as its own kernel
 }
 
 
@@ -102,6 +104,7 @@ def set_variant(v: dict) -> None:
     from exl2_backend.ops import cuda_quant, library
 
     layers.FUSED_SILU_DOWN = v["silu_down"]
+    layers.FUSED_NORM = v.get("fused_norm", True)
     cuda_quant.GEMV_MINB = v.get("gemv_minb", 0)
     library.set_pdl(v["pdl"])  # recorded into the graphs captured from now on
     os.environ["EXL2_BACKEND_ATTN_TICKETS"] = "1" if v.get("attn_tickets") else "0"

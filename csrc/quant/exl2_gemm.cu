@@ -11,6 +11,7 @@
 #include "common/api.h"
 #include "common/pdl.cuh"
 #include "quant/exl2_gemv.cuh"
+#include "quant/exl2_gemv_norm.cuh"
 #include "quant/exl2_quant.cuh"
 
 #include <algorithm>
@@ -646,8 +647,19 @@ bool exact_run_splits(const exl2q::QDesc& d, int total, int* rbase, int& maxnch)
 // the register-batch kernel variant with that many planned resident blocks per SM. Same output/workspace contract as exl2_gemm,
 // with column blocks of 256 (counters: one per 256-column block).
 // gate_off > 0: fused silu_mul input (x [M, ldx] holds gate at columns [0, K) and up at [gate_off, gate_off + K)).
-EXL2_API int exl2_gemv(const int64_t* blob, int ndesc, const void* x, int M, int ldx, int gate_off, int minb,
-                       const void* xpre, int xpre_ld, void* stream) {
+namespace {
+// The fused RMSNorm input of exl2_gemv_add_norm (GemvParams::norm_*).
+struct GemvNorm {
+  const void* res;
+  int res_ld;
+  const void* w;
+  void* res_out;
+  int res_out_ld;
+  float eps;
+};
+
+int gemv_impl(const int64_t* blob, int ndesc, const void* x, int M, int ldx, int gate_off, int minb,
+              const void* xpre, int xpre_ld, const GemvNorm* norm, void* stream) {
   EXL2_REQUIRE(blob && x, "exl2_gemv: null argument");
   EXL2_REQUIRE(ndesc >= 1 && ndesc <= kMaxDesc, "exl2_gemv: %d descriptors (1..%d)", ndesc, kMaxDesc);
   EXL2_REQUIRE(M >= 1 && M <= 32, "exl2_gemv: M=%d outside 1..32", M);
@@ -721,9 +733,11 @@ EXL2_API int exl2_gemv(const int64_t* blob, int ndesc, const void* x, int M, int
         return e && strcmp(e, "rows") == 0 ? 1 : 0;
       }();
       p.gather_rows = gather_rows;
-      static const int reduce_vec4 = [] {  // EXL2_GEMV_REDUCE=vec4: four columns per item (not yet the default)
+      // The split-K sum four columns per item (H200 call H1: the 8B's k = 4 verify 1.29x a decode step against
+      // 1.39x one column per item); EXL2_GEMV_REDUCE=scalar for the old walk.
+      static const int reduce_vec4 = [] {
         const char* e = getenv("EXL2_GEMV_REDUCE");
-        return e && strcmp(e, "vec4") == 0 ? 1 : 0;
+        return e && strcmp(e, "scalar") == 0 ? 0 : 1;
       }();
       p.reduce_vec4 = reduce_vec4;
       // minb 1: cluster split-K. Every descriptor gets exactly ksplit splits, reduced inside a cluster of that
@@ -752,7 +766,24 @@ EXL2_API int exl2_gemv(const int64_t* blob, int ndesc, const void* x, int M, int
         return e && atoi(e) > 0 ? atoi(e) : 0;
       }();
       p.maxgrp = 2 * maxnch + 1;  // a chunk holds at most two group ends
-      const int extra = gemv_tma_smem_extra(M, p.xstride, maxnch, p.maxgrp);
+      if (norm) {
+        const int K = p.d[0].K;
+        for (int i = 1; i < ndesc; ++i)
+          EXL2_REQUIRE(p.d[i].K == K, "exl2_gemv_add_norm: parts with different K (%d, %d)", K, p.d[i].K);
+        EXL2_REQUIRE(gate_off == 0 && !xpre && !p.cluster && !probe, "exl2_gemv_add_norm: no gated, pre-gathered, "
+                     "cluster or probe launch");
+        p.norm_k = K;
+        p.norm_nt = norm_row_threads(K);
+        EXL2_REQUIRE(K % kNormVec == 0 && p.norm_nt <= kMaxNormThreads, "exl2_gemv_add_norm: K=%d must be a "
+                     "multiple of %d and at most %d", K, kNormVec, kMaxNormThreads * kNormVec * kNormMaxVecs);
+        p.norm_res = reinterpret_cast<const __half*>(norm->res);
+        p.norm_w = reinterpret_cast<const __half*>(norm->w);
+        p.norm_res_out = reinterpret_cast<__half*>(norm->res_out);
+        p.norm_res_ld = norm->res_ld;
+        p.norm_res_out_ld = norm->res_out_ld;
+        p.norm_eps = norm->eps;
+      }
+      const int extra = gemv_tma_smem_extra(M, p.xstride, maxnch, p.maxgrp, p.norm_k);
       int max_bits = 2;
       for (int i = 0; i < ndesc; ++i) max_bits = std::max(max_bits, p.d[i].runs[0].bits);  // runs: widest first
       const int slot = kGvWarps * 256 * max_bits;
@@ -768,9 +799,37 @@ EXL2_API int exl2_gemv(const int64_t* blob, int ndesc, const void* x, int M, int
   }
   EXL2_REQUIRE(M <= 8, "exl2_gemv: M=%d needs the TMA kernel (sm_90+, minb 0 or 1); this one takes 1..8", M);
   EXL2_REQUIRE(!xpre, "exl2_gemv: pre-gathered input needs the TMA kernel (sm_90+, minb 0 or 1)");
+  EXL2_REQUIRE(!norm, "exl2_gemv_add_norm: the fused norm needs the TMA kernel (sm_90+, minb 0)");
   const int smem = align16(M * p.xstride * 2) + maxnch * kChunkRows * 2;  // + the xmap slice
   EXL2_REQUIRE(smem <= 227 * 1024, "exl2_gemv: needs %d bytes of shared memory; use a larger ksplit", smem);
   return minb == 3 ? gemv_launch<3>(p, blocks, smem, s) : gemv_launch<2>(p, blocks, smem, s);
+}
+
+bool gemv_aligned16(const void* p) { return (reinterpret_cast<uintptr_t>(p) & 15) == 0; }
+}  // namespace
+
+EXL2_API int exl2_gemv(const int64_t* blob, int ndesc, const void* x, int M, int ldx, int gate_off, int minb,
+                       const void* xpre, int xpre_ld, void* stream) {
+  return gemv_impl(blob, ndesc, x, M, ldx, gate_off, minb, xpre, xpre_ld, nullptr, stream);
+}
+
+// The small-M GEMV of rms_norm(h + residual) * weight (TMA kernel, sm_90+): the same output as exl2_add_rms_norm
+// (hidden K = every part's in_features) followed by exl2_gemv, bit for bit, in one launch. h [M, ldh]; residual
+// [M, res_ld] or null (input rms_norm(h)); weight fp16 [K]; res_out [M, res_out_ld] receives round(h + residual)
+// (null: not written; it must not alias h or residual, which other blocks still read). Rows: K / 8 vectors, K
+// at most 8192; every block keeps all M normalized rows in shared memory (M * K * 2 bytes).
+EXL2_API int exl2_gemv_add_norm(const int64_t* blob, int ndesc, const void* h, int M, int ldh, const void* residual,
+                                int res_ld, const void* weight, void* res_out, int res_out_ld, float eps,
+                                void* stream) {
+  EXL2_REQUIRE(h && weight, "exl2_gemv_add_norm: null argument");
+  EXL2_REQUIRE(eps > 0.f && eps < 1.f, "exl2_gemv_add_norm: eps %g outside (0, 1)", (double)eps);
+  EXL2_REQUIRE(gemv_aligned16(h) && gemv_aligned16(weight) && ldh % 8 == 0 && (!residual || (gemv_aligned16(residual) &&
+               res_ld % 8 == 0)) && (!res_out || (gemv_aligned16(res_out) && res_out_ld % 8 == 0)),
+               "exl2_gemv_add_norm: rows must start 16-byte aligned (pointers and row strides)");
+  EXL2_REQUIRE(!res_out || residual, "exl2_gemv_add_norm: res_out without a residual");
+  EXL2_REQUIRE(!res_out || (res_out != h && res_out != residual), "exl2_gemv_add_norm: res_out aliases an input");
+  const GemvNorm norm{residual, res_ld, weight, res_out, res_out_ld, eps};
+  return gemv_impl(blob, ndesc, h, M, ldh, 0, 0, nullptr, 0, &norm, stream);
 }
 
 // Resident blocks per SM of the GEMV variant `minb` with `smem` bytes of dynamic shared memory (host query).

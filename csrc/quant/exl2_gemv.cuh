@@ -38,6 +38,14 @@ struct GemvParams {
   const __half* xpre;  // TMA kernel: null, or the input already in stored row order, xpre[(di * M + m) * xpre_ld
   int xpre_ld;         // + r] (exl2_gemv_pregather.cu; silu_mul applied): blocks copy their rows, no gather
   int reduce_vec4;     // TMA kernel: the last block sums the split partials four columns per item
+  // TMA kernel, RMSNorm fused into the input (exl2_gemv_norm.cuh) when norm_nt > 0: the input is
+  // rms_norm(x + norm_res) * norm_w over rows of norm_k (x is the previous op's output h; norm_res null: no add),
+  // and block 0 writes x + norm_res into norm_res_out (null: not written).
+  const __half* norm_res;
+  const __half* norm_w;  // [norm_k]
+  __half* norm_res_out;
+  int norm_res_ld, norm_res_out_ld, norm_k, norm_nt;
+  float norm_eps;
 };
 
 // The block's work: descriptor, run, column block and chunk range [c0, c1). Splits are numbered run by run:
@@ -430,8 +438,8 @@ __device__ __forceinline__ void gv_reduce_partials(const QDesc& d, int colblk, i
 // gv_reduce_partials over four adjacent columns per item: 16 float4 loads (64 values) in flight per thread, so
 // M rows of 256 columns take ceil(M * 64 / nthreads) rounds of L2 latency instead of ceil(M * 256 / nthreads)
 // (a k = 4 verify, M = 5, with 16 splits: 2 rounds instead of 5). The same sums in the same split order
-// (bit-identical); Np is a multiple of 32, so the loads stay inside the partials. Selected by
-// GemvParams::reduce_vec4 (EXL2_GEMV_REDUCE=vec4) until it has run on the GPU.
+// (bit-identical); Np is a multiple of 32, so the loads stay inside the partials. The default
+// (GemvParams::reduce_vec4; EXL2_GEMV_REDUCE=scalar selects gv_reduce_partials).
 __device__ __forceinline__ void gv_reduce_partials_vec4(const QDesc& d, int colblk, int ksplit, int M, int tid,
                                                         int nthreads) {
   const int nblk0 = colblk * kGvCols;
@@ -467,7 +475,8 @@ __device__ __forceinline__ void gv_reduce_partials_vec4(const QDesc& d, int colb
 
 // TMA-ring GEMV launch (exl2_gemv_tma.cu): p fully planned (ring_bytes set), `smem` dynamic bytes.
 int gemv_tma_launch(const GemvParams& p, int blocks, int smem, cudaStream_t stream);
-// Dynamic shared memory the TMA kernel needs beside its ring; maxgrp: most groups a block touches.
-int gemv_tma_smem_extra(int M, int xstride, int maxnch, int maxgrp);
+// Dynamic shared memory the TMA kernel needs beside its ring; maxgrp: most groups a block touches; norm_k: the
+// fused norm's row length (0 without).
+int gemv_tma_smem_extra(int M, int xstride, int maxnch, int maxgrp, int norm_k);
 
 }  // namespace exl2q

@@ -25,6 +25,7 @@
 #include "common/api.h"
 #include "common/pdl.cuh"
 #include "quant/exl2_gemv.cuh"
+#include "quant/exl2_gemv_norm.cuh"
 
 namespace exl2q {
 namespace {
@@ -137,7 +138,7 @@ __device__ __forceinline__ void tma_block(const GemvParams& p, const GvWork& wk,
   const int stages = min(kTmaMaxStages, p.ring_bytes / kSlotBytes);
 
   // Shared memory: [barriers][ring][scales: maxgrp x 8 warps x 8 gid uint2][x: M x xstride halves][xmap slice]
-  // [chunk info]
+  // [chunk info][fused norm: kGvWarps partial sums][fused norm: M x norm_k normalized halves]
   const uint32_t bar0 = smem_addr(smem);
   unsigned char* ring = smem + kBarBytes;
   uint2* s_scl = reinterpret_cast<uint2*>(ring + p.ring_bytes);
@@ -145,6 +146,8 @@ __device__ __forceinline__ void tma_block(const GemvParams& p, const GvWork& wk,
   unsigned short* xm = reinterpret_cast<unsigned short*>(reinterpret_cast<unsigned char*>(xs) +
                                                          align16(M * p.xstride * 2));
   int* s_info = reinterpret_cast<int*>(xm + p.maxnch * kChunkRows);
+  float* s_red = reinterpret_cast<float*>(reinterpret_cast<unsigned char*>(s_info) + align16(p.maxnch * 4));
+  __half* xf = reinterpret_cast<__half*>(s_red + kGvWarps);
   auto full_bar = [&](int s) { return bar0 + 8 * s; };
   auto empty_bar = [&](int s) { return bar0 + 8 * (kTmaMaxStages + s); };
   const uint32_t scale_bar = bar0 + 8 * (2 * kTmaMaxStages);
@@ -210,7 +213,10 @@ __device__ __forceinline__ void tma_block(const GemvParams& p, const GvWork& wk,
   for (int i = tid; i < nch; i += kTmaComputeThreads) s_info[i] = __ldg(d.info + c0 + i);
   exl2::pdl_wait();
   compute_sync();
-  if (!(p.probe & kProbeNoGather)) {  // M > 8: M loads per row slot, 16 or 32 in flight (M = 32: 6 or 3 rounds)
+  if (p.norm_nt) {
+    gv_norm_rows(p, xf, s_red, blockIdx.x == 0 ? p.norm_res_out : nullptr, compute_sync);
+    gv_gather_normed(p, nch, xs, xm, xf, kTmaComputeThreads);
+  } else if (!(p.probe & kProbeNoGather)) {  // M > 8: M loads per row slot, 16 or 32 in flight (M = 32: 6 or 3 rounds)
     if (p.xpre) gv_copy_pregathered(p, wk.di, c0, nch, xs, kTmaComputeThreads);
     else if (MT > 1 || p.gather_rows) gv_gather<MT >= 4 ? 32 : 16>(p, nch, xs, xm, kTmaComputeThreads);
     else gv_gather_items(p, nch, xs, xm, kTmaComputeThreads);
@@ -311,9 +317,9 @@ constexpr int kMaxDevices = 64;
 
 }  // namespace
 
-int gemv_tma_smem_extra(int M, int xstride, int maxnch, int maxgrp) {
+int gemv_tma_smem_extra(int M, int xstride, int maxnch, int maxgrp, int norm_k) {
   return kBarBytes + maxgrp * kGroupScaleBytes + align16(M * xstride * 2) + maxnch * kChunkRows * 2 +
-         align16(maxnch * 4);
+         align16(maxnch * 4) + (norm_k ? kGvWarps * 4 + align16(M * norm_k * 2) : 0);
 }
 
 namespace {

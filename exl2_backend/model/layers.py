@@ -14,6 +14,22 @@ from exl2_backend import ops
 FUSED_ROPE_KV = os.environ.get("EXL2_BACKEND_FUSED_ROPE_KV", "1") != "0"
 # silu_mul folded into the down projection's GEMV (CUDA, small M); EXL2_BACKEND_FUSED_SILU_DOWN=0 for A/B timing.
 FUSED_SILU_DOWN = os.environ.get("EXL2_BACKEND_FUSED_SILU_DOWN", "1") != "0"
+# rms_norm folded into the GEMV after it (q/k/v, gate/up, head; CUDA TMA GEMV, small M: CudaLinearOp.add_normed);
+# EXL2_BACKEND_FUSED_NORM=0 runs add_rms_norm apart (same bits), for A/B timing.
+FUSED_NORM = os.environ.get("EXL2_BACKEND_FUSED_NORM", "1") != "0"
+
+
+def norm_linear(linear, h: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float):
+    """(linear(rms_norm(h + residual) * weight) [T, N], h + residual [T, H]); residual None: the norm of h alone,
+    and h is the residual stream. One GEMV where the linear normalizes its own input, else add_rms_norm first."""
+    if FUSED_NORM and hasattr(linear, "add_normed"):
+        fused = linear.add_normed(h, residual, weight, eps)
+        if fused is not None:
+            return fused
+    if residual is None:
+        return linear(ops.rms_norm(h, weight, eps)), h
+    x, residual = ops.add_rms_norm(h, residual, weight, eps)
+    return linear(x), residual
 
 
 @dataclass
@@ -47,16 +63,17 @@ class DecoderLayer:
         self.down = ops.prepare_linear([lw.down_proj], device, dtype)
         self.scale = self.head_dim**-0.5
 
-    def attention(self, x, positions, inv_freq, cache, meta: AttentionMetadata, batch: int):
-        """x [T, H] normed hidden states, T = B*Tq; returns the o_proj output [T, H]."""
-        t = x.shape[0]
+    def attention(self, qkv, positions, inv_freq, cache, meta: AttentionMetadata, batch: int):
+        """qkv [T, (Hq + 2 Hkv) D], the fused q/k/v projection of the normed hidden states, T = B*Tq; returns the
+        o_proj output [T, H]."""
+        t = qkv.shape[0]
         hq, hkv, d = self.num_heads, self.num_kv_heads, self.head_dim
-        q, k, v = self.qkv(x).split(self.qkv.splits, dim=-1)  # [T, Hq*D], [T, Hkv*D], [T, Hkv*D] views
+        q, k, v = qkv.split(self.qkv.splits, dim=-1)  # [T, Hq*D], [T, Hkv*D], [T, Hkv*D] views
         q, k, v = q.reshape(t, hq, d), k.reshape(t, hkv, d), v.reshape(t, hkv, d)
         if getattr(cache, "quantized", False):
-            return self._attention_quantized(q, k, v, positions, inv_freq, cache, meta, batch, x.dtype)
+            return self._attention_quantized(q, k, v, positions, inv_freq, cache, meta, batch, qkv.dtype)
         k_cache, v_cache = cache.k[self.index], cache.v[self.index]  # [P, S, Hkv, D]
-        if FUSED_ROPE_KV and k_cache.dtype == x.dtype:
+        if FUSED_ROPE_KV and k_cache.dtype == qkv.dtype:
             # one launch: q rotated in place in the QKV output, rotated k and v written into the cache
             ops.rope_kv_write(q, k, v, positions, inv_freq, k_cache, v_cache, meta.slots)
         else:
@@ -65,7 +82,7 @@ class DecoderLayer:
             ops.kv_cache_write(k.to(k_cache.dtype), v.to(v_cache.dtype), k_cache, v_cache, meta.slots)
         q = q.reshape(batch, t // batch, hq, d)  # [B, Tq, Hq, D]
         out = ops.paged_attention(q, k_cache, v_cache, meta.block_tables, meta.context_lens, self.scale)
-        return self.o(out.reshape(t, hq * d).to(x.dtype))  # [T, H]
+        return self.o(out.reshape(t, hq * d).to(qkv.dtype))  # [T, H]
 
     def _attention_quantized(self, q, k, v, positions, inv_freq, cache, meta: AttentionMetadata, batch: int, dtype):
         """attention() over a quantized cache (fp8/q8/q6/q4): rope + quantize-on-write in one op, attention reading
@@ -80,9 +97,8 @@ class DecoderLayer:
                                         cache.k_format, cache.v_format)
         return self.o(out.reshape(t, hq * d).to(dtype))  # [T, H]
 
-    def mlp(self, x):
-        """x [T, H] -> [T, H]."""
-        gate_up = self.gate_up(x)  # [T, 2I]: gate | up
+    def mlp(self, gate_up):
+        """gate_up [T, 2I] (gate | up, the fused projection of the normed hidden states) -> [T, H]."""
         if hasattr(self.down, "gated") and FUSED_SILU_DOWN:
             return self.down.gated(gate_up)  # CUDA: silu_mul applied inside the down GEMV's input gather
         gate, up = gate_up.split(self.gate_up.splits, dim=-1)  # [T, I] each

@@ -12,7 +12,7 @@ from pathlib import Path
 import torch
 
 from exl2_backend import ops
-from exl2_backend.model.layers import AttentionMetadata, DecoderLayer
+from exl2_backend.model.layers import AttentionMetadata, DecoderLayer, norm_linear
 
 
 def compute_dtype(device: torch.device, dtype: torch.dtype) -> torch.dtype:
@@ -84,15 +84,11 @@ class LlamaModel:
         """`layers` over h [T, H] -> (h, residual) [T, H]: the last MLP output and the residual stream before it.
         residual None: h is the embedding output (the first layer's norm has nothing to add). A layer split
         (model/split.py) runs each device's layers through this with that device's cache and metadata."""
-        for layer in layers:
-            if residual is None:
-                residual = h
-                x = ops.rms_norm(h, layer.input_norm, self.eps)
-            else:
-                x, residual = ops.add_rms_norm(h, residual, layer.input_norm, self.eps)
-            h = layer.attention(x, positions, inv_freq, cache, meta, batch)
-            x, residual = ops.add_rms_norm(h, residual, layer.post_norm, self.eps)
-            h = layer.mlp(x)
+        for layer in layers:  # each norm runs inside the GEMV after it where the linear can (layers.norm_linear)
+            qkv, residual = norm_linear(layer.qkv, h, residual, layer.input_norm, self.eps)
+            h = layer.attention(qkv, positions, inv_freq, cache, meta, batch)
+            gate_up, residual = norm_linear(layer.gate_up, h, residual, layer.post_norm, self.eps)
+            h = layer.mlp(gate_up)
         return h, residual
 
     def run_head(self, h: torch.Tensor, residual: torch.Tensor | None, b: int, tq: int, logits: str) -> torch.Tensor:
@@ -102,8 +98,15 @@ class LlamaModel:
         if logits == "last":
             h = h.reshape(b, tq, -1)[:, -1]  # [B, H]
             residual = residual.reshape(b, tq, -1)[:, -1]
-        x, _ = ops.add_rms_norm(h, residual, self.norm, self.eps)
-        out = self.head(x)  # [B or T, V]
+        out = self.normed_head(h, residual)  # [B or T, V]
         return out if logits == "last" else out.reshape(b, tq, -1)
+
+    def normed_head(self, h: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+        """head(rms_norm(h + residual)): f32 logits [M, V]; the norm inside the head's GEMV where it can run."""
+        if self.lm_head is None:
+            x, _ = ops.add_rms_norm(h, residual, self.norm, self.eps)
+            return self.head(x)
+        logits, _ = norm_linear(self.lm_head, h, residual, self.norm, self.eps)
+        return logits[:, : self.vocab_size].float()
 
     __call__ = forward

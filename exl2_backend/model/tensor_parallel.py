@@ -16,7 +16,7 @@ import torch
 
 from exl2_backend import ops
 from exl2_backend.errors import ConfigError
-from exl2_backend.model.layers import DecoderLayer
+from exl2_backend.model.layers import DecoderLayer, norm_linear
 from exl2_backend.model.llama import LlamaModel
 from exl2_backend.model.tp_shard import head_columns, shard_layer
 
@@ -94,6 +94,12 @@ class TPLlamaModel(LlamaModel):
         if self.lm_head is None:
             return super().head(x)
         local = self.lm_head(x)  # [M, ceil(V / w)]
+        return self.comm.all_gather_cols(local)[:, : self.vocab_size].float()  # [M, V]
+
+    def normed_head(self, h: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+        if self.lm_head is None:
+            return super().normed_head(h, residual)
+        local, _ = norm_linear(self.lm_head, h, residual, self.norm, self.eps)  # [M, ceil(V / w)]
         return self.comm.all_gather_cols(local)[:, : self.vocab_size].float()  # [M, V]
 
     # --- rank 0: the engine's calls reach every rank ----------------------------------------------------------

@@ -67,9 +67,10 @@ _ATTN_CTAS_PER_SM = max(1, int(_ATTN_CTAS_ENV or 4))
 ATTN_CTAS_PER_SM_8BIT = max(1, int(_ATTN_CTAS_ENV or 6))
 _ATTN_FLAGS = 1  # bit 0: 8 key steps in flight per thread instead of 4 (row tiles <= 4)
 # Most query rows per CTA tile (4, 8 or 16). A verify step of k = 4 at GQA 4 has 20 rows per kv head: two tiles
-# of 16 (168-224 registers) or five of 4 (80-96, each a decode CTA's work, K/V re-read from L2). 16 until
-# measured; EXL2_BACKEND_ATTN_MAX_ROW_TILE for the measurement.
-ATTN_MAX_ROW_TILE = int(os.environ.get("EXL2_BACKEND_ATTN_MAX_ROW_TILE", "16"))
+# of 16 (168-224 registers) or five of 4 (80-96, each a decode CTA's work, K/V re-read from L2). H200 call H1 of
+# 2026-12-03 (scripts/spec_bench.py, 8B, verify cost / decode step at k = 1, 2, 4, 8): cap 16 1.149 / 1.284 /
+# 1.387 / 1.809, cap 8 1.149 / 1.256 / 1.284 / 1.638, cap 4 1.125 / 1.202 / 1.279 / 1.661; decode unchanged.
+ATTN_MAX_ROW_TILE = int(os.environ.get("EXL2_BACKEND_ATTN_MAX_ROW_TILE", "4"))
 if ATTN_MAX_ROW_TILE not in (4, 8, 16):
     raise ValueError(f"EXL2_BACKEND_ATTN_MAX_ROW_TILE must be 4, 8 or 16, got {ATTN_MAX_ROW_TILE}")
 _SAMPLE_CHUNK = 2048  # tokens per CTA of the sampling kernel (csrc/layers/sampling.cu CHUNK)

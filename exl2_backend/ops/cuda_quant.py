@@ -70,6 +70,10 @@ GEMV_PREGATHER_ITEMS = int(os.environ.get("EXL2_BACKEND_GEMV_PREGATHER_ITEMS", "
 # launch whose plan needs more (a 128k-column head at M > 12: its activations split K six ways at M = 32, ~200 MB
 # of partials, as many bytes as the weights) runs on the mma kernel or dequant + cuBLAS instead.
 WORKSPACE_BUDGET = 60 << 20
+# RMSNorm fused into the TMA GEMV (CudaLinearOp.add_normed, csrc/quant/exl2_gemv_norm.cuh): every block keeps the
+# M normalized rows in shared memory beside its 32 KB ring, so M * K * 2 bytes are capped here (two blocks per SM
+# must still fit: at K = 4096, M <= 5 covers a decode step and a k = 4 verify).
+NORM_SMEM_BYTES = int(os.environ.get("EXL2_BACKEND_NORM_SMEM_BYTES", str(40 << 10)))
 GEMV_MINB = int(os.environ.get("EXL2_BACKEND_GEMV_MINB", "0"))
 # Blocks per SM the GEMV's split-K factor aims at (one wave of the planned resident blocks); the TMA kernel's
 # default. Below 1 (e.g. 0.4) plans fewer, longer blocks: no split-K reduction where the columns fill the GPU.
@@ -265,6 +269,7 @@ def _fn(name: str):
             "exl2_gemm": (P, I32, P, I32, I32, library.STREAM),
             "exl2_gemv": (P, I32, P, I32, I32, I32, I32, P, I32, library.STREAM),
             "exl2_gemv_pregather": (P, I32, P, I32, I32, I32, P, I32, library.STREAM),
+            "exl2_gemv_add_norm": (P, I32, P, I32, I32, P, I32, P, P, I32, library.F32, library.STREAM),
             "exl2_dequant": (P, P, I32, I32, library.STREAM),
         }[name]
         _fns[name] = library.declare(name, *sig)
@@ -462,6 +467,43 @@ class _Launch:
         library.check(st, "exl2_gemv")
         return out
 
+    def can_norm(self, m: int) -> bool:
+        """Whether M rows can run the GEMV with rms_norm fused into its input (exl2_gemv_add_norm): the TMA kernel
+        takes M, the hidden size is a multiple of 8 up to 8192, and the M normalized rows fit NORM_SMEM_BYTES."""
+        return (GEMV_MINB == 0 and gemv_row_cap(self.device) == 32 and self.takes_gemv(m)
+                and self.K % 8 == 0 and self.K <= 8192 and m * self.K * 2 <= NORM_SMEM_BYTES)
+
+    def takes_norm(self, m: int) -> bool:
+        """Whether routing fuses the norm for M rows: can_norm, and the rows fit one pass of the kernel's 256
+        compute threads (norm_row_threads(K) per row). Each further pass waits a round of loads queued behind the
+        block's weight ring: H200 call I1, the 8B's k = 4 verify (M = 5, three passes) took 1.55x a decode step
+        fused against 1.28x apart; the decode step (one pass) gained 3.9%."""
+        return self.can_norm(m) and m <= 256 // norm_row_threads(self.K)
+
+    def gemv_add_norm(self, h: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float,
+                      ws: torch.Tensor, counters: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """h, residual [M, K] fp16 (rows 16-byte aligned), weight fp16 [K] -> (GEMV output [M, N], residual out
+        [M, K] = h + residual; an empty tensor when residual is None)."""
+        m = h.shape[0]
+        pl = self.gemv_plan(m)
+        out = torch.empty(m, self.out_features, dtype=torch.float16, device=h.device)
+        res_out = h.new_empty((m, self.K)) if residual is not None else h.new_empty(0)
+        if pl.ws_numel > ws.numel():
+            raise TensorShapeError(f"workspace holds {ws.numel()} floats, the launch needs {pl.ws_numel}", tensor="ws")
+        blob = pl.blob.copy()
+        for i in range(len(self.parts)):
+            blob[i, F_OUT] = out.data_ptr() + 2 * self.col_off[i]
+            blob[i, F_WS] = ws.data_ptr() + 4 * pl.ws_off[i]
+            blob[i, F_COUNTERS] = counters.data_ptr() + 4 * pl.cnt_off[i]
+        row = self.K if m == 1 else h.stride(0)  # a 1-row tensor's row stride can be anything
+        res_ld = 0 if residual is None else (self.K if m == 1 else residual.stride(0))
+        st = _fn("exl2_gemv_add_norm")(blob.ctypes.data, len(self.parts), h.data_ptr(), m, row,
+                                       None if residual is None else residual.data_ptr(), res_ld, weight.data_ptr(),
+                                       None if residual is None else res_out.data_ptr(), self.K, float(eps),
+                                       _stream(h.device))
+        library.check(st, "exl2_gemv_add_norm")
+        return out, res_out
+
     def dequant(self, part: int, n_begin: int, n_end: int) -> torch.Tensor:
         p = self.parts[part]
         out = torch.empty(p.K, n_end - n_begin, dtype=torch.float16, device=p.packed.device)
@@ -522,6 +564,40 @@ def _gemv_gated_op(gate_up: torch.Tensor, packed: torch.Tensor, handle: int, ws:
 @_gemv_gated_op.register_fake
 def _(gate_up, packed, handle, ws, counters):
     return gate_up.new_empty((gate_up.shape[0], _REG[handle].out_features))
+
+
+def _check_norm_input(t: torch.Tensor, name: str, k: int, m: int, device: torch.device) -> None:
+    if not isinstance(t, torch.Tensor) or t.dtype != torch.float16 or t.device != device:
+        raise TensorShapeError(f"{name} must be a float16 tensor on {device}", tensor=name)
+    if t.dim() != 2 or t.shape != (m, k) or t.stride(1) != 1 or (m > 1 and t.stride(0) % 8) or t.data_ptr() % 16:
+        raise TensorShapeError(f"{name} has shape {tuple(t.shape)} and strides {t.stride()}, expected [{m}, {k}] "
+                               "with contiguous rows starting 16-byte aligned", tensor=name)
+
+
+@torch.library.custom_op("exl2_backend::exl2_gemv_add_norm", mutates_args=("ws", "counters"))
+def _gemv_add_norm_op(h: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float,
+                      packed: torch.Tensor, handle: int, ws: torch.Tensor,
+                      counters: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(GEMV of rms_norm(h + residual) * weight, h + residual), one launch; residual None: rms_norm(h), and the
+    second output is empty. Bit-identical to add_rms_norm followed by the GEMV."""
+    launch = _REG[handle]
+    k, m = launch.K, h.shape[0] if isinstance(h, torch.Tensor) and h.dim() == 2 else -1
+    _check_norm_input(h, "h", k, m, packed.device)
+    if residual is not None:
+        _check_norm_input(residual, "residual", k, m, packed.device)
+    if not isinstance(weight, torch.Tensor) or weight.shape != (k,) or weight.dtype != torch.float16 \
+            or weight.device != packed.device or not weight.is_contiguous() or weight.data_ptr() % 16:
+        raise TensorShapeError(f"the norm weight must be a contiguous float16 [{k}] tensor on {packed.device}",
+                               tensor="weight")
+    if not launch.can_norm(m):
+        raise TensorShapeError(f"the norm-fused GEMV does not take {m} rows of {k} here", tensor="h")
+    return launch.gemv_add_norm(h, residual, weight, eps, ws, counters)
+
+
+@_gemv_add_norm_op.register_fake
+def _(h, residual, weight, eps, packed, handle, ws, counters):
+    res_out = h.new_empty(h.shape) if residual is not None else h.new_empty(0)
+    return h.new_empty((h.shape[0], _REG[handle].out_features)), res_out
 
 
 @torch.library.custom_op("exl2_backend::exl2_dequant", mutates_args=())
@@ -587,6 +663,24 @@ class CudaLinearOp:
 
         return self(ops.silu_mul(gate_up[:, :k], gate_up[:, k:]))
 
+    def add_normed(self, h: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float,
+                   always: bool = False) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """(self(rms_norm(h + residual) * weight), h + residual) from one GEMV that normalizes its own input
+        (residual None: rms_norm(h), and h is returned as the residual stream), bit-identical to add_rms_norm
+        then self(...). None where routing does not fuse (the caller runs the two ops): M rows the TMA GEMV does
+        not take, more rows than one pass of the fused norm (_Launch.takes_norm; always=True: any M the kernel
+        can take, for tests and benchmarks), unaligned rows, another weight dtype."""
+        m = h.shape[0] if h.dim() == 2 else 0
+        fits = self.launch.can_norm if always else self.launch.takes_norm
+        if not (m and fits(m) and weight.dtype == torch.float16 and weight.is_contiguous()
+                and weight.data_ptr() % 16 == 0 and _rows_aligned(h) and (residual is None or _rows_aligned(residual))):
+            return None
+        ws, counters = self.workspace.buffers()
+        y, res_out = torch.ops.exl2_backend.exl2_gemv_add_norm(h, residual, weight, float(eps),
+                                                               self.launch.parts[0].packed, self.launch.handle,
+                                                               ws, counters)
+        return y, (h if residual is None else res_out)
+
     def fused_kernel(self, x: torch.Tensor, kernel: str) -> torch.Tensor:
         """One fused kernel by name ("gemv": M <= gemv_row_cap, "mma": M <= 32), bypassing routing and the workspace
         budget (benchmarks, tests)."""
@@ -611,6 +705,19 @@ class CudaLinearOp:
 
     def __repr__(self) -> str:
         return f"CudaLinearOp(in={self.in_features}, splits={self.splits})"
+
+
+def norm_row_threads(k: int) -> int:
+    """Threads per row of rms_norm_kernel (csrc/layers/norm.cu) and of the norm-fused GEMV: K / 8 vectors,
+    4 per thread, rounded up to a warp."""
+    t = (k // 8 + 3) // 4
+    return 32 if t < 32 else (t + 31) // 32 * 32
+
+
+def _rows_aligned(t: torch.Tensor) -> bool:
+    """fp16 [M, K] with contiguous rows starting 16-byte aligned (the fused norm's vector loads)."""
+    return (t.dtype == torch.float16 and t.dim() == 2 and t.stride(1) == 1 and t.data_ptr() % 16 == 0
+            and (t.shape[0] == 1 or t.stride(0) % 8 == 0))
 
 
 def prepare_linear(linears, device, dtype: torch.dtype = torch.float16):

@@ -1,0 +1,91 @@
+// RMSNorm fused into the TMA GEMV's input (GemvParams::norm_nt > 0): the layer's add_rms_norm kernel and the
+// launch boundary before the q/k/v or gate/up GEMV disappear. Every block normalizes all M tokens' whole rows
+// into shared memory (M x K fp16; at M = 1 and K = 4096 an 8 KB read from L2, where the rows were just written)
+// and then gathers its split's rows from there in stored order. Block 0 alone writes the new residual stream.
+//
+// The arithmetic is layers/norm.cu's rms_norm_kernel with 16-byte vectors, step for step: the same threads per
+// row (ceil(K / 32) rounded up to a warp, at most kMaxNormThreads), the same vectors per thread in the same order,
+// the same fma chain, warp sums and final warp sum over the row's warps, and the same rounding of h + residual
+// and of the output. So the fused GEMV is bit-identical to add_rms_norm followed by the plain GEMV (tested).
+#pragma once
+
+#include "layers/common.cuh"
+#include "quant/exl2_gemv.cuh"
+
+namespace exl2q {
+
+constexpr int kNormVec = 8;       // halves per 16-byte vector (rms_norm_kernel VEC)
+constexpr int kNormMaxVecs = 4;   // vectors per thread (rms_norm_kernel MAXV)
+constexpr int kMaxNormThreads = kGvWarps * 32;  // a row's threads must fit the compute warps (K <= 8192)
+
+// rms_norm_kernel's block size for a row of K halves (its launch(): vectors / MAXV, rounded up to a warp).
+__host__ __device__ inline int norm_row_threads(int K) {
+  const int t = (K / kNormVec + kNormMaxVecs - 1) / kNormMaxVecs;
+  return t < 32 ? 32 : (t + 31) / 32 * 32;
+}
+
+// Normalized rows of all M tokens into xf[m * K + k] (shared memory): xf = round(r * inv_rms(r) * w) with
+// r = round(h + residual) (r = h without a residual); `res_out` (may be null) receives r. `sync` is the compute
+// warps' barrier; `red` holds kGvWarps floats. Called by the kMaxNormThreads compute threads after the PDL wait.
+template <typename Sync>
+__device__ __forceinline__ void gv_norm_rows(const GemvParams& p, __half* xf, float* red, __half* res_out,
+                                             Sync&& sync) {
+  using namespace exl2::layers;
+  const int K = p.norm_k, nvec = K / kNormVec, nt = p.norm_nt, per_pass = kMaxNormThreads / nt;
+  const int tid = threadIdx.x, sub = tid / nt, t = tid - sub * nt;
+  const int lane = tid & 31, warp = tid >> 5, nw = nt >> 5, w0 = sub * nw;
+  for (int m0 = 0; m0 < p.M; m0 += per_pass) {
+    const int m = m0 + sub;
+    const bool live = sub < per_pass && m < p.M;
+    float v[kNormMaxVecs][kNormVec];
+    float ss = 0.f;
+#pragma unroll
+    for (int i = 0; i < kNormMaxVecs; ++i) {
+      const int c = t + i * nt;
+      if (live && c < nvec) {
+        load_vec<kNormVec>(p.x + (size_t)m * p.ldx + c * kNormVec, v[i]);
+        if (p.norm_res) {
+          float r[kNormVec];
+          load_vec<kNormVec>(p.norm_res + (size_t)m * p.norm_res_ld + c * kNormVec, r);
+#pragma unroll
+          for (int k = 0; k < kNormVec; ++k) v[i][k] = round_to<__half>(__fadd_rn(v[i][k], r[k]));
+          if (res_out) store_vec<kNormVec>(res_out + (size_t)m * p.norm_res_out_ld + c * kNormVec, v[i]);
+        }
+#pragma unroll
+        for (int k = 0; k < kNormVec; ++k) ss = __fmaf_rn(v[i][k], v[i][k], ss);
+      }
+    }
+    ss = warp_sum(ss);  // block_sum: each warp's sum, then one warp sum over the row's warps (zeros past them)
+    if (lane == 0) red[warp] = ss;
+    sync();
+    float s = sub < per_pass && lane < nw ? red[w0 + lane] : 0.f;
+    s = warp_sum(s);
+    const float inv = rsqrtf(__fadd_rn(__fdiv_rn(s, (float)K), p.norm_eps));
+#pragma unroll
+    for (int i = 0; i < kNormMaxVecs; ++i) {
+      const int c = t + i * nt;
+      if (live && c < nvec) {
+        float wf[kNormVec];
+        load_vec<kNormVec>(p.norm_w + c * kNormVec, wf);
+#pragma unroll
+        for (int k = 0; k < kNormVec; ++k) v[i][k] = __fmul_rn(__fmul_rn(v[i][k], inv), wf[k]);
+        store_vec<kNormVec>(xf + (size_t)m * K + c * kNormVec, v[i]);
+      }
+    }
+    sync();  // red is reused by the next pass; xf is complete after the last
+  }
+}
+
+// The split's rows of the normalized tokens (xf) into xs[m * xstride + r] in stored row order (padding rows
+// zero), shared memory to shared memory, by `nthreads` threads from thread 0 (callers synchronize).
+__device__ __forceinline__ void gv_gather_normed(const GemvParams& p, int nch, __half* xs, const unsigned short* xm,
+                                                 const __half* xf, int nthreads) {
+  const int rows = nch * kChunkRows, items = rows * p.M;
+  for (int e = threadIdx.x; e < items; e += nthreads) {
+    const int m = e / rows, r = e - m * rows;
+    const unsigned i = xm[r];
+    xs[m * p.xstride + r] = i == 0xFFFFu ? __float2half_rn(0.f) : xf[(size_t)m * p.norm_k + i];
+  }
+}
+
+}  // namespace exl2q

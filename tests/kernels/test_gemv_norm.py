@@ -1,0 +1,157 @@
+"""RMSNorm fused into the TMA GEMV's input (CudaLinearOp.add_normed, csrc/quant/exl2_gemv_norm.cuh).
+
+Exact: the fused kernel repeats add_rms_norm's arithmetic step for step (threads per row, vector order, fma chain,
+warp sums, roundings), so its GEMV input, its output and the residual stream it writes are bit-identical to
+add_rms_norm followed by the plain GEMV. Shapes: every bit width in a mixed layout, hidden sizes with one, two and
+several rows per pass of the 256 compute threads (576, 1056, 4096, 8192), M up to the shared-memory cap, with and
+without a residual, three fused parts with bias; the model forward with the fusion on and off.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from exl2_backend.errors import TensorShapeError
+from tests.kernels.test_exl2_dequant import _to_cuda, make_qt
+
+pytestmark = pytest.mark.cuda
+
+
+def _needs_tma():
+    from exl2_backend.ops import cuda_quant
+
+    if cuda_quant.gemv_row_cap(torch.device("cuda")) < 32 or cuda_quant.GEMV_MINB != 0:
+        pytest.skip("the norm-fused GEMV runs on the TMA kernel only (sm_90+)")
+
+
+def _layout(k: int, bits: int) -> list[tuple[int, int]]:
+    """A mixed layout of K rows: an 8-bit group, groups of 128 at `bits`, the rest at `bits`."""
+    full = (k - 32) // 128
+    rest = k - 32 - 128 * full
+    return [(8, 32)] + [(bits, 128)] * full + ([(bits, rest)] if rest else [])
+
+
+def _rand(shape, seed: int, scale: float = 1.0) -> torch.Tensor:
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    return (torch.randn(*shape, generator=g, device="cuda") * scale).half()
+
+
+def _check(op, h, residual, w, eps=1e-5):
+    from exl2_backend import ops
+
+    h0 = h.clone()
+    r0 = None if residual is None else residual.clone()
+    if residual is None:
+        x, want_res = ops.rms_norm(h, w, eps), h
+    else:
+        x, want_res = ops.add_rms_norm(h.clone(), residual.clone(), w, eps)
+    want = op.fused_kernel(x.contiguous(), "gemv")
+    got = op.add_normed(h, residual, w, eps, always=True)
+    assert got is not None, "the fused path declined"
+    y, res = got
+    assert torch.equal(y, want)
+    assert torch.equal(res, want_res)
+    assert torch.equal(h, h0) and (residual is None or torch.equal(residual, r0))  # inputs untouched
+
+
+@pytest.mark.parametrize("bits", [2, 3, 4, 5, 6, 8])
+@pytest.mark.parametrize("k,m", [(576, 1), (576, 5), (576, 32), (1056, 3), (4096, 1), (4096, 5), (8192, 2)])
+def test_norm_fused_gemv_equals_add_rms_norm_then_gemv(bits, k, m):
+    from exl2_backend.ops import cuda_quant
+
+    _needs_tma()
+    qt = _to_cuda(make_qt(_layout(k, bits), 333, seed=bits * 11 + m, bias=bits == 4))
+    op = cuda_quant.prepare_linear([qt], "cuda")
+    w = _rand((k,), seed=k, scale=0.3) + 1
+    h, residual = _rand((m, k), seed=m), _rand((m, k), seed=m + 50, scale=4.0)
+    _check(op, h, residual, w)
+    _check(op, h, None, w)
+
+
+def test_norm_fused_three_parts_and_strided_rows():
+    """q/k/v-like: three parts of one K (one with bias), h a row slice of a wider buffer (the head's last-token
+    rows), the residual stream written to a fresh tensor."""
+    from exl2_backend.ops import cuda_quant
+
+    _needs_tma()
+    k = 576
+    parts = [_to_cuda(make_qt(_layout(k, b), n, seed=b, bias=b == 3, key=f"p{b}")) for b, n in ((4, 576), (3, 192),
+                                                                                                 (6, 192))]
+    op = cuda_quant.prepare_linear(parts, "cuda")
+    w = _rand((k,), seed=1, scale=0.3) + 1
+    wide = _rand((4, 2 * k), seed=2)
+    h = wide[:, :k]  # row stride 2K
+    _check(op, h, _rand((4, k), seed=3), w)
+
+
+def test_norm_fused_declines_what_it_cannot_take(monkeypatch):
+    from exl2_backend.ops import cuda_quant
+
+    _needs_tma()
+    k = 576
+    op = cuda_quant.prepare_linear([_to_cuda(make_qt(_layout(k, 4), 256, seed=5))], "cuda")
+    w = _rand((k,), seed=1) + 1
+    h, r = _rand((6, k), seed=2), _rand((6, k), seed=3)
+    assert cuda_quant.norm_row_threads(k) == 32 and op.launch.takes_norm(8) and not op.launch.takes_norm(9)
+    monkeypatch.setattr(cuda_quant, "NORM_SMEM_BYTES", 5 * k * 2)  # 6 rows no longer fit: the caller's two ops
+    assert op.add_normed(h, r, w, 1e-5) is None and op.add_normed(h, r, w, 1e-5, always=True) is None
+    assert op.add_normed(h[:5], r[:5], w, 1e-5) is not None
+    unaligned = _rand((1, k + 1), seed=4)[:, 1:]  # rows start 2 bytes past a 16-byte boundary
+    assert op.add_normed(unaligned, None, w, 1e-5) is None
+    assert op.add_normed(h[:1], r[:1], w.float(), 1e-5) is None  # an fp32 norm weight
+    launch = op.launch
+    ws, counters = op.workspace.buffers()
+    with pytest.raises(TensorShapeError):  # the op itself: wrong width, wrong weight length
+        torch.ops.exl2_backend.exl2_gemv_add_norm(_rand((1, k + 8), 0), None, w, 1e-5, launch.parts[0].packed,
+                                                  launch.handle, ws, counters)
+    with pytest.raises(TensorShapeError):
+        torch.ops.exl2_backend.exl2_gemv_add_norm(h[:1], r[:1], w[:-8], 1e-5, launch.parts[0].packed,
+                                                  launch.handle, ws, counters)
+
+
+def test_norm_routing_takes_one_pass_of_rows():
+    """Routing fuses the norm only where the M rows fit one pass (K = 4096: 128 threads per row, two rows)."""
+    from exl2_backend.ops import cuda_quant
+
+    _needs_tma()
+    op = cuda_quant.prepare_linear([_to_cuda(make_qt(_layout(4096, 4), 64, seed=9))], "cuda")
+    assert [op.launch.takes_norm(m) for m in (1, 2, 3)] == [True, True, False]
+    assert op.launch.can_norm(5) and not op.launch.can_norm(6)  # 40 KB of normalized rows
+    w = _rand((4096,), seed=1) + 1
+    h, r = _rand((3, 4096), seed=2), _rand((3, 4096), seed=3)
+    assert op.add_normed(h, r, w, 1e-5) is None
+    assert op.add_normed(h[:2], r[:2], w, 1e-5) is not None
+
+
+def test_model_forward_bit_identical_with_and_without_the_fused_norm(tmp_path, monkeypatch):
+    """LlamaModel: a 5-token prefill, then one decode step of 3 sequences; logits equal bit for bit with
+    layers.FUSED_NORM on and off (the head's final norm included)."""
+    from exl2_backend.model import layers
+    from exl2_backend.model.layers import AttentionMetadata
+    from exl2_backend.model.llama import LlamaModel
+    from tests.helpers.synth import tiny_config_dict, write_tiny_exl2_model
+
+    _needs_tma()
+    cfg = tiny_config_dict(hidden_size=256, intermediate_size=512, num_attention_heads=4, num_key_value_heads=2)
+    d = write_tiny_exl2_model(tmp_path / "m", cfg, seed=3)
+    model = LlamaModel.from_dir(d, "cuda")
+    assert model.layers[0].qkv.launch.takes_norm(1) and model.lm_head.launch.takes_norm(3)
+
+    def run(fused: bool) -> list[torch.Tensor]:
+        monkeypatch.setattr(layers, "FUSED_NORM", fused)
+        cache = model.make_cache(num_pages=8, page_size=16)
+        dev = torch.device("cuda")
+        ids = torch.tensor([[5, 17, 42, 99, 7]], device=dev)
+        bt = torch.arange(8, dtype=torch.int32, device=dev).view(1, 8)
+        meta = AttentionMetadata(bt, torch.tensor([5], dtype=torch.int32, device=dev), torch.arange(5, device=dev))
+        out = [model.forward(ids, torch.arange(5, device=dev).view(1, 5), cache, meta, logits="all")]
+        bt3 = torch.arange(24, dtype=torch.int32, device=dev).view(3, 8) % 8  # three sequences on the same pages
+        meta3 = AttentionMetadata(bt3, torch.tensor([6, 6, 6], dtype=torch.int32, device=dev),
+                                  torch.tensor([5, 5, 5], device=dev))
+        ids3 = torch.tensor([[3], [3], [3]], device=dev)
+        out.append(model.forward(ids3, torch.full((3, 1), 5, device=dev), cache, meta3))
+        return out
+
+    for a, b in zip(run(True), run(False)):
+        assert torch.equal(a, b)

@@ -26,7 +26,8 @@ __device__ __forceinline__ void pdl_launch_dependents() {
 // pdl_wait() then pdl_launch_dependents(), for a kernel with nothing to do before the wait. A measurement build
 // with EXL2_PDL_EARLY_TRIGGER triggers first: the next kernel may then launch (and a GEMV request its first
 // weights) while this one still waits on its predecessor. Safe either way: a dependent launches only once every
-// block of this grid has started, and its own pdl_wait() still waits for this grid to complete.
+// block of this grid has started, and its own pdl_wait() still waits for this grid to complete. H200 call H3 of
+// 2026-12-02 (8B decode graph step): 3.110 ms with it against 2.999 ms without; it stays a measurement build.
 __device__ __forceinline__ void pdl_wait_and_trigger() {
 #ifdef EXL2_PDL_EARLY_TRIGGER
   pdl_launch_dependents();

@@ -289,7 +289,8 @@ __device__ __forceinline__ void tma_block(const GemvParams& p, const GvWork& wk,
 // Two blocks per SM up to two token tiles; one with the registers of four. A measurement build with
 // EXL2_GEMV_TMA_MT1_MIN_BLOCKS=3 leaves room for a third block of one token tile (72 registers, 68 bytes spilled)
 // while the split-K plan stays at two per SM: the next launch's blocks can then become resident, and request their
-// weights, before this launch's blocks retire.
+// weights, before this launch's blocks retire. H200 call H3: the 8B decode step took 3.577 ms with it (and the
+// early PDL trigger) against 2.999 ms, 4096x14336 at M = 1 17.1 against 13.8 us; it stays a measurement build.
 #ifndef EXL2_GEMV_TMA_MT1_MIN_BLOCKS
 #define EXL2_GEMV_TMA_MT1_MIN_BLOCKS 2
 #endif

@@ -85,10 +85,21 @@ def compare_logits(ours: torch.Tensor, theirs: torch.Tensor) -> dict:
     kl_o_t = (lo.exp() * (lo - lt)).sum(-1)
     diff = (ours - theirs).abs().max().item()
     scale = (theirs.max() - theirs.min()).item()
+    # Where they disagree most (2026-12-01 and -02: one position of 512 with max |diff| equal to the logit range)
+    worst = kl_t_o.topk(min(5, kl_t_o.numel())).indices.tolist()
+
+    def row_stats(x: torch.Tensor) -> dict:
+        x = x.float()
+        return {"max": x.max().item(), "min": x.min().item(), "mean": x.mean().item(), "std": x.std().item(),
+                "argmax": int(x.argmax().item())}
+
+    disagreement = [{"position": t, "kl": kl_t_o[t].item(), "max_abs_diff": (ours[t] - theirs[t]).abs().max().item(),
+                     "ours": row_stats(ours[t]), "exllamav2": row_stats(theirs[t])} for t in worst]
     return {"tokens": ours.shape[0], "kl_exllamav2_ours_mean": kl_t_o.mean().item(),
             "kl_exllamav2_ours_max": kl_t_o.max().item(), "kl_ours_exllamav2_mean": kl_o_t.mean().item(),
             "top1_agreement": (ours.argmax(-1) == theirs.argmax(-1)).double().mean().item(),
-            "max_abs_diff": diff, "logit_range": scale, "max_abs_diff_over_range": diff / max(scale, 1e-9)}
+            "max_abs_diff": diff, "logit_range": scale, "max_abs_diff_over_range": diff / max(scale, 1e-9),
+            "worst_positions": disagreement}
 
 
 def compat(model_dir: Path, ids: list[int]) -> dict:

@@ -110,11 +110,11 @@ def set_variant(v: dict) -> None:
     os.environ["EXL2_BACKEND_ATTN_TICKETS"] = "1" if v.get("attn_tickets") else "0"
 
 
-def make_engine(model, graphs: bool = True, max_seq_len: int = 2048):
+def make_engine(model, graphs: bool = True, max_seq_len: int = 2048, cache_type: str = "fp16"):
     from exl2_backend.runtime import Engine, LoadSettings
 
     settings = LoadSettings(device=str(model.device), max_batch_size=1, max_seq_len=max_seq_len,
-                            cache_tokens=max_seq_len, use_cuda_graphs=graphs)
+                            cache_tokens=max_seq_len, use_cuda_graphs=graphs, cache_type=cache_type)
     return Engine(model, None, settings)
 
 
@@ -150,8 +150,9 @@ def short_name(name: str, cat: str) -> str:
     return n[:78] or name[:78]
 
 
-def kernel_table(fn, iters: int) -> dict[str, list[float]]:
-    """{kernel: [count per call, µs per call]} of the device activity of `fn` (torch.profiler, CUDA)."""
+def kernel_table(fn, iters: int, critical: dict | None = None) -> dict[str, list[float]]:
+    """{kernel: [count per call, µs per call]} of the device activity of `fn` (torch.profiler, CUDA). With
+    `critical`, also fills it with critical_path(...) of the same events."""
     from torch.profiler import ProfilerActivity, profile
 
     torch.cuda.synchronize()
@@ -165,14 +166,39 @@ def kernel_table(fn, iters: int) -> dict[str, list[float]]:
         with open(path) as f:
             events = json.load(f).get("traceEvents", [])
     rows: dict[str, list[float]] = {}
+    device_events = []
     for e in events:
         cat = e.get("cat", "")
         if e.get("ph") != "X" or cat not in ("kernel", "gpu_memset", "gpu_memcpy"):
             continue
-        r = rows.setdefault(short_name(e.get("name", "?"), cat), [0.0, 0.0])
+        name = short_name(e.get("name", "?"), cat)
+        r = rows.setdefault(name, [0.0, 0.0])
         r[0] += 1
         r[1] += float(e.get("dur", 0.0))
+        device_events.append((float(e.get("ts", 0.0)), float(e.get("ts", 0.0)) + float(e.get("dur", 0.0)), name))
+    if critical is not None:
+        critical.update(critical_path(device_events, iters))
     return {k: [c / iters, us / iters] for k, (c, us) in rows.items()}
+
+
+def critical_path(events: list[tuple[float, float, str]], iters: int) -> dict[str, list[float]]:
+    """Where a chain of kernels spends its wall time, under programmatic dependent launch: a kernel's duration
+    includes the time it waits for its predecessor, so durations overlap and their sum exceeds the step. In
+    start order, kernel i is charged end_i - max(start_i, end_{i-1}) (from the previous kernel's completion to
+    its own: what it adds to the step) and the idle time max(0, start_i - end_{i-1}) goes to "(gap)". The charges
+    sum to the span from the first start to the last end. {name: [count per call, µs per call]}."""
+    out: dict[str, list[float]] = {}
+    prev_end = None
+    for start, end, name in sorted(events):
+        if prev_end is not None and start > prev_end:
+            g = out.setdefault("(gap)", [0.0, 0.0])
+            g[0] += 1
+            g[1] += start - prev_end
+        r = out.setdefault(name, [0.0, 0.0])
+        r[0] += 1
+        r[1] += max(0.0, end - max(start, prev_end if prev_end is not None else start))
+        prev_end = end if prev_end is None else max(prev_end, end)
+    return {k: [c / iters, us / iters] for k, (c, us) in out.items()}
 
 
 def graph_ms(graph, iters: int = 100, reps: int = 7) -> float:
@@ -202,7 +228,8 @@ def print_table(title: str, table: dict[str, list[float]], layers: int) -> None:
     print(f"{'TOTAL':80s} {tot_n:7.1f} {tot_n / layers:7.2f} {tot_us:9.1f}")
 
 
-def profile_shape(name: str, variants: list[str], workdir: Path, results: dict) -> None:
+def profile_shape(name: str, variants: list[str], workdir: Path, results: dict, context: int = 512,
+                  cache_types: tuple[str, ...] = ("fp16",)) -> None:
     from exl2_backend.model import LlamaModel
 
     config, weights = load(name, workdir)
@@ -213,16 +240,20 @@ def profile_shape(name: str, variants: list[str], workdir: Path, results: dict) 
     print(f"[{name}] model on the GPU in {time.perf_counter() - t0:.1f} s ({config.num_hidden_layers} layers)",
           flush=True)
     gen = torch.Generator().manual_seed(0)
-    prompt = torch.randint(0, config.vocab_size, (512,), generator=gen).tolist()
+    prompt = torch.randint(0, config.vocab_size, (context,), generator=gen).tolist()
     tokens = {}
-    for vname in variants:
+    runs = [(v, ct) for ct in cache_types for v in variants]
+    for vname, ct in runs:
         set_variant(VARIANTS[vname])
-        engine = make_engine(model)
+        engine = make_engine(model, max_seq_len=max(2048, context + 64), cache_type=ct)
+        if ct != "fp16" or context != 512:
+            vname = f"{vname}@{ct},{context}"
         runner = engine.runner
         tokens[vname] = generate(engine, prompt, 8)
         g = runner._graphs[1]
         step_ms = graph_ms(g)
-        graph_tab = kernel_table(g.replay, 20)
+        critical: dict = {}
+        graph_tab = kernel_table(g.replay, 20, critical)
         eager_tab = kernel_table(functools.partial(model.forward, runner._ids[:1], runner._pos[:1], engine.cache,
                                                    runner._meta(1), logits="last"), 5)
         step_ms2 = graph_ms(g)
@@ -230,15 +261,20 @@ def profile_shape(name: str, variants: list[str], workdir: Path, results: dict) 
               f"{sum(n for n, _ in graph_tab.values()):.0f} kernels per step in the graph, "
               f"{sum(n for n, _ in eager_tab.values()):.0f} eager", flush=True)
         print_table(f"{name} / {vname}: graph replay (per step)", graph_tab, config.num_hidden_layers)
+        print_table(f"{name} / {vname}: graph replay, critical path (per step; us from the previous kernel's end "
+                    "to this one's)", critical, config.num_hidden_layers)
         print_table(f"{name} / {vname}: eager step (per step)", eager_tab, config.num_hidden_layers)
         results.setdefault(name, {})[vname] = {"graph_step_ms": [step_ms, step_ms2], "graph_kernels": graph_tab,
+                                                "graph_critical_path": critical,
                                                 "eager_kernels": eager_tab, "tokens": tokens[vname]}
         del engine, runner, g
         gc.collect()
         torch.cuda.empty_cache()
-    if len(set(map(tuple, tokens.values()))) > 1:
-        print(f"!! [{name}] variants decoded different tokens: {tokens}")
-        results[name]["tokens_differ"] = True
+    for ct in cache_types:  # the variants of one cache type must decode the same tokens
+        same_type = {v: t for v, t in tokens.items() if (ct == "fp16" and "@" not in v) or v.endswith(f"@{ct},{context}")}
+        if len(set(map(tuple, same_type.values()))) > 1:
+            print(f"!! [{name}] variants decoded different tokens: {same_type}")
+            results[name]["tokens_differ"] = True
     del model
     gc.collect()
     torch.cuda.empty_cache()
@@ -286,6 +322,8 @@ def main() -> int:
     ap.add_argument("--workdir", default="/tmp/profile_decode")
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     ap.add_argument("--no-check", action="store_true")
+    ap.add_argument("--context", type=int, default=512, help="prompt tokens before the profiled decode steps")
+    ap.add_argument("--cache-types", default="fp16", help="comma-separated KV cache types, each profiled")
     args = ap.parse_args()
     if not torch.cuda.is_available():
         print("no GPU")
@@ -297,7 +335,8 @@ def main() -> int:
     if not args.no_check:
         ok = greedy_check(workdir, results)
     for name in args.shapes.split(","):
-        profile_shape(name, args.variants.split(","), workdir, results)
+        profile_shape(name, args.variants.split(","), workdir, results, args.context,
+                      tuple(args.cache_types.split(",")))
     Path(args.out).mkdir(parents=True, exist_ok=True)
     with open(Path(args.out) / "profile_decode.json", "w") as f:
         json.dump(results, f, indent=1)

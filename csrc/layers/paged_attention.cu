@@ -18,6 +18,7 @@
 #include <math.h>
 
 #include "common/pdl.cuh"
+#include "layers/attn_combine.cuh"
 #include "layers/common.cuh"
 
 namespace exl2 {
@@ -31,6 +32,12 @@ template <int RT>
 constexpr int keys_max() {  // keys per split held in shared memory: RT * keys_max floats = 32 KiB
   return RT <= 8 ? 1024 : 512;
 }
+
+// Keys of its split a CTA prefetches into L2 before the PDL wait: enough to cover the first loads' latency,
+// few enough that every CTA's share fits L2 (528 CTAs x 64 keys x 512 bytes = 17 MB for the 8B at 32k). H200 call
+// I3 of 2026-12-02 (8B decode at 32k, graph critical path): prefetching whole splits (134 MB per layer, past the
+// 50 MB L2) delayed the rope/KV-write kernel before it from 3.4 to 14.3 us per layer.
+constexpr int kPrefetchKeys = 64;
 
 struct AttnParams {
   const half* q;
@@ -164,7 +171,8 @@ __global__ void __launch_bounds__(NT) paged_attention_kernel(const AttnParams p)
     pages[i] = pg < 0 ? 0 : (pg >= p.num_pages ? p.num_pages - 1 : pg);  // never fault on a bad table
   }
   __syncthreads();  // pages[]
-  for (int i = tid; i < 2 * n; i += NT) {  // this CTA's K and V rows of head kvh into L2 (D halves, 2 lines)
+  const int npre = min(n, kPrefetchKeys);
+  for (int i = tid; i < 2 * npre; i += NT) {  // the split's first K and V rows of head kvh into L2 (D halves)
     const int t = start + (i >> 1);
     const int64_t slot = ((int64_t)pages[(t >> p.log2S) - first_page] << p.log2S) | (t & ((1 << p.log2S) - 1));
     const half* row = ((i & 1) ? p.vc : p.kc) + slot * (int64_t)p.Hkv * D + (int64_t)kvh * D;
@@ -352,9 +360,11 @@ __global__ void __launch_bounds__(NT) paged_attention_kernel(const AttnParams p)
   if (tid == 0) *ticket = 0;  // ready for the next launch (and graph replay)
 }
 
-// One CTA per output row (b, j, hq), one thread per dim: combine the splits in order.
-template <int D>
+// One CTA per output row (b, j, hq), one thread per dim: combine the splits in order. STAGED: the row's partials
+// through shared memory first (attn_combine.cuh; bit-identical), where they fit the dynamic shared memory.
+template <int D, bool STAGED>
 __global__ void __launch_bounds__(D) attn_reduce_kernel(const AttnParams p) {
+  extern __shared__ float combine_smem[];
   exl2::pdl_wait_and_trigger();  // inputs come from the previous kernel (PDL launch)
   const int64_t prow = blockIdx.x;
   const int b = (int)(prow / ((int64_t)p.Tq * p.Hq));
@@ -362,7 +372,10 @@ __global__ void __launch_bounds__(D) attn_reduce_kernel(const AttnParams p) {
   const int ctx = clamp_ctx(p.context_lens[b], p);
   const int L = split_len(ctx, p.nsplit, p.min_split);
   const int used = ctx > 0 ? (ctx + L - 1) / L : 0;
-  p.out[prow * D + d] = __float2half_rn(combine_splits<D>(p, prow, d, used));
+  const float o = STAGED ? attn_combine_staged<D>(p.part_ml + prow * p.nsplit * 2, p.part_o + prow * p.nsplit * D,
+                                                  used, combine_smem)
+                         : combine_splits<D>(p, prow, d, used);
+  p.out[prow * D + d] = __float2half_rn(o);
 }
 
 template <int D, int RT, int U>
@@ -377,7 +390,12 @@ int launch(const AttnParams& p, int B, cudaStream_t stream) {
   exl2::launch_kernel(paged_attention_kernel<D, RT, U>, grid, NT, smem, stream, p);
   int st = check_launch("paged_attention");
   if (st != EXL2_OK || p.nsplit == 1 || p.tickets != nullptr) return st;
-  exl2::launch_kernel(attn_reduce_kernel<D>, (unsigned)((int64_t)B * p.Tq * p.Hq), D, 0, stream, p);
+  const int64_t combine_bytes = attn_combine_smem(p.nsplit, D);
+  const unsigned rows = (unsigned)((int64_t)B * p.Tq * p.Hq);
+  if (combine_bytes <= kAttnCombineSmemMax && reinterpret_cast<uintptr_t>(p.part_o) % 16 == 0)
+    exl2::launch_kernel(attn_reduce_kernel<D, true>, rows, D, (size_t)combine_bytes, stream, p);
+  else
+    exl2::launch_kernel(attn_reduce_kernel<D, false>, rows, D, 0, stream, p);
   return check_launch("paged_attention reduce");
 }
 

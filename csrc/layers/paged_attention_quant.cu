@@ -10,6 +10,7 @@
 #include <math.h>
 
 #include "common/pdl.cuh"
+#include "layers/attn_combine.cuh"
 #include "layers/kv_quant.cuh"
 
 namespace exl2 {
@@ -321,9 +322,11 @@ __global__ void __launch_bounds__(NT) paged_attention_quant_kernel(const QAttnPa
   }
 }
 
-// One CTA per output row (b, j, hq), one thread per dim: combine the splits in order, rotate back.
-template <int D, bool ROT>
+// One CTA per output row (b, j, hq), one thread per dim: combine the splits in order, rotate back. STAGED: the
+// row's partials through shared memory first (attn_combine.cuh; bit-identical), where they fit.
+template <int D, bool ROT, bool STAGED>
 __global__ void __launch_bounds__(D) attn_quant_reduce_kernel(const QAttnParams p) {
+  extern __shared__ float combine_smem[];
   exl2::pdl_wait_and_trigger();
   const int64_t prow = blockIdx.x;
   const int b = (int)(prow / ((int64_t)p.Tq * p.Hq));
@@ -332,18 +335,23 @@ __global__ void __launch_bounds__(D) attn_quant_reduce_kernel(const QAttnParams 
   const int L = split_len(ctx, p.nsplit, p.min_split);
   const int used = ctx > 0 ? (ctx + L - 1) / L : 0;
   const float* ml = p.part_ml + prow * p.nsplit * 2;
-  const float* po = p.part_o + prow * p.nsplit * D + d;
-  float M = -INFINITY;
-  for (int s = 0; s < used; ++s) M = fmaxf(M, ml[2 * s]);
-  float num = 0.f, den = 0.f;
-  if (M != -INFINITY) {
-    for (int s = 0; s < used; ++s) {
-      const float w = exp2f(ml[2 * s] - M);
-      den = fmaf(w, ml[2 * s + 1], den);
-      num = fmaf(w, po[(int64_t)s * D], num);
+  float o;
+  if constexpr (STAGED) {
+    o = attn_combine_staged<D>(ml, p.part_o + prow * p.nsplit * D, used, combine_smem);
+  } else {
+    const float* po = p.part_o + prow * p.nsplit * D + d;
+    float M = -INFINITY;
+    for (int s = 0; s < used; ++s) M = fmaxf(M, ml[2 * s]);
+    float num = 0.f, den = 0.f;
+    if (M != -INFINITY) {
+      for (int s = 0; s < used; ++s) {
+        const float w = exp2f(ml[2 * s] - M);
+        den = fmaf(w, ml[2 * s + 1], den);
+        num = fmaf(w, po[(int64_t)s * D], num);
+      }
     }
+    o = den > 0.f ? num / den : 0.f;
   }
-  float o = den > 0.f ? num / den : 0.f;
   if constexpr (ROT) o = warp_fwht32(o);
   p.out[prow * D + d] = __float2half_rn(o);
 }
@@ -360,8 +368,13 @@ int launch(const QAttnParams& p, int B, cudaStream_t stream) {
   exl2::launch_kernel(paged_attention_quant_kernel<D, RT, U, KF, VF>, grid, NT, smem, stream, p);
   int st = check_launch("paged_attention_quant");
   if (st != EXL2_OK || p.nsplit == 1) return st;
-  exl2::launch_kernel(attn_quant_reduce_kernel<D, KVFormat<VF>::ROT>, (unsigned)((int64_t)B * p.Tq * p.Hq), D, 0,
-                      stream, p);
+  const int64_t combine_bytes = attn_combine_smem(p.nsplit, D);
+  const unsigned rows = (unsigned)((int64_t)B * p.Tq * p.Hq);
+  if (combine_bytes <= kAttnCombineSmemMax && reinterpret_cast<uintptr_t>(p.part_o) % 16 == 0)
+    exl2::launch_kernel(attn_quant_reduce_kernel<D, KVFormat<VF>::ROT, true>, rows, D, (size_t)combine_bytes,
+                        stream, p);
+  else
+    exl2::launch_kernel(attn_quant_reduce_kernel<D, KVFormat<VF>::ROT, false>, rows, D, 0, stream, p);
   return check_launch("paged_attention_quant reduce");
 }
 

@@ -201,8 +201,9 @@ def test_batch_of_lengths(kf, vf, page):
 
 
 @pytest.mark.parametrize("kf,vf", PAIRS)
-@pytest.mark.parametrize("num_splits", [1, 2, 7, 64])
+@pytest.mark.parametrize("num_splits", [1, 2, 7, 64, 120])
 def test_forced_splits(kf, vf, num_splits):
+    # 120 splits x (128 + 2) floats pass the reduce's 48 KB staging (its global-memory loop); at D = 64 they fit
     lens = [1, 17, 300, 2000] if num_splits > 1 else [1, 17, 300, 900]  # one split holds <= 1024 keys
     check(lens, 1, 32, 8, 128, kf, vf, num_splits=num_splits)
     check(lens, 3, 9, 3, 64, kf, vf, num_splits=num_splits)

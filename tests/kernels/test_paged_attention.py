@@ -99,7 +99,7 @@ def test_batch_of_lengths(page):
     check(lens[:7], 4, 9, 3, 64, page=page, seed=1)
 
 
-@pytest.mark.parametrize("num_splits", [1, 2, 3, 7, 64])
+@pytest.mark.parametrize("num_splits", [1, 2, 3, 7, 64, 120])  # 120: the reduce's unstaged loop at D = 128
 def test_forced_splits(num_splits):
     lens = [1, 17, 300, 2000] if num_splits > 1 else [1, 17, 300, 900]  # one split holds <= 1024 keys
     check(lens, 1, 32, 8, 128, page=16, num_splits=num_splits)
@@ -208,10 +208,12 @@ def test_no_host_sync():
         torch.cuda.set_sync_debug_mode("default")
 
 
-@pytest.mark.parametrize("num_splits", [0, 2, 7, 64])
+@pytest.mark.parametrize("num_splits", [0, 2, 7, 64, 120])
 def test_tickets_match_reduce_kernel(num_splits, monkeypatch):
     """Splits combined by the last CTA (tickets, one launch) give the bits of the separate reduce kernel,
-    launch after launch (every ticket is left at zero)."""
+    launch after launch (every ticket is left at zero). The reduce kernel stages the partials in shared memory
+    (attn_combine.cuh) where nsplit x (D + 2) floats fit 48 KB, and loops over global memory otherwise (120
+    splits at D = 128): both against the tickets' loop."""
     for lens, hq, hkv, d, tq, page in (([1, 17, 300, 2000], 32, 8, 128, 1, 16), ([0, 3, 900], 9, 3, 64, 3, 16),
                                        ([5000, 60], 32, 8, 128, 1, 256)):
         kc, vc, tables, ctx, _ = build(lens, hkv, d, page)

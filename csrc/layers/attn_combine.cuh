@@ -7,8 +7,10 @@
 // result is bit-identical to the loop.
 #pragma once
 
+#include <cuda_runtime.h>
 #include <math.h>
 #include <stdint.h>
+#include <stdlib.h>
 
 namespace exl2 {
 namespace layers {
@@ -16,6 +18,40 @@ namespace layers {
 // Dynamic shared memory of a staged combine of `nsplit` splits of D dims: partials [nsplit][D], stats [nsplit][2].
 constexpr int64_t attn_combine_smem(int64_t nsplit, int D) { return nsplit * (D + 2) * 4; }
 constexpr int64_t kAttnCombineSmemMax = 48 * 1024;  // without the opt-in attribute
+
+// Most bytes a reduce kernel stages: 48 KB, or EXL2_ATTN_COMBINE_MAX_KB (read once, at most 200) through the
+// kernel's opt-in attribute. The q8 cache at 32k splits 99 ways for the 8B (51.5 KB at D = 128) and loops; the
+// opt-in stays off until it has run on the GPU (tests/kernels/test_kv_quant_kernels.py runs both).
+inline int64_t attn_combine_max_bytes() {
+  static const int64_t v = [] {
+    const char* e = getenv("EXL2_ATTN_COMBINE_MAX_KB");
+    const int kb = e ? atoi(e) : 48;
+    return (int64_t)(kb < 48 ? 48 : (kb > 200 ? 200 : kb)) * 1024;
+  }();
+  return v;
+}
+
+// Whether `Kernel` (a reduce kernel's staged instantiation) can be launched with `bytes` of dynamic shared memory
+// on the current device, setting its opt-in attribute once per device where more than 48 KB are allowed.
+template <auto Kernel>
+bool attn_combine_fits(int64_t bytes) {
+  if (bytes <= kAttnCombineSmemMax) return true;
+  if (bytes > attn_combine_max_bytes()) return false;
+  static int64_t set_bytes[64] = {};  // per device
+  int dev = 0;
+  if (cudaGetDevice(&dev) != cudaSuccess || dev < 0 || dev >= 64) {
+    (void)cudaGetLastError();
+    return false;
+  }
+  if (bytes > set_bytes[dev]) {
+    if (cudaFuncSetAttribute(Kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)bytes) != cudaSuccess) {
+      (void)cudaGetLastError();  // the loop over global memory instead
+      return false;
+    }
+    set_bytes[dev] = bytes;
+  }
+  return true;
+}
 
 __device__ __forceinline__ void cp_async_f32(float* dst, const float* src) {
   asm volatile("cp.async.ca.shared.global [%0], [%1], 4;" ::"r"((uint32_t)__cvta_generic_to_shared(dst)), "l"(src)

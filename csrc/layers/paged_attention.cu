@@ -392,8 +392,9 @@ int launch(const AttnParams& p, int B, cudaStream_t stream) {
   if (st != EXL2_OK || p.nsplit == 1 || p.tickets != nullptr) return st;
   const int64_t combine_bytes = attn_combine_smem(p.nsplit, D);
   const unsigned rows = (unsigned)((int64_t)B * p.Tq * p.Hq);
-  if (combine_bytes <= kAttnCombineSmemMax && reinterpret_cast<uintptr_t>(p.part_o) % 16 == 0)
-    exl2::launch_kernel(attn_reduce_kernel<D, true>, rows, D, (size_t)combine_bytes, stream, p);
+  constexpr auto staged = attn_reduce_kernel<D, true>;
+  if (reinterpret_cast<uintptr_t>(p.part_o) % 16 == 0 && attn_combine_fits<staged>(combine_bytes))
+    exl2::launch_kernel(staged, rows, D, (size_t)combine_bytes, stream, p);
   else
     exl2::launch_kernel(attn_reduce_kernel<D, false>, rows, D, 0, stream, p);
   return check_launch("paged_attention reduce");

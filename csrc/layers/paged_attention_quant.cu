@@ -370,9 +370,9 @@ int launch(const QAttnParams& p, int B, cudaStream_t stream) {
   if (st != EXL2_OK || p.nsplit == 1) return st;
   const int64_t combine_bytes = attn_combine_smem(p.nsplit, D);
   const unsigned rows = (unsigned)((int64_t)B * p.Tq * p.Hq);
-  if (combine_bytes <= kAttnCombineSmemMax && reinterpret_cast<uintptr_t>(p.part_o) % 16 == 0)
-    exl2::launch_kernel(attn_quant_reduce_kernel<D, KVFormat<VF>::ROT, true>, rows, D, (size_t)combine_bytes,
-                        stream, p);
+  constexpr auto staged = attn_quant_reduce_kernel<D, KVFormat<VF>::ROT, true>;
+  if (reinterpret_cast<uintptr_t>(p.part_o) % 16 == 0 && attn_combine_fits<staged>(combine_bytes))
+    exl2::launch_kernel(staged, rows, D, (size_t)combine_bytes, stream, p);
   else
     exl2::launch_kernel(attn_quant_reduce_kernel<D, KVFormat<VF>::ROT, false>, rows, D, 0, stream, p);
   return check_launch("paged_attention_quant reduce");

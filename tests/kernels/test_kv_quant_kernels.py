@@ -359,3 +359,44 @@ def test_prefill_path_over_quantized_history():
     ref = reference.paged_attention(q.float(), kd, vd, tab, ctx, 0.09)
     base = sdpa_fp16(q, kd, vd, tab, ctx, 0.09)
     assert_close_rel(out, ref, base, msg="prefill over quantized history")
+
+
+_COMBINE_SCRIPT = r"""
+import sys
+import torch
+from tests.kernels import test_kv_quant_kernels as T
+from tests.kernels import test_paged_attention as P
+from exl2_backend.ops import cuda_layers
+
+torch.manual_seed(0)
+outs = []
+for kf, vf in T.PAIRS:  # 120 splits of D = 128: 62 KB of partials per row
+    caches, tables, ctx = T.build([1, 17, 300, 2000], 8, 128, 16, kf, vf, 0)
+    q = torch.randn(4, 1, 32, 128, device="cuda").half()
+    outs.append(T.kq().paged_attention_quant(q, *caches, tables, ctx, 0.1, kf, vf, 120).cpu())
+kc, vc, tables, ctx, _ = P.build([1, 17, 300, 2000], 8, 128, 16, 0)
+q = torch.randn(4, 1, 32, 128, device="cuda").half()
+outs.append(cuda_layers.paged_attention(q, kc, vc, tables, ctx, 0.1, 120).cpu())
+torch.save(outs, sys.argv[1])
+"""
+
+
+def test_combine_staged_past_48kb_is_bit_identical(tmp_path):
+    """EXL2_ATTN_COMBINE_MAX_KB (read once per process: subprocesses): at 200 the reduce kernels stage 62 KB of
+    partials per row through the opt-in attribute; at 48 (the default) they loop over global memory. Same bits,
+    for every quantized format pair and for fp16 pages."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2]
+    got = {}
+    for kb in ("48", "200"):
+        env = {**os.environ, "EXL2_ATTN_COMBINE_MAX_KB": kb,
+               "PYTHONPATH": f"{root}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+        out = tmp_path / f"{kb}.pt"
+        subprocess.run([sys.executable, "-c", _COMBINE_SCRIPT, str(out)], env=env, cwd=root, check=True, timeout=120)
+        got[kb] = torch.load(out)
+    for a, b in zip(got["48"], got["200"]):
+        assert torch.equal(a, b)

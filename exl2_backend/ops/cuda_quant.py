@@ -428,24 +428,18 @@ class _Launch:
                 raise TensorShapeError(f"the GEMV kernel takes 1..{cap} rows here, got {m}", tensor="x")
             return self._gemv(x, ws, counters)
         pl = self.plan(m)
-        out = torch.empty(m, self.out_features, dtype=torch.float16, device=x.device)
-        if pl.ws_numel > ws.numel():
-            raise TensorShapeError(f"workspace holds {ws.numel()} floats, the launch needs {pl.ws_numel}", tensor="ws")
-        blob = pl.blob.copy()
-        for i in range(len(self.parts)):
-            blob[i, F_OUT] = out.data_ptr() + 2 * self.col_off[i]
-            blob[i, F_WS] = ws.data_ptr() + 4 * pl.ws_off[i] if pl.ksplit > 1 else 0
-            blob[i, F_COUNTERS] = counters.data_ptr() + 4 * pl.cnt_off[i]
-        ldx = x.stride(0) if m > 1 else self.K  # a 1-row tensor's row stride can be anything
-        st = _fn("exl2_gemm")(blob.ctypes.data, len(self.parts), x.data_ptr(), m, ldx, _stream(x.device))
+        out, blob = self._bind(pl, m, ws, counters, x.device)
+        if pl.ksplit == 1:
+            blob[:, F_WS] = 0  # the mma kernel without split-K takes no workspace
+        st = _fn("exl2_gemm")(blob.ctypes.data, len(self.parts), x.data_ptr(), m, _row_stride(x), _stream(x.device))
         library.check(st, "exl2_gemm")
         return out
 
-    def _gemv(self, x: torch.Tensor, ws: torch.Tensor, counters: torch.Tensor, gate_off: int = 0) -> torch.Tensor:
-        """x [M, K], or with gate_off > 0 x [M, >= gate_off + K] holding gate and up (input = silu(gate) * up)."""
-        m = x.shape[0]
-        pl = self.gemv_plan(m)
-        out = torch.empty(m, self.out_features, dtype=torch.float16, device=x.device)
+    def _bind(self, pl: _Plan, m: int, ws: torch.Tensor, counters: torch.Tensor,
+              device: torch.device) -> tuple[torch.Tensor, np.ndarray]:
+        """The output [M, N] of one launch of plan `pl` and a copy of its descriptors with the output, split-K
+        partials and tickets filled in."""
+        out = torch.empty(m, self.out_features, dtype=torch.float16, device=device)
         if pl.ws_numel > ws.numel():
             raise TensorShapeError(f"workspace holds {ws.numel()} floats, the launch needs {pl.ws_numel}", tensor="ws")
         blob = pl.blob.copy()
@@ -453,7 +447,14 @@ class _Launch:
             blob[i, F_OUT] = out.data_ptr() + 2 * self.col_off[i]
             blob[i, F_WS] = ws.data_ptr() + 4 * pl.ws_off[i]
             blob[i, F_COUNTERS] = counters.data_ptr() + 4 * pl.cnt_off[i]
-        ldx = x.stride(0) if m > 1 else x.shape[1]
+        return out, blob
+
+    def _gemv(self, x: torch.Tensor, ws: torch.Tensor, counters: torch.Tensor, gate_off: int = 0) -> torch.Tensor:
+        """x [M, K], or with gate_off > 0 x [M, >= gate_off + K] holding gate and up (input = silu(gate) * up)."""
+        m = x.shape[0]
+        pl = self.gemv_plan(m)
+        out, blob = self._bind(pl, m, ws, counters, x.device)
+        ldx = _row_stride(x)
         stream = _stream(x.device)
         pre, ld = None, 0
         if 0 < GEMV_PREGATHER_ITEMS <= m * self.kpad // pl.ksplit and gemv_row_cap(self.device) == 32:
@@ -485,19 +486,10 @@ class _Launch:
         """h, residual [M, K] fp16 (rows 16-byte aligned), weight fp16 [K] -> (GEMV output [M, N], residual out
         [M, K] = h + residual; an empty tensor when residual is None)."""
         m = h.shape[0]
-        pl = self.gemv_plan(m)
-        out = torch.empty(m, self.out_features, dtype=torch.float16, device=h.device)
+        out, blob = self._bind(self.gemv_plan(m), m, ws, counters, h.device)
         res_out = h.new_empty((m, self.K)) if residual is not None else h.new_empty(0)
-        if pl.ws_numel > ws.numel():
-            raise TensorShapeError(f"workspace holds {ws.numel()} floats, the launch needs {pl.ws_numel}", tensor="ws")
-        blob = pl.blob.copy()
-        for i in range(len(self.parts)):
-            blob[i, F_OUT] = out.data_ptr() + 2 * self.col_off[i]
-            blob[i, F_WS] = ws.data_ptr() + 4 * pl.ws_off[i]
-            blob[i, F_COUNTERS] = counters.data_ptr() + 4 * pl.cnt_off[i]
-        row = self.K if m == 1 else h.stride(0)  # a 1-row tensor's row stride can be anything
-        res_ld = 0 if residual is None else (self.K if m == 1 else residual.stride(0))
-        st = _fn("exl2_gemv_add_norm")(blob.ctypes.data, len(self.parts), h.data_ptr(), m, row,
+        res_ld = 0 if residual is None else _row_stride(residual)
+        st = _fn("exl2_gemv_add_norm")(blob.ctypes.data, len(self.parts), h.data_ptr(), m, _row_stride(h),
                                        None if residual is None else residual.data_ptr(), res_ld, weight.data_ptr(),
                                        None if residual is None else res_out.data_ptr(), self.K, float(eps),
                                        _stream(h.device))
@@ -569,7 +561,7 @@ def _(gate_up, packed, handle, ws, counters):
 def _check_norm_input(t: torch.Tensor, name: str, k: int, m: int, device: torch.device) -> None:
     if not isinstance(t, torch.Tensor) or t.dtype != torch.float16 or t.device != device:
         raise TensorShapeError(f"{name} must be a float16 tensor on {device}", tensor=name)
-    if t.dim() != 2 or t.shape != (m, k) or t.stride(1) != 1 or (m > 1 and t.stride(0) % 8) or t.data_ptr() % 16:
+    if t.shape != (m, k) or not _rows_aligned(t):
         raise TensorShapeError(f"{name} has shape {tuple(t.shape)} and strides {t.stride()}, expected [{m}, {k}] "
                                "with contiguous rows starting 16-byte aligned", tensor=name)
 
@@ -712,6 +704,11 @@ def norm_row_threads(k: int) -> int:
     4 per thread, rounded up to a warp."""
     t = (k // 8 + 3) // 4
     return 32 if t < 32 else (t + 31) // 32 * 32
+
+
+def _row_stride(t: torch.Tensor) -> int:
+    """Elements between the rows of a 2-D tensor; its width for one row, whose stride can be anything."""
+    return t.stride(0) if t.shape[0] > 1 else t.shape[1]
 
 
 def _rows_aligned(t: torch.Tensor) -> bool:

@@ -63,9 +63,27 @@ __device__ __forceinline__ void cp_async_f32x4(float* dst, const float* src) {
                : "memory");
 }
 
-// Output dim threadIdx.x (D threads, the whole block) of one row: ml [used][2] (max in log2 units, sum) and po
-// [used][D] (16-byte aligned) are the row's split statistics and partials; smem holds attn_combine_smem(used, D)
-// bytes. Ends with a block barrier passed.
+// The combination of one output element, shared by every reduce path: the max of the split maxima, then num and
+// den as fmaf chains in split order. ml(i): float i of the row's statistics [used][2] (max in log2 units, sum);
+// po(s): split s's partial of this element.
+template <typename ML, typename PO>
+__device__ __forceinline__ float attn_combine_in_order(int used, ML&& ml, PO&& po) {
+  float M = -INFINITY;
+  for (int s = 0; s < used; ++s) M = fmaxf(M, ml(2 * s));
+  float num = 0.f, den = 0.f;
+  if (M != -INFINITY) {
+    for (int s = 0; s < used; ++s) {
+      const float w = exp2f(ml(2 * s) - M);
+      den = fmaf(w, ml(2 * s + 1), den);
+      num = fmaf(w, po(s), num);
+    }
+  }
+  return den > 0.f ? num / den : 0.f;
+}
+
+// Output dim threadIdx.x (D threads, the whole block) of one row: ml [used][2] and po [used][D] (16-byte aligned)
+// are the row's split statistics and partials; smem holds attn_combine_smem(used, D) bytes. Ends with a block
+// barrier passed.
 template <int D>
 __device__ __forceinline__ float attn_combine_staged(const float* ml, const float* po, int used, float* smem) {
   static_assert(D % 4 == 0, "partials are copied four floats at a time");
@@ -76,17 +94,7 @@ __device__ __forceinline__ float attn_combine_staged(const float* ml, const floa
   for (int i = d; i < used * (D / 4); i += D) cp_async_f32x4(s_po + 4 * i, po + 4 * i);
   asm volatile("cp.async.wait_all;" ::: "memory");
   __syncthreads();
-  float M = -INFINITY;
-  for (int s = 0; s < used; ++s) M = fmaxf(M, s_ml[2 * s]);
-  float num = 0.f, den = 0.f;
-  if (M != -INFINITY) {
-    for (int s = 0; s < used; ++s) {
-      const float w = exp2f(s_ml[2 * s] - M);
-      den = fmaf(w, s_ml[2 * s + 1], den);
-      num = fmaf(w, s_po[s * D + d], num);
-    }
-  }
-  return den > 0.f ? num / den : 0.f;
+  return attn_combine_in_order(used, [&](int i) { return s_ml[i]; }, [&](int s) { return s_po[s * D + d]; });
 }
 
 }  // namespace layers

@@ -107,17 +107,8 @@ template <int D>
 __device__ __forceinline__ float combine_splits(const AttnParams& p, int64_t prow, int d, int used) {
   const float* ml = p.part_ml + prow * p.nsplit * 2;
   const float* po = p.part_o + prow * p.nsplit * D + d;
-  float M = -INFINITY;
-  for (int s = 0; s < used; ++s) M = fmaxf(M, __ldcg(ml + 2 * s));
-  float num = 0.f, den = 0.f;
-  if (M != -INFINITY) {
-    for (int s = 0; s < used; ++s) {
-      const float w = exp2f(__ldcg(ml + 2 * s) - M);
-      den = fmaf(w, __ldcg(ml + 2 * s + 1), den);
-      num = fmaf(w, __ldcg(po + (int64_t)s * D), num);
-    }
-  }
-  return den > 0.f ? num / den : 0.f;
+  return attn_combine_in_order(used, [&](int i) { return __ldcg(ml + i); },
+                               [&](int s) { return __ldcg(po + (int64_t)s * D); });
 }
 
 // U: key steps per thread with loads in flight (more bytes in flight per CTA vs more registers)

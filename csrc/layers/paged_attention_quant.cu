@@ -340,17 +340,7 @@ __global__ void __launch_bounds__(D) attn_quant_reduce_kernel(const QAttnParams 
     o = attn_combine_staged<D>(ml, p.part_o + prow * p.nsplit * D, used, combine_smem);
   } else {
     const float* po = p.part_o + prow * p.nsplit * D + d;
-    float M = -INFINITY;
-    for (int s = 0; s < used; ++s) M = fmaxf(M, ml[2 * s]);
-    float num = 0.f, den = 0.f;
-    if (M != -INFINITY) {
-      for (int s = 0; s < used; ++s) {
-        const float w = exp2f(ml[2 * s] - M);
-        den = fmaf(w, ml[2 * s + 1], den);
-        num = fmaf(w, po[(int64_t)s * D], num);
-      }
-    }
-    o = den > 0.f ? num / den : 0.f;
+    o = attn_combine_in_order(used, [&](int i) { return ml[i]; }, [&](int s) { return po[(int64_t)s * D]; });
   }
   if constexpr (ROT) o = warp_fwht32(o);
   p.out[prow * D + d] = __float2half_rn(o);

@@ -805,7 +805,6 @@ int gemv_impl(const int64_t* blob, int ndesc, const void* x, int M, int ldx, int
   return minb == 3 ? gemv_launch<3>(p, blocks, smem, s) : gemv_launch<2>(p, blocks, smem, s);
 }
 
-bool gemv_aligned16(const void* p) { return (reinterpret_cast<uintptr_t>(p) & 15) == 0; }
 }  // namespace
 
 EXL2_API int exl2_gemv(const int64_t* blob, int ndesc, const void* x, int M, int ldx, int gate_off, int minb,
@@ -823,8 +822,10 @@ EXL2_API int exl2_gemv_add_norm(const int64_t* blob, int ndesc, const void* h, i
                                 void* stream) {
   EXL2_REQUIRE(h && weight, "exl2_gemv_add_norm: null argument");
   EXL2_REQUIRE(eps > 0.f && eps < 1.f, "exl2_gemv_add_norm: eps %g outside (0, 1)", (double)eps);
-  EXL2_REQUIRE(gemv_aligned16(h) && gemv_aligned16(weight) && ldh % 8 == 0 && (!residual || (gemv_aligned16(residual) &&
-               res_ld % 8 == 0)) && (!res_out || (gemv_aligned16(res_out) && res_out_ld % 8 == 0)),
+  using exl2::layers::aligned16;
+  EXL2_REQUIRE(aligned16(h) && aligned16(weight) && ldh % 8 == 0 &&
+               (!residual || (aligned16(residual) && res_ld % 8 == 0)) &&
+               (!res_out || (aligned16(res_out) && res_out_ld % 8 == 0)),
                "exl2_gemv_add_norm: rows must start 16-byte aligned (pointers and row strides)");
   EXL2_REQUIRE(!res_out || residual, "exl2_gemv_add_norm: res_out without a residual");
   EXL2_REQUIRE(!res_out || (res_out != h && res_out != residual), "exl2_gemv_add_norm: res_out aliases an input");

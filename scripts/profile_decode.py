@@ -36,6 +36,7 @@ import argparse
 import dataclasses
 import functools
 import gc
+import itertools
 import json
 import os
 import re
@@ -241,15 +242,13 @@ def profile_shape(name: str, variants: list[str], workdir: Path, results: dict, 
           flush=True)
     gen = torch.Generator().manual_seed(0)
     prompt = torch.randint(0, config.vocab_size, (context,), generator=gen).tolist()
-    tokens = {}
-    runs = [(v, ct) for ct in cache_types for v in variants]
-    for vname, ct in runs:
-        set_variant(VARIANTS[vname])
+    tokens: dict[str, dict[str, list[int]]] = {}  # cache type -> variant -> decoded tokens
+    for ct, variant in itertools.product(cache_types, variants):
+        set_variant(VARIANTS[variant])
         engine = make_engine(model, max_seq_len=max(2048, context + 64), cache_type=ct)
-        if ct != "fp16" or context != 512:
-            vname = f"{vname}@{ct},{context}"
+        vname = variant if ct == "fp16" and context == 512 else f"{variant}@{ct},{context}"
         runner = engine.runner
-        tokens[vname] = generate(engine, prompt, 8)
+        tokens.setdefault(ct, {})[vname] = generate(engine, prompt, 8)
         g = runner._graphs[1]
         step_ms = graph_ms(g)
         critical: dict = {}
@@ -266,12 +265,11 @@ def profile_shape(name: str, variants: list[str], workdir: Path, results: dict, 
         print_table(f"{name} / {vname}: eager step (per step)", eager_tab, config.num_hidden_layers)
         results.setdefault(name, {})[vname] = {"graph_step_ms": [step_ms, step_ms2], "graph_kernels": graph_tab,
                                                 "graph_critical_path": critical,
-                                                "eager_kernels": eager_tab, "tokens": tokens[vname]}
+                                                "eager_kernels": eager_tab, "tokens": tokens[ct][vname]}
         del engine, runner, g
         gc.collect()
         torch.cuda.empty_cache()
-    for ct in cache_types:  # the variants of one cache type must decode the same tokens
-        same_type = {v: t for v, t in tokens.items() if (ct == "fp16" and "@" not in v) or v.endswith(f"@{ct},{context}")}
+    for same_type in tokens.values():  # the variants of one cache type must decode the same tokens
         if len(set(map(tuple, same_type.values()))) > 1:
             print(f"!! [{name}] variants decoded different tokens: {same_type}")
             results[name]["tokens_differ"] = True

@@ -11,50 +11,21 @@
 
 #include "common/pdl.cuh"
 #include "layers/attn_combine.cuh"
-#include "layers/kv_quant.cuh"
+#include "layers/paged_attention_quant.cuh"
 
 namespace exl2 {
 namespace layers {
 namespace {
 
-constexpr int NW = 4;  // warps per CTA
-constexpr int NT = NW * 32;
+constexpr int NW = kQAttnWarps;
+constexpr int NT = kQAttnThreads;
 
 template <int RT>
-constexpr int keys_max() {  // keys per split held in shared memory: RT * keys_max floats = 32 KiB
-  return RT <= 8 ? 1024 : 512;
+constexpr int keys_max() {
+  return qattn_keys_max<RT>();
 }
 
 constexpr int ilog2(int x) { return x <= 1 ? 0 : 1 + ilog2(x / 2); }
-
-struct QAttnParams {
-  const half* q;
-  int64_t q_bs, q_ts, q_hs;  // q strides (elements); dims contiguous
-  const uint8_t* kc;         // [P, S, Hkv, D * kbits / 8]
-  const half* ks;            // [P, S, Hkv, D / 32]
-  const uint8_t* vc;
-  const half* vs;
-  const int* block_tables;  // [B, bt_stride]
-  int64_t bt_stride;
-  const int* context_lens;  // [B]
-  half* out;                // [B, Tq, Hq, D] contiguous
-  float* part_o;            // [B, Tq, Hq, nsplit, D] (rotated domain for rotated V formats)
-  float* part_ml;           // [B, Tq, Hq, nsplit, 2] (max in log2 units, sum)
-  int Tq, Hq, Hkv, G, R, row_tiles, nsplit, min_split, log2S, max_pages, num_pages;
-  float scale_log2;  // softmax scale * log2(e)
-};
-
-__device__ __forceinline__ int clamp_ctx(int ctx, const QAttnParams& p) {
-  const int cap = p.max_pages << p.log2S;
-  return ctx < 0 ? 0 : (ctx > cap ? cap : ctx);
-}
-
-// Keys per split of a context of `ctx` keys (a multiple of 16, at least min_split): as paged_attention.cu.
-__device__ __forceinline__ int split_len(int ctx, int nsplit, int min_split) {
-  int L = (ctx + nsplit - 1) / nsplit;
-  L = (L + 15) & ~15;
-  return L > min_split ? L : min_split;
-}
 
 // Sum N per-lane values over the O*2 lanes of a group, halving the values a lane holds at each step while N > 1.
 template <int N, int O>
@@ -75,10 +46,6 @@ __device__ __forceinline__ void butterfly(float* v, int lane) {
       butterfly<1, O / 2>(v, lane);
     }
   }
-}
-
-__device__ __forceinline__ float load_scale(const half* p) {
-  return __half2float(__ushort_as_half(__ldg(reinterpret_cast<const unsigned short*>(p))));
 }
 
 // E: elements per lane per key. 16 for one or two rows (a 16-byte load of 8-bit codes); 8 from four rows on, except
@@ -116,22 +83,14 @@ __global__ void __launch_bounds__(NT) paged_attention_quant_kernel(const QAttnPa
 
   const int tile = blockIdx.x % p.row_tiles, split = blockIdx.x / p.row_tiles;
   const int kvh = blockIdx.y, b = blockIdx.z;
-  const int ctx = clamp_ctx(p.context_lens[b], p);
-  const int L = split_len(ctx, p.nsplit, p.min_split);
+  const int ctx = qattn_clamp_ctx(p.context_lens[b], p);
+  const int L = qattn_split_len(ctx, p.nsplit, p.min_split);
   const int start = split * L;
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const int row0 = tile * RT;
 
-  if (start >= ctx) {  // an unused split (or an empty context): zeros unless the reduce kernel writes them
-    if (p.nsplit == 1) {
-      for (int i = tid; i < RT * D; i += NT) {
-        const int row = row0 + i / D;
-        if (row < p.R) {
-          const int j = row / p.G, hq = kvh * p.G + row % p.G;
-          p.out[(((int64_t)b * p.Tq + j) * p.Hq + hq) * D + i % D] = __float2half_rn(0.f);
-        }
-      }
-    }
+  if (start >= ctx) {  // an unused split (or an empty context)
+    qattn_empty_split<D, RT>(p, b, kvh, row0);
     return;
   }
   const int end = min(start + L, ctx);
@@ -139,22 +98,10 @@ __global__ void __launch_bounds__(NT) paged_attention_quant_kernel(const QAttnPa
 
   const int first_page = start >> p.log2S;
   const int npages = ((end - 1) >> p.log2S) - first_page + 1;
-  for (int i = tid; i < npages; i += NT) {
-    int pg = p.block_tables[(int64_t)b * p.bt_stride + first_page + i];
-    pages[i] = pg < 0 ? 0 : (pg >= p.num_pages ? p.num_pages - 1 : pg);  // never fault on a bad table
-  }
+  qattn_load_pages(p, b, first_page, npages, pages);
 
-  // q rows -> shared memory, rotated like the keys, times scale * log2(e); one (row, group) per warp step
-  for (int u = warp; u < RT * NG; u += NW) {
-    const int r = u / NG, g = u % NG, row = row0 + r;
-    float x = 0.f;
-    if (row < p.R) {
-      const int j = row / p.G, hq = kvh * p.G + row % p.G;
-      x = __half2float(p.q[b * p.q_bs + j * p.q_ts + hq * p.q_hs + g * KV_GROUP + lane]);
-    }
-    if constexpr (KVFormat<KF>::ROT) x = warp_fwht32(x);
-    smem[r * D + g * KV_GROUP + lane] = x * p.scale_log2;
-  }
+  // q rows -> shared memory, rotated like the keys, times scale * log2(e)
+  qattn_stage_q<D, RT, KVFormat<KF>::ROT>(p, b, kvh, row0, p.scale_log2, smem);
   __syncthreads();  // pages[], q staging
 
   const int ks = lane / TPK;        // key slot within the warp step
@@ -195,7 +142,7 @@ __global__ void __launch_bounds__(NT) paged_attention_quant_kernel(const QAttnPa
       if (t < end) {
         const int64_t ri = row_index(t);
         kr[u] = kv_load<KNB>(p.kc + ri * KROW + dl * KBITS / 8);
-        ksc[u] = load_scale(p.ks + ri * NG + dl / KV_GROUP);
+        ksc[u] = qattn_load_scale(p.ks + ri * NG + dl / KV_GROUP);
       } else {
         kr[u] = kv_zero<KNB>();
         ksc[u] = 0.f;
@@ -224,24 +171,7 @@ __global__ void __launch_bounds__(NT) paged_attention_quant_kernel(const QAttnPa
   __syncthreads();
 
   // ---- phase 2: softmax statistics per row (log2 domain) ----
-  for (int r = warp; r < RT; r += NW) {
-    float* sr = smem + r * KM;
-    float m = -INFINITY;
-    for (int i = lane; i < n; i += 32) m = fmaxf(m, sr[i]);
-    m = warp_max(m);
-    const float mu = m == -INFINITY ? 0.f : m;  // fully masked row: all p = 0, no NaN
-    float l = 0.f;
-    for (int i = lane; i < n; i += 32) {
-      const float e = exp2f(sr[i] - mu);
-      sr[i] = e;
-      l += e;
-    }
-    l = warp_sum(l);
-    if (lane == 0) {
-      row_m[r] = m;
-      row_l[r] = l;
-    }
-  }
+  qattn_softmax<RT, KM>(smem, n, row_m, row_l);
   __syncthreads();
 
   // ---- phase 3: o = sum_t p[t] * v[t] (scale folded into p) ----
@@ -259,7 +189,7 @@ __global__ void __launch_bounds__(NT) paged_attention_quant_kernel(const QAttnPa
       if (t < end) {
         const int64_t ri = row_index(t);
         vr[u] = kv_load<VNB>(p.vc + ri * VROW + dl * VBITS / 8);
-        vsc[u] = load_scale(p.vs + ri * NG + dl / KV_GROUP);
+        vsc[u] = qattn_load_scale(p.vs + ri * NG + dl / KV_GROUP);
       } else {
         vr[u] = kv_zero<VNB>();
         vsc[u] = 0.f;
@@ -296,30 +226,7 @@ __global__ void __launch_bounds__(NT) paged_attention_quant_kernel(const QAttnPa
       for (int e = 0; e < E; ++e) red[(warp * RT + r) * D + dl + e] = acc[r][e];
   }
   __syncthreads();
-  // A warp covers 32 consecutive dims of one row (RT * D and D are multiples of 32), so the rotation back
-  // is one in-warp transform; the row test is warp-uniform.
-  for (int i = tid; i < RT * D; i += NT) {
-    const int r = i / D, d = i % D, row = row0 + r;
-    if (row >= p.R) continue;
-    float o = 0.f;
-#pragma unroll
-    for (int w = 0; w < NW; ++w) o += red[(w * RT + r) * D + d];
-    const int j = row / p.G, hq = kvh * p.G + row % p.G;
-    const int64_t prow = ((int64_t)b * p.Tq + j) * p.Hq + hq;
-    if (p.nsplit == 1) {
-      const float l = row_l[r];
-      o = l > 0.f ? o / l : 0.f;
-      if constexpr (KVFormat<VF>::ROT) o = warp_fwht32(o);
-      p.out[prow * D + d] = __float2half_rn(o);
-    } else {
-      const int64_t ps = prow * p.nsplit + split;
-      p.part_o[ps * D + d] = o;
-      if (d == 0) {
-        p.part_ml[ps * 2] = row_m[r];
-        p.part_ml[ps * 2 + 1] = row_l[r];
-      }
-    }
-  }
+  qattn_write_rows<D, RT, KVFormat<VF>::ROT>(p, red, row_m, row_l, b, kvh, row0, split);
 }
 
 // One CTA per output row (b, j, hq), one thread per dim: combine the splits in order, rotate back. STAGED: the
@@ -331,8 +238,8 @@ __global__ void __launch_bounds__(D) attn_quant_reduce_kernel(const QAttnParams 
   const int64_t prow = blockIdx.x;
   const int b = (int)(prow / ((int64_t)p.Tq * p.Hq));
   const int d = threadIdx.x;
-  const int ctx = clamp_ctx(p.context_lens[b], p);
-  const int L = split_len(ctx, p.nsplit, p.min_split);
+  const int ctx = qattn_clamp_ctx(p.context_lens[b], p);
+  const int L = qattn_split_len(ctx, p.nsplit, p.min_split);
   const int used = ctx > 0 ? (ctx + L - 1) / L : 0;
   const float* ml = p.part_ml + prow * p.nsplit * 2;
   float o;
@@ -346,26 +253,43 @@ __global__ void __launch_bounds__(D) attn_quant_reduce_kernel(const QAttnParams 
   p.out[prow * D + d] = __float2half_rn(o);
 }
 
-template <int D, int RT, int U, int KF, int VF>
-int launch(const QAttnParams& p, int B, cudaStream_t stream) {
-  EXL2_REQUIRE((int64_t)p.nsplit * keys_max<RT>() >= ((int64_t)p.max_pages << p.log2S),
-               "paged_attention_quant: nsplit %d too small for %d pages of %d (split <= %d keys)", p.nsplit,
-               p.max_pages, 1 << p.log2S, keys_max<RT>());
-  EXL2_REQUIRE(p.min_split <= keys_max<RT>() && p.min_split > 0, "paged_attention_quant: min_split %d out of range",
-               p.min_split);
-  const dim3 grid((unsigned)(p.row_tiles * p.nsplit), (unsigned)p.Hkv, (unsigned)B);
-  const size_t smem = sizeof(float) * RT * keys_max<RT>();
-  exl2::launch_kernel(paged_attention_quant_kernel<D, RT, U, KF, VF>, grid, NT, smem, stream, p);
-  int st = check_launch("paged_attention_quant");
-  if (st != EXL2_OK || p.nsplit == 1) return st;
+// The split combination after either attention kernel (nothing to do when nsplit == 1).
+template <int D, bool ROT>
+int launch_reduce(const QAttnParams& p, int B, cudaStream_t stream) {
+  if (p.nsplit == 1) return EXL2_OK;
   const int64_t combine_bytes = attn_combine_smem(p.nsplit, D);
   const unsigned rows = (unsigned)((int64_t)B * p.Tq * p.Hq);
-  constexpr auto staged = attn_quant_reduce_kernel<D, KVFormat<VF>::ROT, true>;
+  constexpr auto staged = attn_quant_reduce_kernel<D, ROT, true>;
   if (reinterpret_cast<uintptr_t>(p.part_o) % 16 == 0 && attn_combine_fits<staged>(combine_bytes))
     exl2::launch_kernel(staged, rows, D, (size_t)combine_bytes, stream, p);
   else
-    exl2::launch_kernel(attn_quant_reduce_kernel<D, KVFormat<VF>::ROT, false>, rows, D, 0, stream, p);
+    exl2::launch_kernel(attn_quant_reduce_kernel<D, ROT, false>, rows, D, 0, stream, p);
   return check_launch("paged_attention_quant reduce");
+}
+
+template <int D>
+int launch_reduce_fmt(const QAttnParams& p, int v_fmt, int B, cudaStream_t stream) {
+  return v_fmt == kFmtE4M3 ? launch_reduce<D, KVFormat<kFmtE4M3>::ROT>(p, B, stream)
+                           : launch_reduce<D, KVFormat<kFmtI8>::ROT>(p, B, stream);  // int8 and int4 alike
+}
+
+int check_splits(const QAttnParams& p, int keys_max) {
+  EXL2_REQUIRE((int64_t)p.nsplit * keys_max >= ((int64_t)p.max_pages << p.log2S),
+               "paged_attention_quant: nsplit %d too small for %d pages of %d (split <= %d keys)", p.nsplit,
+               p.max_pages, 1 << p.log2S, keys_max);
+  EXL2_REQUIRE(p.min_split <= keys_max && p.min_split > 0, "paged_attention_quant: min_split %d out of range",
+               p.min_split);
+  return EXL2_OK;
+}
+
+template <int D, int RT, int U, int KF, int VF>
+int launch(const QAttnParams& p, int B, cudaStream_t stream) {
+  const int st = check_splits(p, keys_max<RT>());
+  if (st != EXL2_OK) return st;
+  const dim3 grid((unsigned)(p.row_tiles * p.nsplit), (unsigned)p.Hkv, (unsigned)B);
+  const size_t smem = sizeof(float) * RT * keys_max<RT>();
+  exl2::launch_kernel(paged_attention_quant_kernel<D, RT, U, KF, VF>, grid, NT, smem, stream, p);
+  return check_launch("paged_attention_quant");
 }
 
 template <int D, int KF, int VF>
@@ -397,14 +321,15 @@ int launch_fmt(const QAttnParams& p, int rt, int kf, int vf, int B, cudaStream_t
 // and k_scales / v_scales fp16 [P, S, Hkv, D / 32], contiguous; formats 1 e4m3, 2 int8, 3 int4 (pairs as
 // kv_quant_write); block_tables [B, bt_stride] int32; context_lens [B] int32; out [B, Tq, Hq, D] fp16 contiguous;
 // workspace fp32 of B*Tq*Hq*nsplit*(D+2) floats (unused if nsplit == 1). Row tiles as exl2_paged_attention, at
-// most max_row_tile (4, 8 or 16) rows each.
+// most max_row_tile (4, 8 or 16) rows each; use_mma selects the tensor-core kernel (row tiles of 8,
+// paged_attention_quant_mma.cu).
 EXL2_API int exl2_paged_attention_quant(const void* q, int64_t q_bs, int64_t q_ts, int64_t q_hs, const void* k_codes,
                                         const void* k_scales, const void* v_codes, const void* v_scales, int k_fmt,
                                         int v_fmt, const int32_t* block_tables, int64_t bt_stride,
                                         const int32_t* context_lens, void* out, float* workspace, int64_t B,
                                         int64_t Tq, int64_t Hq, int64_t Hkv, int64_t D, int64_t num_pages,
                                         int64_t page_size, int64_t max_pages, int64_t nsplit, int64_t min_split,
-                                        float scale, int max_row_tile, cudaStream_t stream) {
+                                        float scale, int max_row_tile, int use_mma, cudaStream_t stream) {
   using namespace exl2::layers;
   EXL2_REQUIRE(D == 64 || D == 128, "paged_attention_quant: head_dim %lld not supported (64, 128)", (long long)D);
   EXL2_REQUIRE(Hkv > 0 && Hq > 0 && Hq % Hkv == 0, "paged_attention_quant: Hq %lld not a multiple of Hkv %lld",
@@ -437,8 +362,10 @@ EXL2_API int exl2_paged_attention_quant(const void* q, int64_t q_bs, int64_t q_t
   p.R = (int)(p.G * Tq);
   EXL2_REQUIRE(max_row_tile == 4 || max_row_tile == 8 || max_row_tile == 16,
                "paged_attention_quant: row tile cap %d (4, 8 or 16)", max_row_tile);
-  int rt = p.R <= 1 ? 1 : p.R <= 2 ? 2 : p.R <= 4 ? 4 : p.R <= 8 ? 8 : 16;
-  rt = rt < max_row_tile ? rt : max_row_tile;
+  // The tensor-core kernel takes row tiles of 8 (its mma's 16 rows hold the tile's q in two fp16 parts);
+  // the CUDA-core kernel the smallest power of two up to the cap.
+  int rt = use_mma ? 8 : p.R <= 1 ? 1 : p.R <= 2 ? 2 : p.R <= 4 ? 4 : p.R <= 8 ? 8 : 16;
+  if (!use_mma) rt = rt < max_row_tile ? rt : max_row_tile;
   p.row_tiles = (p.R + rt - 1) / rt;
   p.nsplit = (int)nsplit;
   p.min_split = (int)min_split;
@@ -452,6 +379,13 @@ EXL2_API int exl2_paged_attention_quant(const void* q, int64_t q_bs, int64_t q_t
   p.part_ml = workspace == nullptr ? nullptr : workspace + B * Tq * Hq * nsplit * D;
   EXL2_REQUIRE(nsplit == 1 || workspace != nullptr, "paged_attention_quant: workspace required for nsplit > 1");
   EXL2_REQUIRE((int64_t)p.row_tiles * nsplit < (1ll << 31), "paged_attention_quant: grid too large");
-  if (D == 64) return launch_fmt<64>(p, rt, k_fmt, v_fmt, (int)B, stream);
-  return launch_fmt<128>(p, rt, k_fmt, v_fmt, (int)B, stream);
+  int st;
+  if (use_mma) {
+    st = check_splits(p, qattn_keys_max<8>());
+    if (st == EXL2_OK) st = launch_paged_attention_quant_mma(p, k_fmt, v_fmt, (int)D, (int)B, stream);
+  } else {
+    st = D == 64 ? launch_fmt<64>(p, rt, k_fmt, v_fmt, (int)B, stream) : launch_fmt<128>(p, rt, k_fmt, v_fmt, (int)B, stream);
+  }
+  if (st != EXL2_OK) return st;
+  return D == 64 ? launch_reduce_fmt<64>(p, v_fmt, (int)B, stream) : launch_reduce_fmt<128>(p, v_fmt, (int)B, stream);
 }

@@ -7,6 +7,7 @@
 #include <cuda_runtime.h>
 
 #include "common/activation.cuh"
+#include "common/mma.cuh"
 #include "quant/exl2_quant.cuh"
 
 namespace exl2q {
@@ -74,12 +75,7 @@ __device__ __forceinline__ GvWork gv_work(const GemvParams& p) {
   return w;
 }
 
-__device__ __forceinline__ void mma16816(float (&c)[4], uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3,
-                                         uint32_t b0, uint32_t b1) {
-  asm("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"
-      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-      : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
-}
+using exl2::mma16816;
 
 __device__ __forceinline__ float2 h2_to_f2(uint32_t u) {
   __half2 h;

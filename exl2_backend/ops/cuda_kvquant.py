@@ -15,6 +15,7 @@ from __future__ import annotations
 import functools
 import logging
 import math
+import os
 
 import torch
 
@@ -46,15 +47,25 @@ _SIGNATURES = {
     "exl2_kv_quant_write": (PTR, I64, I64, I64, PTR, I64, I64, PTR, I64, I64, I64, PTR, PTR, PTR, PTR, PTR, I64, PTR,
                             PTR, I64, I64, I32, I32, I32, STREAM),
     "exl2_paged_attention_quant": (PTR, I64, I64, I64, PTR, PTR, PTR, PTR, I32, I32, PTR, I64, PTR, PTR, PTR, I64, I64,
-                                   I64, I64, I64, I64, I64, I64, I64, I64, F32, I32, STREAM),
+                                   I64, I64, I64, I64, I64, I64, I64, I64, F32, I32, I32, STREAM),
 }
 _QUANT_FORMATS = ("e4m3", "int8", "int4")
 _PAIRS = {("e4m3", "e4m3"), ("int8", "int8"), ("int8", "int4"), ("int4", "int4")}  # the pairs the kernels build
 
 
+# The tensor-core attention kernel (csrc/layers/paged_attention_quant_mma.cu: row tiles of 8, both products on
+# mma.m16n8k16, 128 registers -> 4 CTAs per SM) instead of the CUDA-core one (row tiles up to
+# cuda_layers.ATTN_MAX_ROW_TILE, a lane's share of each key's dot products). EXL2_BACKEND_ATTN_QUANT_MMA=0 selects
+# the CUDA-core kernel; the tests run both.
+ATTN_QUANT_MMA = os.environ.get("EXL2_BACKEND_ATTN_QUANT_MMA", "1") != "0"
+
+
 def quant_attention_ctas(k_fmt: str, v_fmt: str) -> int:
-    """CTAs per SM the automatic split aims at: 8-bit codes in either cache run the 80-register kernel (6
-    resident per SM), 4-bit ones the 128-register kernel (4); see cuda_layers.ATTN_CTAS_PER_SM_8BIT."""
+    """CTAs per SM the automatic split aims at: the tensor-core kernel 4 (128 registers); in the CUDA-core kernel
+    8-bit codes in either cache run the 80-register variant (6 resident per SM), 4-bit ones the 128-register one
+    (4); see cuda_layers.ATTN_CTAS_PER_SM_8BIT."""
+    if ATTN_QUANT_MMA:
+        return _ATTN_CTAS_PER_SM
     return ATTN_CTAS_PER_SM_8BIT if {"int8", "e4m3"} & {k_fmt, v_fmt} else _ATTN_CTAS_PER_SM
 
 
@@ -227,7 +238,7 @@ def paged_attention_quant(q: torch.Tensor, k_codes: torch.Tensor, k_scales: torc
               k_scales.data_ptr(), v_codes.data_ptr(), v_scales.data_ptr(), FORMATS[k_fmt].abi, FORMATS[v_fmt].abi,
               tables.data_ptr(), tables.stride(0), lens.data_ptr(), out.data_ptr(),
               ws.data_ptr() if ws is not None else None, b, tq, hq, hkv, d, p, s, max_pages, nsplit, _ATTN_MIN_SPLIT,
-              float(scale), cuda_layers.ATTN_MAX_ROW_TILE, _stream(q))
+              float(scale), cuda_layers.ATTN_MAX_ROW_TILE, int(ATTN_QUANT_MMA), _stream(q))
     return out
 
 

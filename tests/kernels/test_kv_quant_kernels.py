@@ -125,6 +125,13 @@ def test_write_many_tokens_prefill_chunk():
 # --- attention ------------------------------------------------------------------------------------------------
 
 
+@pytest.fixture(params=["mma", "cuda_core"])
+def attn_kernel(request, monkeypatch):
+    """Both attention kernels: the tensor-core one (row tiles of 8, the default) and the CUDA-core one."""
+    monkeypatch.setattr(kq(), "ATTN_QUANT_MMA", request.param == "mma")
+    return request.param
+
+
 def build(lens, hkv, d, page, kf, vf, seed=0, spare=5):
     """Random K/V per sequence quantized into shuffled pages; unused slots hold garbage codes and NaN scales and
     unused table entries garbage, so any read outside the context shows up."""
@@ -186,12 +193,14 @@ def check(lens, tq, hq, hkv, d, kf, vf, page=16, num_splits=0, seed=0, q=None):
 @pytest.mark.parametrize("kf,vf", PAIRS)
 @pytest.mark.parametrize("n", [1, 15, 16, 17, 255, 257, 1000, 8193])
 @pytest.mark.parametrize("hq,hkv,d", [(9, 3, 64), (32, 8, 128)])
+@pytest.mark.usefixtures("attn_kernel")
 def test_single_sequence(kf, vf, n, hq, hkv, d):
     check([n], 1, hq, hkv, d, kf, vf, page=256 if n >= 1000 else 16)
 
 
 @pytest.mark.parametrize("kf,vf", PAIRS)
 @pytest.mark.parametrize("page", [16, 64, 256])
+@pytest.mark.usefixtures("attn_kernel")
 def test_batch_of_lengths(kf, vf, page):
     g = torch.Generator().manual_seed(3)
     lens = torch.randint(1, 1500, (16,), generator=g).tolist()
@@ -202,6 +211,7 @@ def test_batch_of_lengths(kf, vf, page):
 
 @pytest.mark.parametrize("kf,vf", PAIRS)
 @pytest.mark.parametrize("num_splits", [1, 2, 7, 64, 120])
+@pytest.mark.usefixtures("attn_kernel")
 def test_forced_splits(kf, vf, num_splits):
     # 120 splits x (128 + 2) floats pass the reduce's 48 KB staging (its global-memory loop); at D = 64 they fit
     lens = [1, 17, 300, 2000] if num_splits > 1 else [1, 17, 300, 900]  # one split holds <= 1024 keys
@@ -212,6 +222,7 @@ def test_forced_splits(kf, vf, num_splits):
 @pytest.mark.parametrize("kf,vf", PAIRS)
 @pytest.mark.parametrize("tq,hq,hkv", [(16, 32, 8), (16, 9, 3), (2, 64, 8), (1, 8, 8), (3, 16, 8), (7, 32, 8),
                                        (1, 16, 1)])
+@pytest.mark.usefixtures("attn_kernel")
 def test_row_tiles_and_gqa_ratios(kf, vf, tq, hq, hkv):
     """G * Tq query rows per kv head from 1 to 128 (every row-tile size, several tiles per head); GQA 1 to 16."""
     check([40, 700, 2500], tq, hq, hkv, 128, kf, vf, page=64)
@@ -225,10 +236,44 @@ def test_row_tile_cap(monkeypatch, kf, vf, cap):
     from exl2_backend.ops import cuda_layers
 
     monkeypatch.setattr(cuda_layers, "ATTN_MAX_ROW_TILE", cap)
+    monkeypatch.setattr(kq(), "ATTN_QUANT_MMA", False)  # the cap is the CUDA-core kernel's
     check([40, 700, 2500], 5, 32, 8, 128, kf, vf, page=64)
     check([33, 1500], 9, 9, 3, 64, kf, vf, page=16, seed=3)
 
 
+@pytest.mark.usefixtures("attn_kernel")
+@pytest.mark.parametrize("kf,vf", PAIRS)
+@pytest.mark.parametrize("mag", [1e-3, 40.0])
+def test_magnitudes_far_from_one(kf, vf, mag):
+    """Small and large K/V scales (fp16 operands of the tensor-core kernel near their range ends: products of
+    probabilities and value scales down to subnormals) and a peaked softmax, against the fp32 reference."""
+    caches, tables, ctx = build([3000, 700], 8, 128, 64, kf, vf, seed=4)
+    for c in (caches[1], caches[3]):
+        c.mul_(mag)  # the scales: the same codes mean mag times the values
+    q = (torch.randn(2, 1, 32, 128, device=DEV) * (4.0 / mag if mag > 1 else 1.0)).half()
+    scale = 1 / math.sqrt(128)
+    out = kq().paged_attention_quant(q, *caches, tables, ctx, scale, kf, vf)
+    kd, vd, tab = R.gather_dequantized(*caches, tables, ctx, kf, vf)
+    ref = reference.paged_attention(q.float(), kd, vd, tab, ctx, scale)
+    base = sdpa_fp16(q.contiguous(), kd, vd, tab, ctx, scale)
+    assert_close_rel(out, ref, base, atol=2e-3 * min(1.0, mag), msg=f"{kf}/{vf} magnitude {mag}")
+
+
+def test_kernels_agree_closely(monkeypatch):
+    """The tensor-core kernel (fp16 operands split in two parts) against the CUDA-core kernel (fp32): the same
+    function of the codes to well within fp16 output rounding."""
+    for kf, vf in PAIRS:
+        caches, tables, ctx = build([5000, 33, 1200], 8, 128, 64, kf, vf, seed=6)
+        q = torch.randn(3, 2, 32, 128, device=DEV).half()
+        outs = []
+        for mma in (True, False):
+            monkeypatch.setattr(kq(), "ATTN_QUANT_MMA", mma)
+            outs.append(kq().paged_attention_quant(q, *caches, tables, ctx, 0.09, kf, vf).float())
+        err = (outs[0] - outs[1]).abs().max().item()
+        assert err <= 2e-3 * outs[1].abs().max().item(), (kf, vf, err)
+
+
+@pytest.mark.usefixtures("attn_kernel")
 def test_short_contexts_give_zeros():
     for kf, vf in PAIRS:
         out = check([0, 2, 5, 100], 5, 9, 3, 64, kf, vf)
@@ -237,6 +282,7 @@ def test_short_contexts_give_zeros():
         assert torch.all(out[0] == 0)
 
 
+@pytest.mark.usefixtures("attn_kernel")
 def test_strided_q_from_qkv():
     b, tq, hq, hkv, d = 2, 3, 32, 8, 128
     qkv = torch.randn(b, tq, (hq + 2 * hkv) * d, device=DEV).half()
@@ -245,6 +291,7 @@ def test_strided_q_from_qkv():
         check([50, 3000], tq, hq, hkv, d, kf, vf, page=256, q=q)
 
 
+@pytest.mark.usefixtures("attn_kernel")
 def test_close_to_fp16_cache_attention():
     """End to end: attention over each quantized cache vs the fp16 kernel over the unquantized K/V."""
     from exl2_backend.ops import cuda_layers
@@ -272,6 +319,7 @@ def test_close_to_fp16_cache_attention():
         assert rel < tol, (kf, vf, rel)
 
 
+@pytest.mark.usefixtures("attn_kernel")
 def test_deterministic():
     caches, tables, ctx = build([5000, 7000], 8, 128, 256, "int4", "int4")
     q = torch.randn(2, 1, 32, 128, device=DEV).half()
@@ -280,6 +328,7 @@ def test_deterministic():
         assert_exact(kq().paged_attention_quant(q, *caches, tables, ctx, 0.1, "int4", "int4"), a, "run to run")
 
 
+@pytest.mark.usefixtures("attn_kernel")
 def test_cuda_graph_replay():
     """Write + attention captured once with a fixed table width; replays see new lengths, slots and queries."""
     hq, hkv, d, page = 32, 8, 128, 256
@@ -383,7 +432,7 @@ torch.save(outs, sys.argv[1])
 
 def test_combine_staged_past_48kb_is_bit_identical(tmp_path):
     """EXL2_ATTN_COMBINE_MAX_KB (read once per process: subprocesses): at 200 the reduce kernels stage 62 KB of
-    partials per row through the opt-in attribute; at 48 (the default) they loop over global memory. Same bits,
+    partials per row through the opt-in attribute (the default); at 48 they loop over global memory. Same bits,
     for every quantized format pair and for fp16 pages."""
     import os
     import subprocess

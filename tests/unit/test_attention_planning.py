@@ -34,7 +34,8 @@ def test_splits_cover_the_context_within_the_tile_limit(ctx, tq, hq, hkv, ctas):
     assert n == need or n <= max(1, math.ceil(sms * ctas / tiles), math.ceil(ctx / cuda_layers._ATTN_MIN_SPLIT))
 
 
-def test_8bit_cache_formats_aim_at_more_ctas_per_sm():
+def test_8bit_cache_formats_aim_at_more_ctas_per_sm_in_the_cuda_core_kernel(monkeypatch):
+    monkeypatch.setattr(cuda_kvquant, "ATTN_QUANT_MMA", False)
     assert cuda_kvquant.quant_attention_ctas("int8", "int8") == cuda_layers.ATTN_CTAS_PER_SM_8BIT
     assert cuda_kvquant.quant_attention_ctas("e4m3", "e4m3") == cuda_layers.ATTN_CTAS_PER_SM_8BIT
     assert cuda_kvquant.quant_attention_ctas("int8", "int4") == cuda_layers.ATTN_CTAS_PER_SM_8BIT  # q6
@@ -42,3 +43,10 @@ def test_8bit_cache_formats_aim_at_more_ctas_per_sm():
     q8 = cuda_layers.attention_splits(1, 1, 32, 8, 32768, 132, cuda_kvquant.quant_attention_ctas("int8", "int8"))
     q4 = cuda_layers.attention_splits(1, 1, 32, 8, 32768, 132, cuda_kvquant.quant_attention_ctas("int4", "int4"))
     assert (q8, q4) == (99, 66)  # one full wave of 6 / 4 CTAs per SM on 132 SMs (8 kv heads)
+
+
+def test_tensor_core_kernel_aims_at_four_ctas_per_sm_for_every_format(monkeypatch):
+    monkeypatch.setattr(cuda_kvquant, "ATTN_QUANT_MMA", True)
+    for pair in (("int8", "int8"), ("e4m3", "e4m3"), ("int8", "int4"), ("int4", "int4")):
+        assert cuda_kvquant.quant_attention_ctas(*pair) == cuda_layers._ATTN_CTAS_PER_SM
+    assert cuda_layers.attention_splits(1, 1, 32, 8, 32768, 132, cuda_kvquant.quant_attention_ctas("int8", "int8")) == 66

@@ -1,0 +1,157 @@
+// What the two decode attention kernels over quantized pages share: the parameters, the split geometry and the
+// steps around their inner loops (page table, q staging, softmax statistics, the cross-warp sum and the write of
+// a row tile's output or split partial). paged_attention_quant.cu holds the CUDA-core kernel (a lane's share
+// of a key's dot products, reduced by shuffles) and the reduce kernel; paged_attention_quant_mma.cu the
+// tensor-core kernel. Both fill the same partials, so one reduce kernel serves them.
+#pragma once
+
+#include <math.h>
+
+#include "layers/common.cuh"
+#include "layers/kv_quant.cuh"
+
+namespace exl2 {
+namespace layers {
+
+constexpr int kQAttnWarps = 4;  // warps per CTA
+constexpr int kQAttnThreads = kQAttnWarps * 32;
+
+template <int RT>
+constexpr int qattn_keys_max() {  // keys per split held in shared memory: RT * keys_max floats = 32 KiB
+  return RT <= 8 ? 1024 : 512;
+}
+
+struct QAttnParams {
+  const half* q;
+  int64_t q_bs, q_ts, q_hs;  // q strides (elements); dims contiguous
+  const uint8_t* kc;         // [P, S, Hkv, D * kbits / 8]
+  const half* ks;            // [P, S, Hkv, D / 32]
+  const uint8_t* vc;
+  const half* vs;
+  const int* block_tables;  // [B, bt_stride]
+  int64_t bt_stride;
+  const int* context_lens;  // [B]
+  half* out;                // [B, Tq, Hq, D] contiguous
+  float* part_o;            // [B, Tq, Hq, nsplit, D] (rotated domain for rotated V formats)
+  float* part_ml;           // [B, Tq, Hq, nsplit, 2] (max in log2 units, sum)
+  int Tq, Hq, Hkv, G, R, row_tiles, nsplit, min_split, log2S, max_pages, num_pages;
+  float scale_log2;  // softmax scale * log2(e)
+};
+
+// The tensor-core kernel (paged_attention_quant_mma.cu): row tiles of 8 (p.row_tiles set for them), the same
+// splits, partials and reduce as the CUDA-core kernel; launches the attention kernel only.
+int launch_paged_attention_quant_mma(const QAttnParams& p, int k_fmt, int v_fmt, int D, int B, cudaStream_t stream);
+
+__device__ __forceinline__ int qattn_clamp_ctx(int ctx, const QAttnParams& p) {
+  const int cap = p.max_pages << p.log2S;
+  return ctx < 0 ? 0 : (ctx > cap ? cap : ctx);
+}
+
+// Keys per split of a context of `ctx` keys (a multiple of 16, at least min_split): as paged_attention.cu.
+__device__ __forceinline__ int qattn_split_len(int ctx, int nsplit, int min_split) {
+  int L = (ctx + nsplit - 1) / nsplit;
+  L = (L + 15) & ~15;
+  return L > min_split ? L : min_split;
+}
+
+__device__ __forceinline__ float qattn_load_scale(const half* p) {
+  return __half2float(__ushort_as_half(__ldg(reinterpret_cast<const unsigned short*>(p))));
+}
+
+// An unused split (or an empty context): zeros where this launch writes the output itself (nsplit == 1); the
+// reduce kernel covers the other case.
+template <int D, int RT>
+__device__ __forceinline__ void qattn_empty_split(const QAttnParams& p, int b, int kvh, int row0) {
+  if (p.nsplit != 1) return;
+  for (int i = threadIdx.x; i < RT * D; i += kQAttnThreads) {
+    const int row = row0 + i / D;
+    if (row < p.R) {
+      const int j = row / p.G, hq = kvh * p.G + row % p.G;
+      p.out[(((int64_t)b * p.Tq + j) * p.Hq + hq) * D + i % D] = __float2half_rn(0.f);
+    }
+  }
+}
+
+// The split's pages, clamped so that a bad table never faults.
+__device__ __forceinline__ void qattn_load_pages(const QAttnParams& p, int b, int first_page, int npages, int* pages) {
+  for (int i = threadIdx.x; i < npages; i += kQAttnThreads) {
+    const int pg = p.block_tables[(int64_t)b * p.bt_stride + first_page + i];
+    pages[i] = pg < 0 ? 0 : (pg >= p.num_pages ? p.num_pages - 1 : pg);
+  }
+}
+
+// q rows of the tile -> qs [RT][D] fp32, rotated like the keys, times `mul`; rows past R are zeros. One (row,
+// group) per warp step.
+template <int D, int RT, bool ROT>
+__device__ __forceinline__ void qattn_stage_q(const QAttnParams& p, int b, int kvh, int row0, float mul, float* qs) {
+  constexpr int NG = D / KV_GROUP;
+  const int lane = threadIdx.x & 31;
+  for (int u = threadIdx.x >> 5; u < RT * NG; u += kQAttnWarps) {
+    const int r = u / NG, g = u % NG, row = row0 + r;
+    float x = 0.f;
+    if (row < p.R) {
+      const int j = row / p.G, hq = kvh * p.G + row % p.G;
+      x = __half2float(p.q[b * p.q_bs + j * p.q_ts + hq * p.q_hs + g * KV_GROUP + lane]);
+    }
+    if constexpr (ROT) x = warp_fwht32(x);
+    qs[r * D + g * KV_GROUP + lane] = x * mul;
+  }
+}
+
+// Phase 2: per row of scores [RT][KM] (log2 domain, n keys), the max and exp2 in place, row sums.
+template <int RT, int KM>
+__device__ __forceinline__ void qattn_softmax(float* scores, int n, float* row_m, float* row_l) {
+  const int lane = threadIdx.x & 31;
+  for (int r = threadIdx.x >> 5; r < RT; r += kQAttnWarps) {
+    float* sr = scores + r * KM;
+    float m = -INFINITY;
+    for (int i = lane; i < n; i += 32) m = fmaxf(m, sr[i]);
+    m = warp_max(m);
+    const float mu = m == -INFINITY ? 0.f : m;  // fully masked row: all p = 0, no NaN
+    float l = 0.f;
+    for (int i = lane; i < n; i += 32) {
+      const float e = exp2f(sr[i] - mu);
+      sr[i] = e;
+      l += e;
+    }
+    l = warp_sum(l);
+    if (lane == 0) {
+      row_m[r] = m;
+      row_l[r] = l;
+    }
+  }
+}
+
+// The row tile's output from the warps' partial sums red [warps][RT][D]: the final fp16 rows (nsplit == 1,
+// rotated back for rotated V formats) or the split's fp32 partial and statistics. A warp covers 32 consecutive
+// dims of one row (RT * D and D are multiples of 32), so the rotation back is one in-warp transform and the row
+// test is warp-uniform.
+template <int D, int RT, bool ROT>
+__device__ __forceinline__ void qattn_write_rows(const QAttnParams& p, const float* red, const float* row_m,
+                                                 const float* row_l, int b, int kvh, int row0, int split) {
+  for (int i = threadIdx.x; i < RT * D; i += kQAttnThreads) {
+    const int r = i / D, d = i % D, row = row0 + r;
+    if (row >= p.R) continue;
+    float o = 0.f;
+#pragma unroll
+    for (int w = 0; w < kQAttnWarps; ++w) o += red[(w * RT + r) * D + d];
+    const int j = row / p.G, hq = kvh * p.G + row % p.G;
+    const int64_t prow = ((int64_t)b * p.Tq + j) * p.Hq + hq;
+    if (p.nsplit == 1) {
+      const float l = row_l[r];
+      o = l > 0.f ? o / l : 0.f;
+      if constexpr (ROT) o = warp_fwht32(o);
+      p.out[prow * D + d] = __float2half_rn(o);
+    } else {
+      const int64_t ps = prow * p.nsplit + split;
+      p.part_o[ps * D + d] = o;
+      if (d == 0) {
+        p.part_ml[ps * 2] = row_m[r];
+        p.part_ml[ps * 2 + 1] = row_l[r];
+      }
+    }
+  }
+}
+
+}  // namespace layers
+}  // namespace exl2

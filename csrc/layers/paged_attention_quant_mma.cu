@@ -1,0 +1,348 @@
+// Decode / verify attention over quantized K/V pages on the tensor cores: the flash-decoding scheme of
+// paged_attention_quant.cu (grid (row_tiles * nsplit, Hkv, B); scores -> shared memory, softmax statistics,
+// o = sum p v, the same split partials for the same reduce kernel), with both products as mma.m16n8k16.
+//
+// Why: the CUDA-core kernel spends ~90 instructions per lane per key (a lane's 8 dims x 4 rows of FMAs, the
+// butterfly across 16 lanes, the score store) and ran the 8B's q8 cache at 32k at 59 us per layer, 1.1 TB/s
+// (H200 call J1 of 2026-12-02), slower than the fp16 cache it reads half the bytes of. Here a warp takes 16 keys
+// per step in ~250 instructions.
+//
+// Precision: codes decode exactly into fp16 (integers minus their bias, |c| <= 128; e4m3 values are fp16
+// values). The fp32 operand of each product (q, the probabilities) is split into two fp16 parts, x = hi + lo
+// (|lo| <= 2^-11 |x|, its own rounding error 2^-22 |x|): the tile's 8 query rows are the mma's rows 0..7 (hi) and
+// again 8..15 (lo), so a product costs one mma and keeps ~fp32 accuracy (a row's two C rows are added at the end).
+// Scores: exact integer (or e4m3) dot products per group of 32 dims, scaled by the key's fp32 group scale after
+// the mma, then by the softmax scale. Values: the B operand is code * scale rounded to fp16 once (the precision of
+// fp16 attention over the dequantized values; any magnitude an fp16 cache holds stays in the normal range, where
+// a probability times a scale would fall into subnormals for small values).
+//
+// Layouts (lane = 4 gid + t4, fragments as common/mma.cuh):
+//   scores S[row][key] = sum_g ks[key][g] * sum_{d in g} q[row][d] c[key][d]:
+//     A = q, rows gid (hi) / gid + 8 (lo); B = codes, n = key (8 per mma, two n-blocks per 16 keys); k = the 16
+//     dims of half h of group g, permuted: lane t4 holds dims g*32 + t4*8 + [0, 8), pair (2h) for k 2t4, 2t4+1 and
+//     pair (2h + 1) for k 2t4+8, 2t4+9 (kpair_dim). A lane's K codes of a key and group are one 8- or 4-byte load.
+//   outputs O[row][d] = sum_key p[row][key] (vs[key][g] c[key][d]), per group g:
+//     A = p, rows gid (hi) / gid + 8 (lo), k = keys 2t4, 2t4+1, 2t4+8, 2t4+9 of the 16; B = codes * vs, n = dim:
+//     mma j (0..3) of group g takes dims g*32 + n*4 + j, so a lane's V codes of a key and group are its 4 dims
+//     gid*4 + [0, 4): one 4- or 2-byte load. C then holds dims g*32 + (2t4)*4 + j and g*32 + (2t4 + 1)*4 + j.
+#include "common/mma.cuh"
+#include "common/pdl.cuh"
+#include "layers/paged_attention_quant.cuh"
+
+namespace exl2 {
+namespace layers {
+namespace {
+
+constexpr int kTileRows = 8;  // query rows per CTA: the mma's rows hold them twice (hi, lo)
+constexpr int kKeysPerStep = 16;
+
+__device__ __forceinline__ uint32_t h2_bits(__half2 h) {
+  uint32_t u;
+  memcpy(&u, &h, 4);
+  return u;
+}
+__device__ __forceinline__ __half2 bits_h2(uint32_t u) {
+  __half2 h;
+  memcpy(&h, &u, 4);
+  return h;
+}
+
+// fp32 pair -> (hi, lo) fp16 pairs with hi + lo == x to ~2^-22 relative.
+__device__ __forceinline__ void split_f16x2(float x0, float x1, uint32_t& hi, uint32_t& lo) {
+  const __half2 h = __floats2half2_rn(x0, x1);
+  const float2 hf = __half22float2(h);
+  hi = h2_bits(h);
+  lo = h2_bits(__floats2half2_rn(x0 - hf.x, x1 - hf.y));
+}
+
+// int codes + bias as fp16 1024 + c (the half 0x6400 | byte, or | nibble): subtracting 1024 + bias is exact.
+template <int F>
+__device__ __forceinline__ uint32_t minus_bias(uint32_t h) {
+  constexpr uint32_t kBias = F == kFmtI8 ? 0x64806480u : 0x64086408u;  // 1152 = 1024 + 128, 1032 = 1024 + 8
+  return h2_bits(__hsub2(bits_h2(h), bits_h2(kBias)));
+}
+
+__device__ __forceinline__ uint32_t e4m3x2_to_f16x2(uint32_t two_bytes) {
+  const __half2_raw h = __nv_cvt_fp8x2_to_halfraw2((__nv_fp8x2_storage_t)(two_bytes & 0xFFFFu), __NV_E4M3);
+  return (uint32_t)h.x | ((uint32_t)h.y << 16);
+}
+
+// ---- K side: a lane's 8 dims of one key and group --------------------------------------------------------------
+template <int F>
+struct KChunk {
+  uint32_t w[F == kFmtI4 ? 1 : 2];
+};
+
+template <int F>
+__device__ __forceinline__ KChunk<F> load_k_chunk(const uint8_t* p, bool valid) {
+  KChunk<F> c;
+  if constexpr (F == kFmtI4) {
+    c.w[0] = valid ? __ldg(reinterpret_cast<const unsigned int*>(p)) : 0u;
+  } else {
+    const uint2 u = valid ? __ldg(reinterpret_cast<const uint2*>(p)) : make_uint2(0u, 0u);
+    c.w[0] = u.x, c.w[1] = u.y;
+  }
+  return c;
+}
+
+// The two of the chunk's 8 dims that pair p (0..3) holds, low half first: (p, p + 4) for 4-bit codes (a word's
+// nibble k is dim k, so one shift and mask yields the pair), (2p, 2p + 1) for bytes.
+template <int F>
+__host__ __device__ constexpr int kpair_dim(int p, int i) {
+  return F == kFmtI4 ? p + 4 * i : 2 * p + i;
+}
+
+template <int F>
+__device__ __forceinline__ uint32_t k_pair(const KChunk<F>& c, int p) {
+  if constexpr (F == kFmtI8) {
+    return minus_bias<F>(__byte_perm(c.w[p >> 1], 0x64646464u, (p & 1) ? 0x4342u : 0x4140u));
+  } else if constexpr (F == kFmtI4) {
+    return minus_bias<F>(((c.w[0] >> (4 * p)) & 0x000F000Fu) | 0x64006400u);
+  } else {
+    return e4m3x2_to_f16x2(c.w[p >> 1] >> (16 * (p & 1)));
+  }
+}
+
+// ---- V side: a lane's 4 dims of one key and group ---------------------------------------------------------------
+template <int F>
+__device__ __forceinline__ uint32_t load_v_chunk(const uint8_t* p, bool valid) {
+  if constexpr (F == kFmtI4) return valid ? (uint32_t)__ldg(reinterpret_cast<const unsigned short*>(p)) : 0u;
+  else return valid ? __ldg(reinterpret_cast<const unsigned int*>(p)) : 0u;
+}
+
+// Two keys' chunks -> h[j] = {dim j of key 0, dim j of key 1} as fp16, j = 0..3.
+template <int F>
+__device__ __forceinline__ void v_pairs(uint32_t v0, uint32_t v1, uint32_t (&h)[4]) {
+  if constexpr (F == kFmtI4) {
+    const uint32_t x = __byte_perm(v0, v1, 0x5410u);  // nibble j of key 0 at bit 4j, of key 1 at 16 + 4j
+#pragma unroll
+    for (int j = 0; j < 4; ++j) h[j] = minus_bias<F>(((x >> (4 * j)) & 0x000F000Fu) | 0x64006400u);
+  } else {
+    const uint32_t lo = __byte_perm(v0, v1, 0x5140u), hi = __byte_perm(v0, v1, 0x7362u);  // interleaved bytes
+    if constexpr (F == kFmtI8) {
+      h[0] = minus_bias<F>(__byte_perm(lo, 0x64646464u, 0x4140u));
+      h[1] = minus_bias<F>(__byte_perm(lo, 0x64646464u, 0x4342u));
+      h[2] = minus_bias<F>(__byte_perm(hi, 0x64646464u, 0x4140u));
+      h[3] = minus_bias<F>(__byte_perm(hi, 0x64646464u, 0x4342u));
+    } else {
+      h[0] = e4m3x2_to_f16x2(lo);
+      h[1] = e4m3x2_to_f16x2(lo >> 16);
+      h[2] = e4m3x2_to_f16x2(hi);
+      h[3] = e4m3x2_to_f16x2(hi >> 16);
+    }
+  }
+}
+
+// The NG group scales of one key row (fp16, contiguous: 8 bytes at D = 128, 4 at D = 64), kept as loaded and
+// converted where used (registers: U steps of them are in flight). Padded slots may hold NaN scales: not loaded.
+template <int NG>
+struct RowScales {
+  uint32_t w[NG / 2];
+  __device__ __forceinline__ float s(int g) const {
+    const float2 f = __half22float2(bits_h2(w[g >> 1]));
+    return (g & 1) ? f.y : f.x;
+  }
+};
+
+// {scale of key 0, scale of key 1} of group g as fp16 (the value side's B operand is code * scale).
+template <int NG>
+__device__ __forceinline__ __half2 scale_pair(const RowScales<NG>& k0, const RowScales<NG>& k1, int g) {
+  return bits_h2(__byte_perm(k0.w[g >> 1], k1.w[g >> 1], (g & 1) ? 0x7632u : 0x5410u));
+}
+template <int NG>
+__device__ __forceinline__ RowScales<NG> load_row_scales(const half* p, bool valid) {
+  RowScales<NG> r;
+  if constexpr (NG == 4) {
+    const uint2 u = valid ? __ldg(reinterpret_cast<const uint2*>(p)) : make_uint2(0u, 0u);
+    r.w[0] = u.x, r.w[1] = u.y;
+  } else {
+    static_assert(NG == 2, "head_dim 64 or 128");
+    r.w[0] = valid ? __ldg(reinterpret_cast<const unsigned int*>(p)) : 0u;
+  }
+  return r;
+}
+
+template <int D, int KF, int VF, int U>
+__global__ void __launch_bounds__(kQAttnThreads, 4) paged_attention_quant_mma_kernel(const QAttnParams p) {
+  exl2::pdl_wait_and_trigger();  // inputs come from the previous kernel (PDL launch)
+  constexpr int NW = kQAttnWarps, RT = kTileRows;
+  constexpr int KM = qattn_keys_max<RT>();
+  constexpr int NG = D / KV_GROUP;
+  constexpr int KBITS = KVFormat<KF>::BITS, VBITS = KVFormat<VF>::BITS;
+  constexpr int KROW = D * KBITS / 8, VROW = D * VBITS / 8;  // code bytes per (slot, kv head)
+  static_assert(NW * RT * D <= RT * KM, "reduction buffer must fit in the score buffer");
+
+  extern __shared__ float smem[];  // q staging [RT][D]; scores [RT][KM]; cross-warp buffer [NW][RT][D]
+  __shared__ int pages[KM / 16 + 2];
+  __shared__ float row_m[RT], row_l[RT];
+
+  const int tile = blockIdx.x % p.row_tiles, split = blockIdx.x / p.row_tiles;
+  const int kvh = blockIdx.y, b = blockIdx.z;
+  const int ctx = qattn_clamp_ctx(p.context_lens[b], p);
+  const int L = qattn_split_len(ctx, p.nsplit, p.min_split);
+  const int start = split * L;
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, gid = lane >> 2, t4 = lane & 3;
+  const int row0 = tile * RT;
+  if (start >= ctx) {
+    qattn_empty_split<D, RT>(p, b, kvh, row0);
+    return;
+  }
+  const int end = min(start + L, ctx);
+  const int n = end - start;
+  const int first_page = start >> p.log2S;
+  qattn_load_pages(p, b, first_page, ((end - 1) >> p.log2S) - first_page + 1, pages);
+  qattn_stage_q<D, RT, KVFormat<KF>::ROT>(p, b, kvh, row0, 1.f, smem);  // the scale is applied to the fp32 sums
+  __syncthreads();
+
+  // A fragments of q for every (group, half): hi for row gid, lo for row gid + 8.
+  uint32_t qa[NG][2][4];
+#pragma unroll
+  for (int g = 0; g < NG; ++g)
+#pragma unroll
+    for (int h = 0; h < 2; ++h)
+#pragma unroll
+      for (int i = 0; i < 2; ++i) {  // pair 2h -> a0 / a1, pair 2h + 1 -> a2 / a3
+        const float* qr = smem + gid * D + g * KV_GROUP + t4 * 8;
+        const int pr = 2 * h + i;
+        split_f16x2(qr[kpair_dim<KF>(pr, 0)], qr[kpair_dim<KF>(pr, 1)], qa[g][h][2 * i], qa[g][h][2 * i + 1]);
+      }
+  const int row = row0 + gid;
+  const int own_lim = row < p.R ? ctx - p.Tq + row / p.G : -1;  // last key row gid may see (causal); none past R
+  __syncthreads();  // q staging read: smem becomes the score buffer
+
+  const int S_mask = (1 << p.log2S) - 1;
+  auto slot_of = [&](int t) -> int64_t {  // cache slot of key t (a 16-key step never crosses a page)
+    return ((int64_t)pages[(t >> p.log2S) - first_page] << p.log2S) | (t & S_mask);
+  };
+
+  // ---- phase 1: scores, U steps of 16 keys in flight per warp ----
+  for (int t0 = start + warp * kKeysPerStep; t0 < end; t0 += NW * kKeysPerStep * U) {
+    KChunk<KF> kc[U][2][NG];    // keys t + nb * 8 + gid
+    RowScales<NG> ksc[U][2][2];  // keys t + nb * 8 + 2 t4 + e
+#pragma unroll
+    for (int u = 0; u < U; ++u) {
+      const int t = t0 + u * NW * kKeysPerStep;
+      const int64_t base = t < end ? slot_of(t) : 0;
+#pragma unroll
+      for (int nb = 0; nb < 2; ++nb) {
+        const int key = t + nb * 8 + gid;
+        const uint8_t* row_p = p.kc + ((base + nb * 8 + gid) * p.Hkv + kvh) * KROW;
+#pragma unroll
+        for (int g = 0; g < NG; ++g)
+          kc[u][nb][g] = load_k_chunk<KF>(row_p + (g * KV_GROUP + t4 * 8) * KBITS / 8, key < end);
+#pragma unroll
+        for (int e = 0; e < 2; ++e) {
+          const int ke = nb * 8 + 2 * t4 + e;
+          ksc[u][nb][e] = load_row_scales<NG>(p.ks + ((base + ke) * p.Hkv + kvh) * NG, t + ke < end);
+        }
+      }
+    }
+#pragma unroll
+    for (int u = 0; u < U; ++u) {
+      const int t = t0 + u * NW * kKeysPerStep;
+      if (t >= end) break;
+#pragma unroll
+      for (int nb = 0; nb < 2; ++nb) {
+        float s[2] = {0.f, 0.f};
+#pragma unroll
+        for (int g = 0; g < NG; ++g) {
+          float c[4] = {0.f, 0.f, 0.f, 0.f};
+#pragma unroll
+          for (int h = 0; h < 2; ++h)
+            mma16816(c, qa[g][h][0], qa[g][h][1], qa[g][h][2], qa[g][h][3], k_pair<KF>(kc[u][nb][g], 2 * h),
+                     k_pair<KF>(kc[u][nb][g], 2 * h + 1));
+#pragma unroll
+          for (int e = 0; e < 2; ++e) s[e] = fmaf(ksc[u][nb][e].s(g), c[e] + c[2 + e], s[e]);  // hi + lo rows
+        }
+#pragma unroll
+        for (int e = 0; e < 2; ++e) {
+          const int key = t + nb * 8 + 2 * t4 + e;
+          if (key < end) smem[gid * KM + (key - start)] = key <= own_lim ? s[e] * p.scale_log2 : -INFINITY;
+        }
+      }
+    }
+  }
+  __syncthreads();
+
+  qattn_softmax<RT, KM>(smem, n, row_m, row_l);
+  __syncthreads();
+
+  // ---- phase 3: o = sum p * vs * v per group ----
+  float acc[NG][4][4];
+#pragma unroll
+  for (int g = 0; g < NG; ++g)
+#pragma unroll
+    for (int j = 0; j < 4; ++j)
+#pragma unroll
+      for (int i = 0; i < 4; ++i) acc[g][j][i] = 0.f;
+  for (int t = start + warp * kKeysPerStep; t < end; t += NW * kKeysPerStep) {
+    const int64_t base = slot_of(t);
+    const int kk[4] = {2 * t4, 2 * t4 + 1, 2 * t4 + 8, 2 * t4 + 9};  // this lane's keys of the 16 (k index order)
+    uint32_t vw[4][NG];
+    RowScales<NG> vsc[4];
+    float pk[4];
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      const bool valid = t + kk[i] < end;
+      const int64_t ri = (base + kk[i]) * p.Hkv + kvh;
+#pragma unroll
+      for (int g = 0; g < NG; ++g)
+        vw[i][g] = load_v_chunk<VF>(p.vc + ri * VROW + (g * KV_GROUP + gid * 4) * VBITS / 8, valid);
+      vsc[i] = load_row_scales<NG>(p.vs + ri * NG, valid);
+      pk[i] = valid ? smem[gid * KM + (t - start) + kk[i]] : 0.f;  // stale scores past the split's keys
+    }
+    uint32_t a[4];  // a0 / a1: p of keys 2t4, 2t4+1 (hi, lo); a2 / a3: keys 2t4+8, 2t4+9
+    split_f16x2(pk[0], pk[1], a[0], a[1]);
+    split_f16x2(pk[2], pk[3], a[2], a[3]);
+#pragma unroll
+    for (int g = 0; g < NG; ++g) {
+      uint32_t b0[4], b1[4];
+      v_pairs<VF>(vw[0][g], vw[1][g], b0);
+      v_pairs<VF>(vw[2][g], vw[3][g], b1);
+      const __half2 s0 = scale_pair(vsc[0], vsc[1], g), s1 = scale_pair(vsc[2], vsc[3], g);
+#pragma unroll
+      for (int j = 0; j < 4; ++j)
+        mma16816(acc[g][j], a[0], a[1], a[2], a[3], h2_bits(__hmul2(bits_h2(b0[j]), s0)),
+                 h2_bits(__hmul2(bits_h2(b1[j]), s1)));
+    }
+  }
+  __syncthreads();  // done reading probabilities: reuse smem
+  float* red = smem;  // [NW][RT][D]
+#pragma unroll
+  for (int g = 0; g < NG; ++g)
+#pragma unroll
+    for (int j = 0; j < 4; ++j)
+#pragma unroll
+      for (int e = 0; e < 2; ++e)  // c0 / c1 (hi rows) + c2 / c3 (lo rows): dim g*32 + (2 t4 + e)*4 + j of row gid
+        red[(warp * RT + gid) * D + g * KV_GROUP + (2 * t4 + e) * 4 + j] = acc[g][j][e] + acc[g][j][2 + e];
+  __syncthreads();
+  qattn_write_rows<D, RT, KVFormat<VF>::ROT>(p, red, row_m, row_l, b, kvh, row0, split);
+}
+
+template <int D, int KF, int VF>
+int launch(const QAttnParams& p, int B, cudaStream_t stream) {
+  const dim3 grid((unsigned)(p.row_tiles * p.nsplit), (unsigned)p.Hkv, (unsigned)B);
+  const size_t smem = sizeof(float) * kTileRows * qattn_keys_max<kTileRows>();
+  exl2::launch_kernel(paged_attention_quant_mma_kernel<D, KF, VF, 2>, grid, kQAttnThreads, smem, stream, p);
+  return check_launch("paged_attention_quant (mma)");
+}
+
+template <int D>
+int launch_fmt(const QAttnParams& p, int kf, int vf, int B, cudaStream_t stream) {
+  if (kf == kFmtE4M3 && vf == kFmtE4M3) return launch<D, kFmtE4M3, kFmtE4M3>(p, B, stream);
+  if (kf == kFmtI8 && vf == kFmtI8) return launch<D, kFmtI8, kFmtI8>(p, B, stream);
+  if (kf == kFmtI8 && vf == kFmtI4) return launch<D, kFmtI8, kFmtI4>(p, B, stream);
+  if (kf == kFmtI4 && vf == kFmtI4) return launch<D, kFmtI4, kFmtI4>(p, B, stream);
+  return set_error(EXL2_ERR_UNSUPPORTED, "paged_attention_quant (mma): format pair (%d, %d) not built", kf, vf);
+}
+
+}  // namespace
+
+int launch_paged_attention_quant_mma(const QAttnParams& p, int k_fmt, int v_fmt, int D, int B, cudaStream_t stream) {
+  if (D == 64) return launch_fmt<64>(p, k_fmt, v_fmt, B, stream);
+  if (D == 128) return launch_fmt<128>(p, k_fmt, v_fmt, B, stream);
+  return set_error(EXL2_ERR_INVALID_ARGUMENT, "paged_attention_quant (mma): head_dim %d", D);
+}
+
+}  // namespace layers
+}  // namespace exl2

@@ -12,8 +12,9 @@
 namespace exl2 {
 namespace layers {
 
-// Format codes of the C ABI (exl2_backend/cache/kv_types.py KVFormat.abi).
-enum KVFmt : int { kFmtE4M3 = 1, kFmtI8 = 2, kFmtI4 = 3 };
+// Format codes of the C ABI (exl2_backend/cache/kv_types.py KVFormat.abi). kFmtF16 is internal: fp16 pages
+// (no scales) read by the tensor-core attention kernel for paged_attention.cu.
+enum KVFmt : int { kFmtF16 = 0, kFmtE4M3 = 1, kFmtI8 = 2, kFmtI4 = 3 };
 
 constexpr int KV_GROUP = 32;
 constexpr float KV_INV_SQRT_GROUP = 0.17677669529663688f;  // 1 / sqrt(32) rounded to fp32, as the reference
@@ -22,6 +23,11 @@ template <int F>
 struct KVFormat;
 // QMAX: largest code magnitude; NDIV / div(i): candidate divisors of the group absmax (scale = absmax / div),
 // the one with the smallest squared group error wins (kv_types.py KVFormat.divisors).
+template <>
+struct KVFormat<kFmtF16> {
+  static constexpr int BITS = 16;
+  static constexpr bool ROT = false;
+};
 template <>
 struct KVFormat<kFmtE4M3> {
   static constexpr int BITS = 8;

@@ -267,12 +267,6 @@ int launch_reduce(const QAttnParams& p, int B, cudaStream_t stream) {
   return check_launch("paged_attention_quant reduce");
 }
 
-template <int D>
-int launch_reduce_fmt(const QAttnParams& p, int v_fmt, int B, cudaStream_t stream) {
-  return v_fmt == kFmtE4M3 ? launch_reduce<D, KVFormat<kFmtE4M3>::ROT>(p, B, stream)
-                           : launch_reduce<D, KVFormat<kFmtI8>::ROT>(p, B, stream);  // int8 and int4 alike
-}
-
 int check_splits(const QAttnParams& p, int keys_max) {
   EXL2_REQUIRE((int64_t)p.nsplit * keys_max >= ((int64_t)p.max_pages << p.log2S),
                "paged_attention_quant: nsplit %d too small for %d pages of %d (split <= %d keys)", p.nsplit,
@@ -314,6 +308,12 @@ int launch_fmt(const QAttnParams& p, int rt, int kf, int vf, int B, cudaStream_t
 }
 
 }  // namespace
+
+int launch_paged_attention_quant_reduce(const QAttnParams& p, bool rot, int D, int B, cudaStream_t stream) {
+  if (D == 64) return rot ? launch_reduce<64, true>(p, B, stream) : launch_reduce<64, false>(p, B, stream);
+  return rot ? launch_reduce<128, true>(p, B, stream) : launch_reduce<128, false>(p, B, stream);
+}
+
 }  // namespace layers
 }  // namespace exl2
 
@@ -375,6 +375,7 @@ EXL2_API int exl2_paged_attention_quant(const void* q, int64_t q_bs, int64_t q_t
   p.max_pages = (int)max_pages;
   p.num_pages = (int)num_pages;
   p.scale_log2 = scale * 1.4426950408889634f;
+  p.prefetch = 0;
   p.part_o = workspace;
   p.part_ml = workspace == nullptr ? nullptr : workspace + B * Tq * Hq * nsplit * D;
   EXL2_REQUIRE(nsplit == 1 || workspace != nullptr, "paged_attention_quant: workspace required for nsplit > 1");
@@ -387,5 +388,5 @@ EXL2_API int exl2_paged_attention_quant(const void* q, int64_t q_bs, int64_t q_t
     st = D == 64 ? launch_fmt<64>(p, rt, k_fmt, v_fmt, (int)B, stream) : launch_fmt<128>(p, rt, k_fmt, v_fmt, (int)B, stream);
   }
   if (st != EXL2_OK) return st;
-  return D == 64 ? launch_reduce_fmt<64>(p, v_fmt, (int)B, stream) : launch_reduce_fmt<128>(p, v_fmt, (int)B, stream);
+  return launch_paged_attention_quant_reduce(p, v_fmt != kFmtE4M3, (int)D, (int)B, stream);
 }

@@ -36,11 +36,16 @@ struct QAttnParams {
   float* part_ml;           // [B, Tq, Hq, nsplit, 2] (max in log2 units, sum)
   int Tq, Hq, Hkv, G, R, row_tiles, nsplit, min_split, log2S, max_pages, num_pages;
   float scale_log2;  // softmax scale * log2(e)
+  int prefetch;      // tensor-core kernel, L2 prefetches (kQAttnPrefetch*): set by its launcher
 };
 
 // The tensor-core kernel (paged_attention_quant_mma.cu): row tiles of 8 (p.row_tiles set for them), the same
 // splits, partials and reduce as the CUDA-core kernel; launches the attention kernel only.
+// k_fmt / v_fmt: KVFmt codes, kFmtF16 for fp16 pages (ks / vs unused).
 int launch_paged_attention_quant_mma(const QAttnParams& p, int k_fmt, int v_fmt, int D, int B, cudaStream_t stream);
+// The split combination into p.out (paged_attention_quant.cu; nothing when nsplit == 1); rot: V rotated (int
+// formats) -> the sums are rotated back.
+int launch_paged_attention_quant_reduce(const QAttnParams& p, bool rot, int D, int B, cudaStream_t stream);
 
 __device__ __forceinline__ int qattn_clamp_ctx(int ctx, const QAttnParams& p) {
   const int cap = p.max_pages << p.log2S;

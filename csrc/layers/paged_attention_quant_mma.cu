@@ -1,5 +1,5 @@
-// Decode / verify attention over quantized K/V pages on the tensor cores: the flash-decoding scheme of
-// paged_attention_quant.cu (grid (row_tiles * nsplit, Hkv, B); scores -> shared memory, softmax statistics,
+// Decode / verify attention over quantized (and, for paged_attention.cu, fp16) K/V pages on the tensor cores:
+// the flash-decoding scheme of paged_attention_quant.cu (grid (row_tiles * nsplit, Hkv, B); scores -> shared memory, softmax statistics,
 // o = sum p v, the same split partials for the same reduce kernel), with both products as mma.m16n8k16.
 //
 // Why: the CUDA-core kernel spends ~90 instructions per lane per key (a lane's 8 dims x 4 rows of FMAs, the
@@ -25,6 +25,8 @@
 //     A = p, rows gid (hi) / gid + 8 (lo), k = keys 2t4, 2t4+1, 2t4+8, 2t4+9 of the 16; B = codes * vs, n = dim:
 //     mma j (0..3) of group g takes dims g*32 + n*4 + j, so a lane's V codes of a key and group are its 4 dims
 //     gid*4 + [0, 4): one 4- or 2-byte load. C then holds dims g*32 + (2t4)*4 + j and g*32 + (2t4 + 1)*4 + j.
+#include <stdlib.h>
+
 #include "common/mma.cuh"
 #include "common/pdl.cuh"
 #include "layers/paged_attention_quant.cuh"
@@ -35,6 +37,36 @@ namespace {
 
 constexpr int kTileRows = 8;  // query rows per CTA: the mma's rows hold them twice (hi, lo)
 constexpr int kKeysPerStep = 16;
+
+// L2 prefetches (QAttnParams::prefetch bits; EXL2_ATTN_QUANT_PREFETCH selects them, read once). The scores phase
+// waits on K loads and the output phase on V loads, each with two steps of 16 keys in flight per warp at most
+// (registers): per SM that is well under what covers the DRAM latency at full bandwidth.
+constexpr int kPrefetchKHead = 1;   // the split's first kPrefetchKeys K rows and scales, before the PDL wait
+constexpr int kPrefetchV = 2;       // all its V rows and scales, as the scores phase starts (q8 at 32k: 34 MB)
+constexpr int kPrefetchKAll = 4;    // all its K rows and scales, before the PDL wait
+constexpr int kPrefetchKeys = 64;
+
+int prefetch_mode() {
+  static const int v = [] {
+    const char* e = getenv("EXL2_ATTN_QUANT_PREFETCH");
+    return e ? (atoi(e) & 7) : kPrefetchKHead | kPrefetchV;
+  }();
+  return v;
+}
+
+// Rows [t_begin, t_end) of head kvh (code bytes `row_bytes` per row, then NG fp16 scales) into L2.
+template <int NG>
+__device__ __forceinline__ void prefetch_rows(const uint8_t* codes, const half* scales, int row_bytes, int t_begin,
+                                              int t_end, const int* pages, int first_page, int log2S, int Hkv,
+                                              int kvh) {
+  for (int t = t_begin + (int)threadIdx.x; t < t_end; t += kQAttnThreads) {
+    const int64_t slot = ((int64_t)pages[(t >> log2S) - first_page] << log2S) | (t & ((1 << log2S) - 1));
+    const int64_t ri = slot * Hkv + kvh;
+    for (int off = 0; off < row_bytes; off += 128)
+      asm volatile("prefetch.global.L2 [%0];" ::"l"(codes + ri * row_bytes + off));
+    if (scales != nullptr) asm volatile("prefetch.global.L2 [%0];" ::"l"(scales + ri * NG));
+  }
+}
 
 __device__ __forceinline__ uint32_t h2_bits(__half2 h) {
   uint32_t u;
@@ -70,13 +102,16 @@ __device__ __forceinline__ uint32_t e4m3x2_to_f16x2(uint32_t two_bytes) {
 // ---- K side: a lane's 8 dims of one key and group --------------------------------------------------------------
 template <int F>
 struct KChunk {
-  uint32_t w[F == kFmtI4 ? 1 : 2];
+  uint32_t w[F == kFmtI4 ? 1 : F == kFmtF16 ? 4 : 2];
 };
 
 template <int F>
 __device__ __forceinline__ KChunk<F> load_k_chunk(const uint8_t* p, bool valid) {
   KChunk<F> c;
-  if constexpr (F == kFmtI4) {
+  if constexpr (F == kFmtF16) {
+    const uint4 u = valid ? __ldg(reinterpret_cast<const uint4*>(p)) : make_uint4(0u, 0u, 0u, 0u);
+    c.w[0] = u.x, c.w[1] = u.y, c.w[2] = u.z, c.w[3] = u.w;
+  } else if constexpr (F == kFmtI4) {
     c.w[0] = valid ? __ldg(reinterpret_cast<const unsigned int*>(p)) : 0u;
   } else {
     const uint2 u = valid ? __ldg(reinterpret_cast<const uint2*>(p)) : make_uint2(0u, 0u);
@@ -94,7 +129,9 @@ __host__ __device__ constexpr int kpair_dim(int p, int i) {
 
 template <int F>
 __device__ __forceinline__ uint32_t k_pair(const KChunk<F>& c, int p) {
-  if constexpr (F == kFmtI8) {
+  if constexpr (F == kFmtF16) {
+    return c.w[p];
+  } else if constexpr (F == kFmtI8) {
     return minus_bias<F>(__byte_perm(c.w[p >> 1], 0x64646464u, (p & 1) ? 0x4342u : 0x4140u));
   } else if constexpr (F == kFmtI4) {
     return minus_bias<F>(((c.w[0] >> (4 * p)) & 0x000F000Fu) | 0x64006400u);
@@ -105,15 +142,34 @@ __device__ __forceinline__ uint32_t k_pair(const KChunk<F>& c, int p) {
 
 // ---- V side: a lane's 4 dims of one key and group ---------------------------------------------------------------
 template <int F>
-__device__ __forceinline__ uint32_t load_v_chunk(const uint8_t* p, bool valid) {
-  if constexpr (F == kFmtI4) return valid ? (uint32_t)__ldg(reinterpret_cast<const unsigned short*>(p)) : 0u;
-  else return valid ? __ldg(reinterpret_cast<const unsigned int*>(p)) : 0u;
+struct VChunk {
+  uint32_t w[F == kFmtF16 ? 2 : 1];
+};
+
+template <int F>
+__device__ __forceinline__ VChunk<F> load_v_chunk(const uint8_t* p, bool valid) {
+  VChunk<F> c;
+  if constexpr (F == kFmtF16) {
+    const uint2 u = valid ? __ldg(reinterpret_cast<const uint2*>(p)) : make_uint2(0u, 0u);
+    c.w[0] = u.x, c.w[1] = u.y;
+  } else if constexpr (F == kFmtI4) {
+    c.w[0] = valid ? (uint32_t)__ldg(reinterpret_cast<const unsigned short*>(p)) : 0u;
+  } else {
+    c.w[0] = valid ? __ldg(reinterpret_cast<const unsigned int*>(p)) : 0u;
+  }
+  return c;
 }
 
 // Two keys' chunks -> h[j] = {dim j of key 0, dim j of key 1} as fp16, j = 0..3.
 template <int F>
-__device__ __forceinline__ void v_pairs(uint32_t v0, uint32_t v1, uint32_t (&h)[4]) {
-  if constexpr (F == kFmtI4) {
+__device__ __forceinline__ void v_pairs(const VChunk<F>& c0, const VChunk<F>& c1, uint32_t (&h)[4]) {
+  const uint32_t v0 = c0.w[0], v1 = c1.w[0];
+  if constexpr (F == kFmtF16) {
+    h[0] = __byte_perm(v0, v1, 0x5410u);
+    h[1] = __byte_perm(v0, v1, 0x7632u);
+    h[2] = __byte_perm(c0.w[1], c1.w[1], 0x5410u);
+    h[3] = __byte_perm(c0.w[1], c1.w[1], 0x7632u);
+  } else if constexpr (F == kFmtI4) {
     const uint32_t x = __byte_perm(v0, v1, 0x5410u);  // nibble j of key 0 at bit 4j, of key 1 at 16 + 4j
 #pragma unroll
     for (int j = 0; j < 4; ++j) h[j] = minus_bias<F>(((x >> (4 * j)) & 0x000F000Fu) | 0x64006400u);
@@ -164,18 +220,21 @@ __device__ __forceinline__ RowScales<NG> load_row_scales(const half* p, bool val
 
 template <int D, int KF, int VF, int U>
 __global__ void __launch_bounds__(kQAttnThreads, 4) paged_attention_quant_mma_kernel(const QAttnParams p) {
-  exl2::pdl_wait_and_trigger();  // inputs come from the previous kernel (PDL launch)
   constexpr int NW = kQAttnWarps, RT = kTileRows;
   constexpr int KM = qattn_keys_max<RT>();
   constexpr int NG = D / KV_GROUP;
   constexpr int KBITS = KVFormat<KF>::BITS, VBITS = KVFormat<VF>::BITS;
   constexpr int KROW = D * KBITS / 8, VROW = D * VBITS / 8;  // code bytes per (slot, kv head)
+  constexpr bool KSCALED = KF != kFmtF16, VSCALED = VF != kFmtF16;  // fp16 pages have no group scales
   static_assert(NW * RT * D <= RT * KM, "reduction buffer must fit in the score buffer");
 
   extern __shared__ float smem[];  // q staging [RT][D]; scores [RT][KM]; cross-warp buffer [NW][RT][D]
   __shared__ int pages[KM / 16 + 2];
   __shared__ float row_m[RT], row_l[RT];
 
+  // PDL: before the wait this kernel reads only what kernels before the previous one wrote (block tables,
+  // context lengths: the previous kernel had passed its own wait when this one launched) and only prefetches
+  // K/V into L2 (a hint; the newest slot, written by the previous kernel, is read after the wait).
   const int tile = blockIdx.x % p.row_tiles, split = blockIdx.x / p.row_tiles;
   const int kvh = blockIdx.y, b = blockIdx.z;
   const int ctx = qattn_clamp_ctx(p.context_lens[b], p);
@@ -184,6 +243,7 @@ __global__ void __launch_bounds__(kQAttnThreads, 4) paged_attention_quant_mma_ke
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, gid = lane >> 2, t4 = lane & 3;
   const int row0 = tile * RT;
   if (start >= ctx) {
+    exl2::pdl_wait_and_trigger();
     qattn_empty_split<D, RT>(p, b, kvh, row0);
     return;
   }
@@ -191,6 +251,11 @@ __global__ void __launch_bounds__(kQAttnThreads, 4) paged_attention_quant_mma_ke
   const int n = end - start;
   const int first_page = start >> p.log2S;
   qattn_load_pages(p, b, first_page, ((end - 1) >> p.log2S) - first_page + 1, pages);
+  __syncthreads();  // pages[]
+  if (p.prefetch & (kPrefetchKHead | kPrefetchKAll))
+    prefetch_rows<NG>(p.kc, p.ks, KROW, start, (p.prefetch & kPrefetchKAll) ? end : min(end, start + kPrefetchKeys),
+                      pages, first_page, p.log2S, p.Hkv, kvh);
+  exl2::pdl_wait_and_trigger();  // inputs come from the previous kernel (PDL launch)
   qattn_stage_q<D, RT, KVFormat<KF>::ROT>(p, b, kvh, row0, 1.f, smem);  // the scale is applied to the fp32 sums
   __syncthreads();
 
@@ -215,6 +280,8 @@ __global__ void __launch_bounds__(kQAttnThreads, 4) paged_attention_quant_mma_ke
     return ((int64_t)pages[(t >> p.log2S) - first_page] << p.log2S) | (t & S_mask);
   };
 
+  if (p.prefetch & kPrefetchV) prefetch_rows<NG>(p.vc, p.vs, VROW, start, end, pages, first_page, p.log2S, p.Hkv, kvh);
+
   // ---- phase 1: scores, U steps of 16 keys in flight per warp ----
   for (int t0 = start + warp * kKeysPerStep; t0 < end; t0 += NW * kKeysPerStep * U) {
     KChunk<KF> kc[U][2][NG];    // keys t + nb * 8 + gid
@@ -233,7 +300,8 @@ __global__ void __launch_bounds__(kQAttnThreads, 4) paged_attention_quant_mma_ke
 #pragma unroll
         for (int e = 0; e < 2; ++e) {
           const int ke = nb * 8 + 2 * t4 + e;
-          ksc[u][nb][e] = load_row_scales<NG>(p.ks + ((base + ke) * p.Hkv + kvh) * NG, t + ke < end);
+          if constexpr (KSCALED)
+            ksc[u][nb][e] = load_row_scales<NG>(p.ks + ((base + ke) * p.Hkv + kvh) * NG, t + ke < end);
         }
       }
     }
@@ -252,7 +320,10 @@ __global__ void __launch_bounds__(kQAttnThreads, 4) paged_attention_quant_mma_ke
             mma16816(c, qa[g][h][0], qa[g][h][1], qa[g][h][2], qa[g][h][3], k_pair<KF>(kc[u][nb][g], 2 * h),
                      k_pair<KF>(kc[u][nb][g], 2 * h + 1));
 #pragma unroll
-          for (int e = 0; e < 2; ++e) s[e] = fmaf(ksc[u][nb][e].s(g), c[e] + c[2 + e], s[e]);  // hi + lo rows
+          for (int e = 0; e < 2; ++e) {  // hi + lo rows
+            if constexpr (KSCALED) s[e] = fmaf(ksc[u][nb][e].s(g), c[e] + c[2 + e], s[e]);
+            else s[e] += c[e] + c[2 + e];
+          }
         }
 #pragma unroll
         for (int e = 0; e < 2; ++e) {
@@ -278,7 +349,7 @@ __global__ void __launch_bounds__(kQAttnThreads, 4) paged_attention_quant_mma_ke
   for (int t = start + warp * kKeysPerStep; t < end; t += NW * kKeysPerStep) {
     const int64_t base = slot_of(t);
     const int kk[4] = {2 * t4, 2 * t4 + 1, 2 * t4 + 8, 2 * t4 + 9};  // this lane's keys of the 16 (k index order)
-    uint32_t vw[4][NG];
+    VChunk<VF> vw[4][NG];
     RowScales<NG> vsc[4];
     float pk[4];
 #pragma unroll
@@ -288,7 +359,7 @@ __global__ void __launch_bounds__(kQAttnThreads, 4) paged_attention_quant_mma_ke
 #pragma unroll
       for (int g = 0; g < NG; ++g)
         vw[i][g] = load_v_chunk<VF>(p.vc + ri * VROW + (g * KV_GROUP + gid * 4) * VBITS / 8, valid);
-      vsc[i] = load_row_scales<NG>(p.vs + ri * NG, valid);
+      if constexpr (VSCALED) vsc[i] = load_row_scales<NG>(p.vs + ri * NG, valid);
       pk[i] = valid ? smem[gid * KM + (t - start) + kk[i]] : 0.f;  // stale scores past the split's keys
     }
     uint32_t a[4];  // a0 / a1: p of keys 2t4, 2t4+1 (hi, lo); a2 / a3: keys 2t4+8, 2t4+9
@@ -299,11 +370,16 @@ __global__ void __launch_bounds__(kQAttnThreads, 4) paged_attention_quant_mma_ke
       uint32_t b0[4], b1[4];
       v_pairs<VF>(vw[0][g], vw[1][g], b0);
       v_pairs<VF>(vw[2][g], vw[3][g], b1);
-      const __half2 s0 = scale_pair(vsc[0], vsc[1], g), s1 = scale_pair(vsc[2], vsc[3], g);
+      if constexpr (VSCALED) {
+        const __half2 s0 = scale_pair(vsc[0], vsc[1], g), s1 = scale_pair(vsc[2], vsc[3], g);
 #pragma unroll
-      for (int j = 0; j < 4; ++j)
-        mma16816(acc[g][j], a[0], a[1], a[2], a[3], h2_bits(__hmul2(bits_h2(b0[j]), s0)),
-                 h2_bits(__hmul2(bits_h2(b1[j]), s1)));
+        for (int j = 0; j < 4; ++j) {
+          b0[j] = h2_bits(__hmul2(bits_h2(b0[j]), s0));
+          b1[j] = h2_bits(__hmul2(bits_h2(b1[j]), s1));
+        }
+      }
+#pragma unroll
+      for (int j = 0; j < 4; ++j) mma16816(acc[g][j], a[0], a[1], a[2], a[3], b0[j], b1[j]);
     }
   }
   __syncthreads();  // done reading probabilities: reuse smem
@@ -323,12 +399,17 @@ template <int D, int KF, int VF>
 int launch(const QAttnParams& p, int B, cudaStream_t stream) {
   const dim3 grid((unsigned)(p.row_tiles * p.nsplit), (unsigned)p.Hkv, (unsigned)B);
   const size_t smem = sizeof(float) * kTileRows * qattn_keys_max<kTileRows>();
-  exl2::launch_kernel(paged_attention_quant_mma_kernel<D, KF, VF, 2>, grid, kQAttnThreads, smem, stream, p);
+  QAttnParams q = p;
+  q.prefetch = prefetch_mode();
+  // Two steps of 16 keys in flight per warp in the scores phase; one for fp16 pages (the same bytes; two spill)
+  constexpr int U = KF == kFmtF16 ? 1 : 2;
+  exl2::launch_kernel(paged_attention_quant_mma_kernel<D, KF, VF, U>, grid, kQAttnThreads, smem, stream, q);
   return check_launch("paged_attention_quant (mma)");
 }
 
 template <int D>
 int launch_fmt(const QAttnParams& p, int kf, int vf, int B, cudaStream_t stream) {
+  if (kf == kFmtF16 && vf == kFmtF16) return launch<D, kFmtF16, kFmtF16>(p, B, stream);
   if (kf == kFmtE4M3 && vf == kFmtE4M3) return launch<D, kFmtE4M3, kFmtE4M3>(p, B, stream);
   if (kf == kFmtI8 && vf == kFmtI8) return launch<D, kFmtI8, kFmtI8>(p, B, stream);
   if (kf == kFmtI8 && vf == kFmtI4) return launch<D, kFmtI8, kFmtI4>(p, B, stream);

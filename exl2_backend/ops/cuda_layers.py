@@ -105,9 +105,16 @@ def _attn_row_tile(rows: int) -> int:
     return min(natural, ATTN_MAX_ROW_TILE)
 
 
+# fp16 pages through the tensor-core kernel of the quantized caches (csrc/layers/paged_attention_quant_mma.cu:
+# row tiles of 8, both products on mma.m16n8k16, its own reduce launch, no tickets) instead of the CUDA-core
+# kernel. EXL2_BACKEND_ATTN_FP16_MMA=1 selects it; the tests run both.
+ATTN_FP16_MMA = os.environ.get("EXL2_BACKEND_ATTN_FP16_MMA", "0") == "1"
+
+
 def _attn_flags() -> int:
-    """The kernel's flags: deeper unroll (bit 0) and the row tile cap (bits 1-2: 16 >> code)."""
-    return _ATTN_FLAGS | {16: 0, 8: 1, 4: 2}[ATTN_MAX_ROW_TILE] << 1
+    """The kernel's flags: deeper unroll (bit 0), the row tile cap (bits 1-2: 16 >> code), the tensor-core
+    kernel (bit 3)."""
+    return _ATTN_FLAGS | {16: 0, 8: 1, 4: 2}[ATTN_MAX_ROW_TILE] << 1 | (8 if ATTN_FP16_MMA else 0)
 
 
 def _attn_keys_max(row_tile: int) -> int:

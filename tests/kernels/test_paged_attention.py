@@ -81,9 +81,18 @@ def check(lens, tq, hq, hkv, d, page=16, num_splits=0, seed=0, q=None):
     return out
 
 
+@pytest.fixture(params=["cuda_core", "mma"])
+def attn_kernel(request, monkeypatch):
+    """Both kernels for fp16 pages: the CUDA-core one and the tensor-core one of the quantized caches
+    (ops/cuda_layers.ATTN_FP16_MMA: row tiles of 8, fp16 operands, q and probabilities in two fp16 parts)."""
+    monkeypatch.setattr(cl(), "ATTN_FP16_MMA", request.param == "mma")
+    return request.param
+
+
 @pytest.mark.parametrize("n", [1, 15, 16, 17, 255, 256, 257, 1000, 8192])
 @pytest.mark.parametrize("tq", [1, 5])
 @pytest.mark.parametrize("hq,hkv,d", [(9, 3, 64), (32, 8, 128)])
+@pytest.mark.usefixtures("attn_kernel")
 def test_single_sequence(n, tq, hq, hkv, d):
     if n < tq:
         pytest.skip("fewer keys than queries is covered by test_short_contexts")
@@ -91,6 +100,7 @@ def test_single_sequence(n, tq, hq, hkv, d):
 
 
 @pytest.mark.parametrize("page", [16, 64, 256])
+@pytest.mark.usefixtures("attn_kernel")
 def test_batch_of_lengths(page):
     g = torch.Generator().manual_seed(3)
     lens = torch.randint(1, 1500, (32,), generator=g).tolist()
@@ -100,6 +110,7 @@ def test_batch_of_lengths(page):
 
 
 @pytest.mark.parametrize("num_splits", [1, 2, 3, 7, 64, 120])  # 120: the reduce's unstaged loop at D = 128
+@pytest.mark.usefixtures("attn_kernel")
 def test_forced_splits(num_splits):
     lens = [1, 17, 300, 2000] if num_splits > 1 else [1, 17, 300, 900]  # one split holds <= 1024 keys
     check(lens, 1, 32, 8, 128, page=16, num_splits=num_splits)
@@ -108,6 +119,7 @@ def test_forced_splits(num_splits):
 
 @pytest.mark.parametrize("tq,hq,hkv", [(16, 32, 8), (16, 9, 3), (2, 64, 8), (1, 8, 8), (3, 16, 8), (7, 32, 8),
                                        (32, 32, 8)])
+@pytest.mark.usefixtures("attn_kernel")
 def test_row_tiles(tq, hq, hkv):
     """G * Tq query rows per kv head from 1 to 128: every row-tile size, several tiles per head (Tq = 32: a short
     suffix over a cached prefix, EXL2_BACKEND_DECODE_ATTN_MAX_Q=32)."""
@@ -136,6 +148,7 @@ def test_deep_unroll_variant(monkeypatch):
     check([0, 2, 100], 1, 8, 8, 64, page=16)  # G = 1: row tile 1
 
 
+@pytest.mark.usefixtures("attn_kernel")
 def test_short_contexts():
     """No keys (context 0) and queries before position 0 (context < Tq) give zeros, as the reference."""
     out = check([0, 2, 5, 100], 5, 9, 3, 64)
@@ -144,6 +157,7 @@ def test_short_contexts():
     assert torch.all(out[0] == 0)
 
 
+@pytest.mark.usefixtures("attn_kernel")
 def test_strided_q_from_qkv():
     b, tq, hq, hkv, d = 2, 3, 32, 8, 128
     qkv = torch.randn(b, tq, (hq + 2 * hkv) * d, device=DEV).half()
@@ -151,6 +165,7 @@ def test_strided_q_from_qkv():
     check([50, 3000], tq, hq, hkv, d, page=256, q=q)
 
 
+@pytest.mark.usefixtures("attn_kernel")
 def test_deterministic():
     kc, vc, tables, ctx, _ = build([5000, 7000], 8, 128, 256)
     q = torch.randn(2, 1, 32, 128, device=DEV).half()
@@ -159,6 +174,7 @@ def test_deterministic():
         assert_exact(cl().paged_attention(q, kc, vc, tables, ctx, 0.1), a, "run to run")
 
 
+@pytest.mark.usefixtures("attn_kernel")
 def test_cuda_graph_replay():
     """Captured once with a fixed block-table width; replays see new lengths, tables and queries."""
     hq, hkv, d, page = 32, 8, 128, 256

@@ -40,7 +40,10 @@ constexpr int kKeysPerStep = 16;
 
 // L2 prefetches (QAttnParams::prefetch bits; EXL2_ATTN_QUANT_PREFETCH selects them, read once). The scores phase
 // waits on K loads and the output phase on V loads, each with two steps of 16 keys in flight per warp at most
-// (registers): per SM that is well under what covers the DRAM latency at full bandwidth.
+// (registers): per SM that is well under what covers the DRAM latency at full bandwidth. H200 call K2 of
+// 2026-12-02 (scripts/attention_sweep.py, 8B attention at 32k, 4 CTAs per SM, us per layer, fp16 / q8 / q4 pages):
+// none 59.8 / 45.8 / 39.0; the first K rows (default) 59.0 / 45.2 / 38.1; with all V rows 66.4 / 50.2 / 42.7;
+// with all K rows too 69.2 / 51.2 / 43.8: the whole-split prefetches only compete with the demand loads.
 constexpr int kPrefetchKHead = 1;   // the split's first kPrefetchKeys K rows and scales, before the PDL wait
 constexpr int kPrefetchV = 2;       // all its V rows and scales, as the scores phase starts (q8 at 32k: 34 MB)
 constexpr int kPrefetchKAll = 4;    // all its K rows and scales, before the PDL wait
@@ -49,7 +52,7 @@ constexpr int kPrefetchKeys = 64;
 int prefetch_mode() {
   static const int v = [] {
     const char* e = getenv("EXL2_ATTN_QUANT_PREFETCH");
-    return e ? (atoi(e) & 7) : kPrefetchKHead | kPrefetchV;
+    return e ? (atoi(e) & 7) : kPrefetchKHead;
   }();
   return v;
 }

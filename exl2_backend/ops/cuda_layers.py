@@ -107,14 +107,24 @@ def _attn_row_tile(rows: int) -> int:
 
 # fp16 pages through the tensor-core kernel of the quantized caches (csrc/layers/paged_attention_quant_mma.cu:
 # row tiles of 8, both products on mma.m16n8k16, its own reduce launch, no tickets) instead of the CUDA-core
-# kernel. EXL2_BACKEND_ATTN_FP16_MMA=1 selects it; the tests run both.
-ATTN_FP16_MMA = os.environ.get("EXL2_BACKEND_ATTN_FP16_MMA", "0") == "1"
+# kernel. H200 call K2 of 2026-12-02: the 8B's decode attention at 32k (4 rows per kv head) 59.0 against 55.9 us
+# per layer, the 8B decode 223.6 against 227.1 tok/s at 32k; its k = 4 / 8 verify steps (20 / 36 rows) 1.194 /
+# 1.465x a decode step against 1.232 / 1.539x, k = 2 (12 rows) 1.222 against 1.209x. So by default ("auto") the
+# tensor-core kernel takes fp16 pages from ATTN_FP16_MMA_MIN_ROWS query rows per kv head on;
+# EXL2_BACKEND_ATTN_FP16_MMA=1 / 0 always / never (the tests run both).
+_FP16_MMA_ENV = os.environ.get("EXL2_BACKEND_ATTN_FP16_MMA", "auto")
+ATTN_FP16_MMA: bool | None = None if _FP16_MMA_ENV == "auto" else _FP16_MMA_ENV == "1"
+ATTN_FP16_MMA_MIN_ROWS = 16
 
 
-def _attn_flags() -> int:
-    """The kernel's flags: deeper unroll (bit 0), the row tile cap (bits 1-2: 16 >> code), the tensor-core
-    kernel (bit 3)."""
-    return _ATTN_FLAGS | {16: 0, 8: 1, 4: 2}[ATTN_MAX_ROW_TILE] << 1 | (8 if ATTN_FP16_MMA else 0)
+def _attn_fp16_mma(rows: int) -> bool:
+    return ATTN_FP16_MMA if ATTN_FP16_MMA is not None else rows >= ATTN_FP16_MMA_MIN_ROWS
+
+
+def _attn_flags(rows: int = 1) -> int:
+    """The kernel's flags for `rows` query rows per kv head: deeper unroll (bit 0), the row tile cap (bits 1-2:
+    16 >> code), the tensor-core kernel (bit 3)."""
+    return _ATTN_FLAGS | {16: 0, 8: 1, 4: 2}[ATTN_MAX_ROW_TILE] << 1 | (8 if _attn_fp16_mma(rows) else 0)
 
 
 def _attn_keys_max(row_tile: int) -> int:
@@ -543,7 +553,7 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         _call("exl2_paged_attention", q.data_ptr(), q.stride(0), q.stride(1), q.stride(2), k_cache.data_ptr(),
               v_cache.data_ptr(), tables.data_ptr(), tables.stride(0), lens.data_ptr(), out.data_ptr(),
               ws.data_ptr() if ws is not None else None, b, tq, hq, hkv, d, p, s, max_pages, nsplit,
-              _ATTN_MIN_SPLIT, float(scale), _attn_flags(), tickets.data_ptr() if tickets is not None else None,
+              _ATTN_MIN_SPLIT, float(scale), _attn_flags((hq // hkv) * tq), tickets.data_ptr() if tickets is not None else None,
               _stream(q))
     return out
 

@@ -38,9 +38,14 @@ def _log(msg: str) -> None:
     print(f"[{time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
 
 
-def load_exllamav2(model_dir: Path, max_seq_len: int):
-    """(model, cache, config) of ExLlamaV2 on the first GPU, flash-attn / xformers / SDPA off."""
-    from exllamav2 import ExLlamaV2, ExLlamaV2Cache, ExLlamaV2Config
+def load_exllamav2(model_dir: Path, max_seq_len: int, cache_type: str = "fp16"):
+    """(model, cache, config) of ExLlamaV2 on the first GPU, flash-attn / xformers / SDPA off; cache_type fp16,
+    q8, q6 or q4 (its ExLlamaV2Cache, _Q8, _Q6, _Q4)."""
+    import exllamav2
+    from exllamav2 import ExLlamaV2, ExLlamaV2Config
+
+    cache_cls = getattr(exllamav2, {"fp16": "ExLlamaV2Cache", "q8": "ExLlamaV2Cache_Q8", "q6": "ExLlamaV2Cache_Q6",
+                                    "q4": "ExLlamaV2Cache_Q4"}[cache_type])
 
     config = ExLlamaV2Config(str(model_dir))
     config.no_flash_attn = True
@@ -48,7 +53,7 @@ def load_exllamav2(model_dir: Path, max_seq_len: int):
     config.no_sdpa = True
     config.max_seq_len = max_seq_len
     model = ExLlamaV2(config)
-    cache = ExLlamaV2Cache(model, max_seq_len=max_seq_len, lazy=True)
+    cache = cache_cls(model, max_seq_len=max_seq_len, lazy=True)
     model.load_autosplit(cache, progress=False)
     return model, cache, config
 
@@ -122,13 +127,14 @@ def _sync() -> None:
     torch.cuda.synchronize()
 
 
-def exllamav2_speed(model_dir: Path, context: int, decode_tokens: int, prefill_tokens: int, sdpa_modes) -> dict:
+def exllamav2_speed(model_dir: Path, context: int, decode_tokens: int, prefill_tokens: int, sdpa_modes,
+                    cache_type: str = "fp16") -> dict:
     max_len = max(context + decode_tokens + 64, prefill_tokens + 64)
-    model, cache, config = load_exllamav2(model_dir, max_seq_len=max_len)
+    model, cache, config = load_exllamav2(model_dir, max_seq_len=max_len, cache_type=cache_type)
     vocab = config.vocab_size
     gen = torch.Generator().manual_seed(0)
     out = {"model_dir": str(model_dir), "context": context, "decode_tokens": decode_tokens,
-           "prefill_tokens": prefill_tokens, "modes": {}}
+           "prefill_tokens": prefill_tokens, "cache_type": cache_type, "modes": {}}
     with torch.inference_mode():
         for sdpa in sdpa_modes:
             config.no_sdpa = not sdpa  # read on every forward
@@ -160,7 +166,7 @@ def exllamav2_speed(model_dir: Path, context: int, decode_tokens: int, prefill_t
             mode = "sdpa" if sdpa else "no_sdpa"
             out["modes"][mode] = {"decode_tok_s": statistics.median(rates), "decode_runs": rates,
                                   "prefill_tok_s": statistics.median(prefill[1:]), "prefill_runs": prefill}
-            _log(f"exllamav2 {mode}: decode {out['modes'][mode]['decode_tok_s']:.1f} tok/s at {context} context, "
+            _log(f"exllamav2 {mode}, {cache_type} cache: decode {out['modes'][mode]['decode_tok_s']:.1f} tok/s at {context} context, "
                  f"prefill {out['modes'][mode]['prefill_tok_s']:.0f} tok/s")
     model.unload()
     del model, cache
@@ -168,11 +174,11 @@ def exllamav2_speed(model_dir: Path, context: int, decode_tokens: int, prefill_t
     return out
 
 
-def ours_speed(model_dir: Path, context: int, decode_tokens: int, prefill_tokens: int) -> dict:
+def ours_speed(model_dir: Path, context: int, decode_tokens: int, prefill_tokens: int, cache_type: str = "fp16") -> dict:
     from exl2_backend.bench.decode import run_bench
 
     r = run_bench(model_dir, contexts=(context,), decode_tokens=decode_tokens, prefill_tokens=prefill_tokens,
-                  device="cuda")
+                  device="cuda", cache_type=cache_type)
     _log(f"ours: {json.dumps({k: r[k] for k in ('decode', 'prefill') if k in r}, default=str)[:300]}")
     return r
 
@@ -210,6 +216,8 @@ def main() -> int:
     p.add_argument("--prefill-tokens", type=int, default=2048)
     p.add_argument("--sdpa-speed", action="store_true", help="also time ExLlamaV2 with its SDPA path on")
     p.add_argument("--ours", action="store_true", help="also run our bench on the speed directory")
+    p.add_argument("--cache-types", default="fp16", help="KV cache types to time, comma-separated (fp16,q8,q6,q4)")
+    p.add_argument("--skip-compat", action="store_true", help="timing only (no logits comparison)")
     p.add_argument("--compat-only", default=None, metavar="DIR",
                    help="only compare logits on DIR (held-out text; writes exllamav2_compat.json)")
     p.add_argument("--random-ids", action="store_true", help="--compat-only with random token ids (random models)")
@@ -240,18 +248,25 @@ def main() -> int:
         result["random_dir_write_s"] = time.perf_counter() - t
     result["compat"] = []
     smol = Path(args.smol_dir)
-    if (smol / "config.json").is_file():
+    if args.skip_compat:
+        pass
+    elif (smol / "config.json").is_file():
         result["compat"].append({"name": "smollm2_converted", **compat(smol, text_ids(smol, args.tokens))})
     else:
         _log(f"no converted SmolLM2 dir at {smol}; skipped")
-    result["compat"].append({"name": "random_llama3_8b", **compat(random_dir, random_ids(args.tokens))})
+    if not args.skip_compat:
+        result["compat"].append({"name": "random_llama3_8b", **compat(random_dir, random_ids(args.tokens))})
 
     speed_dir = Path(args.speed_dir or random_dir)
     modes = (False, True) if args.sdpa_speed else (False,)
-    result["exllamav2_speed"] = exllamav2_speed(speed_dir, args.context, args.decode_tokens, args.prefill_tokens,
-                                                modes)
+    cache_types = args.cache_types.split(",")
+    speeds = {ct: exllamav2_speed(speed_dir, args.context, args.decode_tokens, args.prefill_tokens, modes, ct)
+              for ct in cache_types}
+    result["exllamav2_speed"] = speeds["fp16"] if cache_types == ["fp16"] else speeds
     if args.ours:
-        result["ours_speed"] = ours_speed(speed_dir, args.context, args.decode_tokens, args.prefill_tokens)
+        ours = {ct: ours_speed(speed_dir, args.context, args.decode_tokens, args.prefill_tokens, ct)
+                for ct in cache_types}
+        result["ours_speed"] = ours["fp16"] if cache_types == ["fp16"] else ours
     _write(Path(args.out), "exllamav2_compare.json", result)
     return 0
 

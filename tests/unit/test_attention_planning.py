@@ -16,7 +16,17 @@ from exl2_backend.ops import cuda_kvquant, cuda_layers
 def test_row_tile_is_the_natural_tile_up_to_the_cap(monkeypatch, rows, natural, cap):
     monkeypatch.setattr(cuda_layers, "ATTN_MAX_ROW_TILE", cap)
     assert cuda_layers._attn_row_tile(rows) == min(natural, cap)
+    monkeypatch.setattr(cuda_layers, "ATTN_FP16_MMA", None)
     assert cuda_layers._attn_flags() == cuda_layers._ATTN_FLAGS | {16: 0, 8: 2, 4: 4}[cap]
+
+
+@pytest.mark.parametrize("setting,rows,mma", [(None, 4, False), (None, 12, False), (None, 16, True), (None, 36, True),
+                                              (True, 4, True), (False, 36, False)])
+def test_fp16_pages_take_the_tensor_core_kernel_from_16_rows(monkeypatch, setting, rows, mma):
+    """Decode (4 rows per kv head at GQA 4) stays on the CUDA-core kernel, verify steps of k >= 3 take the
+    tensor-core one (flags bit 3), unless EXL2_BACKEND_ATTN_FP16_MMA forces either."""
+    monkeypatch.setattr(cuda_layers, "ATTN_FP16_MMA", setting)
+    assert bool(cuda_layers._attn_flags(rows) & 8) == mma
 
 
 @pytest.mark.parametrize("ctx", [64, 1024, 4096, 32768, 131072])

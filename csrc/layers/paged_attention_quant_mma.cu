@@ -57,6 +57,14 @@ int prefetch_mode() {
   return v;
 }
 
+bool deep_variant() {
+  static const bool v = [] {
+    const char* e = getenv("EXL2_ATTN_QUANT_MMA_DEEP");
+    return e != nullptr && atoi(e) == 1;
+  }();
+  return v;
+}
+
 // Rows [t_begin, t_end) of head kvh (code bytes `row_bytes` per row, then NG fp16 scales) into L2.
 template <int NG>
 __device__ __forceinline__ void prefetch_rows(const uint8_t* codes, const half* scales, int row_bytes, int t_begin,
@@ -221,8 +229,11 @@ __device__ __forceinline__ RowScales<NG> load_row_scales(const half* p, bool val
   return r;
 }
 
-template <int D, int KF, int VF, int U>
-__global__ void __launch_bounds__(kQAttnThreads, 4) paged_attention_quant_mma_kernel(const QAttnParams p) {
+// U1 / U3: steps of 16 keys in flight per warp in the scores / output phase; MINB: CTAs per SM the registers
+// are bounded for (4: 128 registers).
+template <int D, int KF, int VF, int U1, int U3, int MINB>
+__global__ void __launch_bounds__(kQAttnThreads, MINB) paged_attention_quant_mma_kernel(const QAttnParams p) {
+  constexpr int U = U1;
   constexpr int NW = kQAttnWarps, RT = kTileRows;
   constexpr int KM = qattn_keys_max<RT>();
   constexpr int NG = D / KV_GROUP;
@@ -349,40 +360,48 @@ __global__ void __launch_bounds__(kQAttnThreads, 4) paged_attention_quant_mma_ke
     for (int j = 0; j < 4; ++j)
 #pragma unroll
       for (int i = 0; i < 4; ++i) acc[g][j][i] = 0.f;
-  for (int t = start + warp * kKeysPerStep; t < end; t += NW * kKeysPerStep) {
-    const int64_t base = slot_of(t);
-    const int kk[4] = {2 * t4, 2 * t4 + 1, 2 * t4 + 8, 2 * t4 + 9};  // this lane's keys of the 16 (k index order)
-    VChunk<VF> vw[4][NG];
-    RowScales<NG> vsc[4];
-    float pk[4];
+  const int kk[4] = {2 * t4, 2 * t4 + 1, 2 * t4 + 8, 2 * t4 + 9};  // this lane's keys of the 16 (k index order)
+  for (int t0 = start + warp * kKeysPerStep; t0 < end; t0 += NW * kKeysPerStep * U3) {
+    VChunk<VF> vw[U3][4][NG];
+    RowScales<NG> vsc[U3][4];
+    float pk[U3][4];
 #pragma unroll
-    for (int i = 0; i < 4; ++i) {
-      const bool valid = t + kk[i] < end;
-      const int64_t ri = (base + kk[i]) * p.Hkv + kvh;
+    for (int u = 0; u < U3; ++u) {
+      const int t = t0 + u * NW * kKeysPerStep;
+      const int64_t base = t < end ? slot_of(t) : 0;
 #pragma unroll
-      for (int g = 0; g < NG; ++g)
-        vw[i][g] = load_v_chunk<VF>(p.vc + ri * VROW + (g * KV_GROUP + gid * 4) * VBITS / 8, valid);
-      if constexpr (VSCALED) vsc[i] = load_row_scales<NG>(p.vs + ri * NG, valid);
-      pk[i] = valid ? smem[gid * KM + (t - start) + kk[i]] : 0.f;  // stale scores past the split's keys
-    }
-    uint32_t a[4];  // a0 / a1: p of keys 2t4, 2t4+1 (hi, lo); a2 / a3: keys 2t4+8, 2t4+9
-    split_f16x2(pk[0], pk[1], a[0], a[1]);
-    split_f16x2(pk[2], pk[3], a[2], a[3]);
+      for (int i = 0; i < 4; ++i) {
+        const bool valid = t + kk[i] < end;
+        const int64_t ri = (base + kk[i]) * p.Hkv + kvh;
 #pragma unroll
-    for (int g = 0; g < NG; ++g) {
-      uint32_t b0[4], b1[4];
-      v_pairs<VF>(vw[0][g], vw[1][g], b0);
-      v_pairs<VF>(vw[2][g], vw[3][g], b1);
-      if constexpr (VSCALED) {
-        const __half2 s0 = scale_pair(vsc[0], vsc[1], g), s1 = scale_pair(vsc[2], vsc[3], g);
-#pragma unroll
-        for (int j = 0; j < 4; ++j) {
-          b0[j] = h2_bits(__hmul2(bits_h2(b0[j]), s0));
-          b1[j] = h2_bits(__hmul2(bits_h2(b1[j]), s1));
-        }
+        for (int g = 0; g < NG; ++g)
+          vw[u][i][g] = load_v_chunk<VF>(p.vc + ri * VROW + (g * KV_GROUP + gid * 4) * VBITS / 8, valid);
+        if constexpr (VSCALED) vsc[u][i] = load_row_scales<NG>(p.vs + ri * NG, valid);
+        pk[u][i] = valid ? smem[gid * KM + (t - start) + kk[i]] : 0.f;  // stale scores past the split's keys
       }
+    }
 #pragma unroll
-      for (int j = 0; j < 4; ++j) mma16816(acc[g][j], a[0], a[1], a[2], a[3], b0[j], b1[j]);
+    for (int u = 0; u < U3; ++u) {
+      if (t0 + u * NW * kKeysPerStep >= end) break;
+      uint32_t a[4];  // a0 / a1: p of keys 2t4, 2t4+1 (hi, lo); a2 / a3: keys 2t4+8, 2t4+9
+      split_f16x2(pk[u][0], pk[u][1], a[0], a[1]);
+      split_f16x2(pk[u][2], pk[u][3], a[2], a[3]);
+#pragma unroll
+      for (int g = 0; g < NG; ++g) {
+        uint32_t b0[4], b1[4];
+        v_pairs<VF>(vw[u][0][g], vw[u][1][g], b0);
+        v_pairs<VF>(vw[u][2][g], vw[u][3][g], b1);
+        if constexpr (VSCALED) {
+          const __half2 s0 = scale_pair(vsc[u][0], vsc[u][1], g), s1 = scale_pair(vsc[u][2], vsc[u][3], g);
+#pragma unroll
+          for (int j = 0; j < 4; ++j) {
+            b0[j] = h2_bits(__hmul2(bits_h2(b0[j]), s0));
+            b1[j] = h2_bits(__hmul2(bits_h2(b1[j]), s1));
+          }
+        }
+#pragma unroll
+        for (int j = 0; j < 4; ++j) mma16816(acc[g][j], a[0], a[1], a[2], a[3], b0[j], b1[j]);
+      }
     }
   }
   __syncthreads();  // done reading probabilities: reuse smem
@@ -404,9 +423,15 @@ int launch(const QAttnParams& p, int B, cudaStream_t stream) {
   const size_t smem = sizeof(float) * kTileRows * qattn_keys_max<kTileRows>();
   QAttnParams q = p;
   q.prefetch = prefetch_mode();
-  // Two steps of 16 keys in flight per warp in the scores phase; one for fp16 pages (the same bytes; two spill)
-  constexpr int U = KF == kFmtF16 ? 1 : 2;
-  exl2::launch_kernel(paged_attention_quant_mma_kernel<D, KF, VF, U>, grid, kQAttnThreads, smem, stream, q);
+  // Default: two steps of 16 keys in flight per warp in the scores phase (one for fp16 pages: the same bytes;
+  // two spill) and one in the output phase, 128 registers. EXL2_ATTN_QUANT_MMA_DEEP=1: twice those, 168 registers
+  // (3 CTAs per SM): a measurement build for now.
+  constexpr int U1 = KF == kFmtF16 ? 1 : 2;
+  if (deep_variant())
+    exl2::launch_kernel(paged_attention_quant_mma_kernel<D, KF, VF, 2 * U1, 2, 3>, grid, kQAttnThreads, smem, stream,
+                        q);
+  else
+    exl2::launch_kernel(paged_attention_quant_mma_kernel<D, KF, VF, U1, 1, 4>, grid, kQAttnThreads, smem, stream, q);
   return check_launch("paged_attention_quant (mma)");
 }
 

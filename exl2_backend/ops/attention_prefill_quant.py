@@ -13,7 +13,6 @@ import torch
 
 from exl2_backend.cache.kv_types import GROUP
 from exl2_backend.ops.attention_prefill import prefill_attention
-from exl2_backend.ops.reference_kvquant import dequantize_pages
 
 
 class DequantizedPages:
@@ -30,7 +29,9 @@ class DequantizedPages:
     def index_select(self, dim: int, index: torch.Tensor) -> torch.Tensor:
         if dim != 0:
             raise ValueError("DequantizedPages only selects pages (dim 0)")
-        return dequantize_pages(self.codes, self.scales, index.long(), self.fmt, self.dtype)  # [n, S, Hkv, D]
+        from exl2_backend.ops import dispatch
+
+        return dispatch.dequantize_pages(self.codes, self.scales, index.long(), self.fmt, self.dtype)  # [n, S, Hkv, D]
 
 
 def prefill_attention_quant(q, k_codes, k_scales, v_codes, v_scales, block_tables, context_lens, scale: float,

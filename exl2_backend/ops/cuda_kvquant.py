@@ -8,6 +8,7 @@ fp32 activations, non-contiguous caches) run the reference op instead, with one 
   rope_kv_quant_write(q, k, v, positions, inv_freq, k_codes, k_scales, v_codes, v_scales, slots, k_fmt, v_fmt)
   paged_attention_quant(q, k_codes, k_scales, v_codes, v_scales, block_tables, context_lens, scale, k_fmt, v_fmt,
                         num_splits=0)
+  dequantize_pages(codes, scales, pages, fmt, dtype)  (csrc/layers/kv_dequant.cu; opt-in, see KV_DEQUANT_KERNEL)
 """
 
 from __future__ import annotations
@@ -48,6 +49,7 @@ _SIGNATURES = {
                             PTR, I64, I64, I32, I32, I32, STREAM),
     "exl2_paged_attention_quant": (PTR, I64, I64, I64, PTR, PTR, PTR, PTR, I32, I32, PTR, I64, PTR, PTR, PTR, I64, I64,
                                    I64, I64, I64, I64, I64, I64, I64, I64, F32, I32, I32, STREAM),
+    "exl2_kv_dequant_pages": (PTR, PTR, I32, PTR, I64, I64, I64, I64, I64, PTR, I32, STREAM),
 }
 _QUANT_FORMATS = ("e4m3", "int8", "int4")
 _PAIRS = {("e4m3", "e4m3"), ("int8", "int8"), ("int8", "int4"), ("int4", "int4")}  # the pairs the kernels build
@@ -247,4 +249,31 @@ def _(q, k_codes, k_scales, v_codes, v_scales, block_tables, context_lens, scale
     return torch.empty(q.shape, dtype=q.dtype, device=q.device)
 
 
-__all__ = ["kv_quant_write", "paged_attention_quant", "rope_kv_quant_write"]
+# Prefill chunks over a quantized history dequantize the key blocks they read (ops/attention_prefill_quant.py):
+# EXL2_BACKEND_KV_DEQUANT_KERNEL=1 does it in one kernel (csrc/layers/kv_dequant.cu, bit-identical to the
+# reference) instead of torch ops. Opt-in until it has run on the GPU (written in session 7 after the device time
+# ran out; tests/kernels/test_kv_quant_kernels.py checks it bit for bit).
+KV_DEQUANT_KERNEL = os.environ.get("EXL2_BACKEND_KV_DEQUANT_KERNEL", "0") == "1"
+
+
+def dequantize_pages(codes: torch.Tensor, scales: torch.Tensor, pages: torch.Tensor, fmt: str,
+                     dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """reference_kvquant.dequantize_pages (pages [U] of one cache -> [U, S, Hkv, D] in `dtype`), bit for bit; the
+    kernel for fp16 / bf16 outputs of contiguous caches when KV_DEQUANT_KERNEL is on."""
+    if not (KV_DEQUANT_KERNEL and dtype in _HALF and codes.is_cuda and codes.is_contiguous()
+            and scales.is_contiguous() and scales.dtype == torch.float16 and fmt in _QUANT_FORMATS):
+        return reference_kvquant.dequantize_pages(codes, scales, pages.to(codes.device, torch.long), fmt, dtype)
+    p, s, hkv, g = scales.shape
+    _require(codes.shape[:3] == scales.shape[:3] and codes.shape[3] == FORMATS[fmt].code_bytes(g * GROUP),
+             f"dequantize_pages: codes {tuple(codes.shape)} do not match scales {tuple(scales.shape)} ({fmt})",
+             "codes")
+    pages = _index_tensor(pages, codes.device, torch.int64).contiguous()
+    out = torch.empty(pages.shape[0], s, hkv, g * GROUP, dtype=dtype, device=codes.device)
+    if out.numel():
+        with _device_guard(codes):
+            _call("exl2_kv_dequant_pages", codes.data_ptr(), scales.data_ptr(), FORMATS[fmt].abi, pages.data_ptr(),
+                  pages.shape[0], p, s, hkv, g * GROUP, out.data_ptr(), _DTYPE_CODES[dtype], _stream(codes))
+    return out
+
+
+__all__ = ["dequantize_pages", "kv_quant_write", "paged_attention_quant", "rope_kv_quant_write"]

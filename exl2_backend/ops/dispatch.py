@@ -123,6 +123,10 @@ def rope_kv_quant_write(q, k, v, positions, inv_freq, k_codes, k_scales, v_codes
                                                           v_scales, slots, k_fmt, v_fmt)
 
 
+def dequantize_pages(codes, scales, pages, fmt, dtype=torch.float32):
+    return _pick_kvquant("dequantize_pages", codes)(codes, scales, pages, fmt, dtype)
+
+
 def paged_attention_quant(q, k_codes, k_scales, v_codes, v_scales, block_tables, context_lens, scale, k_fmt, v_fmt):
     args = (q, k_codes, k_scales, v_codes, v_scales, block_tables, context_lens, scale, k_fmt, v_fmt)
     if q.is_cuda and q.shape[1] > DECODE_KERNEL_MAX_QUERIES:

@@ -410,6 +410,46 @@ def test_prefill_path_over_quantized_history():
     assert_close_rel(out, ref, base, msg="prefill over quantized history")
 
 
+# --- dequantized pages (prefill over a quantized history) ------------------------------------------------------
+
+
+@pytest.mark.parametrize("fmt", ["e4m3", "int8", "int4"])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("hkv,d,page", [(1, 32, 16), (3, 64, 16), (8, 128, 64), (2, 256, 16)])
+def test_dequantize_pages_kernel_equals_reference(monkeypatch, fmt, dtype, hkv, d, page):
+    """csrc/layers/kv_dequant.cu: the reference's dequantize_pages bit for bit (integer decode, one fp32 multiply,
+    the reference's WHT butterfly, one rounding), for pages in any order, repeated, and out-of-range indices
+    clamped like the attention kernels."""
+    monkeypatch.setattr(kq(), "KV_DEQUANT_KERNEL", True)
+    num_pages = 7
+    caches = empty_cache(num_pages, page, hkv, d, fmt, fmt)
+    t = num_pages * page
+    kq().kv_quant_write(kv_like(t, hkv, d, torch.float16, 11), kv_like(t, hkv, d, torch.float16, 12), *caches,
+                        torch.arange(t, device=DEV), fmt, fmt)
+    codes, scales = caches[0], caches[1]
+    pages = torch.tensor([3, 0, 6, 6, 1, 5, 2, 4], device=DEV)
+    got = kq().dequantize_pages(codes, scales, pages, fmt, dtype)
+    want = R.dequantize_pages(codes, scales, pages, fmt, dtype)
+    assert_exact(got, want, f"{fmt} {dtype} {hkv}x{d}")
+    odd = kq().dequantize_pages(codes, scales, torch.tensor([-1, num_pages + 3], device=DEV), fmt, dtype)
+    assert_exact(odd, R.dequantize_pages(codes, scales, torch.tensor([0, num_pages - 1], device=DEV), fmt, dtype),
+                 "clamped pages")
+    assert kq().dequantize_pages(codes, scales, pages[:0], fmt, dtype).shape == (0, page, hkv, d)
+
+
+def test_prefill_over_quantized_history_with_the_dequant_kernel(monkeypatch):
+    """The prefill path (> 32 queries) gives the same bits with the kernel as with the torch dequantization."""
+    from exl2_backend import ops
+
+    caches, tables, ctx = build([700, 100], 8, 128, 64, "int8", "int4")
+    q = torch.randn(2, 64, 32, 128, device=DEV).half()
+    outs = []
+    for on in (False, True):
+        monkeypatch.setattr(kq(), "KV_DEQUANT_KERNEL", on)
+        outs.append(ops.paged_attention_quant(q, *caches, tables, ctx, 0.09, "int8", "int4"))
+    assert_exact(outs[1], outs[0], "prefill with the dequant kernel")
+
+
 _COMBINE_SCRIPT = r"""
 import sys
 import torch

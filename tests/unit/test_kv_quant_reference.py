@@ -290,3 +290,21 @@ def test_settings_accept_every_cache_type():
         assert LoadSettings(cache_type=name.upper()).cache_type == name
     with pytest.raises(ValueError, match="cache_type must be one of"):
         LoadSettings(cache_type="int3")
+
+
+def test_dequantized_pages_view_selects_pages_through_the_dispatch():
+    """ops/attention_prefill_quant.DequantizedPages (the prefill path's stand-in for an fp16 cache) dequantizes
+    exactly the selected pages, in order, through dispatch.dequantize_pages (the reference on the CPU)."""
+    from exl2_backend.ops import dispatch
+    from exl2_backend.ops.attention_prefill_quant import DequantizedPages
+
+    g = torch.Generator().manual_seed(7)
+    codes, scales = R.quantize(torch.randn(5, 16, 2, 64, generator=g), "int4")  # [P, S, Hkv, 32], [P, S, Hkv, 2]
+    pages = torch.tensor([4, 0, 4, 2])
+    want = R.dequantize(codes, scales, "int4")[pages].half()
+    assert_exact(dispatch.dequantize_pages(codes, scales, pages, "int4", torch.float16), want, "dispatch")
+    view = DequantizedPages(codes, scales, "int4", torch.float16)
+    assert view.shape == (5, 16, 2, 64)
+    assert_exact(view.index_select(0, pages), want, "view")
+    with pytest.raises(ValueError, match="dim 0"):
+        view.index_select(1, pages)

@@ -1,11 +1,13 @@
 #!/usr/bin/env bash
-# Device call L1 (prepared in session 7 for the next one; carry .whl and .dev/libexl2_kernels.so.gz):
+# Device call L1 (prepared in session 7 for the next one; carry .whl, .dev/libexl2_kernels.so.gz and
+# .dev/gguf_part_aa, for L2 on the warm machine within 30 s):
 #  1. the KV page dequantization kernel's tests (csrc/layers/kv_dequant.cu, opt-in EXL2_BACKEND_KV_DEQUANT_KERNEL=1)
 #     and the rest of the quantized-cache kernel tests;
 #  2. the 8B prefill over q8 / q4 caches at 1k and 32k with the kernel and without (the bench's prefill column):
 #     if it wins, make it the default (ops/cuda_kvquant.KV_DEQUANT_KERNEL).
 export EXL2_CARRIED_LIBRARY=1
 source scripts/device/common.sh
+mkdir -p /tmp/smol && cp .dev/gguf_part_a* /tmp/smol/ 2>/dev/null
 results_dir
 trap '[ -d "$R" ] && pack_results l1' EXIT
 t=$(date +%s)

@@ -18,7 +18,7 @@ gpu_tests smollm2 150 tests/engine/test_gpu_parity.py tests/engine/test_lookahea
 echo "tests $(( $(date +%s) - t )) s"; t=$(date +%s)
 for mma in 1 0; do
   EXL2_BACKEND_ATTN_QUANT_MMA=$mma timeout 70 python3 scripts/kvcache_device.py quality --window 1024 \
-    --max-tokens 4096 --out "$R/q$mma" > "$R/quality_mma$mma.txt" 2>    --max-tokens 4096 --out "$R" > "$R/quality_mma$mma.txt" 2>&11
+    --max-tokens 4096 --out "$R/q$mma" > "$R/quality_mma$mma.txt" 2>&1
   echo "tensor-core kernel=$mma:"; tail -6 "$R/quality_mma$mma.txt"
 done
 echo "quality $(( $(date +%s) - t )) s"

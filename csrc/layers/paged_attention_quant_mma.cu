@@ -1,6 +1,7 @@
 // Decode / verify attention over quantized (and, for paged_attention.cu, fp16) K/V pages on the tensor cores:
-// the flash-decoding scheme of paged_attention_quant.cu (grid (row_tiles * nsplit, Hkv, B); scores -> shared memory, softmax statistics,
-// o = sum p v, the same split partials for the same reduce kernel), with both products as mma.m16n8k16.
+// the flash-decoding scheme of paged_attention_quant.cu (grid (row_tiles * nsplit, Hkv, B); scores -> shared
+// memory, softmax statistics, o = sum p v, the same split partials for the same reduce kernel), with both
+// products as mma.m16n8k16.
 //
 // Why: the CUDA-core kernel spends ~90 instructions per lane per key (a lane's 8 dims x 4 rows of FMAs, the
 // butterfly across 16 lanes, the score store) and ran the 8B's q8 cache at 32k at 59 us per layer, 1.1 TB/s
@@ -53,6 +54,14 @@ int prefetch_mode() {
   static const int v = [] {
     const char* e = getenv("EXL2_ATTN_QUANT_PREFETCH");
     return e ? (atoi(e) & 7) : kPrefetchKHead;
+  }();
+  return v;
+}
+
+bool deep_variant() {
+  static const bool v = [] {
+    const char* e = getenv("EXL2_ATTN_QUANT_MMA_DEEP");
+    return e != nullptr && atoi(e) == 1;
   }();
   return v;
 }
@@ -416,11 +425,16 @@ int launch(const QAttnParams& p, int B, cudaStream_t stream) {
   QAttnParams q = p;
   q.prefetch = prefetch_mode();
   // Two steps of 16 keys in flight per warp in the scores phase (one for fp16 pages: the same bytes; two spill)
-  // and one in the output phase, 128 registers. Twice those (168 registers, 3 CTAs per SM) lost: H200 call K4 of
-  // 2026-12-02, 8B attention at 32k, q8 55.2 against 43.4 us per layer, q4 48.5 against 38.4; 8B decode at 32k
-  // 230.8 / 222.0 tok/s (q8 / q4) against 241.3 / 252.8 (K3).
+  // and one in the output phase, 128 registers. EXL2_ATTN_QUANT_MMA_DEEP=1 (a measurement build): twice those,
+  // 168 registers, 3 CTAs per SM. H200 call K4 of 2026-12-02 measured it at 55.2 against 43.4 us per layer (q8 at
+  // 32k), but never in one wave: 66 splits (4 CTAs per SM) are 528 CTAs for its 396 slots, and 50 (the split
+  // for 3 per SM before attention_splits rounded down) 400. To run again at 49 splits (ATTN_CTAS_PER_SM=3).
   constexpr int U1 = KF == kFmtF16 ? 1 : 2;
-  exl2::launch_kernel(paged_attention_quant_mma_kernel<D, KF, VF, U1, 1, 4>, grid, kQAttnThreads, smem, stream, q);
+  if (deep_variant())
+    exl2::launch_kernel(paged_attention_quant_mma_kernel<D, KF, VF, 2 * U1, 2, 3>, grid, kQAttnThreads, smem, stream,
+                        q);
+  else
+    exl2::launch_kernel(paged_attention_quant_mma_kernel<D, KF, VF, U1, 1, 4>, grid, kQAttnThreads, smem, stream, q);
   return check_launch("paged_attention_quant (mma)");
 }
 

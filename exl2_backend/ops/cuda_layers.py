@@ -489,13 +489,17 @@ def _(k, v, k_cache, v_cache, slots):
 
 def attention_splits(batch: int, q_len: int, hq: int, hkv: int, max_context: int, num_sms: int,
                      ctas_per_sm: int = _ATTN_CTAS_PER_SM) -> int:
-    """Splits of each sequence's context: enough CTAs to fill the GPU, each split within the shared-memory
-    limit of its tile, none pointlessly short. A function of shapes only (graph-safe)."""
+    """Splits of each sequence's context: as many CTAs as one wave of `ctas_per_sm` per SM holds, each split
+    within the shared-memory limit of its tile, none pointlessly short. A function of shapes only (graph-safe).
+
+    The CTA count rounds down: a kernel whose registers allow exactly `ctas_per_sm` resident CTAs (the
+    tensor-core attention kernel: 128 registers, 4) would otherwise run the few CTAs past the wave as a second
+    wave of their own (3 per SM with 8 kv heads: 50 splits = 400 CTAs for 396 slots; 49 = 392 fit)."""
     rows = (hq // hkv) * q_len
     rt = _attn_row_tile(rows)
     base = batch * hkv * math.ceil(rows / rt)
     need = math.ceil(max_context / _attn_keys_max(rt))
-    want = math.ceil(num_sms * ctas_per_sm / max(base, 1))
+    want = num_sms * ctas_per_sm // max(base, 1)
     cap = max(1, math.ceil(max_context / _ATTN_MIN_SPLIT))
     return max(need, min(want, cap), 1)
 
@@ -553,7 +557,8 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         _call("exl2_paged_attention", q.data_ptr(), q.stride(0), q.stride(1), q.stride(2), k_cache.data_ptr(),
               v_cache.data_ptr(), tables.data_ptr(), tables.stride(0), lens.data_ptr(), out.data_ptr(),
               ws.data_ptr() if ws is not None else None, b, tq, hq, hkv, d, p, s, max_pages, nsplit,
-              _ATTN_MIN_SPLIT, float(scale), _attn_flags((hq // hkv) * tq), tickets.data_ptr() if tickets is not None else None,
+              _ATTN_MIN_SPLIT, float(scale), _attn_flags((hq // hkv) * tq),
+              tickets.data_ptr() if tickets is not None else None,
               _stream(q))
     return out
 

@@ -4,7 +4,9 @@
 #  1. the KV page dequantization kernel's tests (csrc/layers/kv_dequant.cu, opt-in EXL2_BACKEND_KV_DEQUANT_KERNEL=1)
 #     and the rest of the quantized-cache kernel tests;
 #  2. the 8B prefill over q8 / q4 caches at 1k and 32k with the kernel and without (the bench's prefill column):
-#     if it wins, make it the default (ops/cuda_kvquant.KV_DEQUANT_KERNEL).
+#     if it wins, make it the default (ops/cuda_kvquant.KV_DEQUANT_KERNEL);
+#  3. the tensor-core attention kernel's deeper variant (EXL2_ATTN_QUANT_MMA_DEEP=1, 3 CTAs per SM) in one wave at
+#     last (attention_splits now rounds down: 49 splits at 3 per SM), against the default at 3 and 4.
 export EXL2_CARRIED_LIBRARY=1
 source scripts/device/common.sh
 mkdir -p /tmp/smol && cp .dev/gguf_part_a* /tmp/smol/ 2>/dev/null
@@ -20,3 +22,10 @@ for on in 0 1; do
   echo "dequant kernel=$on:"; grep -E "^│ +(1024|32768) │" "$R/bench_8b_dq$on.txt"
 done
 echo "bench $(( $(date +%s) - t )) s"
+t=$(date +%s)
+for deep in 0 1; do
+  EXL2_ATTN_QUANT_MMA_DEEP=$deep timeout 30 python3 scripts/attention_sweep.py --context 32768 --types q8,q4 \
+    --ctas 3,4 --json "$R/sweep_deep$deep.json" > "$R/sweep_deep$deep.txt" 2>&1
+  echo "deep=$deep:"; grep "ctas/SM" "$R/sweep_deep$deep.txt"
+done
+echo "sweep $(( $(date +%s) - t )) s"

@@ -41,7 +41,14 @@ def test_splits_cover_the_context_within_the_tile_limit(ctx, tq, hq, hkv, ctas):
     need = math.ceil(ctx / cuda_layers._attn_keys_max(rt))
     assert n >= need
     tiles = hkv * math.ceil((hq // hkv) * tq / rt)
-    assert n == need or n <= max(1, math.ceil(sms * ctas / tiles), math.ceil(ctx / cuda_layers._ATTN_MIN_SPLIT))
+    assert n == need or n <= max(1, sms * ctas // tiles, math.ceil(ctx / cuda_layers._ATTN_MIN_SPLIT))
+    assert n == need or n == 1 or n * tiles <= sms * ctas  # never past one wave unless the tile limit asks
+
+
+@pytest.mark.parametrize("ctas,splits", [(3, 49), (4, 66), (6, 99), (8, 132)])
+def test_splits_fill_exactly_one_wave_at_32k(ctas, splits):
+    """8B decode shape (8 kv heads, one tile each) on 132 SMs: the most splits whose CTAs fit one wave."""
+    assert cuda_layers.attention_splits(1, 1, 32, 8, 32768, 132, ctas) == splits
 
 
 def test_8bit_cache_formats_aim_at_more_ctas_per_sm_in_the_cuda_core_kernel(monkeypatch):
@@ -59,4 +66,5 @@ def test_tensor_core_kernel_aims_at_four_ctas_per_sm_for_every_format(monkeypatc
     monkeypatch.setattr(cuda_kvquant, "ATTN_QUANT_MMA", True)
     for pair in (("int8", "int8"), ("e4m3", "e4m3"), ("int8", "int4"), ("int4", "int4")):
         assert cuda_kvquant.quant_attention_ctas(*pair) == cuda_layers._ATTN_CTAS_PER_SM
-    assert cuda_layers.attention_splits(1, 1, 32, 8, 32768, 132, cuda_kvquant.quant_attention_ctas("int8", "int8")) == 66
+    ctas = cuda_kvquant.quant_attention_ctas("int8", "int8")
+    assert cuda_layers.attention_splits(1, 1, 32, 8, 32768, 132, ctas) == 66

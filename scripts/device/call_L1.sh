@@ -29,3 +29,7 @@ for deep in 0 1; do
   echo "deep=$deep:"; grep "ctas/SM" "$R/sweep_deep$deep.txt"
 done
 echo "sweep $(( $(date +%s) - t )) s"
+t=$(date +%s)
+timeout 60 python3 -m pytest tests/bench/test_bench_layers.py -k "quant" -q -m cuda -p no:cacheprovider \
+  --benchmark-enable --benchmark-columns=median,iqr,rounds 2>&1 | tee "$R/bench_layers_quant.txt" | tail -14
+echo "pytest-benchmark $(( $(date +%s) - t )) s"

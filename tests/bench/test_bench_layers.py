@@ -41,6 +41,34 @@ def test_bench_paged_attention_decode(benchmark, cl, ctx):
     assert out.shape == q.shape and torch.isfinite(out).all()
 
 
+@pytest.mark.parametrize("kernel", ["mma", "cuda_core"])
+@pytest.mark.parametrize("cache_type", ["q8", "q4"])
+@pytest.mark.parametrize("ctx", [8192, 32768])
+def test_bench_paged_attention_quant_decode(benchmark, monkeypatch, ctx, cache_type, kernel):
+    """Decode attention over quantized pages (8B shape, one query): the tensor-core kernel (the default) against
+    the CUDA-core one."""
+    from exl2_backend.cache.kv_types import FORMATS, get_cache_type
+    from exl2_backend.ops import cuda_kvquant
+
+    monkeypatch.setattr(cuda_kvquant, "ATTN_QUANT_MMA", kernel == "mma")
+    hq, hkv, d, page = 32, 8, 128, 256
+    pages = ctx // page
+    kf, vf = get_cache_type(cache_type).k.name, get_cache_type(cache_type).v.name
+    g = torch.Generator(device=DEV).manual_seed(0)
+    caches = []
+    for fmt in (kf, vf):
+        codes = torch.randint(0, 256, (pages, page, hkv, FORMATS[fmt].code_bytes(d)), generator=g, device=DEV,
+                              dtype=torch.int32).to(torch.uint8)
+        scales = torch.rand(pages, page, hkv, d // 32, generator=g, device=DEV).half() * 0.02
+        caches += [codes, scales]
+    tables = torch.randperm(pages, device=DEV, dtype=torch.int32)[None]
+    lens = torch.tensor([ctx], dtype=torch.int32, device=DEV)
+    q = torch.randn(1, 1, hq, d, device=DEV, dtype=torch.float16)
+    out = benchmark(synced(lambda: cuda_kvquant.paged_attention_quant(q, *caches, tables, lens, 1 / math.sqrt(d),
+                                                                      kf, vf)))
+    assert out.shape == q.shape and torch.isfinite(out).all()
+
+
 def test_bench_rms_norm_decode(benchmark, cl):
     x = torch.randn(1, 4096, device=DEV, dtype=torch.float16)
     w = torch.randn(4096, device=DEV, dtype=torch.float16)

@@ -6,7 +6,8 @@
 // Why: the CUDA-core kernel spends ~90 instructions per lane per key (a lane's 8 dims x 4 rows of FMAs, the
 // butterfly across 16 lanes, the score store) and ran the 8B's q8 cache at 32k at 59 us per layer, 1.1 TB/s
 // (H200 call J1 of 2026-12-02), slower than the fp16 cache it reads half the bytes of. Here a warp takes 16 keys
-// per step in ~250 instructions.
+// per step in ~250 instructions: call K1, q8 at 32k 45.8 against 65.5 us per layer, q4 39.2 against 55.3 (each
+// kernel at its best split); 8B decode at 32k 241.7 against 208.8 tok/s (q8), 251.1 against 220.1 (q4).
 //
 // Precision: codes decode exactly into fp16 (integers minus their bias, |c| <= 128; e4m3 values are fp16
 // values). The fp32 operand of each product (q, the probabilities) is split into two fp16 parts, x = hi + lo
@@ -40,8 +41,8 @@ constexpr int kTileRows = 8;  // query rows per CTA: the mma's rows hold them tw
 constexpr int kKeysPerStep = 16;
 
 // L2 prefetches (QAttnParams::prefetch bits; EXL2_ATTN_QUANT_PREFETCH selects them, read once). The scores phase
-// waits on K loads and the output phase on V loads, each with two steps of 16 keys in flight per warp at most
-// (registers): per SM that is well under what covers the DRAM latency at full bandwidth. H200 call K2 of
+// waits on K loads and the output phase on V loads, with at most two steps of 16 keys in flight per warp
+// (registers), so hints that keep the DRAM busy ahead of them were worth a try. H200 call K2 of
 // 2026-12-02 (scripts/attention_sweep.py, 8B attention at 32k, 4 CTAs per SM, us per layer, fp16 / q8 / q4 pages):
 // none 59.8 / 45.8 / 39.0; the first K rows (default) 59.0 / 45.2 / 38.1; with all V rows 66.4 / 50.2 / 42.7;
 // with all K rows too 69.2 / 51.2 / 43.8: the whole-split prefetches only compete with the demand loads.

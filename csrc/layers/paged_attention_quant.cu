@@ -321,8 +321,8 @@ int launch_paged_attention_quant_reduce(const QAttnParams& p, bool rot, int D, i
 // and k_scales / v_scales fp16 [P, S, Hkv, D / 32], contiguous; formats 1 e4m3, 2 int8, 3 int4 (pairs as
 // kv_quant_write); block_tables [B, bt_stride] int32; context_lens [B] int32; out [B, Tq, Hq, D] fp16 contiguous;
 // workspace fp32 of B*Tq*Hq*nsplit*(D+2) floats (unused if nsplit == 1). Row tiles as exl2_paged_attention, at
-// most max_row_tile (4, 8 or 16) rows each; use_mma selects the tensor-core kernel (row tiles of 8,
-// paged_attention_quant_mma.cu).
+// most max_row_tile (4, 8 or 16) rows each; use_mma 1..3 selects the tensor-core kernel (row tiles of 8,
+// paged_attention_quant_mma.cu; its variant use_mma - 1).
 EXL2_API int exl2_paged_attention_quant(const void* q, int64_t q_bs, int64_t q_ts, int64_t q_hs, const void* k_codes,
                                         const void* k_scales, const void* v_codes, const void* v_scales, int k_fmt,
                                         int v_fmt, const int32_t* block_tables, int64_t bt_stride,
@@ -360,6 +360,7 @@ EXL2_API int exl2_paged_attention_quant(const void* q, int64_t q_bs, int64_t q_t
   p.Hkv = (int)Hkv;
   p.G = (int)(Hq / Hkv);
   p.R = (int)(p.G * Tq);
+  EXL2_REQUIRE(use_mma >= 0 && use_mma <= 3, "paged_attention_quant: use_mma %d (0..3)", use_mma);
   EXL2_REQUIRE(max_row_tile == 4 || max_row_tile == 8 || max_row_tile == 16,
                "paged_attention_quant: row tile cap %d (4, 8 or 16)", max_row_tile);
   // The tensor-core kernel takes row tiles of 8 (its mma's 16 rows hold the tile's q in two fp16 parts);
@@ -383,9 +384,10 @@ EXL2_API int exl2_paged_attention_quant(const void* q, int64_t q_bs, int64_t q_t
   int st;
   if (use_mma) {
     st = check_splits(p, qattn_keys_max<8>());
-    if (st == EXL2_OK) st = launch_paged_attention_quant_mma(p, k_fmt, v_fmt, (int)D, (int)B, stream);
+    if (st == EXL2_OK) st = launch_paged_attention_quant_mma(p, k_fmt, v_fmt, (int)D, (int)B, use_mma - 1, stream);
   } else {
-    st = D == 64 ? launch_fmt<64>(p, rt, k_fmt, v_fmt, (int)B, stream) : launch_fmt<128>(p, rt, k_fmt, v_fmt, (int)B, stream);
+    st = D == 64 ? launch_fmt<64>(p, rt, k_fmt, v_fmt, (int)B, stream)
+                 : launch_fmt<128>(p, rt, k_fmt, v_fmt, (int)B, stream);
   }
   if (st != EXL2_OK) return st;
   return launch_paged_attention_quant_reduce(p, v_fmt != kFmtE4M3, (int)D, (int)B, stream);

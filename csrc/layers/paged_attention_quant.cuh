@@ -41,8 +41,10 @@ struct QAttnParams {
 
 // The tensor-core kernel (paged_attention_quant_mma.cu): row tiles of 8 (p.row_tiles set for them), the same
 // splits, partials and reduce as the CUDA-core kernel; launches the attention kernel only.
-// k_fmt / v_fmt: KVFmt codes, kFmtF16 for fp16 pages (ks / vs unused).
-int launch_paged_attention_quant_mma(const QAttnParams& p, int k_fmt, int v_fmt, int D, int B, cudaStream_t stream);
+// k_fmt / v_fmt: KVFmt codes, kFmtF16 for fp16 pages (ks / vs unused). variant 0: two passes (scores into shared
+// memory, then the outputs); 1 / 2: one pass with an online softmax, 1 or 2 steps in flight (measurement builds).
+int launch_paged_attention_quant_mma(const QAttnParams& p, int k_fmt, int v_fmt, int D, int B, int variant,
+                                     cudaStream_t stream);
 // The split combination into p.out (paged_attention_quant.cu; nothing when nsplit == 1); rot: V rotated (int
 // formats) -> the sums are rotated back.
 int launch_paged_attention_quant_reduce(const QAttnParams& p, bool rot, int D, int B, cudaStream_t stream);

@@ -231,156 +231,257 @@ __device__ __forceinline__ RowScales<NG> load_row_scales(const half* p, bool val
   return r;
 }
 
-// U1 / U3: steps of 16 keys in flight per warp in the scores / output phase; MINB: CTAs per SM the registers
-// are bounded for (4: 128 registers).
-template <int D, int KF, int VF, int U1, int U3, int MINB>
-__global__ void __launch_bounds__(kQAttnThreads, MINB) paged_attention_quant_mma_kernel(const QAttnParams p) {
-  constexpr int U = U1;
-  constexpr int NW = kQAttnWarps, RT = kTileRows;
-  constexpr int KM = qattn_keys_max<RT>();
-  constexpr int NG = D / KV_GROUP;
-  constexpr int KBITS = KVFormat<KF>::BITS, VBITS = KVFormat<VF>::BITS;
-  constexpr int KROW = D * KBITS / 8, VROW = D * VBITS / 8;  // code bytes per (slot, kv head)
-  constexpr bool KSCALED = KF != kFmtF16, VSCALED = VF != kFmtF16;  // fp16 pages have no group scales
-  static_assert(NW * RT * D <= RT * KM, "reduction buffer must fit in the score buffer");
+// ---- the steps both kernels share -------------------------------------------------------------------------------
 
-  extern __shared__ float smem[];  // q staging [RT][D]; scores [RT][KM]; cross-warp buffer [NW][RT][D]
-  __shared__ int pages[KM / 16 + 2];
-  __shared__ float row_m[RT], row_l[RT];
+// A warp step of 16 keys [t, t + 16): its K side (the scores) and V side (the outputs).
+template <int KF, int NG>
+struct KStep {
+  KChunk<KF> c[2][NG];    // keys t + nb * 8 + gid, the lane's 8 dims of group g
+  RowScales<NG> s[2][2];  // keys t + nb * 8 + 2 t4 + e
+};
+template <int VF, int NG>
+struct VStep {
+  VChunk<VF> c[4][NG];  // keys t + step_key(i), the lane's 4 dims of group g
+  RowScales<NG> s[4];
+};
 
+// The lane's keys of a step in the output mma's k order: 2t4, 2t4+1, 2t4+8, 2t4+9 (also the keys of its score
+// C fragments, nb * 8 + 2 t4 + e, for i = 2 nb + e).
+__device__ __forceinline__ int step_key(int i, int t4) { return 2 * t4 + (i & 1) + 8 * (i >> 1); }
+
+// The split a CTA attends to and the lane's place in it.
+struct MmaSplit {
+  int split, kvh, b, ctx, start, end, first_page, row0, gid, t4;
+  const int* pages;
+  __device__ __forceinline__ int64_t slot(const QAttnParams& p, int t) const {  // a step never crosses a page
+    return ((int64_t)pages[(t >> p.log2S) - first_page] << p.log2S) | (t & ((1 << p.log2S) - 1));
+  }
+};
+
+// Geometry, pages, L2 prefetch of the first K rows, the PDL wait and q staged into qs [RT][D] (rotated like the
+// keys, unscaled). false: an unused split (or an empty context), whose outputs are already written.
+template <int D, int KF, int RT>
+__device__ __forceinline__ bool mma_split_begin(const QAttnParams& p, MmaSplit& sp, int* pages, float* qs) {
+  constexpr int NG = D / KV_GROUP, KROW = D * KVFormat<KF>::BITS / 8;
+  const int tile = blockIdx.x % p.row_tiles;
+  sp.split = blockIdx.x / p.row_tiles;
+  sp.kvh = blockIdx.y, sp.b = blockIdx.z;
   // PDL: before the wait this kernel reads only what kernels before the previous one wrote (block tables,
   // context lengths: the previous kernel had passed its own wait when this one launched) and only prefetches
   // K/V into L2 (a hint; the newest slot, written by the previous kernel, is read after the wait).
-  const int tile = blockIdx.x % p.row_tiles, split = blockIdx.x / p.row_tiles;
-  const int kvh = blockIdx.y, b = blockIdx.z;
-  const int ctx = qattn_clamp_ctx(p.context_lens[b], p);
-  const int L = qattn_split_len(ctx, p.nsplit, p.min_split);
-  const int start = split * L;
-  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, gid = lane >> 2, t4 = lane & 3;
-  const int row0 = tile * RT;
-  if (start >= ctx) {
+  sp.ctx = qattn_clamp_ctx(p.context_lens[sp.b], p);
+  const int L = qattn_split_len(sp.ctx, p.nsplit, p.min_split);
+  sp.start = sp.split * L;
+  sp.row0 = tile * RT;
+  sp.gid = (threadIdx.x & 31) >> 2, sp.t4 = threadIdx.x & 3;
+  sp.pages = pages;
+  if (sp.start >= sp.ctx) {
     exl2::pdl_wait_and_trigger();
-    qattn_empty_split<D, RT>(p, b, kvh, row0);
-    return;
+    qattn_empty_split<D, RT>(p, sp.b, sp.kvh, sp.row0);
+    return false;
   }
-  const int end = min(start + L, ctx);
-  const int n = end - start;
-  const int first_page = start >> p.log2S;
-  qattn_load_pages(p, b, first_page, ((end - 1) >> p.log2S) - first_page + 1, pages);
+  sp.end = min(sp.start + L, sp.ctx);
+  sp.first_page = sp.start >> p.log2S;
+  qattn_load_pages(p, sp.b, sp.first_page, ((sp.end - 1) >> p.log2S) - sp.first_page + 1, pages);
   __syncthreads();  // pages[]
   if (p.prefetch & (kPrefetchKHead | kPrefetchKAll))
-    prefetch_rows<NG>(p.kc, p.ks, KROW, start, (p.prefetch & kPrefetchKAll) ? end : min(end, start + kPrefetchKeys),
-                      pages, first_page, p.log2S, p.Hkv, kvh);
+    prefetch_rows<NG>(p.kc, p.ks, KROW, sp.start,
+                      (p.prefetch & kPrefetchKAll) ? sp.end : min(sp.end, sp.start + kPrefetchKeys), pages,
+                      sp.first_page, p.log2S, p.Hkv, sp.kvh);
   exl2::pdl_wait_and_trigger();  // inputs come from the previous kernel (PDL launch)
-  qattn_stage_q<D, RT, KVFormat<KF>::ROT>(p, b, kvh, row0, 1.f, smem);  // the scale is applied to the fp32 sums
+  qattn_stage_q<D, RT, KVFormat<KF>::ROT>(p, sp.b, sp.kvh, sp.row0, 1.f, qs);  // the softmax scale comes later
   __syncthreads();
+  return true;
+}
 
-  // A fragments of q for every (group, half): hi for row gid, lo for row gid + 8.
-  uint32_t qa[NG][2][4];
+// A fragments of q for every (group, half) from qs: hi for row gid, lo for row gid + 8.
+template <int D, int KF>
+__device__ __forceinline__ void q_fragments(const float* qs, int gid, int t4, uint32_t (&qa)[D / KV_GROUP][2][4]) {
 #pragma unroll
-  for (int g = 0; g < NG; ++g)
+  for (int g = 0; g < D / KV_GROUP; ++g)
 #pragma unroll
     for (int h = 0; h < 2; ++h)
 #pragma unroll
       for (int i = 0; i < 2; ++i) {  // pair 2h -> a0 / a1, pair 2h + 1 -> a2 / a3
-        const float* qr = smem + gid * D + g * KV_GROUP + t4 * 8;
+        const float* qr = qs + gid * D + g * KV_GROUP + t4 * 8;
         const int pr = 2 * h + i;
         split_f16x2(qr[kpair_dim<KF>(pr, 0)], qr[kpair_dim<KF>(pr, 1)], qa[g][h][2 * i], qa[g][h][2 * i + 1]);
       }
-  const int row = row0 + gid;
-  const int own_lim = row < p.R ? ctx - p.Tq + row / p.G : -1;  // last key row gid may see (causal); none past R
-  __syncthreads();  // q staging read: smem becomes the score buffer
+}
 
-  const int S_mask = (1 << p.log2S) - 1;
-  auto slot_of = [&](int t) -> int64_t {  // cache slot of key t (a 16-key step never crosses a page)
-    return ((int64_t)pages[(t >> p.log2S) - first_page] << p.log2S) | (t & S_mask);
-  };
-
-  if (p.prefetch & kPrefetchV) prefetch_rows<NG>(p.vc, p.vs, VROW, start, end, pages, first_page, p.log2S, p.Hkv, kvh);
-
-  // ---- phase 1: scores, U steps of 16 keys in flight per warp ----
-  for (int t0 = start + warp * kKeysPerStep; t0 < end; t0 += NW * kKeysPerStep * U) {
-    KChunk<KF> kc[U][2][NG];    // keys t + nb * 8 + gid
-    RowScales<NG> ksc[U][2][2];  // keys t + nb * 8 + 2 t4 + e
+// The K side of the step at key t (slot `base`): codes of keys t + nb * 8 + gid, scales of the lane's score keys.
+template <int D, int KF>
+__device__ __forceinline__ void load_k_step(KStep<KF, D / KV_GROUP>& k, const QAttnParams& p, const MmaSplit& sp,
+                                            int t, int64_t base) {
+  constexpr int NG = D / KV_GROUP, KBITS = KVFormat<KF>::BITS, KROW = D * KBITS / 8;
 #pragma unroll
-    for (int u = 0; u < U; ++u) {
-      const int t = t0 + u * NW * kKeysPerStep;
-      const int64_t base = t < end ? slot_of(t) : 0;
+  for (int nb = 0; nb < 2; ++nb) {
+    const int key = t + nb * 8 + sp.gid;
+    const uint8_t* row_p = p.kc + ((base + nb * 8 + sp.gid) * p.Hkv + sp.kvh) * KROW;
 #pragma unroll
-      for (int nb = 0; nb < 2; ++nb) {
-        const int key = t + nb * 8 + gid;
-        const uint8_t* row_p = p.kc + ((base + nb * 8 + gid) * p.Hkv + kvh) * KROW;
+    for (int g = 0; g < NG; ++g)
+      k.c[nb][g] = load_k_chunk<KF>(row_p + (g * KV_GROUP + sp.t4 * 8) * KBITS / 8, key < sp.end);
 #pragma unroll
-        for (int g = 0; g < NG; ++g)
-          kc[u][nb][g] = load_k_chunk<KF>(row_p + (g * KV_GROUP + t4 * 8) * KBITS / 8, key < end);
-#pragma unroll
-        for (int e = 0; e < 2; ++e) {
-          const int ke = nb * 8 + 2 * t4 + e;
-          if constexpr (KSCALED)
-            ksc[u][nb][e] = load_row_scales<NG>(p.ks + ((base + ke) * p.Hkv + kvh) * NG, t + ke < end);
-        }
-      }
+    for (int e = 0; e < 2; ++e) {
+      const int ke = nb * 8 + 2 * sp.t4 + e;
+      if constexpr (KF != kFmtF16)
+        k.s[nb][e] = load_row_scales<NG>(p.ks + ((base + ke) * p.Hkv + sp.kvh) * NG, t + ke < sp.end);
     }
+  }
+}
+
+// The V side of the step at key t (slot `base`): codes and scales of the lane's keys t + step_key(i).
+template <int D, int VF>
+__device__ __forceinline__ void load_v_step(VStep<VF, D / KV_GROUP>& v, const QAttnParams& p, const MmaSplit& sp,
+                                            int t, int64_t base) {
+  constexpr int NG = D / KV_GROUP, VBITS = KVFormat<VF>::BITS, VROW = D * VBITS / 8;
 #pragma unroll
-    for (int u = 0; u < U; ++u) {
-      const int t = t0 + u * NW * kKeysPerStep;
-      if (t >= end) break;
+  for (int i = 0; i < 4; ++i) {
+    const bool valid = t + step_key(i, sp.t4) < sp.end;
+    const int64_t ri = (base + step_key(i, sp.t4)) * p.Hkv + sp.kvh;
 #pragma unroll
-      for (int nb = 0; nb < 2; ++nb) {
-        float s[2] = {0.f, 0.f};
+    for (int g = 0; g < NG; ++g)
+      v.c[i][g] = load_v_chunk<VF>(p.vc + ri * VROW + (g * KV_GROUP + sp.gid * 4) * VBITS / 8, valid);
+    if constexpr (VF != kFmtF16) v.s[i] = load_row_scales<NG>(p.vs + ri * NG, valid);
+  }
+}
+
+// Scores of row gid for the lane's keys nb * 8 + 2 t4 + e (before the softmax scale and the mask).
+template <int KF, int NG>
+__device__ __forceinline__ void step_scores(const uint32_t (&qa)[NG][2][4], const KStep<KF, NG>& k,
+                                            float (&s)[2][2]) {
 #pragma unroll
-        for (int g = 0; g < NG; ++g) {
-          float c[4] = {0.f, 0.f, 0.f, 0.f};
+  for (int nb = 0; nb < 2; ++nb) {
+    s[nb][0] = s[nb][1] = 0.f;
 #pragma unroll
-          for (int h = 0; h < 2; ++h)
-            mma16816(c, qa[g][h][0], qa[g][h][1], qa[g][h][2], qa[g][h][3], k_pair<KF>(kc[u][nb][g], 2 * h),
-                     k_pair<KF>(kc[u][nb][g], 2 * h + 1));
+    for (int g = 0; g < NG; ++g) {
+      float c[4] = {0.f, 0.f, 0.f, 0.f};
 #pragma unroll
-          for (int e = 0; e < 2; ++e) {  // hi + lo rows
-            if constexpr (KSCALED) s[e] = fmaf(ksc[u][nb][e].s(g), c[e] + c[2 + e], s[e]);
-            else s[e] += c[e] + c[2 + e];
-          }
-        }
+      for (int h = 0; h < 2; ++h)
+        mma16816(c, qa[g][h][0], qa[g][h][1], qa[g][h][2], qa[g][h][3], k_pair<KF>(k.c[nb][g], 2 * h),
+                 k_pair<KF>(k.c[nb][g], 2 * h + 1));
 #pragma unroll
-        for (int e = 0; e < 2; ++e) {
-          const int key = t + nb * 8 + 2 * t4 + e;
-          if (key < end) smem[gid * KM + (key - start)] = key <= own_lim ? s[e] * p.scale_log2 : -INFINITY;
-        }
+      for (int e = 0; e < 2; ++e) {  // hi + lo rows
+        if constexpr (KF != kFmtF16) s[nb][e] = fmaf(k.s[nb][e].s(g), c[e] + c[2 + e], s[nb][e]);
+        else s[nb][e] += c[e] + c[2 + e];
       }
     }
   }
-  __syncthreads();
+}
 
-  qattn_softmax<RT, KM>(smem, n, row_m, row_l);
-  __syncthreads();
+// acc += p v for the step: a = the probabilities of the lane's keys (step_key order) as hi / lo A fragments.
+template <int VF, int NG>
+__device__ __forceinline__ void step_outputs(float (&acc)[NG][4][4], const uint32_t (&a)[4], const VStep<VF, NG>& v) {
+#pragma unroll
+  for (int g = 0; g < NG; ++g) {
+    uint32_t b0[4], b1[4];
+    v_pairs<VF>(v.c[0][g], v.c[1][g], b0);
+    v_pairs<VF>(v.c[2][g], v.c[3][g], b1);
+    if constexpr (VF != kFmtF16) {
+      const __half2 s0 = scale_pair(v.s[0], v.s[1], g), s1 = scale_pair(v.s[2], v.s[3], g);
+#pragma unroll
+      for (int j = 0; j < 4; ++j) {
+        b0[j] = h2_bits(__hmul2(bits_h2(b0[j]), s0));
+        b1[j] = h2_bits(__hmul2(bits_h2(b1[j]), s1));
+      }
+    }
+#pragma unroll
+    for (int j = 0; j < 4; ++j) mma16816(acc[g][j], a[0], a[1], a[2], a[3], b0[j], b1[j]);
+  }
+}
 
-  // ---- phase 3: o = sum p * vs * v per group ----
-  float acc[NG][4][4];
+// The warp's outputs of row gid into red [NW][RT][D], times `scale`: c0 / c1 (hi rows) + c2 / c3 (lo rows) are
+// dims g*32 + (2 t4 + e)*4 + j.
+template <int D, int RT>
+__device__ __forceinline__ void store_warp_rows(float* red, const float (&acc)[D / KV_GROUP][4][4], int warp, int gid,
+                                                int t4, float scale) {
+#pragma unroll
+  for (int g = 0; g < D / KV_GROUP; ++g)
+#pragma unroll
+    for (int j = 0; j < 4; ++j)
+#pragma unroll
+      for (int e = 0; e < 2; ++e)
+        red[(warp * RT + gid) * D + g * KV_GROUP + (2 * t4 + e) * 4 + j] = (acc[g][j][e] + acc[g][j][2 + e]) * scale;
+}
+
+template <int NG>
+__device__ __forceinline__ void zero_acc(float (&acc)[NG][4][4]) {
 #pragma unroll
   for (int g = 0; g < NG; ++g)
 #pragma unroll
     for (int j = 0; j < 4; ++j)
 #pragma unroll
       for (int i = 0; i < 4; ++i) acc[g][j][i] = 0.f;
-  const int kk[4] = {2 * t4, 2 * t4 + 1, 2 * t4 + 8, 2 * t4 + 9};  // this lane's keys of the 16 (k index order)
+}
+
+// ---- two passes: all scores of the split into shared memory, the softmax statistics, then the outputs ----------
+
+// U1 / U3: steps of 16 keys in flight per warp in the scores / output phase; MINB: CTAs per SM the registers
+// are bounded for (4: 128 registers).
+template <int D, int KF, int VF, int U1, int U3, int MINB>
+__global__ void __launch_bounds__(kQAttnThreads, MINB) paged_attention_quant_mma_kernel(const QAttnParams p) {
+  constexpr int NW = kQAttnWarps, RT = kTileRows;
+  constexpr int KM = qattn_keys_max<RT>();
+  constexpr int NG = D / KV_GROUP;
+  constexpr int VROW = D * KVFormat<VF>::BITS / 8;
+  static_assert(NW * RT * D <= RT * KM, "reduction buffer must fit in the score buffer");
+
+  extern __shared__ float smem[];  // q staging [RT][D]; scores [RT][KM]; cross-warp buffer [NW][RT][D]
+  __shared__ int pages[KM / 16 + 2];
+  __shared__ float row_m[RT], row_l[RT];
+  MmaSplit sp;
+  if (!mma_split_begin<D, KF, RT>(p, sp, pages, smem)) return;
+  const int warp = threadIdx.x >> 5, gid = sp.gid, t4 = sp.t4, start = sp.start, end = sp.end;
+  uint32_t qa[NG][2][4];
+  q_fragments<D, KF>(smem, gid, t4, qa);
+  const int row = sp.row0 + gid;
+  const int own_lim = row < p.R ? sp.ctx - p.Tq + row / p.G : -1;  // last key row gid may see (causal); none past R
+  __syncthreads();  // q staging read: smem becomes the score buffer
+
+  if (p.prefetch & kPrefetchV)
+    prefetch_rows<NG>(p.vc, p.vs, VROW, start, end, pages, sp.first_page, p.log2S, p.Hkv, sp.kvh);
+
+  // ---- phase 1: scores, U1 steps of 16 keys in flight per warp ----
+  for (int t0 = start + warp * kKeysPerStep; t0 < end; t0 += NW * kKeysPerStep * U1) {
+    KStep<KF, NG> ks[U1];
+#pragma unroll
+    for (int u = 0; u < U1; ++u) {
+      const int t = t0 + u * NW * kKeysPerStep;
+      load_k_step<D, KF>(ks[u], p, sp, t, t < end ? sp.slot(p, t) : 0);
+    }
+#pragma unroll
+    for (int u = 0; u < U1; ++u) {
+      const int t = t0 + u * NW * kKeysPerStep;
+      if (t >= end) break;
+      float s[2][2];
+      step_scores<KF, NG>(qa, ks[u], s);
+#pragma unroll
+      for (int nb = 0; nb < 2; ++nb)
+#pragma unroll
+        for (int e = 0; e < 2; ++e) {
+          const int key = t + nb * 8 + 2 * t4 + e;
+          if (key < end) smem[gid * KM + (key - start)] = key <= own_lim ? s[nb][e] * p.scale_log2 : -INFINITY;
+        }
+    }
+  }
+  __syncthreads();
+
+  qattn_softmax<RT, KM>(smem, end - start, row_m, row_l);
+  __syncthreads();
+
+  // ---- phase 3: o = sum p * vs * v per group, U3 steps in flight ----
+  float acc[NG][4][4];
+  zero_acc(acc);
   for (int t0 = start + warp * kKeysPerStep; t0 < end; t0 += NW * kKeysPerStep * U3) {
-    VChunk<VF> vw[U3][4][NG];
-    RowScales<NG> vsc[U3][4];
+    VStep<VF, NG> vs[U3];
     float pk[U3][4];
 #pragma unroll
     for (int u = 0; u < U3; ++u) {
       const int t = t0 + u * NW * kKeysPerStep;
-      const int64_t base = t < end ? slot_of(t) : 0;
+      load_v_step<D, VF>(vs[u], p, sp, t, t < end ? sp.slot(p, t) : 0);
 #pragma unroll
-      for (int i = 0; i < 4; ++i) {
-        const bool valid = t + kk[i] < end;
-        const int64_t ri = (base + kk[i]) * p.Hkv + kvh;
-#pragma unroll
-        for (int g = 0; g < NG; ++g)
-          vw[u][i][g] = load_v_chunk<VF>(p.vc + ri * VROW + (g * KV_GROUP + gid * 4) * VBITS / 8, valid);
-        if constexpr (VSCALED) vsc[u][i] = load_row_scales<NG>(p.vs + ri * NG, valid);
-        pk[u][i] = valid ? smem[gid * KM + (t - start) + kk[i]] : 0.f;  // stale scores past the split's keys
-      }
+      for (int i = 0; i < 4; ++i)  // stale scores past the split's keys: zeros
+        pk[u][i] = t + step_key(i, t4) < end ? smem[gid * KM + (t - start) + step_key(i, t4)] : 0.f;
     }
 #pragma unroll
     for (int u = 0; u < U3; ++u) {
@@ -388,43 +489,126 @@ __global__ void __launch_bounds__(kQAttnThreads, MINB) paged_attention_quant_mma
       uint32_t a[4];  // a0 / a1: p of keys 2t4, 2t4+1 (hi, lo); a2 / a3: keys 2t4+8, 2t4+9
       split_f16x2(pk[u][0], pk[u][1], a[0], a[1]);
       split_f16x2(pk[u][2], pk[u][3], a[2], a[3]);
-#pragma unroll
-      for (int g = 0; g < NG; ++g) {
-        uint32_t b0[4], b1[4];
-        v_pairs<VF>(vw[u][0][g], vw[u][1][g], b0);
-        v_pairs<VF>(vw[u][2][g], vw[u][3][g], b1);
-        if constexpr (VSCALED) {
-          const __half2 s0 = scale_pair(vsc[u][0], vsc[u][1], g), s1 = scale_pair(vsc[u][2], vsc[u][3], g);
-#pragma unroll
-          for (int j = 0; j < 4; ++j) {
-            b0[j] = h2_bits(__hmul2(bits_h2(b0[j]), s0));
-            b1[j] = h2_bits(__hmul2(bits_h2(b1[j]), s1));
-          }
-        }
-#pragma unroll
-        for (int j = 0; j < 4; ++j) mma16816(acc[g][j], a[0], a[1], a[2], a[3], b0[j], b1[j]);
-      }
+      step_outputs<VF, NG>(acc, a, vs[u]);
     }
   }
   __syncthreads();  // done reading probabilities: reuse smem
-  float* red = smem;  // [NW][RT][D]
-#pragma unroll
-  for (int g = 0; g < NG; ++g)
-#pragma unroll
-    for (int j = 0; j < 4; ++j)
-#pragma unroll
-      for (int e = 0; e < 2; ++e)  // c0 / c1 (hi rows) + c2 / c3 (lo rows): dim g*32 + (2 t4 + e)*4 + j of row gid
-        red[(warp * RT + gid) * D + g * KV_GROUP + (2 * t4 + e) * 4 + j] = acc[g][j][e] + acc[g][j][2 + e];
+  store_warp_rows<D, RT>(smem, acc, warp, gid, t4, 1.f);
   __syncthreads();
-  qattn_write_rows<D, RT, KVFormat<VF>::ROT>(p, red, row_m, row_l, b, kvh, row0, split);
+  qattn_write_rows<D, RT, KVFormat<VF>::ROT>(p, smem, row_m, row_l, sp.b, sp.kvh, sp.row0, sp.split);
+}
+
+// ---- one pass (online softmax): each step's scores feed its outputs in registers ---------------------------------
+// The score C fragments of a step are, lane for lane, the probabilities' A fragments of its output mma (keys
+// nb * 8 + 2 t4 + e): no score buffer, and each step's K and V loads are in flight together, where the two-pass
+// kernel waits on the K loads of all its steps, then on the V loads. A row's running max and sum live in the four
+// lanes of its gid; the accumulator is rescaled when the max grows. A measurement build
+// (EXL2_BACKEND_ATTN_MMA_ONLINE=1 in ops/cuda_kvquant.py) until it has run on the GPU.
+template <int D, int KF, int VF, int U, int MINB>
+__global__ void __launch_bounds__(kQAttnThreads, MINB) paged_attention_quant_mma_online_kernel(const QAttnParams p) {
+  constexpr int NW = kQAttnWarps, RT = kTileRows;
+  constexpr int NG = D / KV_GROUP;
+
+  extern __shared__ float smem[];  // q staging [RT][D]; cross-warp buffer [NW][RT][D]
+  __shared__ int pages[qattn_keys_max<RT>() / 16 + 2];
+  __shared__ float row_m[RT], row_l[RT], warp_m[NW][RT], warp_l[NW][RT];
+  MmaSplit sp;
+  if (!mma_split_begin<D, KF, RT>(p, sp, pages, smem)) return;
+  const int warp = threadIdx.x >> 5, gid = sp.gid, t4 = sp.t4, end = sp.end;
+  uint32_t qa[NG][2][4];
+  q_fragments<D, KF>(smem, gid, t4, qa);
+  const int row = sp.row0 + gid;
+  const int own_lim = row < p.R ? sp.ctx - p.Tq + row / p.G : -1;  // last key row gid may see (causal); none past R
+
+  float m_run = -INFINITY, l_run = 0.f;  // row gid, log2 domain; l_run: this lane's keys only
+  float acc[NG][4][4];
+  zero_acc(acc);
+  for (int t0 = sp.start + warp * kKeysPerStep; t0 < end; t0 += NW * kKeysPerStep * U) {
+    KStep<KF, NG> ks[U];
+    VStep<VF, NG> vs[U];
+#pragma unroll
+    for (int u = 0; u < U; ++u) {
+      const int t = t0 + u * NW * kKeysPerStep;
+      const int64_t base = t < end ? sp.slot(p, t) : 0;
+      load_k_step<D, KF>(ks[u], p, sp, t, base);
+      load_v_step<D, VF>(vs[u], p, sp, t, base);
+    }
+#pragma unroll
+    for (int u = 0; u < U; ++u) {
+      const int t = t0 + u * NW * kKeysPerStep;
+      if (t >= end) break;
+      float s[2][2];
+      step_scores<KF, NG>(qa, ks[u], s);
+      float mx = -INFINITY;
+#pragma unroll
+      for (int nb = 0; nb < 2; ++nb)
+#pragma unroll
+        for (int e = 0; e < 2; ++e) {
+          const int key = t + nb * 8 + 2 * t4 + e;
+          s[nb][e] = key < end && key <= own_lim ? s[nb][e] * p.scale_log2 : -INFINITY;
+          mx = fmaxf(mx, s[nb][e]);
+        }
+      mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
+      mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+      const float m_new = fmaxf(m_run, mx);
+      const float mu = m_new == -INFINITY ? 0.f : m_new;  // a fully masked row so far: all p = 0, no NaN
+      const float alpha = exp2f(m_run - mu);              // 0 while m_run is -inf
+      float pk[4];
+#pragma unroll
+      for (int i = 0; i < 4; ++i) pk[i] = exp2f(s[i >> 1][i & 1] - mu);
+      l_run = l_run * alpha + ((pk[0] + pk[1]) + (pk[2] + pk[3]));
+      m_run = m_new;
+#pragma unroll
+      for (int g = 0; g < NG; ++g)
+#pragma unroll
+        for (int j = 0; j < 4; ++j)
+#pragma unroll
+          for (int i = 0; i < 4; ++i) acc[g][j][i] *= alpha;
+      uint32_t a[4];
+      split_f16x2(pk[0], pk[1], a[0], a[1]);
+      split_f16x2(pk[2], pk[3], a[2], a[3]);
+      step_outputs<VF, NG>(acc, a, vs[u]);
+    }
+  }
+  l_run += __shfl_xor_sync(0xffffffffu, l_run, 1);
+  l_run += __shfl_xor_sync(0xffffffffu, l_run, 2);
+  if (t4 == 0) {
+    warp_m[warp][gid] = m_run;
+    warp_l[warp][gid] = l_run;
+  }
+  __syncthreads();  // warp statistics; q staging read: smem becomes the cross-warp buffer
+  float mc = -INFINITY;
+#pragma unroll
+  for (int w = 0; w < NW; ++w) mc = fmaxf(mc, warp_m[w][gid]);
+  const float muc = mc == -INFINITY ? 0.f : mc;
+  store_warp_rows<D, RT>(smem, acc, warp, gid, t4, exp2f(m_run - muc));
+  if (warp == 0 && t4 == 0) {
+    float l = 0.f;
+#pragma unroll
+    for (int w = 0; w < NW; ++w) l += warp_l[w][gid] * exp2f(warp_m[w][gid] - muc);
+    row_m[gid] = mc;
+    row_l[gid] = l;
+  }
+  __syncthreads();
+  qattn_write_rows<D, RT, KVFormat<VF>::ROT>(p, smem, row_m, row_l, sp.b, sp.kvh, sp.row0, sp.split);
 }
 
 template <int D, int KF, int VF>
-int launch(const QAttnParams& p, int B, cudaStream_t stream) {
+int launch(const QAttnParams& p, int B, int variant, cudaStream_t stream) {
   const dim3 grid((unsigned)(p.row_tiles * p.nsplit), (unsigned)p.Hkv, (unsigned)B);
-  const size_t smem = sizeof(float) * kTileRows * qattn_keys_max<kTileRows>();
   QAttnParams q = p;
   q.prefetch = prefetch_mode();
+  if (variant > 0) {  // one pass: U = 1 (168 registers, 3 CTAs per SM) or 2 (2 per SM)
+    const size_t smem = sizeof(float) * kQAttnWarps * kTileRows * D;
+    if (variant == 1)
+      exl2::launch_kernel(paged_attention_quant_mma_online_kernel<D, KF, VF, 1, 3>, grid, kQAttnThreads, smem, stream,
+                          q);
+    else
+      exl2::launch_kernel(paged_attention_quant_mma_online_kernel<D, KF, VF, 2, 2>, grid, kQAttnThreads, smem, stream,
+                          q);
+    return check_launch("paged_attention_quant (mma, one pass)");
+  }
+  const size_t smem = sizeof(float) * kTileRows * qattn_keys_max<kTileRows>();
   // Two steps of 16 keys in flight per warp in the scores phase (one for fp16 pages: the same bytes; two spill)
   // and one in the output phase, 128 registers. EXL2_ATTN_QUANT_MMA_DEEP=1 (a measurement build): twice those,
   // 168 registers, 3 CTAs per SM. H200 call K4 of 2026-12-02 measured it at 55.2 against 43.4 us per layer (q8 at
@@ -440,20 +624,22 @@ int launch(const QAttnParams& p, int B, cudaStream_t stream) {
 }
 
 template <int D>
-int launch_fmt(const QAttnParams& p, int kf, int vf, int B, cudaStream_t stream) {
-  if (kf == kFmtF16 && vf == kFmtF16) return launch<D, kFmtF16, kFmtF16>(p, B, stream);
-  if (kf == kFmtE4M3 && vf == kFmtE4M3) return launch<D, kFmtE4M3, kFmtE4M3>(p, B, stream);
-  if (kf == kFmtI8 && vf == kFmtI8) return launch<D, kFmtI8, kFmtI8>(p, B, stream);
-  if (kf == kFmtI8 && vf == kFmtI4) return launch<D, kFmtI8, kFmtI4>(p, B, stream);
-  if (kf == kFmtI4 && vf == kFmtI4) return launch<D, kFmtI4, kFmtI4>(p, B, stream);
+int launch_fmt(const QAttnParams& p, int kf, int vf, int B, int variant, cudaStream_t stream) {
+  if (kf == kFmtF16 && vf == kFmtF16) return launch<D, kFmtF16, kFmtF16>(p, B, variant, stream);
+  if (kf == kFmtE4M3 && vf == kFmtE4M3) return launch<D, kFmtE4M3, kFmtE4M3>(p, B, variant, stream);
+  if (kf == kFmtI8 && vf == kFmtI8) return launch<D, kFmtI8, kFmtI8>(p, B, variant, stream);
+  if (kf == kFmtI8 && vf == kFmtI4) return launch<D, kFmtI8, kFmtI4>(p, B, variant, stream);
+  if (kf == kFmtI4 && vf == kFmtI4) return launch<D, kFmtI4, kFmtI4>(p, B, variant, stream);
   return set_error(EXL2_ERR_UNSUPPORTED, "paged_attention_quant (mma): format pair (%d, %d) not built", kf, vf);
 }
 
 }  // namespace
 
-int launch_paged_attention_quant_mma(const QAttnParams& p, int k_fmt, int v_fmt, int D, int B, cudaStream_t stream) {
-  if (D == 64) return launch_fmt<64>(p, k_fmt, v_fmt, B, stream);
-  if (D == 128) return launch_fmt<128>(p, k_fmt, v_fmt, B, stream);
+int launch_paged_attention_quant_mma(const QAttnParams& p, int k_fmt, int v_fmt, int D, int B, int variant,
+                                     cudaStream_t stream) {
+  EXL2_REQUIRE(variant >= 0 && variant <= 2, "paged_attention_quant (mma): variant %d (0..2)", variant);
+  if (D == 64) return launch_fmt<64>(p, k_fmt, v_fmt, B, variant, stream);
+  if (D == 128) return launch_fmt<128>(p, k_fmt, v_fmt, B, variant, stream);
   return set_error(EXL2_ERR_INVALID_ARGUMENT, "paged_attention_quant (mma): head_dim %d", D);
 }
 

@@ -23,6 +23,7 @@ import torch
 from exl2_backend.cache.kv_types import FORMATS, GROUP
 from exl2_backend.ops import cuda_layers, library, reference_kvquant
 from exl2_backend.ops.cuda_layers import (
+    _ATTN_CTAS_ENV,
     _ATTN_CTAS_PER_SM,
     _ATTN_MIN_SPLIT,
     _DTYPE_CODES,
@@ -63,11 +64,13 @@ ATTN_QUANT_MMA = os.environ.get("EXL2_BACKEND_ATTN_QUANT_MMA", "1") != "0"
 
 
 def quant_attention_ctas(k_fmt: str, v_fmt: str) -> int:
-    """CTAs per SM the automatic split aims at: the tensor-core kernel 4 (128 registers); in the CUDA-core kernel
+    """CTAs per SM the automatic split aims at: the tensor-core kernel 4 (128 registers; its one-pass variants 3 /
+    2, unless EXL2_BACKEND_ATTN_CTAS_PER_SM sets it); in the CUDA-core kernel
     8-bit codes in either cache run the 80-register variant (6 resident per SM), 4-bit ones the 128-register one
     (4); see cuda_layers.ATTN_CTAS_PER_SM_8BIT."""
     if ATTN_QUANT_MMA:
-        return _ATTN_CTAS_PER_SM
+        online = cuda_layers.ATTN_MMA_ONLINE
+        return _ATTN_CTAS_PER_SM if _ATTN_CTAS_ENV or not online else 4 - online
     return ATTN_CTAS_PER_SM_8BIT if {"int8", "e4m3"} & {k_fmt, v_fmt} else _ATTN_CTAS_PER_SM
 
 
@@ -240,7 +243,8 @@ def paged_attention_quant(q: torch.Tensor, k_codes: torch.Tensor, k_scales: torc
               k_scales.data_ptr(), v_codes.data_ptr(), v_scales.data_ptr(), FORMATS[k_fmt].abi, FORMATS[v_fmt].abi,
               tables.data_ptr(), tables.stride(0), lens.data_ptr(), out.data_ptr(),
               ws.data_ptr() if ws is not None else None, b, tq, hq, hkv, d, p, s, max_pages, nsplit, _ATTN_MIN_SPLIT,
-              float(scale), cuda_layers.ATTN_MAX_ROW_TILE, int(ATTN_QUANT_MMA), _stream(q))
+              float(scale), cuda_layers.ATTN_MAX_ROW_TILE,
+              cuda_layers.attn_mma_variant_code() if ATTN_QUANT_MMA else 0, _stream(q))
     return out
 
 

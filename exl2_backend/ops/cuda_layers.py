@@ -117,14 +117,28 @@ ATTN_FP16_MMA: bool | None = None if _FP16_MMA_ENV == "auto" else _FP16_MMA_ENV 
 ATTN_FP16_MMA_MIN_ROWS = 16
 
 
+# The tensor-core kernel's one-pass variant (online softmax, no score buffer; 1: one step of 16 keys in flight
+# per warp, 168 registers, 3 CTAs per SM; 2: two steps, 2 CTAs per SM) for fp16 and quantized pages alike; 0: the
+# two-pass kernel. EXL2_BACKEND_ATTN_MMA_ONLINE; a measurement build until it has run on the GPU.
+ATTN_MMA_ONLINE = int(os.environ.get("EXL2_BACKEND_ATTN_MMA_ONLINE", "0"))
+if ATTN_MMA_ONLINE not in (0, 1, 2):
+    raise ValueError(f"EXL2_BACKEND_ATTN_MMA_ONLINE must be 0, 1 or 2, got {ATTN_MMA_ONLINE}")
+
+
 def _attn_fp16_mma(rows: int) -> bool:
     return ATTN_FP16_MMA if ATTN_FP16_MMA is not None else rows >= ATTN_FP16_MMA_MIN_ROWS
 
 
+def attn_mma_variant_code() -> int:
+    """The C ABI's code of the tensor-core kernel in use: 1 two passes, 2 / 3 one pass (ATTN_MMA_ONLINE 1 / 2)."""
+    return 1 + ATTN_MMA_ONLINE
+
+
 def _attn_flags(rows: int = 1) -> int:
     """The kernel's flags for `rows` query rows per kv head: deeper unroll (bit 0), the row tile cap (bits 1-2:
-    16 >> code), the tensor-core kernel (bit 3)."""
-    return _ATTN_FLAGS | {16: 0, 8: 1, 4: 2}[ATTN_MAX_ROW_TILE] << 1 | (8 if _attn_fp16_mma(rows) else 0)
+    16 >> code), the tensor-core kernel (bits 3-4: attn_mma_variant_code(), 0 for the CUDA-core kernel)."""
+    mma = attn_mma_variant_code() if _attn_fp16_mma(rows) else 0
+    return _ATTN_FLAGS | {16: 0, 8: 1, 4: 2}[ATTN_MAX_ROW_TILE] << 1 | mma << 3
 
 
 def _attn_keys_max(row_tile: int) -> int:

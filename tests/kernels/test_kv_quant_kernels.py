@@ -125,10 +125,14 @@ def test_write_many_tokens_prefill_chunk():
 # --- attention ------------------------------------------------------------------------------------------------
 
 
-@pytest.fixture(params=["mma", "cuda_core"])
+@pytest.fixture(params=["mma", "mma_online", "cuda_core"])
 def attn_kernel(request, monkeypatch):
-    """Both attention kernels: the tensor-core one (row tiles of 8, the default) and the CUDA-core one."""
-    monkeypatch.setattr(kq(), "ATTN_QUANT_MMA", request.param == "mma")
+    """Every attention kernel: the tensor-core one (row tiles of 8, the default), its one-pass variant
+    (cuda_layers.ATTN_MMA_ONLINE, a measurement build) and the CUDA-core one."""
+    from exl2_backend.ops import cuda_layers
+
+    monkeypatch.setattr(kq(), "ATTN_QUANT_MMA", request.param != "cuda_core")
+    monkeypatch.setattr(cuda_layers, "ATTN_MMA_ONLINE", 1 if request.param == "mma_online" else 0)
     return request.param
 
 
@@ -260,17 +264,21 @@ def test_magnitudes_far_from_one(kf, vf, mag):
 
 
 def test_kernels_agree_closely(monkeypatch):
-    """The tensor-core kernel (fp16 operands split in two parts) against the CUDA-core kernel (fp32): the same
-    function of the codes to well within fp16 output rounding."""
+    """The tensor-core kernel (fp16 operands split in two parts; two passes or one with an online softmax) against
+    the CUDA-core kernel (fp32): the same function of the codes to well within fp16 output rounding."""
+    from exl2_backend.ops import cuda_layers
+
     for kf, vf in PAIRS:
         caches, tables, ctx = build([5000, 33, 1200], 8, 128, 64, kf, vf, seed=6)
         q = torch.randn(3, 2, 32, 128, device=DEV).half()
-        outs = []
-        for mma in (True, False):
-            monkeypatch.setattr(kq(), "ATTN_QUANT_MMA", mma)
-            outs.append(kq().paged_attention_quant(q, *caches, tables, ctx, 0.09, kf, vf).float())
-        err = (outs[0] - outs[1]).abs().max().item()
-        assert err <= 2e-3 * outs[1].abs().max().item(), (kf, vf, err)
+        monkeypatch.setattr(kq(), "ATTN_QUANT_MMA", False)
+        want = kq().paged_attention_quant(q, *caches, tables, ctx, 0.09, kf, vf).float()
+        monkeypatch.setattr(kq(), "ATTN_QUANT_MMA", True)
+        for online in (0, 1, 2):  # two passes; one pass with 1 or 2 steps in flight
+            monkeypatch.setattr(cuda_layers, "ATTN_MMA_ONLINE", online)
+            out = kq().paged_attention_quant(q, *caches, tables, ctx, 0.09, kf, vf).float()
+            err = (out - want).abs().max().item()
+            assert err <= 2e-3 * want.abs().max().item(), (kf, vf, online, err)
 
 
 @pytest.mark.usefixtures("attn_kernel")

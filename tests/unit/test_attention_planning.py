@@ -24,9 +24,21 @@ def test_row_tile_is_the_natural_tile_up_to_the_cap(monkeypatch, rows, natural, 
                                               (True, 4, True), (False, 36, False)])
 def test_fp16_pages_take_the_tensor_core_kernel_from_16_rows(monkeypatch, setting, rows, mma):
     """Decode (4 rows per kv head at GQA 4) stays on the CUDA-core kernel, verify steps of k >= 3 take the
-    tensor-core one (flags bit 3), unless EXL2_BACKEND_ATTN_FP16_MMA forces either."""
+    tensor-core one (flags bits 3-4), unless EXL2_BACKEND_ATTN_FP16_MMA forces either."""
     monkeypatch.setattr(cuda_layers, "ATTN_FP16_MMA", setting)
-    assert bool(cuda_layers._attn_flags(rows) & 8) == mma
+    monkeypatch.setattr(cuda_layers, "ATTN_MMA_ONLINE", 0)
+    assert (cuda_layers._attn_flags(rows) >> 3 & 3) == (1 if mma else 0)
+
+
+@pytest.mark.parametrize("online,code,ctas", [(0, 1, 4), (1, 2, 3), (2, 3, 2)])
+def test_one_pass_variants_have_their_codes_and_cta_targets(monkeypatch, online, code, ctas):
+    monkeypatch.setattr(cuda_layers, "ATTN_MMA_ONLINE", online)
+    monkeypatch.setattr(cuda_layers, "ATTN_FP16_MMA", True)
+    monkeypatch.setattr(cuda_kvquant, "ATTN_QUANT_MMA", True)
+    monkeypatch.setattr(cuda_kvquant, "_ATTN_CTAS_ENV", None)
+    assert cuda_layers.attn_mma_variant_code() == code
+    assert (cuda_layers._attn_flags(4) >> 3 & 3) == code
+    assert cuda_kvquant.quant_attention_ctas("int8", "int8") == ctas
 
 
 @pytest.mark.parametrize("ctx", [64, 1024, 4096, 32768, 131072])
@@ -64,6 +76,7 @@ def test_8bit_cache_formats_aim_at_more_ctas_per_sm_in_the_cuda_core_kernel(monk
 
 def test_tensor_core_kernel_aims_at_four_ctas_per_sm_for_every_format(monkeypatch):
     monkeypatch.setattr(cuda_kvquant, "ATTN_QUANT_MMA", True)
+    monkeypatch.setattr(cuda_layers, "ATTN_MMA_ONLINE", 0)
     for pair in (("int8", "int8"), ("e4m3", "e4m3"), ("int8", "int4"), ("int4", "int4")):
         assert cuda_kvquant.quant_attention_ctas(*pair) == cuda_layers._ATTN_CTAS_PER_SM
     ctas = cuda_kvquant.quant_attention_ctas("int8", "int8")

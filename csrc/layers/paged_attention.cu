@@ -19,6 +19,7 @@
 
 #include "common/pdl.cuh"
 #include "layers/attn_combine.cuh"
+#include "layers/attn_split_steps.cuh"
 #include "layers/common.cuh"
 #include "layers/paged_attention_quant.cuh"
 
@@ -26,8 +27,8 @@ namespace exl2 {
 namespace layers {
 namespace {
 
-constexpr int NW = 4;  // warps per CTA
-constexpr int NT = NW * 32;
+constexpr int NW = kAttnWarps;  // warps per CTA (the shared steps of attn_split_steps.cuh assume it)
+constexpr int NT = kAttnThreads;
 
 template <int RT>
 constexpr int keys_max() {  // keys per split held in shared memory: RT * keys_max floats = 32 KiB
@@ -158,10 +159,7 @@ __global__ void __launch_bounds__(NT) paged_attention_kernel(const AttnParams p)
 
   const int first_page = start >> p.log2S;
   const int npages = ((end - 1) >> p.log2S) - first_page + 1;
-  for (int i = tid; i < npages; i += NT) {
-    int pg = p.block_tables[(int64_t)b * p.bt_stride + first_page + i];
-    pages[i] = pg < 0 ? 0 : (pg >= p.num_pages ? p.num_pages - 1 : pg);  // never fault on a bad table
-  }
+  attn_load_pages(p, b, first_page, npages, pages);
   __syncthreads();  // pages[]
   const int npre = min(n, kPrefetchKeys);
   for (int i = tid; i < 2 * npre; i += NT) {  // the split's first K and V rows of head kvh into L2 (D halves)
@@ -410,10 +408,6 @@ int launch_rt(const AttnParams& p, int rt, int flags, int B, cudaStream_t stream
 // splits and partials, tiles of 8 rows, its own reduce launch.
 int launch_tensor_core(const AttnParams& a, int D, int B, int variant, cudaStream_t stream) {
   constexpr int kRows = 8;
-  EXL2_REQUIRE((int64_t)a.nsplit * qattn_keys_max<kRows>() >= ((int64_t)a.max_pages << a.log2S),
-               "paged_attention: nsplit %d too small for %d pages of %d", a.nsplit, a.max_pages, 1 << a.log2S);
-  EXL2_REQUIRE(a.min_split <= qattn_keys_max<kRows>() && a.min_split > 0,
-               "paged_attention: min_split %d out of range", a.min_split);
   QAttnParams p = {};
   p.q = a.q;
   p.q_bs = a.q_bs;

@@ -17,8 +17,8 @@ namespace exl2 {
 namespace layers {
 namespace {
 
-constexpr int NW = kQAttnWarps;
-constexpr int NT = kQAttnThreads;
+constexpr int NW = kAttnWarps;
+constexpr int NT = kAttnThreads;
 
 template <int RT>
 constexpr int keys_max() {
@@ -98,7 +98,7 @@ __global__ void __launch_bounds__(NT) paged_attention_quant_kernel(const QAttnPa
 
   const int first_page = start >> p.log2S;
   const int npages = ((end - 1) >> p.log2S) - first_page + 1;
-  qattn_load_pages(p, b, first_page, npages, pages);
+  attn_load_pages(p, b, first_page, npages, pages);
 
   // q rows -> shared memory, rotated like the keys, times scale * log2(e)
   qattn_stage_q<D, RT, KVFormat<KF>::ROT>(p, b, kvh, row0, p.scale_log2, smem);
@@ -171,7 +171,7 @@ __global__ void __launch_bounds__(NT) paged_attention_quant_kernel(const QAttnPa
   __syncthreads();
 
   // ---- phase 2: softmax statistics per row (log2 domain) ----
-  qattn_softmax<RT, KM>(smem, n, row_m, row_l);
+  attn_softmax_rows<RT, KM>(smem, n, row_m, row_l);
   __syncthreads();
 
   // ---- phase 3: o = sum_t p[t] * v[t] (scale folded into p) ----
@@ -267,18 +267,9 @@ int launch_reduce(const QAttnParams& p, int B, cudaStream_t stream) {
   return check_launch("paged_attention_quant reduce");
 }
 
-int check_splits(const QAttnParams& p, int keys_max) {
-  EXL2_REQUIRE((int64_t)p.nsplit * keys_max >= ((int64_t)p.max_pages << p.log2S),
-               "paged_attention_quant: nsplit %d too small for %d pages of %d (split <= %d keys)", p.nsplit,
-               p.max_pages, 1 << p.log2S, keys_max);
-  EXL2_REQUIRE(p.min_split <= keys_max && p.min_split > 0, "paged_attention_quant: min_split %d out of range",
-               p.min_split);
-  return EXL2_OK;
-}
-
 template <int D, int RT, int U, int KF, int VF>
 int launch(const QAttnParams& p, int B, cudaStream_t stream) {
-  const int st = check_splits(p, keys_max<RT>());
+  const int st = qattn_check_splits(p, keys_max<RT>());
   if (st != EXL2_OK) return st;
   const dim3 grid((unsigned)(p.row_tiles * p.nsplit), (unsigned)p.Hkv, (unsigned)B);
   const size_t smem = sizeof(float) * RT * keys_max<RT>();
@@ -383,8 +374,7 @@ EXL2_API int exl2_paged_attention_quant(const void* q, int64_t q_bs, int64_t q_t
   EXL2_REQUIRE((int64_t)p.row_tiles * nsplit < (1ll << 31), "paged_attention_quant: grid too large");
   int st;
   if (use_mma) {
-    st = check_splits(p, qattn_keys_max<8>());
-    if (st == EXL2_OK) st = launch_paged_attention_quant_mma(p, k_fmt, v_fmt, (int)D, (int)B, use_mma - 1, stream);
+    st = launch_paged_attention_quant_mma(p, k_fmt, v_fmt, (int)D, (int)B, use_mma - 1, stream);
   } else {
     st = D == 64 ? launch_fmt<64>(p, rt, k_fmt, v_fmt, (int)B, stream)
                  : launch_fmt<128>(p, rt, k_fmt, v_fmt, (int)B, stream);

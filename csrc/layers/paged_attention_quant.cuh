@@ -1,20 +1,18 @@
-// What the two decode attention kernels over quantized pages share: the parameters, the split geometry and the
-// steps around their inner loops (page table, q staging, softmax statistics, the cross-warp sum and the write of
-// a row tile's output or split partial). paged_attention_quant.cu holds the CUDA-core kernel (a lane's share
+// What the two decode attention kernels over quantized pages share: the parameters, the split geometry, the
+// split checks, the q staging and the write of a row tile's output or split partial (the steps the fp16 kernel
+// shares too are in attn_split_steps.cuh). paged_attention_quant.cu holds the CUDA-core kernel (a lane's share
 // of a key's dot products, reduced by shuffles) and the reduce kernel; paged_attention_quant_mma.cu the
 // tensor-core kernel. Both fill the same partials, so one reduce kernel serves them.
 #pragma once
 
 #include <math.h>
 
+#include "layers/attn_split_steps.cuh"
 #include "layers/common.cuh"
 #include "layers/kv_quant.cuh"
 
 namespace exl2 {
 namespace layers {
-
-constexpr int kQAttnWarps = 4;  // warps per CTA
-constexpr int kQAttnThreads = kQAttnWarps * 32;
 
 template <int RT>
 constexpr int qattn_keys_max() {  // keys per split held in shared memory: RT * keys_max floats = 32 KiB
@@ -40,7 +38,8 @@ struct QAttnParams {
 };
 
 // The tensor-core kernel (paged_attention_quant_mma.cu): row tiles of 8 (p.row_tiles set for them), the same
-// splits, partials and reduce as the CUDA-core kernel; launches the attention kernel only.
+// splits (checked here: at most 1024 keys each), partials and reduce as the CUDA-core kernel; launches the
+// attention kernel only.
 // k_fmt / v_fmt: KVFmt codes, kFmtF16 for fp16 pages (ks / vs unused). variant 0: two passes (scores into shared
 // memory, then the outputs); 1 / 2: one pass with an online softmax, 1 or 2 steps in flight (measurement builds).
 int launch_paged_attention_quant_mma(const QAttnParams& p, int k_fmt, int v_fmt, int D, int B, int variant,
@@ -48,6 +47,16 @@ int launch_paged_attention_quant_mma(const QAttnParams& p, int k_fmt, int v_fmt,
 // The split combination into p.out (paged_attention_quant.cu; nothing when nsplit == 1); rot: V rotated (int
 // formats) -> the sums are rotated back.
 int launch_paged_attention_quant_reduce(const QAttnParams& p, bool rot, int D, int B, cudaStream_t stream);
+
+// Splits of at most keys_max keys must cover the table's pages; min_split within (0, keys_max].
+inline int qattn_check_splits(const QAttnParams& p, int keys_max) {
+  EXL2_REQUIRE((int64_t)p.nsplit * keys_max >= ((int64_t)p.max_pages << p.log2S),
+               "paged_attention_quant: nsplit %d too small for %d pages of %d (split <= %d keys)", p.nsplit,
+               p.max_pages, 1 << p.log2S, keys_max);
+  EXL2_REQUIRE(p.min_split <= keys_max && p.min_split > 0, "paged_attention_quant: min_split %d out of range",
+               p.min_split);
+  return EXL2_OK;
+}
 
 __device__ __forceinline__ int qattn_clamp_ctx(int ctx, const QAttnParams& p) {
   const int cap = p.max_pages << p.log2S;
@@ -70,20 +79,12 @@ __device__ __forceinline__ float qattn_load_scale(const half* p) {
 template <int D, int RT>
 __device__ __forceinline__ void qattn_empty_split(const QAttnParams& p, int b, int kvh, int row0) {
   if (p.nsplit != 1) return;
-  for (int i = threadIdx.x; i < RT * D; i += kQAttnThreads) {
+  for (int i = threadIdx.x; i < RT * D; i += kAttnThreads) {
     const int row = row0 + i / D;
     if (row < p.R) {
       const int j = row / p.G, hq = kvh * p.G + row % p.G;
       p.out[(((int64_t)b * p.Tq + j) * p.Hq + hq) * D + i % D] = __float2half_rn(0.f);
     }
-  }
-}
-
-// The split's pages, clamped so that a bad table never faults.
-__device__ __forceinline__ void qattn_load_pages(const QAttnParams& p, int b, int first_page, int npages, int* pages) {
-  for (int i = threadIdx.x; i < npages; i += kQAttnThreads) {
-    const int pg = p.block_tables[(int64_t)b * p.bt_stride + first_page + i];
-    pages[i] = pg < 0 ? 0 : (pg >= p.num_pages ? p.num_pages - 1 : pg);
   }
 }
 
@@ -93,7 +94,7 @@ template <int D, int RT, bool ROT>
 __device__ __forceinline__ void qattn_stage_q(const QAttnParams& p, int b, int kvh, int row0, float mul, float* qs) {
   constexpr int NG = D / KV_GROUP;
   const int lane = threadIdx.x & 31;
-  for (int u = threadIdx.x >> 5; u < RT * NG; u += kQAttnWarps) {
+  for (int u = threadIdx.x >> 5; u < RT * NG; u += kAttnWarps) {
     const int r = u / NG, g = u % NG, row = row0 + r;
     float x = 0.f;
     if (row < p.R) {
@@ -105,30 +106,6 @@ __device__ __forceinline__ void qattn_stage_q(const QAttnParams& p, int b, int k
   }
 }
 
-// Phase 2: per row of scores [RT][KM] (log2 domain, n keys), the max and exp2 in place, row sums.
-template <int RT, int KM>
-__device__ __forceinline__ void qattn_softmax(float* scores, int n, float* row_m, float* row_l) {
-  const int lane = threadIdx.x & 31;
-  for (int r = threadIdx.x >> 5; r < RT; r += kQAttnWarps) {
-    float* sr = scores + r * KM;
-    float m = -INFINITY;
-    for (int i = lane; i < n; i += 32) m = fmaxf(m, sr[i]);
-    m = warp_max(m);
-    const float mu = m == -INFINITY ? 0.f : m;  // fully masked row: all p = 0, no NaN
-    float l = 0.f;
-    for (int i = lane; i < n; i += 32) {
-      const float e = exp2f(sr[i] - mu);
-      sr[i] = e;
-      l += e;
-    }
-    l = warp_sum(l);
-    if (lane == 0) {
-      row_m[r] = m;
-      row_l[r] = l;
-    }
-  }
-}
-
 // The row tile's output from the warps' partial sums red [warps][RT][D]: the final fp16 rows (nsplit == 1,
 // rotated back for rotated V formats) or the split's fp32 partial and statistics. A warp covers 32 consecutive
 // dims of one row (RT * D and D are multiples of 32), so the rotation back is one in-warp transform and the row
@@ -136,12 +113,12 @@ __device__ __forceinline__ void qattn_softmax(float* scores, int n, float* row_m
 template <int D, int RT, bool ROT>
 __device__ __forceinline__ void qattn_write_rows(const QAttnParams& p, const float* red, const float* row_m,
                                                  const float* row_l, int b, int kvh, int row0, int split) {
-  for (int i = threadIdx.x; i < RT * D; i += kQAttnThreads) {
+  for (int i = threadIdx.x; i < RT * D; i += kAttnThreads) {
     const int r = i / D, d = i % D, row = row0 + r;
     if (row >= p.R) continue;
     float o = 0.f;
 #pragma unroll
-    for (int w = 0; w < kQAttnWarps; ++w) o += red[(w * RT + r) * D + d];
+    for (int w = 0; w < kAttnWarps; ++w) o += red[(w * RT + r) * D + d];
     const int j = row / p.G, hq = kvh * p.G + row % p.G;
     const int64_t prow = ((int64_t)b * p.Tq + j) * p.Hq + hq;
     if (p.nsplit == 1) {

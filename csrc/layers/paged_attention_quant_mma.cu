@@ -72,7 +72,7 @@ template <int NG>
 __device__ __forceinline__ void prefetch_rows(const uint8_t* codes, const half* scales, int row_bytes, int t_begin,
                                               int t_end, const int* pages, int first_page, int log2S, int Hkv,
                                               int kvh) {
-  for (int t = t_begin + (int)threadIdx.x; t < t_end; t += kQAttnThreads) {
+  for (int t = t_begin + (int)threadIdx.x; t < t_end; t += kAttnThreads) {
     const int64_t slot = ((int64_t)pages[(t >> log2S) - first_page] << log2S) | (t & ((1 << log2S) - 1));
     const int64_t ri = slot * Hkv + kvh;
     for (int off = 0; off < row_bytes; off += 128)
@@ -282,7 +282,7 @@ __device__ __forceinline__ bool mma_split_begin(const QAttnParams& p, MmaSplit& 
   }
   sp.end = min(sp.start + L, sp.ctx);
   sp.first_page = sp.start >> p.log2S;
-  qattn_load_pages(p, sp.b, sp.first_page, ((sp.end - 1) >> p.log2S) - sp.first_page + 1, pages);
+  attn_load_pages(p, sp.b, sp.first_page, ((sp.end - 1) >> p.log2S) - sp.first_page + 1, pages);
   __syncthreads();  // pages[]
   if (p.prefetch & (kPrefetchKHead | kPrefetchKAll))
     prefetch_rows<NG>(p.kc, p.ks, KROW, sp.start,
@@ -419,8 +419,8 @@ __device__ __forceinline__ void zero_acc(float (&acc)[NG][4][4]) {
 // U1 / U3: steps of 16 keys in flight per warp in the scores / output phase; MINB: CTAs per SM the registers
 // are bounded for (4: 128 registers).
 template <int D, int KF, int VF, int U1, int U3, int MINB>
-__global__ void __launch_bounds__(kQAttnThreads, MINB) paged_attention_quant_mma_kernel(const QAttnParams p) {
-  constexpr int NW = kQAttnWarps, RT = kTileRows;
+__global__ void __launch_bounds__(kAttnThreads, MINB) paged_attention_quant_mma_kernel(const QAttnParams p) {
+  constexpr int NW = kAttnWarps, RT = kTileRows;
   constexpr int KM = qattn_keys_max<RT>();
   constexpr int NG = D / KV_GROUP;
   constexpr int VROW = D * KVFormat<VF>::BITS / 8;
@@ -466,7 +466,7 @@ __global__ void __launch_bounds__(kQAttnThreads, MINB) paged_attention_quant_mma
   }
   __syncthreads();
 
-  qattn_softmax<RT, KM>(smem, end - start, row_m, row_l);
+  attn_softmax_rows<RT, KM>(smem, end - start, row_m, row_l);
   __syncthreads();
 
   // ---- phase 3: o = sum p * vs * v per group, U3 steps in flight ----
@@ -505,8 +505,8 @@ __global__ void __launch_bounds__(kQAttnThreads, MINB) paged_attention_quant_mma
 // lanes of its gid; the accumulator is rescaled when the max grows. A measurement build
 // (EXL2_BACKEND_ATTN_MMA_ONLINE=1 in ops/cuda_kvquant.py) until it has run on the GPU.
 template <int D, int KF, int VF, int U, int MINB>
-__global__ void __launch_bounds__(kQAttnThreads, MINB) paged_attention_quant_mma_online_kernel(const QAttnParams p) {
-  constexpr int NW = kQAttnWarps, RT = kTileRows;
+__global__ void __launch_bounds__(kAttnThreads, MINB) paged_attention_quant_mma_online_kernel(const QAttnParams p) {
+  constexpr int NW = kAttnWarps, RT = kTileRows;
   constexpr int NG = D / KV_GROUP;
 
   extern __shared__ float smem[];  // q staging [RT][D]; cross-warp buffer [NW][RT][D]
@@ -599,12 +599,12 @@ int launch(const QAttnParams& p, int B, int variant, cudaStream_t stream) {
   QAttnParams q = p;
   q.prefetch = prefetch_mode();
   if (variant > 0) {  // one pass: U = 1 (168 registers, 3 CTAs per SM) or 2 (2 per SM)
-    const size_t smem = sizeof(float) * kQAttnWarps * kTileRows * D;
+    const size_t smem = sizeof(float) * kAttnWarps * kTileRows * D;
     if (variant == 1)
-      exl2::launch_kernel(paged_attention_quant_mma_online_kernel<D, KF, VF, 1, 3>, grid, kQAttnThreads, smem, stream,
+      exl2::launch_kernel(paged_attention_quant_mma_online_kernel<D, KF, VF, 1, 3>, grid, kAttnThreads, smem, stream,
                           q);
     else
-      exl2::launch_kernel(paged_attention_quant_mma_online_kernel<D, KF, VF, 2, 2>, grid, kQAttnThreads, smem, stream,
+      exl2::launch_kernel(paged_attention_quant_mma_online_kernel<D, KF, VF, 2, 2>, grid, kAttnThreads, smem, stream,
                           q);
     return check_launch("paged_attention_quant (mma, one pass)");
   }
@@ -616,10 +616,10 @@ int launch(const QAttnParams& p, int B, int variant, cudaStream_t stream) {
   // for 3 per SM before attention_splits rounded down) 400. To run again at 49 splits (ATTN_CTAS_PER_SM=3).
   constexpr int U1 = KF == kFmtF16 ? 1 : 2;
   if (deep_variant())
-    exl2::launch_kernel(paged_attention_quant_mma_kernel<D, KF, VF, 2 * U1, 2, 3>, grid, kQAttnThreads, smem, stream,
+    exl2::launch_kernel(paged_attention_quant_mma_kernel<D, KF, VF, 2 * U1, 2, 3>, grid, kAttnThreads, smem, stream,
                         q);
   else
-    exl2::launch_kernel(paged_attention_quant_mma_kernel<D, KF, VF, U1, 1, 4>, grid, kQAttnThreads, smem, stream, q);
+    exl2::launch_kernel(paged_attention_quant_mma_kernel<D, KF, VF, U1, 1, 4>, grid, kAttnThreads, smem, stream, q);
   return check_launch("paged_attention_quant (mma)");
 }
 
@@ -638,6 +638,8 @@ int launch_fmt(const QAttnParams& p, int kf, int vf, int B, int variant, cudaStr
 int launch_paged_attention_quant_mma(const QAttnParams& p, int k_fmt, int v_fmt, int D, int B, int variant,
                                      cudaStream_t stream) {
   EXL2_REQUIRE(variant >= 0 && variant <= 2, "paged_attention_quant (mma): variant %d (0..2)", variant);
+  const int st = qattn_check_splits(p, qattn_keys_max<kTileRows>());
+  if (st != EXL2_OK) return st;
   if (D == 64) return launch_fmt<64>(p, k_fmt, v_fmt, B, variant, stream);
   if (D == 128) return launch_fmt<128>(p, k_fmt, v_fmt, B, variant, stream);
   return set_error(EXL2_ERR_INVALID_ARGUMENT, "paged_attention_quant (mma): head_dim %d", D);

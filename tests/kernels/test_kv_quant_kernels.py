@@ -445,6 +445,18 @@ def test_dequantize_pages_kernel_equals_reference(monkeypatch, fmt, dtype, hkv, 
     assert kq().dequantize_pages(codes, scales, pages[:0], fmt, dtype).shape == (0, page, hkv, d)
 
 
+def test_dequantize_pages_kernel_rejects_mismatched_caches(monkeypatch):
+    """Codes whose row width does not match the scales' head_dim (or the format) are a typed error."""
+    from exl2_backend.errors import InvalidRequestError
+
+    monkeypatch.setattr(kq(), "KV_DEQUANT_KERNEL", True)
+    codes, scales = empty_cache(3, 16, 2, 64, "int8", "int8")[:2]
+    with pytest.raises(InvalidRequestError, match="do not match"):
+        kq().dequantize_pages(codes, scales, torch.tensor([0], device=DEV), "int4", torch.float16)
+    with pytest.raises(InvalidRequestError, match="do not match"):
+        kq().dequantize_pages(codes[..., :32].contiguous(), scales, torch.tensor([0], device=DEV), "int8", torch.float16)
+
+
 def test_prefill_over_quantized_history_with_the_dequant_kernel(monkeypatch):
     """The prefill path (> 32 queries) gives the same bits with the kernel as with the torch dequantization."""
     from exl2_backend import ops

@@ -454,7 +454,8 @@ def test_dequantize_pages_kernel_rejects_mismatched_caches(monkeypatch):
     with pytest.raises(InvalidRequestError, match="do not match"):
         kq().dequantize_pages(codes, scales, torch.tensor([0], device=DEV), "int4", torch.float16)
     with pytest.raises(InvalidRequestError, match="do not match"):
-        kq().dequantize_pages(codes[..., :32].contiguous(), scales, torch.tensor([0], device=DEV), "int8", torch.float16)
+        narrow = codes[..., :32].contiguous()
+        kq().dequantize_pages(narrow, scales, torch.tensor([0], device=DEV), "int8", torch.float16)
 
 
 def test_prefill_over_quantized_history_with_the_dequant_kernel(monkeypatch):

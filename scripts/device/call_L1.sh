@@ -16,7 +16,7 @@ mkdir -p /tmp/smol && cp .dev/gguf_part_a* /tmp/smol/ 2>/dev/null
 results_dir
 trap '[ -d "$R" ] && pack_results l1' EXIT
 t=$(date +%s)
-gpu_tests attn 240 tests/kernels/test_kv_quant_kernels.py tests/kernels/test_paged_attention.py --timeout 120
+gpu_tests attn 200 tests/kernels/test_kv_quant_kernels.py tests/kernels/test_paged_attention.py --timeout 120
 echo "tests $(( $(date +%s) - t )) s"; t=$(date +%s)
 for on in 0 1; do
   EXL2_BACKEND_KV_DEQUANT_KERNEL=$on timeout 100 python3 -m exl2_backend.cli.main bench --shape llama3-8b --bpw 4.0 \
@@ -39,6 +39,6 @@ for online in 1 2; do
 done
 echo "sweep $(( $(date +%s) - t )) s"
 t=$(date +%s)
-timeout 60 python3 -m pytest tests/bench/test_bench_layers.py -k "quant" -q -m cuda -p no:cacheprovider \
+timeout 50 python3 -m pytest tests/bench/test_bench_layers.py -k "quant" -q -m cuda -p no:cacheprovider \
   --benchmark-enable --benchmark-columns=median,iqr,rounds 2>&1 | tee "$R/bench_layers_quant.txt" | tail -14
 echo "pytest-benchmark $(( $(date +%s) - t )) s"

@@ -21,6 +21,8 @@ Variants (switches that keep the old path selectable; all use the fused rope + K
   regbatch: after with the register-batch small-M GEMV (EXL2_BACKEND_GEMV_MINB=2) instead of the TMA-ring one
   cluster:  after with the TMA GEMV's split-K partials reduced inside thread-block clusters (GEMV_MINB=1)
   nonorm:   after with add_rms_norm as its own kernel instead of inside the next GEMV (EXL2_BACKEND_FUSED_NORM=0)
+  nochain:  after with o_proj -> gate/up -> down -> next q/k/v as four launches instead of one persistent chain
+            (EXL2_BACKEND_GEMV_CHAIN=0)
 
 Shapes: "llama3-8b" is written with 4 layers of Llama-3.1-8B width and the full 128256-token head, then
 loaded as 32 layers (layer i reuses the weights of layer i % 4, each packed into its own GPU copy, so the
@@ -63,6 +65,7 @@ VARIANTS = {
     "regbatch": {"pdl": True, "silu_down": True, "gemv_minb": 2},  # the register-batch GEMV instead of the TMA ring
     "cluster": {"pdl": True, "silu_down": True, "gemv_minb": 1},  # TMA ring, split-K reduced inside clusters
     "nonorm": {"pdl": True, "silu_down": True, "fused_norm": False},  # add_rms_norm as its own kernel
+    "nochain": {"pdl": True, "silu_down": True, "chain": False},  # the layer's GEMVs one launch each
 }
 
 
@@ -102,9 +105,10 @@ def load(name: str, workdir: Path):
 
 def set_variant(v: dict) -> None:
     from exl2_backend.model import layers
-    from exl2_backend.ops import cuda_quant, library
+    from exl2_backend.ops import cuda_chain, cuda_quant, library
 
     layers.FUSED_SILU_DOWN = v["silu_down"]
+    cuda_chain.GEMV_CHAIN = v.get("chain", True) and v.get("fused_norm", True) and v["silu_down"]
     layers.FUSED_NORM = v.get("fused_norm", True)
     cuda_quant.GEMV_MINB = v.get("gemv_minb", 0)
     library.set_pdl(v["pdl"])  # recorded into the graphs captured from now on

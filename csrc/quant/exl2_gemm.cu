@@ -647,24 +647,15 @@ bool exact_run_splits(const exl2q::QDesc& d, int total, int* rbase, int& maxnch)
 // the register-batch kernel variant with that many planned resident blocks per SM. Same output/workspace contract as exl2_gemm,
 // with column blocks of 256 (counters: one per 256-column block).
 // gate_off > 0: fused silu_mul input (x [M, ldx] holds gate at columns [0, K) and up at [gate_off, gate_off + K)).
-namespace {
-// The fused RMSNorm input of exl2_gemv_add_norm (GemvParams::norm_*).
-struct GemvNorm {
-  const void* res;
-  int res_ld;
-  const void* w;
-  void* res_out;
-  int res_out_ld;
-  float eps;
-};
-
-int gemv_impl(const int64_t* blob, int ndesc, const void* x, int M, int ldx, int gate_off, int minb,
-              const void* xpre, int xpre_ld, const GemvNorm* norm, void* stream) {
+namespace exl2q {
+int gemv_plan(const int64_t* blob, int ndesc, const void* x, int M, int ldx, int gate_off, int minb, const void* xpre,
+              int xpre_ld, const GemvNorm* norm, GemvParams& p, GemvPlan& pl) {
   EXL2_REQUIRE(blob && x, "exl2_gemv: null argument");
   EXL2_REQUIRE(ndesc >= 1 && ndesc <= kMaxDesc, "exl2_gemv: %d descriptors (1..%d)", ndesc, kMaxDesc);
   EXL2_REQUIRE(M >= 1 && M <= 32, "exl2_gemv: M=%d outside 1..32", M);
   EXL2_REQUIRE(minb >= 0 && minb <= 3, "exl2_gemv: minb %d (0..3)", minb);
-  GemvParams p{};
+  p = GemvParams{};
+  pl = GemvPlan{0, 0, false};
   p.x = reinterpret_cast<const __half*>(x);
   p.ndesc = ndesc; p.M = M; p.ldx = ldx; p.gate_off = gate_off;
   p.xpre = reinterpret_cast<const __half*>(xpre);
@@ -706,7 +697,6 @@ int gemv_impl(const int64_t* blob, int ndesc, const void* x, int M, int ldx, int
   }
   p.xstride = maxnch * kChunkRows + 8;  // +16 bytes: token rows start in different banks
   p.maxnch = maxnch;
-  cudaStream_t s = reinterpret_cast<cudaStream_t>(stream);
   if (minb <= 1) {
     int dev = 0, major = 0;
     if (cudaGetDevice(&dev) != cudaSuccess ||
@@ -793,18 +783,32 @@ int gemv_impl(const int64_t* blob, int ndesc, const void* x, int M, int ldx, int
                    ring + extra);
       p.ring_bytes = ring;
       p.prefetch_bytes = prefetch_kb * 1024;
-      return gemv_tma_launch(p, blocks, ring + extra, s);
+      pl = GemvPlan{blocks, ring + extra, true};
+      return EXL2_OK;
     }
-    minb = 2;
   }
   EXL2_REQUIRE(M <= 8, "exl2_gemv: M=%d needs the TMA kernel (sm_90+, minb 0 or 1); this one takes 1..8", M);
   EXL2_REQUIRE(!xpre, "exl2_gemv: pre-gathered input needs the TMA kernel (sm_90+, minb 0 or 1)");
   EXL2_REQUIRE(!norm, "exl2_gemv_add_norm: the fused norm needs the TMA kernel (sm_90+, minb 0)");
   const int smem = align16(M * p.xstride * 2) + maxnch * kChunkRows * 2;  // + the xmap slice
   EXL2_REQUIRE(smem <= 227 * 1024, "exl2_gemv: needs %d bytes of shared memory; use a larger ksplit", smem);
-  return minb == 3 ? gemv_launch<3>(p, blocks, smem, s) : gemv_launch<2>(p, blocks, smem, s);
+  pl = GemvPlan{blocks, smem, false};
+  return EXL2_OK;
 }
+}  // namespace exl2q
 
+namespace {
+int gemv_impl(const int64_t* blob, int ndesc, const void* x, int M, int ldx, int gate_off, int minb,
+              const void* xpre, int xpre_ld, const exl2q::GemvNorm* norm, void* stream) {
+  using namespace exl2q;
+  GemvParams p;
+  GemvPlan pl;
+  const int st = gemv_plan(blob, ndesc, x, M, ldx, gate_off, minb, xpre, xpre_ld, norm, p, pl);
+  if (st) return st;
+  cudaStream_t s = reinterpret_cast<cudaStream_t>(stream);
+  if (pl.tma) return gemv_tma_launch(p, pl.blocks, pl.smem, s);
+  return minb == 3 ? gemv_launch<3>(p, pl.blocks, pl.smem, s) : gemv_launch<2>(p, pl.blocks, pl.smem, s);
+}
 }  // namespace
 
 EXL2_API int exl2_gemv(const int64_t* blob, int ndesc, const void* x, int M, int ldx, int gate_off, int minb,
@@ -829,7 +833,7 @@ EXL2_API int exl2_gemv_add_norm(const int64_t* blob, int ndesc, const void* h, i
                "exl2_gemv_add_norm: rows must start 16-byte aligned (pointers and row strides)");
   EXL2_REQUIRE(!res_out || residual, "exl2_gemv_add_norm: res_out without a residual");
   EXL2_REQUIRE(!res_out || (res_out != h && res_out != residual), "exl2_gemv_add_norm: res_out aliases an input");
-  const GemvNorm norm{residual, res_ld, weight, res_out, res_out_ld, eps};
+  const exl2q::GemvNorm norm{residual, res_ld, weight, res_out, res_out_ld, eps};
   return gemv_impl(blob, ndesc, h, M, ldh, 0, 0, nullptr, 0, &norm, stream);
 }
 

@@ -55,12 +55,13 @@ struct GvWork {
   int di, ri, colblk, gsplit, ksplit, c0, c1;
 };
 
-__device__ __forceinline__ GvWork gv_work(const GemvParams& p) {
+// Work item `b` of a launch (the one-launch kernels: b = blockIdx.x; the chain kernel loops b over its grid).
+__device__ __forceinline__ GvWork gv_work_at(const GemvParams& p, int b) {
   GvWork w;
   w.di = 0;
-  while (w.di + 1 < p.ndesc && (int)blockIdx.x >= p.d[w.di + 1].block_start) ++w.di;
+  while (w.di + 1 < p.ndesc && b >= p.d[w.di + 1].block_start) ++w.di;
   const QDesc& d = p.d[w.di];
-  const int local = blockIdx.x - d.block_start;
+  const int local = b - d.block_start;
   // Cluster mode: a column block's splits are consecutive blocks, one cluster (split = rank in the cluster).
   w.colblk = p.cluster ? local / p.cluster : local % d.ncolblk;
   w.gsplit = p.cluster ? local % p.cluster : local / d.ncolblk;
@@ -74,6 +75,7 @@ __device__ __forceinline__ GvWork gv_work(const GemvParams& p) {
   w.ksplit = p.rbase[w.di][d.nruns];
   return w;
 }
+__device__ __forceinline__ GvWork gv_work(const GemvParams& p) { return gv_work_at(p, blockIdx.x); }
 
 using exl2::mma16816;
 
@@ -468,6 +470,30 @@ __device__ __forceinline__ void gv_reduce_partials_vec4(const QDesc& d, int colb
     }
   }
 }
+
+// The fused RMSNorm input of exl2_gemv_add_norm and of a chain phase (GemvParams::norm_*).
+struct GemvNorm {
+  const void* res;
+  int res_ld;
+  const void* w;
+  void* res_out;
+  int res_out_ld;
+  float eps;
+};
+
+// A planned small-M GEMV launch: its grid, dynamic shared memory, and whether it runs the TMA kernel.
+struct GemvPlan {
+  int blocks, smem;
+  bool tma;
+};
+
+// Checks the arguments of one small-M GEMV (exl2_gemm.cu) and plans it into p (splits, ring, staged sizes):
+// the arguments of exl2_gemv, and norm (null: none) those of exl2_gemv_add_norm. Returns a status.
+int gemv_plan(const int64_t* blob, int ndesc, const void* x, int M, int ldx, int gate_off, int minb, const void* xpre,
+              int xpre_ld, const GemvNorm* norm, GemvParams& p, GemvPlan& pl);
+
+// Fields per phase of exl2_gemv_chain's table (exl2_gemv_chain.cu; keep in sync with ops/cuda_chain.py).
+constexpr int kChainFields = 10;
 
 // TMA-ring GEMV launch (exl2_gemv_tma.cu): p fully planned (ring_bytes set), `smem` dynamic bytes.
 int gemv_tma_launch(const GemvParams& p, int blocks, int smem, cudaStream_t stream);

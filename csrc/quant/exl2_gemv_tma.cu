@@ -24,53 +24,12 @@
 
 #include "common/api.h"
 #include "common/pdl.cuh"
-#include "quant/exl2_gemv.cuh"
-#include "quant/exl2_gemv_norm.cuh"
+#include "quant/exl2_gemv_tma.cuh"
 
 namespace exl2q {
 namespace {
 
-constexpr int kTmaMaxStages = 32;
-constexpr int kTmaComputeThreads = kGvWarps * 32;
-constexpr int kTmaThreads = kTmaComputeThreads + 32;  // + the producer warp
-constexpr int kBarBytes = (2 * kTmaMaxStages + 2) * 8;  // full[kTmaMaxStages], empty[kTmaMaxStages], scales
-constexpr int kGroupScaleBytes = kGvWarps * 8 * 8;       // one group's scales of the block: [8 warps][8 gid] uint2
-
-__host__ __device__ inline int align16(int x) { return (x + 15) & ~15; }
-
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-__device__ __forceinline__ uint32_t smem_addr(const void* p) { return (uint32_t)__cvta_generic_to_shared(p); }
-__device__ __forceinline__ void mbar_init(uint32_t bar, uint32_t count) {
-  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(bar), "r"(count) : "memory");
-}
-__device__ __forceinline__ void mbar_expect_tx(uint32_t bar, uint32_t bytes) {
-  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(bar), "r"(bytes) : "memory");
-}
-__device__ __forceinline__ void mbar_arrive(uint32_t bar) {
-  asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" ::"r"(bar) : "memory");
-}
-__device__ __forceinline__ bool mbar_try_wait(uint32_t bar, uint32_t parity) {
-  uint32_t ok;
-  asm volatile(
-      "{\n .reg .pred p;\n mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n selp.u32 %0, 1, 0, p;\n}\n"
-      : "=r"(ok) : "r"(bar), "r"(parity) : "memory");
-  return ok != 0;
-}
-// Completion of phase k of a barrier is seen as parity k & 1.
-__device__ __forceinline__ void mbar_wait(uint32_t bar, uint32_t parity) {
-  while (!mbar_try_wait(bar, parity)) {
-  }
-}
-__device__ __forceinline__ uint64_t evict_first_policy() {
-  uint64_t pol;
-  asm volatile("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;" : "=l"(pol));
-  return pol;
-}
-__device__ __forceinline__ void bulk_copy(uint32_t dst, const void* src, uint32_t bytes, uint32_t bar, uint64_t pol) {
-  asm volatile(
-      "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes.L2::cache_hint [%0], [%1], %2, [%3], %4;"
-      ::"r"(dst), "l"(src), "r"(bytes), "r"(bar), "l"(pol) : "memory");
-}
 __device__ __forceinline__ void cluster_sync() {  // every thread of every block of the cluster
   asm volatile("barrier.cluster.arrive.release.aligned;\nbarrier.cluster.wait.acquire.aligned;" ::: "memory");
 }
@@ -119,170 +78,41 @@ __device__ __forceinline__ void cluster_reduce(const QDesc& d, const GvWork& wk,
   cluster_sync();
 }
 
-__device__ __forceinline__ void compute_sync() {
-  asm volatile("bar.sync 1, %0;" ::"n"(kTmaComputeThreads) : "memory");
-}
-
 // MT token tiles of 8 (M <= 8 * MT): MT == 1 runs the register-batch kernel's chunk walk (gv_chunk); MT > 1
 // decodes each A fragment once for MT mmas (gv_chunk_mt).
 template <int B, int MT>
 __device__ __forceinline__ void tma_block(const GemvParams& p, const GvWork& wk, unsigned char* smem) {
   const QDesc& d = p.d[wk.di];
-  const Run& run = d.runs[wk.ri];
-  const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
-  const int J = d.Np / kWarpCols, j0 = wk.colblk * kGvWarps;
-  const int nwa = min(kGvWarps, J - j0);  // active compute warps (a partial last column block has fewer)
-  const int c0 = wk.c0, nch = wk.c1 - wk.c0, M = p.M;
-  constexpr int kTileBytes = 256 * B;  // one warp tile of one chunk (64 rows x 32 columns x B bits)
-  constexpr int kSlotBytes = kGvWarps * kTileBytes;
-  const int stages = min(kTmaMaxStages, p.ring_bytes / kSlotBytes);
-
-  // Shared memory: [barriers][ring][scales: maxgrp x 8 warps x 8 gid uint2][x: M x xstride halves][xmap slice]
-  // [chunk info][fused norm: kGvWarps partial sums][fused norm: M x norm_k normalized halves]
-  const uint32_t bar0 = smem_addr(smem);
-  unsigned char* ring = smem + kBarBytes;
-  uint2* s_scl = reinterpret_cast<uint2*>(ring + p.ring_bytes);
-  __half* xs = reinterpret_cast<__half*>(reinterpret_cast<unsigned char*>(s_scl) + p.maxgrp * kGroupScaleBytes);
-  unsigned short* xm = reinterpret_cast<unsigned short*>(reinterpret_cast<unsigned char*>(xs) +
-                                                         align16(M * p.xstride * 2));
-  int* s_info = reinterpret_cast<int*>(xm + p.maxnch * kChunkRows);
-  float* s_red = reinterpret_cast<float*>(reinterpret_cast<unsigned char*>(s_info) + align16(p.maxnch * 4));
-  __half* xf = reinterpret_cast<__half*>(s_red + kGvWarps);
-  auto full_bar = [&](int s) { return bar0 + 8 * s; };
-  auto empty_bar = [&](int s) { return bar0 + 8 * (kTmaMaxStages + s); };
-  const uint32_t scale_bar = bar0 + 8 * (2 * kTmaMaxStages);
-
-  if (tid == 0) {
-    for (int s = 0; s < stages; ++s) {
-      mbar_init(full_bar(s), 1);
-      mbar_init(empty_bar(s), nwa);
-    }
-    mbar_init(scale_bar, 1);
-    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
-  }
+  const int tid = threadIdx.x, warp = tid >> 5;
+  const TmaGeom g = tma_geom(d, wk);
+  const int stages = tma_stages<B>(p);
+  const TmaSmem sm(smem, tma_layout(tma_sizes(p.ring_bytes, p.maxgrp, p.M, p.xstride, p.maxnch, p.norm_k)));
+  if (tid == 0) tma_init_ring(sm, stages, g.nwa);
   __syncthreads();
 
   if (warp == kGvWarps) {  // producer
-    const uint64_t pol = evict_first_policy();
-    const unsigned char* src = reinterpret_cast<const unsigned char*>(d.packed + run.word_base) +
-                               ((size_t)(c0 - run.chunk_start) * J + j0) * kTileBytes;
-    const size_t step = (size_t)J * kTileBytes;
-    const uint32_t bytes = nwa * kTileBytes;
-    const uint32_t ring_s = smem_addr(ring);
-    const int first = min(stages, nch);
-    if (lane == 0)  // the first slots need no release: start their DRAM reads before anything else
-      for (int i = 0; i < first; ++i) {
-        mbar_expect_tx(full_bar(i), bytes);
-        bulk_copy(ring_s + i * kSlotBytes, src + i * step, bytes, full_bar(i), pol);
-      }
-    // Further chunks into L2 while the previous kernels finish (the small kernels between two GEMVs leave the
-    // DRAM idle for microseconds; the ring alone holds 32 KB per block).
-    const int pf_end = min(nch, first + (int)(p.prefetch_bytes / bytes));
-    for (int i = first + lane; i < pf_end; i += 32)
-      asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(src + i * step), "r"(bytes) : "memory");
-    // The scales of this block's groups, staged once: loads through the cache would queue behind the ring's
-    // copies (~ring bytes / bandwidth per SM) on every group of the compute warps' critical path.
-    const int g_first = __ldg(d.info + c0) & kInfoGroupMask;
-    const int last = __ldg(d.info + wk.c1 - 1);  // its unit 1 starts a new group when unit 0 ends one
-    const int ngrp = (last & kInfoGroupMask) + ((last >> 30) & 1) - g_first + 1;  // <= maxgrp (host bound)
-    if (lane == 0) mbar_expect_tx(scale_bar, ngrp * nwa * 64);
-    __syncwarp();
-    for (int g = lane; g < ngrp; g += 32)
-      bulk_copy(smem_addr(s_scl) + g * kGroupScaleBytes, p.scl[wk.di] + ((size_t)(g_first + g) * J + j0) * 8,
-                nwa * 64, scale_bar, pol);
-    if (lane == 0) {
-      int s = first == stages ? 0 : first;
-      uint32_t phase = first == stages ? 1 : 0;
-      for (int i = first; i < nch; ++i) {
-        mbar_wait(empty_bar(s), phase ^ 1);  // the slot's previous use was released
-        mbar_expect_tx(full_bar(s), bytes);
-        bulk_copy(ring_s + s * kSlotBytes, src + i * step, bytes, full_bar(s), pol);
-        if (++s == stages) {
-          s = 0;
-          phase ^= 1;
-        }
-      }
-    }
-    __syncwarp();
-    if (p.cluster) cluster_reduce<1>(d, wk, GvState{}, false, false, 0, M, nullptr);
+    tma_produce<B>(p, wk, sm, stages);
+    if (p.cluster) cluster_reduce<1>(d, wk, GvState{}, false, false, 0, p.M, nullptr);
     return;
   }
 
   // Compute warps. Constants first (before the PDL wait), then the activation gather.
-  gv_load_xmap(d, c0, nch, xm, kTmaComputeThreads);
-  for (int i = tid; i < nch; i += kTmaComputeThreads) s_info[i] = __ldg(d.info + c0 + i);
+  tma_load_constants(d, wk, sm);
   exl2::pdl_wait();
   compute_sync();
-  if (p.norm_nt) {
-    gv_norm_rows(p, xf, s_red, blockIdx.x == 0 ? p.norm_res_out : nullptr, compute_sync);
-    gv_gather_normed(p, nch, xs, xm, xf, kTmaComputeThreads);
-  } else if (!(p.probe & kProbeNoGather)) {  // M > 8: M loads per row slot, 16 or 32 in flight (M = 32: 6 or 3 rounds)
-    if (p.xpre) gv_copy_pregathered(p, wk.di, c0, nch, xs, kTmaComputeThreads);
-    else if (MT > 1 || p.gather_rows) gv_gather<MT >= 4 ? 32 : 16>(p, nch, xs, xm, kTmaComputeThreads);
-    else gv_gather_items(p, nch, xs, xm, kTmaComputeThreads);
-  }
+  tma_stage_input<MT>(p, wk, sm);
   compute_sync();
 
-  const bool active = warp < nwa;
-  const int gid = lane >> 2, t4 = lane & 3;
+  const bool active = warp < g.nwa;
   GvStateMT<MT> st;
   gv_zero(st);
-  if (active) {
-    const uint2* scl_lane = s_scl + warp * 8 + gid;  // group g of the block: scl_lane[g * 64], g from 0
-    const int last = s_info[nch - 1];
-    const int ngrp = (last & kInfoGroupMask) + ((last >> 30) & 1) - (s_info[0] & kInfoGroupMask) + 1;
-    mbar_wait(scale_bar, 0);
-    st.g = 0;
-    st.sc = scl_lane[0];
-    const __half* xl = xs + min(gid, M - 1) * p.xstride + 8 * t4;  // tokens >= M: duplicates, discarded
-    const __half* xls[MT];  // the same for every token tile
-#pragma unroll
-    for (int mt = 0; mt < MT; ++mt) xls[mt] = xs + min(8 * mt + gid, M - 1) * p.xstride + 8 * t4;
-    const uint32_t* tile = reinterpret_cast<const uint32_t*>(ring + warp * kTileBytes);
-    int s = 0;
-    uint32_t phase = 0;
-#pragma unroll 1
-    for (int i = 0; i < nch; ++i) {
-      mbar_wait(full_bar(s), phase);
-      uint32_t w[2][B];
-      load_lane_words<B>(tile + s * (kSlotBytes / 4), lane, w);
-      __syncwarp();
-      if (lane == 0) mbar_arrive(empty_bar(s));  // release: the warp's reads of the slot are done
-      if (p.probe & kProbeNoMath) {
-        asm volatile("" ::"r"(w[0][0]), "r"(w[1][B - 1]));  // keep the shared loads
-      } else if constexpr (MT == 1) {
-        gv_chunk<B, true>(w, s_info[i], xl + i * kChunkRows, st, scl_lane, kGvWarps * 8, ngrp);
-      } else {
-        gv_chunk_mt<B, MT>(w, s_info[i], xls, i * kChunkRows, st, scl_lane, kGvWarps * 8, ngrp);
-      }
-      if (++s == stages) {
-        s = 0;
-        phase ^= 1;
-      }
-    }
-    // A group that continues past this split is scaled here (its partial is linear in the scale).
-    if (!((s_info[nch - 1] >> 31) & 1)) gv_flush(st);
-  }
-
-  const int n0 = (j0 + warp) * kWarpCols;
-  if (wk.ksplit == 1) {
-    if (active) gv_store<MT>(d, st, n0, M, wk.gsplit, false);
+  if (active) tma_chunks<B, MT>(p, wk, sm, stages, st);
+  if (p.cluster && wk.ksplit > 1) {  // the ring is drained: every copy into it was waited for and read
+    const int n0 = (g.j0 + warp) * kWarpCols;
+    cluster_reduce<MT>(d, wk, st, active, true, n0, p.M, reinterpret_cast<float*>(sm.ring));
     return;
   }
-  if (p.cluster) {  // the ring is drained: every copy into it was waited for and read
-    cluster_reduce<MT>(d, wk, st, active, true, n0, M, reinterpret_cast<float*>(ring));
-    return;
-  }
-  if (active) gv_store<MT>(d, st, n0, M, wk.gsplit, true);
-  if (p.probe & kProbeNoReduce) return;
-  __shared__ int s_last;
-  compute_sync();
-  if (tid == 0) s_last = gv_ticket(d, wk.colblk, wk.ksplit);
-  compute_sync();
-  if (!s_last) return;
-  if (p.reduce_vec4) gv_reduce_partials_vec4(d, wk.colblk, wk.ksplit, M, tid, kTmaComputeThreads);
-  else gv_reduce_partials(d, wk.colblk, wk.ksplit, M, tid, kTmaComputeThreads);
-  if (tid == 0) d.counters[wk.colblk] = 0;  // ready for the next launch (and graph replay)
+  tma_finish<MT>(p, wk, st, active);
 }
 #endif
 
@@ -319,8 +149,7 @@ constexpr int kMaxDevices = 64;
 }  // namespace
 
 int gemv_tma_smem_extra(int M, int xstride, int maxnch, int maxgrp, int norm_k) {
-  return kBarBytes + maxgrp * kGroupScaleBytes + align16(M * xstride * 2) + maxnch * kChunkRows * 2 +
-         align16(maxnch * 4) + (norm_k ? kGvWarps * 4 + align16(M * norm_k * 2) : 0);
+  return tma_layout(tma_sizes(0, maxgrp, M, xstride, maxnch, norm_k)).total;
 }
 
 namespace {

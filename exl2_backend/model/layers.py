@@ -66,6 +66,10 @@ class DecoderLayer:
     def attention(self, qkv, positions, inv_freq, cache, meta: AttentionMetadata, batch: int):
         """qkv [T, (Hq + 2 Hkv) D], the fused q/k/v projection of the normed hidden states, T = B*Tq; returns the
         o_proj output [T, H]."""
+        return self.o(self.attend(qkv, positions, inv_freq, cache, meta, batch))
+
+    def attend(self, qkv, positions, inv_freq, cache, meta: AttentionMetadata, batch: int):
+        """attention() before o_proj: rope, the KV-cache write and attention; returns [T, Hq*D] in qkv's dtype."""
         t = qkv.shape[0]
         hq, hkv, d = self.num_heads, self.num_kv_heads, self.head_dim
         q, k, v = qkv.split(self.qkv.splits, dim=-1)  # [T, Hq*D], [T, Hkv*D], [T, Hkv*D] views
@@ -82,10 +86,10 @@ class DecoderLayer:
             ops.kv_cache_write(k.to(k_cache.dtype), v.to(v_cache.dtype), k_cache, v_cache, meta.slots)
         q = q.reshape(batch, t // batch, hq, d)  # [B, Tq, Hq, D]
         out = ops.paged_attention(q, k_cache, v_cache, meta.block_tables, meta.context_lens, self.scale)
-        return self.o(out.reshape(t, hq * d).to(qkv.dtype))  # [T, H]
+        return out.reshape(t, hq * d).to(qkv.dtype)  # [T, Hq*D]
 
     def _attention_quantized(self, q, k, v, positions, inv_freq, cache, meta: AttentionMetadata, batch: int, dtype):
-        """attention() over a quantized cache (fp8/q8/q6/q4): rope + quantize-on-write in one op, attention reading
+        """attend() over a quantized cache (fp8/q8/q6/q4): rope + quantize-on-write in one op, attention reading
         the quantized pages."""
         t = q.shape[0]
         hq, d, i = self.num_heads, self.head_dim, self.index
@@ -95,7 +99,24 @@ class DecoderLayer:
         q = q.reshape(batch, t // batch, hq, d)  # [B, Tq, Hq, D]
         out = ops.paged_attention_quant(q, kc, ks, vc, vs, meta.block_tables, meta.context_lens, self.scale,
                                         cache.k_format, cache.v_format)
-        return self.o(out.reshape(t, hq * d).to(dtype))  # [T, H]
+        return out.reshape(t, hq * d).to(dtype)  # [T, Hq*D]
+
+    def attention_out_mlp(self, attn, residual, nxt: DecoderLayer | None):
+        """o_proj, the post-attention norm and the MLP over attn [T, Hq*D] (attend's output) and the residual stream
+        [T, H]; with `nxt`, also the next layer's input norm and q/k/v. Returns (qkv of nxt, residual) with nxt, else
+        (the MLP output h, residual). One persistent GEMV chain where it runs (ops/cuda_chain.py), else op by op."""
+        if residual is not None and FUSED_NORM and FUSED_SILU_DOWN and hasattr(self.o, "launch"):
+            from exl2_backend.ops.cuda_chain import mlp_chain
+
+            chained = mlp_chain(self.o, self.gate_up, self.down, None if nxt is None else nxt.qkv, attn, residual,
+                                self.post_norm, None if nxt is None else nxt.input_norm, self.eps)
+            if chained is not None:
+                return chained
+        gate_up, residual = norm_linear(self.gate_up, self.o(attn), residual, self.post_norm, self.eps)
+        h = self.mlp(gate_up)
+        if nxt is None:
+            return h, residual
+        return norm_linear(nxt.qkv, h, residual, nxt.input_norm, nxt.eps)
 
     def mlp(self, gate_up):
         """gate_up [T, 2I] (gate | up, the fused projection of the normed hidden states) -> [T, H]."""

@@ -84,11 +84,19 @@ class LlamaModel:
         """`layers` over h [T, H] -> (h, residual) [T, H]: the last MLP output and the residual stream before it.
         residual None: h is the embedding output (the first layer's norm has nothing to add). A layer split
         (model/split.py) runs each device's layers through this with that device's cache and metadata."""
-        for layer in layers:  # each norm runs inside the GEMV after it where the linear can (layers.norm_linear)
-            qkv, residual = norm_linear(layer.qkv, h, residual, layer.input_norm, self.eps)
-            h = layer.attention(qkv, positions, inv_freq, cache, meta, batch)
-            gate_up, residual = norm_linear(layer.gate_up, h, residual, layer.post_norm, self.eps)
-            h = layer.mlp(gate_up)
+        # Each norm runs inside the GEMV after it where the linear can (layers.norm_linear); from o_proj to the next
+        # layer's q/k/v the GEMVs run as one persistent chain where they can (DecoderLayer.attention_out_mlp).
+        if not layers:
+            return h, residual
+        qkv, residual = norm_linear(layers[0].qkv, h, residual, layers[0].input_norm, self.eps)
+        for i, layer in enumerate(layers):
+            attn = layer.attend(qkv, positions, inv_freq, cache, meta, batch)
+            nxt = layers[i + 1] if i + 1 < len(layers) else None
+            out, residual = layer.attention_out_mlp(attn, residual, nxt)
+            if nxt is None:
+                h = out
+            else:
+                qkv = out
         return h, residual
 
     def run_head(self, h: torch.Tensor, residual: torch.Tensor | None, b: int, tq: int, logits: str) -> torch.Tensor:

@@ -289,6 +289,7 @@ class _Workspace:
         self.device = device
         self.ws = torch.empty(0, dtype=torch.float32, device=device)
         self.counters = torch.zeros(1 << 16, dtype=torch.int32, device=device)
+        self.chain_barrier = torch.zeros(2, dtype=torch.int32, device=device)  # exl2_gemv_chain's grid barrier
         self._old: list[torch.Tensor] = []
         self._captured = False  # self.ws was handed to a launch during a stream capture
 
@@ -457,7 +458,7 @@ class _Launch:
         ldx = _row_stride(x)
         stream = _stream(x.device)
         pre, ld = None, 0
-        if 0 < GEMV_PREGATHER_ITEMS <= m * self.kpad // pl.ksplit and gemv_row_cap(self.device) == 32:
+        if self.pregathers(m):
             ld = self.kpad  # a multiple of 64
             pre = torch.empty(len(self.parts) * m * ld, dtype=torch.float16, device=x.device)  # [parts, M, ld]
             st = _fn("exl2_gemv_pregather")(blob.ctypes.data, len(self.parts), x.data_ptr(), m, ldx, gate_off,
@@ -467,6 +468,12 @@ class _Launch:
                               None if pre is None else pre.data_ptr(), ld, stream)
         library.check(st, "exl2_gemv")
         return out
+
+    def pregathers(self, m: int) -> bool:
+        """Whether the GEMV of M rows copies a pre-gathered input (exl2_gemv_pregather, one launch more): each block
+        gathers at least GEMV_PREGATHER_ITEMS items."""
+        return 0 < GEMV_PREGATHER_ITEMS <= m * self.kpad // self.gemv_plan(m).ksplit and \
+            gemv_row_cap(self.device) == 32
 
     def can_norm(self, m: int) -> bool:
         """Whether M rows can run the GEMV with rms_norm fused into its input (exl2_gemv_add_norm): the TMA kernel

@@ -1,0 +1,299 @@
+// The TMA-ring GEMV's steps (sm_90+), shared by the one-launch kernel (exl2_gemv_tma.cu) and the persistent
+// chain kernel that runs several dependent GEMVs in one launch (exl2_gemv_chain.cu). The design is described at
+// the top of exl2_gemv_tma.cu; this header holds:
+// - the mbarrier and bulk-copy wrappers;
+// - the shared-memory layout (TmaLayout: byte offsets, TmaSmem: pointers and barrier addresses);
+// - the producer warp's work for one block (tma_produce: first fill, L2 prefetch, staged scales, the ring loop);
+// - the compute warps' steps: constants (tma_load_constants), the input (tma_stage_input), the chunk loop
+//   (tma_chunks) and the split-K store, ticket and reduce (tma_finish).
+#pragma once
+
+#include "quant/exl2_gemv.cuh"
+#include "quant/exl2_gemv_norm.cuh"
+
+namespace exl2q {
+
+constexpr int kTmaMaxStages = 32;
+constexpr int kTmaComputeThreads = kGvWarps * 32;
+constexpr int kTmaThreads = kTmaComputeThreads + 32;  // + the producer warp
+// mbarriers: full[kTmaMaxStages], empty[kTmaMaxStages], scales, and the chain kernel's ready / done hand-off
+// between the producer and the compute warps (one spare keeps 16-byte alignment).
+constexpr int kBarScale = 2 * kTmaMaxStages, kBarReady = kBarScale + 1, kBarDone = kBarScale + 2;
+constexpr int kBarBytes = (2 * kTmaMaxStages + 4) * 8;
+constexpr int kGroupScaleBytes = kGvWarps * 8 * 8;  // one group's scales of the block: [8 warps][8 gid] uint2
+
+__host__ __device__ inline int align16(int x) { return (x + 15) & ~15; }
+
+// Byte offsets of the regions after the barriers and the ring (which starts at kBarBytes):
+// [barriers][ring][scales: maxgrp x 8 warps x 8 gid uint2][x: M x xstride halves][xmap slice: maxnch x 64]
+// [chunk info: maxnch ints][fused norm: kGvWarps partial sums][fused norm: M x norm_k normalized halves]
+struct TmaLayout {
+  int scl, xs, xm, info, red, xf, total;
+};
+
+struct TmaSizes {  // the bytes of each region for one launch's parameters
+  int ring, scl, xs, xm, info, norm_red, norm_xf;
+};
+
+__host__ __device__ inline TmaSizes tma_sizes(int ring_bytes, int maxgrp, int M, int xstride, int maxnch, int norm_k) {
+  return {ring_bytes, maxgrp * kGroupScaleBytes, align16(M * xstride * 2), maxnch * kChunkRows * 2,
+          align16(maxnch * 4), norm_k ? kGvWarps * 4 : 0, norm_k ? align16(M * norm_k * 2) : 0};
+}
+
+__host__ __device__ inline TmaLayout tma_layout(const TmaSizes& z) {
+  TmaLayout l;
+  l.scl = kBarBytes + z.ring;
+  l.xs = l.scl + z.scl;
+  l.xm = l.xs + z.xs;
+  l.info = l.xm + z.xm;
+  l.red = l.info + z.info;
+  l.xf = l.red + z.norm_red;
+  l.total = l.xf + z.norm_xf;
+  return l;
+}
+
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+__device__ __forceinline__ uint32_t smem_addr(const void* p) { return (uint32_t)__cvta_generic_to_shared(p); }
+__device__ __forceinline__ void mbar_init(uint32_t bar, uint32_t count) {
+  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(bar), "r"(count) : "memory");
+}
+// Before an mbarrier's memory is initialized again (the chain kernel re-plans its ring for every work item).
+__device__ __forceinline__ void mbar_inval(uint32_t bar) {
+  asm volatile("mbarrier.inval.shared::cta.b64 [%0];" ::"r"(bar) : "memory");
+}
+__device__ __forceinline__ void mbar_expect_tx(uint32_t bar, uint32_t bytes) {
+  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(bar), "r"(bytes) : "memory");
+}
+__device__ __forceinline__ void mbar_arrive(uint32_t bar) {
+  asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" ::"r"(bar) : "memory");
+}
+__device__ __forceinline__ bool mbar_try_wait(uint32_t bar, uint32_t parity) {
+  uint32_t ok;
+  asm volatile(
+      "{\n .reg .pred p;\n mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n selp.u32 %0, 1, 0, p;\n}\n"
+      : "=r"(ok) : "r"(bar), "r"(parity) : "memory");
+  return ok != 0;
+}
+// Completion of phase k of a barrier is seen as parity k & 1.
+__device__ __forceinline__ void mbar_wait(uint32_t bar, uint32_t parity) {
+  while (!mbar_try_wait(bar, parity)) {
+  }
+}
+__device__ __forceinline__ uint64_t evict_first_policy() {
+  uint64_t pol;
+  asm volatile("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;" : "=l"(pol));
+  return pol;
+}
+__device__ __forceinline__ void bulk_copy(uint32_t dst, const void* src, uint32_t bytes, uint32_t bar, uint64_t pol) {
+  asm volatile(
+      "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes.L2::cache_hint [%0], [%1], %2, [%3], %4;"
+      ::"r"(dst), "l"(src), "r"(bytes), "r"(bar), "l"(pol) : "memory");
+}
+
+__device__ __forceinline__ void compute_sync() {  // the compute warps only (named barrier 1)
+  asm volatile("bar.sync 1, %0;" ::"n"(kTmaComputeThreads) : "memory");
+}
+
+// Pointers and barrier addresses of one block's shared memory under layout `l`.
+struct TmaSmem {
+  uint32_t bar0;
+  unsigned char* ring;
+  uint2* scl;
+  __half* xs;
+  unsigned short* xm;
+  int* info;
+  float* red;
+  __half* xf;
+  __device__ TmaSmem(unsigned char* smem, const TmaLayout& l)
+      : bar0(smem_addr(smem)), ring(smem + kBarBytes), scl(reinterpret_cast<uint2*>(smem + l.scl)),
+        xs(reinterpret_cast<__half*>(smem + l.xs)), xm(reinterpret_cast<unsigned short*>(smem + l.xm)),
+        info(reinterpret_cast<int*>(smem + l.info)), red(reinterpret_cast<float*>(smem + l.red)),
+        xf(reinterpret_cast<__half*>(smem + l.xf)) {}
+  __device__ uint32_t full(int s) const { return bar0 + 8 * s; }
+  __device__ uint32_t empty(int s) const { return bar0 + 8 * (kTmaMaxStages + s); }
+  __device__ uint32_t scale() const { return bar0 + 8 * kBarScale; }
+  __device__ uint32_t ready() const { return bar0 + 8 * kBarReady; }
+  __device__ uint32_t done() const { return bar0 + 8 * kBarDone; }
+};
+
+// One block's geometry for work item `wk`: its column block's warp tiles and chunk range.
+struct TmaGeom {
+  int J, j0, nwa, c0, nch;
+};
+__device__ __forceinline__ TmaGeom tma_geom(const QDesc& d, const GvWork& wk) {
+  const int J = d.Np / kWarpCols, j0 = wk.colblk * kGvWarps;
+  return {J, j0, min(kGvWarps, J - j0), wk.c0, wk.c1 - wk.c0};  // nwa: a partial last column block has fewer
+}
+// Ring slots of B-bit weights for a launch's ring bytes.
+template <int B>
+__device__ __forceinline__ int tma_stages(const GemvParams& p) {
+  return min(kTmaMaxStages, p.ring_bytes / (kGvWarps * 256 * B));
+}
+
+// The ring's barriers for `stages` slots and `nwa` consuming warps, plus the scale barrier (one thread).
+__device__ __forceinline__ void tma_init_ring(const TmaSmem& sm, int stages, int nwa) {
+  for (int s = 0; s < stages; ++s) {
+    mbar_init(sm.full(s), 1);
+    mbar_init(sm.empty(s), nwa);
+  }
+  mbar_init(sm.scale(), 1);
+  asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+}
+__device__ __forceinline__ void tma_inval_ring(const TmaSmem& sm, int stages) {
+  for (int s = 0; s < stages; ++s) {
+    mbar_inval(sm.full(s));
+    mbar_inval(sm.empty(s));
+  }
+  mbar_inval(sm.scale());
+}
+
+// The producer warp's work for one block: the first `stages` copies (their slots need no release) before anything
+// else, an optional L2 prefetch of the following chunks, the block's group scales staged once on their own
+// barrier, then lane 0 keeps the ring full until the block's last chunk is issued. Weights, scales and chunk info
+// are constants: all of it may run before the PDL wait (and, in the chain kernel, before the grid barrier).
+template <int B>
+__device__ __forceinline__ void tma_produce(const GemvParams& p, const GvWork& wk, const TmaSmem& sm, int stages) {
+  const QDesc& d = p.d[wk.di];
+  const Run& run = d.runs[wk.ri];
+  const TmaGeom g = tma_geom(d, wk);
+  const int lane = threadIdx.x & 31;
+  constexpr int kTileBytes = 256 * B;  // one warp tile of one chunk (64 rows x 32 columns x B bits)
+  constexpr int kSlotBytes = kGvWarps * kTileBytes;
+  const uint64_t pol = evict_first_policy();
+  const unsigned char* src = reinterpret_cast<const unsigned char*>(d.packed + run.word_base) +
+                             ((size_t)(g.c0 - run.chunk_start) * g.J + g.j0) * kTileBytes;
+  const size_t step = (size_t)g.J * kTileBytes;
+  const uint32_t bytes = g.nwa * kTileBytes;
+  const uint32_t ring_s = smem_addr(sm.ring);
+  const int first = min(stages, g.nch);
+  if (lane == 0)
+    for (int i = 0; i < first; ++i) {
+      mbar_expect_tx(sm.full(i), bytes);
+      bulk_copy(ring_s + i * kSlotBytes, src + i * step, bytes, sm.full(i), pol);
+    }
+  // Further chunks into L2 while the previous kernels finish (the small kernels between two GEMVs leave the
+  // DRAM idle for microseconds; the ring alone holds 32 KB per block).
+  const int pf_end = min(g.nch, first + (int)(p.prefetch_bytes / bytes));
+  for (int i = first + lane; i < pf_end; i += 32)
+    asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(src + i * step), "r"(bytes) : "memory");
+  // The scales of this block's groups, staged once: loads through the cache would queue behind the ring's
+  // copies (~ring bytes / bandwidth per SM) on every group of the compute warps' critical path.
+  const int g_first = __ldg(d.info + g.c0) & kInfoGroupMask;
+  const int last = __ldg(d.info + wk.c1 - 1);  // its unit 1 starts a new group when unit 0 ends one
+  const int ngrp = (last & kInfoGroupMask) + ((last >> 30) & 1) - g_first + 1;  // <= maxgrp (host bound)
+  if (lane == 0) mbar_expect_tx(sm.scale(), ngrp * g.nwa * 64);
+  __syncwarp();
+  for (int gi = lane; gi < ngrp; gi += 32)
+    bulk_copy(smem_addr(sm.scl) + gi * kGroupScaleBytes, p.scl[wk.di] + ((size_t)(g_first + gi) * g.J + g.j0) * 8,
+              g.nwa * 64, sm.scale(), pol);
+  if (lane == 0) {
+    int s = first == stages ? 0 : first;
+    uint32_t phase = first == stages ? 1 : 0;
+    for (int i = first; i < g.nch; ++i) {
+      mbar_wait(sm.empty(s), phase ^ 1);  // the slot's previous use was released
+      mbar_expect_tx(sm.full(s), bytes);
+      bulk_copy(ring_s + s * kSlotBytes, src + i * step, bytes, sm.full(s), pol);
+      if (++s == stages) {
+        s = 0;
+        phase ^= 1;
+      }
+    }
+  }
+  __syncwarp();
+}
+
+// Compute warps: the split's xmap slice and chunk info (constants) into shared memory; the caller synchronizes.
+__device__ __forceinline__ void tma_load_constants(const QDesc& d, const GvWork& wk, const TmaSmem& sm) {
+  const int c0 = wk.c0, nch = wk.c1 - wk.c0;
+  gv_load_xmap(d, c0, nch, sm.xm, kTmaComputeThreads);
+  for (int i = threadIdx.x; i < nch; i += kTmaComputeThreads) sm.info[i] = __ldg(d.info + c0 + i);
+}
+
+// Compute warps, after the PDL wait (or the chain's grid barrier) and a compute_sync: the split's input rows in
+// stored order into sm.xs (normalized, pre-gathered or gathered); the caller synchronizes after it.
+template <int MT>
+__device__ __forceinline__ void tma_stage_input(const GemvParams& p, const GvWork& wk, const TmaSmem& sm) {
+  const int nch = wk.c1 - wk.c0;
+  if (p.norm_nt) {
+    gv_norm_rows(p, sm.xf, sm.red, blockIdx.x == 0 ? p.norm_res_out : nullptr, compute_sync);
+    gv_gather_normed(p, nch, sm.xs, sm.xm, sm.xf, kTmaComputeThreads);
+  } else if (!(p.probe & kProbeNoGather)) {  // M > 8: M loads per row slot, 16 or 32 in flight (M = 32: 6 or 3 rounds)
+    if (p.xpre) gv_copy_pregathered(p, wk.di, wk.c0, nch, sm.xs, kTmaComputeThreads);
+    else if (MT > 1 || p.gather_rows) gv_gather<MT >= 4 ? 32 : 16>(p, nch, sm.xs, sm.xm, kTmaComputeThreads);
+    else gv_gather_items(p, nch, sm.xs, sm.xm, kTmaComputeThreads);
+  }
+}
+
+// An active compute warp's chunk loop: per chunk wait `full`, read the lane's words, release the slot, decode
+// into mma A registers. Ends with the flush of a group that continues past this split (its partial is linear in
+// the scale).
+template <int B, int MT>
+__device__ __forceinline__ void tma_chunks(const GemvParams& p, const GvWork& wk, const TmaSmem& sm, int stages,
+                                           GvStateMT<MT>& st) {
+  constexpr int kTileBytes = 256 * B;
+  constexpr int kSlotBytes = kGvWarps * kTileBytes;
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, gid = lane >> 2, t4 = lane & 3;
+  const int nch = wk.c1 - wk.c0, M = p.M;
+  const int* s_info = sm.info;
+  const uint2* scl_lane = sm.scl + warp * 8 + gid;  // group g of the block: scl_lane[g * 64], g from 0
+  const int last = s_info[nch - 1];
+  const int ngrp = (last & kInfoGroupMask) + ((last >> 30) & 1) - (s_info[0] & kInfoGroupMask) + 1;
+  mbar_wait(sm.scale(), 0);
+  st.g = 0;
+  st.sc = scl_lane[0];
+  const __half* xl = sm.xs + min(gid, M - 1) * p.xstride + 8 * t4;  // tokens >= M: duplicates, discarded
+  const __half* xls[MT];  // the same for every token tile
+#pragma unroll
+  for (int mt = 0; mt < MT; ++mt) xls[mt] = sm.xs + min(8 * mt + gid, M - 1) * p.xstride + 8 * t4;
+  const uint32_t* tile = reinterpret_cast<const uint32_t*>(sm.ring + warp * kTileBytes);
+  int s = 0;
+  uint32_t phase = 0;
+#pragma unroll 1
+  for (int i = 0; i < nch; ++i) {
+    mbar_wait(sm.full(s), phase);
+    uint32_t w[2][B];
+    load_lane_words<B>(tile + s * (kSlotBytes / 4), lane, w);
+    __syncwarp();
+    if (lane == 0) mbar_arrive(sm.empty(s));  // release: the warp's reads of the slot are done
+    if (p.probe & kProbeNoMath) {
+      asm volatile("" ::"r"(w[0][0]), "r"(w[1][B - 1]));  // keep the shared loads
+    } else if constexpr (MT == 1) {
+      gv_chunk<B, true>(w, s_info[i], xl + i * kChunkRows, st, scl_lane, kGvWarps * 8, ngrp);
+    } else {
+      gv_chunk_mt<B, MT>(w, s_info[i], xls, i * kChunkRows, st, scl_lane, kGvWarps * 8, ngrp);
+    }
+    if (++s == stages) {
+      s = 0;
+      phase ^= 1;
+    }
+  }
+  if (!((s_info[nch - 1] >> 31) & 1)) gv_flush(st);
+}
+
+// Compute warps, split-K through the global workspace: every active warp writes its partial, thread 0 takes the
+// column block's ticket, and the last block sums the partials in split order (deterministic) and re-arms the
+// ticket for the next launch (and graph replay). ksplit == 1: the result is stored directly.
+template <int MT>
+__device__ __forceinline__ void tma_finish(const GemvParams& p, const GvWork& wk, const GvStateMT<MT>& st,
+                                           bool active) {
+  const QDesc& d = p.d[wk.di];
+  const int warp = threadIdx.x >> 5, tid = threadIdx.x;
+  const int n0 = (wk.colblk * kGvWarps + warp) * kWarpCols;
+  if (wk.ksplit == 1) {
+    if (active) gv_store<MT>(d, st, n0, p.M, wk.gsplit, false);
+    return;
+  }
+  if (active) gv_store<MT>(d, st, n0, p.M, wk.gsplit, true);
+  if (p.probe & kProbeNoReduce) return;
+  __shared__ int s_last;
+  compute_sync();
+  if (tid == 0) s_last = gv_ticket(d, wk.colblk, wk.ksplit);
+  compute_sync();
+  if (!s_last) return;
+  if (p.reduce_vec4) gv_reduce_partials_vec4(d, wk.colblk, wk.ksplit, p.M, tid, kTmaComputeThreads);
+  else gv_reduce_partials(d, wk.colblk, wk.ksplit, p.M, tid, kTmaComputeThreads);
+  if (tid == 0) d.counters[wk.colblk] = 0;  // ready for the next launch (and graph replay)
+}
+#endif
+
+}  // namespace exl2q

@@ -1,0 +1,36 @@
+#!/usr/bin/env bash
+# Device call M1 (session 8): the persistent GEMV chain (csrc/quant/exl2_gemv_chain.cu; o -> gate/up -> down ->
+# next q/k/v in one launch) and the TMA GEMV split into shared steps (exl2_gemv_tma.cuh); carry .whl and
+# .dev/libexl2_kernels.so.gz:
+#  1. the chain's tests, the norm-fused GEMV's and the GEMM/GEMV kernel tests;
+#  2. bench_gemm --m1 (the refactored one-launch TMA GEMV, against session 6's figures);
+#  3. the 8B decode step with and without the chain (profile_decode: graph step, critical path, greedy check);
+#  4. the 8B bench at 1k and 32k for fp16 / q8 / q4 with the chain, at 1k fp16 without; the 1B shape at 1k.
+export EXL2_CARRIED_LIBRARY=1
+source scripts/device/common.sh
+results_dir
+trap '[ -d "$R" ] && pack_results m1' EXIT
+t=$(date +%s)
+gpu_tests chain 150 tests/kernels/test_gemv_chain.py tests/kernels/test_gemv_norm.py tests/kernels/test_exl2_gemm.py \
+  --timeout 100
+echo "tests $(( $(date +%s) - t )) s"; t=$(date +%s)
+timeout 40 python3 scripts/bench_gemm.py --m1 > "$R/gemm_m1.txt" 2>&1; tail -8 "$R/gemm_m1.txt"
+echo "gemm $(( $(date +%s) - t )) s"; t=$(date +%s)
+timeout 90 python3 scripts/profile_decode.py --shapes llama3-8b --variants after,nochain --workdir /tmp/prof \
+  --context 1024 --cache-types fp16 --out "$R/p1k" > "$R/profile_1k.txt" 2>&1
+grep -E "^######## |graph step|greedy|!!" "$R/profile_1k.txt" | head -12
+grep -B2 -A14 "critical path" "$R/profile_1k.txt" | head -60
+echo "profile $(( $(date +%s) - t )) s"; t=$(date +%s)
+timeout 110 python3 -m exl2_backend.cli.main bench --shape llama3-8b --bpw 4.0 --model-out /tmp/models/llama3-8b \
+  --contexts 1024,32768 --cache-type fp16,q8,q4 --json "$R/bench_8b.json" --plot "$R/bench_8b.png" \
+  > "$R/bench_8b.txt" 2>&1
+grep -A7 "decode tokens/s by cache" "$R/bench_8b.txt" | tail -3
+EXL2_BACKEND_GEMV_CHAIN=0 timeout 60 python3 -m exl2_backend.cli.main bench --shape llama3-8b --bpw 4.0 \
+  --model-out /tmp/models/llama3-8b --contexts 1024 --cache-type fp16 --json "$R/bench_8b_nochain.json" \
+  > "$R/bench_8b_nochain.txt" 2>&1
+echo "no chain:"; grep -E "^│ +1024 │" "$R/bench_8b_nochain.txt" | head -2
+echo "bench 8b $(( $(date +%s) - t )) s"; t=$(date +%s)
+timeout 70 python3 -m exl2_backend.cli.main bench --shape llama3-1b --bpw 4.0 --model-out /tmp/models/llama3-1b \
+  --contexts 1024 --cache-type fp16 --json "$R/bench_1b.json" > "$R/bench_1b.txt" 2>&1
+grep -E "^│ +1024 │" "$R/bench_1b.txt" | head -2
+echo "bench 1b $(( $(date +%s) - t )) s"

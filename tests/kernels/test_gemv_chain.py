@@ -1,0 +1,214 @@
+"""The persistent GEMV chain (csrc/quant/exl2_gemv_chain.cu, ops/cuda_chain.py) against the launches it replaces.
+
+Exact: every phase is the GEMV it replaces, planned the same way (splits, split-K order), so o -> gate/up (norm
+fused) -> down (silu_mul fused) [-> next q/k/v (norm fused)] in one launch must equal the four launches bit for bit,
+outputs and residual stream. Shapes: SmolLM2's (hidden 576: partial column blocks, up to 8 rows), a 2048/8192 layer
+with the grid capped below its work items (blocks loop over several), the 8B layer at M = 1 and 2;
+every bit width; three and four phases; CUDA-graph replays (the grid barrier's words are reused); the routing's
+refusals and the op's typed errors; the model forward with the chain on and off.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from exl2_backend.errors import TensorShapeError
+from tests.kernels.test_exl2_dequant import _to_cuda, make_qt
+
+pytestmark = pytest.mark.cuda
+
+EPS = 1e-5
+
+
+def _needs_chain():
+    from exl2_backend.ops import cuda_quant
+
+    if cuda_quant.gemv_row_cap(torch.device("cuda")) < 32 or cuda_quant.GEMV_MINB != 0:
+        pytest.skip("the GEMV chain runs on the TMA kernel only (sm_90+)")
+
+
+def _rand(shape, seed: int, scale: float = 1.0) -> torch.Tensor:
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    return (torch.randn(*shape, generator=g, device="cuda") * scale).half()
+
+
+def _groups(k: int, bits, seed: int) -> list[tuple[int, int]]:
+    """K rows in groups of 128 (a last partial one), widths cycling through `bits` (one width or a mix)."""
+    widths = bits if isinstance(bits, (list, tuple)) else [bits]
+    out, row, i = [], 0, seed
+    while row < k:
+        rows = min(128, k - row)
+        out.append((widths[i % len(widths)], rows))
+        row, i = row + rows, i + 1
+    return sorted(out, key=lambda g: -g[0])  # stored order: widest runs first
+
+
+def _linear(parts, seed: int):
+    """A prepared CUDA linear of parts [(K, N, bits)] (several parts: one fused launch, like q/k/v or gate/up)."""
+    from exl2_backend.ops import cuda_quant
+
+    qts = [_to_cuda(make_qt(_groups(k, bits, seed + i), n, seed=seed * 7 + i, key=f"p{seed}_{i}"))
+           for i, (k, n, bits) in enumerate(parts)]
+    return cuda_quant.prepare_linear(qts, "cuda")
+
+
+def _layer(hidden: int, inter: int, heads_dim: int, kv_dim: int, bits, seed: int):
+    o = _linear([(heads_dim, hidden, bits)], seed)
+    gate_up = _linear([(hidden, inter, bits), (hidden, inter, bits)], seed + 10)
+    down = _linear([(inter, hidden, bits)], seed + 20)
+    qkv = _linear([(hidden, heads_dim, bits), (hidden, kv_dim, bits), (hidden, kv_dim, bits)], seed + 30)
+    return o, gate_up, down, qkv
+
+
+def _one_by_one(o, gate_up, down, nxt, x, residual, post_w, next_w):
+    """The launches the chain replaces, as the model routes them without it."""
+    h = o.fused_kernel(x, "gemv")
+    gu, r1 = gate_up.add_normed(h, residual, post_w, EPS)
+    d = down.gated(gu)
+    if nxt is None:
+        return d, r1
+    return nxt.add_normed(d, r1, next_w, EPS)
+
+
+def _check(o, gate_up, down, nxt, m: int, seed: int):
+    from exl2_backend.ops import cuda_chain
+
+    hidden = o.out_features
+    assert cuda_chain.chain_takes(o, gate_up, down, nxt, m)
+    x, residual = _rand((m, o.in_features), seed), _rand((m, hidden), seed + 1, 4.0)
+    post_w, next_w = _rand((hidden,), seed + 2, 0.3) + 1, _rand((hidden,), seed + 3, 0.3) + 1
+    nw = None if nxt is None else next_w
+    x0, r0 = x.clone(), residual.clone()
+    want = _one_by_one(o, gate_up, down, nxt, x, residual, post_w, nw)
+    got = cuda_chain.mlp_chain(o, gate_up, down, nxt, x, residual, post_w, nw, EPS)
+    assert got is not None
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+    assert torch.equal(x, x0) and torch.equal(residual, r0)  # inputs untouched
+    return got
+
+
+@pytest.mark.parametrize("bits", [2, 3, 4, 5, 6, 8, (8, 4), (6, 5, 3)])
+@pytest.mark.parametrize("m", [1, 3, 8])
+def test_chain_equals_launches_smollm2_shape(bits, m):
+    """Hidden 576 (3 column blocks of 256, the last with two warp tiles), intermediate 1536, 9 x 64 heads."""
+    _needs_chain()
+    o, gate_up, down, qkv = _layer(576, 1536, 576, 192, bits, seed=m + 3 * len(str(bits)))
+    _check(o, gate_up, down, qkv, m, seed=m)
+    _check(o, gate_up, down, None, m, seed=m + 100)
+
+
+@pytest.mark.parametrize("grid", [1, 7, 100])
+@pytest.mark.parametrize("m", [1, 4])
+def test_chain_blocks_loop_over_work_items(grid, m, monkeypatch):
+    """A 2048 / 8192 layer with three widths, the grid capped below the phases' work items: each block takes
+    several items of a phase in turn (its ring re-planned between them; one block runs the whole chain alone)."""
+    from exl2_backend.ops import cuda_chain
+
+    _needs_chain()
+    monkeypatch.setattr(cuda_chain, "MAX_GRID", grid)
+    o, gate_up, down, qkv = _layer(2048, 8192, 2048, 512, (8, 5, 4), seed=11)
+    _check(o, gate_up, down, qkv, m, seed=m + 7 * grid)
+
+
+@pytest.mark.parametrize("m", [1, 2])
+def test_chain_llama3_8b_layer(m):
+    """The 8B layer (4096 / 14336, q/k/v 4096 + 1024 + 1024) at 4 bits with 8-bit groups mixed in."""
+    _needs_chain()
+    o, gate_up, down, qkv = _layer(4096, 14336, 4096, 1024, (4, 4, 4, 8), seed=21)
+    _check(o, gate_up, down, qkv, m, seed=m + 30)
+
+
+def test_chain_replays_in_a_cuda_graph():
+    """Captured once, replayed three times on new inputs: the same bits as eager launches each time (the grid
+    barrier's two words come back to their start state, the split-K tickets too)."""
+    from exl2_backend.ops import cuda_chain
+
+    _needs_chain()
+    o, gate_up, down, qkv = _layer(576, 1536, 576, 192, (6, 4), seed=5)
+    x, residual = _rand((2, 576), 1), _rand((2, 576), 2)
+    post_w, next_w = _rand((576,), 3) + 1, _rand((576,), 4) + 1
+    cuda_chain.mlp_chain(o, gate_up, down, qkv, x, residual, post_w, next_w, EPS)  # warm-up outside the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        y, r = cuda_chain.mlp_chain(o, gate_up, down, qkv, x, residual, post_w, next_w, EPS)
+    for i in range(3):
+        x.copy_(_rand((2, 576), 10 + i))
+        residual.copy_(_rand((2, 576), 20 + i))
+        graph.replay()
+        want = _one_by_one(o, gate_up, down, qkv, x, residual, post_w, next_w)
+        assert torch.equal(y, want[0]) and torch.equal(r, want[1])
+    ws = o.workspace
+    assert ws.chain_barrier[0].item() == 0  # arrivals re-armed
+
+
+def test_chain_routing_refusals(monkeypatch):
+    from exl2_backend.ops import cuda_chain
+
+    _needs_chain()
+    o, gate_up, down, qkv = _layer(576, 1536, 576, 192, 4, seed=9)
+    x, r = _rand((9, 576), 1), _rand((9, 576), 2)
+    w = _rand((576,), 3) + 1
+    assert cuda_chain.mlp_chain(o, gate_up, down, qkv, x, r, w, w, EPS) is None  # 9 rows: one token tile only
+    assert cuda_chain.mlp_chain(o, gate_up, down, qkv, x[:2], r[:2], w, None, EPS) is None  # next without weight
+    assert not cuda_chain.chain_takes(o, down, gate_up, qkv, 1)  # shapes do not chain
+    monkeypatch.setattr(cuda_chain, "GEMV_CHAIN", False)
+    assert cuda_chain.mlp_chain(o, gate_up, down, qkv, x[:2], r[:2], w, w, EPS) is None
+    big = _layer(4096, 512, 4096, 1024, 4, seed=2)
+    assert cuda_chain.chain_takes(*big, 2) and not cuda_chain.chain_takes(*big, 3)  # the norm takes 2 rows of 4096
+
+
+def test_chain_op_typed_errors():
+    _needs_chain()
+    o, gate_up, down, qkv = _layer(576, 1536, 576, 192, 4, seed=9)
+    ws, counters = o.workspace.buffers()
+    bar = o.workspace.chain_barrier
+    handles = [o.launch.handle, gate_up.launch.handle, down.launch.handle, qkv.launch.handle]
+    packed = o.launch.parts[0].packed
+    w = _rand((576,), 3) + 1
+    op = torch.ops.exl2_backend.exl2_gemv_chain
+    with pytest.raises(TensorShapeError):  # 9 rows
+        op(_rand((9, 576), 1), _rand((9, 576), 2), w, w, packed, handles, EPS, ws, counters, bar)
+    with pytest.raises(TensorShapeError):  # residual of the wrong width
+        op(_rand((1, 576), 1), _rand((1, 512), 2), w, w, packed, handles, EPS, ws, counters, bar)
+    with pytest.raises(TensorShapeError):  # four handles, no next weight
+        op(_rand((1, 576), 1), _rand((1, 576), 2), w, None, packed, handles, EPS, ws, counters, bar)
+    with pytest.raises(TensorShapeError):  # a norm weight of the wrong length
+        op(_rand((1, 576), 1), _rand((1, 576), 2), w[:-8], w, packed, handles, EPS, ws, counters, bar)
+
+
+def test_model_forward_bit_identical_with_and_without_the_chain(tmp_path, monkeypatch):
+    """LlamaModel: a 5-token prefill (no chain: 5 rows of 256 fit, but prefill runs the same routing), then decode
+    steps of 1 and 3 sequences; logits equal bit for bit with the chain on and off."""
+    from exl2_backend.model.layers import AttentionMetadata
+    from exl2_backend.model.llama import LlamaModel
+    from exl2_backend.ops import cuda_chain
+    from tests.helpers.synth import tiny_config_dict, write_tiny_exl2_model
+
+    _needs_chain()
+    cfg = tiny_config_dict(hidden_size=256, intermediate_size=512, num_attention_heads=4, num_key_value_heads=2)
+    d = write_tiny_exl2_model(tmp_path / "m", cfg, seed=4)
+    model = LlamaModel.from_dir(d, "cuda")
+    layer, nxt = model.layers[0], model.layers[1]
+    assert cuda_chain.chain_takes(layer.o, layer.gate_up, layer.down, nxt.qkv, 3)
+
+    def run(chain: bool) -> list[torch.Tensor]:
+        monkeypatch.setattr(cuda_chain, "GEMV_CHAIN", chain)
+        cache = model.make_cache(num_pages=8, page_size=16)
+        dev = torch.device("cuda")
+        ids = torch.tensor([[5, 17, 42, 99, 7]], device=dev)
+        bt = torch.arange(8, dtype=torch.int32, device=dev).view(1, 8)
+        meta = AttentionMetadata(bt, torch.tensor([5], dtype=torch.int32, device=dev), torch.arange(5, device=dev))
+        out = [model.forward(ids, torch.arange(5, device=dev).view(1, 5), cache, meta, logits="all")]
+        meta1 = AttentionMetadata(bt, torch.tensor([6], dtype=torch.int32, device=dev), torch.tensor([5], device=dev))
+        out.append(model.forward(torch.tensor([[11]], device=dev), torch.full((1, 1), 5, device=dev), cache, meta1))
+        bt3 = torch.arange(24, dtype=torch.int32, device=dev).view(3, 8) % 8  # three sequences on the same pages
+        meta3 = AttentionMetadata(bt3, torch.tensor([7, 7, 7], dtype=torch.int32, device=dev),
+                                  torch.tensor([6, 6, 6], device=dev))
+        out.append(model.forward(torch.tensor([[3], [3], [3]], device=dev), torch.full((3, 1), 6, device=dev), cache,
+                                 meta3))
+        return out
+
+    for a, b in zip(run(True), run(False)):
+        assert torch.equal(a, b)

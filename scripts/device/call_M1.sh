@@ -1,13 +1,14 @@
 #!/usr/bin/env bash
 # Device call M1 (session 8): the persistent GEMV chain (csrc/quant/exl2_gemv_chain.cu; o -> gate/up -> down ->
-# next q/k/v in one launch) and the TMA GEMV split into shared steps (exl2_gemv_tma.cuh); carry .whl and
-# .dev/libexl2_kernels.so.gz:
+# next q/k/v in one launch) and the TMA GEMV split into shared steps (exl2_gemv_tma.cuh); carry .whl,
+# .dev/libexl2_kernels.so.gz and .dev/gguf_part_aa (for M2 on the warm machine, within 30 s):
 #  1. the chain's tests, the norm-fused GEMV's and the GEMM/GEMV kernel tests;
 #  2. bench_gemm --m1 (the refactored one-launch TMA GEMV, against session 6's figures);
 #  3. the 8B decode step with and without the chain (profile_decode: graph step, critical path, greedy check);
 #  4. the 8B bench at 1k and 32k for fp16 / q8 / q4 with the chain, at 1k fp16 without; the 1B shape at 1k.
 export EXL2_CARRIED_LIBRARY=1
 source scripts/device/common.sh
+mkdir -p /tmp/smol && cp .dev/gguf_part_a* /tmp/smol/ 2>/dev/null
 results_dir
 trap '[ -d "$R" ] && pack_results m1' EXIT
 t=$(date +%s)

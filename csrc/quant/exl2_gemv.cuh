@@ -493,7 +493,7 @@ int gemv_plan(const int64_t* blob, int ndesc, const void* x, int M, int ldx, int
               int xpre_ld, const GemvNorm* norm, GemvParams& p, GemvPlan& pl);
 
 // Fields per phase of exl2_gemv_chain's table (exl2_gemv_chain.cu; keep in sync with ops/cuda_chain.py).
-constexpr int kChainFields = 10;
+constexpr int kChainFields = 13;
 
 // TMA-ring GEMV launch (exl2_gemv_tma.cu): p fully planned (ring_bytes set), `smem` dynamic bytes.
 int gemv_tma_launch(const GemvParams& p, int blocks, int smem, cudaStream_t stream);

@@ -13,22 +13,42 @@
 // flight while the compute warps finish the split-K reduce and wait at the grid barrier. The compute warps wait
 // on `ready` (the ring's barriers were initialized again) before their chunk loop.
 //
+// Rows the norm cannot fuse into the GEMV in one pass (K = 4096 from M = 3: a verify step, a batch of sequences)
+// get two more phase kinds instead of the add_rms_norm and pregather launches between the GEMVs: a norm phase
+// (block m normalizes row m into shared memory, writes the residual stream and the row in the next GEMV's
+// stored order, exl2_gemv_pregather.cuh) and a pregather phase (the gated input of the down projection in stored
+// order). The GEMV after either copies its rows with 16-byte loads (GemvParams::xpre).
+//
 // Inputs written in an earlier phase are read only after the grid barrier, and no block reads any of them
 // before the phase that writes them, so the L1 holds no stale line of them (the host passes distinct buffers).
 #include <algorithm>
 
 #include "common/api.h"
 #include "common/pdl.cuh"
+#include "quant/exl2_gemv_pregather.cuh"
 #include "quant/exl2_gemv_tma.cuh"
 
 namespace exl2q {
 namespace {
 
-constexpr int kMaxChain = 4;
+constexpr int kMaxChain = 8;
+enum ChainKind { kPhaseGemv = 0, kPhasePregather = 1, kPhaseNorm = 2 };
+constexpr int kPregatherUnits = kTmaComputeThreads;  // units (8 stored rows) per pregather work item
+
+// A pregather or norm phase: the stored-order output (pg) and, for a norm phase, the rows it normalizes (all M;
+// block m takes row m) and where the residual stream goes.
+struct AuxPhase {
+  PregatherParams pg;
+  NormRows norm;
+  __half* res_out;
+  int res_out_ld;
+};
 
 struct ChainParams {
-  GemvParams ph[kMaxChain];
-  int items[kMaxChain];  // work items of each phase (its one-launch grid)
+  GemvParams ph[kMaxChain];  // kPhaseGemv
+  AuxPhase aux[kMaxChain];   // kPhasePregather, kPhaseNorm
+  int kind[kMaxChain];
+  int items[kMaxChain];  // work items of each phase (a GEMV's one-launch grid; a norm phase's rows)
   int nphase;
   TmaLayout layout;        // the largest of every region over the phases
   unsigned int* barrier;   // [2]: arrivals, generation (zero-initialized once; every barrier leaves arrivals 0)
@@ -78,6 +98,7 @@ __device__ __forceinline__ void chain_producer(const ChainParams& c, const TmaSm
   const int lane = threadIdx.x & 31;
   int k = 0, prev_stages = 0;
   for (int ph = 0; ph < c.nphase; ++ph) {
+    if (c.kind[ph] != kPhaseGemv) continue;  // no weights
     const GemvParams& p = c.ph[ph];
     for (int item = blockIdx.x; item < c.items[ph]; item += gridDim.x, ++k) {
       const GvWork wk = gv_work_at(p, item);
@@ -101,16 +122,42 @@ __device__ __forceinline__ void chain_producer(const ChainParams& c, const TmaSm
   }
 }
 
-// The compute warps: per phase, the PDL wait (phase 0) or the grid barrier, then each work item: constants,
-// input, `ready`, the chunk loop, `done`, the split-K finish. The first item's constants are loaded before the
-// wait (they do not depend on earlier phases).
+// A pregather phase's work item: kPregatherUnits units of 8 stored rows (part, token, rows), one per thread.
+__device__ __forceinline__ void chain_pregather_item(const PregatherParams& pg, int item) {
+  const int per_part_m = (pg.kmax + kPregatherRows - 1) / kPregatherRows;
+  const int u = item * kPregatherUnits + threadIdx.x;
+  const int part = u / (pg.M * per_part_m), rest = u - part * pg.M * per_part_m;
+  const int m = rest / per_part_m, r0 = (rest - m * per_part_m) * kPregatherRows;
+  if (part < pg.nparts && r0 < pg.kpad[part]) pregather_rows(pg, part, m, r0, pregather_index(pg, part, r0));
+}
+
+// A norm phase's work item m: row m of rms_norm(x + res) * w into shared memory (the arithmetic of
+// add_rms_norm, gv_norm_rows with one row), the residual stream's row m, then row m of every part's stored-order
+// input from shared memory.
+__device__ __forceinline__ void chain_norm_item(const AuxPhase& a, int m, const TmaSmem& sm) {
+  NormRows n = a.norm;
+  n.x += (size_t)m * n.ldx;
+  if (n.res) n.res += (size_t)m * n.res_ld;
+  n.M = 1;
+  gv_norm_rows(n, sm.xf, sm.red, a.res_out ? a.res_out + (size_t)m * a.res_out_ld : nullptr, a.res_out_ld,
+               compute_sync);
+  const PregatherParams& pg = a.pg;
+  for (int part = 0; part < pg.nparts; ++part)
+    for (int r0 = threadIdx.x * kPregatherRows; r0 < pg.kpad[part]; r0 += kTmaComputeThreads * kPregatherRows)
+      pregather_rows_from(pg, part, m, r0, sm.xf);
+}
+
+// The compute warps: per phase, the PDL wait (phase 0) or the grid barrier, then each work item: for a GEMV,
+// constants, input, `ready`, the chunk loop, `done`, the split-K finish. A GEMV's first item's constants are
+// loaded before the wait (they do not depend on earlier phases).
 __device__ __forceinline__ void chain_compute(const ChainParams& c, const TmaSmem& sm) {
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   int k = 0;
   for (int ph = 0; ph < c.nphase; ++ph) {
     const GemvParams& p = c.ph[ph];
+    const int kind = c.kind[ph];
     int item = blockIdx.x;
-    if (item < c.items[ph]) {
+    if (kind == kPhaseGemv && item < c.items[ph]) {
       const GvWork wk = gv_work_at(p, item);
       tma_load_constants(p.d[wk.di], wk, sm);
     }
@@ -119,6 +166,17 @@ __device__ __forceinline__ void chain_compute(const ChainParams& c, const TmaSme
       compute_sync();
     } else {
       chain_grid_sync(c.barrier);
+    }
+    if (kind == kPhasePregather) {
+      for (; item < c.items[ph]; item += gridDim.x) chain_pregather_item(c.aux[ph].pg, item);
+      continue;
+    }
+    if (kind == kPhaseNorm) {
+      for (; item < c.items[ph]; item += gridDim.x) {
+        chain_norm_item(c.aux[ph], item, sm);
+        compute_sync();  // the next row reuses xf
+      }
+      continue;
     }
     for (; item < c.items[ph]; item += gridDim.x, ++k) {
       const GvWork wk = gv_work_at(p, item);
@@ -209,11 +267,14 @@ int launch_chain(const ChainParams& c, int max_items, int max_grid, int smem, cu
 }  // namespace
 }  // namespace exl2q
 
-// A chain of 1..4 small-M GEMVs (M = 1..8, TMA kernel, sm_90+), each reading the previous ones' outputs, in one
-// persistent launch; the outputs are bit-identical to running exl2_gemv / exl2_gemv_add_norm in order. phases:
-// nphase x kChainFields int64, per phase {blob, ndesc, x, ldx, gate_off, norm weight (0: no norm), norm
-// residual (0: none), residual ld, residual out (0: not written), residual out ld} with the meanings of exl2_gemv
-// and exl2_gemv_add_norm (eps shared). max_grid > 0 caps the grid (tests: blocks then loop over more work items).
+// A chain of 1..8 phases over M = 1..8 rows in one persistent launch, each reading the previous ones' outputs; the
+// outputs are bit-identical to the launches it replaces (exl2_gemv, exl2_gemv_add_norm, exl2_gemv_pregather,
+// exl2_add_rms_norm). phases: nphase x kChainFields int64, per phase {kind, blob, ndesc, x, ldx, gate_off, norm
+// weight (0: none), norm residual (0: none), residual ld, residual out (0: not written), residual out ld, xpre,
+// xpre ld}: kind 0 a GEMV (exl2_gemv's arguments; a norm weight fuses the norm as exl2_gemv_add_norm; xpre: its
+// pre-gathered input), kind 1 a pregather of x into xpre in the stored order of blob's parts (gate_off: silu_mul),
+// kind 2 the norm of x (+ residual) with that weight into xpre in that order, and the residual stream into
+// residual out. eps is shared. max_grid > 0 caps the grid (tests: blocks then loop over more work items).
 // barrier: two zeroed uint32 words owned by this stream's chains.
 EXL2_API int exl2_gemv_chain(const int64_t* phases, int nphase, int M, float eps, int max_grid, void* barrier,
                              void* stream) {
@@ -234,25 +295,60 @@ EXL2_API int exl2_gemv_chain(const int64_t* phases, int nphase, int M, float eps
   c.barrier = reinterpret_cast<unsigned int*>(barrier);
   TmaSizes mx{};
   int max_items = 0;
+  auto aligned = [](const void* q, int64_t ld) { return reinterpret_cast<uintptr_t>(q) % 16 == 0 && ld % 8 == 0; };
   for (int i = 0; i < nphase; ++i) {
     const int64_t* f = phases + (size_t)i * kChainFields;
-    const GemvNorm norm{reinterpret_cast<const void*>(f[6]), (int)f[7], reinterpret_cast<const void*>(f[5]),
-                        reinterpret_cast<void*>(f[8]), (int)f[9], eps};
-    if (f[5]) {
-      EXL2_REQUIRE(!norm.res_out || norm.res, "exl2_gemv_chain: phase %d: residual out without a residual", i);
-      EXL2_REQUIRE(!norm.res_out || (norm.res_out != reinterpret_cast<const void*>(f[2]) && norm.res_out != norm.res),
-                   "exl2_gemv_chain: phase %d: residual out aliases an input", i);
+    const int kind = (int)f[0];
+    const auto* blob = reinterpret_cast<const int64_t*>(f[1]);
+    const int ndesc = (int)f[2], ldx = (int)f[4], gate_off = (int)f[5];
+    const void* x = reinterpret_cast<const void*>(f[3]);
+    const void* w = reinterpret_cast<const void*>(f[6]);
+    const void* res = reinterpret_cast<const void*>(f[7]);
+    void* res_out = reinterpret_cast<void*>(f[9]);
+    void* xpre = reinterpret_cast<void*>(f[11]);
+    const int res_ld = (int)f[8], res_out_ld = (int)f[10], xpre_ld = (int)f[12];
+    EXL2_REQUIRE(kind >= kPhaseGemv && kind <= kPhaseNorm, "exl2_gemv_chain: phase %d: kind %d", i, kind);
+    EXL2_REQUIRE(!res_out || (res && res_out != x && res_out != res), "exl2_gemv_chain: phase %d: residual out "
+                 "without a residual, or aliasing an input", i);
+    c.kind[i] = kind;
+    TmaSizes z{};
+    if (kind == kPhaseGemv) {
+      const GemvNorm norm{res, res_ld, w, res_out, res_out_ld, eps};
+      GemvPlan pl;
+      const int st = gemv_plan(blob, ndesc, x, M, ldx, gate_off, 0, xpre, xpre_ld, w ? &norm : nullptr, c.ph[i], pl);
+      if (st) return st;
+      EXL2_REQUIRE(pl.tma && !c.ph[i].cluster && !c.ph[i].probe, "exl2_gemv_chain: phase %d does not run the "
+                   "plain TMA GEMV (cluster split-K or a timing probe is set)", i);
+      c.items[i] = pl.blocks;
+      const GemvParams& p = c.ph[i];
+      z = tma_sizes(p.ring_bytes, p.maxgrp, M, p.xstride, p.maxnch, p.norm_k);
+    } else {
+      AuxPhase& a = c.aux[i];
+      const int st = pregather_plan(blob, ndesc, x, M, ldx, kind == kPhaseNorm ? 0 : gate_off, xpre, xpre_ld, a.pg);
+      if (st) return st;
+      if (kind == kPhasePregather) {
+        const int units = ndesc * M * ((a.pg.kmax + kPregatherRows - 1) / kPregatherRows);
+        c.items[i] = (units + kPregatherUnits - 1) / kPregatherUnits;
+      } else {
+        const int K = (int)blob[F_K];
+        for (int d = 1; d < ndesc; ++d)
+          EXL2_REQUIRE(blob[(size_t)d * kDescLen + F_K] == K, "exl2_gemv_chain: phase %d: parts of different K", i);
+        const int nt = norm_row_threads(K);
+        EXL2_REQUIRE(w && K % kNormVec == 0 && nt <= kMaxNormThreads, "exl2_gemv_chain: phase %d: a norm of K=%d "
+                     "(a multiple of %d up to %d, with a weight)", i, K, kNormVec, kMaxNormThreads * kNormVec * kNormMaxVecs);
+        EXL2_REQUIRE(aligned(x, ldx) && aligned(w, 0) && (!res || aligned(res, res_ld)) &&
+                     (!res_out || aligned(res_out, res_out_ld)), "exl2_gemv_chain: phase %d: norm rows must start "
+                     "16-byte aligned (pointers and row strides)", i);
+        a.norm = NormRows{reinterpret_cast<const __half*>(x), reinterpret_cast<const __half*>(res),
+                          reinterpret_cast<const __half*>(w), ldx, res_ld, K, nt, M, eps};
+        a.res_out = reinterpret_cast<__half*>(res_out);
+        a.res_out_ld = res_out_ld;
+        c.items[i] = M;
+        z.norm_red = kGvWarps * 4;
+        z.norm_xf = align16(K * 2);
+      }
     }
-    GemvPlan pl;
-    const int st = gemv_plan(reinterpret_cast<const int64_t*>(f[0]), (int)f[1], reinterpret_cast<const void*>(f[2]), M,
-                             (int)f[3], (int)f[4], 0, nullptr, 0, f[5] ? &norm : nullptr, c.ph[i], pl);
-    if (st) return st;
-    EXL2_REQUIRE(pl.tma && !c.ph[i].cluster && !c.ph[i].probe, "exl2_gemv_chain: phase %d does not run the plain "
-                 "TMA GEMV (cluster split-K or a timing probe is set)", i);
-    c.items[i] = pl.blocks;
-    max_items = std::max(max_items, pl.blocks);
-    const GemvParams& p = c.ph[i];
-    const TmaSizes z = tma_sizes(p.ring_bytes, p.maxgrp, M, p.xstride, p.maxnch, p.norm_k);
+    max_items = std::max(max_items, c.items[i]);
     mx = {std::max(mx.ring, z.ring), std::max(mx.scl, z.scl), std::max(mx.xs, z.xs), std::max(mx.xm, z.xm),
           std::max(mx.info, z.info), std::max(mx.norm_red, z.norm_red), std::max(mx.norm_xf, z.norm_xf)};
   }

@@ -24,32 +24,44 @@ __host__ __device__ inline int norm_row_threads(int K) {
   return t < 32 ? 32 : (t + 31) / 32 * 32;
 }
 
+// The rows a norm step reads: x [M, ldx] (+ res [M, res_ld], null: no add), weight w [K], nt threads per row.
+struct NormRows {
+  const __half* x;
+  const __half* res;
+  const __half* w;
+  int ldx, res_ld, K, nt, M;
+  float eps;
+};
+__device__ __forceinline__ NormRows norm_rows_of(const GemvParams& p) {
+  return {p.x, p.norm_res, p.norm_w, p.ldx, p.norm_res_ld, p.norm_k, p.norm_nt, p.M, p.norm_eps};
+}
+
 // Normalized rows of all M tokens into xf[m * K + k] (shared memory): xf = round(r * inv_rms(r) * w) with
 // r = round(h + residual) (r = h without a residual); `res_out` (may be null) receives r. `sync` is the compute
 // warps' barrier; `red` holds kGvWarps floats. Called by the kMaxNormThreads compute threads after the PDL wait.
 template <typename Sync>
-__device__ __forceinline__ void gv_norm_rows(const GemvParams& p, __half* xf, float* red, __half* res_out,
-                                             Sync&& sync) {
+__device__ __forceinline__ void gv_norm_rows(const NormRows& n, __half* xf, float* red, __half* res_out,
+                                             int res_out_ld, Sync&& sync) {
   using namespace exl2::layers;
-  const int K = p.norm_k, nvec = K / kNormVec, nt = p.norm_nt, per_pass = kMaxNormThreads / nt;
+  const int K = n.K, nvec = K / kNormVec, nt = n.nt, per_pass = kMaxNormThreads / nt;
   const int tid = threadIdx.x, sub = tid / nt, t = tid - sub * nt;
   const int lane = tid & 31, warp = tid >> 5, nw = nt >> 5, w0 = sub * nw;
-  for (int m0 = 0; m0 < p.M; m0 += per_pass) {
+  for (int m0 = 0; m0 < n.M; m0 += per_pass) {
     const int m = m0 + sub;
-    const bool live = sub < per_pass && m < p.M;
+    const bool live = sub < per_pass && m < n.M;
     float v[kNormMaxVecs][kNormVec];
     float ss = 0.f;
 #pragma unroll
     for (int i = 0; i < kNormMaxVecs; ++i) {
       const int c = t + i * nt;
       if (live && c < nvec) {
-        load_vec<kNormVec>(p.x + (size_t)m * p.ldx + c * kNormVec, v[i]);
-        if (p.norm_res) {
+        load_vec<kNormVec>(n.x + (size_t)m * n.ldx + c * kNormVec, v[i]);
+        if (n.res) {
           float r[kNormVec];
-          load_vec<kNormVec>(p.norm_res + (size_t)m * p.norm_res_ld + c * kNormVec, r);
+          load_vec<kNormVec>(n.res + (size_t)m * n.res_ld + c * kNormVec, r);
 #pragma unroll
           for (int k = 0; k < kNormVec; ++k) v[i][k] = round_to<__half>(__fadd_rn(v[i][k], r[k]));
-          if (res_out) store_vec<kNormVec>(res_out + (size_t)m * p.norm_res_out_ld + c * kNormVec, v[i]);
+          if (res_out) store_vec<kNormVec>(res_out + (size_t)m * res_out_ld + c * kNormVec, v[i]);
         }
 #pragma unroll
         for (int k = 0; k < kNormVec; ++k) ss = __fmaf_rn(v[i][k], v[i][k], ss);
@@ -60,13 +72,13 @@ __device__ __forceinline__ void gv_norm_rows(const GemvParams& p, __half* xf, fl
     sync();
     float s = sub < per_pass && lane < nw ? red[w0 + lane] : 0.f;
     s = warp_sum(s);
-    const float inv = rsqrtf(__fadd_rn(__fdiv_rn(s, (float)K), p.norm_eps));
+    const float inv = rsqrtf(__fadd_rn(__fdiv_rn(s, (float)K), n.eps));
 #pragma unroll
     for (int i = 0; i < kNormMaxVecs; ++i) {
       const int c = t + i * nt;
       if (live && c < nvec) {
         float wf[kNormVec];
-        load_vec<kNormVec>(p.norm_w + c * kNormVec, wf);
+        load_vec<kNormVec>(n.w + c * kNormVec, wf);
 #pragma unroll
         for (int k = 0; k < kNormVec; ++k) v[i][k] = __fmul_rn(__fmul_rn(v[i][k], inv), wf[k]);
         store_vec<kNormVec>(xf + (size_t)m * K + c * kNormVec, v[i]);

@@ -215,7 +215,8 @@ template <int MT>
 __device__ __forceinline__ void tma_stage_input(const GemvParams& p, const GvWork& wk, const TmaSmem& sm) {
   const int nch = wk.c1 - wk.c0;
   if (p.norm_nt) {
-    gv_norm_rows(p, sm.xf, sm.red, blockIdx.x == 0 ? p.norm_res_out : nullptr, compute_sync);
+    gv_norm_rows(norm_rows_of(p), sm.xf, sm.red, blockIdx.x == 0 ? p.norm_res_out : nullptr, p.norm_res_out_ld,
+                 compute_sync);
     gv_gather_normed(p, nch, sm.xs, sm.xm, sm.xf, kTmaComputeThreads);
   } else if (!(p.probe & kProbeNoGather)) {  // M > 8: M loads per row slot, 16 or 32 in flight (M = 32: 6 or 3 rounds)
     if (p.xpre) gv_copy_pregathered(p, wk.di, wk.c0, nch, sm.xs, kTmaComputeThreads);

@@ -8,7 +8,9 @@ finishes. Every phase is the GEMV it replaces, planned the same way, so the outp
 
 Op: `exl2_backend::exl2_gemv_chain(x, residual, post_w, next_w, packed, handles, eps, ws!, counters!, barrier!)`
 -> (out, residual_out); see `_chain_op`. `mlp_chain` is the model-facing entry: None where the chain does not run
-(then the caller runs the ops one by one).
+(then the caller runs the ops one by one). Where a norm cannot be fused into its GEMV in one pass (K = 4096 from M = 3:
+verify steps, batches of sequences), a norm phase replaces the add_rms_norm launch, and pregather phases replace
+the pregather launches.
 """
 
 from __future__ import annotations
@@ -20,16 +22,19 @@ import torch
 
 from exl2_backend.errors import TensorShapeError
 from exl2_backend.ops import library
-from exl2_backend.ops.cuda_quant import (_REG, CudaLinearOp, _check_norm_input, _check_x, _row_stride,
-                                         gemv_row_cap)
+from exl2_backend.ops.cuda_quant import _REG, CudaLinearOp, _check_norm_input, _check_x, _row_stride, gemv_row_cap
 
 # EXL2_BACKEND_GEMV_CHAIN=0 launches the four GEMVs one by one (same bits), for A/B timing.
 GEMV_CHAIN = os.environ.get("EXL2_BACKEND_GEMV_CHAIN", "1") != "0"
-CHAIN_FIELDS = 10  # int64 per phase; csrc/quant/exl2_gemv.cuh kChainFields
+CHAIN_FIELDS = 13  # int64 per phase; csrc/quant/exl2_gemv.cuh kChainFields
+GEMV, PREGATHER, NORM = 0, 1, 2  # phase kinds
 MAX_M = 8  # one token tile: the chain kernel instantiates the M <= 8 path only
 # > 0 caps the chain's grid (tests: each block then loops over several work items of a phase); 0 = every resident
 # block (the occupancy times the SMs, at most the largest phase's work items).
 MAX_GRID = 0
+# Norm phases instead of the norm fused into the next GEMV: "auto" where the fused norm would take more than one
+# pass (_Launch.takes_norm), "always" (tests: the norm phases on every shape).
+NORM_PHASES = "auto"
 
 _fn = None
 
@@ -42,10 +47,16 @@ def _chain_fn():
     return _fn
 
 
+def _fuses_norm(launch, m: int) -> bool:
+    """The norm inside the GEMV (one pass of its rows) rather than a norm phase before it."""
+    return NORM_PHASES != "always" and launch.takes_norm(m)
+
+
 def chain_takes(o, gate_up, down, nxt, m: int) -> bool:
     """Whether the chain runs M rows through o -> gate_up (normed) -> down (gated) [-> nxt (normed)]: CUDA linears
-    on one sm_90+ device whose one-by-one routing would be exactly these launches (the plain TMA GEMV for o and
-    down, no pre-gathered input; the norm fused into gate_up and nxt), with matching shapes."""
+    on one sm_90+ device that route M rows to the GEMV, with matching shapes. Each norm is fused into its GEMV
+    where that takes one pass, else it is a norm phase; an input the one-by-one path would pre-gather is
+    pre-gathered by a phase of the chain."""
     ops_ = (o, gate_up, down) + (() if nxt is None else (nxt,))
     if not (GEMV_CHAIN and 1 <= m <= MAX_M and all(isinstance(op, CudaLinearOp) for op in ops_)):
         return False
@@ -54,21 +65,64 @@ def chain_takes(o, gate_up, down, nxt, m: int) -> bool:
     hidden = o.out_features
     if gate_up.in_features != hidden or gate_up.out_features != 2 * down.in_features or down.out_features != hidden:
         return False
-    if nxt is not None and (nxt.in_features != hidden or not nxt.launch.takes_norm(m)):
+    if nxt is not None and nxt.in_features != hidden:
         return False
-    lo, ld = o.launch, down.launch
-    return (lo.takes_gemv(m) and not lo.pregathers(m) and ld.takes_gemv(m) and not ld.pregathers(m)
-            and gate_up.launch.takes_norm(m) and len(ld.parts) == 1)
+    return all(op.launch.takes_gemv(m) for op in ops_) and _normable(gate_up.launch) \
+        and (nxt is None or _normable(nxt.launch)) and len(down.launch.parts) == 1
 
 
-def _row(launch, blob: np.ndarray, x: torch.Tensor, ldx: int, gate_off: int = 0, norm=None) -> list[int]:
-    """One phase of the table: the bound descriptors, the input and the fused norm (weight, residual, residual
-    out) or none."""
+def _normable(launch) -> bool:
+    """A norm over the launch's K rows runs, fused or as a phase: K a multiple of 8, at most 8192."""
+    return launch.K % 8 == 0 and launch.K <= 8192
+
+
+def _row(kind: int, launch, blob: np.ndarray, x: torch.Tensor, ldx: int, gate_off: int = 0, norm=None,
+         xpre: torch.Tensor | None = None) -> list[int]:
+    """One phase of the table: the kind, the descriptors (bound for a GEMV; their xmap and Kpad for the others),
+    the input, the norm (weight, residual, residual out) or none, the stored-order input or output."""
     w, res, res_out = norm if norm is not None else (None, None, None)
-    return [blob.ctypes.data, len(launch.parts), x.data_ptr(), ldx, gate_off,
+    return [kind, blob.ctypes.data, len(launch.parts), x.data_ptr(), ldx, gate_off,
             0 if w is None else w.data_ptr(), 0 if res is None else res.data_ptr(),
             0 if res is None else _row_stride(res), 0 if res_out is None else res_out.data_ptr(),
-            0 if res_out is None else res_out.shape[1]]
+            0 if res_out is None else res_out.shape[1], 0 if xpre is None else xpre.data_ptr(),
+            0 if xpre is None else launch.kpad]
+
+
+class _Table:
+    """The chain's phases as they are planned, and the buffers they write (alive until the launch)."""
+
+    def __init__(self, m: int, ws: torch.Tensor, counters: torch.Tensor, like: torch.Tensor):
+        self.m, self.ws, self.counters, self.like = m, ws, counters, like
+        self.rows: list[list[int]] = []
+        self.keep: list[object] = []
+
+    def _stored(self, launch) -> torch.Tensor:  # [parts, M, Kpad]: the input in each part's stored row order
+        return self.like.new_empty((len(launch.parts) * self.m * launch.kpad,))
+
+    def gemv(self, launch, x: torch.Tensor, ldx: int, gate_off: int = 0, norm=None) -> torch.Tensor:
+        """The GEMV of x (gated / normed as exl2_gemv / exl2_gemv_add_norm), pre-gathered by a phase before it
+        where the one-by-one path pre-gathers; returns its output [M, N]."""
+        out, blob = launch._bind(launch.gemv_plan(self.m), self.m, self.ws, self.counters, x.device)
+        xpre = None
+        if norm is None and launch.pregathers(self.m):
+            xpre = self._stored(launch)
+            self.rows.append(_row(PREGATHER, launch, blob, x, ldx, gate_off, xpre=xpre))
+        self.rows.append(_row(GEMV, launch, blob, x, ldx, gate_off, norm=norm, xpre=xpre))
+        self.keep += [blob, xpre]
+        return out
+
+    def normed_gemv(self, launch, h: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, fused: bool):
+        """(GEMV of rms_norm(h + residual) * weight, h + residual): the norm fused into the GEMV, or a norm phase
+        writing the GEMV's stored-order input and the residual stream."""
+        res_out = h.new_empty(h.shape)
+        if fused:
+            return self.gemv(launch, h, _row_stride(h), norm=(weight, residual, res_out)), res_out
+        out, blob = launch._bind(launch.gemv_plan(self.m), self.m, self.ws, self.counters, h.device)
+        xpre = self._stored(launch)
+        self.rows.append(_row(NORM, launch, blob, h, _row_stride(h), norm=(weight, residual, res_out), xpre=xpre))
+        self.rows.append(_row(GEMV, launch, blob, h, _row_stride(h), xpre=xpre))
+        self.keep += [blob, xpre]
+        return out, res_out
 
 
 @torch.library.custom_op("exl2_backend::exl2_gemv_chain", mutates_args=("ws", "counters", "barrier"))
@@ -94,20 +148,17 @@ def _chain_op(x: torch.Tensor, residual: torch.Tensor, post_w: torch.Tensor, nex
         if w is not None and (w.shape != (hidden,) or w.dtype != torch.float16 or w.device != dev
                               or not w.is_contiguous() or w.data_ptr() % 16):
             raise TensorShapeError(f"{name} must be a contiguous float16 [{hidden}] tensor on {dev}", tensor=name)
-    o_out, b_o = o._bind(o.gemv_plan(m), m, ws, counters, dev)
-    gu_out, b_gu = gu._bind(gu.gemv_plan(m), m, ws, counters, dev)
-    r1 = x.new_empty((m, hidden))
-    d_out, b_d = dn._bind(dn.gemv_plan(m), m, ws, counters, dev)
-    rows = [_row(o, b_o, x, _row_stride(x)),
-            _row(gu, b_gu, o_out, hidden, norm=(post_w, residual, r1)),
-            _row(dn, b_d, gu_out, gu.out_features, gate_off=dn.K)]
-    out, res_out = d_out, r1
+    for launch in launches:
+        if not (launch.takes_gemv(m) and (launch not in (gu, nx) or _normable(launch))):
+            raise TensorShapeError(f"the GEMV chain does not take {m} rows of these linears", tensor="x")
+    t = _Table(m, ws, counters, x)
+    o_out = t.gemv(o, x, _row_stride(x))
+    gu_out, r1 = t.normed_gemv(gu, o_out, residual, post_w, _fuses_norm(gu, m))
+    out, res_out = t.gemv(dn, gu_out, gu.out_features, gate_off=dn.K), r1
     if nx is not None:
-        out, b_n = nx._bind(nx.gemv_plan(m), m, ws, counters, dev)
-        res_out = x.new_empty((m, hidden))
-        rows.append(_row(nx, b_n, d_out, hidden, norm=(next_w, r1, res_out)))
-    table = np.asarray(rows, dtype=np.int64)
-    st = _chain_fn()(table.ctypes.data, len(rows), m, float(eps), MAX_GRID, barrier.data_ptr(),
+        out, res_out = t.normed_gemv(nx, out, r1, next_w, _fuses_norm(nx, m))
+    table = np.asarray(t.rows, dtype=np.int64)
+    st = _chain_fn()(table.ctypes.data, len(t.rows), m, float(eps), MAX_GRID, barrier.data_ptr(),
                      torch.cuda.current_stream(dev).cuda_stream)
     library.check(st, "exl2_gemv_chain")
     return out, res_out

@@ -5,8 +5,9 @@
 #  1. the chain's tests, the norm-fused GEMV's and the GEMM/GEMV kernel tests;
 #  2. bench_gemm --m1 (the refactored one-launch TMA GEMV, against session 6's figures);
 #  3. the 8B decode step with and without the chain (profile_decode: graph step, critical path, greedy check);
-#  4. the 8B bench at 1k and 32k for fp16 / q8 / q4 with the chain, at 1k fp16 without and with an L2 prefetch
-#     past the ring (32 / 96 KB per block); the 1B shape at 1k.
+#  4. the 8B bench at 1k and 32k for fp16 / q8 / q4 with the chain, at 1k fp16 without;
+#  5. the verify step costs (spec_bench: k = 1 / 2 / 4 / 8 against a decode step; the chain's norm phases from
+#     M = 3).
 export EXL2_CARRIED_LIBRARY=1
 source scripts/device/common.sh
 mkdir -p /tmp/smol && cp .dev/gguf_part_a* /tmp/smol/ 2>/dev/null
@@ -31,14 +32,8 @@ EXL2_BACKEND_GEMV_CHAIN=0 timeout 60 python3 -m exl2_backend.cli.main bench --sh
   --model-out /tmp/models/llama3-8b --contexts 1024 --cache-type fp16 --json "$R/bench_8b_nochain.json" \
   > "$R/bench_8b_nochain.txt" 2>&1
 echo "no chain:"; grep -E "^│ +1024 │" "$R/bench_8b_nochain.txt" | head -2
-for kb in 32 96; do  # the chain's producer also prefetches the next item's weights past its ring into L2
-  EXL2_GEMV_PREFETCH_KB=$kb timeout 50 python3 -m exl2_backend.cli.main bench --shape llama3-8b --bpw 4.0 \
-    --model-out /tmp/models/llama3-8b --contexts 1024 --cache-type fp16 --json "$R/bench_8b_pf$kb.json" \
-    > "$R/bench_8b_pf$kb.txt" 2>&1
-  echo "chain, L2 prefetch $kb KB per block:"; grep -E "^│ +1024 │" "$R/bench_8b_pf$kb.txt" | head -1
-done
 echo "bench 8b $(( $(date +%s) - t )) s"; t=$(date +%s)
-timeout 70 python3 -m exl2_backend.cli.main bench --shape llama3-1b --bpw 4.0 --model-out /tmp/models/llama3-1b \
-  --contexts 1024 --cache-type fp16 --json "$R/bench_1b.json" > "$R/bench_1b.txt" 2>&1
-grep -E "^│ +1024 │" "$R/bench_1b.txt" | head -2
-echo "bench 1b $(( $(date +%s) - t )) s"
+timeout 50 python3 scripts/spec_bench.py --skip smollm2 --iters 30 --work-dir /tmp/spec_bench \
+  --out "$R/spec_costs.json" 2> "$R/spec_costs.log"
+grep 'step costs' "$R/spec_costs.log" | tail -1
+echo "spec $(( $(date +%s) - t )) s"

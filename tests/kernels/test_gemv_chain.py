@@ -1,14 +1,18 @@
 """The persistent GEMV chain (csrc/quant/exl2_gemv_chain.cu, ops/cuda_chain.py) against the launches it replaces.
 
-Exact: every phase is the GEMV it replaces, planned the same way (splits, split-K order), so o -> gate/up (norm
-fused) -> down (silu_mul fused) [-> next q/k/v (norm fused)] in one launch must equal the four launches bit for bit,
-outputs and residual stream. Shapes: SmolLM2's (hidden 576: partial column blocks, up to 8 rows), a 2048/8192 layer
-with the grid capped below its work items (blocks loop over several), the 8B layer at M = 1 and 2;
+Exact: every phase is the GEMV it replaces, planned the same way (splits, split-K order), and a norm phase repeats
+add_rms_norm's arithmetic, so o -> gate/up (norm fused, or a norm phase) -> down (silu_mul fused, pre-gathered
+where the one-by-one path pre-gathers) [-> next q/k/v] in one launch must equal the launches one by one bit for
+bit, outputs and residual stream. Shapes: SmolLM2's (hidden 576: partial column blocks, up to 8 rows), a 2048/8192 layer
+with the grid capped below its work items (blocks loop over several), the 8B layer at M = 1, 2 (norm fused), 5 and 8
+(norm phases); norm phases forced on every shape;
 every bit width; three and four phases; CUDA-graph replays (the grid barrier's words are reused); the routing's
 refusals and the op's typed errors; the model forward with the chain on and off.
 """
 
 from __future__ import annotations
+
+import functools
 
 import pytest
 import torch
@@ -53,6 +57,7 @@ def _linear(parts, seed: int):
     return cuda_quant.prepare_linear(qts, "cuda")
 
 
+@functools.lru_cache(maxsize=4)  # the 8B layer takes seconds to pack: shared by its parametrizations
 def _layer(hidden: int, inter: int, heads_dim: int, kv_dim: int, bits, seed: int):
     o = _linear([(heads_dim, hidden, bits)], seed)
     gate_up = _linear([(hidden, inter, bits), (hidden, inter, bits)], seed + 10)
@@ -62,13 +67,16 @@ def _layer(hidden: int, inter: int, heads_dim: int, kv_dim: int, bits, seed: int
 
 
 def _one_by_one(o, gate_up, down, nxt, x, residual, post_w, next_w):
-    """The launches the chain replaces, as the model routes them without it."""
+    """The launches the chain replaces, as the model routes them without it (each norm fused into its GEMV where
+    that takes one pass, else add_rms_norm first)."""
+    from exl2_backend.model.layers import norm_linear
+
     h = o.fused_kernel(x, "gemv")
-    gu, r1 = gate_up.add_normed(h, residual, post_w, EPS)
+    gu, r1 = norm_linear(gate_up, h, residual, post_w, EPS)
     d = down.gated(gu)
     if nxt is None:
         return d, r1
-    return nxt.add_normed(d, r1, next_w, EPS)
+    return norm_linear(nxt, d, r1, next_w, EPS)
 
 
 def _check(o, gate_up, down, nxt, m: int, seed: int):
@@ -99,7 +107,7 @@ def test_chain_equals_launches_smollm2_shape(bits, m):
 
 
 @pytest.mark.parametrize("grid", [1, 7, 100])
-@pytest.mark.parametrize("m", [1, 4])
+@pytest.mark.parametrize("m", [1, 4, 6])
 def test_chain_blocks_loop_over_work_items(grid, m, monkeypatch):
     """A 2048 / 8192 layer with three widths, the grid capped below the phases' work items: each block takes
     several items of a phase in turn (its ring re-planned between them; one block runs the whole chain alone)."""
@@ -111,12 +119,37 @@ def test_chain_blocks_loop_over_work_items(grid, m, monkeypatch):
     _check(o, gate_up, down, qkv, m, seed=m + 7 * grid)
 
 
-@pytest.mark.parametrize("m", [1, 2])
+@pytest.mark.parametrize("m", [1, 2, 5, 8])
 def test_chain_llama3_8b_layer(m):
     """The 8B layer (4096 / 14336, q/k/v 4096 + 1024 + 1024) at 4 bits with 8-bit groups mixed in."""
     _needs_chain()
     o, gate_up, down, qkv = _layer(4096, 14336, 4096, 1024, (4, 4, 4, 8), seed=21)
     _check(o, gate_up, down, qkv, m, seed=m + 30)
+
+
+@pytest.mark.parametrize("bits", [3, 5, 8, (6, 4)])
+@pytest.mark.parametrize("m", [1, 2, 7])
+def test_chain_norm_phases_forced(bits, m, monkeypatch):
+    """Norm phases (block m normalizes row m, writes the residual stream and the stored-order input of the GEMV
+    after it) on shapes where the fused norm would run: the same bits as add_rms_norm and the GEMV."""
+    from exl2_backend.ops import cuda_chain
+
+    _needs_chain()
+    monkeypatch.setattr(cuda_chain, "NORM_PHASES", "always")
+    o, gate_up, down, qkv = _layer(576, 1536, 576, 192, bits, seed=40 + m)
+    _check(o, gate_up, down, qkv, m, seed=m + 60)
+    _check(o, gate_up, down, None, m, seed=m + 61)
+
+
+def test_chain_pregather_phases(monkeypatch):
+    """Every GEMV input pre-gathered (GEMV_PREGATHER_ITEMS = 1): pregather phases before o and down."""
+    from exl2_backend.ops import cuda_quant
+
+    _needs_chain()
+    monkeypatch.setattr(cuda_quant, "GEMV_PREGATHER_ITEMS", 1)
+    o, gate_up, down, qkv = _layer(576, 1536, 576, 192, (8, 4), seed=3)
+    assert o.launch.pregathers(3) and down.launch.pregathers(3)
+    _check(o, gate_up, down, qkv, 3, seed=9)
 
 
 def test_chain_replays_in_a_cuda_graph():
@@ -156,7 +189,7 @@ def test_chain_routing_refusals(monkeypatch):
     monkeypatch.setattr(cuda_chain, "GEMV_CHAIN", False)
     assert cuda_chain.mlp_chain(o, gate_up, down, qkv, x[:2], r[:2], w, w, EPS) is None
     big = _layer(4096, 512, 4096, 1024, 4, seed=2)
-    assert cuda_chain.chain_takes(*big, 2) and not cuda_chain.chain_takes(*big, 3)  # the norm takes 2 rows of 4096
+    assert cuda_chain.chain_takes(*big, 8)  # norm phases from M = 3
 
 
 def test_chain_op_typed_errors():
@@ -178,9 +211,10 @@ def test_chain_op_typed_errors():
         op(_rand((1, 576), 1), _rand((1, 576), 2), w[:-8], w, packed, handles, EPS, ws, counters, bar)
 
 
-def test_model_forward_bit_identical_with_and_without_the_chain(tmp_path, monkeypatch):
-    """LlamaModel: a 5-token prefill (no chain: 5 rows of 256 fit, but prefill runs the same routing), then decode
-    steps of 1 and 3 sequences; logits equal bit for bit with the chain on and off."""
+@pytest.mark.parametrize("norm_phases", ["auto", "always"])
+def test_model_forward_bit_identical_with_and_without_the_chain(tmp_path, monkeypatch, norm_phases):
+    """LlamaModel: a 5-token prefill (the chain runs it too: 5 rows), then decode steps of 1 and 3 sequences; logits
+    equal bit for bit with the chain on and off, its norms fused or as phases."""
     from exl2_backend.model.layers import AttentionMetadata
     from exl2_backend.model.llama import LlamaModel
     from exl2_backend.ops import cuda_chain
@@ -192,6 +226,8 @@ def test_model_forward_bit_identical_with_and_without_the_chain(tmp_path, monkey
     model = LlamaModel.from_dir(d, "cuda")
     layer, nxt = model.layers[0], model.layers[1]
     assert cuda_chain.chain_takes(layer.o, layer.gate_up, layer.down, nxt.qkv, 3)
+
+    monkeypatch.setattr(cuda_chain, "NORM_PHASES", norm_phases)
 
     def run(chain: bool) -> list[torch.Tensor]:
         monkeypatch.setattr(cuda_chain, "GEMV_CHAIN", chain)

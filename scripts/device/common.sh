@@ -5,7 +5,7 @@ export PYTHONUNBUFFERED=1 EXL2_BACKEND_ALLOW_MISSING_DEFAULT=1
 # ExLlamaV2 JIT-builds its extension into the torch extensions dir: keep it under /tmp, which survives between
 # calls on a warm machine (C2/C3 of 2026-12-01 rebuilt it from scratch and timed out: $HOME did not persist).
 export TORCH_EXTENSIONS_DIR=/tmp/torch_extensions
-if ! python3 -c "import pydantic, litserve" 2>/dev/null; then
+if [ -d .whl ] && ! PYTHONPATH=/tmp/site python3 -c "import pydantic, litserve" 2>/dev/null; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
 fi
 export PYTHONPATH="$PWD:/tmp/site"

@@ -19,7 +19,7 @@ gpu_tests chain 150 tests/kernels/test_gemv_chain.py tests/kernels/test_gemv_nor
 echo "tests $(( $(date +%s) - t )) s"; t=$(date +%s)
 timeout 40 python3 scripts/bench_gemm.py --m1 > "$R/gemm_m1.txt" 2>&1; tail -8 "$R/gemm_m1.txt"
 echo "gemm $(( $(date +%s) - t )) s"; t=$(date +%s)
-timeout 90 python3 scripts/profile_decode.py --shapes llama3-8b --variants after,nochain --workdir /tmp/prof \
+timeout 80 python3 scripts/profile_decode.py --shapes llama3-8b --variants after,nochain --workdir /tmp/prof \
   --context 1024 --cache-types fp16 --out "$R/p1k" > "$R/profile_1k.txt" 2>&1
 grep -E "^######## |graph step|greedy|!!" "$R/profile_1k.txt" | head -12
 grep -B2 -A14 "critical path" "$R/profile_1k.txt" | head -60

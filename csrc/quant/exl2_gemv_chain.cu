@@ -22,6 +22,8 @@
 // Inputs written in an earlier phase are read only after the grid barrier, and no block reads any of them
 // before the phase that writes them, so the L1 holds no stale line of them (the host passes distinct buffers).
 #include <algorithm>
+#include <cstdio>
+#include <cstdlib>
 
 #include "common/api.h"
 #include "common/pdl.cuh"
@@ -206,9 +208,9 @@ __device__ __forceinline__ void chain_compute(const ChainParams& c, const TmaSme
 }
 #endif
 
-// 112 registers: two blocks per SM (2 x 288 threads x 112 <= 64K); __launch_bounds__(288, 2) capped it at 96 (120
-// bytes of spills).
-__global__ void __maxnreg__(112) gemv_chain_kernel(const __grid_constant__ ChainParams c) {
+// Two blocks per SM: ptxas caps the registers at 96 (a few spills outside and 2-3 local loads inside the chunk
+// loops). M1 ran __maxnreg__(112), for which the occupancy query may still report two blocks per SM.
+__global__ void __launch_bounds__(kTmaThreads, 2) gemv_chain_kernel(const __grid_constant__ ChainParams c) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   extern __shared__ __align__(128) unsigned char smem[];
   exl2::pdl_launch_dependents();  // every block is resident now: the next kernel may launch into freed SMs
@@ -260,6 +262,16 @@ int launch_chain(const ChainParams& c, int max_items, int max_grid, int smem, cu
   int grid = std::min(max_items, per_sm[dev] * sms);
   if (max_grid > 0) grid = std::min(grid, max_grid);
   EXL2_REQUIRE(grid >= 1, "exl2_gemv_chain: no resident block fits %d bytes of shared memory", smem);
+  static int verbose = [] {  // EXL2_GEMV_CHAIN_VERBOSE=n: the first n launches' plans on stderr (measurements)
+    const char* e = getenv("EXL2_GEMV_CHAIN_VERBOSE");
+    return e ? atoi(e) : 0;
+  }();
+  if (verbose > 0) {
+    --verbose;
+    fprintf(stderr, "exl2_gemv_chain: grid %d (%d per SM x %d SMs), smem %d, phases", grid, per_sm[dev], sms, smem);
+    for (int i = 0; i < c.nphase; ++i) fprintf(stderr, " %d:%d", c.kind[i], c.items[i]);
+    fprintf(stderr, "\n");
+  }
   exl2::launch_kernel(gemv_chain_kernel, grid, kTmaThreads, smem, stream, c);
   return exl2::check_launch("exl2_gemv_chain");
 }

@@ -24,8 +24,10 @@ from exl2_backend.errors import TensorShapeError
 from exl2_backend.ops import library
 from exl2_backend.ops.cuda_quant import _REG, CudaLinearOp, _check_norm_input, _check_x, _row_stride, gemv_row_cap
 
-# EXL2_BACKEND_GEMV_CHAIN=0 launches the four GEMVs one by one (same bits), for A/B timing.
-GEMV_CHAIN = os.environ.get("EXL2_BACKEND_GEMV_CHAIN", "1") != "0"
+# Opt-in (EXL2_BACKEND_GEMV_CHAIN=1) until it is faster: H200 call M1 of 2026-12-02, the 8B decode step took 4.44 ms
+# with the chain against 2.88 ms with the GEMVs one by one (eager: 122 us per chain kernel against 85 us for its
+# four GEMVs), same tokens and bit-identical logits. scripts/chain_bench.py isolates it.
+GEMV_CHAIN = os.environ.get("EXL2_BACKEND_GEMV_CHAIN", "0") == "1"
 CHAIN_FIELDS = 13  # int64 per phase; csrc/quant/exl2_gemv.cuh kChainFields
 GEMV, PREGATHER, NORM = 0, 1, 2  # phase kinds
 MAX_M = 8  # one token tile: the chain kernel instantiates the M <= 8 path only

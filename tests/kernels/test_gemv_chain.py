@@ -25,6 +25,14 @@ pytestmark = pytest.mark.cuda
 EPS = 1e-5
 
 
+@pytest.fixture(autouse=True)
+def _chain_on(monkeypatch):
+    """The chain is opt-in (cuda_chain.GEMV_CHAIN); these tests run it."""
+    from exl2_backend.ops import cuda_chain
+
+    monkeypatch.setattr(cuda_chain, "GEMV_CHAIN", True)
+
+
 def _needs_chain():
     from exl2_backend.ops import cuda_quant
 
@@ -49,11 +57,16 @@ def _groups(k: int, bits, seed: int) -> list[tuple[int, int]]:
 
 
 def _linear(parts, seed: int):
-    """A prepared CUDA linear of parts [(K, N, bits)] (several parts: one fused launch, like q/k/v or gate/up)."""
+    """A prepared CUDA linear of parts [(K, N, bits)] (several parts: one fused launch, like q/k/v or gate/up).
+    Group scales sized so that weights have a standard deviation of about 1/sqrt(K) at every width: outputs stay
+    O(1) through the layer (random 8-bit codes at make_qt's default scales overflow fp16 in the MLP)."""
     from exl2_backend.ops import cuda_quant
 
-    qts = [_to_cuda(make_qt(_groups(k, bits, seed + i), n, seed=seed * 7 + i, key=f"p{seed}_{i}"))
-           for i, (k, n, bits) in enumerate(parts)]
+    qts = []
+    for i, (k, n, bits) in enumerate(parts):
+        groups = _groups(k, bits, seed + i)
+        scale_max = [2.0 / (2 ** (b - 1) * k**0.5) for b, _ in groups]
+        qts.append(_to_cuda(make_qt(groups, n, seed=seed * 7 + i, key=f"p{seed}_{i}", scale_max=scale_max)))
     return cuda_quant.prepare_linear(qts, "cuda")
 
 
@@ -89,6 +102,7 @@ def _check(o, gate_up, down, nxt, m: int, seed: int):
     nw = None if nxt is None else next_w
     x0, r0 = x.clone(), residual.clone()
     want = _one_by_one(o, gate_up, down, nxt, x, residual, post_w, nw)
+    assert torch.isfinite(want[0]).all(), "test data overflowed fp16"
     got = cuda_chain.mlp_chain(o, gate_up, down, nxt, x, residual, post_w, nw, EPS)
     assert got is not None
     assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
@@ -186,10 +200,10 @@ def test_chain_routing_refusals(monkeypatch):
     assert cuda_chain.mlp_chain(o, gate_up, down, qkv, x, r, w, w, EPS) is None  # 9 rows: one token tile only
     assert cuda_chain.mlp_chain(o, gate_up, down, qkv, x[:2], r[:2], w, None, EPS) is None  # next without weight
     assert not cuda_chain.chain_takes(o, down, gate_up, qkv, 1)  # shapes do not chain
-    monkeypatch.setattr(cuda_chain, "GEMV_CHAIN", False)
-    assert cuda_chain.mlp_chain(o, gate_up, down, qkv, x[:2], r[:2], w, w, EPS) is None
     big = _layer(4096, 512, 4096, 1024, 4, seed=2)
     assert cuda_chain.chain_takes(*big, 8)  # norm phases from M = 3
+    monkeypatch.setattr(cuda_chain, "GEMV_CHAIN", False)
+    assert cuda_chain.mlp_chain(o, gate_up, down, qkv, x[:2], r[:2], w, w, EPS) is None
 
 
 def test_chain_op_typed_errors():

@@ -1,0 +1,108 @@
+"""The persistent GEMV chain (ops/cuda_chain.py) against the launches it replaces, on one 8B-shape layer.
+
+A Llama-3.1-8B layer (random 4.0 bpw weights drawn on the GPU, bench/random_weights.py) runs o_proj -> gate/up
+(post-attention norm) -> down (silu_mul) -> the next layer's q/k/v (input norm) for M rows, as a CUDA graph of 16
+repetitions replayed 20 times (PDL edges kept), us per repetition:
+  apart        the launches one by one (the default path)
+  chain        one persistent launch (grid: every resident block)
+  chain/132    the same with the grid capped at 132 blocks (one per SM)
+  chain/3      o -> gate/up -> down in the chain, the next q/k/v apart (the fourth phase's marginal cost)
+EXL2_GEMV_CHAIN_VERBOSE=1 prints the chain's grid and phases once.
+
+    python3 scripts/chain_bench.py [--m 1,5] [--json out.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+
+import torch
+
+os.environ.setdefault("EXL2_GEMV_CHAIN_VERBOSE", "2")
+
+
+def build(device):
+    from exl2_backend.bench.random_weights import RandomSource
+    from exl2_backend.model.layers import DecoderLayer
+
+    src = RandomSource("llama3-8b")
+    config = src.config()
+    layers = []
+    for i, lw in enumerate(src.weights(config, device).layers):
+        layers.append(DecoderLayer(i, config, lw, device, torch.float16))
+        if len(layers) == 2:
+            break
+    return config, layers
+
+
+def timed(fn, reps: int = 16, replays: int = 20) -> float:
+    fn()  # warm-up and plans outside the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(reps):
+            fn()
+    graph.replay()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(replays):
+        graph.replay()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) * 1000 / (reps * replays)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--m", default="1,5")
+    ap.add_argument("--json", default=None)
+    args = ap.parse_args()
+    from exl2_backend.model.layers import norm_linear
+    from exl2_backend.ops import cuda_chain
+
+    dev = torch.device("cuda")
+    config, (layer, nxt) = build(dev)
+    eps = config.rms_norm_eps
+    results = {}
+    for m in [int(v) for v in args.m.split(",")]:
+        g = torch.Generator(device=dev).manual_seed(m)
+        x = torch.randn(m, config.hidden_size, generator=g, device=dev).half()
+        residual = torch.randn(m, config.hidden_size, generator=g, device=dev).half()
+
+        def apart(x=x, residual=residual):
+            gu, r1 = norm_linear(layer.gate_up, layer.o(x), residual, layer.post_norm, eps)
+            return norm_linear(nxt.qkv, layer.down.gated(gu), r1, nxt.input_norm, eps)
+
+        def chain(x=x, residual=residual):
+            return cuda_chain.mlp_chain(layer.o, layer.gate_up, layer.down, nxt.qkv, x, residual, layer.post_norm,
+                                        nxt.input_norm, eps)
+
+        def chain3(x=x, residual=residual):
+            d, r1 = cuda_chain.mlp_chain(layer.o, layer.gate_up, layer.down, None, x, residual, layer.post_norm, None,
+                                         eps)
+            return norm_linear(nxt.qkv, d, r1, nxt.input_norm, eps)
+
+        cuda_chain.GEMV_CHAIN = True
+        assert cuda_chain.chain_takes(layer.o, layer.gate_up, layer.down, nxt.qkv, m), f"the chain does not take M={m}"
+        want, got = apart(), chain()
+        exact = torch.equal(want[0], got[0]) and torch.equal(want[1], got[1])
+        row = {"apart_us": timed(apart), "chain_us": timed(chain)}
+        cuda_chain.MAX_GRID = 132
+        row["chain_grid132_us"] = timed(chain)
+        cuda_chain.MAX_GRID = 0
+        row["chain3_us"] = timed(chain3)
+        row["bit_identical"] = exact
+        results[f"m{m}"] = row
+        print(f"M={m}: " + ", ".join(f"{k} {v:.1f}" if isinstance(v, float) else f"{k} {v}" for k, v in row.items()),
+              flush=True)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"gpu": torch.cuda.get_device_name(), "results": results}, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -86,6 +86,7 @@ def main() -> int:
             return norm_linear(nxt.qkv, d, r1, nxt.input_norm, eps)
 
         cuda_chain.GEMV_CHAIN = True
+        cuda_chain.NORM_PHASES = "auto"  # M = 5 at K = 4096: norm phases (opt-in)
         assert cuda_chain.chain_takes(layer.o, layer.gate_up, layer.down, nxt.qkv, m), f"the chain does not take M={m}"
         want, got = apart(), chain()
         exact = torch.equal(want[0], got[0]) and torch.equal(want[1], got[1])

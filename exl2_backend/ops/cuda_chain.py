@@ -34,9 +34,14 @@ MAX_M = 8  # one token tile: the chain kernel instantiates the M <= 8 path only
 # > 0 caps the chain's grid (tests: each block then loops over several work items of a phase); 0 = every resident
 # block (the occupancy times the SMs, at most the largest phase's work items).
 MAX_GRID = 0
-# Norm phases instead of the norm fused into the next GEMV: "auto" where the fused norm would take more than one
-# pass (_Launch.takes_norm), "always" (tests: the norm phases on every shape).
-NORM_PHASES = "auto"
+# Norm phases instead of the norm fused into the next GEMV: "never" (the chain runs only where each norm fuses in
+# one pass: K = 4096 -> M <= 2), "auto" where the fused norm would take more than one pass (_Launch.takes_norm),
+# "always" (tests: the norm phases on every shape). "never" by default: H200 call M3 of 2026-12-02 found the 8B
+# layer at M = 5 with norm phases off by ~0.5% against the launches one by one (M = 8, SmolLM2's shape with forced
+# norm phases, and scripts/chain_bench.py's 8B layer at M = 5 were bit-identical): not yet explained.
+NORM_PHASES = os.environ.get("EXL2_BACKEND_CHAIN_NORM_PHASES", "never")
+if NORM_PHASES not in ("never", "auto", "always"):
+    raise ValueError(f"EXL2_BACKEND_CHAIN_NORM_PHASES must be never, auto or always, got {NORM_PHASES!r}")
 
 _fn = None
 
@@ -69,8 +74,11 @@ def chain_takes(o, gate_up, down, nxt, m: int) -> bool:
         return False
     if nxt is not None and nxt.in_features != hidden:
         return False
-    return all(op.launch.takes_gemv(m) for op in ops_) and _normable(gate_up.launch) \
-        and (nxt is None or _normable(nxt.launch)) and len(down.launch.parts) == 1
+    normed = (gate_up,) + (() if nxt is None else (nxt,))
+    if NORM_PHASES == "never" and not all(op.launch.takes_norm(m) for op in normed):
+        return False
+    return all(op.launch.takes_gemv(m) for op in ops_) and all(_normable(op.launch) for op in normed) \
+        and len(down.launch.parts) == 1
 
 
 def _normable(launch) -> bool:

@@ -289,7 +289,8 @@ class _Workspace:
         self.device = device
         self.ws = torch.empty(0, dtype=torch.float32, device=device)
         self.counters = torch.zeros(1 << 16, dtype=torch.int32, device=device)
-        self.chain_barrier = torch.zeros(2, dtype=torch.int32, device=device)  # exl2_gemv_chain's grid barrier
+        # exl2_gemv_chain's grid barrier: arrivals at [0], the generation one 128-byte line further, at [32]
+        self.chain_barrier = torch.zeros(64, dtype=torch.int32, device=device)
         self._old: list[torch.Tensor] = []
         self._captured = False  # self.ws was handed to a launch during a stream capture
 

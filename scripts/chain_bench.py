@@ -7,7 +7,9 @@ repetitions replayed 20 times (PDL edges kept), us per repetition:
   chain        one persistent launch (grid: every resident block)
   chain/132    the same with the grid capped at 132 blocks (one per SM)
   chain/3      o -> gate/up -> down in the chain, the next q/k/v apart (the fourth phase's marginal cost)
-EXL2_GEMV_CHAIN_VERBOSE=1 prints the chain's grid and phases once.
+EXL2_GEMV_CHAIN_VERBOSE=1 prints the chain's grid and phases once. EXL2_GEMV_CHAIN_STAMPS=1 (four globaltimer
+stores per block and phase) adds, per phase, the medians over blocks of: staging the input, consuming the chunks,
+finishing (split-K store, ticket, reduce) and waiting at the next barrier, from one eager launch, in us.
 
     python3 scripts/chain_bench.py [--m 1,5] [--json out.json]
 """
@@ -55,6 +57,34 @@ def timed(fn, reps: int = 16, replays: int = 20) -> float:
     return start.elapsed_time(end) * 1000 / (reps * replays)
 
 
+def phase_times(fn) -> list[dict]:
+    """Per-phase medians over blocks (us) of one eager launch's stamps (exl2_gemv_chain_stamps)."""
+    import ctypes
+
+    import numpy as np
+
+    from exl2_backend.ops import library
+
+    fn()
+    get = library.declare("exl2_gemv_chain_stamps", library.PTR, library.I32, ctypes.POINTER(ctypes.c_int),
+                          ctypes.POINTER(ctypes.c_int))
+    buf = np.zeros((1024, 8, 4), dtype=np.uint64)
+    grid, nphase = ctypes.c_int(0), ctypes.c_int(0)
+    library.check(get(buf.ctypes.data, 1024, ctypes.byref(grid), ctypes.byref(nphase)), "exl2_gemv_chain_stamps")
+    t = buf[: grid.value, : nphase.value].astype(np.float64) / 1000.0  # [blocks, phases, 4] us
+    t -= t[:, 0, 0].min()
+    out = []
+    for ph in range(nphase.value):
+        s = t[:, ph]
+        row = {"start_spread": float(s[:, 0].max() - s[:, 0].min()), "input": float(np.median(s[:, 1] - s[:, 0])),
+               "chunks": float(np.median(s[:, 2] - s[:, 1])), "finish": float(np.median(s[:, 3] - s[:, 2])),
+               "end": float(s[:, 3].max())}
+        if ph + 1 < nphase.value:
+            row["barrier"] = float(np.median(t[:, ph + 1, 0] - s[:, 3]))
+        out.append(row)
+    return out
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--m", default="1,5")
@@ -96,9 +126,13 @@ def main() -> int:
         cuda_chain.MAX_GRID = 0
         row["chain3_us"] = timed(chain3)
         row["bit_identical"] = exact
+        if os.environ.get("EXL2_GEMV_CHAIN_STAMPS") == "1":
+            row["phases_us"] = phase_times(chain)
+            for i, ph in enumerate(row["phases_us"]):
+                print(f"  M={m} phase {i}: " + ", ".join(f"{k} {v:.2f}" for k, v in ph.items()), flush=True)
         results[f"m{m}"] = row
-        print(f"M={m}: " + ", ".join(f"{k} {v:.1f}" if isinstance(v, float) else f"{k} {v}" for k, v in row.items()),
-              flush=True)
+        print(f"M={m}: " + ", ".join(f"{k} {v:.1f}" if isinstance(v, float) else f"{k} {v}" for k, v in row.items()
+                                     if k != "phases_us"), flush=True)
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"gpu": torch.cuda.get_device_name(), "results": results}, f, indent=1)

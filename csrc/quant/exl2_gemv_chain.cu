@@ -36,6 +36,10 @@ namespace {
 constexpr int kMaxChain = 8;
 enum ChainKind { kPhaseGemv = 0, kPhasePregather = 1, kPhaseNorm = 2 };
 constexpr int kPregatherUnits = kTmaComputeThreads;  // units (8 stored rows) per pregather work item
+// Per block and phase (measurements): the phase's work starts (barrier passed), the first item's input is staged,
+// its chunks are consumed, the block's last item is finished (it arrives at the next barrier).
+constexpr int kStamps = 4;
+constexpr int kMaxStampBlocks = 1024;
 
 // A pregather or norm phase: the stored-order output (pg) and, for a norm phase, the rows it normalizes (all M;
 // block m takes row m) and where the residual stream goes.
@@ -54,6 +58,7 @@ struct ChainParams {
   int nphase;
   TmaLayout layout;        // the largest of every region over the phases
   unsigned int* barrier;   // [64]: arrivals at [0], generation at [32] (zeroed once; every barrier re-arms [0])
+  unsigned long long* stamps;  // null, or [grid][kMaxChain][kStamps] globaltimer ns (EXL2_GEMV_CHAIN_STAMPS=1)
 };
 static_assert(sizeof(ChainParams) <= 32764, "kernel parameters are limited to 32764 bytes");
 
@@ -160,6 +165,14 @@ __device__ __forceinline__ void chain_norm_item(const AuxPhase& a, int m, const 
       pregather_rows_from(pg, part, m, r0, sm.xf);
 }
 
+__device__ __forceinline__ void chain_stamp(const ChainParams& c, int ph, int j) {
+  if (c.stamps && threadIdx.x == 0 && blockIdx.x < kMaxStampBlocks) {
+    unsigned long long t;
+    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+    c.stamps[((size_t)blockIdx.x * kMaxChain + ph) * kStamps + j] = t;
+  }
+}
+
 // The compute warps: per phase, the PDL wait (phase 0) or the grid barrier, then each work item: for a GEMV,
 // constants, input, `ready`, the chunk loop, `done`, the split-K finish. A GEMV's first item's constants are
 // loaded before the wait (they do not depend on earlier phases).
@@ -180,8 +193,10 @@ __device__ __forceinline__ void chain_compute(const ChainParams& c, const TmaSme
     } else {
       chain_grid_sync(c.barrier);
     }
+    chain_stamp(c, ph, 0);
     if (kind == kPhasePregather) {
       for (; item < c.items[ph]; item += gridDim.x) chain_pregather_item(c.aux[ph].pg, item);
+      chain_stamp(c, ph, 3);
       continue;
     }
     if (kind == kPhaseNorm) {
@@ -189,6 +204,7 @@ __device__ __forceinline__ void chain_compute(const ChainParams& c, const TmaSme
         chain_norm_item(c.aux[ph], item, sm);
         compute_sync();  // the next row reuses xf
       }
+      chain_stamp(c, ph, 3);
       continue;
     }
     for (; item < c.items[ph]; item += gridDim.x, ++k) {
@@ -200,6 +216,7 @@ __device__ __forceinline__ void chain_compute(const ChainParams& c, const TmaSme
       }
       tma_stage_input<1>(p, wk, sm);
       compute_sync();
+      if (item == (int)blockIdx.x) chain_stamp(c, ph, 1);
       const bool active = warp < tma_geom(d, wk).nwa;
       GvState st;
       gv_zero(st);
@@ -212,9 +229,11 @@ __device__ __forceinline__ void chain_compute(const ChainParams& c, const TmaSme
       }
       __syncwarp();
       if (lane == 0) mbar_arrive(sm.done());  // every compute warp, active or not: the ring is free
+      if (item == (int)blockIdx.x) chain_stamp(c, ph, 2);
       tma_finish<1>(p, wk, st, active);
       compute_sync();  // the next item's constants overwrite this one's
     }
+    chain_stamp(c, ph, 3);
   }
 }
 #endif
@@ -241,7 +260,28 @@ __global__ void __launch_bounds__(kTmaThreads, 2) gemv_chain_kernel(const __grid
 
 constexpr int kMaxDevices = 64;
 
-int launch_chain(const ChainParams& c, int max_items, int max_grid, int smem, cudaStream_t stream) {
+// EXL2_GEMV_CHAIN_STAMPS=1: every launch records chain_stamp's times into one device buffer (measurements;
+// exl2_gemv_chain_stamps copies the last launch's out).
+unsigned long long* g_stamps[kMaxDevices] = {};
+int g_stamp_grid = 0, g_stamp_phases = 0;
+
+unsigned long long* stamps_buffer(int dev) {
+  static const bool on = [] {
+    const char* e = getenv("EXL2_GEMV_CHAIN_STAMPS");
+    return e && atoi(e) == 1;
+  }();
+  if (!on) return nullptr;
+  if (!g_stamps[dev]) {
+    const size_t bytes = sizeof(unsigned long long) * kMaxStampBlocks * kMaxChain * kStamps;
+    if (cudaMalloc(&g_stamps[dev], bytes) != cudaSuccess || cudaMemset(g_stamps[dev], 0, bytes) != cudaSuccess) {
+      (void)cudaGetLastError();
+      g_stamps[dev] = nullptr;
+    }
+  }
+  return g_stamps[dev];
+}
+
+int launch_chain(ChainParams& c, int max_items, int max_grid, int smem, cudaStream_t stream) {
   static int smem_set[kMaxDevices] = {};
   static int per_sm[kMaxDevices] = {};
   int dev = 0;
@@ -283,6 +323,9 @@ int launch_chain(const ChainParams& c, int max_items, int max_grid, int smem, cu
     for (int i = 0; i < c.nphase; ++i) fprintf(stderr, " %d:%d", c.kind[i], c.items[i]);
     fprintf(stderr, "\n");
   }
+  c.stamps = stamps_buffer(dev);
+  g_stamp_grid = grid;
+  g_stamp_phases = c.nphase;
   exl2::launch_kernel(gemv_chain_kernel, grid, kTmaThreads, smem, stream, c);
   return exl2::check_launch("exl2_gemv_chain");
 }
@@ -379,4 +422,25 @@ EXL2_API int exl2_gemv_chain(const int64_t* phases, int nphase, int M, float eps
   EXL2_REQUIRE(c.layout.total <= 227 * 1024 - 1024, "exl2_gemv_chain: %d bytes of shared memory per block",
                c.layout.total);
   return launch_chain(c, max_items, max_grid, c.layout.total, reinterpret_cast<cudaStream_t>(stream));
+}
+
+// The last launch's stamps (EXL2_GEMV_CHAIN_STAMPS=1; synchronizes the device): host receives up to max_blocks x
+// 8 phases x 4 uint64 (globaltimer ns: phase start, input staged, chunks consumed, block finished), *grid and
+// *nphase the launch's. EXL2_ERR_UNSUPPORTED when stamps are off.
+EXL2_API int exl2_gemv_chain_stamps(void* host, int max_blocks, int* grid, int* nphase) {
+  using namespace exl2q;
+  EXL2_REQUIRE(host && grid && nphase && max_blocks > 0, "exl2_gemv_chain_stamps: bad argument");
+  int dev = 0;
+  if (cudaGetDevice(&dev) != cudaSuccess || dev < 0 || dev >= kMaxDevices) return exl2::check_launch("device");
+  if (!g_stamps[dev]) return exl2::set_error(EXL2_ERR_UNSUPPORTED, "exl2_gemv_chain_stamps: EXL2_GEMV_CHAIN_STAMPS "
+                                             "is not 1, or no chain has run");
+  const int n = std::min(std::min(max_blocks, g_stamp_grid), kMaxStampBlocks);
+  cudaError_t err = cudaDeviceSynchronize();
+  if (err == cudaSuccess)
+    err = cudaMemcpy(host, g_stamps[dev], sizeof(unsigned long long) * n * kMaxChain * kStamps,
+                     cudaMemcpyDeviceToHost);
+  if (err != cudaSuccess) return exl2::set_error((int)err, "exl2_gemv_chain_stamps: %s", cudaGetErrorString(err));
+  *grid = n;
+  *nphase = g_stamp_phases;
+  return EXL2_OK;
 }

@@ -258,8 +258,6 @@ __global__ void __launch_bounds__(kTmaThreads, 2) gemv_chain_kernel(const __grid
 #endif
 }
 
-constexpr int kMaxDevices = 64;
-
 // EXL2_GEMV_CHAIN_STAMPS=1: every launch records chain_stamp's times into one device buffer (measurements;
 // exl2_gemv_chain_stamps copies the last launch's out).
 unsigned long long* g_stamps[kMaxDevices] = {};
@@ -284,20 +282,10 @@ unsigned long long* stamps_buffer(int dev) {
 int launch_chain(ChainParams& c, int max_items, int max_grid, int smem, cudaStream_t stream) {
   static int smem_set[kMaxDevices] = {};
   static int per_sm[kMaxDevices] = {};
-  int dev = 0;
-  if (cudaGetDevice(&dev) != cudaSuccess || dev < 0 || dev >= kMaxDevices) {
-    (void)cudaGetLastError();
-    dev = 0;
-  }
+  const int dev = current_device_slot();
   if (smem > smem_set[dev]) {
-    cudaError_t err = cudaFuncSetAttribute(gemv_chain_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
-    if (err != cudaSuccess)
-      return exl2::set_error((int)err, "exl2_gemv_chain: %d bytes of shared memory: %s", smem, cudaGetErrorString(err));
-    if (smem_set[dev] == 0 &&
-        cudaFuncSetAttribute(gemv_chain_kernel, cudaFuncAttributePreferredSharedMemoryCarveout, 100) != cudaSuccess)
-      (void)cudaGetLastError();  // a hint only
-    smem_set[dev] = smem;
-    per_sm[dev] = 0;
+    if (const int st = raise_smem_limit(gemv_chain_kernel, smem, smem_set[dev], "exl2_gemv_chain")) return st;
+    per_sm[dev] = 0;  // the occupancy changes with the limit
   }
   // Every block must be resident at once (the grid barrier): at most the occupancy times the SMs.
   if (per_sm[dev] == 0) {
@@ -430,8 +418,7 @@ EXL2_API int exl2_gemv_chain(const int64_t* phases, int nphase, int M, float eps
 EXL2_API int exl2_gemv_chain_stamps(void* host, int max_blocks, int* grid, int* nphase) {
   using namespace exl2q;
   EXL2_REQUIRE(host && grid && nphase && max_blocks > 0, "exl2_gemv_chain_stamps: bad argument");
-  int dev = 0;
-  if (cudaGetDevice(&dev) != cudaSuccess || dev < 0 || dev >= kMaxDevices) return exl2::check_launch("device");
+  const int dev = current_device_slot();
   if (!g_stamps[dev]) return exl2::set_error(EXL2_ERR_UNSUPPORTED, "exl2_gemv_chain_stamps: EXL2_GEMV_CHAIN_STAMPS "
                                              "is not 1, or no chain has run");
   const int n = std::min(std::min(max_blocks, g_stamp_grid), kMaxStampBlocks);

@@ -144,8 +144,6 @@ __global__ void __launch_bounds__(kTmaThreads, MT == 1 ? EXL2_GEMV_TMA_MT1_MIN_B
 #endif
 }
 
-constexpr int kMaxDevices = 64;
-
 }  // namespace
 
 int gemv_tma_smem_extra(int M, int xstride, int maxnch, int maxgrp, int norm_k) {
@@ -157,21 +155,9 @@ template <int MT>
 int launch_mt(const GemvParams& p, int blocks, int smem, cudaStream_t stream) {
   static int smem_set[kMaxDevices] = {};  // function attributes are per kernel and per device
   static bool non_portable_set[kMaxDevices] = {};
-  int dev = 0;
-  if (cudaGetDevice(&dev) != cudaSuccess || dev < 0 || dev >= kMaxDevices) {
-    (void)cudaGetLastError();
-    dev = 0;
-  }
+  const int dev = current_device_slot();
   auto kernel = gemv_tma_kernel<MT>;
-  if (smem > smem_set[dev]) {
-    cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
-    if (err != cudaSuccess)
-      return exl2::set_error((int)err, "exl2_gemv (TMA): %d bytes of shared memory: %s", smem, cudaGetErrorString(err));
-    if (smem_set[dev] == 0 &&
-        cudaFuncSetAttribute(kernel, cudaFuncAttributePreferredSharedMemoryCarveout, 100) != cudaSuccess)
-      (void)cudaGetLastError();  // a hint only
-    smem_set[dev] = smem;
-  }
+  if (const int st = raise_smem_limit(kernel, smem, smem_set[dev], "exl2_gemv (TMA)")) return st;
   if (!p.cluster) {
     exl2::launch_kernel(kernel, blocks, kTmaThreads, smem, stream, p);
     return exl2::check_launch("exl2_gemv (TMA)");

@@ -8,10 +8,38 @@
 //   (tma_chunks) and the split-K store, ticket and reduce (tma_finish).
 #pragma once
 
+#include "common/api.h"
 #include "quant/exl2_gemv.cuh"
 #include "quant/exl2_gemv_norm.cuh"
 
 namespace exl2q {
+
+// Host: per-device kernel attributes are kept for the first kMaxDevices devices.
+constexpr int kMaxDevices = 64;
+
+// Host: the current device's index (0 when unknown or out of range).
+inline int current_device_slot() {
+  int dev = 0;
+  if (cudaGetDevice(&dev) != cudaSuccess || dev < 0 || dev >= kMaxDevices) {
+    (void)cudaGetLastError();
+    dev = 0;
+  }
+  return dev;
+}
+
+// Host: raises `kernel`'s dynamic shared memory limit to `smem` when it grows past `set` (this device's value so
+// far), asking for the whole carveout as shared memory the first time. `what` names the op in the error.
+template <typename Kernel>
+int raise_smem_limit(Kernel kernel, int smem, int& set, const char* what) {
+  if (smem <= set) return EXL2_OK;
+  cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
+  if (err != cudaSuccess)
+    return exl2::set_error((int)err, "%s: %d bytes of shared memory: %s", what, smem, cudaGetErrorString(err));
+  if (set == 0 && cudaFuncSetAttribute(kernel, cudaFuncAttributePreferredSharedMemoryCarveout, 100) != cudaSuccess)
+    (void)cudaGetLastError();  // a hint only
+  set = smem;
+  return EXL2_OK;
+}
 
 constexpr int kTmaMaxStages = 32;
 constexpr int kTmaComputeThreads = kGvWarps * 32;

@@ -238,9 +238,9 @@ def test_chain_op_typed_errors():
 def test_model_forward_bit_identical_with_and_without_the_chain(tmp_path, monkeypatch, norm_phases):
     """LlamaModel: a 5-token prefill (the chain runs it too: 5 rows), then decode steps of 1 and 3 sequences; logits
     equal bit for bit with the chain on and off, its norms fused or as phases."""
-    from exl2_backend.model.layers import AttentionMetadata
     from exl2_backend.model.llama import LlamaModel
     from exl2_backend.ops import cuda_chain
+    from tests.helpers.forward_steps import prefill_then_decode
     from tests.helpers.synth import tiny_config_dict, write_tiny_exl2_model
 
     _needs_chain()
@@ -252,22 +252,9 @@ def test_model_forward_bit_identical_with_and_without_the_chain(tmp_path, monkey
 
     monkeypatch.setattr(cuda_chain, "NORM_PHASES", norm_phases)
 
-    def run(chain: bool) -> list[torch.Tensor]:
-        monkeypatch.setattr(cuda_chain, "GEMV_CHAIN", chain)
-        cache = model.make_cache(num_pages=8, page_size=16)
-        dev = torch.device("cuda")
-        ids = torch.tensor([[5, 17, 42, 99, 7]], device=dev)
-        bt = torch.arange(8, dtype=torch.int32, device=dev).view(1, 8)
-        meta = AttentionMetadata(bt, torch.tensor([5], dtype=torch.int32, device=dev), torch.arange(5, device=dev))
-        out = [model.forward(ids, torch.arange(5, device=dev).view(1, 5), cache, meta, logits="all")]
-        meta1 = AttentionMetadata(bt, torch.tensor([6], dtype=torch.int32, device=dev), torch.tensor([5], device=dev))
-        out.append(model.forward(torch.tensor([[11]], device=dev), torch.full((1, 1), 5, device=dev), cache, meta1))
-        bt3 = torch.arange(24, dtype=torch.int32, device=dev).view(3, 8) % 8  # three sequences on the same pages
-        meta3 = AttentionMetadata(bt3, torch.tensor([7, 7, 7], dtype=torch.int32, device=dev),
-                                  torch.tensor([6, 6, 6], device=dev))
-        out.append(model.forward(torch.tensor([[3], [3], [3]], device=dev), torch.full((3, 1), 6, device=dev), cache,
-                                 meta3))
-        return out
+    def run(on: bool) -> list[torch.Tensor]:
+        monkeypatch.setattr(cuda_chain, "GEMV_CHAIN", on)
+        return prefill_then_decode(model)
 
     for a, b in zip(run(True), run(False)):
         assert torch.equal(a, b)

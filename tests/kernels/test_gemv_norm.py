@@ -125,11 +125,11 @@ def test_norm_routing_takes_one_pass_of_rows():
 
 
 def test_model_forward_bit_identical_with_and_without_the_fused_norm(tmp_path, monkeypatch):
-    """LlamaModel: a 5-token prefill, then one decode step of 3 sequences; logits equal bit for bit with
-    layers.FUSED_NORM on and off (the head's final norm included)."""
+    """LlamaModel: a 5-token prefill, then decode steps of 1 and 3 sequences (tests/helpers/forward_steps.py);
+    logits equal bit for bit with layers.FUSED_NORM on and off (the head's final norm included)."""
     from exl2_backend.model import layers
-    from exl2_backend.model.layers import AttentionMetadata
     from exl2_backend.model.llama import LlamaModel
+    from tests.helpers.forward_steps import prefill_then_decode
     from tests.helpers.synth import tiny_config_dict, write_tiny_exl2_model
 
     _needs_tma()
@@ -138,20 +138,9 @@ def test_model_forward_bit_identical_with_and_without_the_fused_norm(tmp_path, m
     model = LlamaModel.from_dir(d, "cuda")
     assert model.layers[0].qkv.launch.takes_norm(1) and model.lm_head.launch.takes_norm(3)
 
-    def run(fused: bool) -> list[torch.Tensor]:
-        monkeypatch.setattr(layers, "FUSED_NORM", fused)
-        cache = model.make_cache(num_pages=8, page_size=16)
-        dev = torch.device("cuda")
-        ids = torch.tensor([[5, 17, 42, 99, 7]], device=dev)
-        bt = torch.arange(8, dtype=torch.int32, device=dev).view(1, 8)
-        meta = AttentionMetadata(bt, torch.tensor([5], dtype=torch.int32, device=dev), torch.arange(5, device=dev))
-        out = [model.forward(ids, torch.arange(5, device=dev).view(1, 5), cache, meta, logits="all")]
-        bt3 = torch.arange(24, dtype=torch.int32, device=dev).view(3, 8) % 8  # three sequences on the same pages
-        meta3 = AttentionMetadata(bt3, torch.tensor([6, 6, 6], dtype=torch.int32, device=dev),
-                                  torch.tensor([5, 5, 5], device=dev))
-        ids3 = torch.tensor([[3], [3], [3]], device=dev)
-        out.append(model.forward(ids3, torch.full((3, 1), 5, device=dev), cache, meta3))
-        return out
+    def run(on: bool) -> list[torch.Tensor]:
+        monkeypatch.setattr(layers, "FUSED_NORM", on)
+        return prefill_then_decode(model)
 
     for a, b in zip(run(True), run(False)):
         assert torch.equal(a, b)

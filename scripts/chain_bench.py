@@ -11,7 +11,7 @@ EXL2_GEMV_CHAIN_VERBOSE=1 prints the chain's grid and phases once. EXL2_GEMV_CHA
 stores per block and phase) adds, per phase, the medians over blocks of: staging the input, consuming the chunks,
 finishing (split-K store, ticket, reduce) and waiting at the next barrier, from one eager launch, in us.
 
-    python3 scripts/chain_bench.py [--m 1,5] [--json out.json]
+    python3 scripts/chain_bench.py [--m 1,5] [--json out.json] [--stamps-out prefix]
 """
 
 from __future__ import annotations
@@ -57,8 +57,10 @@ def timed(fn, reps: int = 16, replays: int = 20) -> float:
     return start.elapsed_time(end) * 1000 / (reps * replays)
 
 
-def phase_times(fn) -> list[dict]:
-    """Per-phase medians over blocks (us) of one eager launch's stamps (exl2_gemv_chain_stamps)."""
+def phase_times(fn, raw_out: str | None = None) -> list[dict]:
+    """Per-phase figures (us) of one eager launch's stamps (exl2_gemv_chain_stamps): medians over blocks of the
+    steps, the spread of the finishes, and the barrier's own latency (first block through it minus the last
+    finish). raw_out: the stamps as a .npy array [blocks, phases, 4] in us from the first start."""
     import ctypes
 
     import numpy as np
@@ -71,17 +73,27 @@ def phase_times(fn) -> list[dict]:
     buf = np.zeros((1024, 8, 4), dtype=np.uint64)
     grid, nphase = ctypes.c_int(0), ctypes.c_int(0)
     library.check(get(buf.ctypes.data, 1024, ctypes.byref(grid), ctypes.byref(nphase)), "exl2_gemv_chain_stamps")
-    t = buf[: grid.value, : nphase.value].astype(np.float64) / 1000.0  # [blocks, phases, 4] us
+    stamped = buf[: grid.value, : nphase.value]  # [blocks, phases, 4] ns, 0 where a step was not stamped
+    t = stamped.astype(np.float64) / 1000.0
     t -= t[:, 0, 0].min()
+    t[stamped == 0] = np.nan  # norm / pregather phases and idle blocks stamp only start and end
+    if raw_out:
+        np.save(raw_out, t)
     out = []
     for ph in range(nphase.value):
         s = t[:, ph]
-        row = {"start_spread": float(s[:, 0].max() - s[:, 0].min()), "input": float(np.median(s[:, 1] - s[:, 0])),
-               "chunks": float(np.median(s[:, 2] - s[:, 1])), "finish": float(np.median(s[:, 3] - s[:, 2])),
-               "end": float(s[:, 3].max())}
+        row = {"start_spread": float(np.nanmax(s[:, 0]) - np.nanmin(s[:, 0]))}
+        for name, a, b in (("input", 0, 1), ("chunks", 1, 2), ("finish", 2, 3)):
+            d = s[:, b] - s[:, a]
+            if np.isfinite(d).any():
+                row[name] = float(np.nanmedian(d))
+        row["chunks_p90"] = float(np.nanpercentile(s[:, 2] - s[:, 1], 90)) if np.isfinite(s[:, 2]).any() else None
+        row["end_median"] = float(np.nanmedian(s[:, 3]))
+        row["end"] = float(np.nanmax(s[:, 3]))
         if ph + 1 < nphase.value:
-            row["barrier"] = float(np.median(t[:, ph + 1, 0] - s[:, 3]))
-        out.append(row)
+            row["barrier"] = float(np.nanmedian(t[:, ph + 1, 0] - s[:, 3]))
+            row["barrier_latency"] = float(np.nanmin(t[:, ph + 1, 0]) - row["end"])
+        out.append({k: v for k, v in row.items() if v is not None})
     return out
 
 
@@ -89,6 +101,7 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--m", default="1,5")
     ap.add_argument("--json", default=None)
+    ap.add_argument("--stamps-out", default=None, help="prefix of .npy files of the raw stamps, one per M")
     args = ap.parse_args()
     from exl2_backend.model.layers import norm_linear
     from exl2_backend.ops import cuda_chain
@@ -127,7 +140,7 @@ def main() -> int:
         row["chain3_us"] = timed(chain3)
         row["bit_identical"] = exact
         if os.environ.get("EXL2_GEMV_CHAIN_STAMPS") == "1":
-            row["phases_us"] = phase_times(chain)
+            row["phases_us"] = phase_times(chain, args.stamps_out and f"{args.stamps_out}_m{m}.npy")
             for i, ph in enumerate(row["phases_us"]):
                 print(f"  M={m} phase {i}: " + ", ".join(f"{k} {v:.2f}" for k, v in ph.items()), flush=True)
         results[f"m{m}"] = row

@@ -59,6 +59,11 @@ struct ChainParams {
   TmaLayout layout;        // the largest of every region over the phases
   unsigned int* barrier;   // [64]: arrivals at [0], generation at [32] (zeroed once; every barrier re-arms [0])
   unsigned long long* stamps;  // null, or [grid][kMaxChain][kStamps] globaltimer ns (EXL2_GEMV_CHAIN_STAMPS=1)
+  // Measurements (N1's stamps: each phase boundary costs ~10 us of dependent round trips, which queue behind the
+  // next phase's ring fill): hold = the producer issues a phase's first copies only once the block has passed the
+  // barrier before it (EXL2_GEMV_CHAIN_HOLD=1); spin = the barrier's waiters poll without back-off
+  // (EXL2_GEMV_CHAIN_SPIN=1).
+  int hold, spin;
 };
 static_assert(sizeof(ChainParams) <= 32764, "kernel parameters are limited to 32764 bytes");
 
@@ -70,7 +75,7 @@ static_assert(sizeof(ChainParams) <= 32764, "kernel parameters are limited to 32
 // one line, acquire polls without back-off, sequentially consistent fences; the chain was ~50% slower than the
 // launches one by one, cause not isolated).
 constexpr int kBarrierGenWord = 32;  // uint32 words from the count to the generation (128 bytes)
-__device__ __forceinline__ void chain_grid_sync(unsigned int* bar) {
+__device__ __forceinline__ void chain_grid_sync(unsigned int* bar, bool spin) {
   compute_sync();
   if (threadIdx.x == 0) {
     unsigned int* gen_word = bar + kBarrierGenWord;
@@ -88,7 +93,7 @@ __device__ __forceinline__ void chain_grid_sync(unsigned int* bar) {
       for (;;) {
         asm volatile("ld.relaxed.gpu.global.u32 %0, [%1];" : "=r"(now) : "l"(gen_word) : "memory");
         if (now != gen) break;
-        __nanosleep(ns);
+        if (!spin) __nanosleep(ns);
         ns = ns < 256 ? 2 * ns : ns;
       }
       asm volatile("fence.acq_rel.gpu;" ::: "memory");  // acquire: the other blocks' writes before the bump
@@ -115,9 +120,15 @@ __device__ __forceinline__ void by_bits(int bits, F&& f) {
 __device__ __forceinline__ void chain_producer(const ChainParams& c, const TmaSmem& sm) {
   const int lane = threadIdx.x & 31;
   int k = 0, prev_stages = 0;
+  uint32_t go = 0;  // the parity of the next `go` (hold)
   for (int ph = 0; ph < c.nphase; ++ph) {
     if (c.kind[ph] != kPhaseGemv) continue;  // no weights
     const GemvParams& p = c.ph[ph];
+    if (c.hold && ph > 0 && (int)blockIdx.x < c.items[ph]) {
+      if (lane == 0) mbar_wait(sm.go(), go);  // the compute warps passed this phase's barrier
+      go ^= 1;
+      __syncwarp();
+    }
     for (int item = blockIdx.x; item < c.items[ph]; item += gridDim.x, ++k) {
       const GvWork wk = gv_work_at(p, item);
       const int bits = p.d[wk.di].runs[wk.ri].bits;
@@ -191,7 +202,8 @@ __device__ __forceinline__ void chain_compute(const ChainParams& c, const TmaSme
       exl2::pdl_wait();
       compute_sync();
     } else {
-      chain_grid_sync(c.barrier);
+      chain_grid_sync(c.barrier, c.spin);
+      if (c.hold && kind == kPhaseGemv && item < c.items[ph] && threadIdx.x == 0) mbar_arrive(sm.go());
     }
     chain_stamp(c, ph, 0);
     if (kind == kPhasePregather) {
@@ -248,6 +260,7 @@ __global__ void __launch_bounds__(kTmaThreads, 2) gemv_chain_kernel(const __grid
   if (threadIdx.x == 0) {
     mbar_init(sm.ready(), 1);
     mbar_init(sm.done(), kGvWarps);
+    mbar_init(sm.go(), 1);
     asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
   }
   __syncthreads();
@@ -311,6 +324,16 @@ int launch_chain(ChainParams& c, int max_items, int max_grid, int smem, cudaStre
     for (int i = 0; i < c.nphase; ++i) fprintf(stderr, " %d:%d", c.kind[i], c.items[i]);
     fprintf(stderr, "\n");
   }
+  static const int hold = [] {
+    const char* e = getenv("EXL2_GEMV_CHAIN_HOLD");
+    return e ? atoi(e) : 0;
+  }();
+  static const int spin = [] {
+    const char* e = getenv("EXL2_GEMV_CHAIN_SPIN");
+    return e ? atoi(e) : 0;
+  }();
+  c.hold = hold;
+  c.spin = spin;
   c.stamps = stamps_buffer(dev);
   g_stamp_grid = grid;
   g_stamp_phases = c.nphase;

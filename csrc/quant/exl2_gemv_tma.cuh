@@ -44,9 +44,10 @@ int raise_smem_limit(Kernel kernel, int smem, int& set, const char* what) {
 constexpr int kTmaMaxStages = 32;
 constexpr int kTmaComputeThreads = kGvWarps * 32;
 constexpr int kTmaThreads = kTmaComputeThreads + 32;  // + the producer warp
-// mbarriers: full[kTmaMaxStages], empty[kTmaMaxStages], scales, and the chain kernel's ready / done hand-off
-// between the producer and the compute warps (one spare keeps 16-byte alignment).
-constexpr int kBarScale = 2 * kTmaMaxStages, kBarReady = kBarScale + 1, kBarDone = kBarScale + 2;
+// mbarriers: full[kTmaMaxStages], empty[kTmaMaxStages], scales, and the chain kernel's ready / done / go
+// hand-offs between the producer and the compute warps.
+constexpr int kBarScale = 2 * kTmaMaxStages, kBarReady = kBarScale + 1, kBarDone = kBarScale + 2,
+              kBarGo = kBarScale + 3;
 constexpr int kBarBytes = (2 * kTmaMaxStages + 4) * 8;
 constexpr int kGroupScaleBytes = kGvWarps * 8 * 8;  // one group's scales of the block: [8 warps][8 gid] uint2
 
@@ -142,6 +143,7 @@ struct TmaSmem {
   __device__ uint32_t scale() const { return bar0 + 8 * kBarScale; }
   __device__ uint32_t ready() const { return bar0 + 8 * kBarReady; }
   __device__ uint32_t done() const { return bar0 + 8 * kBarDone; }
+  __device__ uint32_t go() const { return bar0 + 8 * kBarGo; }
 };
 
 // One block's geometry for work item `wk`: its column block's warp tiles and chunk range.

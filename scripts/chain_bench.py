@@ -60,7 +60,8 @@ def timed(fn, reps: int = 16, replays: int = 20) -> float:
 def phase_times(fn, raw_out: str | None = None) -> list[dict]:
     """Per-phase figures (us) of one eager launch's stamps (exl2_gemv_chain_stamps): medians over blocks of the
     steps, the spread of the finishes, and the barrier's own latency (first block through it minus the last
-    finish). raw_out: the stamps as a .npy array [blocks, phases, 4] in us from the first start."""
+    finish). raw_out: the stamps as a .npy array [blocks, phases, 8] in us from the first start (exl2_gemv_chain.cu's
+    kStamps: EXL2_GEMV_CHAIN_STAMPS=2 adds the probe of one L2 round trip after the barrier)."""
     import ctypes
 
     import numpy as np
@@ -70,10 +71,10 @@ def phase_times(fn, raw_out: str | None = None) -> list[dict]:
     fn()
     get = library.declare("exl2_gemv_chain_stamps", library.PTR, library.I32, ctypes.POINTER(ctypes.c_int),
                           ctypes.POINTER(ctypes.c_int))
-    buf = np.zeros((1024, 8, 4), dtype=np.uint64)
+    buf = np.zeros((1024, 8, 8), dtype=np.uint64)  # [blocks, phases, kStamps]
     grid, nphase = ctypes.c_int(0), ctypes.c_int(0)
     library.check(get(buf.ctypes.data, 1024, ctypes.byref(grid), ctypes.byref(nphase)), "exl2_gemv_chain_stamps")
-    stamped = buf[: grid.value, : nphase.value]  # [blocks, phases, 4] ns, 0 where a step was not stamped
+    stamped = buf[: grid.value, : nphase.value]  # [blocks, phases, 8] ns, 0 where a step was not stamped
     t = stamped.astype(np.float64) / 1000.0
     t -= t[:, 0, 0].min()
     t[stamped == 0] = np.nan  # norm / pregather phases and idle blocks stamp only start and end
@@ -83,7 +84,8 @@ def phase_times(fn, raw_out: str | None = None) -> list[dict]:
     for ph in range(nphase.value):
         s = t[:, ph]
         row = {"start_spread": float(np.nanmax(s[:, 0]) - np.nanmin(s[:, 0]))}
-        for name, a, b in (("input", 0, 1), ("chunks", 1, 2), ("finish", 2, 3)):
+        for name, a, b in (("input", 0, 1), ("chunks", 1, 2), ("finish", 2, 3), ("probe_rt", 0, 4),
+                           ("loads", 0, 5)):
             d = s[:, b] - s[:, a]
             if np.isfinite(d).any():
                 row[name] = float(np.nanmedian(d))

@@ -36,9 +36,12 @@ namespace {
 constexpr int kMaxChain = 8;
 enum ChainKind { kPhaseGemv = 0, kPhasePregather = 1, kPhaseNorm = 2 };
 constexpr int kPregatherUnits = kTmaComputeThreads;  // units (8 stored rows) per pregather work item
-// Per block and phase (measurements): the phase's work starts (barrier passed), the first item's input is staged,
-// its chunks are consumed, the block's last item is finished (it arrives at the next barrier).
-constexpr int kStamps = 4;
+// Per block and phase (measurements): [0] the phase's work starts (barrier passed), [1] the first item's input is
+// staged, [2] its chunks are consumed, [3] the block's last item is finished (it arrives at the next barrier);
+// [4] (EXL2_GEMV_CHAIN_STAMPS=2) thread 0's one dependent load of a hot L2 word after [0] returned (a probe of the
+// round trip at that moment, which delays the input by it), [5] thread 0's input loads returned (the norm's rows,
+// or its share of the gather), before the compute warps synchronize. chain_bench.py reads kStamps slots.
+constexpr int kStamps = 8;
 constexpr int kMaxStampBlocks = 1024;
 
 // A pregather or norm phase: the stored-order output (pg) and, for a norm phase, the rows it normalizes (all M;
@@ -64,6 +67,7 @@ struct ChainParams {
   // barrier before it (EXL2_GEMV_CHAIN_HOLD=1); spin = the barrier's waiters poll without back-off
   // (EXL2_GEMV_CHAIN_SPIN=1).
   int hold, spin;
+  int stamp_mode;  // EXL2_GEMV_CHAIN_STAMPS: 1 stamps, 2 stamps and the round-trip probe
 };
 static_assert(sizeof(ChainParams) <= 32764, "kernel parameters are limited to 32764 bytes");
 
@@ -206,6 +210,11 @@ __device__ __forceinline__ void chain_compute(const ChainParams& c, const TmaSme
       if (c.hold && kind == kPhaseGemv && item < c.items[ph] && threadIdx.x == 0) mbar_arrive(sm.go());
     }
     chain_stamp(c, ph, 0);
+    if (c.stamp_mode == 2 && threadIdx.x == 0) {
+      unsigned int v;
+      asm volatile("ld.relaxed.gpu.global.u32 %0, [%1];" : "=r"(v) : "l"(c.barrier + kBarrierGenWord) : "memory");
+      if (v != 0x7FFFFFFFu) chain_stamp(c, ph, 4);  // consumes v: the stamp waits for the load
+    }
     if (kind == kPhasePregather) {
       for (; item < c.items[ph]; item += gridDim.x) chain_pregather_item(c.aux[ph].pg, item);
       chain_stamp(c, ph, 3);
@@ -226,9 +235,12 @@ __device__ __forceinline__ void chain_compute(const ChainParams& c, const TmaSme
         tma_load_constants(d, wk, sm);
         compute_sync();
       }
-      tma_stage_input<1>(p, wk, sm);
+      const bool first = item == (int)blockIdx.x;
+      tma_stage_input<1>(p, wk, sm, [&] {
+        if (first) chain_stamp(c, ph, 5);
+      });
       compute_sync();
-      if (item == (int)blockIdx.x) chain_stamp(c, ph, 1);
+      if (first) chain_stamp(c, ph, 1);
       const bool active = warp < tma_geom(d, wk).nwa;
       GvState st;
       gv_zero(st);
@@ -276,12 +288,16 @@ __global__ void __launch_bounds__(kTmaThreads, 2) gemv_chain_kernel(const __grid
 unsigned long long* g_stamps[kMaxDevices] = {};
 int g_stamp_grid = 0, g_stamp_phases = 0;
 
-unsigned long long* stamps_buffer(int dev) {
-  static const bool on = [] {
+int stamp_mode() {
+  static const int mode = [] {
     const char* e = getenv("EXL2_GEMV_CHAIN_STAMPS");
-    return e && atoi(e) == 1;
+    return e ? atoi(e) : 0;
   }();
-  if (!on) return nullptr;
+  return mode;
+}
+
+unsigned long long* stamps_buffer(int dev) {
+  if (!stamp_mode()) return nullptr;
   if (!g_stamps[dev]) {
     const size_t bytes = sizeof(unsigned long long) * kMaxStampBlocks * kMaxChain * kStamps;
     if (cudaMalloc(&g_stamps[dev], bytes) != cudaSuccess || cudaMemset(g_stamps[dev], 0, bytes) != cudaSuccess) {
@@ -335,6 +351,7 @@ int launch_chain(ChainParams& c, int max_items, int max_grid, int smem, cudaStre
   c.hold = hold;
   c.spin = spin;
   c.stamps = stamps_buffer(dev);
+  c.stamp_mode = c.stamps ? stamp_mode() : 0;
   g_stamp_grid = grid;
   g_stamp_phases = c.nphase;
   exl2::launch_kernel(gemv_chain_kernel, grid, kTmaThreads, smem, stream, c);
@@ -435,8 +452,8 @@ EXL2_API int exl2_gemv_chain(const int64_t* phases, int nphase, int M, float eps
   return launch_chain(c, max_items, max_grid, c.layout.total, reinterpret_cast<cudaStream_t>(stream));
 }
 
-// The last launch's stamps (EXL2_GEMV_CHAIN_STAMPS=1; synchronizes the device): host receives up to max_blocks x
-// 8 phases x 4 uint64 (globaltimer ns: phase start, input staged, chunks consumed, block finished), *grid and
+// The last launch's stamps (EXL2_GEMV_CHAIN_STAMPS=1 or 2; synchronizes the device): host receives up to
+// max_blocks x 8 phases x 8 uint64 (globaltimer ns, 0 where not stamped: kStamps above), *grid and
 // *nphase the launch's. EXL2_ERR_UNSUPPORTED when stamps are off.
 EXL2_API int exl2_gemv_chain_stamps(void* host, int max_blocks, int* grid, int* nphase) {
   using namespace exl2q;

@@ -241,17 +241,25 @@ __device__ __forceinline__ void tma_load_constants(const QDesc& d, const GvWork&
 
 // Compute warps, after the PDL wait (or the chain's grid barrier) and a compute_sync: the split's input rows in
 // stored order into sm.xs (normalized, pre-gathered or gathered); the caller synchronizes after it.
-template <int MT>
-__device__ __forceinline__ void tma_stage_input(const GemvParams& p, const GvWork& wk, const TmaSmem& sm) {
+// `loaded` runs once the global loads are done (after the norm's rows, or the gather's loads of this thread; the
+// chain kernel's measurement stamps).
+struct NoMark {
+  __device__ void operator()() const {}
+};
+template <int MT, typename Mark = NoMark>
+__device__ __forceinline__ void tma_stage_input(const GemvParams& p, const GvWork& wk, const TmaSmem& sm,
+                                                Mark&& loaded = Mark{}) {
   const int nch = wk.c1 - wk.c0;
   if (p.norm_nt) {
     gv_norm_rows(norm_rows_of(p), sm.xf, sm.red, blockIdx.x == 0 ? p.norm_res_out : nullptr, p.norm_res_out_ld,
                  compute_sync);
+    loaded();
     gv_gather_normed(p, nch, sm.xs, sm.xm, sm.xf, kTmaComputeThreads);
   } else if (!(p.probe & kProbeNoGather)) {  // M > 8: M loads per row slot, 16 or 32 in flight (M = 32: 6 or 3 rounds)
     if (p.xpre) gv_copy_pregathered(p, wk.di, wk.c0, nch, sm.xs, kTmaComputeThreads);
     else if (MT > 1 || p.gather_rows) gv_gather<MT >= 4 ? 32 : 16>(p, nch, sm.xs, sm.xm, kTmaComputeThreads);
     else gv_gather_items(p, nch, sm.xs, sm.xm, kTmaComputeThreads);
+    loaded();
   }
 }
 

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Device call N3 (session 9; carry .whl and .dev/libexl2_kernels.so.gz). N2: ring size (16-48 KB), holding the
+# Device call N3 (session 9; carry .whl, .dev/libexl2_kernels.so.gz and .dev/stream_bench). N2: ring size (16-48 KB), holding the
 # producer until the barrier and polling without back-off left every phase boundary of the chain where it was
 # (input 3.5-6.5 us, finish ~2, the barrier's own latency ~2); second-slot blocks stream ~28% slower in gate/up.
 # Now: where the input stage's time goes (stamp 5: thread 0's loads returned) and one L2 round trip right after
@@ -20,3 +20,8 @@ cb() {  # name, then environment assignments
 cb s1 EXL2_GEMV_CHAIN_STAMPS=1
 cb s2 EXL2_GEMV_CHAIN_STAMPS=2
 echo "chain bench $(( $(date +%s) - t )) s"
+# The weight-streaming pattern alone (scripts/device/stream_bench.cu, built here and carried as .dev/stream_bench):
+# does a bulk-copy ring of 8 KB copies reach the 4.2 TB/s of a large reduction, at one phase's size?
+t=$(date +%s)
+timeout 60 .dev/stream_bench 2>&1 | tee "$R/stream_bench.txt"
+echo "stream bench $(( $(date +%s) - t )) s"

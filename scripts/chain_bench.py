@@ -141,7 +141,7 @@ def main() -> int:
         cuda_chain.MAX_GRID = 0
         row["chain3_us"] = timed(chain3)
         row["bit_identical"] = exact
-        if os.environ.get("EXL2_GEMV_CHAIN_STAMPS") == "1":
+        if os.environ.get("EXL2_GEMV_CHAIN_STAMPS") in ("1", "2"):
             row["phases_us"] = phase_times(chain, args.stamps_out and f"{args.stamps_out}_m{m}.npy")
             for i, ph in enumerate(row["phases_us"]):
                 print(f"  M={m} phase {i}: " + ", ".join(f"{k} {v:.2f}" for k, v in ph.items()), flush=True)

@@ -29,6 +29,24 @@ __device__ __forceinline__ __nv_bfloat16 from_f<__nv_bfloat16>(float v) { return
 template <>
 __device__ __forceinline__ float from_f<float>(float v) { return v; }
 
+// N contiguous elements -> T[N] unconverted (registers for loads kept in flight); N * sizeof(T) must be 16-byte
+// aligned when N > 1.
+template <int N, typename T>
+__device__ __forceinline__ void load_raw(const T* p, T* e) {
+  if constexpr (N == 1) {
+    e[0] = *p;
+  } else {
+    constexpr int BYTES = N * (int)sizeof(T);
+    static_assert(BYTES % 16 == 0, "vector must be a multiple of 16 bytes");
+    uint4 buf[BYTES / 16];
+#pragma unroll
+    for (int i = 0; i < BYTES / 16; ++i) buf[i] = reinterpret_cast<const uint4*>(p)[i];
+    const T* b = reinterpret_cast<const T*>(buf);
+#pragma unroll
+    for (int i = 0; i < N; ++i) e[i] = b[i];
+  }
+}
+
 // N contiguous elements -> float[N]; N * sizeof(T) must be 16-byte aligned when N > 1.
 template <int N, typename T>
 __device__ __forceinline__ void load_vec(const T* p, float* f) {

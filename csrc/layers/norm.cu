@@ -12,8 +12,10 @@ constexpr int MAXV = 4;  // vectors per thread cached in registers
 
 // x, res [T, H] (row strides), w [H]; out [T, H]; res_out [T, H] = round(x + res) when res != nullptr.
 // Pointers may alias (in place): every element is read and written by the same thread, reads first.
+constexpr int kMaxThreads = 512;  // every load in flight takes up to 80 registers (fp32 weights)
+
 template <typename T, typename W, int VEC>
-__global__ void rms_norm_kernel(const T* x, int64_t x_stride, const T* res, int64_t res_stride, const W* w,
+__global__ void __launch_bounds__(kMaxThreads) rms_norm_kernel(const T* x, int64_t x_stride, const T* res, int64_t res_stride, const W* w,
                                 T* out, int64_t out_stride, T* res_out, int64_t res_out_stride, int H, float eps) {
   exl2::pdl_wait_and_trigger();  // inputs come from the previous kernel (PDL launch)
   __shared__ float scratch[33];
@@ -26,18 +28,27 @@ __global__ void rms_norm_kernel(const T* x, int64_t x_stride, const T* res, int6
   }
   const int nvec = H / VEC, tid = threadIdx.x, nt = blockDim.x;
 
+  // All of the thread's loads first, then the arithmetic and the stores: written load-then-store per vector,
+  // the compiler kept each load behind the previous vector's res_out store (they may alias), one dependent round
+  // trip per load on the critical path of a launch (H200 call N4: the same pattern in the fused norm).
   float v[MAXV][VEC];
-  float ss = 0.f;
+  T r[MAXV][VEC];  // the residual, unconverted
 #pragma unroll
   for (int i = 0; i < MAXV; ++i) {
     const int c = tid + i * nt;
     if (c < nvec) {
       load_vec<VEC>(x + c * VEC, v[i]);
-      if (res != nullptr) {
-        float r[VEC];
-        load_vec<VEC>(res + c * VEC, r);
+      if (res != nullptr) load_raw<VEC>(res + c * VEC, r[i]);
+    }
+  }
+  float ss = 0.f;
 #pragma unroll
-        for (int k = 0; k < VEC; ++k) v[i][k] = round_to<T>(__fadd_rn(v[i][k], r[k]));
+  for (int i = 0; i < MAXV; ++i) {
+    const int c = tid + i * nt;
+    if (c < nvec) {
+      if (res != nullptr) {
+#pragma unroll
+        for (int k = 0; k < VEC; ++k) v[i][k] = round_to<T>(__fadd_rn(v[i][k], to_f(r[i][k])));
         store_vec<VEC>(res_out + c * VEC, v[i]);
       }
 #pragma unroll
@@ -61,14 +72,18 @@ __global__ void rms_norm_kernel(const T* x, int64_t x_stride, const T* res, int6
   const float total = block_sum(ss, scratch);
   const float inv = rsqrtf(__fadd_rn(__fdiv_rn(total, (float)H), eps));
 
+  W wr[MAXV][VEC];  // the weights, all in flight before the first use
+#pragma unroll
+  for (int i = 0; i < MAXV; ++i) {
+    const int c = tid + i * nt;
+    if (c < nvec) load_raw<VEC>(w + c * VEC, wr[i]);
+  }
 #pragma unroll
   for (int i = 0; i < MAXV; ++i) {
     const int c = tid + i * nt;
     if (c < nvec) {
-      float wf[VEC];
-      load_vec<VEC>(w + c * VEC, wf);
 #pragma unroll
-      for (int k = 0; k < VEC; ++k) v[i][k] = __fmul_rn(__fmul_rn(v[i][k], inv), wf[k]);
+      for (int k = 0; k < VEC; ++k) v[i][k] = __fmul_rn(__fmul_rn(v[i][k], inv), to_f(wr[i][k]));
       store_vec<VEC>(out + c * VEC, v[i]);
     }
   }
@@ -90,7 +105,7 @@ int launch(const void* x, int64_t xs, const void* res, int64_t rs, const void* w
                    (res == nullptr || (rs % 8 == 0 && ros % 8 == 0 && aligned16(res) && aligned16(res_out)));
   const int64_t nvec = vec ? H / 8 : H;
   int threads = (int)((nvec + MAXV - 1) / MAXV);
-  threads = threads < 32 ? 32 : (threads > 1024 ? 1024 : (threads + 31) / 32 * 32);
+  threads = threads < 32 ? 32 : (threads > kMaxThreads ? kMaxThreads : (threads + 31) / 32 * 32);
   const dim3 grid((unsigned)rows);
   if (vec) {
     exl2::launch_kernel(rms_norm_kernel<T, W, 8>, grid, threads, 0, stream, 

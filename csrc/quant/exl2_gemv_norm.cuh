@@ -39,6 +39,10 @@ __device__ __forceinline__ NormRows norm_rows_of(const GemvParams& p) {
 // Normalized rows of all M tokens into xf[m * K + k] (shared memory): xf = round(r * inv_rms(r) * w) with
 // r = round(h + residual) (r = h without a residual); `res_out` (may be null) receives r. `sync` is the compute
 // warps' barrier; `red` holds kGvWarps floats. Called by the kMaxNormThreads compute threads after the PDL wait.
+// A thread's loads of a row (h, residual and weight vectors) are all issued before any of them is used or anything
+// is stored: one round trip. Written as load-then-use per vector, with the residual store in between, the
+// compiler kept them in order (it cannot move a load above a store that may alias it): eight to twelve dependent
+// round trips per row on the critical path of every fused-norm launch (H200 call N4, ncu).
 template <typename Sync>
 __device__ __forceinline__ void gv_norm_rows(const NormRows& n, __half* xf, float* red, __half* res_out,
                                              int res_out_ld, Sync&& sync) {
@@ -49,22 +53,33 @@ __device__ __forceinline__ void gv_norm_rows(const NormRows& n, __half* xf, floa
   for (int m0 = 0; m0 < n.M; m0 += per_pass) {
     const int m = m0 + sub;
     const bool live = sub < per_pass && m < n.M;
-    float v[kNormMaxVecs][kNormVec];
+    uint4 hv[kNormMaxVecs], rv[kNormMaxVecs], wv[kNormMaxVecs];  // 8 halves each
+#pragma unroll
+    for (int i = 0; i < kNormMaxVecs; ++i) {
+      const int c = t + i * nt;
+      if (live && c < nvec) {
+        hv[i] = *reinterpret_cast<const uint4*>(n.x + (size_t)m * n.ldx + c * kNormVec);
+        if (n.res) rv[i] = *reinterpret_cast<const uint4*>(n.res + (size_t)m * n.res_ld + c * kNormVec);
+        wv[i] = __ldg(reinterpret_cast<const uint4*>(n.w + c * kNormVec));  // a constant
+      }
+    }
     float ss = 0.f;
 #pragma unroll
     for (int i = 0; i < kNormMaxVecs; ++i) {
       const int c = t + i * nt;
       if (live && c < nvec) {
-        load_vec<kNormVec>(n.x + (size_t)m * n.ldx + c * kNormVec, v[i]);
+        __half* h = reinterpret_cast<__half*>(&hv[i]);
         if (n.res) {
-          float r[kNormVec];
-          load_vec<kNormVec>(n.res + (size_t)m * n.res_ld + c * kNormVec, r);
+          const __half* r = reinterpret_cast<const __half*>(&rv[i]);
 #pragma unroll
-          for (int k = 0; k < kNormVec; ++k) v[i][k] = round_to<__half>(__fadd_rn(v[i][k], r[k]));
-          if (res_out) store_vec<kNormVec>(res_out + (size_t)m * res_out_ld + c * kNormVec, v[i]);
+          for (int k = 0; k < kNormVec; ++k) h[k] = __float2half_rn(__fadd_rn(__half2float(h[k]), __half2float(r[k])));
+          if (res_out) *reinterpret_cast<uint4*>(res_out + (size_t)m * res_out_ld + c * kNormVec) = hv[i];
         }
 #pragma unroll
-        for (int k = 0; k < kNormVec; ++k) ss = __fmaf_rn(v[i][k], v[i][k], ss);
+        for (int k = 0; k < kNormVec; ++k) {
+          const float v = __half2float(h[k]);
+          ss = __fmaf_rn(v, v, ss);
+        }
       }
     }
     ss = warp_sum(ss);  // block_sum: each warp's sum, then one warp sum over the row's warps (zeros past them)
@@ -77,11 +92,12 @@ __device__ __forceinline__ void gv_norm_rows(const NormRows& n, __half* xf, floa
     for (int i = 0; i < kNormMaxVecs; ++i) {
       const int c = t + i * nt;
       if (live && c < nvec) {
-        float wf[kNormVec];
-        load_vec<kNormVec>(n.w + c * kNormVec, wf);
+        const __half* h = reinterpret_cast<const __half*>(&hv[i]);
+        const __half* w = reinterpret_cast<const __half*>(&wv[i]);
+        float v[kNormVec];
 #pragma unroll
-        for (int k = 0; k < kNormVec; ++k) v[i][k] = __fmul_rn(__fmul_rn(v[i][k], inv), wf[k]);
-        store_vec<kNormVec>(xf + (size_t)m * K + c * kNormVec, v[i]);
+        for (int k = 0; k < kNormVec; ++k) v[k] = __fmul_rn(__fmul_rn(__half2float(h[k]), inv), __half2float(w[k]));
+        store_vec<kNormVec>(xf + (size_t)m * K + c * kNormVec, v);
       }
     }
     sync();  // red is reused by the next pass; xf is complete after the last

@@ -36,11 +36,11 @@ spec() {  # name, then environment assignments
 spec new
 spec old EXL2_BACKEND_LIBRARY=$OLD
 echo "spec $(( $(date +%s) - t )) s"; t=$(date +%s)
-EXL2_BACKEND_LIBRARY=$OLD timeout 60 python3 -m exl2_backend.cli.main bench --shape llama3-8b --bpw 4.0 \
+EXL2_BACKEND_LIBRARY=$OLD timeout 90 python3 -m exl2_backend.cli.main bench --shape llama3-8b --bpw 4.0 \
   --model-out /tmp/models/llama3-8b --contexts 1024 --cache-type fp16 --json "$R/bench_8b_old.json" \
   > "$R/bench_8b_old.txt" 2>&1
 echo "== bench old"; grep -A4 "decode tokens/s by cache" "$R/bench_8b_old.txt" | tail -2
-timeout 110 python3 -m exl2_backend.cli.main bench --shape llama3-8b --bpw 4.0 --model-out /tmp/models/llama3-8b \
+timeout 120 python3 -m exl2_backend.cli.main bench --shape llama3-8b --bpw 4.0 --model-out /tmp/models/llama3-8b \
   --contexts 1024,32768 --cache-type fp16,q8,q4 --json "$R/bench_8b.json" --plot "$R/bench_8b.png" \
   > "$R/bench_8b.txt" 2>&1
 echo "== bench new"; grep -A7 "decode tokens/s by cache" "$R/bench_8b.txt" | tail -4

@@ -29,23 +29,36 @@ __device__ __forceinline__ __nv_bfloat16 from_f<__nv_bfloat16>(float v) { return
 template <>
 __device__ __forceinline__ float from_f<float>(float v) { return v; }
 
-// N contiguous elements -> T[N] unconverted (registers for loads kept in flight); N * sizeof(T) must be 16-byte
-// aligned when N > 1.
-template <int N, typename T>
-__device__ __forceinline__ void load_raw(const T* p, T* e) {
-  if constexpr (N == 1) {
-    e[0] = *p;
-  } else {
-    constexpr int BYTES = N * (int)sizeof(T);
-    static_assert(BYTES % 16 == 0, "vector must be a multiple of 16 bytes");
-    uint4 buf[BYTES / 16];
+// N contiguous elements held unconverted, as 16-byte words when N > 1 (N * sizeof(T) a multiple of 16, the
+// address 16-byte aligned): loads stay in flight until the first at(). Held as T[N] of 16-bit types, the compiler
+// unpacks each element into its own register right after the load, and so waits for every load in turn.
+template <typename T, int N, bool kWords = (N > 1)>
+struct RawVec {
+  static_assert(N * (int)sizeof(T) % 16 == 0, "vector must be a multiple of 16 bytes");
+  uint4 w[N * (int)sizeof(T) / 16];
+  __device__ __forceinline__ void load(const T* p) {
 #pragma unroll
-    for (int i = 0; i < BYTES / 16; ++i) buf[i] = reinterpret_cast<const uint4*>(p)[i];
-    const T* b = reinterpret_cast<const T*>(buf);
-#pragma unroll
-    for (int i = 0; i < N; ++i) e[i] = b[i];
+    for (int i = 0; i < N * (int)sizeof(T) / 16; ++i) w[i] = reinterpret_cast<const uint4*>(p)[i];
   }
-}
+  __device__ __forceinline__ void store(T* p) const {
+#pragma unroll
+    for (int i = 0; i < N * (int)sizeof(T) / 16; ++i) reinterpret_cast<uint4*>(p)[i] = w[i];
+  }
+  __device__ __forceinline__ float at(int i) const { return to_f(reinterpret_cast<const T*>(w)[i]); }
+};
+template <typename T, int N>
+struct RawVec<T, N, false> {
+  T v[N];
+  __device__ __forceinline__ void load(const T* p) {
+#pragma unroll
+    for (int i = 0; i < N; ++i) v[i] = p[i];
+  }
+  __device__ __forceinline__ void store(T* p) const {
+#pragma unroll
+    for (int i = 0; i < N; ++i) p[i] = v[i];
+  }
+  __device__ __forceinline__ float at(int i) const { return to_f(v[i]); }
+};
 
 // N contiguous elements -> float[N]; N * sizeof(T) must be 16-byte aligned when N > 1.
 template <int N, typename T>

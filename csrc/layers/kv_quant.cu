@@ -88,52 +88,84 @@ __global__ void __launch_bounds__(QW * 32) kv_quant_kernel(const KVQuantArgs a) 
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const int D = a.D, half_d = D / 2;
   const bool rope = a.positions != nullptr;
-  if (rope) {
-    const float pos = (float)a.positions[t];  // int64 -> fp32, round to nearest like torch's .float()
-    for (int i = tid; i < half_d; i += blockDim.x) {
-      const float ang = __fmul_rn(pos, a.inv_freq[i]);
-      double s, c;
-      sincos((double)ang, &s, &c);
-      cs[i] = (float)c;
-      cs[half_d + i] = (float)s;
-    }
-    __syncthreads();
-    for (int h = y; h < a.hq; h += Y) {  // q in place, one pair (i, i + D/2) per thread
-      T* qh = (T*)a.q + t * a.q_ts + (int64_t)h * a.q_hs;
-      for (int i = tid; i < half_d; i += blockDim.x) {
-        const float x1 = to_f(qh[i]), x2 = to_f(qh[i + half_d]), co = cs[i], si = cs[half_d + i];
-        qh[i] = from_f<T>(__fsub_rn(__fmul_rn(x1, co), __fmul_rn(x2, si)));
-        qh[i + half_d] = from_f<T>(__fadd_rn(__fmul_rn(x2, co), __fmul_rn(x1, si)));
-      }
-    }
-  }
+  // Every load that does not need the cos/sin table is issued before it is built, and each round's q loads before
+  // its stores: written load-then-store, the compiler kept every later load (the slot, k, v, the next q pair)
+  // behind the q stores they may alias, one dependent round trip each on every layer's critical path.
   const int64_t slot = a.slots[t];
-  if (slot < 0 || slot >= a.num_slots) return;  // padding token: nothing stored
+  const float pos = rope ? (float)a.positions[t] : 0.f;  // int64 -> fp32, round to nearest like torch's .float()
   const int ng = D / KV_GROUP;
   const int unit = y * QW + warp;
-  if (unit >= 2 * a.hk * ng) return;
+  const bool store = slot >= 0 && slot < a.num_slots && unit < 2 * a.hk * ng;  // padding token: nothing stored
   const bool is_k = unit < a.hk * ng;
   const int rem = is_k ? unit : unit - a.hk * ng;
   const int h = rem / ng, g = rem % ng;
   const int d = g * KV_GROUP + lane;
-  float x;
+  const int pi = d < half_d ? d : d - half_d;  // the rotation pair of element d
+  T e1 = from_f<T>(0.f), e2 = from_f<T>(0.f);  // k: the pair (rope) or the element; v: the element
+  if (store) {
+    if (is_k) {
+      const T* kh = (const T*)a.k + t * a.k_ts + (int64_t)h * a.k_hs;
+      e1 = rope ? kh[pi] : kh[d];
+      if (rope) e2 = kh[pi + half_d];
+    } else {
+      e1 = ((const T*)a.v + t * a.v_ts + (int64_t)h * a.v_hs)[d];
+    }
+  }
+  if (rope) {
+    // q in place, pairs (i, i + D/2) of this block's heads y, y + Y, ...: kR per thread per round
+    constexpr int kR = 4;
+    const int nq = a.hq > y ? (a.hq - y + Y - 1) / Y : 0;
+    const int items = nq * half_d, step = kR * (int)blockDim.x;
+    for (int base = 0; base == 0 || base < items; base += step) {  // round 0 also builds the table
+      T x1[kR], x2[kR];
+#pragma unroll
+      for (int j = 0; j < kR; ++j) {
+        const int e = base + j * blockDim.x + tid;
+        if (e < items) {
+          const int hq = y + (e / half_d) * Y, i = e % half_d;
+          const T* qh = (const T*)a.q + t * a.q_ts + (int64_t)hq * a.q_hs;
+          x1[j] = qh[i];
+          x2[j] = qh[i + half_d];
+        }
+      }
+      if (base == 0) {
+        for (int i = tid; i < half_d; i += blockDim.x) {
+          const float ang = __fmul_rn(pos, a.inv_freq[i]);
+          double s, c;
+          sincos((double)ang, &s, &c);
+          cs[i] = (float)c;
+          cs[half_d + i] = (float)s;
+        }
+        __syncthreads();
+      }
+#pragma unroll
+      for (int j = 0; j < kR; ++j) {
+        const int e = base + j * blockDim.x + tid;
+        if (e < items) {
+          const int hq = y + (e / half_d) * Y, i = e % half_d;
+          T* qh = (T*)a.q + t * a.q_ts + (int64_t)hq * a.q_hs;
+          const float f1 = to_f(x1[j]), f2 = to_f(x2[j]), co = cs[i], si = cs[half_d + i];
+          qh[i] = from_f<T>(__fsub_rn(__fmul_rn(f1, co), __fmul_rn(f2, si)));
+          qh[i + half_d] = from_f<T>(__fadd_rn(__fmul_rn(f2, co), __fmul_rn(f1, si)));
+        }
+      }
+    }
+  }
+  if (!store) return;
+  const int64_t row = slot * a.hk + h;
   if (is_k) {
-    const T* kh = (const T*)a.k + t * a.k_ts + (int64_t)h * a.k_hs;
+    float x;
     if (rope) {  // the rotation of rope_kernel, rounded to T as the unfused op stores it
-      const int i = d < half_d ? d : d - half_d;
-      const float x1 = to_f(kh[i]), x2 = to_f(kh[i + half_d]), co = cs[i], si = cs[half_d + i];
+      const float x1 = to_f(e1), x2 = to_f(e2), co = cs[pi], si = cs[half_d + pi];
       x = round_to<T>(d < half_d ? __fsub_rn(__fmul_rn(x1, co), __fmul_rn(x2, si))
                                  : __fadd_rn(__fmul_rn(x2, co), __fmul_rn(x1, si)));
     } else {
-      x = to_f(kh[d]);
+      x = to_f(e1);
     }
-    const int64_t row = slot * a.hk + h;
     quantize_group<KF>(x, a.kc + row * (D * KVFormat<KF>::BITS / 8) + g * (KV_GROUP * KVFormat<KF>::BITS / 8),
                        a.ks + row * ng + g, lane);
   } else {
-    x = to_f(((const T*)a.v + t * a.v_ts + (int64_t)h * a.v_hs)[d]);
-    const int64_t row = slot * a.hk + h;
-    quantize_group<VF>(x, a.vc + row * (D * KVFormat<VF>::BITS / 8) + g * (KV_GROUP * KVFormat<VF>::BITS / 8),
+    quantize_group<VF>(to_f(e1), a.vc + row * (D * KVFormat<VF>::BITS / 8) + g * (KV_GROUP * KVFormat<VF>::BITS / 8),
                        a.vs + row * ng + g, lane);
   }
 }

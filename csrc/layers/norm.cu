@@ -32,13 +32,13 @@ __global__ void __launch_bounds__(kMaxThreads) rms_norm_kernel(const T* x, int64
   // the compiler kept each load behind the previous vector's res_out store (they may alias), one dependent round
   // trip per load on the critical path of a launch (H200 call N4: the same pattern in the fused norm).
   float v[MAXV][VEC];
-  T r[MAXV][VEC];  // the residual, unconverted
+  RawVec<T, VEC> xr[MAXV], r[MAXV];  // unconverted until every load is issued
 #pragma unroll
   for (int i = 0; i < MAXV; ++i) {
     const int c = tid + i * nt;
     if (c < nvec) {
-      load_vec<VEC>(x + c * VEC, v[i]);
-      if (res != nullptr) load_raw<VEC>(res + c * VEC, r[i]);
+      xr[i].load(x + c * VEC);
+      if (res != nullptr) r[i].load(res + c * VEC);
     }
   }
   float ss = 0.f;
@@ -46,9 +46,11 @@ __global__ void __launch_bounds__(kMaxThreads) rms_norm_kernel(const T* x, int64
   for (int i = 0; i < MAXV; ++i) {
     const int c = tid + i * nt;
     if (c < nvec) {
+#pragma unroll
+      for (int k = 0; k < VEC; ++k) v[i][k] = xr[i].at(k);
       if (res != nullptr) {
 #pragma unroll
-        for (int k = 0; k < VEC; ++k) v[i][k] = round_to<T>(__fadd_rn(v[i][k], to_f(r[i][k])));
+        for (int k = 0; k < VEC; ++k) v[i][k] = round_to<T>(__fadd_rn(v[i][k], r[i].at(k)));
         store_vec<VEC>(res_out + c * VEC, v[i]);
       }
 #pragma unroll
@@ -72,18 +74,18 @@ __global__ void __launch_bounds__(kMaxThreads) rms_norm_kernel(const T* x, int64
   const float total = block_sum(ss, scratch);
   const float inv = rsqrtf(__fadd_rn(__fdiv_rn(total, (float)H), eps));
 
-  W wr[MAXV][VEC];  // the weights, all in flight before the first use
+  RawVec<W, VEC> wr[MAXV];  // the weights, all in flight before the first use
 #pragma unroll
   for (int i = 0; i < MAXV; ++i) {
     const int c = tid + i * nt;
-    if (c < nvec) load_raw<VEC>(w + c * VEC, wr[i]);
+    if (c < nvec) wr[i].load(w + c * VEC);
   }
 #pragma unroll
   for (int i = 0; i < MAXV; ++i) {
     const int c = tid + i * nt;
     if (c < nvec) {
 #pragma unroll
-      for (int k = 0; k < VEC; ++k) v[i][k] = __fmul_rn(__fmul_rn(v[i][k], inv), to_f(wr[i][k]));
+      for (int k = 0; k < VEC; ++k) v[i][k] = __fmul_rn(__fmul_rn(v[i][k], inv), wr[i].at(k));
       store_vec<VEC>(out + c * VEC, v[i]);
     }
   }

@@ -72,50 +72,67 @@ __global__ void rope_kv_kernel(RopeTensor q, RopeTensor k, const T* __restrict__
   const int64_t slot = slots[t];
   const bool write = slot >= 0 && slot < num_slots;
   const float pos = (float)positions[t];
-  for (int i = threadIdx.x; i < half; i += blockDim.x) {
-    const float ang = __fmul_rn(pos, inv_freq[i]);
-    double s, c;
-    sincos((double)ang, &s, &c);
-    cs[i] = (float)c;
-    cs[half + i] = (float)s;
-  }
-  __syncthreads();
-
-  const int nchunk = half / VEC;
+  const int nchunk = half / VEC, per = D / VEC;
   const int hk = write ? k.heads : 0;
-  const int total = (q.heads + hk) * nchunk;
+  const int nrot = (q.heads + hk) * nchunk;  // rotation items (q heads, then k heads), then v copy items
+  const int total = nrot + hk * per;
   const int64_t row = (int64_t)k.heads * D;  // cache elements per slot
-  for (int w = threadIdx.x; w < total; w += blockDim.x) {
-    int h = w / nchunk;
-    const int c = (w - h * nchunk) * VEC;
-    const bool is_k = h >= q.heads;
-    const RopeTensor& x = is_k ? k : q;
-    if (is_k) h -= q.heads;
-    const T* src = (const T*)x.in + t * x.in_ts + h * x.in_hs + c;
-    T* dst = is_k ? kc + slot * row + (int64_t)h * D + c : (T*)q.out + t * q.out_ts + h * q.out_hs + c;
-    float x1[VEC], x2[VEC], o1[VEC], o2[VEC];
-    load_vec<VEC>(src, x1);
-    load_vec<VEC>(src + half, x2);
+  // Rounds of kR items per thread: every load of a round is issued before its first store (written load-then-store
+  // per item, each load waited behind the previous item's stores: one dependent round trip per item on every
+  // layer's critical path), and the first round's loads before the cos/sin table, which they do not need.
+  constexpr int kR = 4;
+  for (int base = 0; base < total; base += kR * (int)blockDim.x) {
+    RawVec<T, VEC> a[kR], b[kR];  // rotation: the two halves; copy: a
 #pragma unroll
-    for (int j = 0; j < VEC; ++j) {
-      const float co = cs[c + j], si = cs[half + c + j];
-      o1[j] = __fsub_rn(__fmul_rn(x1[j], co), __fmul_rn(x2[j], si));
-      o2[j] = __fadd_rn(__fmul_rn(x2[j], co), __fmul_rn(x1[j], si));
+    for (int j = 0; j < kR; ++j) {
+      const int w = base + j * blockDim.x + threadIdx.x;
+      if (w < nrot) {
+        int h = w / nchunk;
+        const int c = (w - h * nchunk) * VEC;
+        const bool is_k = h >= q.heads;
+        const RopeTensor& x = is_k ? k : q;
+        if (is_k) h -= q.heads;
+        const T* src = (const T*)x.in + t * x.in_ts + h * x.in_hs + c;
+        a[j].load(src);
+        b[j].load(src + half);
+      } else if (w < total) {
+        const int u = w - nrot, h = u / per, c = (u - h * per) * VEC;
+        a[j].load(v + t * v_ts + (int64_t)h * v_hs + c);
+      }
     }
-    store_vec<VEC>(dst, o1);
-    store_vec<VEC>(dst + half, o2);
-  }
-  if (!write) return;
-  // v: a plain copy (16-byte words when VEC == 8)
-  const int per = D / VEC;  // copy units per head
-  for (int w = threadIdx.x; w < k.heads * per; w += blockDim.x) {
-    const int h = w / per, c = (w - h * per) * VEC;
-    const T* src = v + t * v_ts + (int64_t)h * v_hs + c;
-    T* dst = vc + slot * row + (int64_t)h * D + c;
-    if constexpr (VEC == 8)
-      *reinterpret_cast<uint4*>(dst) = *reinterpret_cast<const uint4*>(src);
-    else
-      *dst = *src;
+    if (base == 0) {  // uniform: every thread runs the same rounds
+      for (int i = threadIdx.x; i < half; i += blockDim.x) {
+        const float ang = __fmul_rn(pos, inv_freq[i]);
+        double s, c;
+        sincos((double)ang, &s, &c);
+        cs[i] = (float)c;
+        cs[half + i] = (float)s;
+      }
+      __syncthreads();
+    }
+#pragma unroll
+    for (int j = 0; j < kR; ++j) {
+      const int w = base + j * blockDim.x + threadIdx.x;
+      if (w < nrot) {
+        int h = w / nchunk;
+        const int c = (w - h * nchunk) * VEC;
+        const bool is_k = h >= q.heads;
+        if (is_k) h -= q.heads;
+        T* dst = is_k ? kc + slot * row + (int64_t)h * D + c : (T*)q.out + t * q.out_ts + h * q.out_hs + c;
+        float o1[VEC], o2[VEC];
+#pragma unroll
+        for (int e = 0; e < VEC; ++e) {
+          const float x1 = a[j].at(e), x2 = b[j].at(e), co = cs[c + e], si = cs[half + c + e];
+          o1[e] = __fsub_rn(__fmul_rn(x1, co), __fmul_rn(x2, si));
+          o2[e] = __fadd_rn(__fmul_rn(x2, co), __fmul_rn(x1, si));
+        }
+        store_vec<VEC>(dst, o1);
+        store_vec<VEC>(dst + half, o2);
+      } else if (w < total) {
+        const int u = w - nrot, h = u / per, c = (u - h * per) * VEC;
+        a[j].store(vc + slot * row + (int64_t)h * D + c);
+      }
+    }
   }
 }
 

@@ -75,9 +75,10 @@ static_assert(sizeof(ChainParams) <= 32764, "kernel parameters are limited to 32
 // Grid barrier of the compute warps of every block: the last arrival re-arms the count and bumps the generation
 // (so graph replays reuse the same words). Writes before it (outputs, re-armed tickets) are visible after it. The
 // count and the generation sit on different 128-byte lines, and the waiters poll with relaxed loads and a short
-// back-off, so the arrivals' atomics do not queue behind the polls (M1 / M3 ran the first version: both words on
-// one line, acquire polls without back-off, sequentially consistent fences; the chain was ~50% slower than the
-// launches one by one, cause not isolated).
+// back-off, so the arrivals' atomics do not queue behind the polls. (M1 / M3 ran a first version with both words on
+// one line; this one, N1, was no faster. N3 / N4: the barrier's own latency is 1.25-2.5 us, a round trip right
+// after it 0.25 us; the ~10 us per phase boundary are the input stage, the finish and the blocks' spread,
+// docs/performance.md session 9.)
 constexpr int kBarrierGenWord = 32;  // uint32 words from the count to the generation (128 bytes)
 __device__ __forceinline__ void chain_grid_sync(unsigned int* bar, bool spin) {
   compute_sync();

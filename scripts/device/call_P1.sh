@@ -1,0 +1,34 @@
+#!/usr/bin/env bash
+# Device call P1 (prepared in session 9 for the next one; carry .whl and .dev/libexl2_kernels.so.gz). Session 9:
+# one 8B layer's GEMVs take ~70 us in the decode graph where a bulk-copy streamer moves the same launch sizes in
+# ~36 us (stream_bench). Where the ~9 us per GEMV go, in the decode graph itself:
+#  1. the 8B decode step with each GEMV stage skipped in turn (EXL2_GEMV_PROBE: 1 no gather, 2 no split-K ticket /
+#     reduce, 4 no decode / mma; outputs wrong, timings valid; profile_decode's greedy check will say so);
+#  2. ncu of the gate/up and down GEMVs with warm caches (--cache-control none; session 9's N4 flushed them);
+#  3. bench_gemm --m1 (each 8B shape alone, back to back) for the kernel-level figures beside stream_bench's.
+export EXL2_CARRIED_LIBRARY=1
+source scripts/device/common.sh
+results_dir
+trap '[ -d "$R" ] && pack_results p1' EXIT
+t=$(date +%s)
+for probe in 0 1 2 4 7; do
+  EXL2_GEMV_PROBE=$probe timeout 80 python3 scripts/profile_decode.py --shapes llama3-8b --variants nochain \
+    --workdir /tmp/prof --context 1024 --cache-types fp16 --out "$R/p_probe$probe" > "$R/prof_probe$probe.txt" 2>&1
+  echo "== probe $probe: $(grep -E '^######## ' "$R/prof_probe$probe.txt" | head -1 | cut -c1-120)"
+  grep -A3 "critical path" "$R/prof_probe$probe.txt" | grep gemv_tma | head -1
+done
+echo "probes $(( $(date +%s) - t )) s"; t=$(date +%s)
+prof() {  # name, launches to skip (chain_once: o, gate/up, down, q/k/v, then the chain, per repetition)
+  local name=$1 skip=$2
+  timeout 90 ncu --clock-control none --cache-control none --set full --import-source no -k regex:gemv_tma_kernel \
+    --launch-skip "$skip" --launch-count 1 -o "$R/$name" python3 scripts/chain_once.py > "$R/$name.log" 2>&1
+  ncu --import "$R/$name.ncu-rep" --page details > "$R/$name.details.txt" 2>&1
+  ncu --import "$R/$name.ncu-rep" --page source --csv --print-source sass 2>&1 | gzip -c > "$R/$name.sass.csv.gz"
+  rm -f "$R/$name.ncu-rep"
+  grep -E "^    Duration|DRAM Throughput" "$R/$name.details.txt" | head -2
+}
+prof gateup_warm 13
+prof down_warm 14
+echo "ncu $(( $(date +%s) - t )) s"; t=$(date +%s)
+timeout 60 python3 scripts/bench_gemm.py --m1 2>&1 | tee "$R/bench_gemm_m1.txt" | grep -E "M1|us" | tail -8
+echo "bench_gemm $(( $(date +%s) - t )) s"

@@ -74,6 +74,11 @@ WORKSPACE_BUDGET = 60 << 20
 # M normalized rows in shared memory beside its 32 KB ring, so M * K * 2 bytes are capped here (two blocks per SM
 # must still fit: at K = 4096, M <= 5 covers a decode step and a k = 4 verify).
 NORM_SMEM_BYTES = int(os.environ.get("EXL2_BACKEND_NORM_SMEM_BYTES", str(40 << 10)))
+# Passes of the fused norm's 256 threads over the M rows that routing accepts (_Launch.takes_norm). 1 since call
+# I1 (each pass then waited 8-12 dependent round trips); since session 9 a pass waits one (every load of a row in
+# flight), so more passes may beat the add_rms_norm + pregather launches of a verify step: not yet measured
+# (scripts/device/call_P1.sh times k = 4 with 3).
+NORM_MAX_PASSES = max(1, int(os.environ.get("EXL2_BACKEND_FUSED_NORM_PASSES", "1")))
 GEMV_MINB = int(os.environ.get("EXL2_BACKEND_GEMV_MINB", "0"))
 # Blocks per SM the GEMV's split-K factor aims at (one wave of the planned resident blocks); the TMA kernel's
 # default. Below 1 (e.g. 0.4) plans fewer, longer blocks: no split-K reduction where the columns fill the GPU.
@@ -483,11 +488,11 @@ class _Launch:
                 and self.K % 8 == 0 and self.K <= 8192 and m * self.K * 2 <= NORM_SMEM_BYTES)
 
     def takes_norm(self, m: int) -> bool:
-        """Whether routing fuses the norm for M rows: can_norm, and the rows fit one pass of the kernel's 256
-        compute threads (norm_row_threads(K) per row). Each further pass waits a round of loads queued behind the
-        block's weight ring: H200 call I1, the 8B's k = 4 verify (M = 5, three passes) took 1.55x a decode step
-        fused against 1.28x apart; the decode step (one pass) gained 3.9%."""
-        return self.can_norm(m) and m <= 256 // norm_row_threads(self.K)
+        """Whether routing fuses the norm for M rows: can_norm, and the rows fit NORM_MAX_PASSES passes (default
+        one) of the kernel's 256 compute threads (norm_row_threads(K) per row). H200 call I1, before the norm's loads
+        were issued together: the 8B's k = 4 verify (M = 5, three passes) took 1.55x a decode step fused against
+        1.28x apart; the decode step (one pass) gained 3.9%."""
+        return self.can_norm(m) and m <= NORM_MAX_PASSES * (256 // norm_row_threads(self.K))
 
     def gemv_add_norm(self, h: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float,
                       ws: torch.Tensor, counters: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -1,0 +1,38 @@
+#!/usr/bin/env bash
+# Device call P2 (prepared in session 9; carry .whl and .dev/libexl2_kernels.so.gz). Two environment-only A/Bs:
+#  1. GEMV work balance: session 9's stamps showed an SM's second block streaming ~28% slower than its first
+#     (gate/up in the chain, N2), so a launch lasts as long as its slowest blocks. Planning more, smaller blocks
+#     than stay resident (EXL2_BACKEND_GEMV_BLOCKS_PER_SM 4 / 6: two or three waves of the two resident blocks)
+#     lets the block scheduler hand the fast slot more of them, at the cost of more split-K partials. (F1 planned 3
+#     per SM for a 1.5-wave tail and lost; whole waves were never tried.) The 8B decode step at 1k and verify costs.
+#  2. The attention variants end to end at 32k (the L1 sweep's best cells, session 8: one-pass U=2 at 2 CTAs for
+#     q8, U=1 at 3 for q4, U=2 for fp16 pages; the deeper two-pass variant), one bench each.
+export EXL2_CARRIED_LIBRARY=1
+source scripts/device/common.sh
+results_dir
+trap '[ -d "$R" ] && pack_results p2' EXIT
+t=$(date +%s)
+for per_sm in 2 4 6; do
+  EXL2_BACKEND_GEMV_BLOCKS_PER_SM=$per_sm timeout 80 python3 scripts/profile_decode.py --shapes llama3-8b \
+    --variants nochain --workdir /tmp/prof --context 1024 --cache-types fp16 --out "$R/p_bps$per_sm" \
+    > "$R/prof_bps$per_sm.txt" 2>&1
+  echo "== blocks per SM $per_sm: $(grep -E '^######## ' "$R/prof_bps$per_sm.txt" | head -1 | cut -c1-110)"
+done
+for per_sm in 2 4; do
+  EXL2_BACKEND_GEMV_BLOCKS_PER_SM=$per_sm timeout 60 python3 scripts/spec_bench.py --skip smollm2 --iters 30 \
+    --work-dir /tmp/spec_bench --out "$R/spec_bps$per_sm.json" 2> "$R/spec_bps$per_sm.log"
+  echo "== spec, blocks per SM $per_sm: $(grep 'step costs' "$R/spec_bps$per_sm.log" | tail -1)"
+done
+echo "balance $(( $(date +%s) - t )) s"; t=$(date +%s)
+bench32k() {  # name, then environment assignments
+  local name=$1; shift
+  env "$@" timeout 90 python3 -m exl2_backend.cli.main bench --shape llama3-8b --bpw 4.0 \
+    --model-out /tmp/models/llama3-8b --contexts 32768 --cache-type fp16,q8,q4 --json "$R/attn_$name.json" \
+    > "$R/attn_$name.txt" 2>&1
+  echo "== $name"; grep -A6 "decode tokens/s by cache" "$R/attn_$name.txt" | grep 32768
+}
+bench32k default
+bench32k online2 EXL2_BACKEND_ATTN_MMA_ONLINE=2 EXL2_BACKEND_ATTN_FP16_MMA=1
+bench32k online1 EXL2_BACKEND_ATTN_MMA_ONLINE=1 EXL2_BACKEND_ATTN_FP16_MMA=1
+bench32k deep EXL2_ATTN_QUANT_MMA_DEEP=1
+echo "attention $(( $(date +%s) - t )) s"

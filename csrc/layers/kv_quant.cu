@@ -9,6 +9,7 @@
 
 #include "common/pdl.cuh"
 #include "layers/kv_quant.cuh"
+#include "layers/rope_math.cuh"
 
 namespace exl2 {
 namespace layers {
@@ -129,13 +130,7 @@ __global__ void __launch_bounds__(QW * 32) kv_quant_kernel(const KVQuantArgs a) 
         }
       }
       if (base == 0) {
-        for (int i = tid; i < half_d; i += blockDim.x) {
-          const float ang = __fmul_rn(pos, a.inv_freq[i]);
-          double s, c;
-          sincos((double)ang, &s, &c);
-          cs[i] = (float)c;
-          cs[half_d + i] = (float)s;
-        }
+        rope_table(pos, a.inv_freq, half_d, cs);
         __syncthreads();
       }
 #pragma unroll
@@ -145,8 +140,8 @@ __global__ void __launch_bounds__(QW * 32) kv_quant_kernel(const KVQuantArgs a) 
           const int hq = y + (e / half_d) * Y, i = e % half_d;
           T* qh = (T*)a.q + t * a.q_ts + (int64_t)hq * a.q_hs;
           const float f1 = to_f(x1[j]), f2 = to_f(x2[j]), co = cs[i], si = cs[half_d + i];
-          qh[i] = from_f<T>(__fsub_rn(__fmul_rn(f1, co), __fmul_rn(f2, si)));
-          qh[i + half_d] = from_f<T>(__fadd_rn(__fmul_rn(f2, co), __fmul_rn(f1, si)));
+          qh[i] = from_f<T>(rope_first(f1, f2, co, si));
+          qh[i + half_d] = from_f<T>(rope_second(f1, f2, co, si));
         }
       }
     }
@@ -157,8 +152,7 @@ __global__ void __launch_bounds__(QW * 32) kv_quant_kernel(const KVQuantArgs a) 
     float x;
     if (rope) {  // the rotation of rope_kernel, rounded to T as the unfused op stores it
       const float x1 = to_f(e1), x2 = to_f(e2), co = cs[pi], si = cs[half_d + pi];
-      x = round_to<T>(d < half_d ? __fsub_rn(__fmul_rn(x1, co), __fmul_rn(x2, si))
-                                 : __fadd_rn(__fmul_rn(x2, co), __fmul_rn(x1, si)));
+      x = round_to<T>(d < half_d ? rope_first(x1, x2, co, si) : rope_second(x1, x2, co, si));
     } else {
       x = to_f(e1);
     }

@@ -1,9 +1,9 @@
 // apply_rope: NeoX half rotation of q and k (optional) in one launch, in place or out of place, on strided
 // [T, H, D] views (last dim contiguous), e.g. q/k slices of a fused QKV output. One CTA per token.
-// Angle = float(position) * inv_freq in fp32 as the reference; cos/sin of that fp32 angle evaluated in double
-// and rounded to fp32 (fast math would turn sincosf into the approximate __sincosf).
+// The table and the rotation: layers/rope_math.cuh.
 #include "common/pdl.cuh"
 #include "layers/common.cuh"
+#include "layers/rope_math.cuh"
 
 namespace exl2 {
 namespace layers {
@@ -24,13 +24,7 @@ __global__ void rope_kernel(RopeTensor q, RopeTensor k, const int64_t* __restric
   const int64_t t = blockIdx.x;
   const int half = D / 2;
   const float pos = (float)positions[t];  // int64 -> fp32, round to nearest like torch's .float()
-  for (int i = threadIdx.x; i < half; i += blockDim.x) {
-    const float ang = __fmul_rn(pos, inv_freq[i]);
-    double s, c;
-    sincos((double)ang, &s, &c);
-    cs[i] = (float)c;
-    cs[half + i] = (float)s;
-  }
+  rope_table(pos, inv_freq, half, cs);
   __syncthreads();
 
   const int nchunk = half / VEC;
@@ -48,8 +42,8 @@ __global__ void rope_kernel(RopeTensor q, RopeTensor k, const int64_t* __restric
 #pragma unroll
     for (int j = 0; j < VEC; ++j) {
       const float co = cs[c + j], si = cs[half + c + j];
-      o1[j] = __fsub_rn(__fmul_rn(x1[j], co), __fmul_rn(x2[j], si));
-      o2[j] = __fadd_rn(__fmul_rn(x2[j], co), __fmul_rn(x1[j], si));
+      o1[j] = rope_first(x1[j], x2[j], co, si);
+      o2[j] = rope_second(x1[j], x2[j], co, si);
     }
     store_vec<VEC>(dst, o1);
     store_vec<VEC>(dst + half, o2);
@@ -101,13 +95,7 @@ __global__ void rope_kv_kernel(RopeTensor q, RopeTensor k, const T* __restrict__
       }
     }
     if (base == 0) {  // uniform: every thread runs the same rounds
-      for (int i = threadIdx.x; i < half; i += blockDim.x) {
-        const float ang = __fmul_rn(pos, inv_freq[i]);
-        double s, c;
-        sincos((double)ang, &s, &c);
-        cs[i] = (float)c;
-        cs[half + i] = (float)s;
-      }
+      rope_table(pos, inv_freq, half, cs);
       __syncthreads();
     }
 #pragma unroll
@@ -123,8 +111,8 @@ __global__ void rope_kv_kernel(RopeTensor q, RopeTensor k, const T* __restrict__
 #pragma unroll
         for (int e = 0; e < VEC; ++e) {
           const float x1 = a[j].at(e), x2 = b[j].at(e), co = cs[c + e], si = cs[half + c + e];
-          o1[e] = __fsub_rn(__fmul_rn(x1, co), __fmul_rn(x2, si));
-          o2[e] = __fadd_rn(__fmul_rn(x2, co), __fmul_rn(x1, si));
+          o1[e] = rope_first(x1, x2, co, si);
+          o2[e] = rope_second(x1, x2, co, si);
         }
         store_vec<VEC>(dst, o1);
         store_vec<VEC>(dst + half, o2);

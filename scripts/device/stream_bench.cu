@@ -5,12 +5,15 @@
 // (o_proj 8.4 MB, gate/up 58.7 MB) to 1 GiB; buffers rotate past the 50 MB L2. Prints GB/s per launch
 // (back-to-back launches, the launch gap included) for each configuration.
 //
-//   nvcc -O3 -std=c++17 -gencode arch=compute_90a,code=sm_90a -o stream_bench stream_bench.cu && ./stream_bench
+//   nvcc -O3 -std=c++17 -I csrc -gencode arch=compute_90a,code=sm_90a -o stream_bench \
+//     scripts/device/stream_bench.cu && ./stream_bench
 #include <cuda_runtime.h>
 
 #include <cstdint>
 #include <cstdio>
 #include <vector>
+
+#include "quant/exl2_gemv_tma.cuh"  // the GEMV's own mbarrier and bulk-copy steps
 
 #define CHECK(x)                                                                    \
   do {                                                                              \
@@ -24,34 +27,21 @@
 constexpr int kConsumerWarps = 8;
 constexpr int kMaxSlots = 16;
 
-__device__ __forceinline__ uint32_t smem_u32(const void* p) { return (uint32_t)__cvta_generic_to_shared(p); }
-__device__ __forceinline__ void bar_init(uint32_t b, uint32_t n) {
-  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(b), "r"(n) : "memory");
-}
-__device__ __forceinline__ void bar_expect(uint32_t b, uint32_t bytes) {
-  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(b), "r"(bytes) : "memory");
-}
-__device__ __forceinline__ void bar_arrive(uint32_t b) {
-  asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" ::"r"(b) : "memory");
-}
-__device__ __forceinline__ void bar_wait(uint32_t b, uint32_t parity) {
-  uint32_t ok = 0;
-  while (!ok)
-    asm volatile("{\n .reg .pred p;\n mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n selp.u32 %0, 1, 0, p;\n}\n"
-                 : "=r"(ok) : "r"(b), "r"(parity) : "memory");
-}
-
 // Block b streams bytes [b * per_block, (b + 1) * per_block) in copies of `copy` bytes through `slots` slots.
 __global__ void __launch_bounds__(32 * (kConsumerWarps + 1)) tma_stream(const char* src, size_t per_block, int copy,
                                                                         int slots, unsigned* out) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  using namespace exl2q;
   extern __shared__ __align__(128) unsigned char smem[];
-  uint64_t* bars = reinterpret_cast<uint64_t*>(smem);  // full[kMaxSlots], empty[kMaxSlots]
+  const uint32_t bars = smem_addr(smem);  // full[kMaxSlots], empty[kMaxSlots], 8 bytes each
+  auto full = [&](int s) { return bars + 8 * s; };
+  auto empty = [&](int s) { return bars + 8 * (kMaxSlots + s); };
   unsigned char* ring = smem + 2 * kMaxSlots * 8 + 128 - (2 * kMaxSlots * 8) % 128;
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   if (threadIdx.x == 0) {
     for (int s = 0; s < slots; ++s) {
-      bar_init(smem_u32(bars + s), 1);
-      bar_init(smem_u32(bars + kMaxSlots + s), kConsumerWarps);
+      mbar_init(full(s), 1);
+      mbar_init(empty(s), kConsumerWarps);
     }
     asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
   }
@@ -60,16 +50,12 @@ __global__ void __launch_bounds__(32 * (kConsumerWarps + 1)) tma_stream(const ch
   const int n = (int)(per_block / copy);
   if (warp == kConsumerWarps) {
     if (lane == 0) {
-      uint64_t pol;
-      asm volatile("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;" : "=l"(pol));
+      const uint64_t pol = evict_first_policy();
       for (int i = 0; i < n; ++i) {
         const int s = i % slots;
-        if (i >= slots) bar_wait(smem_u32(bars + kMaxSlots + s), ((i / slots) - 1) & 1);
-        bar_expect(smem_u32(bars + s), copy);
-        asm volatile(
-            "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes.L2::cache_hint [%0], [%1], %2, [%3], %4;"
-            ::"r"(smem_u32(ring + (size_t)s * copy)), "l"(base + (size_t)i * copy), "r"(copy), "r"(smem_u32(bars + s)),
-            "l"(pol) : "memory");
+        if (i >= slots) mbar_wait(empty(s), ((i / slots) - 1) & 1);
+        mbar_expect_tx(full(s), copy);
+        bulk_copy(smem_addr(ring + (size_t)s * copy), base + (size_t)i * copy, copy, full(s), pol);
       }
     }
     return;
@@ -78,16 +64,17 @@ __global__ void __launch_bounds__(32 * (kConsumerWarps + 1)) tma_stream(const ch
   const int part = copy / kConsumerWarps;  // each warp reads its share of the slot, 16 bytes per lane per step
   for (int i = 0; i < n; ++i) {
     const int s = i % slots;
-    bar_wait(smem_u32(bars + s), (i / slots) & 1);
+    mbar_wait(full(s), (i / slots) & 1);
     const uint4* p = reinterpret_cast<const uint4*>(ring + (size_t)s * copy + warp * part);
     for (int j = lane; j < part / 16; j += 32) {
       const uint4 v = p[j];
       acc ^= v.x ^ v.y ^ v.z ^ v.w;
     }
     __syncwarp();
-    if (lane == 0) bar_arrive(smem_u32(bars + kMaxSlots + s));
+    if (lane == 0) mbar_arrive(empty(s));
   }
   if (acc == 0x12345678u) out[0] = acc;  // keeps the reads
+#endif
 }
 
 // Plain loads: 256 threads, kU 16-byte loads in flight per thread, the block's contiguous share.

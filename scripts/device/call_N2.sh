@@ -27,14 +27,8 @@ cb r16hold EXL2_GEMV_RING_KB=16 EXL2_GEMV_CHAIN_HOLD=1
 cb r24 EXL2_GEMV_RING_KB=24
 cb r48 EXL2_GEMV_RING_KB=48
 echo "chain bench $(( $(date +%s) - t )) s"; t=$(date +%s)
-prof() {  # name, variants, then environment assignments
-  local name=$1 variants=$2; shift 2
-  env "$@" timeout 80 python3 scripts/profile_decode.py --shapes llama3-8b --variants "$variants" \
-    --workdir /tmp/prof --context 1024 --cache-types fp16 --out "$R/p_$name" > "$R/prof_$name.txt" 2>&1
-  echo "== $name"; grep -E "^######## " "$R/prof_$name.txt" | head -4
-}
-prof r32 nochain
-prof r16 nochain EXL2_GEMV_RING_KB=16
-prof r24 nochain EXL2_GEMV_RING_KB=24
-prof r16chain after EXL2_BACKEND_GEMV_CHAIN=1 EXL2_GEMV_RING_KB=16 EXL2_GEMV_CHAIN_HOLD=1
+decode_step_1k r32 nochain
+decode_step_1k r16 nochain EXL2_GEMV_RING_KB=16
+decode_step_1k r24 nochain EXL2_GEMV_RING_KB=24
+decode_step_1k r16chain after EXL2_BACKEND_GEMV_CHAIN=1 EXL2_GEMV_RING_KB=16 EXL2_GEMV_CHAIN_HOLD=1
 echo "profile $(( $(date +%s) - t )) s"

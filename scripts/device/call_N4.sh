@@ -13,16 +13,7 @@ EXL2_GEMV_CHAIN_STAMPS=2 timeout 60 python3 scripts/chain_bench.py --m 1 --json 
   --stamps-out "$R/stamps_s2" > "$R/cb_s2.txt" 2>&1
 grep -E "^M=|M=1 phase" "$R/cb_s2.txt" | cut -c1-250
 echo "chain bench $(( $(date +%s) - t )) s"; t=$(date +%s)
-prof() {  # name, kernel regex, launches to skip
-  local name=$1 k=$2 skip=$3
-  timeout 90 ncu --clock-control none --set full --import-source no -k "regex:$k" --launch-skip "$skip" \
-    --launch-count 1 -o "$R/$name" python3 scripts/chain_once.py > "$R/$name.log" 2>&1
-  ncu --import "$R/$name.ncu-rep" --page details > "$R/$name.details.txt" 2>&1
-  ncu --import "$R/$name.ncu-rep" --page source --csv --print-source sass 2>&1 | gzip -c > "$R/$name.sass.csv.gz"
-  rm -f "$R/$name.ncu-rep"
-  grep -E "^    Duration|DRAM Throughput|Achieved Occupancy" "$R/$name.details.txt" | head -3
-}
-prof chain gemv_chain 3
-prof gateup gemv_tma_kernel 13
-prof down gemv_tma_kernel 14
+ncu_chain_once chain gemv_chain 3
+ncu_chain_once gateup gemv_tma_kernel 13
+ncu_chain_once down gemv_tma_kernel 14
 echo "ncu $(( $(date +%s) - t )) s"

@@ -17,24 +17,12 @@ t=$(date +%s)
 gpu_tests kernels 150 tests/kernels/test_layers.py tests/kernels/test_gemv_norm.py tests/kernels/test_exl2_gemm.py \
   tests/kernels/test_gemv_chain.py --timeout 100
 echo "tests $(( $(date +%s) - t )) s"; t=$(date +%s)
-prof() {  # name, then environment assignments
-  local name=$1; shift
-  env "$@" timeout 80 python3 scripts/profile_decode.py --shapes llama3-8b --variants nochain \
-    --workdir /tmp/prof --context 1024 --cache-types fp16 --out "$R/p_$name" > "$R/prof_$name.txt" 2>&1
-  echo "== $name"; grep -E "^######## " "$R/prof_$name.txt" | head -2
-}
-prof new
-prof old EXL2_BACKEND_LIBRARY=$OLD
-prof new2
+decode_step_1k new nochain
+decode_step_1k old nochain EXL2_BACKEND_LIBRARY=$OLD
+decode_step_1k new2 nochain
 echo "profile $(( $(date +%s) - t )) s"; t=$(date +%s)
-spec() {  # name, then environment assignments
-  local name=$1; shift
-  env "$@" timeout 60 python3 scripts/spec_bench.py --skip smollm2 --iters 30 --work-dir /tmp/spec_bench \
-    --out "$R/spec_$name.json" 2> "$R/spec_$name.log"
-  echo "== spec $name: $(grep 'step costs' "$R/spec_$name.log" | tail -1)"
-}
-spec new
-spec old EXL2_BACKEND_LIBRARY=$OLD
+spec_costs new
+spec_costs old EXL2_BACKEND_LIBRARY=$OLD
 echo "spec $(( $(date +%s) - t )) s"; t=$(date +%s)
 EXL2_BACKEND_LIBRARY=$OLD timeout 90 python3 -m exl2_backend.cli.main bench --shape llama3-8b --bpw 4.0 \
   --model-out /tmp/models/llama3-8b --contexts 1024 --cache-type fp16 --json "$R/bench_8b_old.json" \

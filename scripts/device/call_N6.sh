@@ -29,14 +29,8 @@ b8 new 1024,32768 fp16,q8,q4
 b8 old_fp16 1024 fp16 EXL2_BACKEND_LIBRARY=$OLD
 b8 old_q8 32768 q8 EXL2_BACKEND_LIBRARY=$OLD
 echo "bench $(( $(date +%s) - t )) s"; t=$(date +%s)
-spec() {  # name, then environment assignments
-  local name=$1; shift
-  env "$@" timeout 60 python3 scripts/spec_bench.py --skip smollm2 --iters 30 --work-dir /tmp/spec_bench \
-    --out "$R/spec_$name.json" 2> "$R/spec_$name.log"
-  echo "== spec $name: $(grep 'step costs' "$R/spec_$name.log" | tail -1)"
-}
-spec new
-spec old EXL2_BACKEND_LIBRARY=$OLD
+spec_costs new
+spec_costs old EXL2_BACKEND_LIBRARY=$OLD
 echo "spec $(( $(date +%s) - t )) s"; t=$(date +%s)
 wait $JIT; tail -1 "$OUT/exl_jit.txt"; cp "$OUT/exl_jit.txt" "$R/" 2>/dev/null; rm -f "$OUT/exl_jit.txt"
 timeout 170 python3 scripts/device/exllamav2_compare.py --out "$R" --random-dir /tmp/models/llama3-8b --ours \

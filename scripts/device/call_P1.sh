@@ -15,31 +15,17 @@ source scripts/device/common.sh
 results_dir
 trap '[ -d "$R" ] && pack_results p1' EXIT
 t=$(date +%s)
-for passes in 1 3; do
-  EXL2_BACKEND_FUSED_NORM_PASSES=$passes timeout 60 python3 scripts/spec_bench.py --skip smollm2 --iters 30 \
-    --work-dir /tmp/spec_bench --out "$R/spec_passes$passes.json" 2> "$R/spec_passes$passes.log"
-  echo "== spec, norm passes $passes: $(grep 'step costs' "$R/spec_passes$passes.log" | tail -1)"
-done
+for passes in 1 3; do spec_costs "passes$passes" EXL2_BACKEND_FUSED_NORM_PASSES=$passes; done
 echo "spec $(( $(date +%s) - t )) s"
 t=$(date +%s)
 for probe in 0 1 2 4 7; do
-  EXL2_GEMV_PROBE=$probe timeout 80 python3 scripts/profile_decode.py --shapes llama3-8b --variants nochain \
-    --workdir /tmp/prof --context 1024 --cache-types fp16 --out "$R/p_probe$probe" > "$R/prof_probe$probe.txt" 2>&1
-  echo "== probe $probe: $(grep -E '^######## ' "$R/prof_probe$probe.txt" | head -1 | cut -c1-120)"
+  decode_step_1k "probe$probe" nochain EXL2_GEMV_PROBE=$probe
   grep -A3 "critical path" "$R/prof_probe$probe.txt" | grep gemv_tma | head -1
 done
 echo "probes $(( $(date +%s) - t )) s"; t=$(date +%s)
-prof() {  # name, launches to skip (chain_once: o, gate/up, down, q/k/v, then the chain, per repetition)
-  local name=$1 skip=$2
-  timeout 90 ncu --clock-control none --cache-control none --set full --import-source no -k regex:gemv_tma_kernel \
-    --launch-skip "$skip" --launch-count 1 -o "$R/$name" python3 scripts/chain_once.py > "$R/$name.log" 2>&1
-  ncu --import "$R/$name.ncu-rep" --page details > "$R/$name.details.txt" 2>&1
-  ncu --import "$R/$name.ncu-rep" --page source --csv --print-source sass 2>&1 | gzip -c > "$R/$name.sass.csv.gz"
-  rm -f "$R/$name.ncu-rep"
-  grep -E "^    Duration|DRAM Throughput" "$R/$name.details.txt" | head -2
-}
-prof gateup_warm 13
-prof down_warm 14
+# chain_once launches, per repetition: o, gate/up, down, q/k/v (then the chain, not matched)
+ncu_chain_once gateup_warm gemv_tma_kernel 13 --cache-control none
+ncu_chain_once down_warm gemv_tma_kernel 14 --cache-control none
 echo "ncu $(( $(date +%s) - t )) s"; t=$(date +%s)
 timeout 60 python3 scripts/bench_gemm.py --m1 2>&1 | tee "$R/bench_gemm_m1.txt" | grep -E "M1|us" | tail -8
 echo "bench_gemm $(( $(date +%s) - t )) s"

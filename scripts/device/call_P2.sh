@@ -12,17 +12,8 @@ source scripts/device/common.sh
 results_dir
 trap '[ -d "$R" ] && pack_results p2' EXIT
 t=$(date +%s)
-for per_sm in 2 4 6; do
-  EXL2_BACKEND_GEMV_BLOCKS_PER_SM=$per_sm timeout 80 python3 scripts/profile_decode.py --shapes llama3-8b \
-    --variants nochain --workdir /tmp/prof --context 1024 --cache-types fp16 --out "$R/p_bps$per_sm" \
-    > "$R/prof_bps$per_sm.txt" 2>&1
-  echo "== blocks per SM $per_sm: $(grep -E '^######## ' "$R/prof_bps$per_sm.txt" | head -1 | cut -c1-110)"
-done
-for per_sm in 2 4; do
-  EXL2_BACKEND_GEMV_BLOCKS_PER_SM=$per_sm timeout 60 python3 scripts/spec_bench.py --skip smollm2 --iters 30 \
-    --work-dir /tmp/spec_bench --out "$R/spec_bps$per_sm.json" 2> "$R/spec_bps$per_sm.log"
-  echo "== spec, blocks per SM $per_sm: $(grep 'step costs' "$R/spec_bps$per_sm.log" | tail -1)"
-done
+for per_sm in 2 4 6; do decode_step_1k "bps$per_sm" nochain EXL2_BACKEND_GEMV_BLOCKS_PER_SM=$per_sm; done
+for per_sm in 2 4; do spec_costs "bps$per_sm" EXL2_BACKEND_GEMV_BLOCKS_PER_SM=$per_sm; done
 echo "balance $(( $(date +%s) - t )) s"; t=$(date +%s)
 bench32k() {  # name, then environment assignments
   local name=$1; shift

@@ -45,3 +45,29 @@ gpu_tests() {
 # pack_results NAME at the end ($OUT/NAME.tar.gz).
 results_dir() { R="$OUT/r"; mkdir -p "$R"; }
 pack_results() { tar -czf "$OUT/$1.tar.gz" -C "$OUT" r && rm -rf "$R"; }
+# Verify / decode step costs of the 8B shape (spec_bench): spec_costs NAME [ENV=VALUE...]; $R/spec_NAME.{json,log}.
+spec_costs() {
+  local name=$1; shift
+  env "$@" timeout 60 python3 scripts/spec_bench.py --skip smollm2 --iters 30 --work-dir /tmp/spec_bench \
+    --out "$R/spec_$name.json" 2> "$R/spec_$name.log"
+  echo "== spec $name: $(grep 'step costs' "$R/spec_$name.log" | tail -1)"
+}
+# The 8B decode step at 1k with an fp16 cache (profile_decode): decode_step_1k NAME VARIANTS [ENV=VALUE...];
+# $R/prof_NAME.txt and $R/p_NAME/.
+decode_step_1k() {
+  local name=$1 variants=$2; shift 2
+  env "$@" timeout 80 python3 scripts/profile_decode.py --shapes llama3-8b --variants "$variants" \
+    --workdir /tmp/prof --context 1024 --cache-types fp16 --out "$R/p_$name" > "$R/prof_$name.txt" 2>&1
+  echo "== $name"; grep -E "^######## " "$R/prof_$name.txt" | cut -c1-140
+}
+# One kernel launch of scripts/chain_once.py under ncu --set full: ncu_chain_once NAME REGEX SKIP [NCU FLAGS...];
+# $R/NAME.details.txt and $R/NAME.sass.csv.gz (scripts/ncu_stalls.py reads it).
+ncu_chain_once() {
+  local name=$1 k=$2 skip=$3; shift 3
+  timeout 90 ncu --clock-control none "$@" --set full --import-source no -k "regex:$k" --launch-skip "$skip" \
+    --launch-count 1 -o "$R/$name" python3 scripts/chain_once.py > "$R/$name.log" 2>&1
+  ncu --import "$R/$name.ncu-rep" --page details > "$R/$name.details.txt" 2>&1
+  ncu --import "$R/$name.ncu-rep" --page source --csv --print-source sass 2>&1 | gzip -c > "$R/$name.sass.csv.gz"
+  rm -f "$R/$name.ncu-rep"
+  grep -E "^    Duration|DRAM Throughput|Achieved Occupancy" "$R/$name.details.txt" | head -3
+}

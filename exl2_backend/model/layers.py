@@ -8,6 +8,7 @@ from dataclasses import dataclass
 import torch
 
 from exl2_backend import ops
+from exl2_backend.model.tp_shard import fold_down_order
 
 # Rope of q and k plus the KV-cache write as one op (ops.rope_kv_write); EXL2_BACKEND_FUSED_ROPE_KV=0 runs the
 # three ops apart (same values), for A/B timing.
@@ -17,6 +18,9 @@ FUSED_SILU_DOWN = os.environ.get("EXL2_BACKEND_FUSED_SILU_DOWN", "1") != "0"
 # rms_norm folded into the GEMV after it (q/k/v, gate/up, head; CUDA TMA GEMV, small M: CudaLinearOp.add_normed);
 # EXL2_BACKEND_FUSED_NORM=0 runs add_rms_norm apart (same bits), for A/B timing.
 FUSED_NORM = os.environ.get("EXL2_BACKEND_FUSED_NORM", "1") != "0"
+# gate/up produce down_proj's input in its stored row order (model/tp_shard.fold_down_order), so down reads its input
+# contiguously instead of through q_perm; EXL2_BACKEND_FOLD_DOWN_ORDER=0 keeps the file's order, for A/B timing.
+FOLD_DOWN_ORDER = os.environ.get("EXL2_BACKEND_FOLD_DOWN_ORDER", "1") != "0"
 
 
 def norm_linear(linear, h: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float):
@@ -59,6 +63,8 @@ class DecoderLayer:
         self.post_norm = lw.post_attention_layernorm.to(device=device, dtype=dtype)
         self.qkv = ops.prepare_linear([lw.q_proj, lw.k_proj, lw.v_proj], device, dtype)
         self.o = ops.prepare_linear([lw.o_proj], device, dtype)
+        if FOLD_DOWN_ORDER:
+            lw = fold_down_order(lw)
         self.gate_up = ops.prepare_linear([lw.gate_proj, lw.up_proj], device, dtype)
         self.down = ops.prepare_linear([lw.down_proj], device, dtype)
         self.scale = self.head_dim**-0.5

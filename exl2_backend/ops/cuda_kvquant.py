@@ -69,7 +69,7 @@ def quant_attention_ctas(k_fmt: str, v_fmt: str) -> int:
     8-bit codes in either cache run the 80-register variant (6 resident per SM), 4-bit ones the 128-register one
     (4); see cuda_layers.ATTN_CTAS_PER_SM_8BIT."""
     if ATTN_QUANT_MMA:
-        online = cuda_layers.ATTN_MMA_ONLINE
+        online = cuda_layers.attn_mma_online(k_fmt, v_fmt)
         return _ATTN_CTAS_PER_SM if _ATTN_CTAS_ENV or not online else 4 - online
     return ATTN_CTAS_PER_SM_8BIT if {"int8", "e4m3"} & {k_fmt, v_fmt} else _ATTN_CTAS_PER_SM
 
@@ -244,7 +244,7 @@ def paged_attention_quant(q: torch.Tensor, k_codes: torch.Tensor, k_scales: torc
               tables.data_ptr(), tables.stride(0), lens.data_ptr(), out.data_ptr(),
               ws.data_ptr() if ws is not None else None, b, tq, hq, hkv, d, p, s, max_pages, nsplit, _ATTN_MIN_SPLIT,
               float(scale), cuda_layers.ATTN_MAX_ROW_TILE,
-              cuda_layers.attn_mma_variant_code() if ATTN_QUANT_MMA else 0, _stream(q))
+              cuda_layers.attn_mma_variant_code(k_fmt, v_fmt) if ATTN_QUANT_MMA else 0, _stream(q))
     return out
 
 

@@ -118,20 +118,37 @@ ATTN_FP16_MMA_MIN_ROWS = 16
 
 
 # The tensor-core kernel's one-pass variant (online softmax, no score buffer; 1: one step of 16 keys in flight
-# per warp, 168 registers, 3 CTAs per SM; 2: two steps, 2 CTAs per SM) for fp16 and quantized pages alike; 0: the
-# two-pass kernel. EXL2_BACKEND_ATTN_MMA_ONLINE; a measurement build until it has run on the GPU.
-ATTN_MMA_ONLINE = int(os.environ.get("EXL2_BACKEND_ATTN_MMA_ONLINE", "0"))
-if ATTN_MMA_ONLINE not in (0, 1, 2):
-    raise ValueError(f"EXL2_BACKEND_ATTN_MMA_ONLINE must be 0, 1 or 2, got {ATTN_MMA_ONLINE}")
+# per warp, 168 registers, 3 CTAs per SM; 2: two steps, 2 CTAs per SM); 0: the two-pass kernel. By default
+# ("auto") each cache format takes the variant that won end to end: H200 call Q1 of 2026-12-02, 8B decode at 32k
+# (`exl2-backend bench`, tok/s, two-pass / one-pass 2 / one-pass 1, fp16 pages through the tensor-core kernel in
+# the one-pass runs): fp16 229.3 / 241.4 / 196.1, q8 258.9 / 261.9 / 254.4, q4 263.8 / 263.5 / 269.4. fp8 and q6
+# were not measured and keep the two-pass kernel. EXL2_BACKEND_ATTN_MMA_ONLINE=0/1/2 sets one for every format.
+_ONLINE_ENV = os.environ.get("EXL2_BACKEND_ATTN_MMA_ONLINE", "auto")
+ATTN_MMA_ONLINE: int | None = None if _ONLINE_ENV == "auto" else int(_ONLINE_ENV)
+if ATTN_MMA_ONLINE not in (None, 0, 1, 2):
+    raise ValueError(f"EXL2_BACKEND_ATTN_MMA_ONLINE must be auto, 0, 1 or 2, got {_ONLINE_ENV}")
+# (K format, V format) -> the automatic variant; "fp16" for fp16 pages.
+ATTN_MMA_ONLINE_AUTO = {("fp16", "fp16"): 2, ("int8", "int8"): 2, ("int4", "int4"): 1}
+
+
+def attn_mma_online(k_fmt: str = "fp16", v_fmt: str = "fp16") -> int:
+    """The one-pass variant (0 = two passes) the tensor-core kernel runs for these page formats."""
+    if ATTN_MMA_ONLINE is not None:
+        return ATTN_MMA_ONLINE
+    return ATTN_MMA_ONLINE_AUTO.get((k_fmt, v_fmt), 0)
 
 
 def _attn_fp16_mma(rows: int) -> bool:
-    return ATTN_FP16_MMA if ATTN_FP16_MMA is not None else rows >= ATTN_FP16_MMA_MIN_ROWS
+    """fp16 pages through the tensor-core kernel: forced either way by ATTN_FP16_MMA, else whenever the format's
+    variant is a one-pass one (the two-pass variant only from ATTN_FP16_MMA_MIN_ROWS rows per kv head on)."""
+    if ATTN_FP16_MMA is not None:
+        return ATTN_FP16_MMA
+    return attn_mma_online() > 0 or rows >= ATTN_FP16_MMA_MIN_ROWS
 
 
-def attn_mma_variant_code() -> int:
-    """The C ABI's code of the tensor-core kernel in use: 1 two passes, 2 / 3 one pass (ATTN_MMA_ONLINE 1 / 2)."""
-    return 1 + ATTN_MMA_ONLINE
+def attn_mma_variant_code(k_fmt: str = "fp16", v_fmt: str = "fp16") -> int:
+    """The C ABI's code of the tensor-core kernel in use: 1 two passes, 2 / 3 one pass (variant 1 / 2)."""
+    return 1 + attn_mma_online(k_fmt, v_fmt)
 
 
 def _attn_flags(rows: int = 1) -> int:

@@ -79,6 +79,10 @@ NORM_SMEM_BYTES = int(os.environ.get("EXL2_BACKEND_NORM_SMEM_BYTES", str(40 << 1
 # flight), so more passes may beat the add_rms_norm + pregather launches of a verify step: not yet measured
 # (scripts/device/call_P1.sh times k = 4 with 3).
 NORM_MAX_PASSES = max(1, int(os.environ.get("EXL2_BACKEND_FUSED_NORM_PASSES", "1")))
+# Rows past one pass of the fused norm: add_rms_norm writes each part's stored row order itself
+# (csrc/quant/exl2_gemv_norm_pregather.cu; one launch instead of add_rms_norm + pregather, and no scattered gather
+# in the GEMV), bit-identical. EXL2_BACKEND_NORM_PREGATHER=0 runs the ops apart, for A/B timing.
+NORM_PREGATHER = os.environ.get("EXL2_BACKEND_NORM_PREGATHER", "1") != "0"
 GEMV_MINB = int(os.environ.get("EXL2_BACKEND_GEMV_MINB", "0"))
 # Blocks per SM the GEMV's split-K factor aims at (one wave of the planned resident blocks); the TMA kernel's
 # default. Below 1 (e.g. 0.4) plans fewer, longer blocks: no split-K reduction where the columns fill the GPU.
@@ -275,6 +279,8 @@ def _fn(name: str):
             "exl2_gemv": (P, I32, P, I32, I32, I32, I32, P, I32, library.STREAM),
             "exl2_gemv_pregather": (P, I32, P, I32, I32, I32, P, I32, library.STREAM),
             "exl2_gemv_add_norm": (P, I32, P, I32, I32, P, I32, P, P, I32, library.F32, library.STREAM),
+            "exl2_add_norm_pregather": (P, I32, P, I32, I32, P, I32, P, P, I32, library.F32, P, I32,
+                                        library.STREAM),
             "exl2_dequant": (P, P, I32, I32, library.STREAM),
         }[name]
         _fns[name] = library.declare(name, *sig)
@@ -358,6 +364,10 @@ class _Launch:
         self.sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 132
         self._plans: dict[int, _Plan] = {}
         self._descs = [self._desc(p) for p in parts]
+        # every part stores its rows in input order (no act-order permutation, or down_proj after
+        # model/tp_shard.fold_down_order): the in-kernel gather reads contiguous features, coalesced
+        self.input_in_order = all(
+            torch.equal(p.q_invperm.cpu(), torch.arange(p.K, dtype=p.q_invperm.dtype)) for p in parts)
         self.handle = next(_handles)
         _REG[self.handle] = self
 
@@ -477,7 +487,10 @@ class _Launch:
 
     def pregathers(self, m: int) -> bool:
         """Whether the GEMV of M rows copies a pre-gathered input (exl2_gemv_pregather, one launch more): each block
-        gathers at least GEMV_PREGATHER_ITEMS items."""
+        gathers at least GEMV_PREGATHER_ITEMS items, scattered by the rows' permutation (rows in input order are
+        gathered coalesced in the kernel; GEMV_PREGATHER_ITEMS = 1 still forces the launch)."""
+        if self.input_in_order and GEMV_PREGATHER_ITEMS != 1:
+            return False
         return 0 < GEMV_PREGATHER_ITEMS <= m * self.kpad // self.gemv_plan(m).ksplit and \
             gemv_row_cap(self.device) == 32
 
@@ -493,6 +506,33 @@ class _Launch:
         were issued together: the 8B's k = 4 verify (M = 5, three passes) took 1.55x a decode step fused against
         1.28x apart; the decode step (one pass) gained 3.9%."""
         return self.can_norm(m) and m <= NORM_MAX_PASSES * (256 // norm_row_threads(self.K))
+
+    def can_norm_pregather(self, m: int) -> bool:
+        """Whether M rows can run add_rms_norm writing the stored row order, then the GEMV copying it
+        (exl2_add_norm_pregather): the TMA kernel takes M, the hidden size is a multiple of 8 up to 8192."""
+        return (GEMV_MINB == 0 and gemv_row_cap(self.device) == 32 and self.takes_gemv(m)
+                and self.K % 8 == 0 and self.K <= 8192)
+
+    def norm_pregather_gemv(self, h: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float,
+                            ws: torch.Tensor, counters: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """gemv_add_norm's result from two launches: the norm writing every part's input in stored row order, then
+        the GEMV copying its rows."""
+        m = h.shape[0]
+        out, blob = self._bind(self.gemv_plan(m), m, ws, counters, h.device)
+        res_out = h.new_empty((m, self.K)) if residual is not None else h.new_empty(0)
+        ld = self.kpad  # a multiple of 64
+        pre = torch.empty(len(self.parts) * m * ld, dtype=torch.float16, device=h.device)  # [parts, M, ld]
+        stream = _stream(h.device)
+        st = _fn("exl2_add_norm_pregather")(blob.ctypes.data, len(self.parts), h.data_ptr(), m, _row_stride(h),
+                                            None if residual is None else residual.data_ptr(),
+                                            0 if residual is None else _row_stride(residual), weight.data_ptr(),
+                                            None if residual is None else res_out.data_ptr(), self.K, float(eps),
+                                            pre.data_ptr(), ld, stream)
+        library.check(st, "exl2_add_norm_pregather")
+        st = _fn("exl2_gemv")(blob.ctypes.data, len(self.parts), h.data_ptr(), m, _row_stride(h), 0, GEMV_MINB,
+                              pre.data_ptr(), ld, stream)
+        library.check(st, "exl2_gemv")
+        return out, res_out
 
     def gemv_add_norm(self, h: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float,
                       ws: torch.Tensor, counters: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -581,10 +621,11 @@ def _check_norm_input(t: torch.Tensor, name: str, k: int, m: int, device: torch.
 
 @torch.library.custom_op("exl2_backend::exl2_gemv_add_norm", mutates_args=("ws", "counters"))
 def _gemv_add_norm_op(h: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float,
-                      packed: torch.Tensor, handle: int, ws: torch.Tensor,
-                      counters: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(GEMV of rms_norm(h + residual) * weight, h + residual), one launch; residual None: rms_norm(h), and the
-    second output is empty. Bit-identical to add_rms_norm followed by the GEMV."""
+                      packed: torch.Tensor, handle: int, ws: torch.Tensor, counters: torch.Tensor,
+                      pregather: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """(GEMV of rms_norm(h + residual) * weight, h + residual); residual None: rms_norm(h), and the second output
+    is empty. One launch (the norm inside the GEMV), or with `pregather` two (the norm writing the GEMV's stored
+    row order, exl2_add_norm_pregather). Bit-identical to add_rms_norm followed by the GEMV either way."""
     launch = _REG[handle]
     k, m = launch.K, h.shape[0] if isinstance(h, torch.Tensor) and h.dim() == 2 else -1
     _check_norm_input(h, "h", k, m, packed.device)
@@ -594,13 +635,17 @@ def _gemv_add_norm_op(h: torch.Tensor, residual: torch.Tensor | None, weight: to
             or weight.device != packed.device or not weight.is_contiguous() or weight.data_ptr() % 16:
         raise TensorShapeError(f"the norm weight must be a contiguous float16 [{k}] tensor on {packed.device}",
                                tensor="weight")
+    if pregather:
+        if not launch.can_norm_pregather(m):
+            raise TensorShapeError(f"the pre-gathering norm does not take {m} rows of {k} here", tensor="h")
+        return launch.norm_pregather_gemv(h, residual, weight, eps, ws, counters)
     if not launch.can_norm(m):
         raise TensorShapeError(f"the norm-fused GEMV does not take {m} rows of {k} here", tensor="h")
     return launch.gemv_add_norm(h, residual, weight, eps, ws, counters)
 
 
 @_gemv_add_norm_op.register_fake
-def _(h, residual, weight, eps, packed, handle, ws, counters):
+def _(h, residual, weight, eps, packed, handle, ws, counters, pregather=False):
     res_out = h.new_empty(h.shape) if residual is not None else h.new_empty(0)
     return h.new_empty((h.shape[0], _REG[handle].out_features)), res_out
 
@@ -669,21 +714,31 @@ class CudaLinearOp:
         return self(ops.silu_mul(gate_up[:, :k], gate_up[:, k:]))
 
     def add_normed(self, h: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float,
-                   always: bool = False) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """(self(rms_norm(h + residual) * weight), h + residual) from one GEMV that normalizes its own input
-        (residual None: rms_norm(h), and h is returned as the residual stream), bit-identical to add_rms_norm
-        then self(...). None where routing does not fuse (the caller runs the two ops): M rows the TMA GEMV does
-        not take, more rows than one pass of the fused norm (_Launch.takes_norm; always=True: any M the kernel
-        can take, for tests and benchmarks), unaligned rows, another weight dtype."""
+                   always: bool = False, pregather: bool | None = None) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """(self(rms_norm(h + residual) * weight), h + residual), bit-identical to add_rms_norm then self(...)
+        (residual None: rms_norm(h), and h is returned as the residual stream). Rows that fit one pass of the
+        fused norm (_Launch.takes_norm; always=True: any M the norm-fused GEMV can take, for tests and benchmarks)
+        run one GEMV that normalizes its own input; more rows (NORM_PREGATHER) run the norm writing the GEMV's
+        stored row order, then the GEMV (`pregather` True / False forces either, for tests). None where neither
+        applies (the caller runs the two ops): M rows the TMA GEMV does not take, unaligned rows, another weight
+        dtype."""
         m = h.shape[0] if h.dim() == 2 else 0
-        fits = self.launch.can_norm if always else self.launch.takes_norm
-        if not (m and fits(m) and weight.dtype == torch.float16 and weight.is_contiguous()
-                and weight.data_ptr() % 16 == 0 and _rows_aligned(h) and (residual is None or _rows_aligned(residual))):
+        if not (m and weight.dtype == torch.float16 and weight.is_contiguous() and weight.data_ptr() % 16 == 0
+                and _rows_aligned(h) and (residual is None or _rows_aligned(residual))):
+            return None
+        launch = self.launch
+        if pregather is None:  # routing
+            if (launch.can_norm if always else launch.takes_norm)(m):
+                pregather = False
+            elif NORM_PREGATHER and not always and launch.can_norm_pregather(m):
+                pregather = True
+            else:
+                return None
+        elif not (launch.can_norm_pregather if pregather else launch.can_norm)(m):
             return None
         ws, counters = self.workspace.buffers()
-        y, res_out = torch.ops.exl2_backend.exl2_gemv_add_norm(h, residual, weight, float(eps),
-                                                               self.launch.parts[0].packed, self.launch.handle,
-                                                               ws, counters)
+        y, res_out = torch.ops.exl2_backend.exl2_gemv_add_norm(h, residual, weight, float(eps), launch.parts[0].packed,
+                                                               launch.handle, ws, counters, pregather)
         return y, (h if residual is None else res_out)
 
     def fused_kernel(self, x: torch.Tensor, kernel: str) -> torch.Tensor:

@@ -1,10 +1,12 @@
-"""RMSNorm fused into the TMA GEMV's input (CudaLinearOp.add_normed, csrc/quant/exl2_gemv_norm.cuh).
+"""RMSNorm fused into the TMA GEMV's input (CudaLinearOp.add_normed, csrc/quant/exl2_gemv_norm.cuh), and for rows
+past one pass the norm writing the GEMV's stored row order (csrc/quant/exl2_gemv_norm_pregather.cu).
 
 Exact: the fused kernel repeats add_rms_norm's arithmetic step for step (threads per row, vector order, fma chain,
 warp sums, roundings), so its GEMV input, its output and the residual stream it writes are bit-identical to
 add_rms_norm followed by the plain GEMV. Shapes: every bit width in a mixed layout, hidden sizes with one, two and
 several rows per pass of the 256 compute threads (576, 1056, 4096, 8192), M up to the shared-memory cap, with and
-without a residual, three fused parts with bias; the model forward with the fusion on and off.
+without a residual, three fused parts with bias; the model forward with the fusion on and off. The pre-gathering
+norm keeps the same arithmetic (gv_norm_rows, one row per block) and is held to the same bit-identity.
 """
 
 from __future__ import annotations
@@ -37,7 +39,7 @@ def _rand(shape, seed: int, scale: float = 1.0) -> torch.Tensor:
     return (torch.randn(*shape, generator=g, device="cuda") * scale).half()
 
 
-def _check(op, h, residual, w, eps=1e-5):
+def _check(op, h, residual, w, eps=1e-5, pregather=False):
     from exl2_backend import ops
 
     h0 = h.clone()
@@ -47,7 +49,7 @@ def _check(op, h, residual, w, eps=1e-5):
     else:
         x, want_res = ops.add_rms_norm(h.clone(), residual.clone(), w, eps)
     want = op.fused_kernel(x.contiguous(), "gemv")
-    got = op.add_normed(h, residual, w, eps, always=True)
+    got = op.add_normed(h, residual, w, eps, always=True, pregather=pregather)
     assert got is not None, "the fused path declined"
     y, res = got
     assert torch.equal(y, want)
@@ -85,6 +87,35 @@ def test_norm_fused_three_parts_and_strided_rows():
     _check(op, h, _rand((4, k), seed=3), w)
 
 
+@pytest.mark.parametrize("bits", [2, 3, 4, 5, 6, 8])
+@pytest.mark.parametrize("k,m", [(576, 3), (576, 32), (1056, 17), (4096, 3), (4096, 5), (4096, 8), (8192, 5)])
+def test_pregathering_norm_equals_add_rms_norm_then_gemv(bits, k, m):
+    """add_rms_norm writing the stored row order (one block per row and part), then the GEMV copying its rows."""
+    from exl2_backend.ops import cuda_quant
+
+    _needs_tma()
+    qt = _to_cuda(make_qt(_layout(k, bits), 333, seed=bits * 7 + m, bias=bits == 5))
+    op = cuda_quant.prepare_linear([qt], "cuda")
+    w = _rand((k,), seed=k + 1, scale=0.3) + 1
+    h, residual = _rand((m, k), seed=m + 1), _rand((m, k), seed=m + 60, scale=4.0)
+    _check(op, h, residual, w, pregather=True)
+    _check(op, h, None, w, pregather=True)
+
+
+def test_pregathering_norm_three_parts_and_strided_rows():
+    """q/k/v-like parts with different padded lengths (Kpad), one with bias, h a row slice of a wider buffer."""
+    from exl2_backend.ops import cuda_quant
+
+    _needs_tma()
+    k = 1056
+    parts = [_to_cuda(make_qt(_layout(k, b), n, seed=b, bias=b == 3, key=f"p{b}")) for b, n in ((4, 576), (3, 192),
+                                                                                                 (6, 200))]
+    op = cuda_quant.prepare_linear(parts, "cuda")
+    w = _rand((k,), seed=1, scale=0.3) + 1
+    wide = _rand((6, 2 * k), seed=2)
+    _check(op, wide[:, :k], _rand((6, k), seed=3), w, pregather=True)
+
+
 def test_norm_fused_declines_what_it_cannot_take(monkeypatch):
     from exl2_backend.ops import cuda_quant
 
@@ -94,8 +125,11 @@ def test_norm_fused_declines_what_it_cannot_take(monkeypatch):
     w = _rand((k,), seed=1) + 1
     h, r = _rand((6, k), seed=2), _rand((6, k), seed=3)
     assert cuda_quant.norm_row_threads(k) == 32 and op.launch.takes_norm(8) and not op.launch.takes_norm(9)
-    monkeypatch.setattr(cuda_quant, "NORM_SMEM_BYTES", 5 * k * 2)  # 6 rows no longer fit: the caller's two ops
-    assert op.add_normed(h, r, w, 1e-5) is None and op.add_normed(h, r, w, 1e-5, always=True) is None
+    monkeypatch.setattr(cuda_quant, "NORM_SMEM_BYTES", 5 * k * 2)  # 6 rows no longer fit the norm-fused GEMV
+    assert op.add_normed(h, r, w, 1e-5, always=True) is None and op.add_normed(h, r, w, 1e-5, pregather=False) is None
+    assert op.add_normed(h, r, w, 1e-5) is not None  # routing: the pre-gathering norm
+    monkeypatch.setattr(cuda_quant, "NORM_PREGATHER", False)
+    assert op.add_normed(h, r, w, 1e-5) is None  # the caller's two ops
     assert op.add_normed(h[:5], r[:5], w, 1e-5) is not None
     unaligned = _rand((1, k + 1), seed=4)[:, 1:]  # rows start 2 bytes past a 16-byte boundary
     assert op.add_normed(unaligned, None, w, 1e-5) is None
@@ -110,8 +144,9 @@ def test_norm_fused_declines_what_it_cannot_take(monkeypatch):
                                                   launch.handle, ws, counters)
 
 
-def test_norm_routing_takes_one_pass_of_rows():
-    """Routing fuses the norm only where the M rows fit one pass (K = 4096: 128 threads per row, two rows)."""
+def test_norm_routing_takes_one_pass_of_rows(monkeypatch):
+    """Routing fuses the norm into the GEMV only where the M rows fit one pass (K = 4096: 128 threads per row, two
+    rows); more rows take the pre-gathering norm (NORM_PREGATHER), or the caller's two ops without it."""
     from exl2_backend.ops import cuda_quant
 
     _needs_tma()
@@ -120,14 +155,22 @@ def test_norm_routing_takes_one_pass_of_rows():
     assert op.launch.can_norm(5) and not op.launch.can_norm(6)  # 40 KB of normalized rows
     w = _rand((4096,), seed=1) + 1
     h, r = _rand((3, 4096), seed=2), _rand((3, 4096), seed=3)
+    calls = []
+    real = op.launch.norm_pregather_gemv
+    monkeypatch.setattr(op.launch, "norm_pregather_gemv", lambda *a: calls.append(1) or real(*a))
+    assert op.add_normed(h, r, w, 1e-5) is not None and calls == [1]  # three rows: the pre-gathering norm
+    assert op.add_normed(h[:2], r[:2], w, 1e-5) is not None and calls == [1]  # two: the norm-fused GEMV
+    monkeypatch.setattr(cuda_quant, "NORM_PREGATHER", False)
     assert op.add_normed(h, r, w, 1e-5) is None
-    assert op.add_normed(h[:2], r[:2], w, 1e-5) is not None
 
 
-def test_model_forward_bit_identical_with_and_without_the_fused_norm(tmp_path, monkeypatch):
+@pytest.mark.parametrize("fused_rows", [8, 2])
+def test_model_forward_bit_identical_with_and_without_the_fused_norm(tmp_path, monkeypatch, fused_rows):
     """LlamaModel: a 5-token prefill, then decode steps of 1 and 3 sequences (tests/helpers/forward_steps.py);
-    logits equal bit for bit with layers.FUSED_NORM on and off (the head's final norm included)."""
+    logits equal bit for bit with layers.FUSED_NORM on and off (the head's final norm included). fused_rows 2: the
+    norm-fused GEMV takes at most two rows, so the prefill and the 3-sequence step run the pre-gathering norm."""
     from exl2_backend.model import layers
+    from exl2_backend.ops import cuda_quant
     from exl2_backend.model.llama import LlamaModel
     from tests.helpers.forward_steps import prefill_then_decode
     from tests.helpers.synth import tiny_config_dict, write_tiny_exl2_model
@@ -135,8 +178,9 @@ def test_model_forward_bit_identical_with_and_without_the_fused_norm(tmp_path, m
     _needs_tma()
     cfg = tiny_config_dict(hidden_size=256, intermediate_size=512, num_attention_heads=4, num_key_value_heads=2)
     d = write_tiny_exl2_model(tmp_path / "m", cfg, seed=3)
+    monkeypatch.setattr(cuda_quant, "NORM_SMEM_BYTES", fused_rows * 256 * 2)
     model = LlamaModel.from_dir(d, "cuda")
-    assert model.layers[0].qkv.launch.takes_norm(1) and model.lm_head.launch.takes_norm(3)
+    assert model.layers[0].qkv.launch.takes_norm(1) and model.lm_head.launch.takes_norm(3) == (fused_rows >= 3)
 
     def run(on: bool) -> list[torch.Tensor]:
         monkeypatch.setattr(layers, "FUSED_NORM", on)

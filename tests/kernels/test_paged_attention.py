@@ -81,13 +81,13 @@ def check(lens, tq, hq, hkv, d, page=16, num_splits=0, seed=0, q=None):
     return out
 
 
-@pytest.fixture(params=["cuda_core", "mma", "mma_online"])
+@pytest.fixture(params=["cuda_core", "mma", "mma_online", "mma_online2"])
 def attn_kernel(request, monkeypatch):
     """Every kernel for fp16 pages: the CUDA-core one and the tensor-core one of the quantized caches
     (ops/cuda_layers.ATTN_FP16_MMA: row tiles of 8, fp16 operands, q and probabilities in two fp16 parts), two
-    passes or one (ATTN_MMA_ONLINE)."""
+    passes or one with one or two key steps in flight (ATTN_MMA_ONLINE 1 / 2; 2 is the fp16 pages' default)."""
     monkeypatch.setattr(cl(), "ATTN_FP16_MMA", request.param != "cuda_core")
-    monkeypatch.setattr(cl(), "ATTN_MMA_ONLINE", 1 if request.param == "mma_online" else 0)
+    monkeypatch.setattr(cl(), "ATTN_MMA_ONLINE", {"mma_online": 1, "mma_online2": 2}.get(request.param, 0))
     return request.param
 
 

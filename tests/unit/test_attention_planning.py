@@ -17,6 +17,7 @@ def test_row_tile_is_the_natural_tile_up_to_the_cap(monkeypatch, rows, natural, 
     monkeypatch.setattr(cuda_layers, "ATTN_MAX_ROW_TILE", cap)
     assert cuda_layers._attn_row_tile(rows) == min(natural, cap)
     monkeypatch.setattr(cuda_layers, "ATTN_FP16_MMA", None)
+    monkeypatch.setattr(cuda_layers, "ATTN_MMA_ONLINE", 0)  # the CUDA-core kernel for one row: no bits 3-4
     assert cuda_layers._attn_flags() == cuda_layers._ATTN_FLAGS | {16: 0, 8: 2, 4: 4}[cap]
 
 
@@ -39,6 +40,20 @@ def test_one_pass_variants_have_their_codes_and_cta_targets(monkeypatch, online,
     assert cuda_layers.attn_mma_variant_code() == code
     assert (cuda_layers._attn_flags(4) >> 3 & 3) == code
     assert cuda_kvquant.quant_attention_ctas("int8", "int8") == ctas
+
+
+@pytest.mark.parametrize("pair,code,ctas", [(("int8", "int8"), 3, 2), (("int4", "int4"), 2, 3),
+                                           (("e4m3", "e4m3"), 1, 4), (("int8", "int4"), 1, 4)])
+def test_each_cache_format_takes_its_measured_variant_by_default(monkeypatch, pair, code, ctas):
+    """ATTN_MMA_ONLINE "auto": one pass with two key steps for fp16 and q8 pages, one step for q4, two passes for
+    the formats not yet measured end to end (fp8, q6)."""
+    monkeypatch.setattr(cuda_layers, "ATTN_MMA_ONLINE", None)
+    monkeypatch.setattr(cuda_layers, "ATTN_FP16_MMA", None)
+    monkeypatch.setattr(cuda_kvquant, "ATTN_QUANT_MMA", True)
+    monkeypatch.setattr(cuda_kvquant, "_ATTN_CTAS_ENV", None)
+    assert cuda_layers.attn_mma_variant_code(*pair) == code
+    assert cuda_kvquant.quant_attention_ctas(*pair) == ctas
+    assert (cuda_layers._attn_flags(4) >> 3 & 3) == 3  # fp16 pages: one pass, two steps, from a decode's 4 rows
 
 
 @pytest.mark.parametrize("ctx", [64, 1024, 4096, 32768, 131072])

@@ -1,0 +1,96 @@
+// add_rms_norm whose normalized rows go straight into each GEMV part's stored row order: the add_rms_norm and
+// pregather launches before a small-M GEMV as one. The norm-fused GEMV (exl2_gemv_norm.cuh) takes the rows that fit
+// one pass of its 256 compute threads (M <= 2 at K = 4096); past that every one of its blocks would normalize all M
+// rows again (H200 call Q1 of 2026-12-02: three passes took the 8B's k = 4 verify from 1.21x to 1.39x a decode
+// step), so a verify step ran add_rms_norm, then the pregather kernel (or the GEMV's scattered two-byte gather),
+// then the GEMV. Here one launch normalizes and scatters, and the GEMV copies its rows with 16-byte loads
+// (GemvParams::xpre).
+//
+// Grid (M, parts): block (m, part) normalizes row m into shared memory with the norm-fused GEMV's arithmetic
+// (gv_norm_rows, one row: rms_norm_kernel step for step), then writes the part's stored rows of token m
+// (pregather_rows_from, the chain kernel's norm phase). The blocks of part 0 also write the residual stream's row.
+// So the GEMV input, the residual stream and the GEMV output are bit-identical to add_rms_norm + pregather + GEMV.
+#include "common/api.h"
+#include "common/pdl.cuh"
+#include "layers/common.cuh"
+#include "quant/exl2_gemv_norm.cuh"
+#include "quant/exl2_gemv_pregather.cuh"
+
+using namespace exl2q;
+
+namespace {
+
+constexpr int kThreads = kMaxNormThreads;  // 256: gv_norm_rows's thread layout for one row of K <= 8192
+constexpr int kMaxK = 8192;
+
+struct NormPregatherParams {
+  NormRows norm;       // h [M, ldx] (+ residual), weight [K]; M = 1 per block (row m)
+  __half* res_out;     // [M, res_out_ld] or null
+  int res_out_ld;
+  PregatherParams pg;  // xmap, Kpad per part; xp [parts, M, ld]
+};
+
+struct BlockSync {
+  __device__ void operator()() const { __syncthreads(); }
+};
+
+__global__ void __launch_bounds__(kThreads) norm_pregather_kernel(const __grid_constant__ NormPregatherParams p) {
+  __shared__ __align__(16) __half xf[kMaxK];  // row m, normalized, natural order
+  __shared__ float red[kThreads / 32];
+  const int m = blockIdx.x, part = blockIdx.y;
+  const int r_first = threadIdx.x * kPregatherRows;
+  uint4 idx0 = make_uint4(0, 0, 0, 0);  // the first xmap entries: constants, loaded before the wait
+  if (r_first < p.pg.kpad[part]) idx0 = pregather_index(p.pg, part, r_first);
+  exl2::pdl_wait_and_trigger();  // h and the residual come from the previous kernel
+  NormRows n = p.norm;
+  n.x += (size_t)m * n.ldx;
+  if (n.res) n.res += (size_t)m * n.res_ld;
+  n.M = 1;
+  __half* res_out = part == 0 && p.res_out ? p.res_out + (size_t)m * p.res_out_ld : nullptr;
+  gv_norm_rows(n, xf, red, res_out, p.res_out_ld, BlockSync{});  // ends with a barrier: xf complete
+  for (int r0 = r_first; r0 < p.pg.kpad[part]; r0 += kThreads * kPregatherRows) {
+    const uint4 idx = r0 == r_first ? idx0 : pregather_index(p.pg, part, r0);
+    const unsigned short* iv = reinterpret_cast<const unsigned short*>(&idx);
+    __align__(16) __half v[kPregatherRows];
+#pragma unroll
+    for (int k = 0; k < kPregatherRows; ++k) v[k] = iv[k] != 0xFFFFu ? xf[iv[k]] : __float2half_rn(0.f);
+    *reinterpret_cast<uint4*>(p.pg.xp + ((size_t)part * p.pg.M + m) * p.pg.ld + r0) =
+        *reinterpret_cast<const uint4*>(v);
+  }
+}
+
+}  // namespace
+
+// blob: the GEMV's descriptors (cuda_quant.py layout; xmap, Kpad and K are read, every part of one K); h [M, ldh]
+// fp16; residual [M, res_ld] or null (input rms_norm(h)); weight fp16 [K]; res_out [M, res_out_ld] receives
+// round(h + residual) (null: not written; it must not alias h or residual, which the other parts' blocks still
+// read); xp fp16 [ndesc, M, ld] (ld >= every Kpad, a multiple of 8, 16-byte aligned) receives each part's input in
+// stored row order, for exl2_gemv's xpre. Rows 16-byte aligned, K a multiple of 8 up to 8192, M up to 32.
+EXL2_API int exl2_add_norm_pregather(const int64_t* blob, int ndesc, const void* h, int M, int ldh,
+                                     const void* residual, int res_ld, const void* weight, void* res_out,
+                                     int res_out_ld, float eps, void* xp, int ld, void* stream) {
+  EXL2_REQUIRE(h && weight, "exl2_add_norm_pregather: null argument");
+  EXL2_REQUIRE(eps > 0.f && eps < 1.f, "exl2_add_norm_pregather: eps %g outside (0, 1)", (double)eps);
+  using exl2::layers::aligned16;
+  EXL2_REQUIRE(aligned16(h) && aligned16(weight) && ldh % 8 == 0 &&
+               (!residual || (aligned16(residual) && res_ld % 8 == 0)) &&
+               (!res_out || (aligned16(res_out) && res_out_ld % 8 == 0)),
+               "exl2_add_norm_pregather: rows must start 16-byte aligned (pointers and row strides)");
+  EXL2_REQUIRE(!res_out || residual, "exl2_add_norm_pregather: res_out without a residual");
+  EXL2_REQUIRE(!res_out || (res_out != h && res_out != residual), "exl2_add_norm_pregather: res_out aliases an input");
+  NormPregatherParams p{};
+  const int st = pregather_plan(blob, ndesc, h, M, ldh, 0, xp, ld, p.pg);
+  if (st) return st;
+  const int K = (int)blob[F_K];
+  for (int i = 1; i < ndesc; ++i)
+    EXL2_REQUIRE((int)blob[(size_t)i * kDescLen + F_K] == K, "exl2_add_norm_pregather: parts of different K");
+  EXL2_REQUIRE(K % kNormVec == 0 && K <= kMaxK && norm_row_threads(K) <= kThreads,
+               "exl2_add_norm_pregather: K=%d (a multiple of %d up to %d)", K, kNormVec, kMaxK);
+  p.norm = NormRows{reinterpret_cast<const __half*>(h), reinterpret_cast<const __half*>(residual),
+                    reinterpret_cast<const __half*>(weight), ldh, res_ld, K, norm_row_threads(K), 1, eps};
+  p.res_out = reinterpret_cast<__half*>(res_out);
+  p.res_out_ld = res_out_ld;
+  exl2::launch_kernel(norm_pregather_kernel, dim3((unsigned)M, (unsigned)ndesc), dim3(kThreads), 0,
+                      reinterpret_cast<cudaStream_t>(stream), p);
+  return exl2::check_launch("exl2_add_norm_pregather");
+}

@@ -1,0 +1,33 @@
+"""The MLP with down_proj's row order folded into gate/up (model/tp_shard.fold_down_order) on the CUDA kernels:
+bit-identical to the file's order, since every column and every stored row keeps its arithmetic; down's input is
+then gathered coalesced and never pre-gathered."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from exl2_backend.model.tp_shard import fold_down_order
+from exl2_backend.ops import cuda_quant
+from tests.kernels.test_exl2_dequant import _to_cuda
+from tests.unit.test_fold_down_order import H, _layer
+
+pytestmark = pytest.mark.cuda
+
+
+def _mlp_out(lw, x: torch.Tensor) -> tuple[torch.Tensor, object]:
+    """x [M, H] fp16 -> (down(silu(gate) * up) [M, H], the down op)."""
+    gate_up = cuda_quant.prepare_linear([_to_cuda(lw.gate_proj), _to_cuda(lw.up_proj)], "cuda")
+    down = cuda_quant.prepare_linear([_to_cuda(lw.down_proj)], "cuda")
+    return down.gated(gate_up(x)), down
+
+
+@pytest.mark.parametrize("m", [1, 2, 5, 8, 17])
+def test_folded_mlp_is_bit_identical_on_the_gpu(m):
+    lw = _layer(4)
+    x = (torch.randn(m, H, generator=torch.Generator(device="cuda").manual_seed(m), device="cuda") * 0.5).half()
+    want, down = _mlp_out(lw, x)
+    got, down_folded = _mlp_out(fold_down_order(lw), x)
+    assert torch.equal(got, want)
+    assert down_folded.launch.input_in_order and not down.launch.input_in_order
+    assert not down_folded.launch.pregathers(m)

@@ -1,0 +1,59 @@
+"""model/tp_shard.fold_down_order: gate/up produce down_proj's input in its stored row order. The folded MLP's
+weights are exact reorderings of the file's (bit for bit), down's rows end up in input order, and the MLP computes
+the same function."""
+
+from __future__ import annotations
+
+import torch
+
+from exl2_backend.format.reader import LayerWeights
+from exl2_backend.model.tp_shard import fold_down_order
+from exl2_backend.ops import reference
+from tests.helpers.synth import random_qtensor
+from tests.helpers.tolerances import assert_exact
+
+H, I = 128, 320  # hidden, intermediate (I: groups of 32 and 64 in mixed widths, runs padded to 64-row chunks)
+
+
+def _layer(seed: int) -> LayerWeights:
+    def qt(key, k, n, option, s):
+        return random_qtensor(key, k, n, option, seed=seed * 10 + s)
+
+    norm = torch.ones(H, dtype=torch.float16)
+    return LayerWeights(
+        input_layernorm=norm, post_attention_layernorm=norm, q_proj=qt("q", H, H, "4:1@32", 1),
+        k_proj=qt("k", H, 64, "4:1@32", 2), v_proj=qt("v", H, 64, "4:1@32", 3), o_proj=qt("o", H, H, "4:1@32", 4),
+        gate_proj=qt("gate", H, I, "6:0.3@32 4:0.7@64", 5), up_proj=qt("up", H, I, "5:0.5@32 3:0.5@32", 6),
+        down_proj=qt("down", I, H, "8:0.1@32 4:0.9@64", 7))
+
+
+def _mlp(lw: LayerWeights, x: torch.Tensor) -> torch.Tensor:
+    """The SwiGLU MLP on the reference ops in float64: x [T, H] -> [T, H]."""
+    gate = x @ reference.exl2_dequant(lw.gate_proj)[:, : lw.gate_proj.out_features].double()
+    up = x @ reference.exl2_dequant(lw.up_proj)[:, : lw.up_proj.out_features].double()
+    return (torch.nn.functional.silu(gate) * up) @ reference.exl2_dequant(lw.down_proj)[:, :H].double()
+
+
+def test_folded_weights_are_exact_reorderings_and_down_is_in_input_order():
+    lw = _layer(1)
+    folded = fold_down_order(lw)
+    features = lw.down_proj.q_perm.long()  # stored row k of down holds original feature features[k]
+    assert torch.equal(folded.down_proj.q_invperm, torch.arange(I, dtype=folded.down_proj.q_invperm.dtype))
+    assert_exact(reference.exl2_dequant(folded.down_proj), reference.exl2_dequant(lw.down_proj)[features])
+    for name in ("gate_proj", "up_proj"):
+        old, new = getattr(lw, name), getattr(folded, name)
+        assert new.out_features == I and torch.equal(new.q_invperm, old.q_invperm)  # inputs untouched
+        assert_exact(reference.exl2_dequant(new)[:, :I], reference.exl2_dequant(old)[:, features])
+    for name in ("q_proj", "k_proj", "v_proj", "o_proj"):
+        assert getattr(folded, name) is getattr(lw, name)
+
+
+def test_folded_mlp_computes_the_same_function():
+    lw = _layer(2)
+    x = torch.randn(3, H, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
+    torch.testing.assert_close(_mlp(fold_down_order(lw), x), _mlp(lw, x), rtol=1e-10, atol=1e-10)
+
+
+def test_a_layer_already_in_order_is_returned_as_is():
+    folded = fold_down_order(_layer(3))
+    assert fold_down_order(folded) is folded

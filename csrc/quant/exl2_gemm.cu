@@ -718,11 +718,13 @@ int gemv_plan(const int64_t* blob, int ndesc, const void* x, int M, int ldx, int
         return v;
       }();
       p.probe = probe;
-      static const int gather_rows = [] {  // EXL2_GEMV_GATHER=rows: the row-slot gather (not yet the default)
+      static const int gather_mode = [] {  // EXL2_GEMV_GATHER=rows|items|vec forces one gather (GemvParams)
         const char* e = getenv("EXL2_GEMV_GATHER");
-        return e && strcmp(e, "rows") == 0 ? 1 : 0;
+        if (!e) return kGatherAuto;
+        return strcmp(e, "rows") == 0 ? kGatherRows : strcmp(e, "items") == 0 ? kGatherItems
+               : strcmp(e, "vec") == 0 ? kGatherVec : kGatherAuto;
       }();
-      p.gather_rows = gather_rows;
+      p.gather_mode = gather_mode;
       // The split-K sum four columns per item (H200 call H1: the 8B's k = 4 verify 1.29x a decode step against
       // 1.39x one column per item); EXL2_GEMV_REDUCE=scalar for the old walk.
       static const int reduce_vec4 = [] {

@@ -119,16 +119,18 @@ ATTN_FP16_MMA_MIN_ROWS = 16
 
 # The tensor-core kernel's one-pass variant (online softmax, no score buffer; 1: one step of 16 keys in flight
 # per warp, 168 registers, 3 CTAs per SM; 2: two steps, 2 CTAs per SM); 0: the two-pass kernel. By default
-# ("auto") each cache format takes the variant that won end to end: H200 call Q1 of 2026-12-02, 8B decode at 32k
-# (`exl2-backend bench`, tok/s, two-pass / one-pass 2 / one-pass 1, fp16 pages through the tensor-core kernel in
-# the one-pass runs): fp16 229.3 / 241.4 / 196.1, q8 258.9 / 261.9 / 254.4, q4 263.8 / 263.5 / 269.4. fp8 and q6
-# were not measured and keep the two-pass kernel. EXL2_BACKEND_ATTN_MMA_ONLINE=0/1/2 sets one for every format.
+# ("auto") each cache format takes the variant that won end to end, 8B decode at 32k on the H200 (`exl2-backend
+# bench`, tok/s, two-pass / one-pass 1 / one-pass 2; fp16 pages through the tensor-core kernel in the one-pass
+# runs): call Q1 of 2026-12-02: fp16 229.3 / 196.1 / 241.4, q8 258.9 / 254.4 / 261.9, q4 263.8 / 269.4 / 263.5;
+# call R1: fp8 261.8 / 260.5 / 266.1, q6 255.6 / 262.9 / 263.5. EXL2_BACKEND_ATTN_MMA_ONLINE=0/1/2 sets one for every
+# format.
 _ONLINE_ENV = os.environ.get("EXL2_BACKEND_ATTN_MMA_ONLINE", "auto")
 ATTN_MMA_ONLINE: int | None = None if _ONLINE_ENV == "auto" else int(_ONLINE_ENV)
 if ATTN_MMA_ONLINE not in (None, 0, 1, 2):
     raise ValueError(f"EXL2_BACKEND_ATTN_MMA_ONLINE must be auto, 0, 1 or 2, got {_ONLINE_ENV}")
 # (K format, V format) -> the automatic variant; "fp16" for fp16 pages.
-ATTN_MMA_ONLINE_AUTO = {("fp16", "fp16"): 2, ("int8", "int8"): 2, ("int4", "int4"): 1}
+ATTN_MMA_ONLINE_AUTO = {("fp16", "fp16"): 2, ("int8", "int8"): 2, ("int4", "int4"): 1, ("e4m3", "e4m3"): 2,
+                        ("int8", "int4"): 2}
 
 
 def attn_mma_online(k_fmt: str = "fp16", v_fmt: str = "fp16") -> int:

@@ -31,3 +31,22 @@ def test_folded_mlp_is_bit_identical_on_the_gpu(m):
     assert torch.equal(got, want)
     assert down_folded.launch.input_in_order and not down.launch.input_in_order
     assert not down_folded.launch.pregathers(m)
+
+
+@pytest.mark.parametrize("m", [1, 3, 5, 8, 9, 17, 32])
+def test_in_order_gated_gemv_equals_silu_mul_then_gemv(m):
+    """An input in stored order (identity invperm, run padding between widths) takes the gather's 16-byte vectors:
+    the gated GEMV equals silu_mul followed by the plain GEMV bit for bit, at one to four token tiles."""
+    from exl2_backend import ops
+    from exl2_backend.format.qtensor_slice import select_group_rows
+    from tests.helpers.synth import random_qtensor
+
+    k, n = 1056, 300  # one 6-bit group of 32 rows, padded to a 64-row chunk before the 4-bit run: the features
+    full = random_qtensor("down", k, n, "6:0.03@32 4:0.97@64", seed=m)  # after it sit 32 stored rows later
+    qt, _ = select_group_rows(full, 0, len(full.groups))
+    op = cuda_quant.prepare_linear([_to_cuda(qt)], "cuda")
+    assert op.launch.input_in_order and op.launch.parts[0].runs[1][1] == 1 and op.launch.parts[0].Kpad == k + 32
+    g = torch.Generator(device="cuda").manual_seed(m)
+    gate_up = (torch.randn(m, 2 * k, generator=g, device="cuda") * 2).half()
+    want = op.fused_kernel(ops.silu_mul(gate_up[:, :k], gate_up[:, k:]).contiguous(), "gemv")
+    assert torch.equal(op.gated(gate_up), want)

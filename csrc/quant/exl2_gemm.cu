@@ -718,11 +718,10 @@ int gemv_plan(const int64_t* blob, int ndesc, const void* x, int M, int ldx, int
         return v;
       }();
       p.probe = probe;
-      static const int gather_mode = [] {  // EXL2_GEMV_GATHER=rows|items|vec forces one gather (GemvParams)
+      static const int gather_mode = [] {  // EXL2_GEMV_GATHER=rows|items forces one gather (GemvParams)
         const char* e = getenv("EXL2_GEMV_GATHER");
         if (!e) return kGatherAuto;
-        return strcmp(e, "rows") == 0 ? kGatherRows : strcmp(e, "items") == 0 ? kGatherItems
-               : strcmp(e, "vec") == 0 ? kGatherVec : kGatherAuto;
+        return strcmp(e, "rows") == 0 ? kGatherRows : strcmp(e, "items") == 0 ? kGatherItems : kGatherAuto;
       }();
       p.gather_mode = gather_mode;
       // The split-K sum four columns per item (H200 call H1: the 8B's k = 4 verify 1.29x a decode step against

@@ -21,9 +21,10 @@ constexpr int kProbeNoGather = 1;  // activations not gathered (shared memory le
 constexpr int kProbeNoReduce = 2;  // split partials written, no ticket and no final reduction
 constexpr int kProbeNoMath = 4;    // weights streamed through the ring, no decode or mma
 
-// GemvParams::gather_mode. Auto: the gated input (down_proj's silu(gate) * up) by vectors, any other by items at
-// M <= 8 and by row slots past it.
-constexpr int kGatherAuto = 0, kGatherRows = 1, kGatherItems = 2, kGatherVec = 3;
+// GemvParams::gather_mode. Auto: by items at M <= 8, by row slots past it. (A gather by 16-byte vectors where the
+// rows are in input order, for down_proj after model/tp_shard.fold_down_order, lost to the item gather: H200 call
+// R2 of 2026-12-02, 8B decode step 2.687 against 2.657 ms, k = 4 verify 3.381 against 3.335 ms.)
+constexpr int kGatherAuto = 0, kGatherRows = 1, kGatherItems = 2;
 
 struct GemvParams {
   QDesc d[kMaxDesc];
@@ -392,63 +393,6 @@ __device__ __forceinline__ void gv_copy_pregathered(const GemvParams& p, int di,
     for (int u = 0; u < kB; ++u) {
       const int e = e0 + u * nthreads, m = e / vec;
       if (e < total) dst[m * xsv + (e - m * vec)] = t[u];
-    }
-  }
-}
-
-// Gather by 16-byte vectors of 8 stored rows into xs[m * xstride + r] (callers synchronize). A vector whose rows
-// hold 8 consecutive features starting 8-aligned (an input in stored order: down_proj after
-// model/tp_shard.fold_down_order, a linear without act-order; run padding comes in 32-row units, so vectors never
-// straddle it) takes one 16-byte load, two with gate_off; any other vector its 8 (16) two-byte loads. kV vectors in
-// flight per thread. With gate_off the input is silu(gate) * up, the arithmetic of silu_mul_kernel (bit-identical).
-__device__ __forceinline__ void gv_gather_vec(const GemvParams& p, int nch, __half* xs, const unsigned short* xm,
-                                              int nthreads) {
-  constexpr int kV = 4;
-  const int nv = nch * kChunkRows / 8, total = nv * p.M;
-  const bool gated = p.gate_off > 0;
-  for (int e0 = threadIdx.x; e0 < total; e0 += kV * nthreads) {
-    uint4 g[kV], u[kV];
-#pragma unroll
-    for (int k = 0; k < kV; ++k) {
-      const int e = e0 + k * nthreads, m = e / nv, v = e - m * nv;
-      g[k] = u[k] = make_uint4(0, 0, 0, 0);
-      if (e >= total) continue;
-      const uint4 idx = reinterpret_cast<const uint4*>(xm)[v];
-      const unsigned short* iv = reinterpret_cast<const unsigned short*>(&idx);
-      const __half* xr = p.x + (size_t)m * p.ldx;
-      const unsigned i0 = iv[0];
-      bool contig = i0 != 0xFFFFu && (reinterpret_cast<uintptr_t>(xr + i0) & 15) == 0 &&
-                    (!gated || (reinterpret_cast<uintptr_t>(xr + p.gate_off + i0) & 15) == 0);
-#pragma unroll
-      for (int j = 1; j < 8; ++j) contig = contig && iv[j] == i0 + j;
-      if (contig) {
-        g[k] = __ldg(reinterpret_cast<const uint4*>(xr + i0));
-        if (gated) u[k] = __ldg(reinterpret_cast<const uint4*>(xr + p.gate_off + i0));
-      } else {
-        unsigned short* gs = reinterpret_cast<unsigned short*>(&g[k]);
-        unsigned short* us = reinterpret_cast<unsigned short*>(&u[k]);
-        const unsigned short* xg = reinterpret_cast<const unsigned short*>(xr);
-#pragma unroll
-        for (int j = 0; j < 8; ++j) {
-          if (iv[j] == 0xFFFFu) continue;  // padding row: zero
-          gs[j] = __ldg(xg + iv[j]);
-          if (gated) us[j] = __ldg(xg + p.gate_off + iv[j]);
-        }
-      }
-    }
-#pragma unroll
-    for (int k = 0; k < kV; ++k) {
-      const int e = e0 + k * nthreads, m = e / nv, v = e - m * nv;
-      if (e >= total) continue;
-      uint4 out = g[k];
-      if (gated) {
-        const __half* gh = reinterpret_cast<const __half*>(&g[k]);
-        const __half* uh = reinterpret_cast<const __half*>(&u[k]);
-        __half* oh = reinterpret_cast<__half*>(&out);
-#pragma unroll
-        for (int j = 0; j < 8; ++j) oh[j] = __float2half_rn(exl2::silu_mul(__half2float(gh[j]), __half2float(uh[j])));
-      }
-      *reinterpret_cast<uint4*>(xs + m * p.xstride + 8 * v) = out;
     }
   }
 }

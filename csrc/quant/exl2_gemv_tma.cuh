@@ -256,10 +256,8 @@ __device__ __forceinline__ void tma_stage_input(const GemvParams& p, const GvWor
     loaded();
     gv_gather_normed(p, nch, sm.xs, sm.xm, sm.xf, kTmaComputeThreads);
   } else if (!(p.probe & kProbeNoGather)) {  // rows at M > 8: M loads per row slot, 16 or 32 in flight
-    const int mode = p.gather_mode == kGatherAuto ? (p.gate_off > 0 ? kGatherVec : MT > 1 ? kGatherRows : kGatherItems)
-                                                  : p.gather_mode;
+    const int mode = p.gather_mode == kGatherAuto ? (MT > 1 ? kGatherRows : kGatherItems) : p.gather_mode;
     if (p.xpre) gv_copy_pregathered(p, wk.di, wk.c0, nch, sm.xs, kTmaComputeThreads);
-    else if (mode == kGatherVec) gv_gather_vec(p, nch, sm.xs, sm.xm, kTmaComputeThreads);
     else if (mode == kGatherRows) gv_gather<MT >= 4 ? 32 : 16>(p, nch, sm.xs, sm.xm, kTmaComputeThreads);
     else gv_gather_items(p, nch, sm.xs, sm.xm, kTmaComputeThreads);
     loaded();

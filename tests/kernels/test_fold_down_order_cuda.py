@@ -1,6 +1,6 @@
 """The MLP with down_proj's row order folded into gate/up (model/tp_shard.fold_down_order) on the CUDA kernels:
 bit-identical to the file's order, since every column and every stored row keeps its arithmetic; down's input is
-then gathered coalesced and never pre-gathered."""
+then gathered coalesced (neighbouring rows, neighbouring features) and never pre-gathered."""
 
 from __future__ import annotations
 
@@ -35,8 +35,8 @@ def test_folded_mlp_is_bit_identical_on_the_gpu(m):
 
 @pytest.mark.parametrize("m", [1, 3, 5, 8, 9, 17, 32])
 def test_in_order_gated_gemv_equals_silu_mul_then_gemv(m):
-    """An input in stored order (identity invperm, run padding between widths) takes the gather's 16-byte vectors:
-    the gated GEMV equals silu_mul followed by the plain GEMV bit for bit, at one to four token tiles."""
+    """An input in stored order (identity invperm, run padding between widths: features resume 32 stored rows
+    later): the gated GEMV equals silu_mul followed by the plain GEMV bit for bit, at one to four token tiles."""
     from exl2_backend import ops
     from exl2_backend.format.qtensor_slice import select_group_rows
     from tests.helpers.synth import random_qtensor

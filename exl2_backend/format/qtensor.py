@@ -73,6 +73,15 @@ class QTensor:
             bits += 16 * np_
         return bits / (k * np_)
 
+    def to(self, device) -> QTensor:
+        """The same tensors on `device` (self when they are there already); the parsed group layout is kept."""
+        device = torch.device(device)
+        if self.q_weight.device == device:
+            return self
+        moved = {k: getattr(self, k).to(device) for k in ("q_weight", "q_scale", "q_scale_max", "q_groups", "q_invperm")}
+        return QTensor(key=self.key, out_features=self.out_features, source=self.source,
+                       bias=None if self.bias is None else self.bias.to(device), _groups=self._groups, **moved)
+
     def storage_bytes(self) -> int:
         tensors = [self.q_weight, self.q_scale, self.q_scale_max, self.q_groups, self.q_invperm]
         if self.bias is not None:

@@ -64,7 +64,7 @@ class DecoderLayer:
         self.qkv = ops.prepare_linear([lw.q_proj, lw.k_proj, lw.v_proj], device, dtype)
         self.o = ops.prepare_linear([lw.o_proj], device, dtype)
         if FOLD_DOWN_ORDER:
-            lw = fold_down_order(lw)
+            lw = fold_down_order(lw, device if torch.device(device).type == "cuda" else None)
         self.gate_up = ops.prepare_linear([lw.gate_proj, lw.up_proj], device, dtype)
         self.down = ops.prepare_linear([lw.down_proj], device, dtype)
         self.scale = self.head_dim**-0.5

@@ -57,3 +57,12 @@ def test_folded_mlp_computes_the_same_function():
 def test_a_layer_already_in_order_is_returned_as_is():
     folded = fold_down_order(_layer(3))
     assert fold_down_order(folded) is folded
+
+
+def test_qtensor_to_keeps_every_tensor_and_the_group_layout():
+    qt = _layer(4).gate_proj
+    same = qt.to("cpu")
+    assert same is qt
+    moved = qt.to("meta")
+    assert moved.q_weight.device.type == "meta" and moved.q_invperm.device.type == "meta"
+    assert moved.groups == qt.groups and moved.out_features == qt.out_features and moved.key == qt.key

@@ -825,15 +825,9 @@ EXL2_API int exl2_gemv(const int64_t* blob, int ndesc, const void* x, int M, int
 EXL2_API int exl2_gemv_add_norm(const int64_t* blob, int ndesc, const void* h, int M, int ldh, const void* residual,
                                 int res_ld, const void* weight, void* res_out, int res_out_ld, float eps,
                                 void* stream) {
-  EXL2_REQUIRE(h && weight, "exl2_gemv_add_norm: null argument");
-  EXL2_REQUIRE(eps > 0.f && eps < 1.f, "exl2_gemv_add_norm: eps %g outside (0, 1)", (double)eps);
-  using exl2::layers::aligned16;
-  EXL2_REQUIRE(aligned16(h) && aligned16(weight) && ldh % 8 == 0 &&
-               (!residual || (aligned16(residual) && res_ld % 8 == 0)) &&
-               (!res_out || (aligned16(res_out) && res_out_ld % 8 == 0)),
-               "exl2_gemv_add_norm: rows must start 16-byte aligned (pointers and row strides)");
-  EXL2_REQUIRE(!res_out || residual, "exl2_gemv_add_norm: res_out without a residual");
-  EXL2_REQUIRE(!res_out || (res_out != h && res_out != residual), "exl2_gemv_add_norm: res_out aliases an input");
+  if (const int st = exl2q::check_norm_args("exl2_gemv_add_norm", h, ldh, residual, res_ld, weight, res_out,
+                                             res_out_ld, eps))
+    return st;
   const exl2q::GemvNorm norm{residual, res_ld, weight, res_out, res_out_ld, eps};
   return gemv_impl(blob, ndesc, h, M, ldh, 0, 0, nullptr, 0, &norm, stream);
 }

@@ -169,16 +169,11 @@ __device__ __forceinline__ void chain_pregather_item(const PregatherParams& pg, 
 // add_rms_norm, gv_norm_rows with one row), the residual stream's row m, then row m of every part's stored-order
 // input from shared memory.
 __device__ __forceinline__ void chain_norm_item(const AuxPhase& a, int m, const TmaSmem& sm) {
-  NormRows n = a.norm;
-  n.x += (size_t)m * n.ldx;
-  if (n.res) n.res += (size_t)m * n.res_ld;
-  n.M = 1;
-  gv_norm_rows(n, sm.xf, sm.red, a.res_out ? a.res_out + (size_t)m * a.res_out_ld : nullptr, a.res_out_ld,
-               compute_sync);
+  gv_norm_row(a.norm, m, sm.xf, sm.red, a.res_out, a.res_out_ld, compute_sync);
   const PregatherParams& pg = a.pg;
   for (int part = 0; part < pg.nparts; ++part)
     for (int r0 = threadIdx.x * kPregatherRows; r0 < pg.kpad[part]; r0 += kTmaComputeThreads * kPregatherRows)
-      pregather_rows_from(pg, part, m, r0, sm.xf);
+      pregather_rows_from(pg, part, m, r0, pregather_index(pg, part, r0), sm.xf);
 }
 
 __device__ __forceinline__ void chain_stamp(const ChainParams& c, int ph, int j) {

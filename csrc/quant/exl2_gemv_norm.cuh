@@ -9,6 +9,7 @@
 // and of the output. So the fused GEMV is bit-identical to add_rms_norm followed by the plain GEMV (tested).
 #pragma once
 
+#include "common/api.h"
 #include "layers/common.cuh"
 #include "quant/exl2_gemv.cuh"
 
@@ -22,6 +23,23 @@ constexpr int kMaxNormThreads = kGvWarps * 32;  // a row's threads must fit the 
 __host__ __device__ inline int norm_row_threads(int K) {
   const int t = (K / kNormVec + kNormMaxVecs - 1) / kNormMaxVecs;
   return t < 32 ? 32 : (t + 31) / 32 * 32;
+}
+
+// Host: the arguments every norm-into-GEMV-input entry point takes (exl2_gemv_add_norm, exl2_add_norm_pregather):
+// h [M, ldh], residual [M, res_ld] or null, weight [K], res_out [M, res_out_ld] or null (needs a residual and must
+// alias neither input, which other blocks still read). Rows start 16-byte aligned. Returns a status naming `op`.
+inline int check_norm_args(const char* op, const void* h, int ldh, const void* residual, int res_ld,
+                           const void* weight, const void* res_out, int res_out_ld, float eps) {
+  using exl2::layers::aligned16;
+  EXL2_REQUIRE(h && weight, "%s: null argument", op);
+  EXL2_REQUIRE(eps > 0.f && eps < 1.f, "%s: eps %g outside (0, 1)", op, (double)eps);
+  EXL2_REQUIRE(aligned16(h) && aligned16(weight) && ldh % 8 == 0 &&
+               (!residual || (aligned16(residual) && res_ld % 8 == 0)) &&
+               (!res_out || (aligned16(res_out) && res_out_ld % 8 == 0)),
+               "%s: rows must start 16-byte aligned (pointers and row strides)", op);
+  EXL2_REQUIRE(!res_out || residual, "%s: res_out without a residual", op);
+  EXL2_REQUIRE(!res_out || (res_out != h && res_out != residual), "%s: res_out aliases an input", op);
+  return EXL2_OK;
 }
 
 // The rows a norm step reads: x [M, ldx] (+ res [M, res_ld], null: no add), weight w [K], nt threads per row.
@@ -102,6 +120,18 @@ __device__ __forceinline__ void gv_norm_rows(const NormRows& n, __half* xf, floa
     }
     sync();  // red is reused by the next pass; xf is complete after the last
   }
+}
+
+// Row m of `rows` alone (gv_norm_rows with one row) into xf[0 .. K); res_out (null: not written) is the residual
+// stream's base, its row m receives round(h + residual). One block per row: the chain's norm phase and the
+// pre-gathering norm (exl2_gemv_norm_pregather.cu).
+template <typename Sync>
+__device__ __forceinline__ void gv_norm_row(NormRows rows, int m, __half* xf, float* red, __half* res_out,
+                                            int res_out_ld, Sync&& sync) {
+  rows.x += (size_t)m * rows.ldx;
+  if (rows.res) rows.res += (size_t)m * rows.res_ld;
+  rows.M = 1;
+  gv_norm_rows(rows, xf, red, res_out ? res_out + (size_t)m * res_out_ld : nullptr, res_out_ld, sync);
 }
 
 // The split's rows of the normalized tokens (xf) into xs[m * xstride + r] in stored row order (padding rows

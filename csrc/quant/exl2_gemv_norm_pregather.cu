@@ -24,7 +24,7 @@ constexpr int kThreads = kMaxNormThreads;  // 256: gv_norm_rows's thread layout 
 constexpr int kMaxK = 8192;
 
 struct NormPregatherParams {
-  NormRows norm;       // h [M, ldx] (+ residual), weight [K]; M = 1 per block (row m)
+  NormRows norm;       // h [M, ldx] (+ residual), weight [K]; block (m, part) normalizes row m
   __half* res_out;     // [M, res_out_ld] or null
   int res_out_ld;
   PregatherParams pg;  // xmap, Kpad per part; xp [parts, M, ld]
@@ -42,21 +42,10 @@ __global__ void __launch_bounds__(kThreads) norm_pregather_kernel(const __grid_c
   uint4 idx0 = make_uint4(0, 0, 0, 0);  // the first xmap entries: constants, loaded before the wait
   if (r_first < p.pg.kpad[part]) idx0 = pregather_index(p.pg, part, r_first);
   exl2::pdl_wait_and_trigger();  // h and the residual come from the previous kernel
-  NormRows n = p.norm;
-  n.x += (size_t)m * n.ldx;
-  if (n.res) n.res += (size_t)m * n.res_ld;
-  n.M = 1;
-  __half* res_out = part == 0 && p.res_out ? p.res_out + (size_t)m * p.res_out_ld : nullptr;
-  gv_norm_rows(n, xf, red, res_out, p.res_out_ld, BlockSync{});  // ends with a barrier: xf complete
-  for (int r0 = r_first; r0 < p.pg.kpad[part]; r0 += kThreads * kPregatherRows) {
-    const uint4 idx = r0 == r_first ? idx0 : pregather_index(p.pg, part, r0);
-    const unsigned short* iv = reinterpret_cast<const unsigned short*>(&idx);
-    __align__(16) __half v[kPregatherRows];
-#pragma unroll
-    for (int k = 0; k < kPregatherRows; ++k) v[k] = iv[k] != 0xFFFFu ? xf[iv[k]] : __float2half_rn(0.f);
-    *reinterpret_cast<uint4*>(p.pg.xp + ((size_t)part * p.pg.M + m) * p.pg.ld + r0) =
-        *reinterpret_cast<const uint4*>(v);
-  }
+  // part 0's blocks write the residual stream; ends with a barrier: xf complete
+  gv_norm_row(p.norm, m, xf, red, part == 0 ? p.res_out : nullptr, p.res_out_ld, BlockSync{});
+  for (int r0 = r_first; r0 < p.pg.kpad[part]; r0 += kThreads * kPregatherRows)
+    pregather_rows_from(p.pg, part, m, r0, r0 == r_first ? idx0 : pregather_index(p.pg, part, r0), xf);
 }
 
 }  // namespace
@@ -69,15 +58,9 @@ __global__ void __launch_bounds__(kThreads) norm_pregather_kernel(const __grid_c
 EXL2_API int exl2_add_norm_pregather(const int64_t* blob, int ndesc, const void* h, int M, int ldh,
                                      const void* residual, int res_ld, const void* weight, void* res_out,
                                      int res_out_ld, float eps, void* xp, int ld, void* stream) {
-  EXL2_REQUIRE(h && weight, "exl2_add_norm_pregather: null argument");
-  EXL2_REQUIRE(eps > 0.f && eps < 1.f, "exl2_add_norm_pregather: eps %g outside (0, 1)", (double)eps);
-  using exl2::layers::aligned16;
-  EXL2_REQUIRE(aligned16(h) && aligned16(weight) && ldh % 8 == 0 &&
-               (!residual || (aligned16(residual) && res_ld % 8 == 0)) &&
-               (!res_out || (aligned16(res_out) && res_out_ld % 8 == 0)),
-               "exl2_add_norm_pregather: rows must start 16-byte aligned (pointers and row strides)");
-  EXL2_REQUIRE(!res_out || residual, "exl2_add_norm_pregather: res_out without a residual");
-  EXL2_REQUIRE(!res_out || (res_out != h && res_out != residual), "exl2_add_norm_pregather: res_out aliases an input");
+  if (const int st = check_norm_args("exl2_add_norm_pregather", h, ldh, residual, res_ld, weight, res_out,
+                                      res_out_ld, eps))
+    return st;
   NormPregatherParams p{};
   const int st = pregather_plan(blob, ndesc, h, M, ldh, 0, xp, ld, p.pg);
   if (st) return st;

@@ -51,11 +51,11 @@ __device__ __forceinline__ void pregather_rows(const PregatherParams& p, int par
   *reinterpret_cast<uint4*>(p.xp + ((size_t)part * p.M + m) * p.ld + r0) = *reinterpret_cast<const uint4*>(v);
 }
 
-// Stored rows r0 .. r0 + 7 of `part` from one normalized row in shared memory (xf[K], natural order) into row m of
-// p.xp (the chain's norm phase: the same values the pregather of add_rms_norm's output writes).
-__device__ __forceinline__ void pregather_rows_from(const PregatherParams& p, int part, int m, int r0,
+// Stored rows r0 .. r0 + 7 of `part` (xmap entries idx) from one normalized row in shared memory (xf[K], natural
+// order) into row m of p.xp (the chain's norm phase and the pre-gathering norm: the same values the pregather of
+// add_rms_norm's output writes).
+__device__ __forceinline__ void pregather_rows_from(const PregatherParams& p, int part, int m, int r0, uint4 idx,
                                                     const __half* xf) {
-  const uint4 idx = pregather_index(p, part, r0);
   const unsigned short* iv = reinterpret_cast<const unsigned short*>(&idx);
   __align__(16) __half v[kPregatherRows];
 #pragma unroll

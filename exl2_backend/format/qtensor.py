@@ -20,6 +20,11 @@ def pad32(n: int) -> int:
     return (n + 31) // 32 * 32
 
 
+def rows_in_input_order(q_invperm: torch.Tensor) -> bool:
+    """Whether an invperm is the identity: stored row k holds input feature k (no act-order permutation)."""
+    return torch.equal(q_invperm.cpu(), torch.arange(q_invperm.numel(), dtype=q_invperm.dtype))
+
+
 @dataclass(frozen=True)
 class Group:
     """One quantization group: `rows` stored rows starting at stored row `row_start`, packed at `bits`."""
@@ -78,7 +83,8 @@ class QTensor:
         device = torch.device(device)
         if self.q_weight.device == device:
             return self
-        moved = {k: getattr(self, k).to(device) for k in ("q_weight", "q_scale", "q_scale_max", "q_groups", "q_invperm")}
+        names = ("q_weight", "q_scale", "q_scale_max", "q_groups", "q_invperm")
+        moved = {k: getattr(self, k).to(device) for k in names}
         return QTensor(key=self.key, out_features=self.out_features, source=self.source,
                        bias=None if self.bias is None else self.bias.to(device), _groups=self._groups, **moved)
 

@@ -27,7 +27,7 @@ from dataclasses import replace
 
 import torch
 
-from exl2_backend.format.qtensor import QTensor
+from exl2_backend.format.qtensor import QTensor, rows_in_input_order
 from exl2_backend.format.qtensor_slice import balanced_group_ranges, select_columns, select_group_rows
 from exl2_backend.format.reader import DenseLinear, LayerWeights
 
@@ -84,7 +84,7 @@ def fold_down_order(lw: LayerWeights, device: torch.device | None = None) -> Lay
     down = lw.down_proj
     if not isinstance(down, QTensor):
         return lw
-    if torch.equal(down.q_invperm.cpu(), torch.arange(down.in_features, dtype=down.q_invperm.dtype)):
+    if rows_in_input_order(down.q_invperm):
         return lw
     part, features = row_part(down, 0, 1, keep_bias=True)
 

@@ -25,7 +25,7 @@ import numpy as np
 import torch
 
 from exl2_backend.errors import TensorShapeError, UnsupportedBitWidthError
-from exl2_backend.format.qtensor import QTensor
+from exl2_backend.format.qtensor import QTensor, rows_in_input_order
 from exl2_backend.ops import library
 
 # Largest M that uses the mma kernel (which supports 1..32) where the GEMV does not take M (below sm_90, or its
@@ -366,8 +366,7 @@ class _Launch:
         self._descs = [self._desc(p) for p in parts]
         # every part stores its rows in input order (no act-order permutation, or down_proj after
         # model/tp_shard.fold_down_order): the in-kernel gather reads contiguous features, coalesced
-        self.input_in_order = all(
-            torch.equal(p.q_invperm.cpu(), torch.arange(p.K, dtype=p.q_invperm.dtype)) for p in parts)
+        self.input_in_order = all(rows_in_input_order(p.q_invperm) for p in parts)
         self.handle = next(_handles)
         _REG[self.handle] = self
 
@@ -466,6 +465,19 @@ class _Launch:
             blob[i, F_COUNTERS] = counters.data_ptr() + 4 * pl.cnt_off[i]
         return out, blob
 
+    def _stored_order_buffer(self, m: int, device: torch.device) -> tuple[torch.Tensor, int]:
+        """(buffer, ld): every part's input in stored row order, [parts, M, ld], ld = the longest Kpad (a multiple
+        of 64), for the GEMV's pre-gathered input."""
+        ld = self.kpad
+        return torch.empty(len(self.parts) * m * ld, dtype=torch.float16, device=device), ld
+
+    def _launch_gemv(self, blob: np.ndarray, x: torch.Tensor, m: int, gate_off: int, pre: torch.Tensor | None,
+                     ld: int, stream: int) -> None:
+        """exl2_gemv of x (the descriptors `blob`), copying its rows from `pre` when given."""
+        st = _fn("exl2_gemv")(blob.ctypes.data, len(self.parts), x.data_ptr(), m, _row_stride(x), gate_off, GEMV_MINB,
+                              None if pre is None else pre.data_ptr(), ld, stream)
+        library.check(st, "exl2_gemv")
+
     def _gemv(self, x: torch.Tensor, ws: torch.Tensor, counters: torch.Tensor, gate_off: int = 0) -> torch.Tensor:
         """x [M, K], or with gate_off > 0 x [M, >= gate_off + K] holding gate and up (input = silu(gate) * up)."""
         m = x.shape[0]
@@ -475,14 +487,11 @@ class _Launch:
         stream = _stream(x.device)
         pre, ld = None, 0
         if self.pregathers(m):
-            ld = self.kpad  # a multiple of 64
-            pre = torch.empty(len(self.parts) * m * ld, dtype=torch.float16, device=x.device)  # [parts, M, ld]
+            pre, ld = self._stored_order_buffer(m, x.device)
             st = _fn("exl2_gemv_pregather")(blob.ctypes.data, len(self.parts), x.data_ptr(), m, ldx, gate_off,
                                             pre.data_ptr(), ld, stream)
             library.check(st, "exl2_gemv_pregather")
-        st = _fn("exl2_gemv")(blob.ctypes.data, len(self.parts), x.data_ptr(), m, ldx, gate_off, GEMV_MINB,
-                              None if pre is None else pre.data_ptr(), ld, stream)
-        library.check(st, "exl2_gemv")
+        self._launch_gemv(blob, x, m, gate_off, pre, ld, stream)
         return out
 
     def pregathers(self, m: int) -> bool:
@@ -513,40 +522,27 @@ class _Launch:
         return (GEMV_MINB == 0 and gemv_row_cap(self.device) == 32 and self.takes_gemv(m)
                 and self.K % 8 == 0 and self.K <= 8192)
 
-    def norm_pregather_gemv(self, h: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float,
-                            ws: torch.Tensor, counters: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """gemv_add_norm's result from two launches: the norm writing every part's input in stored row order, then
-        the GEMV copying its rows."""
-        m = h.shape[0]
-        out, blob = self._bind(self.gemv_plan(m), m, ws, counters, h.device)
-        res_out = h.new_empty((m, self.K)) if residual is not None else h.new_empty(0)
-        ld = self.kpad  # a multiple of 64
-        pre = torch.empty(len(self.parts) * m * ld, dtype=torch.float16, device=h.device)  # [parts, M, ld]
-        stream = _stream(h.device)
-        st = _fn("exl2_add_norm_pregather")(blob.ctypes.data, len(self.parts), h.data_ptr(), m, _row_stride(h),
-                                            None if residual is None else residual.data_ptr(),
-                                            0 if residual is None else _row_stride(residual), weight.data_ptr(),
-                                            None if residual is None else res_out.data_ptr(), self.K, float(eps),
-                                            pre.data_ptr(), ld, stream)
-        library.check(st, "exl2_add_norm_pregather")
-        st = _fn("exl2_gemv")(blob.ctypes.data, len(self.parts), h.data_ptr(), m, _row_stride(h), 0, GEMV_MINB,
-                              pre.data_ptr(), ld, stream)
-        library.check(st, "exl2_gemv")
-        return out, res_out
-
     def gemv_add_norm(self, h: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float,
-                      ws: torch.Tensor, counters: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+                      ws: torch.Tensor, counters: torch.Tensor,
+                      pregather: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
         """h, residual [M, K] fp16 (rows 16-byte aligned), weight fp16 [K] -> (GEMV output [M, N], residual out
-        [M, K] = h + residual; an empty tensor when residual is None)."""
+        [M, K] = h + residual; an empty tensor when residual is None). One launch that normalizes inside the GEMV,
+        or with `pregather` two: the norm writing every part's input in stored row order, then the GEMV copying
+        its rows."""
         m = h.shape[0]
         out, blob = self._bind(self.gemv_plan(m), m, ws, counters, h.device)
         res_out = h.new_empty((m, self.K)) if residual is not None else h.new_empty(0)
-        res_ld = 0 if residual is None else _row_stride(residual)
-        st = _fn("exl2_gemv_add_norm")(blob.ctypes.data, len(self.parts), h.data_ptr(), m, _row_stride(h),
-                                       None if residual is None else residual.data_ptr(), res_ld, weight.data_ptr(),
-                                       None if residual is None else res_out.data_ptr(), self.K, float(eps),
-                                       _stream(h.device))
-        library.check(st, "exl2_gemv_add_norm")
+        norm_args = (blob.ctypes.data, len(self.parts), h.data_ptr(), m, _row_stride(h),
+                     None if residual is None else residual.data_ptr(),
+                     0 if residual is None else _row_stride(residual), weight.data_ptr(),
+                     None if residual is None else res_out.data_ptr(), self.K, float(eps))
+        stream = _stream(h.device)
+        if not pregather:
+            library.check(_fn("exl2_gemv_add_norm")(*norm_args, stream), "exl2_gemv_add_norm")
+            return out, res_out
+        pre, ld = self._stored_order_buffer(m, h.device)
+        library.check(_fn("exl2_add_norm_pregather")(*norm_args, pre.data_ptr(), ld, stream), "exl2_add_norm_pregather")
+        self._launch_gemv(blob, h, m, 0, pre, ld, stream)
         return out, res_out
 
     def dequant(self, part: int, n_begin: int, n_end: int) -> torch.Tensor:
@@ -638,10 +634,9 @@ def _gemv_add_norm_op(h: torch.Tensor, residual: torch.Tensor | None, weight: to
     if pregather:
         if not launch.can_norm_pregather(m):
             raise TensorShapeError(f"the pre-gathering norm does not take {m} rows of {k} here", tensor="h")
-        return launch.norm_pregather_gemv(h, residual, weight, eps, ws, counters)
-    if not launch.can_norm(m):
+    elif not launch.can_norm(m):
         raise TensorShapeError(f"the norm-fused GEMV does not take {m} rows of {k} here", tensor="h")
-    return launch.gemv_add_norm(h, residual, weight, eps, ws, counters)
+    return launch.gemv_add_norm(h, residual, weight, eps, ws, counters, pregather)
 
 
 @_gemv_add_norm_op.register_fake

@@ -57,9 +57,16 @@ def _check(op, h, residual, w, eps=1e-5, pregather=False):
     assert torch.equal(h, h0) and (residual is None or torch.equal(residual, r0))  # inputs untouched
 
 
+# (k, m, pregather): False is the norm inside the GEMV (any M it can take, `always`), True the norm writing the
+# stored row order (one block per row and part) with the GEMV copying its rows.
+NORM_CASES = [(576, 1, False), (576, 5, False), (576, 32, False), (1056, 3, False), (4096, 1, False),
+              (4096, 5, False), (8192, 2, False), (576, 3, True), (576, 32, True), (1056, 17, True), (4096, 3, True),
+              (4096, 5, True), (4096, 8, True), (8192, 5, True)]
+
+
 @pytest.mark.parametrize("bits", [2, 3, 4, 5, 6, 8])
-@pytest.mark.parametrize("k,m", [(576, 1), (576, 5), (576, 32), (1056, 3), (4096, 1), (4096, 5), (8192, 2)])
-def test_norm_fused_gemv_equals_add_rms_norm_then_gemv(bits, k, m):
+@pytest.mark.parametrize("k,m,pregather", NORM_CASES)
+def test_norm_fused_gemv_equals_add_rms_norm_then_gemv(bits, k, m, pregather):
     from exl2_backend.ops import cuda_quant
 
     _needs_tma()
@@ -67,53 +74,24 @@ def test_norm_fused_gemv_equals_add_rms_norm_then_gemv(bits, k, m):
     op = cuda_quant.prepare_linear([qt], "cuda")
     w = _rand((k,), seed=k, scale=0.3) + 1
     h, residual = _rand((m, k), seed=m), _rand((m, k), seed=m + 50, scale=4.0)
-    _check(op, h, residual, w)
-    _check(op, h, None, w)
+    _check(op, h, residual, w, pregather=pregather)
+    _check(op, h, None, w, pregather=pregather)
 
 
-def test_norm_fused_three_parts_and_strided_rows():
-    """q/k/v-like: three parts of one K (one with bias), h a row slice of a wider buffer (the head's last-token
-    rows), the residual stream written to a fresh tensor."""
+@pytest.mark.parametrize("k,rows,last_n,pregather", [(576, 4, 192, False), (1056, 6, 200, True)])
+def test_norm_fused_three_parts_and_strided_rows(k, rows, last_n, pregather):
+    """q/k/v-like: three parts of one K (one with bias; with the pre-gathering norm, of different padded lengths),
+    h a row slice of a wider buffer (the head's last-token rows), the residual stream written to a fresh tensor."""
     from exl2_backend.ops import cuda_quant
 
     _needs_tma()
-    k = 576
     parts = [_to_cuda(make_qt(_layout(k, b), n, seed=b, bias=b == 3, key=f"p{b}")) for b, n in ((4, 576), (3, 192),
-                                                                                                 (6, 192))]
+                                                                                                 (6, last_n))]
     op = cuda_quant.prepare_linear(parts, "cuda")
     w = _rand((k,), seed=1, scale=0.3) + 1
-    wide = _rand((4, 2 * k), seed=2)
+    wide = _rand((rows, 2 * k), seed=2)
     h = wide[:, :k]  # row stride 2K
-    _check(op, h, _rand((4, k), seed=3), w)
-
-
-@pytest.mark.parametrize("bits", [2, 3, 4, 5, 6, 8])
-@pytest.mark.parametrize("k,m", [(576, 3), (576, 32), (1056, 17), (4096, 3), (4096, 5), (4096, 8), (8192, 5)])
-def test_pregathering_norm_equals_add_rms_norm_then_gemv(bits, k, m):
-    """add_rms_norm writing the stored row order (one block per row and part), then the GEMV copying its rows."""
-    from exl2_backend.ops import cuda_quant
-
-    _needs_tma()
-    qt = _to_cuda(make_qt(_layout(k, bits), 333, seed=bits * 7 + m, bias=bits == 5))
-    op = cuda_quant.prepare_linear([qt], "cuda")
-    w = _rand((k,), seed=k + 1, scale=0.3) + 1
-    h, residual = _rand((m, k), seed=m + 1), _rand((m, k), seed=m + 60, scale=4.0)
-    _check(op, h, residual, w, pregather=True)
-    _check(op, h, None, w, pregather=True)
-
-
-def test_pregathering_norm_three_parts_and_strided_rows():
-    """q/k/v-like parts with different padded lengths (Kpad), one with bias, h a row slice of a wider buffer."""
-    from exl2_backend.ops import cuda_quant
-
-    _needs_tma()
-    k = 1056
-    parts = [_to_cuda(make_qt(_layout(k, b), n, seed=b, bias=b == 3, key=f"p{b}")) for b, n in ((4, 576), (3, 192),
-                                                                                                 (6, 200))]
-    op = cuda_quant.prepare_linear(parts, "cuda")
-    w = _rand((k,), seed=1, scale=0.3) + 1
-    wide = _rand((6, 2 * k), seed=2)
-    _check(op, wide[:, :k], _rand((6, k), seed=3), w, pregather=True)
+    _check(op, h, _rand((rows, k), seed=3), w, pregather=pregather)
 
 
 def test_norm_fused_declines_what_it_cannot_take(monkeypatch):
@@ -156,10 +134,10 @@ def test_norm_routing_takes_one_pass_of_rows(monkeypatch):
     w = _rand((4096,), seed=1) + 1
     h, r = _rand((3, 4096), seed=2), _rand((3, 4096), seed=3)
     calls = []
-    real = op.launch.norm_pregather_gemv
-    monkeypatch.setattr(op.launch, "norm_pregather_gemv", lambda *a: calls.append(1) or real(*a))
-    assert op.add_normed(h, r, w, 1e-5) is not None and calls == [1]  # three rows: the pre-gathering norm
-    assert op.add_normed(h[:2], r[:2], w, 1e-5) is not None and calls == [1]  # two: the norm-fused GEMV
+    real = op.launch.gemv_add_norm
+    monkeypatch.setattr(op.launch, "gemv_add_norm", lambda *a: calls.append(a[-1]) or real(*a))
+    assert op.add_normed(h, r, w, 1e-5) is not None and calls == [True]  # three rows: the pre-gathering norm
+    assert op.add_normed(h[:2], r[:2], w, 1e-5) is not None and calls == [True, False]  # two: the norm-fused GEMV
     monkeypatch.setattr(cuda_quant, "NORM_PREGATHER", False)
     assert op.add_normed(h, r, w, 1e-5) is None
 
@@ -170,8 +148,8 @@ def test_model_forward_bit_identical_with_and_without_the_fused_norm(tmp_path, m
     logits equal bit for bit with layers.FUSED_NORM on and off (the head's final norm included). fused_rows 2: the
     norm-fused GEMV takes at most two rows, so the prefill and the 3-sequence step run the pre-gathering norm."""
     from exl2_backend.model import layers
-    from exl2_backend.ops import cuda_quant
     from exl2_backend.model.llama import LlamaModel
+    from exl2_backend.ops import cuda_quant
     from tests.helpers.forward_steps import prefill_then_decode
     from tests.helpers.synth import tiny_config_dict, write_tiny_exl2_model
 

@@ -18,16 +18,9 @@ t=$(date +%s)
 gpu_tests kernels 100 tests/kernels/test_layers.py tests/kernels/test_kv_quant_kernels.py \
   tests/kernels/test_gemv_norm.py --timeout 80
 echo "tests $(( $(date +%s) - t )) s"; t=$(date +%s)
-b8() {  # name, contexts, cache types, then environment assignments
-  local name=$1 ctx=$2 ct=$3; shift 3
-  env "$@" timeout 110 python3 -m exl2_backend.cli.main bench --shape llama3-8b --bpw 4.0 \
-    --model-out /tmp/models/llama3-8b --contexts "$ctx" --cache-type "$ct" --json "$R/bench_$name.json" \
-    > "$R/bench_$name.txt" 2>&1
-  echo "== bench $name"; grep -A7 "decode tokens/s by cache" "$R/bench_$name.txt" | grep -E "^│ +[0-9]"
-}
-b8 new 1024,32768 fp16,q8,q4
-b8 old_fp16 1024 fp16 EXL2_BACKEND_LIBRARY=$OLD
-b8 old_q8 32768 q8 EXL2_BACKEND_LIBRARY=$OLD
+bench_8b new 110 1024,32768 fp16,q8,q4
+bench_8b old_fp16 110 1024 fp16 EXL2_BACKEND_LIBRARY=$OLD
+bench_8b old_q8 110 32768 q8 EXL2_BACKEND_LIBRARY=$OLD
 echo "bench $(( $(date +%s) - t )) s"; t=$(date +%s)
 spec_costs new
 spec_costs old EXL2_BACKEND_LIBRARY=$OLD

@@ -15,13 +15,7 @@ for passes in 1 3; do spec_costs "passes$passes" EXL2_BACKEND_FUSED_NORM_PASSES=
 echo "spec $(( $(date +%s) - T0 )) s"
 for per_sm in 2 4 6; do decode_step_1k "bps$per_sm" nochain EXL2_BACKEND_GEMV_BLOCKS_PER_SM=$per_sm; done
 echo "balance $(( $(date +%s) - T0 )) s"
-bench32k() {  # name, then environment assignments
-  local name=$1; shift
-  env "$@" timeout 90 python3 -m exl2_backend.cli.main bench --shape llama3-8b --bpw 4.0 \
-    --model-out /tmp/models/llama3-8b --contexts 32768 --cache-type fp16,q8,q4 --json "$R/attn_$name.json" \
-    > "$R/attn_$name.txt" 2>&1
-  echo "== $name"; grep -A6 "decode tokens/s by cache" "$R/attn_$name.txt" | grep 32768
-}
+bench32k() { local name=$1; shift; bench_8b "attn_$name" 90 32768 fp16,q8,q4 "$@"; }  # name, then ENV=VALUE...
 for v in "default" "online2 EXL2_BACKEND_ATTN_MMA_ONLINE=2 EXL2_BACKEND_ATTN_FP16_MMA=1" \
          "online1 EXL2_BACKEND_ATTN_MMA_ONLINE=1 EXL2_BACKEND_ATTN_FP16_MMA=1"; do
   [ "$(left 450)" -gt 60 ] && bench32k $v

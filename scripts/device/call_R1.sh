@@ -27,19 +27,12 @@ for v in "new" "nofold EXL2_BACKEND_FOLD_DOWN_ORDER=0" "nonormpg EXL2_BACKEND_NO
   spec_costs $v
 done
 echo "fold $(( $(date +%s) - T0 )) s"
-bench_ctx() {  # name contexts types, then environment assignments
-  local name=$1 ctx=$2 types=$3; shift 3
-  env "$@" timeout 120 python3 -m exl2_backend.cli.main bench --shape llama3-8b --bpw 4.0 \
-    --model-out /tmp/models/llama3-8b --contexts "$ctx" --cache-type "$types" --json "$R/bench_$name.json" \
-    > "$R/bench_$name.txt" 2>&1
-  echo "== $name"; grep -A8 "decode tokens/s by cache" "$R/bench_$name.txt" | grep -E "^│ +[0-9]"
-}
-bench_ctx new 1024,32768 fp16,q8,q4
-bench_ctx old 1024,32768 fp16,q8,q4 EXL2_BACKEND_ATTN_MMA_ONLINE=0 EXL2_BACKEND_FOLD_DOWN_ORDER=0 \
+bench_8b new 120 1024,32768 fp16,q8,q4
+bench_8b old 120 1024,32768 fp16,q8,q4 EXL2_BACKEND_ATTN_MMA_ONLINE=0 EXL2_BACKEND_FOLD_DOWN_ORDER=0 \
   EXL2_BACKEND_NORM_PREGATHER=0
 echo "bench $(( $(date +%s) - T0 )) s"
 for online in 0 1 2; do
   [ "$(left 560)" -gt 50 ] || break
-  bench_ctx "fp8q6_online$online" 32768 fp8,q6 EXL2_BACKEND_ATTN_MMA_ONLINE=$online
+  bench_8b "fp8q6_online$online" 120 32768 fp8,q6 EXL2_BACKEND_ATTN_MMA_ONLINE=$online
 done
 echo "total $(( $(date +%s) - T0 )) s"

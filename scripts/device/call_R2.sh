@@ -24,9 +24,7 @@ timeout 90 python3 scripts/spec_bench.py --skip smollm2 --iters 30 --kernels --w
   --out "$R/spec_kernels.json" 2> "$R/spec_kernels.log"
 echo "== spec default: $(grep 'step costs' "$R/spec_kernels.log" | tail -1)"
 echo "steps $(( $(date +%s) - T0 )) s"
-timeout 150 python3 -m exl2_backend.cli.main bench --shape llama3-8b --bpw 4.0 --model-out /tmp/models/llama3-8b \
-  --contexts 1024,32768 --cache-type fp16,fp8,q8,q6,q4 --json "$R/bench_final.json" > "$R/bench_final.txt" 2>&1
-grep -A8 "decode tokens/s by cache" "$R/bench_final.txt" | grep -E "^│ +[0-9]|fp16"
+bench_8b final 150 1024,32768 fp16,fp8,q8,q6,q4
 echo "bench $(( $(date +%s) - T0 )) s"
 gpu_tests tests 170 -n 4 tests/kernels/test_fold_down_order_cuda.py tests/kernels/test_gemv_norm.py \
   tests/kernels/test_exl2_gemm.py tests/kernels/test_gemv_chain.py tests/serve/test_batch_invariance.py \

@@ -17,7 +17,5 @@ echo "tests $(( $(date +%s) - T0 )) s"
 decode_step_1k final nochain
 grep -A10 "critical path" "$R/prof_final.txt" | head -9
 spec_costs final
-timeout 120 python3 -m exl2_backend.cli.main bench --shape llama3-8b --bpw 4.0 --model-out /tmp/models/llama3-8b \
-  --contexts 1024,32768 --cache-type fp16,q8,q4 --json "$R/bench_final.json" > "$R/bench_final.txt" 2>&1
-grep -A8 "decode tokens/s by cache" "$R/bench_final.txt" | grep -E "^│ +[0-9]|fp16"
+bench_8b final 120 1024,32768 fp16,q8,q4
 echo "total $(( $(date +%s) - T0 )) s"

@@ -52,6 +52,15 @@ spec_costs() {
     --out "$R/spec_$name.json" 2> "$R/spec_$name.log"
   echo "== spec $name: $(grep 'step costs' "$R/spec_$name.log" | tail -1)"
 }
+# `exl2-backend bench` of the random 8B directory: bench_8b NAME SECONDS CONTEXTS CACHE_TYPES [ENV=VALUE...];
+# $R/bench_NAME.{txt,json}, the decode table's rows (engine step / graph replay) on stdout.
+bench_8b() {
+  local name=$1 secs=$2 ctx=$3 types=$4; shift 4
+  env "$@" timeout "$secs" python3 -m exl2_backend.cli.main bench --shape llama3-8b --bpw 4.0 \
+    --model-out /tmp/models/llama3-8b --contexts "$ctx" --cache-type "$types" --json "$R/bench_$name.json" \
+    > "$R/bench_$name.txt" 2>&1
+  echo "== bench $name"; grep -A8 "decode tokens/s by cache" "$R/bench_$name.txt" | grep -E "^│ +[0-9]|fp16"
+}
 # The 8B decode step at 1k with an fp16 cache (profile_decode): decode_step_1k NAME VARIANTS [ENV=VALUE...];
 # $R/prof_NAME.txt and $R/p_NAME/.
 decode_step_1k() {

@@ -37,41 +37,6 @@ int& smem_set_for_device(int func) {
 }  // namespace
 
 namespace exl2q {
-int parse_desc(const int64_t* f, QDesc& d) {
-  d.packed = reinterpret_cast<const uint32_t*>(f[F_PACKED]);
-  d.scales = reinterpret_cast<const uint32_t*>(f[F_SCALES]);
-  d.maxf = reinterpret_cast<const float*>(f[F_MAXF]);
-  d.info = reinterpret_cast<const int*>(f[F_INFO]);
-  d.xmap = reinterpret_cast<const uint16_t*>(f[F_XMAP]);
-  d.bias = reinterpret_cast<const __half*>(f[F_BIAS]);
-  d.out = reinterpret_cast<__half*>(f[F_OUT]);
-  d.ws = reinterpret_cast<float*>(f[F_WS]);
-  d.counters = reinterpret_cast<int*>(f[F_COUNTERS]);
-  d.ldo = (int)f[F_LDO]; d.K = (int)f[F_K]; d.Kpad = (int)f[F_KPAD]; d.N = (int)f[F_N]; d.Np = (int)f[F_NP];
-  d.C = (int)f[F_C]; d.G = (int)f[F_G]; d.nruns = (int)f[F_NRUNS]; d.ksplit = (int)f[F_KSPLIT];
-  EXL2_REQUIRE(d.packed && d.scales && d.maxf && d.info && d.xmap, "exl2 desc: null tensor pointer");
-  EXL2_REQUIRE(d.Np > 0 && d.Np % 32 == 0 && d.N > 0 && d.N <= d.Np, "exl2 desc: bad N=%d Np=%d", d.N, d.Np);
-  EXL2_REQUIRE(d.C > 0 && d.Kpad == d.C * kChunkRows && d.K <= d.Kpad && d.K <= 65535,
-               "exl2 desc: bad K=%d Kpad=%d C=%d", d.K, d.Kpad, d.C);
-  EXL2_REQUIRE(d.nruns >= 1 && d.nruns <= kMaxRuns, "exl2 desc: bad run count %d", d.nruns);
-  int expect = 0, prev_bits = 9;
-  for (int r = 0; r < kMaxRuns; ++r) {
-    const int64_t* rr = f + F_RUNS + 4 * r;
-    d.runs[r] = Run{(int)rr[0], (int)rr[1], (int)rr[2], (long long)rr[3]};
-    if (r >= d.nruns) continue;
-    const Run& x = d.runs[r];
-    const bool width_ok = x.bits == 2 || x.bits == 3 || x.bits == 4 || x.bits == 5 || x.bits == 6 || x.bits == 8;
-    EXL2_REQUIRE(width_ok && x.bits < prev_bits && x.chunk_start == expect && x.chunk_end > x.chunk_start,
-                 "exl2 desc: bad run %d (bits %d, chunks %d..%d)", r, x.bits, x.chunk_start, x.chunk_end);
-    prev_bits = x.bits;
-    expect = x.chunk_end;
-  }
-  EXL2_REQUIRE(expect == d.C, "exl2 desc: runs cover %d of %d chunks", expect, d.C);
-  for (int r = d.nruns; r < kMaxRuns; ++r) d.runs[r] = Run{8, d.C, 1 << 30, 0};  // sentinel for run cursors
-  d.ncolblk = (d.Np + kBlockCols - 1) / kBlockCols;
-  return EXL2_OK;
-}
-
 namespace {
 
 struct GemmParams {
@@ -334,6 +299,40 @@ __global__ void __launch_bounds__(128, MT <= 2 ? 4 : 3) gemm_kernel(const __grid
 
 inline int align16(int x) { return (x + 15) & ~15; }
 
+int parse_desc(const int64_t* f, QDesc& d) {
+  d.packed = reinterpret_cast<const uint32_t*>(f[F_PACKED]);
+  d.scales = reinterpret_cast<const uint32_t*>(f[F_SCALES]);
+  d.maxf = reinterpret_cast<const float*>(f[F_MAXF]);
+  d.info = reinterpret_cast<const int*>(f[F_INFO]);
+  d.xmap = reinterpret_cast<const uint16_t*>(f[F_XMAP]);
+  d.bias = reinterpret_cast<const __half*>(f[F_BIAS]);
+  d.out = reinterpret_cast<__half*>(f[F_OUT]);
+  d.ws = reinterpret_cast<float*>(f[F_WS]);
+  d.counters = reinterpret_cast<int*>(f[F_COUNTERS]);
+  d.ldo = (int)f[F_LDO]; d.K = (int)f[F_K]; d.Kpad = (int)f[F_KPAD]; d.N = (int)f[F_N]; d.Np = (int)f[F_NP];
+  d.C = (int)f[F_C]; d.G = (int)f[F_G]; d.nruns = (int)f[F_NRUNS]; d.ksplit = (int)f[F_KSPLIT];
+  EXL2_REQUIRE(d.packed && d.scales && d.maxf && d.info && d.xmap, "exl2 desc: null tensor pointer");
+  EXL2_REQUIRE(d.Np > 0 && d.Np % 32 == 0 && d.N > 0 && d.N <= d.Np, "exl2 desc: bad N=%d Np=%d", d.N, d.Np);
+  EXL2_REQUIRE(d.C > 0 && d.Kpad == d.C * kChunkRows && d.K <= d.Kpad && d.K <= 65535,
+               "exl2 desc: bad K=%d Kpad=%d C=%d", d.K, d.Kpad, d.C);
+  EXL2_REQUIRE(d.nruns >= 1 && d.nruns <= kMaxRuns, "exl2 desc: bad run count %d", d.nruns);
+  int expect = 0, prev_bits = 9;
+  for (int r = 0; r < kMaxRuns; ++r) {
+    const int64_t* rr = f + F_RUNS + 4 * r;
+    d.runs[r] = Run{(int)rr[0], (int)rr[1], (int)rr[2], (long long)rr[3]};
+    if (r >= d.nruns) continue;
+    const Run& x = d.runs[r];
+    const bool width_ok = x.bits == 2 || x.bits == 3 || x.bits == 4 || x.bits == 5 || x.bits == 6 || x.bits == 8;
+    EXL2_REQUIRE(width_ok && x.bits < prev_bits && x.chunk_start == expect && x.chunk_end > x.chunk_start,
+                 "exl2 desc: bad run %d (bits %d, chunks %d..%d)", r, x.bits, x.chunk_start, x.chunk_end);
+    prev_bits = x.bits;
+    expect = x.chunk_end;
+  }
+  EXL2_REQUIRE(expect == d.C, "exl2 desc: runs cover %d of %d chunks", expect, d.C);
+  for (int r = d.nruns; r < kMaxRuns; ++r) d.runs[r] = Run{8, d.C, 1 << 30, 0};  // sentinel for run cursors
+  d.ncolblk = (d.Np + kBlockCols - 1) / kBlockCols;
+  return EXL2_OK;
+}
 
 template <int MT>
 int launch(const GemmParams& p, int blocks, int smem, cudaStream_t stream) {
@@ -664,14 +663,6 @@ int gemv_plan(const int64_t* blob, int ndesc, const void* x, int M, int ldx, int
   EXL2_REQUIRE(!xpre || (xpre_ld > 0 && xpre_ld % 8 == 0 && reinterpret_cast<uintptr_t>(xpre) % 16 == 0),
                "exl2_gemv: pre-gathered input needs a row stride that is a multiple of 8 and 16-byte alignment");
   EXL2_REQUIRE(gate_off >= 0, "exl2_gemv: gate_off %d < 0", gate_off);
-  p.lookahead = reinterpret_cast<const long long*>(blob[F_LOOKAHEAD]);
-  p.lookahead_n = (int)blob[F_LOOKAHEAD_N];
-  p.lookahead_bytes = blob[F_LOOKAHEAD_BYTES];
-  EXL2_REQUIRE(p.lookahead_n == 0 || (p.lookahead && reinterpret_cast<uintptr_t>(p.lookahead) % 8 == 0 &&
-                                      p.lookahead_n > 0 && p.lookahead_n <= kMaxLookaheadRanges &&
-                                      p.lookahead_bytes > 0 && p.lookahead_bytes % 16 == 0),
-               "exl2_gemv: bad lookahead (%d ranges, %lld bytes)", p.lookahead_n, p.lookahead_bytes);
-  if (p.lookahead_n == 0) p.lookahead = nullptr, p.lookahead_bytes = 0;
   int blocks = 0, maxnch = 1;
   for (int i = 0; i < ndesc; ++i) {
     QDesc& d = p.d[i];
@@ -688,11 +679,14 @@ int gemv_plan(const int64_t* blob, int ndesc, const void* x, int M, int ldx, int
     EXL2_REQUIRE(d.ksplit == 1 || (d.ws && d.counters), "exl2_gemv: split-K needs a workspace and counters");
     d.ncolblk = (d.Np + kGvCols - 1) / kGvCols;
     d.block_start = blocks;
+    // Per-run split counts: the requested total shared by bytes (chunks * bits), at least 1 and at most the
+    // run's chunks each; the total can exceed ksplit by up to nruns - 1 (the workspace allows kMaxRuns more).
     const long long w = total_weight(d);
     int total = 0;
     for (int r = 0; r < d.nruns; ++r) {
-      const int nr = d.runs[r].chunk_end - d.runs[r].chunk_start;
-      const int k = run_split_count(d, r, w);
+      const Run& rr = d.runs[r];
+      const int nr = rr.chunk_end - rr.chunk_start;
+      const int k = (int)std::min<long long>(nr, std::max<long long>(1, (long long)d.ksplit * nr * rr.bits / w));
       p.rbase[i][r] = total;
       total += k;
       maxnch = std::max(maxnch, (nr + k - 1) / k);

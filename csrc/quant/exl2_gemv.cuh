@@ -6,8 +6,6 @@
 
 #include <cuda_runtime.h>
 
-#include <algorithm>
-
 #include "common/activation.cuh"
 #include "common/mma.cuh"
 #include "quant/exl2_quant.cuh"
@@ -28,8 +26,6 @@ constexpr int kProbeNoMath = 4;    // weights streamed through the ring, no deco
 // R2 of 2026-12-02, 8B decode step 2.687 against 2.657 ms, k = 4 verify 3.381 against 3.335 ms.)
 constexpr int kGatherAuto = 0, kGatherRows = 1, kGatherItems = 2;
 
-constexpr int kMaxLookaheadRanges = 256;  // GemvParams::lookahead ranges at most (exl2_gemv_lookahead.cu)
-
 struct GemvParams {
   QDesc d[kMaxDesc];
   const uint2* scl[kMaxDesc];         // fp16 scales in lane layout [G][J][8 gid] uint2 (cuda_quant._lane_scales)
@@ -48,11 +44,6 @@ struct GemvParams {
   const __half* xpre;  // TMA kernel: null, or the input already in stored row order, xpre[(di * M + m) * xpre_ld
   int xpre_ld;         // + r] (exl2_gemv_pregather.cu; silu_mul applied): blocks copy their rows, no gather
   int reduce_vec4;     // TMA kernel: the last block sums the split partials four columns per item
-  // TMA kernel: (address, bytes) ranges of the next launch's first weights, prefetched into L2 by the producer
-  // warps once their last ring copy is issued, each block its share of lookahead_bytes (exl2_gemv_lookahead.cu)
-  const long long* lookahead;
-  long long lookahead_bytes;
-  int lookahead_n;
   // TMA kernel, RMSNorm fused into the input (exl2_gemv_norm.cuh) when norm_nt > 0: the input is
   // rms_norm(x + norm_res) * norm_w over rows of norm_k (x is the previous op's output h; norm_res null: no add),
   // and block 0 writes x + norm_res into norm_res_out (null: not written).
@@ -62,14 +53,6 @@ struct GemvParams {
   int norm_res_ld, norm_res_out_ld, norm_k, norm_nt;
   float norm_eps;
 };
-
-// Splits of run r of a small-M GEMV of d (d.ksplit requested; w = total_weight(d)): the requested total shared by
-// bytes (chunks * bits), at least 1 and at most the run's chunks, so the total can exceed ksplit by up to
-// nruns - 1 (the workspace allows kMaxRuns more). gemv_plan and the lookahead ranges both use it.
-inline int run_split_count(const QDesc& d, int r, long long w) {
-  const int nr = d.runs[r].chunk_end - d.runs[r].chunk_start;
-  return (int)std::min<long long>(nr, std::max<long long>(1, (long long)d.ksplit * nr * d.runs[r].bits / w));
-}
 
 // The block's work: descriptor, run, column block and chunk range [c0, c1). Splits are numbered run by run:
 // run r owns splits [rbase[r], rbase[r+1]), equal chunk shares inside it, so a block never crosses runs.

@@ -92,7 +92,6 @@ __device__ __forceinline__ void tma_block(const GemvParams& p, const GvWork& wk,
 
   if (warp == kGvWarps) {  // producer
     tma_produce<B>(p, wk, sm, stages);
-    if (p.lookahead_n) tma_lookahead(p);
     if (p.cluster) cluster_reduce<1>(d, wk, GvState{}, false, false, 0, p.M, nullptr);
     return;
   }

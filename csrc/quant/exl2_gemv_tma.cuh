@@ -232,27 +232,6 @@ __device__ __forceinline__ void tma_produce(const GemvParams& p, const GvWork& w
   __syncwarp();
 }
 
-// Producer warp, once its block's last ring copy is issued: the block's share (by blockIdx) of the next launch's
-// weight ranges (GemvParams::lookahead, concatenated) into L2. The DRAM then streams the next GEMV's first bytes
-// through this launch's tail (the ring draining, the split-K finish) and the launch boundary, when it would idle.
-// Ranges and their offsets are multiples of 16 bytes (exl2_gemv_lookahead_ranges).
-__device__ __forceinline__ void tma_lookahead(const GemvParams& p) {
-  constexpr long long kPiece = 4096;  // bytes per prefetch instruction
-  const long long lo = (p.lookahead_bytes * blockIdx.x / gridDim.x) & ~15LL;
-  const long long hi = (p.lookahead_bytes * (blockIdx.x + 1) / gridDim.x) & ~15LL;
-  const int lane = threadIdx.x & 31;
-  long long acc = 0;  // start of range r in the concatenation
-  for (int r = 0; r < p.lookahead_n && acc < hi; ++r) {
-    const long long addr = __ldg(p.lookahead + 2 * r), len = __ldg(p.lookahead + 2 * r + 1);
-    const long long a = max(lo, acc), b = min(hi, acc + len);
-    for (long long o = a + lane * kPiece; o < b; o += 32 * kPiece) {
-      const unsigned n = (unsigned)min(kPiece, b - o);
-      asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(addr + (o - acc)), "r"(n) : "memory");
-    }
-    acc += len;
-  }
-}
-
 // Compute warps: the split's xmap slice and chunk info (constants) into shared memory; the caller synchronizes.
 __device__ __forceinline__ void tma_load_constants(const QDesc& d, const GvWork& wk, const TmaSmem& sm) {
   const int c0 = wk.c0, nch = wk.c1 - wk.c0;

@@ -36,7 +36,7 @@ constexpr int kBlockCols = kBlockWarps * kWarpCols;  // 128 columns per block
 #endif
 constexpr int kStages = EXL2_GEMM_STAGES;  // per-warp cp.async ring depth in chunks (kStages - 1 in flight)
 constexpr int kInfoGroupMask = 0x3FFFFFFF;
-constexpr int kDescLen = 22 + 4 * kMaxRuns;  // int64 fields per descriptor in the host blob
+constexpr int kDescLen = 19 + 4 * kMaxRuns;  // int64 fields per descriptor in the host blob
 
 struct Run {
   int bits, chunk_start, chunk_end;
@@ -61,15 +61,8 @@ struct QDesc {
 enum BlobField {
   F_PACKED = 0, F_SCALES, F_MAXF, F_INFO, F_XMAP, F_BIAS, F_OUT, F_WS, F_COUNTERS,
   F_LDO, F_K, F_KPAD, F_N, F_NP, F_C, F_G, F_NRUNS, F_KSPLIT, F_RUNS,  // runs: bits, start, end, word_base
-  F_SCL16 = F_RUNS + 4 * kMaxRuns,  // small-M GEMV: fp16 scales [G][Np/32][8 gid][4] (exl2_gemm.cu, gemv)
-  // Small-M GEMV, read from the first descriptor only: device int64 [n][2] (address, bytes) ranges of the next
-  // launch's weights that this launch prefetches into L2 as it ends (exl2_gemv_lookahead.cu), their count and
-  // their total bytes; 0 for none.
-  F_LOOKAHEAD, F_LOOKAHEAD_N, F_LOOKAHEAD_BYTES
+  F_SCL16 = F_RUNS + 4 * kMaxRuns  // small-M GEMV: fp16 scales [G][Np/32][8 gid][4] (exl2_gemm.cu, gemv)
 };
-
-// Parses and checks one descriptor of a host blob (exl2_gemm.cu); returns a status.
-int parse_desc(const int64_t* f, QDesc& d);
 
 // Sum over runs of chunks * bits: the split-K work measure (bytes are proportional to it).
 __host__ __device__ inline long long total_weight(const QDesc& d) {

@@ -39,15 +39,6 @@ class LlamaModel:
         self.lm_head = None if weights.lm_head is None else ops.prepare_linear([weights.lm_head], self.device,
                                                                                self.dtype)
         self.inv_freq = ops.rope_inv_freq(config.head_dim, config.rope_theta, config.rope_scaling).to(self.device)
-        self.link_lookahead()
-
-    def link_lookahead(self) -> int:
-        """Each GEMV prefetches the next one's first weights into L2 (ops.link_lookahead), in a decode step's
-        launch order: every layer's q/k/v, o, gate/up and down, the head, then the first q/k/v of the next step."""
-        order = [op for layer in self.layers for op in (layer.qkv, layer.o, layer.gate_up, layer.down)]
-        if order:
-            order += [self.lm_head, order[0]] if self.lm_head is not None else []
-        return ops.link_lookahead(order)
 
     @classmethod
     def from_dir(cls, model_dir: str | Path, device: str | torch.device = "cpu",

@@ -134,7 +134,6 @@ class SplitLlamaModel(LlamaModel):
         self.inv_freqs = [self.inv_freq.to(seg.device) for seg in segments]
         # segments after only empty ones start the residual stream themselves (see run_segment)
         self.fresh_stream = [all(s.num_layers == 0 for s in segments[:i]) for i in range(len(segments))]
-        self.link_lookahead()  # the base class linked no layers (devices differ: links stop at segment ends)
 
     @classmethod
     def from_dir(cls, model_dir: str | Path, segments: list[Segment],  # type: ignore[override]

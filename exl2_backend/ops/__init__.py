@@ -15,7 +15,6 @@ from exl2_backend.ops.dispatch import (  # noqa: F401
     exl2_gemm,
     kv_cache_write,
     kv_quant_write,
-    link_lookahead,
     paged_attention,
     paged_attention_quant,
     prepare_linear,

@@ -10,4 +10,3 @@ except ImportError:  # layer kernels not written yet: those ops run on the refer
 
 # Imported last so the quantized-linear entry points are always these.
 from exl2_backend.ops.cuda_quant import exl2_dequant, exl2_gemm, prepare_linear  # noqa: F401
-from exl2_backend.ops.cuda_lookahead import link_lookahead  # noqa: F401

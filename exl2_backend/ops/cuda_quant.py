@@ -41,12 +41,10 @@ _BLOCK_COLS = 128
 _CHUNK = 64
 _MAX_RUNS = 6
 _MAX_DESC = 4
-_DESC_LEN = 22 + 4 * _MAX_RUNS
+_DESC_LEN = 19 + 4 * _MAX_RUNS
 (F_PACKED, F_SCALES, F_MAXF, F_INFO, F_XMAP, F_BIAS, F_OUT, F_WS, F_COUNTERS, F_LDO, F_K, F_KPAD, F_N, F_NP, F_C,
  F_G, F_NRUNS, F_KSPLIT, F_RUNS) = range(19)
 F_SCL16 = F_RUNS + 4 * _MAX_RUNS
-# the first descriptor's L2 lookahead: device int64 [n, 2] ranges, n, their bytes (ops/cuda_lookahead.py)
-F_LOOKAHEAD, F_LOOKAHEAD_N, F_LOOKAHEAD_BYTES = F_SCL16 + 1, F_SCL16 + 2, F_SCL16 + 3
 
 # Small-M GEMV kernels: used for M <= GEMV_MAX_M. Blocks of 8 compute warps (256 columns). GEMV_MINB selects:
 # 0 = the TMA-ring kernel on sm_90+ (exl2_gemv_tma.cu; the register-batch kernel below sm_90), planned at 2 blocks
@@ -284,7 +282,6 @@ def _fn(name: str):
             "exl2_add_norm_pregather": (P, I32, P, I32, I32, P, I32, P, P, I32, library.F32, P, I32,
                                         library.STREAM),
             "exl2_dequant": (P, P, I32, I32, library.STREAM),
-            "exl2_gemv_lookahead_ranges": (P, I32, library.I64, P, I32, P),
         }[name]
         _fns[name] = library.declare(name, *sig)
     return _fns[name]
@@ -370,10 +367,6 @@ class _Launch:
         # every part stores its rows in input order (no act-order permutation, or down_proj after
         # model/tp_shard.fold_down_order): the in-kernel gather reads contiguous features, coalesced
         self.input_in_order = all(rows_in_input_order(p.q_invperm) for p in parts)
-        # (F_LOOKAHEAD, F_LOOKAHEAD_N, F_LOOKAHEAD_BYTES) of the GEMV launches, set by ops/cuda_lookahead.py
-        self.lookahead_fields = (0, 0, 0)
-        self.lookahead: torch.Tensor | None = None  # the ranges those fields point to
-        self.lookahead_target: _Launch | None = None
         self.handle = next(_handles)
         _REG[self.handle] = self
 
@@ -466,7 +459,6 @@ class _Launch:
         if pl.ws_numel > ws.numel():
             raise TensorShapeError(f"workspace holds {ws.numel()} floats, the launch needs {pl.ws_numel}", tensor="ws")
         blob = pl.blob.copy()
-        blob[0, F_LOOKAHEAD:F_LOOKAHEAD_BYTES + 1] = self.lookahead_fields
         for i in range(len(self.parts)):
             blob[i, F_OUT] = out.data_ptr() + 2 * self.col_off[i]
             blob[i, F_WS] = ws.data_ptr() + 4 * pl.ws_off[i]

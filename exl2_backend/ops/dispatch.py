@@ -139,13 +139,6 @@ def paged_attention_quant(q, k_codes, k_scales, v_codes, v_scales, block_tables,
 LinearOp = reference.LinearOp
 
 
-def link_lookahead(linears) -> int:
-    """Each linear op's GEMV prefetches the next one's first weights into L2 (CUDA; ops in launch order, see
-    ops/cuda_lookahead.py). Returns the links set: none on the reference path."""
-    mod = _cuda_module()
-    return mod.link_lookahead(list(linears)) if mod is not None and hasattr(mod, "link_lookahead") else 0
-
-
 def prepare_linear(linears, device, dtype=torch.float16):
     """One op for one or several linears that share an input (outputs concatenated). See internals.md."""
     device = torch.device(device)

@@ -44,6 +44,14 @@ struct GemvParams {
   const __half* xpre;  // TMA kernel: null, or the input already in stored row order, xpre[(di * M + m) * xpre_ld
   int xpre_ld;         // + r] (exl2_gemv_pregather.cu; silu_mul applied): blocks copy their rows, no gather
   int reduce_vec4;     // TMA kernel: the last block sums the split partials four columns per item
+  // TMA kernel: RoPE and the fp16 KV-cache write after the q/k/v GEMV when rope_d > 0 (exl2_gemv_rope.cuh)
+  const long long* rope_pos;    // [M] token positions
+  const float* rope_inv_freq;   // [rope_d / 2]
+  const long long* rope_slots;  // [M] cache slots; < 0 or >= rope_num_slots: not written
+  __half* rope_kc;              // [rope_num_slots, Hk, rope_d]
+  __half* rope_vc;
+  long long rope_num_slots;
+  int rope_d;
   // TMA kernel, RMSNorm fused into the input (exl2_gemv_norm.cuh) when norm_nt > 0: the input is
   // rms_norm(x + norm_res) * norm_w over rows of norm_k (x is the previous op's output h; norm_res null: no add),
   // and block 0 writes x + norm_res into norm_res_out (null: not written).

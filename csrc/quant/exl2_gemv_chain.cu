@@ -407,8 +407,8 @@ EXL2_API int exl2_gemv_chain(const int64_t* phases, int nphase, int M, float eps
       GemvPlan pl;
       const int st = gemv_plan(blob, ndesc, x, M, ldx, gate_off, 0, xpre, xpre_ld, w ? &norm : nullptr, c.ph[i], pl);
       if (st) return st;
-      EXL2_REQUIRE(pl.tma && !c.ph[i].cluster && !c.ph[i].probe, "exl2_gemv_chain: phase %d does not run the "
-                   "plain TMA GEMV (cluster split-K or a timing probe is set)", i);
+      EXL2_REQUIRE(pl.tma && !c.ph[i].cluster && !c.ph[i].probe && !c.ph[i].rope_d, "exl2_gemv_chain: phase %d "
+                   "does not run the plain TMA GEMV (cluster split-K, a timing probe or a fused rope is set)", i);
       c.items[i] = pl.blocks;
       const GemvParams& p = c.ph[i];
       z = tma_sizes(p.ring_bytes, p.maxgrp, M, p.xstride, p.maxnch, p.norm_k);

@@ -11,6 +11,7 @@
 #include "common/api.h"
 #include "quant/exl2_gemv.cuh"
 #include "quant/exl2_gemv_norm.cuh"
+#include "quant/exl2_gemv_rope.cuh"
 
 namespace exl2q {
 
@@ -321,6 +322,10 @@ __device__ __forceinline__ void tma_finish(const GemvParams& p, const GvWork& wk
   const int n0 = (wk.colblk * kGvWarps + warp) * kWarpCols;
   if (wk.ksplit == 1) {
     if (active) gv_store<MT>(d, st, n0, p.M, wk.gsplit, false);
+    if (p.rope_d) {
+      compute_sync();
+      gv_rope_kv(p, wk.di, wk.colblk, tid, kTmaComputeThreads);
+    }
     return;
   }
   if (active) gv_store<MT>(d, st, n0, p.M, wk.gsplit, true);
@@ -333,6 +338,10 @@ __device__ __forceinline__ void tma_finish(const GemvParams& p, const GvWork& wk
   if (p.reduce_vec4) gv_reduce_partials_vec4(d, wk.colblk, wk.ksplit, p.M, tid, kTmaComputeThreads);
   else gv_reduce_partials(d, wk.colblk, wk.ksplit, p.M, tid, kTmaComputeThreads);
   if (tid == 0) d.counters[wk.colblk] = 0;  // ready for the next launch (and graph replay)
+  if (p.rope_d) {
+    compute_sync();
+    gv_rope_kv(p, wk.di, wk.colblk, tid, kTmaComputeThreads);
+  }
 }
 #endif
 

@@ -21,6 +21,10 @@ FUSED_NORM = os.environ.get("EXL2_BACKEND_FUSED_NORM", "1") != "0"
 # gate/up produce down_proj's input in its stored row order (model/tp_shard.fold_down_order), so down reads its input
 # contiguously instead of through q_perm; EXL2_BACKEND_FOLD_DOWN_ORDER=0 keeps the file's order, for A/B timing.
 FOLD_DOWN_ORDER = os.environ.get("EXL2_BACKEND_FOLD_DOWN_ORDER", "1") != "0"
+# rope_kv_write inside the q/k/v GEMV that produces its input (CudaLinearOp.add_normed_rope_kv: the block writing
+# each column block's final values rotates q in place and writes k and v into an fp16 cache), one launch fewer per
+# layer; EXL2_BACKEND_ROPE_IN_GEMV=0 runs rope_kv_write apart (same bits), for A/B timing.
+ROPE_IN_GEMV = os.environ.get("EXL2_BACKEND_ROPE_IN_GEMV", "1") != "0"
 
 
 def norm_linear(linear, h: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float):
@@ -34,6 +38,34 @@ def norm_linear(linear, h: torch.Tensor, residual: torch.Tensor | None, weight: 
         return linear(ops.rms_norm(h, weight, eps)), h
     x, residual = ops.add_rms_norm(h, residual, weight, eps)
     return linear(x), residual
+
+
+def norm_qkv(layer: DecoderLayer, h: torch.Tensor, residual: torch.Tensor | None, step: StepInputs | None):
+    """(qkv [T, (Hq + 2 Hkv) D], h + residual, roped): layer's input norm and q/k/v projection (norm_linear). With
+    `step` and an fp16 cache, rope and the KV-cache write run inside the same GEMV where it can (roped True: the q
+    columns are rotated and the cache holds this step's k and v; attend must not write them again)."""
+    if step is not None and ROPE_IN_GEMV and FUSED_ROPE_KV and FUSED_NORM and hasattr(layer.qkv, "add_normed_rope_kv"):
+        cache = step.cache
+        if not getattr(cache, "quantized", False):
+            k_cache, v_cache = cache.k[layer.index], cache.v[layer.index]  # [P, S, Hkv, D]
+            if k_cache.dtype == torch.float16 and h.dtype == torch.float16:
+                fused = layer.qkv.add_normed_rope_kv(h, residual, layer.input_norm, layer.eps, step.positions,
+                                                     step.inv_freq, k_cache, v_cache, step.meta.slots)
+                if fused is not None:
+                    return fused[0], fused[1], True
+    qkv, residual = norm_linear(layer.qkv, h, residual, layer.input_norm, layer.eps)
+    return qkv, residual, False
+
+
+@dataclass
+class StepInputs:
+    """What a layer's q/k/v GEMV needs to run rope and the KV-cache write itself (norm_qkv): token positions
+    int64 [T], the rope frequencies fp32 [D/2], the paged cache and this step's metadata."""
+
+    positions: torch.Tensor
+    inv_freq: torch.Tensor
+    cache: object
+    meta: AttentionMetadata
 
 
 @dataclass
@@ -74,8 +106,9 @@ class DecoderLayer:
         o_proj output [T, H]."""
         return self.o(self.attend(qkv, positions, inv_freq, cache, meta, batch))
 
-    def attend(self, qkv, positions, inv_freq, cache, meta: AttentionMetadata, batch: int):
-        """attention() before o_proj: rope, the KV-cache write and attention; returns [T, Hq*D] in qkv's dtype."""
+    def attend(self, qkv, positions, inv_freq, cache, meta: AttentionMetadata, batch: int, roped: bool = False):
+        """attention() before o_proj: rope, the KV-cache write and attention; returns [T, Hq*D] in qkv's dtype.
+        roped: qkv came from norm_qkv with both done (q rotated in place, k and v in the cache)."""
         t = qkv.shape[0]
         hq, hkv, d = self.num_heads, self.num_kv_heads, self.head_dim
         q, k, v = qkv.split(self.qkv.splits, dim=-1)  # [T, Hq*D], [T, Hkv*D], [T, Hkv*D] views
@@ -83,7 +116,9 @@ class DecoderLayer:
         if getattr(cache, "quantized", False):
             return self._attention_quantized(q, k, v, positions, inv_freq, cache, meta, batch, qkv.dtype)
         k_cache, v_cache = cache.k[self.index], cache.v[self.index]  # [P, S, Hkv, D]
-        if FUSED_ROPE_KV and k_cache.dtype == qkv.dtype:
+        if roped:
+            pass
+        elif FUSED_ROPE_KV and k_cache.dtype == qkv.dtype:
             # one launch: q rotated in place in the QKV output, rotated k and v written into the cache
             ops.rope_kv_write(q, k, v, positions, inv_freq, k_cache, v_cache, meta.slots)
         else:
@@ -107,22 +142,23 @@ class DecoderLayer:
                                         cache.k_format, cache.v_format)
         return out.reshape(t, hq * d).to(dtype)  # [T, Hq*D]
 
-    def attention_out_mlp(self, attn, residual, nxt: DecoderLayer | None):
+    def attention_out_mlp(self, attn, residual, nxt: DecoderLayer | None, step: StepInputs | None = None):
         """o_proj, the post-attention norm and the MLP over attn [T, Hq*D] (attend's output) and the residual stream
-        [T, H]; with `nxt`, also the next layer's input norm and q/k/v. Returns (qkv of nxt, residual) with nxt, else
-        (the MLP output h, residual). One persistent GEMV chain where it runs (ops/cuda_chain.py), else op by op."""
+        [T, H]; with `nxt`, also the next layer's input norm and q/k/v (norm_qkv, given `step`). Returns (qkv of nxt,
+        residual, roped) with nxt, else (the MLP output h, residual, False). One persistent GEMV chain where it runs
+        (ops/cuda_chain.py), else op by op."""
         if residual is not None and FUSED_NORM and FUSED_SILU_DOWN and hasattr(self.o, "launch"):
             from exl2_backend.ops.cuda_chain import mlp_chain
 
             chained = mlp_chain(self.o, self.gate_up, self.down, None if nxt is None else nxt.qkv, attn, residual,
                                 self.post_norm, None if nxt is None else nxt.input_norm, self.eps)
             if chained is not None:
-                return chained
+                return chained[0], chained[1], False
         gate_up, residual = norm_linear(self.gate_up, self.o(attn), residual, self.post_norm, self.eps)
         h = self.mlp(gate_up)
         if nxt is None:
-            return h, residual
-        return norm_linear(nxt.qkv, h, residual, nxt.input_norm, nxt.eps)
+            return h, residual, False
+        return norm_qkv(nxt, h, residual, step)
 
     def mlp(self, gate_up):
         """gate_up [T, 2I] (gate | up, the fused projection of the normed hidden states) -> [T, H]."""

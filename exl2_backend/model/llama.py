@@ -12,7 +12,7 @@ from pathlib import Path
 import torch
 
 from exl2_backend import ops
-from exl2_backend.model.layers import AttentionMetadata, DecoderLayer, norm_linear
+from exl2_backend.model.layers import AttentionMetadata, DecoderLayer, StepInputs, norm_linear, norm_qkv
 
 
 def compute_dtype(device: torch.device, dtype: torch.dtype) -> torch.dtype:
@@ -88,11 +88,13 @@ class LlamaModel:
         # layer's q/k/v the GEMVs run as one persistent chain where they can (DecoderLayer.attention_out_mlp).
         if not layers:
             return h, residual
-        qkv, residual = norm_linear(layers[0].qkv, h, residual, layers[0].input_norm, self.eps)
+        # q/k/v GEMVs also run rope and the KV-cache write where they can (layers.norm_qkv)
+        step = StepInputs(positions, inv_freq, cache, meta)
+        qkv, residual, roped = norm_qkv(layers[0], h, residual, step)
         for i, layer in enumerate(layers):
-            attn = layer.attend(qkv, positions, inv_freq, cache, meta, batch)
+            attn = layer.attend(qkv, positions, inv_freq, cache, meta, batch, roped=roped)
             nxt = layers[i + 1] if i + 1 < len(layers) else None
-            out, residual = layer.attention_out_mlp(attn, residual, nxt)
+            out, residual, roped = layer.attention_out_mlp(attn, residual, nxt, step)
             if nxt is None:
                 h = out
             else:

@@ -41,10 +41,11 @@ _BLOCK_COLS = 128
 _CHUNK = 64
 _MAX_RUNS = 6
 _MAX_DESC = 4
-_DESC_LEN = 19 + 4 * _MAX_RUNS
+_DESC_LEN = 20 + 4 * _MAX_RUNS
 (F_PACKED, F_SCALES, F_MAXF, F_INFO, F_XMAP, F_BIAS, F_OUT, F_WS, F_COUNTERS, F_LDO, F_K, F_KPAD, F_N, F_NP, F_C,
  F_G, F_NRUNS, F_KSPLIT, F_RUNS) = range(19)
 F_SCL16 = F_RUNS + 4 * _MAX_RUNS
+F_ROPE = F_SCL16 + 1  # first descriptor: host address of the fused rope's int64 arguments (_rope_args), or 0
 
 # Small-M GEMV kernels: used for M <= GEMV_MAX_M. Blocks of 8 compute warps (256 columns). GEMV_MINB selects:
 # 0 = the TMA-ring kernel on sm_90+ (exl2_gemv_tma.cu; the register-batch kernel below sm_90), planned at 2 blocks
@@ -523,14 +524,16 @@ class _Launch:
                 and self.K % 8 == 0 and self.K <= 8192)
 
     def gemv_add_norm(self, h: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float,
-                      ws: torch.Tensor, counters: torch.Tensor,
-                      pregather: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+                      ws: torch.Tensor, counters: torch.Tensor, pregather: bool = False,
+                      rope: np.ndarray | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """h, residual [M, K] fp16 (rows 16-byte aligned), weight fp16 [K] -> (GEMV output [M, N], residual out
         [M, K] = h + residual; an empty tensor when residual is None). One launch that normalizes inside the GEMV,
         or with `pregather` two: the norm writing every part's input in stored row order, then the GEMV copying
-        its rows."""
+        its rows. rope: the fused rope's arguments (_rope_args), applied by the GEMV after its output."""
         m = h.shape[0]
         out, blob = self._bind(self.gemv_plan(m), m, ws, counters, h.device)
+        if rope is not None:
+            blob[0, F_ROPE] = rope.ctypes.data  # read by the C call below, while `rope` is alive
         res_out = h.new_empty((m, self.K)) if residual is not None else h.new_empty(0)
         norm_args = (blob.ctypes.data, len(self.parts), h.data_ptr(), m, _row_stride(h),
                      None if residual is None else residual.data_ptr(),
@@ -615,14 +618,9 @@ def _check_norm_input(t: torch.Tensor, name: str, k: int, m: int, device: torch.
                                "with contiguous rows starting 16-byte aligned", tensor=name)
 
 
-@torch.library.custom_op("exl2_backend::exl2_gemv_add_norm", mutates_args=("ws", "counters"))
-def _gemv_add_norm_op(h: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float,
-                      packed: torch.Tensor, handle: int, ws: torch.Tensor, counters: torch.Tensor,
-                      pregather: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
-    """(GEMV of rms_norm(h + residual) * weight, h + residual); residual None: rms_norm(h), and the second output
-    is empty. One launch (the norm inside the GEMV), or with `pregather` two (the norm writing the GEMV's stored
-    row order, exl2_add_norm_pregather). Bit-identical to add_rms_norm followed by the GEMV either way."""
-    launch = _REG[handle]
+def _check_norm_call(launch: _Launch, h: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor,
+                     packed: torch.Tensor, pregather: bool) -> int:
+    """Checks the norm-fused GEMV's inputs (TensorShapeError); returns M."""
     k, m = launch.K, h.shape[0] if isinstance(h, torch.Tensor) and h.dim() == 2 else -1
     _check_norm_input(h, "h", k, m, packed.device)
     if residual is not None:
@@ -636,11 +634,73 @@ def _gemv_add_norm_op(h: torch.Tensor, residual: torch.Tensor | None, weight: to
             raise TensorShapeError(f"the pre-gathering norm does not take {m} rows of {k} here", tensor="h")
     elif not launch.can_norm(m):
         raise TensorShapeError(f"the norm-fused GEMV does not take {m} rows of {k} here", tensor="h")
+    return m
+
+
+@torch.library.custom_op("exl2_backend::exl2_gemv_add_norm", mutates_args=("ws", "counters"))
+def _gemv_add_norm_op(h: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float,
+                      packed: torch.Tensor, handle: int, ws: torch.Tensor, counters: torch.Tensor,
+                      pregather: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """(GEMV of rms_norm(h + residual) * weight, h + residual); residual None: rms_norm(h), and the second output
+    is empty. One launch (the norm inside the GEMV), or with `pregather` two (the norm writing the GEMV's stored
+    row order, exl2_add_norm_pregather). Bit-identical to add_rms_norm followed by the GEMV either way."""
+    launch = _REG[handle]
+    _check_norm_call(launch, h, residual, weight, packed, pregather)
     return launch.gemv_add_norm(h, residual, weight, eps, ws, counters, pregather)
 
 
 @_gemv_add_norm_op.register_fake
 def _(h, residual, weight, eps, packed, handle, ws, counters, pregather=False):
+    res_out = h.new_empty(h.shape) if residual is not None else h.new_empty(0)
+    return h.new_empty((h.shape[0], _REG[handle].out_features)), res_out
+
+
+def _rope_args(launch: _Launch, m: int, positions: torch.Tensor, inv_freq: torch.Tensor, k_cache: torch.Tensor,
+               v_cache: torch.Tensor, slots: torch.Tensor) -> np.ndarray:
+    """The fused rope's int64 arguments (csrc/quant/exl2_gemv_rope.cuh RopeArg), after checking them (TensorShapeError):
+    the launch's three parts are q, k and v heads of D; caches fp16 [P, S, Hk, D] contiguous with D dividing 256;
+    positions and slots int64 [M]; inv_freq fp32 [D/2]; all on the launch's device."""
+    dev = launch.parts[0].packed.device
+    if len(launch.parts) != 3:
+        raise TensorShapeError(f"the fused rope needs the q, k and v parts in one launch, got {len(launch.parts)}",
+                               tensor="qkv")
+    for name, c in (("k_cache", k_cache), ("v_cache", v_cache)):
+        if not (isinstance(c, torch.Tensor) and c.dim() == 4 and c.dtype == torch.float16 and c.device == dev
+                and c.is_contiguous() and c.shape == k_cache.shape and c.data_ptr() % 16 == 0):
+            raise TensorShapeError(f"{name} must be a contiguous float16 [P, S, Hk, D] tensor on {dev} shaped like "
+                                   "k_cache", tensor=name)
+    hk, d = k_cache.shape[2], k_cache.shape[3]
+    nq, nk, nv = launch.splits
+    if d % 16 or _GEMV_COLS % d or nq % d or nk != hk * d or nv != hk * d:
+        raise TensorShapeError(f"q / k / v widths {nq} / {nk} / {nv} are not heads of {d} matching the cache's {hk} "
+                               f"kv heads (head_dim must divide {_GEMV_COLS})", tensor="k_cache")
+    for name, t, dtype, n in (("positions", positions, torch.int64, m), ("slots", slots, torch.int64, m),
+                              ("inv_freq", inv_freq, torch.float32, d // 2)):
+        if not (isinstance(t, torch.Tensor) and t.dtype == dtype and t.shape == (n,) and t.device == dev
+                and t.is_contiguous()):
+            raise TensorShapeError(f"{name} must be a contiguous {dtype} [{n}] tensor on {dev}", tensor=name)
+    return np.array([positions.data_ptr(), inv_freq.data_ptr(), slots.data_ptr(), k_cache.data_ptr(),
+                     v_cache.data_ptr(), k_cache.shape[0] * k_cache.shape[1], d], dtype=np.int64)
+
+
+@torch.library.custom_op("exl2_backend::exl2_gemv_add_norm_rope_kv",
+                         mutates_args=("ws", "counters", "k_cache", "v_cache"))
+def _gemv_add_norm_rope_kv_op(h: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float,
+                              packed: torch.Tensor, handle: int, ws: torch.Tensor, counters: torch.Tensor,
+                              pregather: bool, positions: torch.Tensor, inv_freq: torch.Tensor,
+                              k_cache: torch.Tensor, v_cache: torch.Tensor,
+                              slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """exl2_gemv_add_norm of the q/k/v projection with rope_kv_write fused after it: the q columns of the output
+    rotated in place, rotated k and v written into the caches at `slots` (< 0 or past the cache: not written); the
+    k and v columns of the output keep the projection. Bit-identical to the GEMV followed by rope_kv_write."""
+    launch = _REG[handle]
+    m = _check_norm_call(launch, h, residual, weight, packed, pregather)
+    rope = _rope_args(launch, m, positions, inv_freq, k_cache, v_cache, slots)
+    return launch.gemv_add_norm(h, residual, weight, eps, ws, counters, pregather, rope)
+
+
+@_gemv_add_norm_rope_kv_op.register_fake
+def _(h, residual, weight, eps, packed, handle, ws, counters, pregather, positions, inv_freq, k_cache, v_cache, slots):
     res_out = h.new_empty(h.shape) if residual is not None else h.new_empty(0)
     return h.new_empty((h.shape[0], _REG[handle].out_features)), res_out
 
@@ -717,24 +777,53 @@ class CudaLinearOp:
         stored row order, then the GEMV (`pregather` True / False forces either, for tests). None where neither
         applies (the caller runs the two ops): M rows the TMA GEMV does not take, unaligned rows, another weight
         dtype."""
+        pregather = self._norm_route(h, residual, weight, always, pregather)
+        if pregather is None:
+            return None
+        ws, counters = self.workspace.buffers()
+        launch = self.launch
+        y, res_out = torch.ops.exl2_backend.exl2_gemv_add_norm(h, residual, weight, float(eps), launch.parts[0].packed,
+                                                               launch.handle, ws, counters, pregather)
+        return y, (h if residual is None else res_out)
+
+    def add_normed_rope_kv(self, h: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float,
+                           positions: torch.Tensor, inv_freq: torch.Tensor, k_cache: torch.Tensor,
+                           v_cache: torch.Tensor, slots: torch.Tensor,
+                           pregather: bool | None = None) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """add_normed of a fused q/k/v projection with rope_kv_write inside the same GEMV launch: (qkv [M, N] with
+        its q columns rotated, h + residual), rotated k and v written into the fp16 caches [P, S, Hk, D] at
+        `slots`; bit-identical to add_normed then ops.rope_kv_write. None where add_normed would decline or the
+        rope's tensors do not fit the fused kernel (then the caller runs the two ops)."""
+        pregather = self._norm_route(h, residual, weight, False, pregather)
+        if pregather is None:
+            return None
+        try:
+            _rope_args(self.launch, h.shape[0], positions, inv_freq, k_cache, v_cache, slots)
+        except TensorShapeError:
+            return None
+        ws, counters = self.workspace.buffers()
+        launch = self.launch
+        y, res_out = torch.ops.exl2_backend.exl2_gemv_add_norm_rope_kv(
+            h, residual, weight, float(eps), launch.parts[0].packed, launch.handle, ws, counters, pregather,
+            positions, inv_freq, k_cache, v_cache, slots)
+        return y, (h if residual is None else res_out)
+
+    def _norm_route(self, h: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, always: bool,
+                    pregather: bool | None) -> bool | None:
+        """add_normed's routing: False for the norm inside the GEMV, True for the pre-gathering norm, None to
+        decline (see add_normed)."""
         m = h.shape[0] if h.dim() == 2 else 0
         if not (m and weight.dtype == torch.float16 and weight.is_contiguous() and weight.data_ptr() % 16 == 0
                 and _rows_aligned(h) and (residual is None or _rows_aligned(residual))):
             return None
         launch = self.launch
-        if pregather is None:  # routing
+        if pregather is None:
             if (launch.can_norm if always else launch.takes_norm)(m):
-                pregather = False
-            elif NORM_PREGATHER and not always and launch.can_norm_pregather(m):
-                pregather = True
-            else:
-                return None
-        elif not (launch.can_norm_pregather if pregather else launch.can_norm)(m):
+                return False
+            if NORM_PREGATHER and not always and launch.can_norm_pregather(m):
+                return True
             return None
-        ws, counters = self.workspace.buffers()
-        y, res_out = torch.ops.exl2_backend.exl2_gemv_add_norm(h, residual, weight, float(eps), launch.parts[0].packed,
-                                                               launch.handle, ws, counters, pregather)
-        return y, (h if residual is None else res_out)
+        return pregather if (launch.can_norm_pregather if pregather else launch.can_norm)(m) else None
 
     def fused_kernel(self, x: torch.Tensor, kernel: str) -> torch.Tensor:
         """One fused kernel by name ("gemv": M <= gemv_row_cap, "mma": M <= 32), bypassing routing and the workspace

@@ -31,9 +31,6 @@ gpu_tests tests 170 -n 4 tests/kernels/test_fold_down_order_cuda.py tests/kernel
   "tests/kernels/test_paged_attention.py" -k "not (cuda_core or mma-) or online2"
 echo "tests $(( $(date +%s) - T0 )) s"
 if [ "$(left 560)" -gt 120 ]; then
-  wait $JIT; tail -1 "$OUT/exl_jit.txt"; cp "$OUT/exl_jit.txt" "$R/" 2>/dev/null; rm -f "$OUT/exl_jit.txt"
-  timeout "$(left 560)" python3 scripts/device/exllamav2_compare.py --out "$R" --random-dir /tmp/models/llama3-8b \
-    --ours --skip-compat > "$R/exl_compare.txt" 2>&1
-  grep -E "exllamav2 no_sdpa|ours:" "$R/exl_compare.txt" | cut -c1-220; tail -3 "$R/exl_compare.txt" | cut -c1-300
+  exllamav2_vs_ours "$(left 560)"
 fi
 echo "total $(( $(date +%s) - T0 )) s"

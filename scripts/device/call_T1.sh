@@ -23,9 +23,6 @@ echo "steps $(( $(date +%s) - T0 )) s"
 for mb in 0 16; do bench_8b "la$mb" 100 1024,32768 fp16,q4 EXL2_BACKEND_GEMV_LOOKAHEAD_MB=$mb; done
 echo "bench $(( $(date +%s) - T0 )) s"
 if [ "$(left 570)" -gt 100 ]; then
-  wait $JIT; tail -1 "$OUT/exl_jit.txt"; cp "$OUT/exl_jit.txt" "$R/" 2>/dev/null; rm -f "$OUT/exl_jit.txt"
-  timeout "$(left 570)" python3 scripts/device/exllamav2_compare.py --out "$R" --random-dir /tmp/models/llama3-8b \
-    --ours --skip-compat --context 32768 --cache-types fp16,q4 --decode-tokens 64 > "$R/exl_compare.txt" 2>&1
-  grep -E "exllamav2 no_sdpa|ours:" "$R/exl_compare.txt" | cut -c1-220; tail -3 "$R/exl_compare.txt" | cut -c1-300
+  exllamav2_vs_ours "$(left 570)" --context 32768 --cache-types fp16,q4 --decode-tokens 64
 fi
 echo "total $(( $(date +%s) - T0 )) s"

@@ -16,14 +16,10 @@ bench_8b final 130 1024,32768 fp16,q8,q4
 for v in "off EXL2_BACKEND_ROPE_IN_GEMV=0" "on" "off2 EXL2_BACKEND_ROPE_IN_GEMV=0" "on2"; do
   set -- $v; name=$1; shift
   bench_8b "fp16_32k_$name" 60 32768 fp16 "$@"
-  grep -E "│ +32768" "$R/bench_fp16_32k_$name.txt"
 done
 spec_costs final
 echo "steps $(( $(date +%s) - T0 )) s"
 if [ "$(left 470)" -gt 90 ]; then
-  wait $JIT; tail -1 "$OUT/exl_jit.txt"; cp "$OUT/exl_jit.txt" "$R/" 2>/dev/null; rm -f "$OUT/exl_jit.txt"
-  timeout "$(left 470)" python3 scripts/device/exllamav2_compare.py --out "$R" --random-dir /tmp/models/llama3-8b \
-    --ours --skip-compat > "$R/exl_compare.txt" 2>&1
-  grep -E "exllamav2 no_sdpa|ours:" "$R/exl_compare.txt" | cut -c1-220; tail -3 "$R/exl_compare.txt" | cut -c1-300
+  exllamav2_vs_ours "$(left 470)"
 fi
 echo "total $(( $(date +%s) - T0 )) s"

@@ -10,6 +10,5 @@ T0=$(date +%s)
 for v in "on" "off EXL2_BACKEND_ROPE_IN_GEMV=0"; do
   set -- $v; name=$1; shift
   bench_8b "mid_$name" 75 4096,8192,16384 fp16 "$@"
-  grep -E "│ +[0-9]+ │" "$R/bench_mid_$name.txt"
 done
 echo "total $(( $(date +%s) - T0 )) s"

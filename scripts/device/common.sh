@@ -33,6 +33,15 @@ start_exllamav2_jit() {
 CUDA_TESTS_NO_SMOLLM2="tests/kernels tests/unit/test_convert_device.py tests/multigpu/test_multigpu_cuda.py
   tests/engine/test_prefill_memory.py tests/serve/test_batch_invariance.py"
 exl2() { python3 -m exl2_backend.cli.main "$@"; }
+# ExLlamaV2 against ours on the random 8B directory (after a bench_8b wrote it), once its JIT build is done:
+# exllamav2_vs_ours SECONDS [exllamav2_compare.py arguments...]; $R/exl_compare.txt and $R/exllamav2_compare.json.
+exllamav2_vs_ours() {
+  local secs=$1; shift
+  wait $JIT; tail -1 "$OUT/exl_jit.txt"; cp "$OUT/exl_jit.txt" "$R/" 2>/dev/null; rm -f "$OUT/exl_jit.txt"
+  timeout "$secs" python3 scripts/device/exllamav2_compare.py --out "$R" --random-dir /tmp/models/llama3-8b \
+    --ours --skip-compat "$@" > "$R/exl_compare.txt" 2>&1
+  grep -E "exllamav2 no_sdpa|ours:" "$R/exl_compare.txt" | cut -c1-220; tail -3 "$R/exl_compare.txt" | cut -c1-300
+}
 # GPU tests: gpu_tests NAME SECONDS [pytest arguments...]; the whole output in $R/NAME.txt (after results_dir),
 # the failures and the summary on stdout.
 gpu_tests() {
@@ -59,7 +68,12 @@ bench_8b() {
   env "$@" timeout "$secs" python3 -m exl2_backend.cli.main bench --shape llama3-8b --bpw 4.0 \
     --model-out /tmp/models/llama3-8b --contexts "$ctx" --cache-type "$types" --json "$R/bench_$name.json" \
     > "$R/bench_$name.txt" 2>&1
-  echo "== bench $name"; grep -A8 "decode tokens/s by cache" "$R/bench_$name.txt" | grep -E "^│ +[0-9]|fp16"
+  echo "== bench $name"
+  if grep -q "decode tokens/s by cache" "$R/bench_$name.txt"; then  # several cache types: the summary table
+    grep -A8 "decode tokens/s by cache" "$R/bench_$name.txt" | grep -E "^│ +[0-9]|fp16"
+  else
+    grep -E "^│ +[0-9]+ │" "$R/bench_$name.txt"
+  fi
 }
 # The 8B decode step at 1k with an fp16 cache (profile_decode): decode_step_1k NAME VARIANTS [ENV=VALUE...];
 # $R/prof_NAME.txt and $R/p_NAME/.

@@ -116,18 +116,23 @@ class DecoderLayer:
         if getattr(cache, "quantized", False):
             return self._attention_quantized(q, k, v, positions, inv_freq, cache, meta, batch, qkv.dtype)
         k_cache, v_cache = cache.k[self.index], cache.v[self.index]  # [P, S, Hkv, D]
-        if roped:
-            pass
-        elif FUSED_ROPE_KV and k_cache.dtype == qkv.dtype:
-            # one launch: q rotated in place in the QKV output, rotated k and v written into the cache
-            ops.rope_kv_write(q, k, v, positions, inv_freq, k_cache, v_cache, meta.slots)
-        else:
-            q = ops.apply_rope(q, positions, inv_freq)  # [T, Hq, D]
-            k = ops.apply_rope(k, positions, inv_freq)  # [T, Hkv, D]
-            ops.kv_cache_write(k.to(k_cache.dtype), v.to(v_cache.dtype), k_cache, v_cache, meta.slots)
+        if not roped:
+            q = self._rope_kv_write(q, k, v, positions, inv_freq, k_cache, v_cache, meta.slots)
         q = q.reshape(batch, t // batch, hq, d)  # [B, Tq, Hq, D]
         out = ops.paged_attention(q, k_cache, v_cache, meta.block_tables, meta.context_lens, self.scale)
         return out.reshape(t, hq * d).to(qkv.dtype)  # [T, Hq*D]
+
+    @staticmethod
+    def _rope_kv_write(q, k, v, positions, inv_freq, k_cache, v_cache, slots):
+        """Rotated q [T, Hq, D] (in place in the QKV output where fused); rotated k and v written into the caches."""
+        if FUSED_ROPE_KV and k_cache.dtype == q.dtype:
+            # one launch: q rotated in place in the QKV output, rotated k and v written into the cache
+            ops.rope_kv_write(q, k, v, positions, inv_freq, k_cache, v_cache, slots)
+            return q
+        q = ops.apply_rope(q, positions, inv_freq)  # [T, Hq, D]
+        k = ops.apply_rope(k, positions, inv_freq)  # [T, Hkv, D]
+        ops.kv_cache_write(k.to(k_cache.dtype), v.to(v_cache.dtype), k_cache, v_cache, slots)
+        return q
 
     def _attention_quantized(self, q, k, v, positions, inv_freq, cache, meta: AttentionMetadata, batch: int, dtype):
         """attend() over a quantized cache (fp8/q8/q6/q4): rope + quantize-on-write in one op, attention reading

@@ -7,11 +7,8 @@
 #  3. ExLlamaV2 0.3.2 at 32k (fp16 and q4 caches) with ours on the same random 8B directory (issue 6's 10x).
 export EXL2_CARRIED_LIBRARY=1
 source scripts/device/common.sh
-results_dir
-trap '[ -d "$R" ] && pack_results t1' EXIT
+begin_call t1
 start_exllamav2_jit
-T0=$(date +%s)
-left() { echo $(( ${1} - ($(date +%s) - T0) )); }
 gpu_tests lookahead 100 -n 6 tests/kernels/test_gemv_lookahead_cuda.py tests/unit/test_gemv_lookahead.py
 echo "tests $(( $(date +%s) - T0 )) s"
 for mb in 0 16 48; do

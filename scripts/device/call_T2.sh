@@ -7,10 +7,7 @@
 #  3. the rest of the GPU tests that need no SmolLM2 (session 10's runs never finished their lists), verbose.
 export EXL2_CARRIED_LIBRARY=1
 source scripts/device/common.sh
-results_dir
-trap '[ -d "$R" ] && pack_results t2' EXIT
-T0=$(date +%s)
-left() { echo $(( ${1} - ($(date +%s) - T0) )); }
+begin_call t2
 gpu_tests rope 100 -n 6 tests/kernels/test_gemv_rope_kv.py tests/unit/test_rope_in_gemv_args.py \
   tests/serve/test_batch_invariance.py
 echo "tests $(( $(date +%s) - T0 )) s"

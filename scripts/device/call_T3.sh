@@ -7,11 +7,8 @@
 #  3. ExLlamaV2 0.3.2 at 1k on the same random 8B directory with ours (issue 3's same-call ratio).
 export EXL2_CARRIED_LIBRARY=1
 source scripts/device/common.sh
-results_dir
-trap '[ -d "$R" ] && pack_results t3' EXIT
+begin_call t3
 start_exllamav2_jit
-T0=$(date +%s)
-left() { echo $(( ${1} - ($(date +%s) - T0) )); }
 bench_8b final 130 1024,32768 fp16,q8,q4
 for v in "off EXL2_BACKEND_ROPE_IN_GEMV=0" "on" "off2 EXL2_BACKEND_ROPE_IN_GEMV=0" "on2"; do
   set -- $v; name=$1; shift

@@ -4,9 +4,7 @@
 # EXL2_BACKEND_ROPE_IN_GEMV=0.
 export EXL2_CARRIED_LIBRARY=1
 source scripts/device/common.sh
-results_dir
-trap '[ -d "$R" ] && pack_results t4' EXIT
-T0=$(date +%s)
+begin_call t4
 for v in "on" "off EXL2_BACKEND_ROPE_IN_GEMV=0"; do
   set -- $v; name=$1; shift
   bench_8b "mid_$name" 75 4096,8192,16384 fp16 "$@"

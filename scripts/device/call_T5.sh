@@ -4,9 +4,7 @@
 # rope (kernel and model forward), the fused norm's model forward, batch invariance.
 export EXL2_CARRIED_LIBRARY=1
 source scripts/device/common.sh
-results_dir
-trap '[ -d "$R" ] && pack_results t5' EXIT
-T0=$(date +%s)
+begin_call t5
 gpu_tests final 100 -n 6 tests/kernels/test_gemv_rope_kv.py tests/serve/test_batch_invariance.py \
   tests/kernels/test_gemv_norm.py tests/unit/test_rope_paths.py -k "model or invarian or rope"
 echo "total $(( $(date +%s) - T0 )) s"

@@ -54,6 +54,14 @@ gpu_tests() {
 # pack_results NAME at the end ($OUT/NAME.tar.gz).
 results_dir() { R="$OUT/r"; mkdir -p "$R"; }
 pack_results() { tar -czf "$OUT/$1.tar.gz" -C "$OUT" r && rm -rf "$R"; }
+# A call's start: begin_call NAME makes $R, packs it into $OUT/NAME.tar.gz on exit, starts the clock T0 and defines
+# `left LIMIT` (seconds left of LIMIT since T0).
+begin_call() {
+  results_dir
+  trap "[ -d \"\$R\" ] && pack_results $1" EXIT
+  T0=$(date +%s)
+}
+left() { echo $(( ${1} - ($(date +%s) - T0) )); }
 # Verify / decode step costs of the 8B shape (spec_bench): spec_costs NAME [ENV=VALUE...]; $R/spec_NAME.{json,log}.
 spec_costs() {
   local name=$1; shift

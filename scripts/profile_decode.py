@@ -51,6 +51,11 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from gemv_roles import LAYER_ROLES, label_gemv_roles, print_role_rows, role_rows, step_roles
+
+from exl2_backend.bench.roofline import measure_read_bandwidth
 
 SMOLLM2 = {"hidden_size": 576, "num_hidden_layers": 30, "intermediate_size": 1536, "num_attention_heads": 9,
            "num_key_value_heads": 3, "head_dim": 64, "vocab_size": 49152, "tie_word_embeddings": True,
@@ -155,9 +160,10 @@ def short_name(name: str, cat: str) -> str:
     return n[:78] or name[:78]
 
 
-def kernel_table(fn, iters: int, critical: dict | None = None) -> dict[str, list[float]]:
+def kernel_table(fn, iters: int, critical: dict | None = None, roles: list[str] | None = None) -> dict[str, list[float]]:
     """{kernel: [count per call, µs per call]} of the device activity of `fn` (torch.profiler, CUDA). With
-    `critical`, also fills it with critical_path(...) of the same events."""
+    `critical`, also fills it with critical_path(...) of the same events, the GEMV launches labelled by `roles`
+    (scripts/gemv_roles.py) when given."""
     from torch.profiler import ProfilerActivity, profile
 
     torch.cuda.synchronize()
@@ -182,6 +188,8 @@ def kernel_table(fn, iters: int, critical: dict | None = None) -> dict[str, list
         r[1] += float(e.get("dur", 0.0))
         device_events.append((float(e.get("ts", 0.0)), float(e.get("ts", 0.0)) + float(e.get("dur", 0.0)), name))
     if critical is not None:
+        if roles:
+            device_events = label_gemv_roles(device_events, roles)
         critical.update(critical_path(device_events, iters))
     return {k: [c / iters, us / iters] for k, (c, us) in rows.items()}
 
@@ -244,6 +252,9 @@ def profile_shape(name: str, variants: list[str], workdir: Path, results: dict, 
     torch.cuda.synchronize()
     print(f"[{name}] model on the GPU in {time.perf_counter() - t0:.1f} s ({config.num_hidden_layers} layers)",
           flush=True)
+    role_bytes = gemv_role_bytes(model)
+    bandwidth = measure_read_bandwidth(torch.device("cuda"))
+    results.setdefault(name, {})["read_bandwidth_gbs"] = bandwidth
     gen = torch.Generator().manual_seed(0)
     prompt = torch.randint(0, config.vocab_size, (context,), generator=gen).tolist()
     tokens: dict[str, dict[str, list[int]]] = {}  # cache type -> variant -> decoded tokens
@@ -256,7 +267,7 @@ def profile_shape(name: str, variants: list[str], workdir: Path, results: dict, 
         g = runner._graphs[1]
         step_ms = graph_ms(g)
         critical: dict = {}
-        graph_tab = kernel_table(g.replay, 20, critical)
+        graph_tab = kernel_table(g.replay, 20, critical, step_roles(config.num_hidden_layers, model.lm_head is not None))
         eager_tab = kernel_table(functools.partial(model.forward, runner._ids[:1], runner._pos[:1], engine.cache,
                                                    runner._meta(1), logits="last"), 5)
         step_ms2 = graph_ms(g)
@@ -267,8 +278,11 @@ def profile_shape(name: str, variants: list[str], workdir: Path, results: dict, 
         print_table(f"{name} / {vname}: graph replay, critical path (per step; us from the previous kernel's end "
                     "to this one's)", critical, config.num_hidden_layers)
         print_table(f"{name} / {vname}: eager step (per step)", eager_tab, config.num_hidden_layers)
+        roles = role_rows(critical, role_bytes, bandwidth)
+        print_role_rows(f"{name} / {vname}: GEMVs by role on the critical path (stream us: the launch's weights and "
+                        f"scales at {bandwidth:.0f} GB/s; past us: the rest)", roles)
         results.setdefault(name, {})[vname] = {"graph_step_ms": [step_ms, step_ms2], "graph_kernels": graph_tab,
-                                                "graph_critical_path": critical,
+                                                "graph_critical_path": critical, "gemv_roles": roles,
                                                 "eager_kernels": eager_tab, "tokens": tokens[ct][vname]}
         del engine, runner, g
         gc.collect()
@@ -280,6 +294,21 @@ def profile_shape(name: str, variants: list[str], workdir: Path, results: dict, 
     del model
     gc.collect()
     torch.cuda.empty_cache()
+
+
+def gemv_role_bytes(model) -> dict[str, int]:
+    """Bytes one decode step's GEMVs read per role (packed weights and fp16 lane scales), summed over layers."""
+    def nbytes(op) -> int:
+        parts = getattr(getattr(op, "launch", None), "parts", [])
+        return sum(p.packed.numel() * 4 + (0 if p.scl16 is None else p.scl16.numel() * 2) for p in parts)
+
+    out = dict.fromkeys(LAYER_ROLES, 0)
+    for layer in model.layers:
+        for role, op in zip(LAYER_ROLES, (layer.qkv, layer.o, layer.gate_up, layer.down)):
+            out[role] += nbytes(op)
+    if model.lm_head is not None:
+        out["head"] = nbytes(model.lm_head)
+    return out
 
 
 def greedy_check(workdir: Path, results: dict, steps: int = 20) -> bool:

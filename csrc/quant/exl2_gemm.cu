@@ -11,6 +11,7 @@
 #include "common/api.h"
 #include "common/pdl.cuh"
 #include "quant/exl2_gemv.cuh"
+#include "quant/exl2_gemv_splits.cuh"
 #include "quant/exl2_gemv_rope.cuh"
 #include "quant/exl2_gemv_norm.cuh"
 #include "quant/exl2_quant.cuh"
@@ -680,19 +681,7 @@ int gemv_plan(const int64_t* blob, int ndesc, const void* x, int M, int ldx, int
     EXL2_REQUIRE(d.ksplit == 1 || (d.ws && d.counters), "exl2_gemv: split-K needs a workspace and counters");
     d.ncolblk = (d.Np + kGvCols - 1) / kGvCols;
     d.block_start = blocks;
-    // Per-run split counts: the requested total shared by bytes (chunks * bits), at least 1 and at most the
-    // run's chunks each; the total can exceed ksplit by up to nruns - 1 (the workspace allows kMaxRuns more).
-    const long long w = total_weight(d);
-    int total = 0;
-    for (int r = 0; r < d.nruns; ++r) {
-      const Run& rr = d.runs[r];
-      const int nr = rr.chunk_end - rr.chunk_start;
-      const int k = (int)std::min<long long>(nr, std::max<long long>(1, (long long)d.ksplit * nr * rr.bits / w));
-      p.rbase[i][r] = total;
-      total += k;
-      maxnch = std::max(maxnch, (nr + k - 1) / k);
-    }
-    p.rbase[i][d.nruns] = total;
+    const int total = proportional_run_splits(d, p.rbase[i], maxnch);
     EXL2_REQUIRE(total <= d.ksplit + kMaxRuns, "exl2_gemv: %d splits", total);
     blocks += d.ncolblk * total;
   }
@@ -753,6 +742,12 @@ int gemv_plan(const int64_t* blob, int ndesc, const void* x, int M, int ldx, int
           p.cluster = C;
         }
       }
+      // Per-run splits balanced by bytes within the launch's planned blocks (exl2_gemv_splits.cuh).
+      if (const int slots = (int)blob[F_SLOTS]; slots > 0 && !p.cluster) {
+        balance_run_splits(p, slots, blocks, maxnch);
+        p.xstride = maxnch * kChunkRows + 8;
+        p.maxnch = maxnch;
+      }
       static const int prefetch_kb = [] {  // L2 prefetch past the ring, KB per block (0 = off until measured)
         const char* e = getenv("EXL2_GEMV_PREFETCH_KB");
         return e && atoi(e) > 0 ? atoi(e) : 0;
@@ -783,8 +778,15 @@ int gemv_plan(const int64_t* blob, int ndesc, const void* x, int M, int ldx, int
       int max_bits = 2;
       for (int i = 0; i < ndesc; ++i) max_bits = std::max(max_bits, p.d[i].runs[0].bits);  // runs: widest first
       const int slot = kGvWarps * 256 * max_bits;
-      // at least two slots of the widest run, and room for the cluster reduction's [M][256] fp32 partials
-      const int ring = std::max(std::max(2 * slot, M * kGvCols * 4), (ring_kb * 1024 / slot) * slot);
+      // Slots of the narrowest width that fill ring_kb, at least min_stages (>= 2) of the widest; room for the
+      // cluster reduction's [M][256] fp32 partials. EXL2_GEMV_MIN_STAGES overrides (benchmarks).
+      static const int min_stages = [] {
+        const char* e = getenv("EXL2_GEMV_MIN_STAGES");
+        return e && atoi(e) >= 2 ? std::min(atoi(e), 32) : 2;  // 32: kTmaMaxStages
+      }();
+      const int ring = std::max(std::max(min_stages * slot, M * kGvCols * 4), (ring_kb * 1024 / slot) * slot);
+      p.ring_fill = ring_kb * 1024;
+      p.min_stages = min_stages;
       EXL2_REQUIRE(ring + extra <= 227 * 1024 - 1024, "exl2_gemv: %d bytes of shared memory per block; use a larger ksplit",
                    ring + extra);
       p.ring_bytes = ring;
@@ -836,6 +838,31 @@ EXL2_API int exl2_gemv_add_norm(const int64_t* blob, int ndesc, const void* h, i
     return st;
   const exl2q::GemvNorm norm{residual, res_ld, weight, res_out, res_out_ld, eps};
   return gemv_impl(blob, ndesc, h, M, ldh, 0, 0, nullptr, 0, &norm, stream);
+}
+
+// The small-M GEMV's split counts per run (host only, for tests and tools): splits[i * kMaxRuns + r] for run r of
+// descriptor i, proportional, then balanced within `slots` blocks when slots > 0 (what exl2_gemv plans on sm_90+
+// with F_SLOTS set; F_WS and F_COUNTERS must be set for a descriptor to take more splits). *blocks: the total.
+EXL2_API int exl2_gemv_splits(const int64_t* blob, int ndesc, int slots, int* splits, int* blocks) {
+  using namespace exl2q;
+  EXL2_REQUIRE(blob && splits && blocks, "exl2_gemv_splits: null argument");
+  EXL2_REQUIRE(ndesc >= 1 && ndesc <= kMaxDesc, "exl2_gemv_splits: %d descriptors (1..%d)", ndesc, kMaxDesc);
+  GemvParams p{};
+  p.ndesc = ndesc;
+  int n = 0, maxnch = 1;
+  for (int i = 0; i < ndesc; ++i) {
+    QDesc& d = p.d[i];
+    if (const int st = parse_desc(blob + (size_t)i * kDescLen, d)) return st;
+    EXL2_REQUIRE(d.ksplit >= 1 && d.ksplit <= d.C, "exl2_gemv_splits: ksplit %d outside 1..%d", d.ksplit, d.C);
+    d.ncolblk = (d.Np + kGvCols - 1) / kGvCols;
+    d.block_start = n;
+    n += d.ncolblk * proportional_run_splits(d, p.rbase[i], maxnch);
+  }
+  if (slots > 0) balance_run_splits(p, slots, n, maxnch);
+  for (int i = 0; i < ndesc; ++i)
+    for (int r = 0; r < kMaxRuns; ++r) splits[i * kMaxRuns + r] = r < p.d[i].nruns ? p.rbase[i][r + 1] - p.rbase[i][r] : 0;
+  *blocks = n;
+  return EXL2_OK;
 }
 
 // Resident blocks per SM of the GEMV variant `minb` with `smem` bytes of dynamic shared memory (host query).

@@ -35,6 +35,8 @@ struct GemvParams {
   int gate_off;  // 0: x is the input; > 0: input = silu(x[:, i]) * x[:, gate_off + i] (the fused MLP's silu_mul)
   int maxnch;    // most chunks of any block (sizes the staged activations, xmap slice and chunk info)
   int ring_bytes;  // TMA kernel: bytes of its weight ring
+  int ring_fill;   // TMA kernel: bytes a run keeps in flight (its slots: at least min_stages, at most the ring)
+  int min_stages;  // TMA kernel: the fewest ring slots of any width (the ring holds that many of the widest)
   int maxgrp;      // TMA kernel: most quantization groups any block touches (sizes its staged scales)
   int probe;       // TMA kernel, timing probes only (results are wrong): kProbe* bits, from EXL2_GEMV_PROBE
   int prefetch_bytes;  // TMA kernel: weight bytes per block past the ring's first fill prefetched into L2 early

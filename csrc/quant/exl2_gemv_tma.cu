@@ -21,6 +21,7 @@
 // register-batch kernel. Compute warps synchronize among themselves with named barrier 1 (256 threads), so the
 // producer never joins a barrier it could deadlock on.
 #include <algorithm>
+#include <type_traits>
 
 #include "common/api.h"
 #include "common/pdl.cuh"
@@ -78,20 +79,39 @@ __device__ __forceinline__ void cluster_reduce(const QDesc& d, const GvWork& wk,
   cluster_sync();
 }
 
+// Calls f(std::integral_constant<int, B>{}) for the run's width B (2, 3, 4, 5, 6 or 8).
+template <typename F>
+__device__ __forceinline__ void with_bits(int bits, F&& f) {
+  switch (bits) {
+    case 8: f(std::integral_constant<int, 8>{}); break;
+    case 6: f(std::integral_constant<int, 6>{}); break;
+    case 5: f(std::integral_constant<int, 5>{}); break;
+    case 4: f(std::integral_constant<int, 4>{}); break;
+    case 3: f(std::integral_constant<int, 3>{}); break;
+    default: f(std::integral_constant<int, 2>{}); break;
+  }
+}
+
 // MT token tiles of 8 (M <= 8 * MT): MT == 1 runs the register-batch kernel's chunk walk (gv_chunk); MT > 1
-// decodes each A fragment once for MT mmas (gv_chunk_mt).
-template <int B, int MT>
+// decodes each A fragment once for MT mmas (gv_chunk_mt). Only the producer and the chunk loop depend on the
+// run's width: the prologue (constants, input staging with the fused norm) and the finish (split-K, rope) are
+// compiled once. With all of it inside a switch on the width the kernel was 777 KB of SASS, six copies of
+// every cold path; each launch then refetched its prologue's instructions (ncu in session 9: 34% of the input
+// stage's stall samples were instruction fetch).
+template <int MT>
 __device__ __forceinline__ void tma_block(const GemvParams& p, const GvWork& wk, unsigned char* smem) {
   const QDesc& d = p.d[wk.di];
   const int tid = threadIdx.x, warp = tid >> 5;
+  const int bits = d.runs[wk.ri].bits;
   const TmaGeom g = tma_geom(d, wk);
-  const int stages = tma_stages<B>(p);
+  int stages = 0;
+  with_bits(bits, [&](auto b) { stages = tma_stages<decltype(b)::value>(p); });
   const TmaSmem sm(smem, tma_layout(tma_sizes(p.ring_bytes, p.maxgrp, p.M, p.xstride, p.maxnch, p.norm_k)));
   if (tid == 0) tma_init_ring(sm, stages, g.nwa);
   __syncthreads();
 
   if (warp == kGvWarps) {  // producer
-    tma_produce<B>(p, wk, sm, stages);
+    tma_produce_run(p, wk, sm, stages);
     if (p.cluster) cluster_reduce<1>(d, wk, GvState{}, false, false, 0, p.M, nullptr);
     return;
   }
@@ -106,7 +126,7 @@ __device__ __forceinline__ void tma_block(const GemvParams& p, const GvWork& wk,
   const bool active = warp < g.nwa;
   GvStateMT<MT> st;
   gv_zero(st);
-  if (active) tma_chunks<B, MT>(p, wk, sm, stages, st);
+  if (active) with_bits(bits, [&](auto b) { tma_chunks<decltype(b)::value, MT>(p, wk, sm, stages, st); });
   if (p.cluster && wk.ksplit > 1) {  // the ring is drained: every copy into it was waited for and read
     const int n0 = (g.j0 + warp) * kWarpCols;
     cluster_reduce<MT>(d, wk, st, active, true, n0, p.M, reinterpret_cast<float*>(sm.ring));
@@ -130,15 +150,7 @@ __global__ void __launch_bounds__(kTmaThreads, MT == 1 ? EXL2_GEMV_TMA_MT1_MIN_B
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   extern __shared__ __align__(128) unsigned char smem[];
   exl2::pdl_launch_dependents();  // every block is resident now: the next kernel may launch into freed SMs
-  const GvWork wk = gv_work(p);
-  switch (p.d[wk.di].runs[wk.ri].bits) {
-    case 8: tma_block<8, MT>(p, wk, smem); break;
-    case 6: tma_block<6, MT>(p, wk, smem); break;
-    case 5: tma_block<5, MT>(p, wk, smem); break;
-    case 4: tma_block<4, MT>(p, wk, smem); break;
-    case 3: tma_block<3, MT>(p, wk, smem); break;
-    default: tma_block<2, MT>(p, wk, smem); break;
-  }
+  tma_block<MT>(p, gv_work(p), smem);
 #else
   __trap();  // the host launches this kernel on sm_90+ only
 #endif

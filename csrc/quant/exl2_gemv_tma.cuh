@@ -155,10 +155,12 @@ __device__ __forceinline__ TmaGeom tma_geom(const QDesc& d, const GvWork& wk) {
   const int J = d.Np / kWarpCols, j0 = wk.colblk * kGvWarps;
   return {J, j0, min(kGvWarps, J - j0), wk.c0, wk.c1 - wk.c0};  // nwa: a partial last column block has fewer
 }
-// Ring slots of B-bit weights for a launch's ring bytes.
+// Ring slots of B-bit weights: ring_fill bytes in flight, but at least min_stages slots (a 2-slot ring of 8-bit
+// or 6-bit weights only double-buffers) and no more than the ring holds.
 template <int B>
 __device__ __forceinline__ int tma_stages(const GemvParams& p) {
-  return min(kTmaMaxStages, p.ring_bytes / (kGvWarps * 256 * B));
+  constexpr int kSlot = kGvWarps * 256 * B;
+  return min(min(kTmaMaxStages, p.ring_bytes / kSlot), max(p.min_stages, p.ring_fill / kSlot));
 }
 
 // The ring's barriers for `stages` slots and `nwa` consuming warps, plus the scale barrier (one thread).
@@ -182,25 +184,27 @@ __device__ __forceinline__ void tma_inval_ring(const TmaSmem& sm, int stages) {
 // else, an optional L2 prefetch of the following chunks, the block's group scales staged once on their own
 // barrier, then lane 0 keeps the ring full until the block's last chunk is issued. Weights, scales and chunk info
 // are constants: all of it may run before the PDL wait (and, in the chain kernel, before the grid barrier).
-template <int B>
-__device__ __forceinline__ void tma_produce(const GemvParams& p, const GvWork& wk, const TmaSmem& sm, int stages) {
+// The width only sets the tile bytes, so the code is not specialized per width (one copy in the kernel).
+__device__ __forceinline__ void tma_produce_run(const GemvParams& p, const GvWork& wk, const TmaSmem& sm,
+                                                int stages) {
   const QDesc& d = p.d[wk.di];
   const Run& run = d.runs[wk.ri];
   const TmaGeom g = tma_geom(d, wk);
   const int lane = threadIdx.x & 31;
-  constexpr int kTileBytes = 256 * B;  // one warp tile of one chunk (64 rows x 32 columns x B bits)
-  constexpr int kSlotBytes = kGvWarps * kTileBytes;
+  const int tile_bytes = 256 * run.bits;  // one warp tile of one chunk (64 rows x 32 columns x B bits)
+  const int slot_bytes = kGvWarps * tile_bytes;
   const uint64_t pol = evict_first_policy();
   const unsigned char* src = reinterpret_cast<const unsigned char*>(d.packed + run.word_base) +
-                             ((size_t)(g.c0 - run.chunk_start) * g.J + g.j0) * kTileBytes;
-  const size_t step = (size_t)g.J * kTileBytes;
-  const uint32_t bytes = g.nwa * kTileBytes;
+                             ((size_t)(g.c0 - run.chunk_start) * g.J + g.j0) * tile_bytes;
+  const size_t step = (size_t)g.J * tile_bytes;
+  const uint32_t bytes = g.nwa * tile_bytes;
   const uint32_t ring_s = smem_addr(sm.ring);
   const int first = min(stages, g.nch);
   if (lane == 0)
+#pragma unroll 1
     for (int i = 0; i < first; ++i) {
       mbar_expect_tx(sm.full(i), bytes);
-      bulk_copy(ring_s + i * kSlotBytes, src + i * step, bytes, sm.full(i), pol);
+      bulk_copy(ring_s + i * slot_bytes, src + i * step, bytes, sm.full(i), pol);
     }
   // Further chunks into L2 while the previous kernels finish (the small kernels between two GEMVs leave the
   // DRAM idle for microseconds; the ring alone holds 32 KB per block).
@@ -223,7 +227,7 @@ __device__ __forceinline__ void tma_produce(const GemvParams& p, const GvWork& w
     for (int i = first; i < g.nch; ++i) {
       mbar_wait(sm.empty(s), phase ^ 1);  // the slot's previous use was released
       mbar_expect_tx(sm.full(s), bytes);
-      bulk_copy(ring_s + s * kSlotBytes, src + i * step, bytes, sm.full(s), pol);
+      bulk_copy(ring_s + s * slot_bytes, src + i * step, bytes, sm.full(s), pol);
       if (++s == stages) {
         s = 0;
         phase ^= 1;
@@ -231,6 +235,11 @@ __device__ __forceinline__ void tma_produce(const GemvParams& p, const GvWork& w
     }
   }
   __syncwarp();
+}
+
+template <int B>  // the chain kernel's spelling
+__device__ __forceinline__ void tma_produce(const GemvParams& p, const GvWork& wk, const TmaSmem& sm, int stages) {
+  tma_produce_run(p, wk, sm, stages);
 }
 
 // Compute warps: the split's xmap slice and chunk info (constants) into shared memory; the caller synchronizes.

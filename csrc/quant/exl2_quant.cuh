@@ -36,7 +36,7 @@ constexpr int kBlockCols = kBlockWarps * kWarpCols;  // 128 columns per block
 #endif
 constexpr int kStages = EXL2_GEMM_STAGES;  // per-warp cp.async ring depth in chunks (kStages - 1 in flight)
 constexpr int kInfoGroupMask = 0x3FFFFFFF;
-constexpr int kDescLen = 20 + 4 * kMaxRuns;  // int64 fields per descriptor in the host blob
+constexpr int kDescLen = 21 + 4 * kMaxRuns;  // int64 fields per descriptor in the host blob
 
 struct Run {
   int bits, chunk_start, chunk_end;
@@ -62,8 +62,10 @@ enum BlobField {
   F_PACKED = 0, F_SCALES, F_MAXF, F_INFO, F_XMAP, F_BIAS, F_OUT, F_WS, F_COUNTERS,
   F_LDO, F_K, F_KPAD, F_N, F_NP, F_C, F_G, F_NRUNS, F_KSPLIT, F_RUNS,  // runs: bits, start, end, word_base
   F_SCL16 = F_RUNS + 4 * kMaxRuns,  // small-M GEMV: fp16 scales [G][Np/32][8 gid][4] (exl2_gemm.cu, gemv)
-  F_ROPE  // small-M GEMV, first descriptor only: 0, or a host pointer to the fused rope's int64 arguments
-          // (exl2_gemv_rope.cuh RopeArg), read during the call
+  F_ROPE,  // small-M GEMV, first descriptor only: 0, or a host pointer to the fused rope's int64 arguments
+           // (exl2_gemv_rope.cuh RopeArg), read during the call
+  F_SLOTS  // small-M GEMV (TMA kernel), first descriptor only: the blocks one launch may plan; > 0 balances the
+           // per-run split counts by bytes within it (exl2_gemv_splits.cuh), 0 keeps the proportional split
 };
 
 // Sum over runs of chunks * bits: the split-K work measure (bytes are proportional to it).

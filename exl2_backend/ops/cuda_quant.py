@@ -41,11 +41,12 @@ _BLOCK_COLS = 128
 _CHUNK = 64
 _MAX_RUNS = 6
 _MAX_DESC = 4
-_DESC_LEN = 20 + 4 * _MAX_RUNS
+_DESC_LEN = 21 + 4 * _MAX_RUNS
 (F_PACKED, F_SCALES, F_MAXF, F_INFO, F_XMAP, F_BIAS, F_OUT, F_WS, F_COUNTERS, F_LDO, F_K, F_KPAD, F_N, F_NP, F_C,
  F_G, F_NRUNS, F_KSPLIT, F_RUNS) = range(19)
 F_SCL16 = F_RUNS + 4 * _MAX_RUNS
 F_ROPE = F_SCL16 + 1  # first descriptor: host address of the fused rope's int64 arguments (_rope_args), or 0
+F_SLOTS = F_ROPE + 1  # first descriptor: blocks the TMA GEMV may plan, its per-run splits balanced by bytes (0: off)
 
 # Small-M GEMV kernels: used for M <= GEMV_MAX_M. Blocks of 8 compute warps (256 columns). GEMV_MINB selects:
 # 0 = the TMA-ring kernel on sm_90+ (exl2_gemv_tma.cu; the register-batch kernel below sm_90), planned at 2 blocks
@@ -88,6 +89,11 @@ GEMV_MINB = int(os.environ.get("EXL2_BACKEND_GEMV_MINB", "0"))
 # Blocks per SM the GEMV's split-K factor aims at (one wave of the planned resident blocks); the TMA kernel's
 # default. Below 1 (e.g. 0.4) plans fewer, longer blocks: no split-K reduction where the columns fill the GPU.
 GEMV_BLOCKS_PER_SM = float(os.environ.get("EXL2_BACKEND_GEMV_BLOCKS_PER_SM", "2"))
+# Per-run split counts of the TMA GEMV (csrc/quant/exl2_gemv_splits.cuh): "balanced" gives the run with the
+# longest item one more split at a time within GEMV_WAVES waves of the planned blocks; "proportional" keeps each
+# run's share of ksplit by bytes (short runs then stream whole: the 8B's gate/up items were 48-348 KB).
+GEMV_SPLITS = os.environ.get("EXL2_BACKEND_GEMV_SPLITS", "balanced")
+GEMV_WAVES = max(1.0, float(os.environ.get("EXL2_BACKEND_GEMV_WAVES", "1")))
 _CAPABILITY: dict[int, tuple[int, int]] = {}
 
 
@@ -283,6 +289,7 @@ def _fn(name: str):
             "exl2_add_norm_pregather": (P, I32, P, I32, I32, P, I32, P, P, I32, library.F32, P, I32,
                                         library.STREAM),
             "exl2_dequant": (P, P, I32, I32, library.STREAM),
+            "exl2_gemv_splits": (P, I32, I32, P, P),
         }[name]
         _fns[name] = library.declare(name, *sig)
     return _fns[name]
@@ -398,12 +405,28 @@ class _Launch:
             blob = np.stack(self._descs).copy()
             blob[:, F_KSPLIT] = ks
             blob[:, F_LDO] = self.out_features
+            if GEMV_SPLITS == "balanced":
+                blob[0, F_SLOTS] = int(self.sms * per_sm * GEMV_WAVES)
             kmax = ks + _MAX_RUNS
             ws_off = list(itertools.accumulate([0] + [kmax * m * p.Np for p in self.parts[:-1]]))
             cnt_off = list(itertools.accumulate([0] + ncol[:-1]))
             ws_numel = kmax * m * sum(p.Np for p in self.parts)
             self._plans[key] = _Plan(ks, blob, ws_off, cnt_off, ws_numel)
         return self._plans[key]
+
+    def gemv_splits(self, m: int) -> tuple[list[list[int]], int]:
+        """The TMA GEMV's split count per width run of each part at M rows, and the launch's blocks (host only:
+        the planner exl2_gemv runs, csrc/quant/exl2_gemv_splits.cuh)."""
+        pl = self.gemv_plan(m)
+        blob = pl.blob.copy()
+        blob[:, F_WS] = blob[:, F_COUNTERS] = 1  # split-K storage present (the planner only checks for it)
+        splits = np.zeros(len(self.parts) * _MAX_RUNS, dtype=np.int32)
+        blocks = np.zeros(1, dtype=np.int32)
+        st = _fn("exl2_gemv_splits")(blob.ctypes.data, len(self.parts), int(blob[0, F_SLOTS]), splits.ctypes.data,
+                                     blocks.ctypes.data)
+        library.check(st, "exl2_gemv_splits")
+        runs = [len(p.runs) for p in self.parts]
+        return [splits[i * _MAX_RUNS: i * _MAX_RUNS + n].tolist() for i, n in enumerate(runs)], int(blocks[0])
 
     def plan(self, m: int) -> _Plan:
         """Split-K factor: fill the planned resident blocks of one wave, shared by all parts."""

@@ -1,0 +1,91 @@
+// Host: the small-M GEMV's per-run split counts balanced by bytes (TMA kernel, sm_90+).
+//
+// A launch's blocks are (descriptor, column block, split) items; a split never crosses a width run, so every run
+// of every column block gets its own splits. The proportional rule of exl2_gemm.cu (each run floor(ksplit x its
+// share of the bytes), at least 1) leaves short runs with whole-run items: the 8B's MLP at 4.0 bpw (gate 4:0.1
+// 3:0.9, up 4:0.25 3:0.75, down 8:0.05 4:0.95) gets gate/up items of 48-348 KB and down items of 122-176 KB. A
+// block streams about ring bytes per memory latency whatever the others do (~16 GB/s with the 32 KB ring), so
+// the launch lasts as long as its longest item. H200 call U1 of 2026-12-02: gate/up took 31.9 us per launch for
+// 61 MB (17.3 us past streaming at the read bandwidth), down 14.3 for 32 MB (6.7 past).
+//
+// balance_run_splits() starts from the proportional counts and gives one more split to the run with the longest
+// item (chunks per split x bits) while the launch stays within `slots` blocks and each descriptor within the
+// workspace's ksplit + kMaxRuns partials; it stops when the longest item's run can take no more.
+#pragma once
+
+#include <algorithm>
+
+#include "quant/exl2_gemv.cuh"
+
+namespace exl2q {
+
+// The proportional rule: each run gets ksplit x its share of the bytes (chunks x bits), at least 1 and at most its
+// chunks; the total can exceed ksplit by up to nruns - 1 (the workspace allows kMaxRuns more). Fills rbase[0..nruns]
+// and raises maxnch to the longest split's chunks; returns the total.
+inline int proportional_run_splits(const QDesc& d, int* rbase, int& maxnch) {
+  const long long w = total_weight(d);
+  int total = 0;
+  for (int r = 0; r < d.nruns; ++r) {
+    const Run& rr = d.runs[r];
+    const int nr = rr.chunk_end - rr.chunk_start;
+    const int k = (int)std::min<long long>(nr, std::max<long long>(1, (long long)d.ksplit * nr * rr.bits / w));
+    rbase[r] = total;
+    total += k;
+    maxnch = std::max(maxnch, (nr + k - 1) / k);
+  }
+  rbase[d.nruns] = total;
+  return total;
+}
+
+// Longest item of run r with k splits, in chunk-bits (a full column block's chunk of b bits is 2 KB x b).
+inline long long run_item_cost(const Run& r, int k) {
+  const int nr = r.chunk_end - r.chunk_start;
+  return (long long)((nr + k - 1) / k) * r.bits;
+}
+
+// Rebalances p.rbase (and every descriptor's block_start) within `slots` blocks; `blocks` and `maxnch` are the
+// launch's totals, recomputed. Descriptors without split-K storage (no workspace or counters) keep their splits.
+inline void balance_run_splits(GemvParams& p, int slots, int& blocks, int& maxnch) {
+  int k[kMaxDesc][kMaxRuns], total[kMaxDesc];
+  for (int i = 0; i < p.ndesc; ++i) {
+    for (int r = 0; r < p.d[i].nruns; ++r) k[i][r] = p.rbase[i][r + 1] - p.rbase[i][r];
+    total[i] = p.rbase[i][p.d[i].nruns];
+  }
+  int items = blocks;
+  for (;;) {
+    int wi = 0, wr = 0;
+    long long worst = -1;
+    for (int i = 0; i < p.ndesc; ++i)
+      for (int r = 0; r < p.d[i].nruns; ++r)
+        if (const long long c = run_item_cost(p.d[i].runs[r], k[i][r]); c > worst) {
+          worst = c;
+          wi = i;
+          wr = r;
+        }
+    const QDesc& d = p.d[wi];
+    const Run& run = d.runs[wr];
+    const bool can_split = d.ws && d.counters && k[wi][wr] < run.chunk_end - run.chunk_start &&
+                           total[wi] + 1 <= d.ksplit + kMaxRuns && items + d.ncolblk <= slots;
+    if (!can_split) break;  // more splits elsewhere would not shorten the launch
+    ++k[wi][wr];
+    ++total[wi];
+    items += d.ncolblk;
+  }
+  blocks = 0;
+  maxnch = 1;
+  for (int i = 0; i < p.ndesc; ++i) {
+    QDesc& d = p.d[i];
+    int acc = 0;
+    for (int r = 0; r < d.nruns; ++r) {
+      p.rbase[i][r] = acc;
+      acc += k[i][r];
+      const int nr = d.runs[r].chunk_end - d.runs[r].chunk_start;
+      maxnch = std::max(maxnch, (nr + k[i][r] - 1) / k[i][r]);
+    }
+    p.rbase[i][d.nruns] = acc;
+    d.block_start = blocks;
+    blocks += d.ncolblk * acc;
+  }
+}
+
+}  // namespace exl2q

@@ -1,0 +1,82 @@
+"""The TMA GEMV's per-run split plan (csrc/quant/exl2_gemv_splits.cuh through _Launch.gemv_splits): host code, so it
+runs wherever the library loads. The balanced plan gives the run with the longest item more splits within the
+launch's planned blocks; the proportional plan is the old per-run share of ksplit. Shapes are the 8B's at 4.0 bpw
+on a 132-SM device (the H200)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from exl2_backend.ops import library
+
+pytestmark = pytest.mark.skipif(not library.available(), reason="compiled library not loaded")
+
+CPU = torch.device("cpu")
+DOWN = (["8:0.05@32 4:0.95@128"], 14336, 4096)  # runs of 12 and 213 chunks
+QKV = (["4:1@128"] * 3, 4096, 4096)
+MIXED_QKV = (["4:0.1@128 3:0.9@128"] * 3, 4096, 1024)
+
+
+def _launch(specs: list[str], k: int, n: int, sms: int = 132):
+    from exl2_backend.ops import cuda_quant
+    from tests.helpers.synth import random_qtensor
+
+    launch = cuda_quant._Launch([cuda_quant.pack_qtensor(random_qtensor(f"p{i}", k, n, s, seed=i), CPU)
+                                 for i, s in enumerate(specs)], CPU)
+    launch.sms = sms
+    return launch
+
+
+def _splits(launch, m: int, mode: str, monkeypatch, waves: float = 1.0):
+    from exl2_backend.ops import cuda_quant
+
+    monkeypatch.setattr(cuda_quant, "GEMV_SPLITS", mode)
+    monkeypatch.setattr(cuda_quant, "GEMV_WAVES", waves)
+    launch._plans.clear()
+    return launch.gemv_splits(m)
+
+
+def _longest(launch, splits: list[list[int]]) -> int:
+    """The longest item in chunk-bits (one column block's chunk of b bits is 2 KB x b)."""
+    return max(-(-(end - start) // k) * bits
+               for part, ks in zip(launch.parts, splits) for (bits, start, end, _), k in zip(part.runs, ks))
+
+
+def test_down_gives_the_short_wide_run_a_second_split(monkeypatch):
+    launch = _launch(*DOWN)
+    assert _splits(launch, 1, "proportional", monkeypatch) == ([[1, 14]], 240)
+    splits, blocks = _splits(launch, 1, "balanced", monkeypatch)
+    assert (splits, blocks) == ([[2, 14]], 256)
+    assert _longest(launch, splits) == 16 * 4  # 16 chunks of 4 bits, against 12 chunks of 8 bits before
+
+
+@pytest.mark.parametrize("spec", [DOWN, QKV, MIXED_QKV])
+@pytest.mark.parametrize("m", [1, 5, 32])
+@pytest.mark.parametrize("waves", [1.0, 2.0])
+def test_balanced_stays_in_budget_and_never_lengthens_the_launch(monkeypatch, spec, m, waves):
+    launch = _launch(*spec)
+    prop, prop_blocks = _splits(launch, m, "proportional", monkeypatch)
+    bal, blocks = _splits(launch, m, "balanced", monkeypatch, waves)
+    ks = launch.gemv_plan(m).ksplit
+    assert blocks <= max(prop_blocks, int(132 * 2 * waves))
+    assert _longest(launch, bal) <= _longest(launch, prop)
+    for part, p, b in zip(launch.parts, prop, bal):
+        assert all(x >= y for x, y in zip(b, p))  # only ever adds splits
+        assert sum(b) <= ks + 6  # the workspace holds ksplit + _MAX_RUNS partials per column block
+        assert all(k <= end - start for (_, start, end, _), k in zip(part.runs, b))
+    ncol = [-(-part.N // 256) for part in launch.parts]
+    assert blocks == sum(c * sum(b) for c, b in zip(ncol, bal))
+
+
+def test_two_waves_split_the_mlp_gate_up(monkeypatch):
+    launch = _launch(["4:0.1@32 3:0.9@32", "4:0.25@32 3:0.75@32"], 4096, 14336)
+    one, blocks_one = _splits(launch, 1, "balanced", monkeypatch)
+    assert (one, blocks_one) == ([[1, 1], [1, 1]], 224)  # 56 column blocks per part: no split fits 264 blocks
+    two, blocks_two = _splits(launch, 1, "balanced", monkeypatch, waves=2.0)
+    assert 224 < blocks_two <= 528 and _longest(launch, two) < _longest(launch, one)
+
+
+def test_a_one_sm_plan_keeps_one_split(monkeypatch):
+    launch = _launch(*QKV, sms=1)
+    assert _splits(launch, 1, "balanced", monkeypatch) == ([[1], [1], [1]], 48)

@@ -779,7 +779,9 @@ int gemv_plan(const int64_t* blob, int ndesc, const void* x, int M, int ldx, int
       for (int i = 0; i < ndesc; ++i) max_bits = std::max(max_bits, p.d[i].runs[0].bits);  // runs: widest first
       const int slot = kGvWarps * 256 * max_bits;
       // Slots of the narrowest width that fill ring_kb, at least min_stages (>= 2) of the widest; room for the
-      // cluster reduction's [M][256] fp32 partials. EXL2_GEMV_MIN_STAGES overrides (benchmarks).
+      // cluster reduction's [M][256] fp32 partials. EXL2_GEMV_MIN_STAGES raises the floor (benchmarks): H200
+      // calls U2 / U5 of 2026-12-02, 8B decode step 2.573 -> 2.607 ms with 4, 2.548 -> 2.589 with 3. Down gains
+      // ~0.1 us; the 6-bit head (one split: 66 KB of staged scales beside the ring) loses 134 -> 170-175 us.
       static const int min_stages = [] {
         const char* e = getenv("EXL2_GEMV_MIN_STAGES");
         return e && atoi(e) >= 2 ? std::min(atoi(e), 32) : 2;  // 32: kTmaMaxStages

@@ -107,18 +107,6 @@ __device__ __forceinline__ void chain_grid_sync(unsigned int* bar, bool spin) {
   compute_sync();
 }
 
-template <typename F>
-__device__ __forceinline__ void by_bits(int bits, F&& f) {
-  switch (bits) {
-    case 8: f(std::integral_constant<int, 8>{}); break;
-    case 6: f(std::integral_constant<int, 6>{}); break;
-    case 5: f(std::integral_constant<int, 5>{}); break;
-    case 4: f(std::integral_constant<int, 4>{}); break;
-    case 3: f(std::integral_constant<int, 3>{}); break;
-    default: f(std::integral_constant<int, 2>{}); break;
-  }
-}
-
 // The producer warp: for each of the block's work items in phase order, wait until the compute warps are done
 // with the previous item's ring, initialize the ring again for this item (its slot size and consuming warps),
 // signal `ready`, and stream the item's weights (tma_produce).
@@ -137,7 +125,7 @@ __device__ __forceinline__ void chain_producer(const ChainParams& c, const TmaSm
     for (int item = blockIdx.x; item < c.items[ph]; item += gridDim.x, ++k) {
       const GvWork wk = gv_work_at(p, item);
       const int bits = p.d[wk.di].runs[wk.ri].bits;
-      by_bits(bits, [&](auto b) {
+      with_bits(bits, [&](auto b) {
         constexpr int B = decltype(b)::value;
         const int stages = tma_stages<B>(p);
         if (lane == 0) {
@@ -242,7 +230,7 @@ __device__ __forceinline__ void chain_compute(const ChainParams& c, const TmaSme
       gv_zero(st);
       if (active) {
         mbar_wait(sm.ready(), k & 1);
-        by_bits(d.runs[wk.ri].bits, [&](auto b) {
+        with_bits(d.runs[wk.ri].bits, [&](auto b) {
           constexpr int B = decltype(b)::value;
           tma_chunks<B, 1>(p, wk, sm, tma_stages<B>(p), st);
         });

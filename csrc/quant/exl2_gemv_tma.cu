@@ -21,7 +21,6 @@
 // register-batch kernel. Compute warps synchronize among themselves with named barrier 1 (256 threads), so the
 // producer never joins a barrier it could deadlock on.
 #include <algorithm>
-#include <type_traits>
 
 #include "common/api.h"
 #include "common/pdl.cuh"
@@ -77,19 +76,6 @@ __device__ __forceinline__ void cluster_reduce(const QDesc& d, const GvWork& wk,
   }
   __syncwarp();
   cluster_sync();
-}
-
-// Calls f(std::integral_constant<int, B>{}) for the run's width B (2, 3, 4, 5, 6 or 8).
-template <typename F>
-__device__ __forceinline__ void with_bits(int bits, F&& f) {
-  switch (bits) {
-    case 8: f(std::integral_constant<int, 8>{}); break;
-    case 6: f(std::integral_constant<int, 6>{}); break;
-    case 5: f(std::integral_constant<int, 5>{}); break;
-    case 4: f(std::integral_constant<int, 4>{}); break;
-    case 3: f(std::integral_constant<int, 3>{}); break;
-    default: f(std::integral_constant<int, 2>{}); break;
-  }
 }
 
 // MT token tiles of 8 (M <= 8 * MT): MT == 1 runs the register-batch kernel's chunk walk (gv_chunk); MT > 1

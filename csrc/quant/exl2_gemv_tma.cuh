@@ -8,6 +8,8 @@
 //   (tma_chunks) and the split-K store, ticket and reduce (tma_finish).
 #pragma once
 
+#include <type_traits>
+
 #include "common/api.h"
 #include "quant/exl2_gemv.cuh"
 #include "quant/exl2_gemv_norm.cuh"
@@ -155,6 +157,19 @@ __device__ __forceinline__ TmaGeom tma_geom(const QDesc& d, const GvWork& wk) {
   const int J = d.Np / kWarpCols, j0 = wk.colblk * kGvWarps;
   return {J, j0, min(kGvWarps, J - j0), wk.c0, wk.c1 - wk.c0};  // nwa: a partial last column block has fewer
 }
+// Calls f(std::integral_constant<int, B>{}) for the run's width B (2, 3, 4, 5, 6 or 8).
+template <typename F>
+__device__ __forceinline__ void with_bits(int bits, F&& f) {
+  switch (bits) {
+    case 8: f(std::integral_constant<int, 8>{}); break;
+    case 6: f(std::integral_constant<int, 6>{}); break;
+    case 5: f(std::integral_constant<int, 5>{}); break;
+    case 4: f(std::integral_constant<int, 4>{}); break;
+    case 3: f(std::integral_constant<int, 3>{}); break;
+    default: f(std::integral_constant<int, 2>{}); break;
+  }
+}
+
 // Ring slots of B-bit weights: ring_fill bytes in flight, but at least min_stages slots (a 2-slot ring of 8-bit
 // or 6-bit weights only double-buffers) and no more than the ring holds.
 template <int B>

@@ -32,7 +32,7 @@ SHAPES = [  # (name, K, N, option)
     ("q/o 4096x4096", 4096, 4096, "4:1@128"),
     ("k/v 4096x1024", 4096, 1024, "4:1@128"),
 ]
-WIDTHS = ["2:1@128", "3:1@128", "6:1@128", "8:1@128"]  # 4096x14336, M = 1
+WIDTHS = ["2:1@128", "3:1@128", "6:1@128", "8:1@128", "4:0.1@32 3:0.9@32"]  # 4096x14336, M = 1 (last: the 8B's gate)
 FUSED_M = [1, 2, 4, 5, 8, 9, 16, 32]  # the TMA GEMV takes M <= 32 (sm_90+); the mma kernel M <= 32
 DEQ_M = [8, 16, 32, 64]
 
@@ -136,7 +136,7 @@ def main() -> None:
     print(f"read bandwidth (torch.sum over 4 GB fp16): {bw:.0f} GB/s", flush=True)
     if args.m1:
         rows: list = []
-        for name, k, n, opt in SHAPES:
+        for name, k, n, opt in SHAPES + [("width 4096x14336", 4096, 14336, w) for w in WIDTHS]:
             bench_shape(name, k, n, opt, bw, [1], [], rows)
         for r in rows:
             print(f"M1 {r[0]:<20} {r[1]:<22} {r[4]:>7} us {r[6]:>5}% of read bw  old {r[7]} us  ksplit {r[9]}")

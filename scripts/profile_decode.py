@@ -53,7 +53,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from gemv_roles import LAYER_ROLES, label_gemv_roles, print_role_rows, role_rows, step_roles
+from gemv_roles import LAYER_ROLES, kind_rows, label_gemv_roles, print_role_rows, role_rows, step_roles
 
 from exl2_backend.bench.roofline import measure_read_bandwidth
 
@@ -160,7 +160,8 @@ def short_name(name: str, cat: str) -> str:
     return n[:78] or name[:78]
 
 
-def kernel_table(fn, iters: int, critical: dict | None = None, roles: list[str] | None = None) -> dict[str, list[float]]:
+def kernel_table(fn, iters: int, critical: dict | None = None, roles: list[str] | None = None,
+                 layer_critical: dict | None = None, layer_roles: list[str] | None = None) -> dict[str, list[float]]:
     """{kernel: [count per call, µs per call]} of the device activity of `fn` (torch.profiler, CUDA). With
     `critical`, also fills it with critical_path(...) of the same events, the GEMV launches labelled by `roles`
     (scripts/gemv_roles.py) when given."""
@@ -188,9 +189,9 @@ def kernel_table(fn, iters: int, critical: dict | None = None, roles: list[str] 
         r[1] += float(e.get("dur", 0.0))
         device_events.append((float(e.get("ts", 0.0)), float(e.get("ts", 0.0)) + float(e.get("dur", 0.0)), name))
     if critical is not None:
-        if roles:
-            device_events = label_gemv_roles(device_events, roles)
-        critical.update(critical_path(device_events, iters))
+        critical.update(critical_path(label_gemv_roles(device_events, roles) if roles else device_events, iters))
+    if layer_critical is not None and layer_roles:  # the same path, each GEMV labelled with its layer too
+        layer_critical.update(critical_path(label_gemv_roles(device_events, layer_roles), iters))
     return {k: [c / iters, us / iters] for k, (c, us) in rows.items()}
 
 
@@ -253,6 +254,7 @@ def profile_shape(name: str, variants: list[str], workdir: Path, results: dict, 
     print(f"[{name}] model on the GPU in {time.perf_counter() - t0:.1f} s ({config.num_hidden_layers} layers)",
           flush=True)
     role_bytes = gemv_role_bytes(model)
+    launch_bytes, launch_kinds = gemv_launch_kinds(model)
     bandwidth = measure_read_bandwidth(torch.device("cuda"))
     results.setdefault(name, {})["read_bandwidth_gbs"] = bandwidth
     gen = torch.Generator().manual_seed(0)
@@ -267,7 +269,10 @@ def profile_shape(name: str, variants: list[str], workdir: Path, results: dict, 
         g = runner._graphs[1]
         step_ms = graph_ms(g)
         critical: dict = {}
-        graph_tab = kernel_table(g.replay, 20, critical, step_roles(config.num_hidden_layers, model.lm_head is not None))
+        layer_critical: dict = {}
+        head = model.lm_head is not None
+        graph_tab = kernel_table(g.replay, 20, critical, step_roles(config.num_hidden_layers, head), layer_critical,
+                                 step_roles(config.num_hidden_layers, head, by_layer=True))
         eager_tab = kernel_table(functools.partial(model.forward, runner._ids[:1], runner._pos[:1], engine.cache,
                                                    runner._meta(1), logits="last"), 5)
         step_ms2 = graph_ms(g)
@@ -281,8 +286,12 @@ def profile_shape(name: str, variants: list[str], workdir: Path, results: dict, 
         roles = role_rows(critical, role_bytes, bandwidth)
         print_role_rows(f"{name} / {vname}: GEMVs by role on the critical path (stream us: the launch's weights and "
                         f"scales at {bandwidth:.0f} GB/s; past us: the rest)", roles)
+        kinds = kind_rows(layer_critical, launch_bytes, launch_kinds, bandwidth)
+        print_role_rows(f"{name} / {vname}: the same by the launch's bit widths (layers of one role grouped by the "
+                        "widths of their GEMV parts, 'gate 4:1|up 4:1')", kinds)
         results.setdefault(name, {})[vname] = {"graph_step_ms": [step_ms, step_ms2], "graph_kernels": graph_tab,
                                                 "graph_critical_path": critical, "gemv_roles": roles,
+                                                "gemv_kinds": kinds,
                                                 "eager_kernels": eager_tab, "tokens": tokens[ct][vname]}
         del engine, runner, g
         gc.collect()
@@ -298,17 +307,36 @@ def profile_shape(name: str, variants: list[str], workdir: Path, results: dict, 
 
 def gemv_role_bytes(model) -> dict[str, int]:
     """Bytes one decode step's GEMVs read per role (packed weights and fp16 lane scales), summed over layers."""
-    def nbytes(op) -> int:
-        parts = getattr(getattr(op, "launch", None), "parts", [])
-        return sum(p.packed.numel() * 4 + (0 if p.scl16 is None else p.scl16.numel() * 2) for p in parts)
-
     out = dict.fromkeys(LAYER_ROLES, 0)
     for layer in model.layers:
         for role, op in zip(LAYER_ROLES, (layer.qkv, layer.o, layer.gate_up, layer.down)):
-            out[role] += nbytes(op)
+            out[role] += _op_bytes(op)
     if model.lm_head is not None:
-        out["head"] = nbytes(model.lm_head)
+        out["head"] = _op_bytes(model.lm_head)
     return out
+
+
+def _op_bytes(op) -> int:
+    parts = getattr(getattr(op, "launch", None), "parts", [])
+    return sum(p.packed.numel() * 4 + (0 if p.scl16 is None else p.scl16.numel() * 2) for p in parts)
+
+
+def _op_kind(op) -> str:
+    """The bit widths of a GEMV's parts: '4:0.1 3:0.9' per part (each width's share of its chunks), '|' between."""
+    kinds = []
+    for p in getattr(getattr(op, "launch", None), "parts", []):
+        kinds.append(" ".join(f"{bits}:{(end - start) / p.C:.2g}" for bits, start, end, _ in p.runs))
+    return "|".join(kinds)
+
+
+def gemv_launch_kinds(model) -> tuple[dict, dict]:
+    """{(role, layer): bytes} and {(role, layer): bit widths} of every layer's GEMV launches."""
+    nbytes, kinds = {}, {}
+    for i, layer in enumerate(model.layers):
+        for role, op in zip(LAYER_ROLES, (layer.qkv, layer.o, layer.gate_up, layer.down)):
+            nbytes[(role, i)] = _op_bytes(op)
+            kinds[(role, i)] = _op_kind(op)
+    return nbytes, kinds
 
 
 def greedy_check(workdir: Path, results: dict, steps: int = 20) -> bool:

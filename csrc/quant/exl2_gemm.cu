@@ -752,7 +752,7 @@ int gemv_plan(const int64_t* blob, int ndesc, const void* x, int M, int ldx, int
         const char* e = getenv("EXL2_GEMV_PREFETCH_KB");
         return e && atoi(e) > 0 ? atoi(e) : 0;
       }();
-      p.maxgrp = 2 * maxnch + 1;  // a chunk holds at most two group ends
+      p.maxgrp = staged_groups(blob, ndesc, maxnch);
       if (norm) {
         const int K = p.d[0].K;
         for (int i = 1; i < ndesc; ++i)
@@ -844,8 +844,9 @@ EXL2_API int exl2_gemv_add_norm(const int64_t* blob, int ndesc, const void* h, i
 
 // The small-M GEMV's split counts per run (host only, for tests and tools): splits[i * kMaxRuns + r] for run r of
 // descriptor i, proportional, then balanced within `slots` blocks when slots > 0 (what exl2_gemv plans on sm_90+
-// with F_SLOTS set; F_WS and F_COUNTERS must be set for a descriptor to take more splits). *blocks: the total.
-EXL2_API int exl2_gemv_splits(const int64_t* blob, int ndesc, int slots, int* splits, int* blocks) {
+// with F_SLOTS set; F_WS and F_COUNTERS must be set for a descriptor to take more splits). *blocks: the total;
+// *groups (when not null): the quantization groups per block whose scales the TMA kernel stages.
+EXL2_API int exl2_gemv_splits(const int64_t* blob, int ndesc, int slots, int* splits, int* blocks, int* groups) {
   using namespace exl2q;
   EXL2_REQUIRE(blob && splits && blocks, "exl2_gemv_splits: null argument");
   EXL2_REQUIRE(ndesc >= 1 && ndesc <= kMaxDesc, "exl2_gemv_splits: %d descriptors (1..%d)", ndesc, kMaxDesc);
@@ -864,6 +865,7 @@ EXL2_API int exl2_gemv_splits(const int64_t* blob, int ndesc, int slots, int* sp
   for (int i = 0; i < ndesc; ++i)
     for (int r = 0; r < kMaxRuns; ++r) splits[i * kMaxRuns + r] = r < p.d[i].nruns ? p.rbase[i][r + 1] - p.rbase[i][r] : 0;
   *blocks = n;
+  if (groups) *groups = staged_groups(blob, ndesc, maxnch);
   return EXL2_OK;
 }
 

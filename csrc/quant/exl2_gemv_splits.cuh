@@ -88,4 +88,18 @@ inline void balance_run_splits(GemvParams& p, int slots, int& blocks, int& maxnc
   }
 }
 
+// The most quantization groups a split of `maxnch` chunks touches, which the TMA GEMV stages the scales of: at most
+// two group ends per chunk, and at most one more than its rows over the part's smallest group (F_GROUP_ROWS; a
+// split may start inside a group); the most of any part. The 8B's 6-bit head (groups of 128 rows, 54-chunk
+// splits): 109 -> 28 groups, 56 -> 14 KB of shared memory per block.
+inline int staged_groups(const int64_t* blob, int ndesc, int maxnch) {
+  int most = 1;
+  for (int i = 0; i < ndesc; ++i) {
+    const int64_t gmin = blob[(size_t)i * kDescLen + F_GROUP_ROWS];
+    const int by_rows = gmin > 0 ? (int)((maxnch * kChunkRows + gmin - 1) / gmin) + 1 : 2 * maxnch + 1;
+    most = std::max(most, std::min(2 * maxnch + 1, by_rows));
+  }
+  return most;
+}
+
 }  // namespace exl2q

@@ -8,7 +8,8 @@
 // For chunk c of run r and warp tile j (J = Np/32 tiles), the 64*b words at
 //     packed + run.word_base + ((c - run.chunk_start) * J + j) * 64 * b
 // hold everything one warp needs: a MAIN plane part [2 n-tiles][32 lanes][m words] followed by an AUX part
-// [2][32][a words] (m + a = b): 8-bit: m=8; 6 = 4+2; 5 = 4+1; 4 = 4; 3 = 2+1; 2 = 2 (low bits in MAIN).
+// [2][32][a words] (m + a = b): 8-bit: m=8; 6 = 4+2; 5 = 4+1; 4 = 4; 3 = 2+1; 2 = 2 (low bits in MAIN, except
+// 3-bit: see below).
 // Each lane owns 16 PAIRS per n-tile per chunk, pair p = 4*s + r (s = mma k-step 0..3, r = A register):
 //     row(p) = 32*(s/2) + 8*t + 4*(s%2) + 2*(r>=2)  (+1 for the high half),  t = lane % 4
 //     col(p) = 16*nt + lane/4 + 8*(r%2)
@@ -16,6 +17,9 @@
 // consecutive activations (one 16-byte shared load). A plane of width w stores pair p in word
 // p / (16/w) at bit offset w*(p % (16/w)) of the low half (low value) and of the high half (high value),
 // which is what the 0x6400 (fp16 1024.0) mantissa trick decodes two values at a time from.
+// 3-bit is the exception: its three words k = 0, 1, 2 (MAIN 0, 1 and AUX) each hold pairs 5k..5k+4 as whole
+// 3-bit fields at offsets 0, 3, 6, 9, 12 of each half, and bit 15 of word k is bit k of pair 15. The split
+// layout (2 low bits + 1 high bit per pair) cost 4 INT ops per pair and made the 3-bit GEMV INT-bound.
 // chunk info [C]: group of the chunk's first 32-row unit (bits 0..29); bit 30/31: a group ends with unit 0/1.
 // xmap [Kpad] uint16: original input feature of each padded row (0xFFFF = padding row, activation 0).
 #pragma once
@@ -36,7 +40,7 @@ constexpr int kBlockCols = kBlockWarps * kWarpCols;  // 128 columns per block
 #endif
 constexpr int kStages = EXL2_GEMM_STAGES;  // per-warp cp.async ring depth in chunks (kStages - 1 in flight)
 constexpr int kInfoGroupMask = 0x3FFFFFFF;
-constexpr int kDescLen = 21 + 4 * kMaxRuns;  // int64 fields per descriptor in the host blob
+constexpr int kDescLen = 22 + 4 * kMaxRuns;  // int64 fields per descriptor in the host blob
 
 struct Run {
   int bits, chunk_start, chunk_end;
@@ -64,8 +68,10 @@ enum BlobField {
   F_SCL16 = F_RUNS + 4 * kMaxRuns,  // small-M GEMV: fp16 scales [G][Np/32][8 gid][4] (exl2_gemm.cu, gemv)
   F_ROPE,  // small-M GEMV, first descriptor only: 0, or a host pointer to the fused rope's int64 arguments
            // (exl2_gemv_rope.cuh RopeArg), read during the call
-  F_SLOTS  // small-M GEMV (TMA kernel), first descriptor only: the blocks one launch may plan; > 0 balances the
-           // per-run split counts by bytes within it (exl2_gemv_splits.cuh), 0 keeps the proportional split
+  F_SLOTS,  // small-M GEMV (TMA kernel), first descriptor only: the blocks one launch may plan; > 0 balances the
+            // per-run split counts by bytes within it (exl2_gemv_splits.cuh), 0 keeps the proportional split
+  F_GROUP_ROWS  // the fewest rows of any quantization group (0: unknown); bounds the groups a split touches, so the
+                // TMA GEMV stages no more scale rows than it can read (the 8B's head: 56 -> 14 KB per block)
 };
 
 // Sum over runs of chunks * bits: the split-K work measure (bytes are proportional to it).
@@ -154,10 +160,24 @@ __device__ __forceinline__ uint32_t pair_qz(const uint32_t* w) {
   } else if constexpr (B == 5) {
     uint32_t lo = and_or(w[P >> 2] >> (4 * (P & 3)), 0x000F000Fu, kMagic);
     return h2sub(and_or(shr<P - 4>(w[4]), 0x00100010u, lo), 0x64106410u);
-  } else {  // 3
+  } else {  // 3: whole 3-bit fields (layout above); ~1.4 INT ops per pair against 4 for split low/high planes
     static_assert(B == 3, "bit width");
-    uint32_t lo = and_or(w[P >> 3] >> (2 * (P & 7)), 0x00030003u, kMagic);
-    return h2sub(and_or(shr<P - 2>(w[2]), 0x00040004u, lo), 0x64046404u);
+    if constexpr (P == 15) {  // bit k of the value is bit 15 of word k: moved to bits 5, 6, 7
+      uint32_t v = and_or(w[0] >> 10, 0x00200020u, kMagic);
+      v = and_or(w[1] >> 9, 0x00400040u, v);
+      v = and_or(w[2] >> 8, 0x00800080u, v);  // w[2] >> 8 is shared with pairs 13 and 14
+      return h2fma(v, 0x28002800u, 0xD080D080u);  // (1024 + 32q) / 32 - 36
+    } else {
+      constexpr int o = 3 * (P % 5);  // offset in word P / 5; 9 and 12 read the word shifted by 8 (one shift, two pairs)
+      const uint32_t word = o <= 6 ? w[P / 5] : w[P / 5] >> 8;
+      constexpr int oo = o <= 6 ? o : o - 8;
+      const uint32_t v = and_or(word, 0x00070007u << oo, kMagic);
+      if constexpr (oo == 0) return h2sub(v, 0x64046404u);
+      else if constexpr (oo == 1) return h2fma(v, 0x38003800u, 0xE008E008u);  // /2 - 516
+      else if constexpr (oo == 3) return h2fma(v, 0x30003000u, 0xD820D820u);  // /8 - 132
+      else if constexpr (oo == 4) return h2fma(v, 0x2C002C00u, 0xD440D440u);  // /16 - 68
+      else return h2fma(v, 0x24002400u, 0xCD00CD00u);                         // oo == 6: /64 - 20
+    }
   }
 }
 

@@ -41,12 +41,13 @@ _BLOCK_COLS = 128
 _CHUNK = 64
 _MAX_RUNS = 6
 _MAX_DESC = 4
-_DESC_LEN = 21 + 4 * _MAX_RUNS
+_DESC_LEN = 22 + 4 * _MAX_RUNS
 (F_PACKED, F_SCALES, F_MAXF, F_INFO, F_XMAP, F_BIAS, F_OUT, F_WS, F_COUNTERS, F_LDO, F_K, F_KPAD, F_N, F_NP, F_C,
  F_G, F_NRUNS, F_KSPLIT, F_RUNS) = range(19)
 F_SCL16 = F_RUNS + 4 * _MAX_RUNS
 F_ROPE = F_SCL16 + 1  # first descriptor: host address of the fused rope's int64 arguments (_rope_args), or 0
 F_SLOTS = F_ROPE + 1  # first descriptor: blocks the TMA GEMV may plan, its per-run splits balanced by bytes (0: off)
+F_GROUP_ROWS = F_SLOTS + 1  # the fewest rows of any quantization group: bounds the scales a GEMV split stages
 
 # Small-M GEMV kernels: used for M <= GEMV_MAX_M. Blocks of 8 compute warps (256 columns). GEMV_MINB selects:
 # 0 = the TMA-ring kernel on sm_90+ (exl2_gemv_tma.cu; the register-batch kernel below sm_90), planned at 2 blocks
@@ -132,6 +133,7 @@ class PackedQ:
     bias: torch.Tensor | None  # fp16 [Np]
     q_invperm: torch.Tensor  # int32 [K], kept for perm comparisons
     scl16: torch.Tensor | None = None  # fp16 [G, Np/32, 8, 4]: GEMV scales in lane layout (see _lane_scales)
+    group_rows: int = 0  # the fewest rows of any group (0: unknown): bounds the scales a GEMV split stages
 
     def weight_bytes(self) -> int:
         return self.packed.numel() * 4 + self.scales.numel() * 4
@@ -156,6 +158,18 @@ def _field_words(lo: torch.Tensor, hi: torch.Tensor, per_word: int, width: int) 
     return x.view(*x.shape[:-1], 16 // per_word, per_word).sum(-1)  # disjoint bit fields: sum == or
 
 
+def _three_bit_words(lo: torch.Tensor, hi: torch.Tensor) -> torch.Tensor:
+    """[..., 16] 3-bit pairs -> [..., 3] words: word k holds pairs 5k..5k+4 whole at bit offsets 0, 3, 6, 9, 12
+    (+16 for hi), and bit k of pair 15 at bit 15 (+16). Whole fields decode in ~1.4 INT ops per pair
+    (exl2_quant.cuh pair_qz<3>)."""
+    sh = 3 * torch.arange(5, device=lo.device)
+    words = []
+    for k in range(3):
+        w = ((lo[..., 5 * k : 5 * k + 5] << sh) | (hi[..., 5 * k : 5 * k + 5] << (sh + 16))).sum(-1)
+        words.append(w | (((lo[..., 15] >> k) & 1) << 15) | (((hi[..., 15] >> k) & 1) << 31))
+    return torch.stack(words, dim=-1)
+
+
 def _planes(lo: torch.Tensor, hi: torch.Tensor, bits: int) -> list[torch.Tensor]:
     """MAIN (low bits) and AUX (high bits) plane words of each lane, in kernel order."""
     if bits in (8, 4, 2):
@@ -166,7 +180,8 @@ def _planes(lo: torch.Tensor, hi: torch.Tensor, bits: int) -> list[torch.Tensor]
     if bits == 5:
         return [_field_words(lo & 15, hi & 15, 4, 4), _field_words(lo >> 4, hi >> 4, 16, 1)]
     if bits == 3:
-        return [_field_words(lo & 3, hi & 3, 8, 2), _field_words(lo >> 2, hi >> 2, 16, 1)]
+        words = _three_bit_words(lo, hi)
+        return [words[..., :2], words[..., 2:]]
     raise UnsupportedBitWidthError(f"bit width {bits}")
 
 
@@ -270,6 +285,7 @@ def pack_qtensor(qt: QTensor, device) -> PackedQ:
         info=_to_i32(info).to(device), xmap=torch.where(xm >= 32768, xm - 65536, xm).to(torch.int16),
         bias=None if qt.bias is None else qt.bias.to(device=device, dtype=torch.float16).contiguous(),
         q_invperm=qt.q_invperm.to(device), scl16=_lane_scales(qt.q_scale.to(device), maxf, np_),
+        group_rows=min(g.rows for g in groups),
     )
 
 
@@ -289,7 +305,7 @@ def _fn(name: str):
             "exl2_add_norm_pregather": (P, I32, P, I32, I32, P, I32, P, P, I32, library.F32, P, I32,
                                         library.STREAM),
             "exl2_dequant": (P, P, I32, I32, library.STREAM),
-            "exl2_gemv_splits": (P, I32, I32, P, P),
+            "exl2_gemv_splits": (P, I32, I32, P, P, P),
         }[name]
         _fns[name] = library.declare(name, *sig)
     return _fns[name]
@@ -389,6 +405,7 @@ class _Launch:
         for r, run in enumerate(p.runs):
             f[F_RUNS + 4 * r : F_RUNS + 4 * r + 4] = run
         f[F_SCL16] = 0 if p.scl16 is None else p.scl16.data_ptr()
+        f[F_GROUP_ROWS] = p.group_rows
         return f
 
     def gemv_plan(self, m: int) -> _Plan:
@@ -417,16 +434,25 @@ class _Launch:
     def gemv_splits(self, m: int) -> tuple[list[list[int]], int]:
         """The TMA GEMV's split count per width run of each part at M rows, and the launch's blocks (host only:
         the planner exl2_gemv runs, csrc/quant/exl2_gemv_splits.cuh)."""
+        splits, blocks, _ = self._split_query(m)
+        return splits, blocks
+
+    def gemv_staged_groups(self, m: int) -> int:
+        """Quantization groups per block whose scales the TMA GEMV stages in shared memory at M rows."""
+        return self._split_query(m)[2]
+
+    def _split_query(self, m: int) -> tuple[list[list[int]], int, int]:
         pl = self.gemv_plan(m)
         blob = pl.blob.copy()
         blob[:, F_WS] = blob[:, F_COUNTERS] = 1  # split-K storage present (the planner only checks for it)
         splits = np.zeros(len(self.parts) * _MAX_RUNS, dtype=np.int32)
-        blocks = np.zeros(1, dtype=np.int32)
+        blocks, groups = np.zeros(1, dtype=np.int32), np.zeros(1, dtype=np.int32)
         st = _fn("exl2_gemv_splits")(blob.ctypes.data, len(self.parts), int(blob[0, F_SLOTS]), splits.ctypes.data,
-                                     blocks.ctypes.data)
+                                     blocks.ctypes.data, groups.ctypes.data)
         library.check(st, "exl2_gemv_splits")
         runs = [len(p.runs) for p in self.parts]
-        return [splits[i * _MAX_RUNS: i * _MAX_RUNS + n].tolist() for i, n in enumerate(runs)], int(blocks[0])
+        split_lists = [splits[i * _MAX_RUNS: i * _MAX_RUNS + n].tolist() for i, n in enumerate(runs)]
+        return split_lists, int(blocks[0]), int(groups[0])
 
     def plan(self, m: int) -> _Plan:
         """Split-K factor: fill the planned resident blocks of one wave, shared by all parts."""

@@ -82,9 +82,19 @@ def _pair_qz(bits: int, p: int, w: list) -> tuple[np.ndarray, np.ndarray]:
     elif bits == 5:
         lo = ((w[p >> 2] >> _U32(4 * (p & 3))) & _U32(0x000F000F)) | magic
         v, sub = lo | (_shr(w[4], p - 4) & _U32(0x00100010)), 0x6410
-    else:
-        lo = ((w[p >> 3] >> _U32(2 * (p & 7))) & _U32(0x00030003)) | magic
-        v, sub = lo | (_shr(w[2], p - 2) & _U32(0x00040004)), 0x6404
+    elif p == 15:  # 3-bit: bit k of pair 15 is bit 15 of word k, moved to bit 5 + k
+        v = ((w[0] >> _U32(10)) & _U32(0x00200020)) | magic
+        v = ((w[1] >> _U32(9)) & _U32(0x00400040)) | v
+        v = ((w[2] >> _U32(8)) & _U32(0x00800080)) | v
+        return tuple((h * _from_bits(0x2800) + _from_bits(0xD080)).astype(np.float16) for h in _h2(v))
+    else:  # 3-bit: pair p whole at offset 3 (p % 5) of word p // 5; offsets 9 and 12 read the word shifted by 8
+        o = 3 * (p % 5)
+        word, o = (w[p // 5], o) if o <= 6 else (w[p // 5] >> _U32(8), o - 8)
+        v = (word & _U32(0x00070007 << o)) | magic
+        if o:
+            mul, add = {1: (0x3800, 0xE008), 3: (0x3000, 0xD820), 4: (0x2C00, 0xD440), 6: (0x2400, 0xCD00)}[o]
+            return tuple((h * _from_bits(mul) + _from_bits(add)).astype(np.float16) for h in _h2(v))
+        sub = 0x6404
     lo, hi = _h2(v)
     return (lo - _from_bits(sub)).astype(np.float16), (hi - _from_bits(sub)).astype(np.float16)
 

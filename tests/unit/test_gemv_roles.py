@@ -53,3 +53,22 @@ def test_role_rows_compare_time_with_streaming():
     assert down["mb_per_launch"] == pytest.approx(29.4)
     assert down["stream_us_per_launch"] == pytest.approx(29.4e6 / 4200e9 * 1e6)
     assert down["past_stream_us_per_launch"] == pytest.approx(20.0 - 7.0)
+
+
+def test_roles_by_layer_sum_to_the_role_rows_and_group_by_kind():
+    events = _step(0) + _step(100)
+    labelled = roles_mod.label_gemv_roles(events, roles_mod.step_roles(2, head=True, by_layer=True))
+    names = [n for _, _, n in sorted(labelled) if n.startswith(K)]
+    assert names[:5] == [f"{K} [{r}]" for r in ("q/k/v#0", "o#0", "gate/up#0", "down#0", "q/k/v#1")]
+    assert roles_mod.split_label("gate/up#1") == ("gate/up", 1) and roles_mod.split_label("head") == ("head", None)
+    # layer 0's gate/up is 3-bit and slow, layer 1's 4-bit
+    critical = {f"{K} [gate/up#0]": [2.0, 80.0], f"{K} [gate/up#1]": [2.0, 40.0], f"{K} [head]": [2.0, 200.0]}
+    rows = roles_mod.role_rows(critical, {"gate/up": 2 * 60_000_000, "head": 400_000_000}, bandwidth_gbs=4000.0)
+    gate = next(r for r in rows if r["role"] == "gate/up")
+    assert gate["launches"] == 4.0 and gate["us_per_launch"] == pytest.approx(30.0)
+    assert gate["mb_per_launch"] == pytest.approx(30.0)
+    kinds = roles_mod.kind_rows(critical, {("gate/up", 0): 50_000_000, ("gate/up", 1): 60_000_000},
+                                {("gate/up", 0): "4:0.1 3:0.9", ("gate/up", 1): "4:1"}, bandwidth_gbs=4000.0)
+    assert [(r["kind"], r["us_per_launch"]) for r in kinds] == [("4:0.1 3:0.9", 40.0), ("4:1", 20.0)]
+    assert kinds[0]["mb_per_launch"] == pytest.approx(50.0)
+    assert kinds[0]["past_stream_us_per_launch"] == pytest.approx(40.0 - 12.5)

@@ -80,3 +80,20 @@ def test_two_waves_split_the_mlp_gate_up(monkeypatch):
 def test_a_one_sm_plan_keeps_one_split(monkeypatch):
     launch = _launch(*QKV, sms=1)
     assert _splits(launch, 1, "balanced", monkeypatch) == ([[1], [1], [1]], 48)
+
+
+@pytest.mark.parametrize("spec, sms, group_rows", [
+    ((["8:0.15@128 6:0.85@128"], 4096, 8192), 4, [128]),  # head-like: one split per run, 54 chunks of 6 bits
+    (DOWN, 132, [32]),  # groups of 32 rows in the 8-bit run: two group ends per chunk bound it
+    ((["4:1@128", "4:1@32"], 4096, 14336), 132, [128, 32]),  # the most of any part (gate @128, up @32)
+])
+def test_staged_groups_are_bounded_by_the_smallest_group(monkeypatch, spec, sms, group_rows):
+    launch = _launch(*spec, sms=sms)
+    assert [part.group_rows for part in launch.parts] == group_rows
+    splits, _ = _splits(launch, 1, "balanced", monkeypatch)
+    maxnch = max(-(-(end - start) // k) for part, ks in zip(launch.parts, splits)
+                 for (_, start, end, _), k in zip(part.runs, ks))
+    want = max(min(2 * maxnch + 1, -(-maxnch * 64 // g) + 1) for g in group_rows)
+    assert launch.gemv_staged_groups(1) == want
+    if sms == 4:
+        assert (maxnch, want) == (54, 28)  # 14 KB of staged scales per block instead of 56 KB

@@ -651,7 +651,7 @@ bool exact_run_splits(const exl2q::QDesc& d, int total, int* rbase, int& maxnch)
 // gate_off > 0: fused silu_mul input (x [M, ldx] holds gate at columns [0, K) and up at [gate_off, gate_off + K)).
 namespace exl2q {
 int gemv_plan(const int64_t* blob, int ndesc, const void* x, int M, int ldx, int gate_off, int minb, const void* xpre,
-              int xpre_ld, const GemvNorm* norm, GemvParams& p, GemvPlan& pl) {
+              int xpre_ld, const GemvNorm* norm, GemvParams& p, GemvPlan& pl, bool allow_span) {
   EXL2_REQUIRE(blob && x, "exl2_gemv: null argument");
   EXL2_REQUIRE(ndesc >= 1 && ndesc <= kMaxDesc, "exl2_gemv: %d descriptors (1..%d)", ndesc, kMaxDesc);
   EXL2_REQUIRE(M >= 1 && M <= 32, "exl2_gemv: M=%d outside 1..32", M);
@@ -742,8 +742,14 @@ int gemv_plan(const int64_t* blob, int ndesc, const void* x, int M, int ldx, int
           p.cluster = C;
         }
       }
-      // Per-run splits balanced by bytes within the launch's planned blocks (exl2_gemv_splits.cuh).
-      if (const int slots = (int)blob[F_SLOTS]; slots > 0 && !p.cluster) {
+      // Splits of equal bytes across width runs, or per-run splits balanced by bytes within the launch's planned
+      // blocks (exl2_gemv_splits.cuh).
+      if (allow_span && blob[F_SPAN] && !p.cluster && !probe) {
+        p.span = 1;
+        blocks = span_splits(p, maxnch);
+        p.xstride = maxnch * kChunkRows + 8;
+        p.maxnch = maxnch;
+      } else if (const int slots = (int)blob[F_SLOTS]; slots > 0 && !p.cluster) {
         balance_run_splits(p, slots, blocks, maxnch);
         p.xstride = maxnch * kChunkRows + 8;
         p.maxnch = maxnch;
@@ -844,7 +850,8 @@ EXL2_API int exl2_gemv_add_norm(const int64_t* blob, int ndesc, const void* h, i
 
 // The small-M GEMV's split counts per run (host only, for tests and tools): splits[i * kMaxRuns + r] for run r of
 // descriptor i, proportional, then balanced within `slots` blocks when slots > 0 (what exl2_gemv plans on sm_90+
-// with F_SLOTS set; F_WS and F_COUNTERS must be set for a descriptor to take more splits). *blocks: the total;
+// with F_SLOTS set; F_WS and F_COUNTERS must be set for a descriptor to take more splits); with F_SPAN set, the
+// descriptor's span splits at r = 0 (exl2_gemv_splits.cuh span_splits). *blocks: the total;
 // *groups (when not null): the quantization groups per block whose scales the TMA kernel stages.
 EXL2_API int exl2_gemv_splits(const int64_t* blob, int ndesc, int slots, int* splits, int* blocks, int* groups) {
   using namespace exl2q;
@@ -861,9 +868,12 @@ EXL2_API int exl2_gemv_splits(const int64_t* blob, int ndesc, int slots, int* sp
     d.block_start = n;
     n += d.ncolblk * proportional_run_splits(d, p.rbase[i], maxnch);
   }
-  if (slots > 0) balance_run_splits(p, slots, n, maxnch);
+  if (blob[F_SPAN]) n = span_splits(p, maxnch);  // splits[i * kMaxRuns]: the descriptor's span splits
+  else if (slots > 0) balance_run_splits(p, slots, n, maxnch);
   for (int i = 0; i < ndesc; ++i)
-    for (int r = 0; r < kMaxRuns; ++r) splits[i * kMaxRuns + r] = r < p.d[i].nruns ? p.rbase[i][r + 1] - p.rbase[i][r] : 0;
+    for (int r = 0; r < kMaxRuns; ++r)
+      splits[i * kMaxRuns + r] = blob[F_SPAN] ? (r == 0 ? p.rbase[i][p.d[i].nruns] : 0)
+                                              : r < p.d[i].nruns ? p.rbase[i][r + 1] - p.rbase[i][r] : 0;
   *blocks = n;
   if (groups) *groups = staged_groups(blob, ndesc, maxnch);
   return EXL2_OK;

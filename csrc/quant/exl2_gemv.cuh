@@ -46,6 +46,7 @@ struct GemvParams {
   const __half* xpre;  // TMA kernel: null, or the input already in stored row order, xpre[(di * M + m) * xpre_ld
   int xpre_ld;         // + r] (exl2_gemv_pregather.cu; silu_mul applied): blocks copy their rows, no gather
   int reduce_vec4;     // TMA kernel: the last block sums the split partials four columns per item
+  int span;            // TMA kernel: splits of equal bytes across width runs (span_range; rbase[di][nruns] of them)
   // TMA kernel: RoPE and the fp16 KV-cache write after the q/k/v GEMV when rope_d > 0 (exl2_gemv_rope.cuh)
   const long long* rope_pos;    // [M] token positions
   const float* rope_inv_freq;   // [rope_d / 2]
@@ -65,7 +66,8 @@ struct GemvParams {
 };
 
 // The block's work: descriptor, run, column block and chunk range [c0, c1). Splits are numbered run by run:
-// run r owns splits [rbase[r], rbase[r+1]), equal chunk shares inside it, so a block never crosses runs.
+// run r owns splits [rbase[r], rbase[r+1]), equal chunk shares inside it, so a block never crosses runs; with
+// GemvParams::span they are equal byte shares over all runs and ri is the run of c0 (the block walks on).
 struct GvWork {
   int di, ri, colblk, gsplit, ksplit, c0, c1;
 };
@@ -81,13 +83,18 @@ __device__ __forceinline__ GvWork gv_work_at(const GemvParams& p, int b) {
   w.colblk = p.cluster ? local / p.cluster : local % d.ncolblk;
   w.gsplit = p.cluster ? local % p.cluster : local / d.ncolblk;
   w.ri = 0;
+  w.ksplit = p.rbase[w.di][d.nruns];
+  if (p.span) {
+    span_range(d, w.gsplit, w.ksplit, w.c0, w.c1);
+    while (w.ri + 1 < d.nruns && w.c0 >= d.runs[w.ri].chunk_end) ++w.ri;
+    return w;
+  }
   while (w.ri + 1 < d.nruns && w.gsplit >= p.rbase[w.di][w.ri + 1]) ++w.ri;
   const Run& r = d.runs[w.ri];
   const int ks = p.rbase[w.di][w.ri + 1] - p.rbase[w.di][w.ri], sr = w.gsplit - p.rbase[w.di][w.ri];
   const int nr = r.chunk_end - r.chunk_start;
   w.c0 = r.chunk_start + nr * sr / ks;
   w.c1 = r.chunk_start + nr * (sr + 1) / ks;
-  w.ksplit = p.rbase[w.di][d.nruns];
   return w;
 }
 __device__ __forceinline__ GvWork gv_work(const GemvParams& p) { return gv_work_at(p, blockIdx.x); }
@@ -503,8 +510,9 @@ struct GemvPlan {
 
 // Checks the arguments of one small-M GEMV (exl2_gemm.cu) and plans it into p (splits, ring, staged sizes):
 // the arguments of exl2_gemv, and norm (null: none) those of exl2_gemv_add_norm. Returns a status.
+// allow_span: F_SPAN may select span splits (the chain kernel walks one run per item and passes false).
 int gemv_plan(const int64_t* blob, int ndesc, const void* x, int M, int ldx, int gate_off, int minb, const void* xpre,
-              int xpre_ld, const GemvNorm* norm, GemvParams& p, GemvPlan& pl);
+              int xpre_ld, const GemvNorm* norm, GemvParams& p, GemvPlan& pl, bool allow_span = true);
 
 // Fields per phase of exl2_gemv_chain's table (exl2_gemv_chain.cu; keep in sync with ops/cuda_chain.py).
 constexpr int kChainFields = 13;

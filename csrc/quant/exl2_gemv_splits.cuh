@@ -88,6 +88,36 @@ inline void balance_run_splits(GemvParams& p, int slots, int& blocks, int& maxnc
   }
 }
 
+// Span splits (GemvParams::span): every descriptor's ksplit splits of equal bytes over all its runs, fewer where
+// a split would be empty (fewer chunks than splits at the widest run). Fills rbase (0 for every run, the split
+// count at nruns) and every descriptor's block_start; returns the launch's blocks and sets maxnch.
+inline int span_splits(GemvParams& p, int& maxnch) {
+  int blocks = 0;
+  maxnch = 1;
+  for (int i = 0; i < p.ndesc; ++i) {
+    QDesc& d = p.d[i];
+    int k = d.ksplit, most = 1;
+    for (; k > 1; --k) {  // the most splits <= ksplit with none empty
+      bool empty = false;
+      most = 1;
+      for (int s = 0; s < k && !empty; ++s) {
+        int c0, c1;
+        span_range(d, s, k, c0, c1);
+        empty = c1 <= c0;
+        most = std::max(most, c1 - c0);
+      }
+      if (!empty) break;
+    }
+    if (k == 1) most = d.C;
+    for (int r = 0; r < d.nruns; ++r) p.rbase[i][r] = 0;
+    p.rbase[i][d.nruns] = k;
+    d.block_start = blocks;
+    blocks += d.ncolblk * k;
+    maxnch = std::max(maxnch, most);
+  }
+  return blocks;
+}
+
 // The most quantization groups a split of `maxnch` chunks touches, which the TMA GEMV stages the scales of: at most
 // two group ends per chunk, and at most one more than its rows over the part's smallest group (F_GROUP_ROWS; a
 // split may start inside a group); the most of any part. The 8B's 6-bit head (groups of 128 rows, 54-chunk

@@ -84,25 +84,58 @@ __device__ __forceinline__ void cluster_reduce(const QDesc& d, const GvWork& wk,
 // compiled once. With all of it inside a switch on the width the kernel was 777 KB of SASS, six copies of
 // every cold path; each launch then refetched its prologue's instructions (ncu in session 9: 34% of the input
 // stage's stall samples were instruction fetch).
+//
+// A span split (GemvParams::span) covers the end of one width run and the start of the next: the block streams
+// them one after the other, re-arming its ring between them (both roles meet at a block barrier once the ring is
+// drained; the producer has sent the next run's first copies to L2 by then).
+__device__ __forceinline__ int ring_stages(const GemvParams& p, int bits) {
+  int stages = 0;
+  with_bits(bits, [&](auto b) { stages = tma_stages<decltype(b)::value>(p); });
+  return stages;
+}
+__device__ __forceinline__ GvWork run_segment(const QDesc& d, const GvWork& wk, int r) {  // wk's chunks of run r
+  GvWork s = wk;
+  s.ri = r;
+  s.c0 = max(wk.c0, d.runs[r].chunk_start);
+  s.c1 = min(wk.c1, d.runs[r].chunk_end);
+  return s;
+}
+
 template <int MT>
 __device__ __forceinline__ void tma_block(const GemvParams& p, const GvWork& wk, unsigned char* smem) {
   const QDesc& d = p.d[wk.di];
   const int tid = threadIdx.x, warp = tid >> 5;
-  const int bits = d.runs[wk.ri].bits;
   const TmaGeom g = tma_geom(d, wk);
-  int stages = 0;
-  with_bits(bits, [&](auto b) { stages = tma_stages<decltype(b)::value>(p); });
+  int r_end = wk.ri + 1;  // the runs the item covers: [wk.ri, r_end)
+  if (p.span)
+    while (r_end < d.nruns && d.runs[r_end].chunk_start < wk.c1) ++r_end;
+  int stages = ring_stages(p, d.runs[wk.ri].bits);
   const TmaSmem sm(smem, tma_layout(tma_sizes(p.ring_bytes, p.maxgrp, p.M, p.xstride, p.maxnch, p.norm_k)));
   if (tid == 0) tma_init_ring(sm, stages, g.nwa);
   __syncthreads();
+  // Between two runs of a span split: every copy and scale of the last one has landed and been read.
+  auto next_run = [&](int r) {
+    __syncthreads();
+    const int next = ring_stages(p, d.runs[r].bits);
+    if (tid == 0) {
+      tma_inval_ring(sm, stages);
+      tma_init_ring(sm, next, g.nwa);
+    }
+    stages = next;
+    __syncthreads();
+  };
 
   if (warp == kGvWarps) {  // producer
-    tma_produce_run(p, wk, sm, stages);
+    for (int r = wk.ri; r < r_end; ++r) {
+      if (r > wk.ri) next_run(r);
+      tma_produce_run(p, run_segment(d, wk, r), sm, stages);
+      if (r + 1 < r_end) tma_prefetch_run(d, run_segment(d, wk, r + 1), ring_stages(p, d.runs[r + 1].bits));
+    }
     if (p.cluster) cluster_reduce<1>(d, wk, GvState{}, false, false, 0, p.M, nullptr);
     return;
   }
 
-  // Compute warps. Constants first (before the PDL wait), then the activation gather.
+  // Compute warps. Constants first (before the PDL wait), then the activation gather: both for the whole item.
   tma_load_constants(d, wk, sm);
   exl2::pdl_wait();
   compute_sync();
@@ -112,7 +145,14 @@ __device__ __forceinline__ void tma_block(const GemvParams& p, const GvWork& wk,
   const bool active = warp < g.nwa;
   GvStateMT<MT> st;
   gv_zero(st);
-  if (active) with_bits(bits, [&](auto b) { tma_chunks<decltype(b)::value, MT>(p, wk, sm, stages, st); });
+  for (int r = wk.ri; r < r_end; ++r) {
+    if (r > wk.ri) next_run(r);
+    const GvWork seg = run_segment(d, wk, r);
+    if (active)
+      with_bits(d.runs[r].bits, [&](auto b) {
+        tma_chunks<decltype(b)::value, MT>(p, seg, sm, stages, st, seg.c0 - wk.c0);
+      });
+  }
   if (p.cluster && wk.ksplit > 1) {  // the ring is drained: every copy into it was waited for and read
     const int n0 = (g.j0 + warp) * kWarpCols;
     cluster_reduce<MT>(d, wk, st, active, true, n0, p.M, reinterpret_cast<float*>(sm.ring));

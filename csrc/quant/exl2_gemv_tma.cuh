@@ -200,19 +200,41 @@ __device__ __forceinline__ void tma_inval_ring(const TmaSmem& sm, int stages) {
 // barrier, then lane 0 keeps the ring full until the block's last chunk is issued. Weights, scales and chunk info
 // are constants: all of it may run before the PDL wait (and, in the chain kernel, before the grid barrier).
 // The width only sets the tile bytes, so the code is not specialized per width (one copy in the kernel).
+// Where a block's copies of run wk.ri come from: its first chunk's bytes, the stride between chunks, the bytes
+// of one copy (the block's warp tiles of one chunk are contiguous).
+struct TmaSource {
+  const unsigned char* src;
+  size_t step;
+  uint32_t bytes;
+};
+__device__ __forceinline__ TmaSource tma_source(const QDesc& d, const GvWork& wk) {
+  const Run& run = d.runs[wk.ri];
+  const TmaGeom g = tma_geom(d, wk);
+  const int tile_bytes = 256 * run.bits;  // one warp tile of one chunk (64 rows x 32 columns x B bits)
+  return {reinterpret_cast<const unsigned char*>(d.packed + run.word_base) +
+              ((size_t)(g.c0 - run.chunk_start) * g.J + g.j0) * tile_bytes,
+          (size_t)g.J * tile_bytes, (uint32_t)(g.nwa * tile_bytes)};
+}
+
+// The producer warp: the first `chunks` copies of a block's next run segment into L2 (a span split re-arms its
+// ring between runs; its first copies then come from L2).
+__device__ __forceinline__ void tma_prefetch_run(const QDesc& d, const GvWork& wk, int chunks) {
+  const TmaSource s = tma_source(d, wk);
+  for (int i = threadIdx.x & 31; i < min(chunks, wk.c1 - wk.c0); i += 32)
+    asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(s.src + i * s.step), "r"(s.bytes) : "memory");
+}
+
 __device__ __forceinline__ void tma_produce_run(const GemvParams& p, const GvWork& wk, const TmaSmem& sm,
                                                 int stages) {
   const QDesc& d = p.d[wk.di];
-  const Run& run = d.runs[wk.ri];
   const TmaGeom g = tma_geom(d, wk);
   const int lane = threadIdx.x & 31;
-  const int tile_bytes = 256 * run.bits;  // one warp tile of one chunk (64 rows x 32 columns x B bits)
-  const int slot_bytes = kGvWarps * tile_bytes;
+  const int slot_bytes = kGvWarps * 256 * d.runs[wk.ri].bits;
   const uint64_t pol = evict_first_policy();
-  const unsigned char* src = reinterpret_cast<const unsigned char*>(d.packed + run.word_base) +
-                             ((size_t)(g.c0 - run.chunk_start) * g.J + g.j0) * tile_bytes;
-  const size_t step = (size_t)g.J * tile_bytes;
-  const uint32_t bytes = g.nwa * tile_bytes;
+  const TmaSource source = tma_source(d, wk);
+  const unsigned char* src = source.src;
+  const size_t step = source.step;
+  const uint32_t bytes = source.bytes;
   const uint32_t ring_s = smem_addr(sm.ring);
   const int first = min(stages, g.nch);
   if (lane == 0)
@@ -291,25 +313,27 @@ __device__ __forceinline__ void tma_stage_input(const GemvParams& p, const GvWor
 
 // An active compute warp's chunk loop: per chunk wait `full`, read the lane's words, release the slot, decode
 // into mma A registers. Ends with the flush of a group that continues past this split (its partial is linear in
-// the scale).
+// the scale). `off`: chunks of the block's item before wk.c0 (a span split's later runs), whose chunk info and
+// input rows come first in shared memory.
 template <int B, int MT>
 __device__ __forceinline__ void tma_chunks(const GemvParams& p, const GvWork& wk, const TmaSmem& sm, int stages,
-                                           GvStateMT<MT>& st) {
+                                           GvStateMT<MT>& st, int off = 0) {
   constexpr int kTileBytes = 256 * B;
   constexpr int kSlotBytes = kGvWarps * kTileBytes;
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, gid = lane >> 2, t4 = lane & 3;
   const int nch = wk.c1 - wk.c0, M = p.M;
-  const int* s_info = sm.info;
+  const int* s_info = sm.info + off;
   const uint2* scl_lane = sm.scl + warp * 8 + gid;  // group g of the block: scl_lane[g * 64], g from 0
   const int last = s_info[nch - 1];
   const int ngrp = (last & kInfoGroupMask) + ((last >> 30) & 1) - (s_info[0] & kInfoGroupMask) + 1;
   mbar_wait(sm.scale(), 0);
   st.g = 0;
   st.sc = scl_lane[0];
-  const __half* xl = sm.xs + min(gid, M - 1) * p.xstride + 8 * t4;  // tokens >= M: duplicates, discarded
+  const __half* xs = sm.xs + off * kChunkRows;
+  const __half* xl = xs + min(gid, M - 1) * p.xstride + 8 * t4;  // tokens >= M: duplicates, discarded
   const __half* xls[MT];  // the same for every token tile
 #pragma unroll
-  for (int mt = 0; mt < MT; ++mt) xls[mt] = sm.xs + min(8 * mt + gid, M - 1) * p.xstride + 8 * t4;
+  for (int mt = 0; mt < MT; ++mt) xls[mt] = xs + min(8 * mt + gid, M - 1) * p.xstride + 8 * t4;
   const uint32_t* tile = reinterpret_cast<const uint32_t*>(sm.ring + warp * kTileBytes);
   int s = 0;
   uint32_t phase = 0;

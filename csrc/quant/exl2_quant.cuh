@@ -40,7 +40,7 @@ constexpr int kBlockCols = kBlockWarps * kWarpCols;  // 128 columns per block
 #endif
 constexpr int kStages = EXL2_GEMM_STAGES;  // per-warp cp.async ring depth in chunks (kStages - 1 in flight)
 constexpr int kInfoGroupMask = 0x3FFFFFFF;
-constexpr int kDescLen = 22 + 4 * kMaxRuns;  // int64 fields per descriptor in the host blob
+constexpr int kDescLen = 23 + 4 * kMaxRuns;  // int64 fields per descriptor in the host blob
 
 struct Run {
   int bits, chunk_start, chunk_end;
@@ -70,8 +70,10 @@ enum BlobField {
            // (exl2_gemv_rope.cuh RopeArg), read during the call
   F_SLOTS,  // small-M GEMV (TMA kernel), first descriptor only: the blocks one launch may plan; > 0 balances the
             // per-run split counts by bytes within it (exl2_gemv_splits.cuh), 0 keeps the proportional split
-  F_GROUP_ROWS  // the fewest rows of any quantization group (0: unknown); bounds the groups a split touches, so the
-                // TMA GEMV stages no more scale rows than it can read (the 8B's head: 56 -> 14 KB per block)
+  F_GROUP_ROWS,  // the fewest rows of any quantization group (0: unknown); bounds the groups a split touches, so the
+                 // TMA GEMV stages no more scale rows than it can read (the 8B's head: 56 -> 14 KB per block)
+  F_SPAN  // small-M GEMV (TMA kernel), first descriptor only: 1 = splits of equal bytes that may span width runs
+          // (span_range; the block re-arms its ring at each run it enters), 0 = splits inside one run
 };
 
 // Sum over runs of chunks * bits: the split-K work measure (bytes are proportional to it).
@@ -98,6 +100,14 @@ __host__ __device__ inline void split_range(const QDesc& d, int s, int& c0, int&
   long long w = total_weight(d);
   c0 = chunk_at(d, w * s / d.ksplit);
   c1 = chunk_at(d, w * (s + 1) / d.ksplit);
+}
+
+// Chunk range [c0, c1) of split s of `splits` with equal byte shares over all runs (the TMA GEMV's span splits:
+// a split may cover the end of one width run and the start of the next).
+__host__ __device__ inline void span_range(const QDesc& d, int s, int splits, int& c0, int& c1) {
+  const long long w = total_weight(d);
+  c0 = chunk_at(d, w * s / splits);
+  c1 = chunk_at(d, w * (s + 1) / splits);
 }
 
 // ---- per-lane decode ------------------------------------------------------------------------------------

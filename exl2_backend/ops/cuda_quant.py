@@ -41,13 +41,14 @@ _BLOCK_COLS = 128
 _CHUNK = 64
 _MAX_RUNS = 6
 _MAX_DESC = 4
-_DESC_LEN = 22 + 4 * _MAX_RUNS
+_DESC_LEN = 23 + 4 * _MAX_RUNS
 (F_PACKED, F_SCALES, F_MAXF, F_INFO, F_XMAP, F_BIAS, F_OUT, F_WS, F_COUNTERS, F_LDO, F_K, F_KPAD, F_N, F_NP, F_C,
  F_G, F_NRUNS, F_KSPLIT, F_RUNS) = range(19)
 F_SCL16 = F_RUNS + 4 * _MAX_RUNS
 F_ROPE = F_SCL16 + 1  # first descriptor: host address of the fused rope's int64 arguments (_rope_args), or 0
 F_SLOTS = F_ROPE + 1  # first descriptor: blocks the TMA GEMV may plan, its per-run splits balanced by bytes (0: off)
 F_GROUP_ROWS = F_SLOTS + 1  # the fewest rows of any quantization group: bounds the scales a GEMV split stages
+F_SPAN = F_GROUP_ROWS + 1  # first descriptor: 1 = TMA GEMV splits of equal bytes that may span width runs
 
 # Small-M GEMV kernels: used for M <= GEMV_MAX_M. Blocks of 8 compute warps (256 columns). GEMV_MINB selects:
 # 0 = the TMA-ring kernel on sm_90+ (exl2_gemv_tma.cu; the register-batch kernel below sm_90), planned at 2 blocks
@@ -90,10 +91,12 @@ GEMV_MINB = int(os.environ.get("EXL2_BACKEND_GEMV_MINB", "0"))
 # Blocks per SM the GEMV's split-K factor aims at (one wave of the planned resident blocks); the TMA kernel's
 # default. Below 1 (e.g. 0.4) plans fewer, longer blocks: no split-K reduction where the columns fill the GPU.
 GEMV_BLOCKS_PER_SM = float(os.environ.get("EXL2_BACKEND_GEMV_BLOCKS_PER_SM", "2"))
-# Per-run split counts of the TMA GEMV (csrc/quant/exl2_gemv_splits.cuh): "balanced" gives the run with the
-# longest item one more split at a time within GEMV_WAVES waves of the planned blocks; "proportional" keeps each
-# run's share of ksplit by bytes (short runs then stream whole: the 8B's gate/up items were 48-348 KB).
-GEMV_SPLITS = os.environ.get("EXL2_BACKEND_GEMV_SPLITS", "balanced")
+# Splits of the TMA GEMV (csrc/quant/exl2_gemv_splits.cuh): "span" = ksplit splits of equal bytes that may cover
+# the end of one width run and the start of the next (the block re-arms its ring between them); "balanced" = splits
+# inside one run, the run with the longest item given one more split at a time within GEMV_WAVES waves of the
+# planned blocks; "proportional" = each run's share of ksplit by bytes (short runs then stream whole: the 8B's
+# gate/up items were 48-348 KB; per-run items leave a 58-chunk 3-bit item beside a 7-chunk 4-bit one).
+GEMV_SPLITS = os.environ.get("EXL2_BACKEND_GEMV_SPLITS", "span")
 GEMV_WAVES = max(1.0, float(os.environ.get("EXL2_BACKEND_GEMV_WAVES", "1")))
 _CAPABILITY: dict[int, tuple[int, int]] = {}
 
@@ -424,6 +427,7 @@ class _Launch:
             blob[:, F_LDO] = self.out_features
             if GEMV_SPLITS == "balanced":
                 blob[0, F_SLOTS] = int(self.sms * per_sm * GEMV_WAVES)
+            blob[0, F_SPAN] = int(GEMV_SPLITS == "span")
             kmax = ks + _MAX_RUNS
             ws_off = list(itertools.accumulate([0] + [kmax * m * p.Np for p in self.parts[:-1]]))
             cnt_off = list(itertools.accumulate([0] + ncol[:-1]))

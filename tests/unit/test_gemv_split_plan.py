@@ -5,6 +5,8 @@ on a 132-SM device (the H200)."""
 
 from __future__ import annotations
 
+import itertools
+
 import pytest
 import torch
 
@@ -97,3 +99,53 @@ def test_staged_groups_are_bounded_by_the_smallest_group(monkeypatch, spec, sms,
     assert launch.gemv_staged_groups(1) == want
     if sms == 4:
         assert (maxnch, want) == (54, 28)  # 14 KB of staged scales per block instead of 56 KB
+
+
+def _chunk_at(runs, target: int) -> int:
+    """The first chunk whose cumulative chunk-bits reach `target` (exl2_quant.cuh chunk_at)."""
+    acc = 0
+    for bits, start, end, _ in runs:
+        w = (end - start) * bits
+        if target < acc + w:
+            return start + -(-(target - acc) // bits)
+        acc += w
+    return runs[-1][2]
+
+
+def _span_items(part, k: int) -> list[tuple[int, int]]:
+    w = sum((end - start) * bits for bits, start, end, _ in part.runs)
+    return [(_chunk_at(part.runs, w * s // k), _chunk_at(part.runs, w * (s + 1) // k)) for s in range(k)]
+
+
+def _item_bits(part, c0: int, c1: int) -> int:
+    return sum(max(0, min(c1, end) - max(c0, start)) * bits for bits, start, end, _ in part.runs)
+
+
+def test_span_splits_cross_width_runs_with_equal_bytes(monkeypatch):
+    launch = _launch(["4:0.1@32 3:0.9@32", "4:0.25@32 3:0.75@32"], 4096, 14336)
+    splits, blocks = _splits(launch, 1, "span", monkeypatch)
+    assert (splits, blocks) == ([[2, 0], [2, 0]], 224)  # ksplit 2 per column block, no split per run
+    per_run, _ = _splits(launch, 1, "balanced", monkeypatch)
+    for part in launch.parts:
+        items = _span_items(part, 2)
+        assert items[0][0] == 0 and items[-1][1] == part.C and all(a[1] == b[0] for a, b in itertools.pairwise(items))
+        assert items[0][1] > part.runs[0][2]  # the first split covers the 4-bit run and part of the 3-bit run
+        costs = [_item_bits(part, c0, c1) for c0, c1 in items]
+        assert max(costs) - min(costs) <= 2 * 4  # equal bytes within a chunk or so
+    longest_span = max(_item_bits(p, c0, c1) for p in launch.parts for c0, c1 in _span_items(p, 2))
+    assert longest_span < 0.65 * _longest(launch, per_run)  # 106 against 174 chunk-bits (58 chunks of 3 bits)
+    _splits(launch, 1, "span", monkeypatch)
+    maxnch = max(c1 - c0 for p in launch.parts for c0, c1 in _span_items(p, 2))
+    assert launch.gemv_staged_groups(1) == min(2 * maxnch + 1, maxnch * 64 // 32 + 1)
+
+
+def test_span_splits_drop_to_the_most_without_an_empty_one(monkeypatch):
+    # 2 chunks of 8 bits then 2 of 2 bits: 20 chunk-bits, so 4 splits of 5 would leave two 2-bit ones empty
+    launch = _launch(["8:0.5@32 2:0.5@32"], 256, 256, sms=4)
+    launch.gemv_plan(1)
+    splits, _ = _splits(launch, 1, "span", monkeypatch)
+    k = splits[0][0]
+    assert 1 <= k <= launch.gemv_plan(1).ksplit
+    assert all(c1 > c0 for c0, c1 in _span_items(launch.parts[0], k))
+    if k < launch.gemv_plan(1).ksplit:
+        assert any(c1 <= c0 for c0, c1 in _span_items(launch.parts[0], k + 1))

@@ -70,6 +70,7 @@ struct GemvParams {
 // GemvParams::span they are equal byte shares over all runs and ri is the run of c0 (the block walks on).
 struct GvWork {
   int di, ri, colblk, gsplit, ksplit, c0, c1;
+  int re;  // one past the last run the chunks touch (ri + 1 unless a span split crosses into later runs)
 };
 
 // Work item `b` of a launch (the one-launch kernels: b = blockIdx.x; the chain kernel loops b over its grid).
@@ -85,10 +86,10 @@ __device__ __forceinline__ GvWork gv_work_at(const GemvParams& p, int b) {
   w.ri = 0;
   w.ksplit = p.rbase[w.di][d.nruns];
   if (p.span) {
-    span_range(d, w.gsplit, w.ksplit, w.c0, w.c1);
-    while (w.ri + 1 < d.nruns && w.c0 >= d.runs[w.ri].chunk_end) ++w.ri;
+    span_range(d, w.gsplit, w.ksplit, w.c0, w.c1, w.ri, w.re);
     return w;
   }
+  w.re = w.ri + 1;
   while (w.ri + 1 < d.nruns && w.gsplit >= p.rbase[w.di][w.ri + 1]) ++w.ri;
   const Run& r = d.runs[w.ri];
   const int ks = p.rbase[w.di][w.ri + 1] - p.rbase[w.di][w.ri], sr = w.gsplit - p.rbase[w.di][w.ri];

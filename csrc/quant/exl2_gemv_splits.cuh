@@ -101,8 +101,8 @@ inline int span_splits(GemvParams& p, int& maxnch) {
       bool empty = false;
       most = 1;
       for (int s = 0; s < k && !empty; ++s) {
-        int c0, c1;
-        span_range(d, s, k, c0, c1);
+        int c0, c1, r0, r1;
+        span_range(d, s, k, c0, c1, r0, r1);
         empty = c1 <= c0;
         most = std::max(most, c1 - c0);
       }

@@ -106,10 +106,9 @@ __device__ __forceinline__ void tma_block(const GemvParams& p, const GvWork& wk,
   const QDesc& d = p.d[wk.di];
   const int tid = threadIdx.x, warp = tid >> 5;
   const TmaGeom g = tma_geom(d, wk);
-  int r_end = wk.ri + 1;  // the runs the item covers: [wk.ri, r_end)
-  if (p.span)
-    while (r_end < d.nruns && d.runs[r_end].chunk_start < wk.c1) ++r_end;
-  int stages = ring_stages(p, d.runs[wk.ri].bits);
+  const bool one_run = wk.re == wk.ri + 1;  // wk as is: no run bounds to read (indexed constant loads)
+  const int bits0 = d.runs[wk.ri].bits;
+  int stages = ring_stages(p, bits0);
   const TmaSmem sm(smem, tma_layout(tma_sizes(p.ring_bytes, p.maxgrp, p.M, p.xstride, p.maxnch, p.norm_k)));
   if (tid == 0) tma_init_ring(sm, stages, g.nwa);
   __syncthreads();
@@ -126,10 +125,10 @@ __device__ __forceinline__ void tma_block(const GemvParams& p, const GvWork& wk,
   };
 
   if (warp == kGvWarps) {  // producer
-    for (int r = wk.ri; r < r_end; ++r) {
+    for (int r = wk.ri; r < wk.re; ++r) {
       if (r > wk.ri) next_run(r);
-      tma_produce_run(p, run_segment(d, wk, r), sm, stages);
-      if (r + 1 < r_end) tma_prefetch_run(d, run_segment(d, wk, r + 1), ring_stages(p, d.runs[r + 1].bits));
+      tma_produce_run(p, one_run ? wk : run_segment(d, wk, r), sm, stages);
+      if (r + 1 < wk.re) tma_prefetch_run(d, run_segment(d, wk, r + 1), ring_stages(p, d.runs[r + 1].bits));
     }
     if (p.cluster) cluster_reduce<1>(d, wk, GvState{}, false, false, 0, p.M, nullptr);
     return;
@@ -145,11 +144,11 @@ __device__ __forceinline__ void tma_block(const GemvParams& p, const GvWork& wk,
   const bool active = warp < g.nwa;
   GvStateMT<MT> st;
   gv_zero(st);
-  for (int r = wk.ri; r < r_end; ++r) {
+  for (int r = wk.ri; r < wk.re; ++r) {
     if (r > wk.ri) next_run(r);
-    const GvWork seg = run_segment(d, wk, r);
+    const GvWork seg = one_run ? wk : run_segment(d, wk, r);
     if (active)
-      with_bits(d.runs[r].bits, [&](auto b) {
+      with_bits(r == wk.ri ? bits0 : d.runs[r].bits, [&](auto b) {
         tma_chunks<decltype(b)::value, MT>(p, seg, sm, stages, st, seg.c0 - wk.c0);
       });
   }

@@ -103,11 +103,28 @@ __host__ __device__ inline void split_range(const QDesc& d, int s, int& c0, int&
 }
 
 // Chunk range [c0, c1) of split s of `splits` with equal byte shares over all runs (the TMA GEMV's span splits:
-// a split may cover the end of one width run and the start of the next).
-__host__ __device__ inline void span_range(const QDesc& d, int s, int splits, int& c0, int& c1) {
-  const long long w = total_weight(d);
-  c0 = chunk_at(d, w * s / splits);
-  c1 = chunk_at(d, w * (s + 1) / splits);
+// a split may cover the end of one width run and the start of the next). 32-bit arithmetic: every block of the
+// GEMV computes this before its first copy (C <= 1024 chunks of <= 8 bits, splits <= 1024). *r0 / *r1: the runs
+// of c0 and one past the last run the range touches.
+__host__ __device__ inline int chunk_at32(const QDesc& d, int target, int& r) {
+  int acc = 0;
+  for (r = 0; r < d.nruns; ++r) {
+    const Run& rr = d.runs[r];
+    const int w = (rr.chunk_end - rr.chunk_start) * rr.bits;
+    if (target < acc + w) return rr.chunk_start + (target - acc + rr.bits - 1) / rr.bits;
+    acc += w;
+  }
+  return d.C;
+}
+__host__ __device__ inline void span_range(const QDesc& d, int s, int splits, int& c0, int& c1, int& r0, int& r1) {
+  int w = 0;
+  for (int r = 0; r < d.nruns; ++r) w += (d.runs[r].chunk_end - d.runs[r].chunk_start) * d.runs[r].bits;
+  c0 = chunk_at32(d, w * s / splits, r0);
+  c1 = chunk_at32(d, w * (s + 1) / splits, r1);
+  if (r0 < d.nruns && c0 >= d.runs[r0].chunk_end) ++r0;  // c0 rounded up to the next run's first chunk
+  if (r1 >= d.nruns || c1 > d.runs[r1].chunk_start) ++r1;  // r1: the run holding c1 - 1, plus one
+  r0 = min(r0, d.nruns - 1);
+  r1 = min(max(r1, r0 + 1), d.nruns);
 }
 
 // ---- per-lane decode ------------------------------------------------------------------------------------

@@ -27,10 +27,12 @@ EPS = 1e-5
 
 @pytest.fixture(autouse=True)
 def _chain_on(monkeypatch):
-    """The chain is opt-in (cuda_chain.GEMV_CHAIN); these tests run it."""
-    from exl2_backend.ops import cuda_chain
+    """The chain is opt-in (cuda_chain.GEMV_CHAIN); these tests run it. Its items stay inside one width run, so the
+    launches it is compared with bit for bit use per-run splits too (span splits sum other partials)."""
+    from exl2_backend.ops import cuda_chain, cuda_quant
 
     monkeypatch.setattr(cuda_chain, "GEMV_CHAIN", True)
+    monkeypatch.setattr(cuda_quant, "GEMV_SPLITS", "balanced")
 
 
 def _needs_chain():

@@ -744,16 +744,13 @@ int gemv_plan(const int64_t* blob, int ndesc, const void* x, int M, int ldx, int
       }
       // Splits of equal bytes across width runs, or per-run splits balanced by bytes within the launch's planned
       // blocks (exl2_gemv_splits.cuh).
-      if (allow_span && blob[F_SPAN] && !p.cluster && !probe) {
-        p.span = 1;
-        blocks = span_splits(p, maxnch);
-        p.xstride = maxnch * kChunkRows + 8;
-        p.maxnch = maxnch;
-      } else if (const int slots = (int)blob[F_SLOTS]; slots > 0 && !p.cluster) {
-        balance_run_splits(p, slots, blocks, maxnch);
-        p.xstride = maxnch * kChunkRows + 8;
-        p.maxnch = maxnch;
-      }
+      // Per-run splits balanced by bytes within the launch's planned blocks, then span splits where they pay
+      // (exl2_gemv_splits.cuh).
+      const int slots = (int)blob[F_SLOTS];
+      if (slots > 0 && !p.cluster) balance_run_splits(p, slots, blocks, maxnch);
+      if (allow_span && blob[F_SPAN] && !p.cluster && !probe) take_span_if_it_pays(p, slots, blocks, maxnch);
+      p.xstride = maxnch * kChunkRows + 8;
+      p.maxnch = maxnch;
       static const int prefetch_kb = [] {  // L2 prefetch past the ring, KB per block (0 = off until measured)
         const char* e = getenv("EXL2_GEMV_PREFETCH_KB");
         return e && atoi(e) > 0 ? atoi(e) : 0;
@@ -868,11 +865,11 @@ EXL2_API int exl2_gemv_splits(const int64_t* blob, int ndesc, int slots, int* sp
     d.block_start = n;
     n += d.ncolblk * proportional_run_splits(d, p.rbase[i], maxnch);
   }
-  if (blob[F_SPAN]) n = span_splits(p, maxnch);  // splits[i * kMaxRuns]: the descriptor's span splits
-  else if (slots > 0) balance_run_splits(p, slots, n, maxnch);
+  if (slots > 0) balance_run_splits(p, slots, n, maxnch);
+  if (blob[F_SPAN]) take_span_if_it_pays(p, slots, n, maxnch);  // span: splits[i * kMaxRuns], the rest 0
   for (int i = 0; i < ndesc; ++i)
     for (int r = 0; r < kMaxRuns; ++r)
-      splits[i * kMaxRuns + r] = blob[F_SPAN] ? (r == 0 ? p.rbase[i][p.d[i].nruns] : 0)
+      splits[i * kMaxRuns + r] = p.span ? (r == 0 ? p.rbase[i][p.d[i].nruns] : 0)
                                               : r < p.d[i].nruns ? p.rbase[i][r + 1] - p.rbase[i][r] : 0;
   *blocks = n;
   if (groups) *groups = staged_groups(blob, ndesc, maxnch);

@@ -85,12 +85,12 @@ __device__ __forceinline__ GvWork gv_work_at(const GemvParams& p, int b) {
   w.gsplit = p.cluster ? local % p.cluster : local / d.ncolblk;
   w.ri = 0;
   w.ksplit = p.rbase[w.di][d.nruns];
-  if (p.span) {
+  if (p.span && d.nruns > 1) {  // one run: the per-run walk below gives the same range
     span_range(d, w.gsplit, w.ksplit, w.c0, w.c1, w.ri, w.re);
     return w;
   }
-  w.re = w.ri + 1;
   while (w.ri + 1 < d.nruns && w.gsplit >= p.rbase[w.di][w.ri + 1]) ++w.ri;
+  w.re = w.ri + 1;
   const Run& r = d.runs[w.ri];
   const int ks = p.rbase[w.di][w.ri + 1] - p.rbase[w.di][w.ri], sr = w.gsplit - p.rbase[w.di][w.ri];
   const int nr = r.chunk_end - r.chunk_start;

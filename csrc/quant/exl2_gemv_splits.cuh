@@ -97,7 +97,11 @@ inline int span_splits(GemvParams& p, int& maxnch) {
   for (int i = 0; i < p.ndesc; ++i) {
     QDesc& d = p.d[i];
     int k = d.ksplit, most = 1;
-    for (; k > 1; --k) {  // the most splits <= ksplit with none empty
+    if (d.nruns == 1) {  // the device takes the per-run walk (gv_work_at): equal chunk shares of the one run
+      k = std::min(k, d.C);
+      most = (d.C + k - 1) / k;
+    }
+    for (; k > 1 && d.nruns > 1; --k) {  // the most splits <= ksplit with none empty
       bool empty = false;
       most = 1;
       for (int s = 0; s < k && !empty; ++s) {
@@ -108,7 +112,7 @@ inline int span_splits(GemvParams& p, int& maxnch) {
       }
       if (!empty) break;
     }
-    if (k == 1) most = d.C;
+    if (k == 1) most = d.C;  // (one run: ceil(C / 1))
     for (int r = 0; r < d.nruns; ++r) p.rbase[i][r] = 0;
     p.rbase[i][d.nruns] = k;
     d.block_start = blocks;
@@ -116,6 +120,44 @@ inline int span_splits(GemvParams& p, int& maxnch) {
     maxnch = std::max(maxnch, most);
   }
   return blocks;
+}
+
+// Chunk-bits of the longest item of a plan (one column block's chunk of b bits is 2 KB x b).
+inline long long longest_item(const GemvParams& p) {
+  long long most = 0;
+  for (int i = 0; i < p.ndesc; ++i) {
+    const QDesc& d = p.d[i];
+    const int k = p.rbase[i][d.nruns];
+    const bool spans = p.span && d.nruns > 1;  // one run: gv_work_at's per-run walk
+    for (int s = 0; s < (spans ? k : 0); ++s) {
+      int c0, c1, r0, r1;
+      span_range(d, s, k, c0, c1, r0, r1);
+      long long bits = 0;
+      for (int r = r0; r < r1; ++r)
+        bits += (long long)(std::min(c1, d.runs[r].chunk_end) - std::max(c0, d.runs[r].chunk_start)) * d.runs[r].bits;
+      most = std::max(most, bits);
+    }
+    for (int r = 0; r < (spans ? 0 : d.nruns); ++r)
+      most = std::max(most, run_item_cost(d.runs[r], p.rbase[i][r + 1] - p.rbase[i][r]));
+  }
+  return most;
+}
+
+// Span splits instead of the per-run plan in p when they pay: when the per-run plan needs more blocks than the
+// launch's `slots` (several waves: the 8B's head, 1,002 items of one run each against 501 span items), or when
+// they shorten the longest item by 15% or more (the 8B's mixed 3/4-bit gate/up: 106 against 174 chunk-bits, one
+// item per column block and run). Elsewhere the per-run plan stays (as short, and its blocks find their chunk
+// range without walking the runs: V2/V3 of 2026-12-03 put that walk at +0.6-0.9 us per launch).
+inline void take_span_if_it_pays(GemvParams& p, int slots, int& blocks, int& maxnch) {
+  GemvParams q = p;
+  int q_maxnch = 1;
+  q.span = 1;
+  const int q_blocks = span_splits(q, q_maxnch);
+  const bool waves = slots > 0 && blocks > slots && q_blocks < blocks;
+  if (!waves && 100 * longest_item(q) > 85 * longest_item(p)) return;
+  p = q;
+  blocks = q_blocks;
+  maxnch = q_maxnch;
 }
 
 // The most quantization groups a split of `maxnch` chunks touches, which the TMA GEMV stages the scales of: at most

@@ -425,7 +425,7 @@ class _Launch:
             blob = np.stack(self._descs).copy()
             blob[:, F_KSPLIT] = ks
             blob[:, F_LDO] = self.out_features
-            if GEMV_SPLITS == "balanced":
+            if GEMV_SPLITS in ("balanced", "span"):  # span: the per-run plan it is weighed against
                 blob[0, F_SLOTS] = int(self.sms * per_sm * GEMV_WAVES)
             blob[0, F_SPAN] = int(GEMV_SPLITS == "span")
             kmax = ks + _MAX_RUNS

@@ -139,13 +139,13 @@ def test_span_splits_cross_width_runs_with_equal_bytes(monkeypatch):
     assert launch.gemv_staged_groups(1) == min(2 * maxnch + 1, maxnch * 64 // 32 + 1)
 
 
-def test_span_splits_drop_to_the_most_without_an_empty_one(monkeypatch):
-    # 2 chunks of 8 bits then 2 of 2 bits: 20 chunk-bits, so 4 splits of 5 would leave two 2-bit ones empty
-    launch = _launch(["8:0.5@32 2:0.5@32"], 256, 256, sms=4)
-    launch.gemv_plan(1)
-    splits, _ = _splits(launch, 1, "span", monkeypatch)
-    k = splits[0][0]
-    assert 1 <= k <= launch.gemv_plan(1).ksplit
-    assert all(c1 > c0 for c0, c1 in _span_items(launch.parts[0], k))
-    if k < launch.gemv_plan(1).ksplit:
-        assert any(c1 <= c0 for c0, c1 in _span_items(launch.parts[0], k + 1))
+def test_span_splits_only_where_they_pay(monkeypatch):
+    # down (8:0.05 4:0.95): span items would be ~59 chunk-bits against 64 per run: the per-run plan stays
+    assert _splits(_launch(*DOWN), 1, "span", monkeypatch) == _splits(_launch(*DOWN), 1, "balanced", monkeypatch)
+    # one run: nothing to span
+    assert _splits(_launch(*QKV), 1, "span", monkeypatch) == _splits(_launch(*QKV), 1, "balanced", monkeypatch)
+    # a head-like launch whose per-run plan needs several waves (64 items on 8 slots): one span item per column
+    # block instead of one per column block and run
+    head = _launch(["8:0.15@128 6:0.85@128"], 4096, 8192, sms=4)
+    assert _splits(head, 1, "balanced", monkeypatch) == ([[1, 1]], 64)
+    assert _splits(head, 1, "span", monkeypatch) == ([[1, 0]], 32)

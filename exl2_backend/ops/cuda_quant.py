@@ -333,8 +333,11 @@ class _Workspace:
         self._captured = False  # self.ws was handed to a launch during a stream capture
 
     def buffers(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """(partials, tickets) for one launch."""
-        if not self._captured and self.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+        """(partials, tickets) for one launch. While torch.compile traces, the buffer counts as captured (the
+        compiled graph may later run under a capture; dynamo cannot trace the capture query, which broke
+        fullgraph compiles in any process that had not captured a graph yet)."""
+        if not self._captured and self.device.type == "cuda" and (
+                torch.compiler.is_compiling() or torch.cuda.is_current_stream_capturing()):
             self._captured = True
         return self.ws, self.counters
 

@@ -49,6 +49,14 @@ gpu_tests() {
   shift 2
   timeout "$secs" python3 -m pytest "$@" -q -m cuda -p no:cacheprovider -rf 2>&1 | tee "$R/$name.txt" \
     | grep -E "FAILED|passed|failed|Error" | tail -8
+  stop_test_workers
+}
+# pytest-xdist workers outlive a pytest that `timeout` killed: they run their queued tests on the GPU beside what
+# comes next (call V3 of 2026-12-03 measured prefill at 0.6x its usual rate after such a kill). Stop them.
+stop_test_workers() {
+  pkill -9 -f "sys.stdin.readline" 2>/dev/null
+  pkill -9 -f "pytest" 2>/dev/null
+  sleep 1
 }
 # Results of a call as one archive ($OUT brings back at most 8 files): write under $R after results_dir, then
 # pack_results NAME at the end ($OUT/NAME.tar.gz).

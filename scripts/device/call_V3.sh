@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Device call V3 (session 13; carry .whl and .dev/libexl2_kernels.so.gz), the session's final library: 3-bit whole
+# Device call V3 (session 13; as run, before common.sh stopped leftover test workers; carry .whl and .dev/libexl2_kernels.so.gz), the session's final library: 3-bit whole
 # fields, scales staged by the smallest group, span splits whose blocks read no run bounds when an item stays in
 # one run (V2's span kernel read them through indexed constant loads before its first copy: +0.3-0.5 us per GEMV)
 # and compute them in 32-bit arithmetic.
@@ -16,16 +16,7 @@ decode_step_1k span1 nochain; roles span1; kinds span1
 decode_step_1k bal1 nochain EXL2_BACKEND_GEMV_SPLITS=balanced; roles bal1
 decode_step_1k span2 nochain; roles span2
 echo "steps $(( $(date +%s) - T0 )) s"
-timeout "$(left 250)" python3 -m pytest -n 14 -v -m cuda -p no:cacheprovider -rf tests/kernels/test_exl2_gemm.py \
-  tests/kernels/test_exl2_dequant.py tests/unit/test_gemv_split_plan.py tests/unit/test_kernel_layout.py \
-  tests/kernels/test_gemv_norm.py tests/kernels/test_gemv_rope_kv.py tests/kernels/test_fold_down_order_cuda.py \
-  tests/kernels/test_gemv_chain.py -k "not llama3_8b" > "$R/kern.txt" 2>&1
-grep -cE "PASSED" "$R/kern.txt"; grep -E "FAILED|ERROR|passed|failed" "$R/kern.txt" | grep -v "^\[gw[0-9]*\] .* PASSED" | tail -12
+gpu_tests_verbose kern "$(left 250)" -n 14 $GEMV_GPU_TESTS -k "not llama3_8b"
 echo "tests $(( $(date +%s) - T0 )) s"
-bench_8b final 130 1024,32768 fp16,q8,q4
-spec_costs final
-echo "bench $(( $(date +%s) - T0 )) s"
-if [ "$(left 575)" -gt 90 ]; then
-  exllamav2_vs_ours "$(left 575)"
-fi
+final_figures 575
 echo "total $(( $(date +%s) - T0 )) s"

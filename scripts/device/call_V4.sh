@@ -17,11 +17,7 @@ decode_step_1k span1 nochain; roles span1; kinds span1
 decode_step_1k bal1 nochain EXL2_BACKEND_GEMV_SPLITS=balanced; roles bal1; kinds bal1
 decode_step_1k span2 nochain; roles span2
 echo "steps $(( $(date +%s) - T0 )) s"
-timeout "$(left 300)" python3 -m pytest -n 14 -v -m cuda -p no:cacheprovider -rf tests/kernels/test_exl2_gemm.py \
-  tests/kernels/test_exl2_dequant.py tests/unit/test_gemv_split_plan.py tests/unit/test_kernel_layout.py \
-  tests/kernels/test_gemv_chain.py tests/kernels/test_gemv_norm.py tests/kernels/test_gemv_rope_kv.py \
-  tests/kernels/test_fold_down_order_cuda.py -k "not llama3_8b" > "$R/kern.txt" 2>&1
-echo "passed: $(grep -c PASSED "$R/kern.txt")"; grep -E "FAILED|ERROR|passed|failed" "$R/kern.txt" | grep -v " PASSED " | tail -12 | cut -c1-200
+gpu_tests_verbose kern "$(left 300)" -n 14 $GEMV_GPU_TESTS -k "not llama3_8b"
 echo "tests $(( $(date +%s) - T0 )) s"
 if [ "$(left 370)" -gt 70 ]; then bench_8b final 70 1024 fp16; fi
 echo "total $(( $(date +%s) - T0 )) s"

@@ -32,6 +32,11 @@ start_exllamav2_jit() {
 # The GPU tests that need no SmolLM2 (the default model's GGUF does not fit one call's carry with the wheels).
 CUDA_TESTS_NO_SMOLLM2="tests/kernels tests/unit/test_convert_device.py tests/multigpu/test_multigpu_cuda.py
   tests/engine/test_prefill_memory.py tests/serve/test_batch_invariance.py"
+# The GEMV kernels' GPU tests (TMA GEMV, dequant, layout, split plan, fused norm / rope, fold, chain); add
+# -k "not llama3_8b" to skip the chain's 8B layer tests.
+GEMV_GPU_TESTS="tests/kernels/test_exl2_gemm.py tests/kernels/test_exl2_dequant.py tests/unit/test_gemv_split_plan.py
+  tests/unit/test_kernel_layout.py tests/kernels/test_gemv_norm.py tests/kernels/test_gemv_rope_kv.py
+  tests/kernels/test_fold_down_order_cuda.py tests/kernels/test_gemv_chain.py"
 exl2() { python3 -m exl2_backend.cli.main "$@"; }
 # ExLlamaV2 against ours on the random 8B directory (after a bench_8b wrote it), once its JIT build is done:
 # exllamav2_vs_ours SECONDS [exllamav2_compare.py arguments...]; $R/exl_compare.txt and $R/exllamav2_compare.json.
@@ -109,4 +114,25 @@ ncu_chain_once() {
   ncu --import "$R/$name.ncu-rep" --page source --csv --print-source sass 2>&1 | gzip -c > "$R/$name.sass.csv.gz"
   rm -f "$R/$name.ncu-rep"
   grep -E "^    Duration|DRAM Throughput|Achieved Occupancy" "$R/$name.details.txt" | head -3
+}
+# GPU tests with every result named as it comes (pytest -v, xdist): gpu_tests_verbose NAME SECONDS [pytest
+# arguments...]; $R/NAME.txt, the count passed and the failures on stdout (a run stopped by its limit still
+# names what failed before it).
+gpu_tests_verbose() {
+  local name=$1 secs=$2
+  shift 2
+  timeout "$secs" python3 -m pytest "$@" -v -m cuda -p no:cacheprovider -rf > "$R/$name.txt" 2>&1
+  stop_test_workers
+  echo "passed: $(grep -c PASSED "$R/$name.txt")"
+  grep -E "FAILED|ERROR|passed|failed" "$R/$name.txt" | grep -v " PASSED " | tail -12 | cut -c1-200
+}
+# The figures a session closes with: `bench` at 1k and 32k (fp16 / q8 / q4), verify costs, and ExLlamaV2 at 1k
+# beside ours when more than 90 s of LIMIT are left (start_exllamav2_jit first): final_figures LIMIT.
+final_figures() {
+  bench_8b final 130 1024,32768 fp16,q8,q4
+  spec_costs final
+  echo "bench $(( $(date +%s) - T0 )) s"
+  if [ "$(left "$1")" -gt 90 ]; then
+    exllamav2_vs_ours "$(left "$1")"
+  fi
 }

@@ -101,6 +101,15 @@ __device__ __forceinline__ GvWork run_segment(const QDesc& d, const GvWork& wk, 
   return s;
 }
 
+// A measurement build with EXL2_GEMV_ONE_RUN_BRANCH gives items inside one run their own straight path (the
+// session-12 code: one produce, one chunk loop; the run loop's copy of both stays for span items). Session 13's
+// per-run launches ran 0.4-0.6 us slower with the run loop than without it (V1 against V4); prepared for call W2.
+#ifdef EXL2_GEMV_ONE_RUN_BRANCH
+constexpr bool kOneRunBranch = true;
+#else
+constexpr bool kOneRunBranch = false;
+#endif
+
 template <int MT>
 __device__ __forceinline__ void tma_block(const GemvParams& p, const GvWork& wk, unsigned char* smem) {
   const QDesc& d = p.d[wk.di];
@@ -125,6 +134,11 @@ __device__ __forceinline__ void tma_block(const GemvParams& p, const GvWork& wk,
   };
 
   if (warp == kGvWarps) {  // producer
+    if (kOneRunBranch && one_run) {
+      tma_produce_run(p, wk, sm, stages);
+      if (p.cluster) cluster_reduce<1>(d, wk, GvState{}, false, false, 0, p.M, nullptr);
+      return;
+    }
     for (int r = wk.ri; r < wk.re; ++r) {
       if (r > wk.ri) next_run(r);
       tma_produce_run(p, one_run ? wk : run_segment(d, wk, r), sm, stages);
@@ -144,7 +158,10 @@ __device__ __forceinline__ void tma_block(const GemvParams& p, const GvWork& wk,
   const bool active = warp < g.nwa;
   GvStateMT<MT> st;
   gv_zero(st);
-  for (int r = wk.ri; r < wk.re; ++r) {
+  if (kOneRunBranch && one_run) {
+    if (active) with_bits(bits0, [&](auto b) { tma_chunks<decltype(b)::value, MT>(p, wk, sm, stages, st); });
+  }
+  for (int r = wk.ri; r < (kOneRunBranch && one_run ? wk.ri : wk.re); ++r) {
     if (r > wk.ri) next_run(r);
     const GvWork seg = one_run ? wk : run_segment(d, wk, r);
     if (active)

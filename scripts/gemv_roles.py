@@ -15,7 +15,7 @@ LAYER_ROLES = ("q/k/v", "o", "gate/up", "down")
 
 def step_roles(num_layers: int, head: bool, by_layer: bool = False) -> list[str]:
     """The roles of one decode step's GEMV launches, in launch order; `by_layer` tags each with its layer
-    ("gate/up#3"), which role_rows sums away and layer_rows keeps."""
+    ("gate/up#3"), which role_rows sums away and kind_rows groups by."""
     roles = [f"{r}#{i}" if by_layer else r for i in range(num_layers) for r in LAYER_ROLES]
     return roles + (["head"] if head else [])
 
@@ -84,9 +84,8 @@ def kind_rows(critical: dict[str, list[float]], launch_bytes: dict[tuple[str, in
         s[0] += count
         s[1] += us
         s[2] += launch_bytes[(role, layer)] * count
-    rows = []
-    for (role, kind), (count, us, nbytes) in sums.items():
-        rows.append({**_row(role, count, us, nbytes, bandwidth_gbs), "kind": kind})
+    rows = [{**_row(role, count, us, nbytes, bandwidth_gbs), "kind": kind}
+            for (role, kind), (count, us, nbytes) in sums.items()]
     return sorted(rows, key=lambda r: (r["role"], -r["us_per_launch"]))
 
 

@@ -308,9 +308,8 @@ def profile_shape(name: str, variants: list[str], workdir: Path, results: dict, 
 def gemv_role_bytes(model) -> dict[str, int]:
     """Bytes one decode step's GEMVs read per role (packed weights and fp16 lane scales), summed over layers."""
     out = dict.fromkeys(LAYER_ROLES, 0)
-    for layer in model.layers:
-        for role, op in zip(LAYER_ROLES, (layer.qkv, layer.o, layer.gate_up, layer.down)):
-            out[role] += _op_bytes(op)
+    for (role, _), nbytes in gemv_launch_kinds(model)[0].items():
+        out[role] += nbytes
     if model.lm_head is not None:
         out["head"] = _op_bytes(model.lm_head)
     return out

@@ -742,8 +742,6 @@ int gemv_plan(const int64_t* blob, int ndesc, const void* x, int M, int ldx, int
           p.cluster = C;
         }
       }
-      // Splits of equal bytes across width runs, or per-run splits balanced by bytes within the launch's planned
-      // blocks (exl2_gemv_splits.cuh).
       // Per-run splits balanced by bytes within the launch's planned blocks, then span splits where they pay
       // (exl2_gemv_splits.cuh).
       const int slots = (int)blob[F_SLOTS];

@@ -85,7 +85,7 @@ __device__ __forceinline__ GvWork gv_work_at(const GemvParams& p, int b) {
   w.gsplit = p.cluster ? local % p.cluster : local / d.ncolblk;
   w.ri = 0;
   w.ksplit = p.rbase[w.di][d.nruns];
-  if (p.span && d.nruns > 1) {  // one run: the per-run walk below gives the same range
+  if (p.span && d.nruns > 1) {  // one run: the per-run walk below (span_splits plans one-run parts for it)
     span_range(d, w.gsplit, w.ksplit, w.c0, w.c1, w.ri, w.re);
     return w;
   }

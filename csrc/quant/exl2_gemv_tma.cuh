@@ -195,11 +195,6 @@ __device__ __forceinline__ void tma_inval_ring(const TmaSmem& sm, int stages) {
   mbar_inval(sm.scale());
 }
 
-// The producer warp's work for one block: the first `stages` copies (their slots need no release) before anything
-// else, an optional L2 prefetch of the following chunks, the block's group scales staged once on their own
-// barrier, then lane 0 keeps the ring full until the block's last chunk is issued. Weights, scales and chunk info
-// are constants: all of it may run before the PDL wait (and, in the chain kernel, before the grid barrier).
-// The width only sets the tile bytes, so the code is not specialized per width (one copy in the kernel).
 // Where a block's copies of run wk.ri come from: its first chunk's bytes, the stride between chunks, the bytes
 // of one copy (the block's warp tiles of one chunk are contiguous).
 struct TmaSource {
@@ -224,6 +219,11 @@ __device__ __forceinline__ void tma_prefetch_run(const QDesc& d, const GvWork& w
     asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(s.src + i * s.step), "r"(s.bytes) : "memory");
 }
 
+// The producer warp's work for one block: the first `stages` copies (their slots need no release) before anything
+// else, an optional L2 prefetch of the following chunks, the block's group scales staged once on their own
+// barrier, then lane 0 keeps the ring full until the block's last chunk is issued. Weights, scales and chunk info
+// are constants: all of it may run before the PDL wait (and, in the chain kernel, before the grid barrier).
+// The width only sets the tile bytes, so the code is not specialized per width (one copy in the kernel).
 __device__ __forceinline__ void tma_produce_run(const GemvParams& p, const GvWork& wk, const TmaSmem& sm,
                                                 int stages) {
   const QDesc& d = p.d[wk.di];
@@ -231,10 +231,7 @@ __device__ __forceinline__ void tma_produce_run(const GemvParams& p, const GvWor
   const int lane = threadIdx.x & 31;
   const int slot_bytes = kGvWarps * 256 * d.runs[wk.ri].bits;
   const uint64_t pol = evict_first_policy();
-  const TmaSource source = tma_source(d, wk);
-  const unsigned char* src = source.src;
-  const size_t step = source.step;
-  const uint32_t bytes = source.bytes;
+  const auto [src, step, bytes] = tma_source(d, wk);
   const uint32_t ring_s = smem_addr(sm.ring);
   const int first = min(stages, g.nch);
   if (lane == 0)

@@ -117,7 +117,7 @@ __host__ __device__ inline int chunk_at32(const QDesc& d, int target, int& r) {
   return d.C;
 }
 __host__ __device__ inline void span_range(const QDesc& d, int s, int splits, int& c0, int& c1, int& r0, int& r1) {
-  int w = 0;
+  int w = 0;  // total_weight in 32-bit arithmetic
   for (int r = 0; r < d.nruns; ++r) w += (d.runs[r].chunk_end - d.runs[r].chunk_start) * d.runs[r].bits;
   c0 = chunk_at32(d, w * s / splits, r0);
   c1 = chunk_at32(d, w * (s + 1) / splits, r1);

@@ -744,9 +744,7 @@ int gemv_plan(const int64_t* blob, int ndesc, const void* x, int M, int ldx, int
       }
       // Per-run splits balanced by bytes within the launch's planned blocks, then span splits where they pay
       // (exl2_gemv_splits.cuh).
-      const int slots = (int)blob[F_SLOTS];
-      if (slots > 0 && !p.cluster) balance_run_splits(p, slots, blocks, maxnch);
-      if (allow_span && blob[F_SPAN] && !p.cluster && !probe) take_span_if_it_pays(p, slots, blocks, maxnch);
+      if (!p.cluster) refine_splits(p, blob, (int)blob[F_SLOTS], allow_span && !probe, blocks, maxnch);
       p.xstride = maxnch * kChunkRows + 8;
       p.maxnch = maxnch;
       static const int prefetch_kb = [] {  // L2 prefetch past the ring, KB per block (0 = off until measured)
@@ -863,8 +861,7 @@ EXL2_API int exl2_gemv_splits(const int64_t* blob, int ndesc, int slots, int* sp
     d.block_start = n;
     n += d.ncolblk * proportional_run_splits(d, p.rbase[i], maxnch);
   }
-  if (slots > 0) balance_run_splits(p, slots, n, maxnch);
-  if (blob[F_SPAN]) take_span_if_it_pays(p, slots, n, maxnch);  // span: splits[i * kMaxRuns], the rest 0
+  refine_splits(p, blob, slots, true, n, maxnch);  // span: splits[i * kMaxRuns], the rest 0
   for (int i = 0; i < ndesc; ++i)
     for (int r = 0; r < kMaxRuns; ++r)
       splits[i * kMaxRuns + r] = p.span ? (r == 0 ? p.rbase[i][p.d[i].nruns] : 0)

@@ -160,6 +160,13 @@ inline void take_span_if_it_pays(GemvParams& p, int slots, int& blocks, int& max
   maxnch = q_maxnch;
 }
 
+// The split plan past the proportional one, shared by exl2_gemv's planner and the host-only exl2_gemv_splits: per-run
+// splits balanced within `slots` blocks (slots > 0), then span splits where they pay (span: F_SPAN may select them).
+inline void refine_splits(GemvParams& p, const int64_t* blob, int slots, bool span, int& blocks, int& maxnch) {
+  if (slots > 0) balance_run_splits(p, slots, blocks, maxnch);
+  if (span && blob[F_SPAN]) take_span_if_it_pays(p, slots, blocks, maxnch);
+}
+
 // The most quantization groups a split of `maxnch` chunks touches, which the TMA GEMV stages the scales of: at most
 // two group ends per chunk, and at most one more than its rows over the part's smallest group (F_GROUP_ROWS; a
 // split may start inside a group); the most of any part. The 8B's 6-bit head (groups of 128 rows, 54-chunk

@@ -87,7 +87,9 @@ __device__ __forceinline__ void cluster_reduce(const QDesc& d, const GvWork& wk,
 //
 // A span split (GemvParams::span) covers the end of one width run and the start of the next: the block streams
 // them one after the other, re-arming its ring between them (both roles meet at a block barrier once the ring is
-// drained; the producer has sent the next run's first copies to L2 by then).
+// drained; the producer has sent the next run's first copies to L2 by then). Items inside one run (all but span
+// items) take a straight path, one produce and one chunk loop: through the run loop every such launch ran ~0.5 us
+// slower (H200 call X1 of 2026-12-03, 8B decode step at 1k 2.416 -> 2.360 ms).
 __device__ __forceinline__ int ring_stages(const GemvParams& p, int bits) {
   int stages = 0;
   with_bits(bits, [&](auto b) { stages = tma_stages<decltype(b)::value>(p); });
@@ -100,15 +102,6 @@ __device__ __forceinline__ GvWork run_segment(const QDesc& d, const GvWork& wk, 
   s.c1 = min(wk.c1, d.runs[r].chunk_end);
   return s;
 }
-
-// A measurement build with EXL2_GEMV_ONE_RUN_BRANCH gives items inside one run their own straight path (the
-// session-12 code: one produce, one chunk loop; the run loop's copy of both stays for span items). Session 13's
-// per-run launches ran 0.4-0.6 us slower with the run loop than without it (V1 against V4); prepared for call W2.
-#ifdef EXL2_GEMV_ONE_RUN_BRANCH
-constexpr bool kOneRunBranch = true;
-#else
-constexpr bool kOneRunBranch = false;
-#endif
 
 template <int MT>
 __device__ __forceinline__ void tma_block(const GemvParams& p, const GvWork& wk, unsigned char* smem) {
@@ -134,15 +127,14 @@ __device__ __forceinline__ void tma_block(const GemvParams& p, const GvWork& wk,
   };
 
   if (warp == kGvWarps) {  // producer
-    if (kOneRunBranch && one_run) {
+    if (one_run) {
       tma_produce_run(p, wk, sm, stages);
-      if (p.cluster) cluster_reduce<1>(d, wk, GvState{}, false, false, 0, p.M, nullptr);
-      return;
-    }
-    for (int r = wk.ri; r < wk.re; ++r) {
-      if (r > wk.ri) next_run(r);
-      tma_produce_run(p, one_run ? wk : run_segment(d, wk, r), sm, stages);
-      if (r + 1 < wk.re) tma_prefetch_run(d, run_segment(d, wk, r + 1), ring_stages(p, d.runs[r + 1].bits));
+    } else {
+      for (int r = wk.ri; r < wk.re; ++r) {
+        if (r > wk.ri) next_run(r);
+        tma_produce_run(p, run_segment(d, wk, r), sm, stages);
+        if (r + 1 < wk.re) tma_prefetch_run(d, run_segment(d, wk, r + 1), ring_stages(p, d.runs[r + 1].bits));
+      }
     }
     if (p.cluster) cluster_reduce<1>(d, wk, GvState{}, false, false, 0, p.M, nullptr);
     return;
@@ -158,16 +150,17 @@ __device__ __forceinline__ void tma_block(const GemvParams& p, const GvWork& wk,
   const bool active = warp < g.nwa;
   GvStateMT<MT> st;
   gv_zero(st);
-  if (kOneRunBranch && one_run) {
+  if (one_run) {
     if (active) with_bits(bits0, [&](auto b) { tma_chunks<decltype(b)::value, MT>(p, wk, sm, stages, st); });
-  }
-  for (int r = wk.ri; r < (kOneRunBranch && one_run ? wk.ri : wk.re); ++r) {
-    if (r > wk.ri) next_run(r);
-    const GvWork seg = one_run ? wk : run_segment(d, wk, r);
-    if (active)
-      with_bits(r == wk.ri ? bits0 : d.runs[r].bits, [&](auto b) {
-        tma_chunks<decltype(b)::value, MT>(p, seg, sm, stages, st, seg.c0 - wk.c0);
-      });
+  } else {
+    for (int r = wk.ri; r < wk.re; ++r) {
+      if (r > wk.ri) next_run(r);
+      const GvWork seg = run_segment(d, wk, r);
+      if (active)
+        with_bits(d.runs[r].bits, [&](auto b) {
+          tma_chunks<decltype(b)::value, MT>(p, seg, sm, stages, st, seg.c0 - wk.c0);
+        });
+    }
   }
   if (p.cluster && wk.ksplit > 1) {  // the ring is drained: every copy into it was waited for and read
     const int n0 = (g.j0 + warp) * kWarpCols;

@@ -39,8 +39,10 @@ def build(device):
     return config, layers
 
 
-def timed(fn, reps: int = 16, replays: int = 20) -> float:
-    fn()  # warm-up and plans outside the capture
+def captured(fn, reps: int = 16):
+    """A CUDA graph of `reps` calls of fn (one warm-up call first: plans and workspaces outside the capture),
+    replayed once."""
+    fn()
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
@@ -48,6 +50,11 @@ def timed(fn, reps: int = 16, replays: int = 20) -> float:
             fn()
     graph.replay()
     torch.cuda.synchronize()
+    return graph
+
+
+def replay_us(graph, reps: int, replays: int = 20) -> float:
+    """us per call of a graph of `reps` calls (CUDA events over `replays` replays)."""
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     start.record()
     for _ in range(replays):
@@ -55,6 +62,10 @@ def timed(fn, reps: int = 16, replays: int = 20) -> float:
     end.record()
     torch.cuda.synchronize()
     return start.elapsed_time(end) * 1000 / (reps * replays)
+
+
+def timed(fn, reps: int = 16, replays: int = 20) -> float:
+    return replay_us(captured(fn, reps), reps, replays)
 
 
 def phase_times(fn, raw_out: str | None = None) -> list[dict]:

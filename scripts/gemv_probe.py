@@ -21,7 +21,6 @@ import json
 import os
 import statistics
 import sys
-import tempfile
 
 import torch
 
@@ -39,17 +38,9 @@ def widths(linear) -> str:
 
 def launch_durations(graph, reps: int) -> dict[str, float]:
     """Median duration (us) of each role's launches over one replay of the graph (reps x 4 GEMV kernels)."""
-    from torch.profiler import ProfilerActivity, profile
+    from profile_decode import trace_events
 
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        graph.replay()
-        torch.cuda.synchronize()
-    with tempfile.TemporaryDirectory() as tmp:
-        path = os.path.join(tmp, "trace.json")
-        prof.export_chrome_trace(path)
-        with open(path) as f:
-            events = json.load(f).get("traceEvents", [])
+    events = trace_events(graph.replay, 1)
     kernels = sorted((float(e["ts"]), float(e.get("dur", 0.0))) for e in events
                      if e.get("ph") == "X" and e.get("cat") == "kernel" and "gemv" in e.get("name", ""))
     if len(kernels) != 4 * reps:
@@ -59,6 +50,8 @@ def launch_durations(graph, reps: int) -> dict[str, float]:
 
 
 def layer_row(layer, config, dev, reps: int, replays: int) -> dict:
+    from chain_bench import captured, replay_us
+
     g = torch.Generator(device=dev).manual_seed(0)
     x = torch.randn(1, config.hidden_size, generator=g, device=dev).half() * 0.1
     xi = torch.randn(1, config.intermediate_size, generator=g, device=dev).half() * 0.1
@@ -69,21 +62,8 @@ def layer_row(layer, config, dev, reps: int, replays: int) -> dict:
         layer.down(xi)
         layer.qkv(x)
 
-    once()  # plans and workspaces outside the capture
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(reps):
-            once()
-    graph.replay()
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(replays):
-        graph.replay()
-    end.record()
-    torch.cuda.synchronize()
-    row = {"layer_us": round(start.elapsed_time(end) * 1000 / (reps * replays), 2)}
+    graph = captured(once, reps)
+    row = {"layer_us": round(replay_us(graph, reps, replays), 2)}
     row.update(launch_durations(graph, reps))
     row["mlp_widths"] = widths(layer.gate_up)
     return row

@@ -160,11 +160,8 @@ def short_name(name: str, cat: str) -> str:
     return n[:78] or name[:78]
 
 
-def kernel_table(fn, iters: int, critical: dict | None = None, roles: list[str] | None = None,
-                 layer_critical: dict | None = None, layer_roles: list[str] | None = None) -> dict[str, list[float]]:
-    """{kernel: [count per call, µs per call]} of the device activity of `fn` (torch.profiler, CUDA). With
-    `critical`, also fills it with critical_path(...) of the same events, the GEMV launches labelled by `roles`
-    (scripts/gemv_roles.py) when given."""
+def trace_events(fn, iters: int) -> list[dict]:
+    """The chrome-trace events of `iters` calls of fn under torch.profiler (CPU and CUDA activity)."""
     from torch.profiler import ProfilerActivity, profile
 
     torch.cuda.synchronize()
@@ -176,7 +173,15 @@ def kernel_table(fn, iters: int, critical: dict | None = None, roles: list[str] 
         path = os.path.join(tmp, "trace.json")
         prof.export_chrome_trace(path)
         with open(path) as f:
-            events = json.load(f).get("traceEvents", [])
+            return json.load(f).get("traceEvents", [])
+
+
+def kernel_table(fn, iters: int, critical: dict | None = None, roles: list[str] | None = None,
+                 layer_critical: dict | None = None, layer_roles: list[str] | None = None) -> dict[str, list[float]]:
+    """{kernel: [count per call, µs per call]} of the device activity of `fn` (torch.profiler, CUDA). With
+    `critical`, also fills it with critical_path(...) of the same events, the GEMV launches labelled by `roles`
+    (scripts/gemv_roles.py) when given."""
+    events = trace_events(fn, iters)
     rows: dict[str, list[float]] = {}
     device_events = []
     for e in events:

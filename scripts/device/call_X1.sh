@@ -11,13 +11,7 @@ begin_call x1
 start_exllamav2_jit
 LIB=exl2_backend/_lib/libexl2_kernels.so
 cp "$LIB" /tmp/libD.so && gunzip -c .dev/libexl2_kernels_onerun.so.gz > /tmp/libO.so
-kinds() { grep -A14 "by the launch's bit widths" "$R/prof_$1.txt" | grep -E "^(q/k/v|o|gate/up|down|head) "; }
-for v in D1 O1 D2 O2; do
-  cp "/tmp/lib${v:0:1}.so" "$LIB"
-  decode_step_1k "$v" nochain
-  kinds "$v"
-  echo "elapsed $(( $(date +%s) - T0 )) s"
-done
+interleaved_steps D1 O1 D2 O2
 cp /tmp/libD.so "$LIB"
 bench_8b final 130 1024,32768 fp16,q8,q4
 echo "elapsed $(( $(date +%s) - T0 )) s"

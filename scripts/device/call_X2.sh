@@ -12,12 +12,7 @@ source scripts/device/common.sh
 begin_call x2
 LIB=exl2_backend/_lib/libexl2_kernels.so
 cp "$LIB" /tmp/libN.so && gunzip -c .dev/libexl2_kernels_onerun.so.gz > /tmp/libO.so
-kinds() { grep -A14 "by the launch's bit widths" "$R/prof_$1.txt" | grep -E "^(q/k/v|o|gate/up|down|head) "; }
-for v in N1 O1 N2; do
-  cp "/tmp/lib${v:0:1}.so" "$LIB"
-  decode_step_1k "$v" nochain
-  kinds "$v"
-done
+interleaved_steps N1 O1 N2
 cp /tmp/libN.so "$LIB"
 echo "elapsed $(( $(date +%s) - T0 )) s"
 spec_costs default

@@ -12,12 +12,7 @@ source scripts/device/common.sh
 begin_call y1
 LIB=exl2_backend/_lib/libexl2_kernels.so
 cp "$LIB" /tmp/libD.so && gunzip -c .dev/libexl2_kernels_pairs.so.gz > /tmp/libP.so
-kinds() { grep -A14 "by the launch's bit widths" "$R/prof_$1.txt" | grep -E "^(q/k/v|o|gate/up|down|head) "; }
-for v in D1 P1 D2 P2; do
-  cp "/tmp/lib${v:0:1}.so" "$LIB"
-  decode_step_1k "$v" nochain
-  kinds "$v"
-done
+interleaved_steps D1 P1 D2 P2
 for v in D P; do
   cp "/tmp/lib$v.so" "$LIB"
   timeout 60 python3 scripts/bench_gemm.py --m1 > "$R/m1_$v.txt" 2>&1

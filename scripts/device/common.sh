@@ -104,6 +104,19 @@ decode_step_1k() {
     --workdir /tmp/prof --context 1024 --cache-types fp16 --out "$R/p_$name" > "$R/prof_$name.txt" 2>&1
   echo "== $name"; grep -E "^######## " "$R/prof_$name.txt" | cut -c1-140
 }
+# GEMV time by role and bit widths of a decode_step_1k run: gemv_kinds NAME.
+gemv_kinds() { grep -A14 "by the launch's bit widths" "$R/prof_$1.txt" | grep -E "^(q/k/v|o|gate/up|down|head) "; }
+# Libraries compared in one call: /tmp/lib<L>.so for each letter L (the call copies them there first).
+# interleaved_steps NAME... runs decode_step_1k NAME and gemv_kinds NAME for each, with /tmp/lib<first letter of
+# NAME>.so in place; the caller puts the default back.
+interleaved_steps() {
+  local v
+  for v in "$@"; do
+    cp "/tmp/lib${v:0:1}.so" exl2_backend/_lib/libexl2_kernels.so
+    decode_step_1k "$v" nochain
+    gemv_kinds "$v"
+  done
+}
 # One kernel launch of scripts/chain_once.py under ncu --set full: ncu_chain_once NAME REGEX SKIP [NCU FLAGS...];
 # $R/NAME.details.txt and $R/NAME.sass.csv.gz (scripts/ncu_stalls.py reads it).
 ncu_chain_once() {

@@ -167,19 +167,24 @@ def step_costs(shape, dev: torch.device, context: int, iters: int, ks=KS, kernel
             runner.run(toks, [pos], [seq.pages], "all")  # capture (first time) and upload
             out["verify_ms"][k] = replay_ms(runner._verify_graphs[(1, k + 1)], dev, iters)
             out["verify_ratio"][k] = out["verify_ms"][k] / out["decode_ms"]
-            out["eager_verify_ms"][k] = wall_ms(lambda: ModelRunner.run(runner.inner, toks, [pos], [seq.pages], "all"),
+            out["eager_verify_ms"][k] = wall_ms(lambda toks=toks: ModelRunner.run(runner.inner, toks, [pos], [seq.pages], "all"),
                                                 dev, max(iters // 4, 3))
         if kernels:  # where a verify step's extra time goes, kernel by kernel
             from profile_decode import kernel_table  # scripts/ is sys.path[0] when run as a script
 
-            out["kernels"] = {"decode": kernel_table(runner.inner._graphs[1].replay, 10)}
-            for k in ks:
-                out["kernels"][f"verify_k{k}"] = kernel_table(runner._verify_graphs[(1, k + 1)].replay, 10)
+            # Durations overlap under PDL (a kernel's includes its wait for the one before): "critical" charges each
+            # kernel from its predecessor's end to its own (profile_decode.critical_path), which sums to the step.
+            graphs = {"decode": runner.inner._graphs[1]}
+            graphs.update({f"verify_k{k}": runner._verify_graphs[(1, k + 1)] for k in ks})
+            out["kernels"], out["critical"] = {}, {}
+            for name, graph in graphs.items():
+                out["critical"][name] = {}
+                out["kernels"][name] = kernel_table(graph.replay, 10, critical=out["critical"][name])
     # Whole engine steps (sampling, bookkeeping, host-device syncs): plain decode vs verify of k wrong drafts.
     out["engine_decode_ms"] = wall_ms(lambda: e.verify(["s"], {}), dev, iters)
     out["engine_verify_ms"] = {}
     for k in ks:
-        out["engine_verify_ms"][k] = wall_ms(lambda: e.verify(["s"], {"s": [seq.last_token ^ 1] * k}), dev, iters)
+        out["engine_verify_ms"][k] = wall_ms(lambda k=k: e.verify(["s"], {"s": [seq.last_token ^ 1] * k}), dev, iters)
     e.release("s")
     e.assert_no_leaks()
     return out
@@ -207,7 +212,7 @@ def rtn_model(fp16_dir: Path, out: Path, bpw: float, head_bits: int, dev: torch.
     config = ModelConfig.from_dir(fp16_dir)
     tensors = {}
     with ShardIndex(fp16_dir) as index:
-        for key in index.keys():
+        for key in index.keys():  # noqa: SIM118 (ShardIndex has keys(), no iterator)
             if key.endswith("norm.weight") or key == "model.embed_tokens.weight":
                 tensors[key] = index.get(key).clone()  # outlives the memory map
         for i, (ai, mi) in enumerate(choose_options(config, bpw)):

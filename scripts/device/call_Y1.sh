@@ -7,7 +7,8 @@
 #      then both decoded);
 #   F  EXL2_GEMV_LEAN_FLUSH: the next group's scales read without a branch (an index clamped to the last group),
 #      4-bit warp chunk ~9 instructions shorter in SASS (the flush blocks 27 -> 21 and 37 -> 29).
-# Both keep the arithmetic (the same values in the same order). Steps:
+# Both keep the arithmetic (the same values in the same order). The carried builds come from
+# `bash scripts/build_variant.sh MACRO .dev/libexl2_kernels_<pairs|lean>.so.gz` after a default sm_90a build. Steps:
 #  1. the 8B decode step at 1k, D / P / F interleaved twice, GEMV time by role and bit widths;
 #  2. bench_gemm --m1 (the widths table) with each library;
 #  3. the GEMV GPU tests with whichever of P and F had the shorter mean step.

@@ -5,7 +5,8 @@
 #     bash scripts/build_variant.sh EXL2_GEMV_CHUNK_PAIRS .dev/libexl2_kernels_pairs.so.gz
 #
 # A source whose preprocessed text does not change with the macro reuses the default build's object
-# (build/temp*/csrc/, from `EXL2_BACKEND_CUDA_ARCHS=90a pip install -e .`) when one is there; the others compile,
+# (build/temp*/csrc/, from `EXL2_BACKEND_CUDA_ARCHS=90a pip install -e .`) when one is there and newer than the
+# source and the headers it includes; the others compile,
 # EXL2_BACKEND_BUILD_JOBS at a time (default 2).
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -24,7 +25,9 @@ todo=()
 for src in $(find csrc -name "*.cu" | sort); do
   name=$(echo "${src#csrc/}" | tr / _).o
   reuse=""
-  if [ -n "$default_objs" ] && [ -f "$default_objs/$name" ] && [ "$default_objs/$name" -nt "$src" ]; then
+  # (only an object newer than the source and every csrc/ header it includes: an edit since makes it stale)
+  if [ -n "$default_objs" ] && [ -f "$default_objs/$name" ] && [ -z "$("$nvcc" -M -std=c++17 -I csrc -arch=sm_90a "$src" \
+      | tr -d '\\' | tr ' ' '\n' | grep '^csrc/' | while read -r dep; do [ "$dep" -nt "$default_objs/$name" ] && echo "$dep"; done)" ]; then
     # the same translation unit with and without the macro (host and sm_90a device passes): the default object
     if cmp -s <("$nvcc" -E -std=c++17 -I csrc -arch=sm_90a "$src" 2>/dev/null) \
               <("$nvcc" -E -std=c++17 -I csrc -arch=sm_90a -D"$macro" "$src" 2>/dev/null); then

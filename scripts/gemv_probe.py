@@ -4,8 +4,8 @@ diagnostic; EXL2_GEMV_PROBE is read once per process, so each probe runs in its 
     EXL2_GEMV_PROBE=4 python3 scripts/gemv_probe.py --out probe4.json
 
 A CUDA graph replays `--reps` copies of one layer's four plain GEMVs in decode order (o, gate/up, down, q/k/v; no
-fused norm, gate or rope, which the probes exclude) for the layer with 4-bit MLP weights and for the one with
-mixed 3/4-bit MLP weights (random Llama-3.1-8B-shape layers; the four launches stream 117 MB, past the L2). Each
+fused norm, gate or rope, which the probes exclude) for each MLP width mix among the first four layers of the
+random Llama-3.1-8B-shape draw (there, all four have 4-bit MLP weights; the four launches stream 117 MB). Each
 launch's duration comes from torch.profiler's trace in launch order; the median over repetitions is printed per
 role, with the graph's wall time per layer (CUDA events).
 
@@ -49,9 +49,8 @@ def launch_durations(graph, reps: int) -> dict[str, float]:
             for r, role in enumerate(ROLES)}
 
 
-def layer_row(layer, config, dev, reps: int, replays: int) -> dict:
-    from chain_bench import captured, replay_us
-
+def layer_launches(layer, config, dev):
+    """A function that runs the layer's four GEMVs once, in ROLES order, on fixed random M = 1 inputs."""
     g = torch.Generator(device=dev).manual_seed(0)
     x = torch.randn(1, config.hidden_size, generator=g, device=dev).half() * 0.1
     xi = torch.randn(1, config.intermediate_size, generator=g, device=dev).half() * 0.1
@@ -62,22 +61,17 @@ def layer_row(layer, config, dev, reps: int, replays: int) -> dict:
         layer.down(xi)
         layer.qkv(x)
 
-    graph = captured(once, reps)
+    return once
+
+
+def layer_row(layer, config, dev, reps: int, replays: int) -> dict:
+    from chain_bench import captured, replay_us
+
+    graph = captured(layer_launches(layer, config, dev), reps)
     row = {"layer_us": round(replay_us(graph, reps, replays), 2)}
     row.update(launch_durations(graph, reps))
     row["mlp_widths"] = widths(layer.gate_up)
     return row
-
-
-def eager_launches(layer, config, dev, times: int = 3) -> None:
-    x = torch.randn(1, config.hidden_size, device=dev).half() * 0.1
-    xi = torch.randn(1, config.intermediate_size, device=dev).half() * 0.1
-    for _ in range(times):
-        layer.o(x)
-        layer.gate_up(x)
-        layer.down(xi)
-        layer.qkv(x)
-    torch.cuda.synchronize()
 
 
 def main() -> int:
@@ -101,7 +95,10 @@ def main() -> int:
         layer = DecoderLayer(i, config, lw, dev, torch.float16)
         key = widths(layer.gate_up)
         if args.ncu:
-            eager_launches(layer, config, dev)
+            once = layer_launches(layer, config, dev)
+            for _ in range(3):
+                once()
+            torch.cuda.synchronize()
             print(f"layer {i}: gate/up {key}", flush=True)
             del layer
             continue

@@ -12,6 +12,7 @@
 
 #include "common/api.h"
 #include "quant/exl2_gemv.cuh"
+#include "quant/exl2_gemv_fold.cuh"
 #include "quant/exl2_gemv_norm.cuh"
 #include "quant/exl2_gemv_rope.cuh"
 
@@ -334,46 +335,31 @@ __device__ __forceinline__ void tma_chunks(const GemvParams& p, const GvWork& wk
   const uint32_t* tile = reinterpret_cast<const uint32_t*>(sm.ring + warp * kTileBytes);
   int s = 0;
   uint32_t phase = 0;
-  int i0 = 0;  // chunks the pair loop below consumed (measurement build only)
-#ifdef EXL2_GEMV_CHUNK_PAIRS
-  // A measurement build (prepared in session 14, not yet run): at M <= 8 and up to 4-bit weights, two chunks per
-  // iteration, both slots waited for and read before either is decoded; an odd last chunk takes the loop below.
-  // H200 call X2 (ncu of the 8B's 4-bit gate/up): 58% of the stall samples in this loop, 3.5 warps per scheduler
-  // issuing every 7.4 cycles; the barrier wait is an asm volatile, so no chunk's shared loads or decode could start
-  // before the previous chunk's mmas. The arithmetic is unchanged (the same chunks in the same order into the same
-  // accumulators).
-  if constexpr (MT == 1 && B <= 4) {
+#ifdef EXL2_GEMV_FOLD_ZERO
+  // A measurement build (session 15, not yet run): the zero point folded out of the decode (exl2_gemv_fold.cuh).
+  if constexpr (MT == 1 && kFoldable<B>) {
     if (!(p.probe & kProbeNoMath)) {
-      auto next_slot = [&] {
+      XSum xs = {};
+#pragma unroll 1
+      for (int i = 0; i < nch; ++i) {
+        mbar_wait(sm.full(s), phase);
+        uint32_t w[2][B];
+        load_lane_words<B>(tile + s * (kSlotBytes / 4), lane, w);
+        __syncwarp();
+        if (lane == 0) mbar_arrive(sm.empty(s));
+        fold_chunk<B>(w, s_info[i], xl + i * kChunkRows, st, xs, scl_lane, kGvWarps * 8, ngrp);
         if (++s == stages) {
           s = 0;
           phase ^= 1;
         }
-      };
-#pragma unroll 1
-      for (; i0 + 1 < nch; i0 += 2) {
-        const int s0 = s;
-        const uint32_t phase0 = phase;
-        next_slot();
-        uint32_t w0[2][B], w1[2][B];
-        mbar_wait(sm.full(s0), phase0);
-        load_lane_words<B>(tile + s0 * (kSlotBytes / 4), lane, w0);
-        mbar_wait(sm.full(s), phase);
-        load_lane_words<B>(tile + s * (kSlotBytes / 4), lane, w1);
-        __syncwarp();
-        if (lane == 0) {
-          mbar_arrive(sm.empty(s0));
-          mbar_arrive(sm.empty(s));
-        }
-        next_slot();
-        gv_chunk<B, true>(w0, s_info[i0], xl + i0 * kChunkRows, st, scl_lane, kGvWarps * 8, ngrp);
-        gv_chunk<B, true>(w1, s_info[i0 + 1], xl + (i0 + 1) * kChunkRows, st, scl_lane, kGvWarps * 8, ngrp);
       }
+      if (!((s_info[nch - 1] >> 31) & 1)) fold_flush<B>(st, xs);
+      return;
     }
   }
 #endif
 #pragma unroll 1
-  for (int i = i0; i < nch; ++i) {
+  for (int i = 0; i < nch; ++i) {
     mbar_wait(sm.full(s), phase);
     uint32_t w[2][B];
     load_lane_words<B>(tile + s * (kSlotBytes / 4), lane, w);

@@ -1,0 +1,102 @@
+// The TMA GEMV's chunk walk at M <= 8 with the zero point taken out of the decode (4, 5, 6 and 8 bits). The mma A
+// operand is the bare code as an fp16 subnormal, q * 2^-24 (pair_code: the field's bits with no exponent, so one
+// INT op per pair and no HADD2 / HFMA2; at 4 bits the odd pairs, the columns gid + 8, sit 4 bits up: 16q * 2^-24).
+// Products with x stay exact in fp32. One more mma per k-step with A = 1 sums x (its C fragment holds the sums of
+// tokens 2t4 and 2t4 + 1 in the layout of every accumulator), and the group's flush applies
+//     sum_k (q_k - z) x_k = F * sum_k A_k x_k - z * sum_k x_k,   F = 2^24 (2^20 for the 4-bit odd pairs).
+// A 4-bit warp chunk: 97 instructions on the path without a group end, against 120 (ptxas 13.0, sm_90a; 32 fewer
+// HADD2 / HFMA2, 4 more HMMAs); each group end costs 12 more (the z * sum(x) terms and the scale factors).
+// The two sums are of the same order as the result (no cancellation against a 1024 offset).
+// Measurement build (EXL2_GEMV_FOLD_ZERO; session 15, not yet run): exl2_gemv_tma.cuh calls it.
+#pragma once
+
+#include "quant/exl2_gemv.cuh"
+
+namespace exl2q {
+
+template <int B>
+constexpr bool kFoldable = B == 4 || B == 5 || B == 6 || B == 8;
+
+// Pair P of one n-tile as bare codes in both halves: fp16 subnormals q * 2^-24 (4-bit odd pairs: 16q * 2^-24).
+template <int B, int P>
+__device__ __forceinline__ uint32_t pair_code(const uint32_t* w) {
+  static_assert(kFoldable<B>, "bare codes of 4, 5, 6 and 8 bits");
+  if constexpr (B == 8) {
+    return __byte_perm(w[P / 2], 0u, (P & 1) ? 0x4341 : 0x4240);  // bytes -> 0x00qq
+  } else if constexpr (B == 4) {
+    uint32_t word = w[P >> 2];
+    if constexpr ((P & 3) >= 2) word >>= 8;
+    return word & ((P & 1) ? 0x00F000F0u : 0x000F000Fu);
+  } else if constexpr (B == 6) {
+    const uint32_t lo = (w[P >> 2] >> (4 * (P & 3))) & 0x000F000Fu;
+    return and_or(shr<2 * (P & 7) - 4>(w[4 + (P >> 3)]), 0x00300030u, lo);
+  } else {
+    const uint32_t lo = (w[P >> 2] >> (4 * (P & 3))) & 0x000F000Fu;
+    return and_or(shr<P - 4>(w[4]), 0x00100010u, lo);
+  }
+}
+
+// The lane's running sums of x since the last flush: the C fragment of an mma with A = 1 (v[0], v[2]: token 2t4;
+// v[1], v[3]: token 2t4 + 1).
+struct XSum {
+  float v[4];
+};
+
+// k-step S of a 32-row unit on bare codes, and the sums of x.
+template <int B, int S>
+__device__ __forceinline__ void fold_kstep(const uint32_t (&w)[2][B], const uint32_t (&xb)[4], TileAcc<1>& a,
+                                           XSum& xs) {
+  constexpr uint32_t kOnes = 0x3C003C00u;  // fp16 1.0 in both halves
+#pragma unroll
+  for (int nt = 0; nt < 2; ++nt)
+    mma16816(a.cg[nt][0], pair_code<B, 4 * S + 0>(w[nt]), pair_code<B, 4 * S + 1>(w[nt]),
+             pair_code<B, 4 * S + 2>(w[nt]), pair_code<B, 4 * S + 3>(w[nt]), xb[2 * (S & 1)], xb[2 * (S & 1) + 1]);
+  mma16816(xs.v, kOnes, kOnes, kOnes, kOnes, xb[2 * (S & 1)], xb[2 * (S & 1) + 1]);
+}
+
+// acc += s F (cg - z / F * sum(x)) for the current group; cg and the sums = 0. F and z / F are powers of two
+// times small integers: the products by them are exact.
+template <int B>
+__device__ __forceinline__ void fold_flush(GvState& s, XSum& xs) {
+  constexpr float kFa = 16777216.f, kFb = B == 4 ? 1048576.f : kFa;  // 2^24, 2^20
+  constexpr float kZa = (1 << (B - 1)) / kFa, kZb = (1 << (B - 1)) / kFb;
+  const float2 s0 = h2_to_f2(s.sc.x), s1 = h2_to_f2(s.sc.y);
+#pragma unroll
+  for (int nt = 0; nt < 2; ++nt) {
+    const float sa = (nt ? s1.x : s0.x) * kFa, sb = (nt ? s1.y : s0.y) * kFb;
+    float(&cg)[4] = s.a.cg[nt][0];
+    float(&acc)[4] = s.a.acc[nt][0];
+    acc[0] = fmaf(sa, fmaf(-kZa, xs.v[0], cg[0]), acc[0]);
+    acc[1] = fmaf(sa, fmaf(-kZa, xs.v[1], cg[1]), acc[1]);
+    acc[2] = fmaf(sb, fmaf(-kZb, xs.v[2], cg[2]), acc[2]);
+    acc[3] = fmaf(sb, fmaf(-kZb, xs.v[3], cg[3]), acc[3]);
+#pragma unroll
+    for (int e = 0; e < 4; ++e) cg[e] = 0.f;
+  }
+#pragma unroll
+  for (int e = 0; e < 4; ++e) xs.v[e] = 0.f;
+}
+
+// gv_unit on bare codes (staged scales in shared memory).
+template <int B, int U>
+__device__ __forceinline__ void fold_unit(const uint32_t (&w)[2][B], int info, const __half* xl, GvState& s, XSum& xs,
+                                          const uint2* scl_lane, int scl_gstride, int G) {
+  const uint4 xv = *reinterpret_cast<const uint4*>(xl + 32 * U);
+  const uint32_t xb[4] = {xv.x, xv.y, xv.z, xv.w};
+  fold_kstep<B, 2 * U>(w, xb, s.a, xs);
+  fold_kstep<B, 2 * U + 1>(w, xb, s.a, xs);
+  if ((info >> (30 + U)) & 1) {
+    fold_flush<B>(s, xs);
+    ++s.g;
+    s.sc = scl_lane[min(s.g, G - 1) * scl_gstride];  // as gv_unit: past the last group, read and unused
+  }
+}
+
+template <int B>
+__device__ __forceinline__ void fold_chunk(const uint32_t (&w)[2][B], int info, const __half* xl, GvState& s, XSum& xs,
+                                           const uint2* scl_lane, int scl_gstride, int G) {
+  fold_unit<B, 0>(w, info, xl, s, xs, scl_lane, scl_gstride, G);
+  fold_unit<B, 1>(w, info, xl, s, xs, scl_lane, scl_gstride, G);
+}
+
+}  // namespace exl2q

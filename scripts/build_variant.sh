@@ -2,7 +2,7 @@
 # A measurement build of the CUDA library for the H200 (sm_90a, with PTX): every csrc/*.cu compiled with -DMACRO
 # and linked as setup.py links the default library, gzipped for a device call's carry list.
 #
-#     bash scripts/build_variant.sh EXL2_GEMV_CHUNK_PAIRS .dev/libexl2_kernels_pairs.so.gz
+#     bash scripts/build_variant.sh EXL2_GEMV_FOLD_ZERO .dev/libexl2_kernels_fold.so.gz
 #
 # A source whose preprocessed text does not change with the macro reuses the default build's object
 # (build/temp*/csrc/, from `EXL2_BACKEND_CUDA_ARCHS=90a pip install -e .`) when one is there and newer than the

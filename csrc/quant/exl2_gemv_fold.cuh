@@ -7,7 +7,14 @@
 // A 4-bit warp chunk: 97 instructions on the path without a group end, against 120 (ptxas 13.0, sm_90a; 32 fewer
 // HADD2 / HFMA2, 4 more HMMAs); each group end costs 12 more (the z * sum(x) terms and the scale factors).
 // The two sums are of the same order as the result (no cancellation against a 1024 offset).
-// Measurement build (EXL2_GEMV_FOLD_ZERO; session 15, not yet run): exl2_gemv_tma.cuh calls it.
+// A measurement build (EXL2_GEMV_FOLD_ZERO), and it LOST: H200 call Z1 of 2026-12-03, 8B decode step at 1k 2.389
+// against 2.315 ms; bench_gemm --m1 4:1 gate/up 13.70 against 13.27 us, but also 3-bit (not folded) 15.41 against
+// 13.80. The sums' 4 registers and the ones quad push the M <= 8 kernel past its 96-register cap: ptxas spills 16
+// bytes in its prologue and reloads them before every chunk loop; every width got slower, unfolded ones too, which
+// points at that rather than at the fold. It also breaks the bit-identity of the folded down_proj row order
+// (tests/kernels/test_fold_down_order_cuda.py: x is summed in a different order). What would test the idea cleanly:
+// per-group sums of x computed once while the input is staged (no registers across the chunk loop, no extra mmas),
+// read at the flush.
 #pragma once
 
 #include "quant/exl2_gemv.cuh"

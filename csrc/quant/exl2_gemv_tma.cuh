@@ -336,7 +336,7 @@ __device__ __forceinline__ void tma_chunks(const GemvParams& p, const GvWork& wk
   int s = 0;
   uint32_t phase = 0;
 #ifdef EXL2_GEMV_FOLD_ZERO
-  // A measurement build (session 15, not yet run): the zero point folded out of the decode (exl2_gemv_fold.cuh).
+  // A measurement build that lost (H200 call Z1, 2026-12-03): the zero point out of the decode (exl2_gemv_fold.cuh).
   if constexpr (MT == 1 && kFoldable<B>) {
     if (!(p.probe & kProbeNoMath)) {
       XSum xs = {};

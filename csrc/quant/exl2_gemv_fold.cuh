@@ -21,13 +21,19 @@
 
 namespace exl2q {
 
+// EXL2_GEMV_FOLD_ZERO=4: 4-bit runs only (the M <= 8 kernel then stays spill-free); otherwise 4, 5, 6 and 8 bits.
+#if defined(EXL2_GEMV_FOLD_ZERO) && EXL2_GEMV_FOLD_ZERO == 4
+template <int B>
+constexpr bool kFoldable = B == 4;
+#else
 template <int B>
 constexpr bool kFoldable = B == 4 || B == 5 || B == 6 || B == 8;
+#endif
 
 // Pair P of one n-tile as bare codes in both halves: fp16 subnormals q * 2^-24 (4-bit odd pairs: 16q * 2^-24).
 template <int B, int P>
 __device__ __forceinline__ uint32_t pair_code(const uint32_t* w) {
-  static_assert(kFoldable<B>, "bare codes of 4, 5, 6 and 8 bits");
+  static_assert(B == 4 || B == 5 || B == 6 || B == 8, "bare codes of 4, 5, 6 and 8 bits");
   if constexpr (B == 8) {
     return __byte_perm(w[P / 2], 0u, (P & 1) ? 0x4341 : 0x4240);  // bytes -> 0x00qq
   } else if constexpr (B == 4) {

@@ -11,7 +11,10 @@
 // against 2.315 ms; bench_gemm --m1 4:1 gate/up 13.70 against 13.27 us, but also 3-bit (not folded) 15.41 against
 // 13.80. The sums' 4 registers and the ones quad push the M <= 8 kernel past its 96-register cap: ptxas spills 16
 // bytes in its prologue and reloads them before every chunk loop; every width got slower, unfolded ones too, which
-// points at that rather than at the fold. It also breaks the bit-identity of the folded down_proj row order
+// points at that rather than at the fold. On 4-bit runs only (EXL2_GEMV_FOLD_ZERO=4, no spills) it lost too (call
+// Z3: 2.347 against 2.320 ms; the 4:1 gate/up 26.7 against 25.2 us, the 4-bit o and q/k/v unchanged): the 4 extra
+// mmas per chunk cost more than the 32 FP ops saved (the lean flush showed that fewer instructions do pay: mmas
+// weigh more). It also breaks the bit-identity of the folded down_proj row order
 // (tests/kernels/test_fold_down_order_cuda.py: x is summed in a different order). What would test the idea cleanly:
 // per-group sums of x computed once while the input is staged (no registers across the chunk loop, no extra mmas),
 // read at the flush.

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # A measurement build of the CUDA library for the H200 (sm_90a, with PTX): every csrc/*.cu compiled with -DMACRO
-# and linked as setup.py links the default library, gzipped for a device call's carry list.
+# (several: "A=4 B", one -D each) and linked as setup.py links the default library, gzipped for a device call's
+# carry list.
 #
 #     bash scripts/build_variant.sh EXL2_GEMV_FOLD_ZERO .dev/libexl2_kernels_fold.so.gz
 #
@@ -11,6 +12,8 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 macro=$1
+defines=()
+for m in $macro; do defines+=(-D"$m"); done
 out=$2
 nvcc=${EXL2_BACKEND_NVCC:-nvcc}
 jobs=${EXL2_BACKEND_BUILD_JOBS:-2}
@@ -30,7 +33,7 @@ for src in $(find csrc -name "*.cu" | sort); do
       | tr -d '\\' | tr ' ' '\n' | grep '^csrc/' | while read -r dep; do [ "$dep" -nt "$default_objs/$name" ] && echo "$dep"; done)" ]; then
     # the same translation unit with and without the macro (host and sm_90a device passes): the default object
     if cmp -s <("$nvcc" -E -std=c++17 -I csrc -arch=sm_90a "$src" 2>/dev/null) \
-              <("$nvcc" -E -std=c++17 -I csrc -arch=sm_90a -D"$macro" "$src" 2>/dev/null); then
+              <("$nvcc" -E -std=c++17 -I csrc -arch=sm_90a "${defines[@]}" "$src" 2>/dev/null); then
       reuse="$default_objs/$name"
     fi
   fi
@@ -41,9 +44,9 @@ for src in $(find csrc -name "*.cu" | sort); do
     todo+=("$src")
   fi
 done
-echo "build_variant: -D$macro: ${#todo[@]} sources to compile: ${todo[*]}"
+echo "build_variant: ${defines[*]}: ${#todo[@]} sources to compile: ${todo[*]}"
 printf '%s\n' "${todo[@]}" | xargs -P "$jobs" -I{} sh -c \
-  'src={}; "$0" "$@" -D'"$macro"' -c "$src" -o '"$tmp"'/$(echo "${src#csrc/}" | tr / _).o' "$nvcc" "${flags[@]}"
+  'src={}; "$0" "$@" -c "$src" -o '"$tmp"'/$(echo "${src#csrc/}" | tr / _).o' "$nvcc" "${flags[@]}" "${defines[@]}"
 "$nvcc" -shared "${gencode[@]}" -cudart static -o "$tmp/lib.so" "${objs[@]}"
 mkdir -p "$(dirname "$out")"
 gzip -c "$tmp/lib.so" > "$out"

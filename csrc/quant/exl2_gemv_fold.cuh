@@ -25,6 +25,9 @@
 namespace exl2q {
 
 // EXL2_GEMV_FOLD_ZERO=4: 4-bit runs only (the M <= 8 kernel then stays spill-free); otherwise 4, 5, 6 and 8 bits.
+// With EXL2_GEMV_FOLD_PROBE as well, a timing probe whose results are WRONG: no sums of x (the extra mma per k-step
+// is left out, the sums stay 0), so it times the decode without its FP ops and without anything in their place, the
+// most any fold of the zero point can gain (prepared in session 15, not yet run: call AA1).
 #if defined(EXL2_GEMV_FOLD_ZERO) && EXL2_GEMV_FOLD_ZERO == 4
 template <int B>
 constexpr bool kFoldable = B == 4;
@@ -62,12 +65,14 @@ struct XSum {
 template <int B, int S>
 __device__ __forceinline__ void fold_kstep(const uint32_t (&w)[2][B], const uint32_t (&xb)[4], TileAcc<1>& a,
                                            XSum& xs) {
-  constexpr uint32_t kOnes = 0x3C003C00u;  // fp16 1.0 in both halves
 #pragma unroll
   for (int nt = 0; nt < 2; ++nt)
     mma16816(a.cg[nt][0], pair_code<B, 4 * S + 0>(w[nt]), pair_code<B, 4 * S + 1>(w[nt]),
              pair_code<B, 4 * S + 2>(w[nt]), pair_code<B, 4 * S + 3>(w[nt]), xb[2 * (S & 1)], xb[2 * (S & 1) + 1]);
+#ifndef EXL2_GEMV_FOLD_PROBE
+  constexpr uint32_t kOnes = 0x3C003C00u;  // fp16 1.0 in both halves
   mma16816(xs.v, kOnes, kOnes, kOnes, kOnes, xb[2 * (S & 1)], xb[2 * (S & 1) + 1]);
+#endif
 }
 
 // acc += s F (cg - z / F * sum(x)) for the current group; cg and the sums = 0. F and z / F are powers of two

@@ -15,14 +15,10 @@
 export EXL2_CARRIED_LIBRARY=1
 source scripts/device/common.sh
 begin_call aa1
-LIB=exl2_backend/_lib/libexl2_kernels.so
-cp "$LIB" /tmp/libD.so
-gunzip -c .dev/libexl2_kernels_fold4.so.gz > /tmp/libV.so
-gunzip -c .dev/libexl2_kernels_foldprobe.so.gz > /tmp/libQ.so
+use_libraries V=.dev/libexl2_kernels_fold4.so.gz Q=.dev/libexl2_kernels_foldprobe.so.gz
 interleaved_steps D1 V1 Q1 D2 V2 Q2
 cp /tmp/libD.so "$LIB"
-step_ms() { cat "$R/prof_${1}1.txt" "$R/prof_${1}2.txt" | grep -o "graph step [0-9.]* ms" | awk '{s += $3; n++} END {print s / n}'; }
-echo "mean graph steps: D $(step_ms D) V $(step_ms V) Q $(step_ms Q) ms"
+echo "mean graph steps: D $(mean_step D) V $(mean_step V) Q $(mean_step Q) ms"
 echo "elapsed $(( $(date +%s) - T0 )) s"
 timeout 120 python3 scripts/spec_bench.py --skip smollm2 --iters 30 --kernels --work-dir /tmp/spec_bench \
   --out "$R/spec_kernels.json" > "$R/spec_kernels.txt" 2>&1

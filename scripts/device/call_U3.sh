@@ -7,7 +7,6 @@
 export EXL2_CARRIED_LIBRARY=1
 source scripts/device/common.sh
 begin_call u3
-LIB=exl2_backend/_lib/libexl2_kernels.so
 cp "$LIB" /tmp/libB.so && gunzip -c .dev/libexl2_kernels_A.so.gz > /tmp/libA.so
 for v in A1 B1 A2 B2; do
   cp "/tmp/lib${v:0:1}.so" "$LIB"

@@ -9,7 +9,6 @@ export EXL2_CARRIED_LIBRARY=1
 source scripts/device/common.sh
 begin_call x1
 start_exllamav2_jit
-LIB=exl2_backend/_lib/libexl2_kernels.so
 cp "$LIB" /tmp/libD.so && gunzip -c .dev/libexl2_kernels_onerun.so.gz > /tmp/libO.so
 interleaved_steps D1 O1 D2 O2
 cp /tmp/libD.so "$LIB"

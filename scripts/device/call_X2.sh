@@ -10,7 +10,6 @@
 export EXL2_CARRIED_LIBRARY=1
 source scripts/device/common.sh
 begin_call x2
-LIB=exl2_backend/_lib/libexl2_kernels.so
 cp "$LIB" /tmp/libN.so && gunzip -c .dev/libexl2_kernels_onerun.so.gz > /tmp/libO.so
 interleaved_steps N1 O1 N2
 cp /tmp/libN.so "$LIB"

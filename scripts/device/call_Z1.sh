@@ -10,17 +10,14 @@
 export EXL2_CARRIED_LIBRARY=1
 source scripts/device/common.sh
 begin_call z1
-LIB=exl2_backend/_lib/libexl2_kernels.so
-cp "$LIB" /tmp/libD.so
-gunzip -c .dev/libexl2_kernels_fold.so.gz > /tmp/libZ.so
+use_libraries Z=.dev/libexl2_kernels_fold.so.gz
 interleaved_steps D1 Z1 D2 Z2
 for v in D Z; do
   cp "/tmp/lib$v.so" "$LIB"
   timeout 60 python3 scripts/bench_gemm.py --m1 > "$R/m1_$v.txt" 2>&1
   echo "== m1 $v"; grep -E "^M1 " "$R/m1_$v.txt" | head -12 | cut -c1-150
 done
-step_ms() { cat "$R/prof_${1}1.txt" "$R/prof_${1}2.txt" | grep -o "graph step [0-9.]* ms" | awk '{s += $3; n++} END {print s / n}'; }
-echo "mean graph steps: D $(step_ms D) Z $(step_ms Z) ms"
+echo "mean graph steps: D $(mean_step D) Z $(mean_step Z) ms"
 echo "elapsed $(( $(date +%s) - T0 )) s"
 cp /tmp/libZ.so "$LIB"
 gpu_tests_verbose kernZ "$(left 585)" -n 14 $GEMV_GPU_TESTS -k "not llama3_8b"

@@ -7,12 +7,9 @@
 export EXL2_CARRIED_LIBRARY=1
 source scripts/device/common.sh
 begin_call z3
-LIB=exl2_backend/_lib/libexl2_kernels.so
-cp "$LIB" /tmp/libD.so
-gunzip -c .dev/libexl2_kernels_fold4.so.gz > /tmp/libV.so
+use_libraries V=.dev/libexl2_kernels_fold4.so.gz
 interleaved_steps D1 V1 D2 V2
-step_ms() { cat "$R/prof_${1}1.txt" "$R/prof_${1}2.txt" | grep -o "graph step [0-9.]* ms" | awk '{s += $3; n++} END {print s / n}'; }
-echo "mean graph steps: D $(step_ms D) V $(step_ms V) ms"
+echo "mean graph steps: D $(mean_step D) V $(mean_step V) ms"
 echo "elapsed $(( $(date +%s) - T0 )) s"
 cp /tmp/libV.so "$LIB"
 gpu_tests_verbose kernV "$(left 200)" -n 14 tests/kernels/test_exl2_gemm.py tests/kernels/test_fold_down_order_cuda.py

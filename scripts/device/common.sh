@@ -117,6 +117,16 @@ interleaved_steps() {
     gemv_kinds "$v"
   done
 }
+# The loaded library; the libraries a call compares: use_libraries LETTER=GZ... copies the default to /tmp/libD.so
+# and unpacks each carried variant to /tmp/lib<LETTER>.so (for interleaved_steps).
+LIB=exl2_backend/_lib/libexl2_kernels.so
+use_libraries() {
+  cp "$LIB" /tmp/libD.so
+  local a
+  for a in "$@"; do gunzip -c "${a#*=}" > "/tmp/lib${a%%=*}.so"; done
+}
+# The mean graph step of interleaved_steps' runs <LETTER>1 and <LETTER>2: mean_step LETTER.
+mean_step() { cat "$R/prof_${1}1.txt" "$R/prof_${1}2.txt" | grep -o "graph step [0-9.]* ms" | awk '{s += $3; n++} END {print s / n}'; }
 # One kernel launch of scripts/chain_once.py under ncu --set full: ncu_chain_once NAME REGEX SKIP [NCU FLAGS...];
 # $R/NAME.details.txt and $R/NAME.sass.csv.gz (scripts/ncu_stalls.py reads it).
 ncu_chain_once() {

@@ -1,5 +1,5 @@
 // The TMA GEMV's chunk walk at M <= 8 with the zero point taken out of the decode (4, 5, 6 and 8 bits). The mma A
-// operand is the bare code as an fp16 subnormal, q * 2^-24 (pair_code: the field's bits with no exponent, so one
+// operand is the bare code as an fp16 subnormal, q * 2^-24 (pair_raw with no exponent bits, so one
 // INT op per pair and no HADD2 / HFMA2; at 4 bits the odd pairs, the columns gid + 8, sit 4 bits up: 16q * 2^-24).
 // Products with x stay exact in fp32. One more mma per k-step with A = 1 sums x (its C fragment holds the sums of
 // tokens 2t4 and 2t4 + 1 in the layout of every accumulator), and the group's flush applies
@@ -36,25 +36,6 @@ template <int B>
 constexpr bool kFoldable = B == 4 || B == 5 || B == 6 || B == 8;
 #endif
 
-// Pair P of one n-tile as bare codes in both halves: fp16 subnormals q * 2^-24 (4-bit odd pairs: 16q * 2^-24).
-template <int B, int P>
-__device__ __forceinline__ uint32_t pair_code(const uint32_t* w) {
-  static_assert(B == 4 || B == 5 || B == 6 || B == 8, "bare codes of 4, 5, 6 and 8 bits");
-  if constexpr (B == 8) {
-    return __byte_perm(w[P / 2], 0u, (P & 1) ? 0x4341 : 0x4240);  // bytes -> 0x00qq
-  } else if constexpr (B == 4) {
-    uint32_t word = w[P >> 2];
-    if constexpr ((P & 3) >= 2) word >>= 8;
-    return word & ((P & 1) ? 0x00F000F0u : 0x000F000Fu);
-  } else if constexpr (B == 6) {
-    const uint32_t lo = (w[P >> 2] >> (4 * (P & 3))) & 0x000F000Fu;
-    return and_or(shr<2 * (P & 7) - 4>(w[4 + (P >> 3)]), 0x00300030u, lo);
-  } else {
-    const uint32_t lo = (w[P >> 2] >> (4 * (P & 3))) & 0x000F000Fu;
-    return and_or(shr<P - 4>(w[4]), 0x00100010u, lo);
-  }
-}
-
 // The lane's running sums of x since the last flush: the C fragment of an mma with A = 1 (v[0], v[2]: token 2t4;
 // v[1], v[3]: token 2t4 + 1).
 struct XSum {
@@ -67,8 +48,8 @@ __device__ __forceinline__ void fold_kstep(const uint32_t (&w)[2][B], const uint
                                            XSum& xs) {
 #pragma unroll
   for (int nt = 0; nt < 2; ++nt)
-    mma16816(a.cg[nt][0], pair_code<B, 4 * S + 0>(w[nt]), pair_code<B, 4 * S + 1>(w[nt]),
-             pair_code<B, 4 * S + 2>(w[nt]), pair_code<B, 4 * S + 3>(w[nt]), xb[2 * (S & 1)], xb[2 * (S & 1) + 1]);
+    mma16816(a.cg[nt][0], pair_raw<B, 4 * S + 0, 0>(w[nt]), pair_raw<B, 4 * S + 1, 0>(w[nt]),
+             pair_raw<B, 4 * S + 2, 0>(w[nt]), pair_raw<B, 4 * S + 3, 0>(w[nt]), xb[2 * (S & 1)], xb[2 * (S & 1) + 1]);
 #ifndef EXL2_GEMV_FOLD_PROBE
   constexpr uint32_t kOnes = 0x3C003C00u;  // fp16 1.0 in both halves
   mma16816(xs.v, kOnes, kOnes, kOnes, kOnes, xb[2 * (S & 1)], xb[2 * (S & 1) + 1]);

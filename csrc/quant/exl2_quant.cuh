@@ -158,24 +158,24 @@ __device__ __forceinline__ uint32_t and_or(uint32_t a, uint32_t b, uint32_t c) {
 
 constexpr int main_words(int b) { return b == 8 ? 8 : (b >= 4 ? 4 : 2); }
 
-// Pair P of one n-tile before its zero point is removed, for B = 4, 5, 6, 8: fp16 1024 + q in both halves (at 4 bits,
-// odd pairs: 1024 + 16q). A field at bit offset o of each half becomes 1024 + 2^o q after OR-ing in the exponent of
-// 1024 (needs o + width <= 10).
-template <int B, int P>
+// Pair P of one n-tile before its zero point is removed, for B = 4, 5, 6, 8, with the fp16 exponent bits kExp OR-ed
+// into both halves. kExp = fp16 1024 (the default): 1024 + q (at 4 bits, odd pairs: 1024 + 16q); a field at bit
+// offset o of each half becomes 1024 + 2^o q (needs o + width <= 10). kExp = 0: the bare code as an fp16 subnormal,
+// q * 2^-24 (exl2_gemv_fold.cuh).
+template <int B, int P, uint32_t kExp = 0x64006400u>
 __device__ __forceinline__ uint32_t pair_raw(const uint32_t* w) {
-  constexpr uint32_t kMagic = 0x64006400u;  // fp16 1024.0 in both halves
   static_assert(B == 4 || B == 5 || B == 6 || B == 8, "raw pairs of 4, 5, 6 and 8 bits");
   if constexpr (B == 8) {
-    return __byte_perm(w[P / 2], 0x64u, (P & 1) ? 0x4341 : 0x4240);  // bytes -> 0x64qq = 1024 + q
+    return __byte_perm(w[P / 2], (kExp >> 8) & 0xFFu, (P & 1) ? 0x4341 : 0x4240);  // bytes -> 0x64qq = 1024 + q
   } else if constexpr (B == 4) {
     uint32_t word = w[P >> 2];
     if constexpr ((P & 3) >= 2) word >>= 8;
-    return and_or(word, (P & 1) ? 0x00F000F0u : 0x000F000Fu, kMagic);
+    return and_or(word, (P & 1) ? 0x00F000F0u : 0x000F000Fu, kExp);
   } else if constexpr (B == 6) {
-    const uint32_t lo = and_or(w[P >> 2] >> (4 * (P & 3)), 0x000F000Fu, kMagic);
+    const uint32_t lo = and_or(w[P >> 2] >> (4 * (P & 3)), 0x000F000Fu, kExp);
     return and_or(shr<2 * (P & 7) - 4>(w[4 + (P >> 3)]), 0x00300030u, lo);
   } else {
-    const uint32_t lo = and_or(w[P >> 2] >> (4 * (P & 3)), 0x000F000Fu, kMagic);
+    const uint32_t lo = and_or(w[P >> 2] >> (4 * (P & 3)), 0x000F000Fu, kExp);
     return and_or(shr<P - 4>(w[4]), 0x00100010u, lo);
   }
 }

@@ -29,18 +29,77 @@ namespace exl2q {
 // is left out, the sums stay 0), so it times the decode without its FP ops and without anything in their place, the
 // most any fold of the zero point can gain (prepared in session 15, not yet run: call AA1).
 #if defined(EXL2_GEMV_FOLD_ZERO) && EXL2_GEMV_FOLD_ZERO == 4
-template <int B>
-constexpr bool kFoldable = B == 4;
+__host__ __device__ constexpr bool fold_width(int b) { return b == 4; }
 #else
-template <int B>
-constexpr bool kFoldable = B == 4 || B == 5 || B == 6 || B == 8;
+__host__ __device__ constexpr bool fold_width(int b) { return b == 4 || b == 5 || b == 6 || b == 8; }
 #endif
+template <int B>
+constexpr bool kFoldable = fold_width(B);
 
+#ifndef EXL2_GEMV_FOLD_STAGED
 // The lane's running sums of x since the last flush: the C fragment of an mma with A = 1 (v[0], v[2]: token 2t4;
 // v[1], v[3]: token 2t4 + 1).
 struct XSum {
   float v[4];
 };
+// One k-step's x (B operand b0, b1) into the sums: one mma.
+__device__ __forceinline__ void xsum_add(XSum& xs, uint32_t b0, uint32_t b1) {
+#ifndef EXL2_GEMV_FOLD_PROBE
+  constexpr uint32_t kOnes = 0x3C003C00u;  // fp16 1.0 in both halves
+  mma16816(xs.v, kOnes, kOnes, kOnes, kOnes, b0, b1);
+#endif
+}
+// The sums of the lane's tokens 2t4 and 2t4 + 1 over group g, zeroed for the next group.
+__device__ __forceinline__ float2 xsum_take(XSum& xs, int /*g*/) {
+  const float2 r = make_float2(xs.v[0], xs.v[1]);
+#pragma unroll
+  for (int e = 0; e < 4; ++e) xs.v[e] = 0.f;
+  return r;
+}
+#else
+// EXL2_GEMV_FOLD_STAGED: the sums per (group, token) computed once after the input is staged (fold_group_sums),
+// read at the flush: no registers across the chunk loop and no extra mma.
+struct XSum {
+  const float* S;  // [group of the segment][8 tokens]
+};
+__device__ __forceinline__ void xsum_add(XSum&, uint32_t, uint32_t) {}
+__device__ __forceinline__ float2 xsum_take(XSum& xs, int g) {
+  return *reinterpret_cast<const float2*>(xs.S + g * 8 + 2 * (threadIdx.x & 3));
+}
+
+// Sums of the staged x over each group's rows in this block, S[g * 8 + m] for m < 8 (tokens >= M repeat token
+// M - 1, as the staged rows do), g from 0 at the block's first chunk. Warp w takes groups w, w + 8, ...: a group's
+// units are consecutive, found by two ballots over the chunk info; each lane sums its rows in order, then a fixed
+// butterfly (deterministic). All compute threads; the caller synchronizes after.
+__device__ __forceinline__ void fold_group_sums(const int* s_info, int nch, const __half* xs, int xstride, int M,
+                                                float* S) {
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  const int g0 = s_info[0] & kInfoGroupMask, nunits = 2 * nch, last = s_info[nch - 1];
+  const int ngrp = (last & kInfoGroupMask) + ((last >> 30) & 1) - g0 + 1;
+  for (int g = warp; g < ngrp; g += kGvWarps) {
+    int ua = 0, ub = 0;  // the group's units [ua, ub)
+    for (int base = 0; base < nunits; base += 32) {
+      const int u = base + lane;
+      int gl = ngrp;  // past the block's units: after every group
+      if (u < nunits) {
+        const int inf = s_info[u >> 1];
+        gl = (inf & kInfoGroupMask) - g0 + ((u & 1) ? ((inf >> 30) & 1) : 0);
+      }
+      ua += __popc(__ballot_sync(0xFFFFFFFFu, gl < g));
+      ub += __popc(__ballot_sync(0xFFFFFFFFu, gl <= g));
+    }
+    float mine = 0.f;  // lane m < 8: the sum of token min(m, M - 1)
+    for (int m = 0; m < M && m < 8; ++m) {
+      float t = 0.f;
+      for (int r = ua * 32 + lane; r < ub * 32; r += 32) t += __half2float(xs[m * xstride + r]);
+#pragma unroll
+      for (int o = 16; o > 0; o >>= 1) t += __shfl_xor_sync(0xFFFFFFFFu, t, o);
+      if (lane >= m) mine = t;  // lanes >= M keep token M - 1
+    }
+    if (lane < 8) S[g * 8 + lane] = mine;
+  }
+}
+#endif
 
 // k-step S of a 32-row unit on bare codes, and the sums of x.
 template <int B, int S>
@@ -50,10 +109,7 @@ __device__ __forceinline__ void fold_kstep(const uint32_t (&w)[2][B], const uint
   for (int nt = 0; nt < 2; ++nt)
     mma16816(a.cg[nt][0], pair_raw<B, 4 * S + 0, 0>(w[nt]), pair_raw<B, 4 * S + 1, 0>(w[nt]),
              pair_raw<B, 4 * S + 2, 0>(w[nt]), pair_raw<B, 4 * S + 3, 0>(w[nt]), xb[2 * (S & 1)], xb[2 * (S & 1) + 1]);
-#ifndef EXL2_GEMV_FOLD_PROBE
-  constexpr uint32_t kOnes = 0x3C003C00u;  // fp16 1.0 in both halves
-  mma16816(xs.v, kOnes, kOnes, kOnes, kOnes, xb[2 * (S & 1)], xb[2 * (S & 1) + 1]);
-#endif
+  xsum_add(xs, xb[2 * (S & 1)], xb[2 * (S & 1) + 1]);
 }
 
 // acc += s F (cg - z / F * sum(x)) for the current group; cg and the sums = 0. F and z / F are powers of two
@@ -63,20 +119,19 @@ __device__ __forceinline__ void fold_flush(GvState& s, XSum& xs) {
   constexpr float kFa = 16777216.f, kFb = B == 4 ? 1048576.f : kFa;  // 2^24, 2^20
   constexpr float kZa = (1 << (B - 1)) / kFa, kZb = (1 << (B - 1)) / kFb;
   const float2 s0 = h2_to_f2(s.sc.x), s1 = h2_to_f2(s.sc.y);
+  const float2 x = xsum_take(xs, s.g);  // tokens 2t4, 2t4 + 1 (c0 / c2 and c1 / c3)
 #pragma unroll
   for (int nt = 0; nt < 2; ++nt) {
     const float sa = (nt ? s1.x : s0.x) * kFa, sb = (nt ? s1.y : s0.y) * kFb;
     float(&cg)[4] = s.a.cg[nt][0];
     float(&acc)[4] = s.a.acc[nt][0];
-    acc[0] = fmaf(sa, fmaf(-kZa, xs.v[0], cg[0]), acc[0]);
-    acc[1] = fmaf(sa, fmaf(-kZa, xs.v[1], cg[1]), acc[1]);
-    acc[2] = fmaf(sb, fmaf(-kZb, xs.v[2], cg[2]), acc[2]);
-    acc[3] = fmaf(sb, fmaf(-kZb, xs.v[3], cg[3]), acc[3]);
+    acc[0] = fmaf(sa, fmaf(-kZa, x.x, cg[0]), acc[0]);
+    acc[1] = fmaf(sa, fmaf(-kZa, x.y, cg[1]), acc[1]);
+    acc[2] = fmaf(sb, fmaf(-kZb, x.x, cg[2]), acc[2]);
+    acc[3] = fmaf(sb, fmaf(-kZb, x.y, cg[3]), acc[3]);
 #pragma unroll
     for (int e = 0; e < 4; ++e) cg[e] = 0.f;
   }
-#pragma unroll
-  for (int e = 0; e < 4; ++e) xs.v[e] = 0.f;
 }
 
 // gv_unit on bare codes (staged scales in shared memory).

@@ -69,7 +69,12 @@ struct TmaSizes {  // the bytes of each region for one launch's parameters
 };
 
 __host__ __device__ inline TmaSizes tma_sizes(int ring_bytes, int maxgrp, int M, int xstride, int maxnch, int norm_k) {
-  return {ring_bytes, maxgrp * kGroupScaleBytes, align16(M * xstride * 2), maxnch * kChunkRows * 2,
+#ifdef EXL2_GEMV_FOLD_STAGED
+  constexpr int kFoldSumBytes = 8 * 4;  // one group's sums of x per token (exl2_gemv_fold.cuh), after the scales
+#else
+  constexpr int kFoldSumBytes = 0;
+#endif
+  return {ring_bytes, maxgrp * (kGroupScaleBytes + kFoldSumBytes), align16(M * xstride * 2), maxnch * kChunkRows * 2,
           align16(maxnch * 4), norm_k ? kGvWarps * 4 : 0, norm_k ? align16(M * norm_k * 2) : 0};
 }
 
@@ -313,9 +318,10 @@ __device__ __forceinline__ void tma_stage_input(const GemvParams& p, const GvWor
 // into mma A registers. Ends with the flush of a group that continues past this split (its partial is linear in
 // the scale). `off`: chunks of the block's item before wk.c0 (a span split's later runs), whose chunk info and
 // input rows come first in shared memory.
+// `fold_sums`: measurement build EXL2_GEMV_FOLD_STAGED only (exl2_gemv_fold.cuh).
 template <int B, int MT>
 __device__ __forceinline__ void tma_chunks(const GemvParams& p, const GvWork& wk, const TmaSmem& sm, int stages,
-                                           GvStateMT<MT>& st, int off = 0) {
+                                           GvStateMT<MT>& st, int off = 0, const float* fold_sums = nullptr) {
   constexpr int kTileBytes = 256 * B;
   constexpr int kSlotBytes = kGvWarps * kTileBytes;
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, gid = lane >> 2, t4 = lane & 3;
@@ -338,8 +344,13 @@ __device__ __forceinline__ void tma_chunks(const GemvParams& p, const GvWork& wk
 #ifdef EXL2_GEMV_FOLD_ZERO
   // A measurement build that lost (H200 call Z1, 2026-12-03): the zero point out of the decode (exl2_gemv_fold.cuh).
   if constexpr (MT == 1 && kFoldable<B>) {
+#ifdef EXL2_GEMV_FOLD_STAGED
+    if (fold_sums) {  // the block staged the sums of x (tma_block); not for span items or the chain kernel
+      XSum xs = {fold_sums};
+#else
     if (!(p.probe & kProbeNoMath)) {
       XSum xs = {};
+#endif
 #pragma unroll 1
       for (int i = 0; i < nch; ++i) {
         mbar_wait(sm.full(s), phase);

@@ -15,9 +15,9 @@
 // Z3: 2.347 against 2.320 ms; the 4:1 gate/up 26.7 against 25.2 us, the 4-bit o and q/k/v unchanged): the 4 extra
 // mmas per chunk cost more than the 32 FP ops saved (the lean flush showed that fewer instructions do pay: mmas
 // weigh more). It also breaks the bit-identity of the folded down_proj row order
-// (tests/kernels/test_fold_down_order_cuda.py: x is summed in a different order). What would test the idea cleanly:
-// per-group sums of x computed once while the input is staged (no registers across the chunk loop, no extra mmas),
-// read at the flush.
+// (tests/kernels/test_fold_down_order_cuda.py: x is summed in a different order). EXL2_GEMV_FOLD_STAGED (prepared in
+// session 15, not yet run: call AA1) tests the idea cleanly: per-group sums of x computed once after the input is
+// staged (fold_group_sums; no registers across the chunk loop, no extra mma), read at the flush.
 #pragma once
 
 #include "quant/exl2_gemv.cuh"

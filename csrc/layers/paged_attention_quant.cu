@@ -8,6 +8,8 @@
 // (scores) or per probability (values). Rotated formats are attended in the rotated domain: q is rotated once
 // per CTA (q . k = Hq . Hk for the orthonormal H), the output is rotated back once per row (sum p Hv = H sum p v).
 #include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
 
 #include "common/pdl.cuh"
 #include "layers/attn_combine.cuh"
@@ -300,7 +302,21 @@ int launch_fmt(const QAttnParams& p, int rt, int kf, int vf, int B, cudaStream_t
 
 }  // namespace
 
+// Timing probe, results WRONG: EXL2_ATTN_PROBE=1 leaves the split combination out (the output keeps whatever it
+// held). It measures what the reduce launch costs a decode step: the most that combining the splits inside
+// o_proj's input gather could gain (prepared in session 15, not yet run: call AA1).
+static bool reduce_probe() {
+  static const bool v = [] {
+    const char* e = getenv("EXL2_ATTN_PROBE");
+    const bool on = e != nullptr && atoi(e) == 1;
+    if (on) fprintf(stderr, "exl2_backend: EXL2_ATTN_PROBE=1: attention timing probe, results are WRONG\n");
+    return on;
+  }();
+  return v;
+}
+
 int launch_paged_attention_quant_reduce(const QAttnParams& p, bool rot, int D, int B, cudaStream_t stream) {
+  if (reduce_probe()) return EXL2_OK;
   if (D == 64) return rot ? launch_reduce<64, true>(p, B, stream) : launch_reduce<64, false>(p, B, stream);
   return rot ? launch_reduce<128, true>(p, B, stream) : launch_reduce<128, false>(p, B, stream);
 }

@@ -63,6 +63,12 @@ struct GemvParams {
   __half* norm_res_out;
   int norm_res_ld, norm_res_out_ld, norm_k, norm_nt;
   float norm_eps;
+  // TMA kernel, M <= 8: the input is the decode attention's split partials, combined inside the gather when comb_o
+  // is not null (exl2_gemv_attn.cuh; bit-identical to the attention's reduce kernel and its fp16 output)
+  const float* comb_o;   // [M * comb_hq][comb_nsplit][comb_d]: token m's head h at row m * comb_hq + h
+  const float* comb_ml;  // [M * comb_hq][comb_nsplit][2]: max (log2 units), sum
+  const int* comb_ctx;   // [M / comb_tq] context lengths (token m is query m % comb_tq of sequence m / comb_tq)
+  int comb_nsplit, comb_min_split, comb_tq, comb_hq, comb_d, comb_cap;  // cap: the cache's keys per sequence
 };
 
 // The block's work: descriptor, run, column block and chunk range [c0, c1). Splits are numbered run by run:

@@ -12,6 +12,7 @@
 
 #include "common/api.h"
 #include "quant/exl2_gemv.cuh"
+#include "quant/exl2_gemv_attn.cuh"
 #include "quant/exl2_gemv_fold.cuh"
 #include "quant/exl2_gemv_norm.cuh"
 #include "quant/exl2_gemv_rope.cuh"
@@ -290,7 +291,8 @@ __device__ __forceinline__ void tma_load_constants(const QDesc& d, const GvWork&
 }
 
 // Compute warps, after the PDL wait (or the chain's grid barrier) and a compute_sync: the split's input rows in
-// stored order into sm.xs (normalized, pre-gathered or gathered); the caller synchronizes after it.
+// stored order into sm.xs (normalized, pre-gathered, combined from attention partials or gathered); the caller
+// synchronizes after it.
 // `loaded` runs once the global loads are done (after the norm's rows, or the gather's loads of this thread; the
 // chain kernel's measurement stamps).
 struct NoMark {
@@ -305,6 +307,12 @@ __device__ __forceinline__ void tma_stage_input(const GemvParams& p, const GvWor
                  compute_sync);
     loaded();
     gv_gather_normed(p, nch, sm.xs, sm.xm, sm.xf, kTmaComputeThreads);
+  } else if (MT == 1 && p.comb_o) {  // the attention's split partials combined here; weights past the layout
+    float* cb = reinterpret_cast<float*>(sm.xf);
+    gv_attn_weights(p, cb, kTmaComputeThreads);
+    compute_sync();
+    gv_gather_attn(p, nch, sm.xs, sm.xm, cb, kTmaComputeThreads);
+    loaded();
   } else if (!(p.probe & kProbeNoGather)) {  // rows at M > 8: M loads per row slot, 16 or 32 in flight
     const int mode = p.gather_mode == kGatherAuto ? (MT > 1 ? kGatherRows : kGatherItems) : p.gather_mode;
     if (p.xpre) gv_copy_pregathered(p, wk.di, wk.c0, nch, sm.xs, kTmaComputeThreads);

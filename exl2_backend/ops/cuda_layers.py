@@ -548,7 +548,7 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     _check(op, "k_cache", k_cache, ndim=4, device=q.device)
     _check(op, "v_cache", v_cache, ndim=4, dtypes=(k_cache.dtype,), device=q.device)
     b, tq, hq, d = q.shape
-    p, s, hkv, dk = k_cache.shape
+    _, s, hkv, dk = k_cache.shape
     _require(v_cache.shape == k_cache.shape, f"{op}: v_cache {tuple(v_cache.shape)} != k_cache", "v_cache")
     _require(dk == d, f"{op}: cache head_dim {dk} != q head_dim {d}", "k_cache")
     _require(hkv > 0 and hq % hkv == 0, f"{op}: {hq} query heads not a multiple of {hkv} kv heads", "q")
@@ -571,29 +571,91 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     if b == 0 or tq == 0 or hq == 0:
         return out
+    q, tables, lens = _attention_inputs(op, q, block_tables, context_lens)
+    nsplit = _attention_nsplit(q.shape, k_cache.shape, tables.shape[1], q.device, num_splits)
+    ws = torch.empty(b * tq * hq * nsplit * (d + 2), dtype=torch.float32, device=q.device) if nsplit > 1 else None
+    tickets = None
+    if nsplit > 1 and _attn_tickets_enabled():
+        tickets = _ticket_buffer(q.device, b * hkv * math.ceil((hq // hkv) * tq / _attn_row_tile((hq // hkv) * tq)))
+    _launch_paged_attention(q, k_cache, v_cache, tables, lens, out, ws, nsplit, scale, tickets)
+    return out
+
+
+def _attention_inputs(op: str, q: torch.Tensor, block_tables: torch.Tensor,
+                      context_lens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """q with 16-byte aligned rows (a copy where needed), block_tables and context_lens as int32 on q's device."""
     if q.stride(-1) != 1 or any(st % 8 for st in q.stride()[:3]) or q.data_ptr() % 16:
         q = q.contiguous()
     tables = _index_tensor(block_tables, q.device, torch.int32)
     tables = tables if tables.stride(1) == 1 else tables.contiguous()
     lens = _index_tensor(context_lens, q.device, torch.int32).contiguous()
-    max_pages = tables.shape[1]
-    _require(max_pages > 0, f"{op}: block_tables has no columns", "block_tables")
+    _require(tables.shape[1] > 0, f"{op}: block_tables has no columns", "block_tables")
+    return q, tables, lens
+
+
+def _attention_nsplit(q_shape, cache_shape, max_pages: int, device: torch.device, num_splits: int = 0) -> int:
+    """The splits paged_attention cuts each context into (a function of shapes: graph-safe)."""
+    b, tq, hq, _ = q_shape
+    _, s, hkv, _ = cache_shape
     max_ctx = max_pages * s
-    dev_index = q.device.index if q.device.index is not None else torch.cuda.current_device()
+    dev_index = device.index if device.index is not None else torch.cuda.current_device()
     nsplit = num_splits or attention_splits(b, tq, hq, hkv, max_ctx, _num_sms(dev_index))
-    nsplit = max(nsplit, math.ceil(max_ctx / _attn_keys_max(_attn_row_tile((hq // hkv) * tq))))
-    ws = torch.empty(b * tq * hq * nsplit * (d + 2), dtype=torch.float32, device=q.device) if nsplit > 1 else None
-    tickets = None
-    if nsplit > 1 and _attn_tickets_enabled():
-        tickets = _ticket_buffer(q.device, b * hkv * math.ceil((hq // hkv) * tq / _attn_row_tile((hq // hkv) * tq)))
+    return max(nsplit, math.ceil(max_ctx / _attn_keys_max(_attn_row_tile((hq // hkv) * tq))))
+
+
+def _launch_paged_attention(q, k_cache, v_cache, tables, lens, out, ws, nsplit: int, scale: float, tickets,
+                            partials_only: bool = False) -> None:
+    b, tq, hq, d = q.shape
+    p, s, hkv, _ = k_cache.shape
+    flags = _attn_flags((hq // hkv) * tq) | (32 if partials_only else 0)
     with _device_guard(q):
         _call("exl2_paged_attention", q.data_ptr(), q.stride(0), q.stride(1), q.stride(2), k_cache.data_ptr(),
               v_cache.data_ptr(), tables.data_ptr(), tables.stride(0), lens.data_ptr(), out.data_ptr(),
-              ws.data_ptr() if ws is not None else None, b, tq, hq, hkv, d, p, s, max_pages, nsplit,
-              _ATTN_MIN_SPLIT, float(scale), _attn_flags((hq // hkv) * tq),
-              tickets.data_ptr() if tickets is not None else None,
+              ws.data_ptr() if ws is not None else None, b, tq, hq, hkv, d, p, s, tables.shape[1], nsplit,
+              _ATTN_MIN_SPLIT, float(scale), flags, tickets.data_ptr() if tickets is not None else None,
               _stream(q))
-    return out
+
+
+# o_proj combining the attention's splits in its input gather (cuda_quant.CudaLinearOp.attn_combined) up to this
+# many splits: every column block of o_proj repeats the combination of its rows, so long contexts keep the reduce
+# kernel. EXL2_BACKEND_ATTN_COMBINE_MAX_SPLITS overrides (measurement).
+ATTN_COMBINE_MAX_SPLITS = int(os.environ.get("EXL2_BACKEND_ATTN_COMBINE_MAX_SPLITS", "32"))
+
+
+def attention_partials_splits(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                              block_tables: torch.Tensor) -> int | None:
+    """The splits attention_partials would leave for these inputs, or None where it does not apply: not fp16
+    on a CUDA device, a head size or page size the kernel does not take, a non-contiguous cache, one split (the
+    kernel writes the output itself), more than ATTN_COMBINE_MAX_SPLITS, or split tickets on."""
+    if not (isinstance(q, torch.Tensor) and q.dim() == 4 and q.is_cuda and q.dtype == torch.float16
+            and k_cache.dim() == 4 and k_cache.dtype == torch.float16 and v_cache.dtype == torch.float16
+            and v_cache.shape == k_cache.shape and k_cache.device == q.device and v_cache.device == q.device
+            and k_cache.is_contiguous() and v_cache.is_contiguous() and isinstance(block_tables, torch.Tensor)
+            and block_tables.dim() == 2 and block_tables.shape[0] == q.shape[0] and block_tables.shape[1] > 0):
+        return None
+    _, _, hq, d = q.shape
+    _, s, hkv, dk = k_cache.shape
+    if d not in (64, 128) or dk != d or s < 16 or s & (s - 1) or hkv <= 0 or hq % hkv or _attn_tickets_enabled():
+        return None
+    nsplit = _attention_nsplit(q.shape, k_cache.shape, block_tables.shape[1], q.device)
+    return nsplit if 2 <= nsplit <= ATTN_COMBINE_MAX_SPLITS else None
+
+
+def attention_partials(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
+                       context_lens: torch.Tensor, scale: float) -> tuple[torch.Tensor, torch.Tensor, int, int]:
+    """paged_attention's launch with its split partials left in the workspace and no reduce launch (flags bit
+    5), for o_proj to combine them in its input gather: (workspace fp32 [B*Tq*Hq*nsplit*(D+2)], part_o then
+    part_ml; context_lens int32; nsplit; the cache's keys per sequence). Where attention_partials_splits declines,
+    InvalidRequestError (callers check first)."""
+    op = "attention_partials"
+    nsplit = attention_partials_splits(q, k_cache, v_cache, block_tables)
+    _require(nsplit is not None, f"{op}: these inputs take paged_attention and its reduce", "q")
+    b, tq, hq, d = q.shape
+    q, tables, lens = _attention_inputs(op, q, block_tables, context_lens)
+    ws = torch.empty(b * tq * hq * nsplit * (d + 2), dtype=torch.float32, device=q.device)
+    out = torch.empty(0, dtype=q.dtype, device=q.device)  # not written
+    _launch_paged_attention(q, k_cache, v_cache, tables, lens, out, ws, nsplit, scale, None, partials_only=True)
+    return ws, lens, nsplit, tables.shape[1] * k_cache.shape[1]
 
 
 @paged_attention.register_fake

@@ -865,15 +865,7 @@ EXL2_API int exl2_gemv_attn(const int64_t* blob, int ndesc, const float* part_o,
     EXL2_REQUIRE(p.d[i].K == hq * d, "exl2_gemv_attn: part %d has K=%d, the attention output %d", i, p.d[i].K, hq * d);
   EXL2_REQUIRE(pl.tma && !p.cluster && !p.xpre && !p.norm_nt && !p.rope_d && !p.probe,
                "exl2_gemv_attn: needs the TMA GEMV (sm_90+) without cluster split-K, norm, rope or probe");
-  p.comb_o = part_o;
-  p.comb_ml = part_ml;
-  p.comb_ctx = ctx_lens;
-  p.comb_nsplit = nsplit;
-  p.comb_min_split = min_split;
-  p.comb_tq = tq;
-  p.comb_hq = hq;
-  p.comb_d = d;
-  p.comb_cap = cap;
+  p.comb = AttnCombine{part_o, part_ml, ctx_lens, nsplit, min_split, tq, hq, d, cap};
   const int smem = pl.smem + attn_combine_bytes(M, hq, nsplit);  // after the layout's end (exl2_gemv_tma.cuh)
   EXL2_REQUIRE(smem <= 227 * 1024 - 1024, "exl2_gemv_attn: %d bytes of shared memory per block", smem);
   return gemv_tma_launch(p, pl.blocks, smem, reinterpret_cast<cudaStream_t>(stream));

@@ -1,4 +1,4 @@
-// The TMA GEMV's input taken from the decode attention's split partials (GemvParams::comb_*): o_proj combines the
+// The TMA GEMV's input taken from the decode attention's split partials (GemvParams::comb): o_proj combines the
 // splits of the rows it reads inside its input gather, so the attention needs no reduce launch (one launch and
 // one round trip fewer per layer; exl2_gemv_attn in exl2_gemm.cu, ops/cuda_quant.attn_o_proj). The arithmetic
 // is attn_combine_in_order's (layers/attn_combine.cuh), value for value: the max of the split maxima, then the
@@ -22,21 +22,21 @@ __host__ __device__ inline int attn_combine_bytes(int M, int hq, int nsplit) {
 
 // The splits that hold keys for token m, as the attention kernels count them (qattn_clamp_ctx, qattn_split_len).
 __device__ __forceinline__ int attn_used_splits(const GemvParams& p, int m) {
-  int ctx = __ldg(p.comb_ctx + m / p.comb_tq);
-  ctx = ctx < 0 ? 0 : (ctx > p.comb_cap ? p.comb_cap : ctx);
-  int len = (ctx + p.comb_nsplit - 1) / p.comb_nsplit;
+  int ctx = __ldg(p.comb.ctx + m / p.comb.tq);
+  ctx = ctx < 0 ? 0 : (ctx > p.comb.cap ? p.comb.cap : ctx);
+  int len = (ctx + p.comb.nsplit - 1) / p.comb.nsplit;
   len = (len + 15) & ~15;
-  len = len > p.comb_min_split ? len : p.comb_min_split;
+  len = len > p.comb.min_split ? len : p.comb.min_split;
   return ctx > 0 ? (ctx + len - 1) / len : 0;
 }
 
 // Step 1, per (token, head) row r: cb[r * (nsplit + 1) + s] = exp2f(m_s - max) for the used splits (all 0 when
 // every split is empty), then den. Statistics loaded kAttnCombineBatch at a time.
 __device__ __forceinline__ void gv_attn_weights(const GemvParams& p, float* cb, int nthreads) {
-  const int S = p.comb_nsplit, rows = p.M * p.comb_hq;
+  const int S = p.comb.nsplit, rows = p.M * p.comb.hq;
   for (int r = threadIdx.x; r < rows; r += nthreads) {
-    const int used = attn_used_splits(p, r / p.comb_hq);
-    const float* ml = p.comb_ml + (size_t)r * S * 2;
+    const int used = attn_used_splits(p, r / p.comb.hq);
+    const float* ml = p.comb.ml + (size_t)r * S * 2;
     float m = -INFINITY;
     for (int s0 = 0; s0 < used; s0 += kAttnCombineBatch) {
       float t[kAttnCombineBatch];
@@ -75,15 +75,15 @@ __device__ __forceinline__ void gv_attn_weights(const GemvParams& p, float* cb, 
 // cb: step 1's weights, after a barrier.
 __device__ __forceinline__ void gv_gather_attn(const GemvParams& p, int nch, __half* xs, const unsigned short* xm,
                                                const float* cb, int nthreads) {
-  const int rows = nch * kChunkRows, items = rows * p.M, S = p.comb_nsplit, D = p.comb_d;
+  const int rows = nch * kChunkRows, items = rows * p.M, S = p.comb.nsplit, D = p.comb.d;
   for (int e = threadIdx.x; e < items; e += nthreads) {
     const int m = e / rows, r = e - m * rows;
     const unsigned i = xm[r];
     float o = 0.f;
     if (i != 0xFFFFu) {
-      const int h = (int)i / D, d = (int)i - h * D, row = m * p.comb_hq + h;
+      const int h = (int)i / D, d = (int)i - h * D, row = m * p.comb.hq + h;
       const int used = attn_used_splits(p, m);
-      const float* po = p.comb_o + (size_t)row * S * D + d;
+      const float* po = p.comb.o + (size_t)row * S * D + d;
       const float* w = cb + row * (S + 1);
       float num = 0.f;
       for (int s0 = 0; s0 < used; s0 += kAttnCombineBatch) {

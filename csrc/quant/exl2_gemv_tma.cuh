@@ -307,7 +307,7 @@ __device__ __forceinline__ void tma_stage_input(const GemvParams& p, const GvWor
                  compute_sync);
     loaded();
     gv_gather_normed(p, nch, sm.xs, sm.xm, sm.xf, kTmaComputeThreads);
-  } else if (MT == 1 && p.comb_o) {  // the attention's split partials combined here; weights past the layout
+  } else if (MT == 1 && p.comb.o) {  // the attention's split partials combined here; weights past the layout
     float* cb = reinterpret_cast<float*>(sm.xf);
     gv_attn_weights(p, cb, kTmaComputeThreads);
     compute_sync();

@@ -30,9 +30,7 @@ interleaved_steps D1 V1 Q1 S1 D2 V2 Q2 S2
 cp /tmp/libD.so "$LIB"
 decode_step_1k noreduce nochain EXL2_ATTN_PROBE=1
 decode_step_1k combine nochain EXL2_BACKEND_ATTN_COMBINE_IN_GEMV=1
-for v in D1 noreduce combine; do
-  echo "-- $v critical path:"; grep -A14 "critical path" "$R/prof_$v.txt" | grep -E "\[o\]|attention|attn_|TOTAL" | cut -c1-120
-done
+attention_paths D1 noreduce combine
 echo "mean graph steps: D $(mean_step D) V $(mean_step V) Q $(mean_step Q) S $(mean_step S) ms"
 echo "elapsed $(( $(date +%s) - T0 )) s"
 timeout 120 python3 scripts/spec_bench.py --skip smollm2 --iters 30 --kernels --work-dir /tmp/spec_bench \

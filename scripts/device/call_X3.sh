@@ -11,9 +11,7 @@ begin_call x3
 decode_step_1k final nochain
 decode_step_1k kall nochain EXL2_ATTN_QUANT_PREFETCH=5
 decode_step_1k tickets nochain EXL2_BACKEND_ATTN_TICKETS=1
-for v in final kall tickets; do
-  echo "-- $v critical path:"; grep -A14 "critical path" "$R/prof_$v.txt" | grep -E "attention|attn_|TOTAL" | cut -c1-120
-done
+attention_paths final kall tickets
 echo "elapsed $(( $(date +%s) - T0 )) s"
 bench_8b final 130 1024,32768 fp16,q8,q4
 spec_costs final

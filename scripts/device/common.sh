@@ -127,6 +127,13 @@ use_libraries() {
 }
 # The mean graph step of interleaved_steps' runs <LETTER>1 and <LETTER>2: mean_step LETTER.
 mean_step() { cat "$R/prof_${1}1.txt" "$R/prof_${1}2.txt" | grep -o "graph step [0-9.]* ms" | awk '{s += $3; n++} END {print s / n}'; }
+# The o_proj and attention rows of decode_step_1k runs' critical paths: attention_paths NAME...
+attention_paths() {
+  local v
+  for v in "$@"; do
+    echo "-- $v critical path:"; grep -A14 "critical path" "$R/prof_$v.txt" | grep -E "\[o\]|attention|attn_|TOTAL" | cut -c1-120
+  done
+}
 # One kernel launch of scripts/chain_once.py under ncu --set full: ncu_chain_once NAME REGEX SKIP [NCU FLAGS...];
 # $R/NAME.details.txt and $R/NAME.sass.csv.gz (scripts/ncu_stalls.py reads it).
 ncu_chain_once() {

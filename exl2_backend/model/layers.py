@@ -188,13 +188,13 @@ class DecoderLayer:
         residual, roped) with nxt, else (the MLP output h, residual, False). One persistent GEMV chain where it runs
         (ops/cuda_chain.py), else op by op."""
         if residual is not None and FUSED_NORM and FUSED_SILU_DOWN and hasattr(self.o, "launch"):
-            from exl2_backend.ops.cuda_chain import mlp_chain
+            from exl2_backend.ops.cuda_chain import GEMV_CHAIN, mlp_chain
 
-            if isinstance(attn, DeferredAttention):
+            if GEMV_CHAIN and isinstance(attn, DeferredAttention):  # the chain takes o_proj's input as a tensor
                 attn = attn.materialize()
-
-            chained = mlp_chain(self.o, self.gate_up, self.down, None if nxt is None else nxt.qkv, attn, residual,
-                                self.post_norm, None if nxt is None else nxt.input_norm, self.eps)
+            chained = None if isinstance(attn, DeferredAttention) else mlp_chain(
+                self.o, self.gate_up, self.down, None if nxt is None else nxt.qkv, attn, residual, self.post_norm,
+                None if nxt is None else nxt.input_norm, self.eps)
             if chained is not None:
                 return chained[0], chained[1], False
         gate_up, residual = norm_linear(self.gate_up, self.o_proj(attn), residual, self.post_norm, self.eps)

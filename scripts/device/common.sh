@@ -156,13 +156,15 @@ gpu_tests_verbose() {
   echo "passed: $(grep -c PASSED "$R/$name.txt")"
   grep -E "FAILED|ERROR|passed|failed" "$R/$name.txt" | grep -v " PASSED " | tail -12 | cut -c1-200
 }
-# The figures a session closes with: `bench` at 1k and 32k (fp16 / q8 / q4), verify costs, and ExLlamaV2 at 1k
-# beside ours when more than 90 s of LIMIT are left (start_exllamav2_jit first): final_figures LIMIT.
+# The figures a session closes with: `bench` at 1k and 32k (fp16 / q8 / q4), verify costs, and ExLlamaV2 beside
+# ours (at 1k, or as the exllamav2_compare.py arguments after LIMIT say) when more than 90 s of LIMIT are left
+# (start_exllamav2_jit first): final_figures LIMIT [exllamav2_compare.py arguments...].
 final_figures() {
+  local limit=$1; shift
   bench_8b final 130 1024,32768 fp16,q8,q4
   spec_costs final
   echo "bench $(( $(date +%s) - T0 )) s"
-  if [ "$(left "$1")" -gt 90 ]; then
-    exllamav2_vs_ours "$(left "$1")"
+  if [ "$(left "$limit")" -gt 90 ]; then
+    exllamav2_vs_ours "$(left "$limit")" "$@"
   fi
 }

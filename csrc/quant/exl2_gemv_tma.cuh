@@ -347,8 +347,24 @@ __device__ __forceinline__ void tma_chunks(const GemvParams& p, const GvWork& wk
 #pragma unroll
   for (int mt = 0; mt < MT; ++mt) xls[mt] = xs + min(8 * mt + gid, M - 1) * p.xstride + 8 * t4;
   const uint32_t* tile = reinterpret_cast<const uint32_t*>(sm.ring + warp * kTileBytes);
-  int s = 0;
-  uint32_t phase = 0;
+  // Per chunk: wait for its slot, read the lane's words, release the slot, then consume(w, i).
+  auto walk_ring = [&](auto&& consume) {
+    int s = 0;
+    uint32_t phase = 0;
+#pragma unroll 1
+    for (int i = 0; i < nch; ++i) {
+      mbar_wait(sm.full(s), phase);
+      uint32_t w[2][B];
+      load_lane_words<B>(tile + s * (kSlotBytes / 4), lane, w);
+      __syncwarp();
+      if (lane == 0) mbar_arrive(sm.empty(s));  // release: the warp's reads of the slot are done
+      consume(w, i);
+      if (++s == stages) {
+        s = 0;
+        phase ^= 1;
+      }
+    }
+  };
 #ifdef EXL2_GEMV_FOLD_ZERO
   // A measurement build that lost (H200 call Z1, 2026-12-03): the zero point out of the decode (exl2_gemv_fold.cuh).
   if constexpr (MT == 1 && kFoldable<B>) {
@@ -359,31 +375,15 @@ __device__ __forceinline__ void tma_chunks(const GemvParams& p, const GvWork& wk
     if (!(p.probe & kProbeNoMath)) {
       XSum xs = {};
 #endif
-#pragma unroll 1
-      for (int i = 0; i < nch; ++i) {
-        mbar_wait(sm.full(s), phase);
-        uint32_t w[2][B];
-        load_lane_words<B>(tile + s * (kSlotBytes / 4), lane, w);
-        __syncwarp();
-        if (lane == 0) mbar_arrive(sm.empty(s));
+      walk_ring([&](const uint32_t (&w)[2][B], int i) {
         fold_chunk<B>(w, s_info[i], xl + i * kChunkRows, st, xs, scl_lane, kGvWarps * 8, ngrp);
-        if (++s == stages) {
-          s = 0;
-          phase ^= 1;
-        }
-      }
+      });
       if (!((s_info[nch - 1] >> 31) & 1)) fold_flush<B>(st, xs);
       return;
     }
   }
 #endif
-#pragma unroll 1
-  for (int i = 0; i < nch; ++i) {
-    mbar_wait(sm.full(s), phase);
-    uint32_t w[2][B];
-    load_lane_words<B>(tile + s * (kSlotBytes / 4), lane, w);
-    __syncwarp();
-    if (lane == 0) mbar_arrive(sm.empty(s));  // release: the warp's reads of the slot are done
+  walk_ring([&](const uint32_t (&w)[2][B], int i) {
     if (p.probe & kProbeNoMath) {
       asm volatile("" ::"r"(w[0][0]), "r"(w[1][B - 1]));  // keep the shared loads
     } else if constexpr (MT == 1) {
@@ -391,11 +391,7 @@ __device__ __forceinline__ void tma_chunks(const GemvParams& p, const GvWork& wk
     } else {
       gv_chunk_mt<B, MT>(w, s_info[i], xls, i * kChunkRows, st, scl_lane, kGvWarps * 8, ngrp);
     }
-    if (++s == stages) {
-      s = 0;
-      phase ^= 1;
-    }
-  }
+  });
   if (!((s_info[nch - 1] >> 31) & 1)) gv_flush(st);
 }
 

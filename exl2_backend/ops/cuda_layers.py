@@ -548,7 +548,7 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     _check(op, "k_cache", k_cache, ndim=4, device=q.device)
     _check(op, "v_cache", v_cache, ndim=4, dtypes=(k_cache.dtype,), device=q.device)
     b, tq, hq, d = q.shape
-    _, s, hkv, dk = k_cache.shape
+    _, _, hkv, dk = k_cache.shape
     _require(v_cache.shape == k_cache.shape, f"{op}: v_cache {tuple(v_cache.shape)} != k_cache", "v_cache")
     _require(dk == d, f"{op}: cache head_dim {dk} != q head_dim {d}", "k_cache")
     _require(hkv > 0 and hq % hkv == 0, f"{op}: {hq} query heads not a multiple of {hkv} kv heads", "q")
@@ -557,15 +557,7 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     _require(isinstance(context_lens, torch.Tensor) and context_lens.dim() == 1 and context_lens.shape[0] == b,
              f"{op}: context_lens must be [{b}]", "context_lens")
     _require(num_splits >= 0, f"{op}: num_splits must be >= 0", "num_splits")
-    why = None
-    if d not in (64, 128):
-        why = f"head_dim {d}"
-    elif q.dtype != torch.float16 or k_cache.dtype != torch.float16:
-        why = f"dtypes q {q.dtype}, cache {k_cache.dtype}"
-    elif s < 16 or s & (s - 1):
-        why = f"page size {s}"
-    elif not (k_cache.is_contiguous() and v_cache.is_contiguous()):
-        why = "non-contiguous cache"
+    why = _attention_kernel_declines(q, k_cache, v_cache)
     if why is not None:
         return _fallback(op, why)(q, k_cache, v_cache, block_tables, context_lens, scale)
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
@@ -579,6 +571,20 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         tickets = _ticket_buffer(q.device, b * hkv * math.ceil((hq // hkv) * tq / _attn_row_tile((hq // hkv) * tq)))
     _launch_paged_attention(q, k_cache, v_cache, tables, lens, out, ws, nsplit, scale, tickets)
     return out
+
+
+def _attention_kernel_declines(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> str | None:
+    """Why the fp16 paged-attention kernel does not take these (checked) inputs, or None where it does."""
+    d, s = q.shape[3], k_cache.shape[1]
+    if d not in (64, 128):
+        return f"head_dim {d}"
+    if q.dtype != torch.float16 or k_cache.dtype != torch.float16:
+        return f"dtypes q {q.dtype}, cache {k_cache.dtype}"
+    if s < 16 or s & (s - 1):
+        return f"page size {s}"
+    if not (k_cache.is_contiguous() and v_cache.is_contiguous()):
+        return "non-contiguous cache"
+    return None
 
 
 def _attention_inputs(op: str, q: torch.Tensor, block_tables: torch.Tensor,
@@ -627,15 +633,16 @@ def attention_partials_splits(q: torch.Tensor, k_cache: torch.Tensor, v_cache: t
     """The splits attention_partials would leave for these inputs, or None where it does not apply: not fp16
     on a CUDA device, a head size or page size the kernel does not take, a non-contiguous cache, one split (the
     kernel writes the output itself), more than ATTN_COMBINE_MAX_SPLITS, or split tickets on."""
-    if not (isinstance(q, torch.Tensor) and q.dim() == 4 and q.is_cuda and q.dtype == torch.float16
-            and k_cache.dim() == 4 and k_cache.dtype == torch.float16 and v_cache.dtype == torch.float16
-            and v_cache.shape == k_cache.shape and k_cache.device == q.device and v_cache.device == q.device
-            and k_cache.is_contiguous() and v_cache.is_contiguous() and isinstance(block_tables, torch.Tensor)
-            and block_tables.dim() == 2 and block_tables.shape[0] == q.shape[0] and block_tables.shape[1] > 0):
+    if not (isinstance(q, torch.Tensor) and q.dim() == 4 and q.is_cuda and k_cache.dim() == 4
+            and v_cache.dtype == k_cache.dtype and v_cache.shape == k_cache.shape and k_cache.device == q.device
+            and v_cache.device == q.device and isinstance(block_tables, torch.Tensor) and block_tables.dim() == 2
+            and block_tables.shape[0] == q.shape[0] and block_tables.shape[1] > 0):
         return None
     _, _, hq, d = q.shape
-    _, s, hkv, dk = k_cache.shape
-    if d not in (64, 128) or dk != d or s < 16 or s & (s - 1) or hkv <= 0 or hq % hkv or _attn_tickets_enabled():
+    _, _, hkv, dk = k_cache.shape
+    if dk != d or hkv <= 0 or hq % hkv or _attn_tickets_enabled():
+        return None
+    if _attention_kernel_declines(q, k_cache, v_cache) is not None:
         return None
     nsplit = _attention_nsplit(q.shape, k_cache.shape, block_tables.shape[1], q.device)
     return nsplit if 2 <= nsplit <= ATTN_COMBINE_MAX_SPLITS else None

@@ -483,6 +483,15 @@ class _Launch:
         return 1 <= m <= min(GEMV_MAX_M, gemv_row_cap(self.device)) and \
             4 * self.gemv_plan(m).ws_numel <= WORKSPACE_BUDGET
 
+    def takes_attn(self, q: torch.Tensor) -> bool:
+        """Whether this GEMV takes the attention output of q [B, Tq, Hq, D] from the attention's split partials
+        (exl2_gemv_attn): K = Hq * D, B * Tq <= 8 rows routed to the TMA GEMV on q's device."""
+        if not (isinstance(q, torch.Tensor) and q.dim() == 4 and q.device == self.device):
+            return False
+        b, tq, hq, d = q.shape
+        return (1 <= b * tq <= 8 and hq * d == self.K and GEMV_MINB == 0 and gemv_row_cap(self.device) == 32
+                and self.takes_gemv(b * tq))
+
     def takes_fused(self, m: int) -> bool:
         """Whether M rows run a fused kernel (GEMV or mma) rather than dequantize + cuBLAS."""
         return self.takes_gemv(m) or 1 <= m <= min(FUSED_MAX_M, 32)
@@ -692,10 +701,10 @@ def _attn_o_proj_op(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     from exl2_backend.ops import cuda_layers
 
     launch = _REG[handle]
-    b, tq, hq, d = q.shape if isinstance(q, torch.Tensor) and q.dim() == 4 else (0, 0, 0, 0)
-    if not (1 <= b * tq <= 8 and hq * d == launch.K and launch.takes_gemv(b * tq) and q.device == packed.device):
+    if not launch.takes_attn(q):
         raise TensorShapeError(f"q {tuple(q.shape)}: o_proj over attention partials takes 1..8 tokens of "
                                f"{launch.K} features on {packed.device}", tensor="q")
+    _, tq, hq, d = q.shape
     part, lens, nsplit, cap = cuda_layers.attention_partials(q, k_cache, v_cache, block_tables, context_lens, scale)
     return launch.gemv_attn(part, lens, tq, hq, d, nsplit, cap, ws, counters)
 
@@ -871,12 +880,7 @@ class CudaLinearOp:
         (M rows on sm_90+ only), K != Hq * D, or inputs cuda_layers.attention_partials_splits declines."""
         from exl2_backend.ops import cuda_layers
 
-        if not (isinstance(q, torch.Tensor) and q.dim() == 4):
-            return None
-        b, tq, hq, d = q.shape
-        m = b * tq
-        if not (1 <= m <= 8 and hq * d == self.in_features and GEMV_MINB == 0
-                and gemv_row_cap(self.device) == 32 and self.launch.takes_gemv(m)
+        if not (self.launch.takes_attn(q)
                 and cuda_layers.attention_partials_splits(q, k_cache, v_cache, block_tables) is not None):
             return None
         ws, counters = self.workspace.buffers()

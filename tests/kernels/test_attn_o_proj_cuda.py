@@ -73,6 +73,25 @@ def test_attn_combined_declines_where_it_does_not_apply(monkeypatch):
     assert op.attn_combined(q, kc, vc, tables, lens_t, 0.1) is None
 
 
+def test_attn_o_proj_op_rejects_what_the_route_declines():
+    """Called directly, the custom op raises a typed error instead of launching (CudaLinearOp checks first)."""
+    from exl2_backend.errors import InvalidRequestError, TensorShapeError
+
+    op = o_proj(32 * 128)
+    ws, counters = op.workspace.buffers()
+
+    def call(q, kc, vc, tables, lens_t):
+        return torch.ops.exl2_backend.exl2_attn_o_proj(q, kc, vc, tables, lens_t, 0.1, op.launch.parts[0].packed,
+                                                       op.launch.handle, ws, counters)
+
+    with pytest.raises(TensorShapeError, match="1..8 tokens"):
+        call(*inputs([300] * 9, 1, 32, 8, 128))  # 9 tokens
+    with pytest.raises(TensorShapeError, match="1..8 tokens"):
+        call(*inputs([900], 1, 16, 4, 128))  # K = 2048
+    with pytest.raises(InvalidRequestError, match="reduce"):
+        call(*inputs([20], 1, 32, 8, 128))  # one split
+
+
 def test_attn_combined_under_graph_replay():
     q, kc, vc, tables, lens_t = inputs([400], 1, 32, 8, 128, seed=3)
     op = o_proj(32 * 128)

@@ -3,7 +3,7 @@
 # (several: "A=4 B", one -D each) and linked as setup.py links the default library, gzipped for a device call's
 # carry list.
 #
-#     bash scripts/build_variant.sh EXL2_GEMV_FOLD_ZERO .dev/libexl2_kernels_fold.so.gz
+#     bash scripts/build_variant.sh EXL2_GEMV_TMA_MT1_MIN_BLOCKS=3 .dev/libexl2_kernels_mt1b3.so.gz
 #
 # A source whose preprocessed text does not change with the macro reuses the default build's object
 # (build/temp*/csrc/, from `EXL2_BACKEND_CUDA_ARCHS=90a pip install -e .`) when one is there and newer than the

@@ -25,7 +25,7 @@ int check_launch(const char* what) {
 EXL2_API const char* exl2_last_error() { return g_last_error; }
 
 // Bumped whenever an exported signature changes; ops/library.py checks it.
-EXL2_API int exl2_abi_version() { return 7; }
+EXL2_API int exl2_abi_version() { return 8; }
 
 // --- programmatic dependent launch switch (common/pdl.cuh) ---
 #include "common/pdl.cuh"

@@ -53,7 +53,6 @@ struct AttnParams {
   float* part_o;            // [B, Tq, Hq, nsplit, D]
   float* part_ml;           // [B, Tq, Hq, nsplit, 2] (max in log2 units, sum)
   int* tickets;             // [B, Hkv, row_tiles], zero on entry and exit; null: separate reduce kernel
-  int partials_only;        // 1: nsplit > 1 and the partials are left for the caller (no reduce launch)
   int Tq, Hq, Hkv, G, R, row_tiles, nsplit, min_split, log2S, max_pages, num_pages;
   float scale_log2;  // softmax scale * log2(e)
 };
@@ -380,7 +379,7 @@ int launch(const AttnParams& p, int B, cudaStream_t stream) {
   const size_t smem = sizeof(float) * RT * keys_max<RT>();
   exl2::launch_kernel(paged_attention_kernel<D, RT, U>, grid, NT, smem, stream, p);
   int st = check_launch("paged_attention");
-  if (st != EXL2_OK || p.nsplit == 1 || p.tickets != nullptr || p.partials_only) return st;
+  if (st != EXL2_OK || p.nsplit == 1 || p.tickets != nullptr) return st;
   const int64_t combine_bytes = attn_combine_smem(p.nsplit, D);
   const unsigned rows = (unsigned)((int64_t)B * p.Tq * p.Hq);
   constexpr auto staged = attn_reduce_kernel<D, true>;
@@ -436,8 +435,7 @@ int launch_tensor_core(const AttnParams& a, int D, int B, int variant, cudaStrea
   p.scale_log2 = a.scale_log2;
   EXL2_REQUIRE((int64_t)p.row_tiles * p.nsplit < (1ll << 31), "paged_attention: grid too large");
   const int st = launch_paged_attention_quant_mma(p, kFmtF16, kFmtF16, D, B, variant, stream);
-  if (st != EXL2_OK || a.partials_only) return st;
-  return launch_paged_attention_quant_reduce(p, false, D, B, stream);
+  return st != EXL2_OK ? st : launch_paged_attention_quant_reduce(p, false, D, B, stream);
 }
 
 }  // namespace
@@ -457,8 +455,6 @@ EXL2_API int exl2_paged_attention_row_tile(int64_t rows) {
 // (paged_attention_quant_mma.cu over fp16 pages: row tiles of 8, its reduce launch, no tickets), variant bits - 1
 // (0 two passes, 1 / 2 one pass). tickets: int32 [B * Hkv * row_tiles],
 // all zero (and left so), to combine the splits inside the one launch; null: a second (reduce) launch does it.
-// flags bit 5: no combination at all, the split partials are left in the workspace (exl2_gemv_attn combines them
-// in o_proj's input gather).
 EXL2_API int exl2_paged_attention(const void* q, int64_t q_bs, int64_t q_ts, int64_t q_hs, const void* k_cache,
                                   const void* v_cache, const int32_t* block_tables, int64_t bt_stride,
                                   const int32_t* context_lens, void* out, float* workspace, int64_t B, int64_t Tq,
@@ -506,9 +502,6 @@ EXL2_API int exl2_paged_attention(const void* q, int64_t q_bs, int64_t q_ts, int
   p.part_o = workspace;
   p.part_ml = workspace == nullptr ? nullptr : workspace + B * Tq * Hq * nsplit * D;
   p.tickets = nsplit > 1 ? tickets : nullptr;
-  p.partials_only = (flags >> 5) & 1;
-  EXL2_REQUIRE(!p.partials_only || (nsplit > 1 && p.tickets == nullptr),
-               "paged_attention: partials only with nsplit > 1 and no tickets");
   EXL2_REQUIRE(nsplit == 1 || workspace != nullptr, "paged_attention: workspace required for nsplit > 1");
   EXL2_REQUIRE((int64_t)p.row_tiles * nsplit < (1ll << 31), "paged_attention: grid too large");
   const int mma = (flags >> 3) & 3;

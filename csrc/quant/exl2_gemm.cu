@@ -11,7 +11,6 @@
 #include "common/api.h"
 #include "common/pdl.cuh"
 #include "quant/exl2_gemv.cuh"
-#include "quant/exl2_gemv_attn.cuh"
 #include "quant/exl2_gemv_splits.cuh"
 #include "quant/exl2_gemv_rope.cuh"
 #include "quant/exl2_gemv_norm.cuh"
@@ -840,35 +839,6 @@ EXL2_API int exl2_gemv_add_norm(const int64_t* blob, int ndesc, const void* h, i
     return st;
   const exl2q::GemvNorm norm{residual, res_ld, weight, res_out, res_out_ld, eps};
   return gemv_impl(blob, ndesc, h, M, ldh, 0, 0, nullptr, 0, &norm, stream);
-}
-
-// o_proj over the decode attention's split partials (exl2_paged_attention with flags bit 5): the GEMV of the
-// attention output [M, hq * d] (M = B * tq tokens) without the reduce launch; its input gather combines the splits
-// (exl2_gemv_attn.cuh), bit-identical to the reduce kernel then exl2_gemv. part_o [M * hq][nsplit][d] and part_ml
-// [M * hq][nsplit][2] fp32 as the attention wrote them; ctx_lens [M / tq] int32; nsplit, min_split and cap (the
-// cache's keys per sequence: max_pages * page_size) as the attention launch had them. sm_90+, M <= 8, nsplit >= 2,
-// every part's K = hq * d.
-EXL2_API int exl2_gemv_attn(const int64_t* blob, int ndesc, const float* part_o, const float* part_ml,
-                            const int32_t* ctx_lens, int M, int tq, int hq, int d, int nsplit, int min_split,
-                            int cap, void* stream) {
-  using namespace exl2q;
-  EXL2_REQUIRE(part_o && part_ml && ctx_lens, "exl2_gemv_attn: null argument");
-  EXL2_REQUIRE(M >= 1 && M <= 8 && tq >= 1 && M % tq == 0, "exl2_gemv_attn: M=%d tokens of tq=%d queries", M, tq);
-  EXL2_REQUIRE(hq >= 1 && (d == 64 || d == 128), "exl2_gemv_attn: %d heads of %d dims", hq, d);
-  EXL2_REQUIRE(nsplit >= 2 && nsplit <= 4096, "exl2_gemv_attn: nsplit %d outside 2..4096", nsplit);
-  EXL2_REQUIRE(min_split > 0 && cap > 0, "exl2_gemv_attn: min_split %d, cap %d", min_split, cap);
-  GemvParams p;
-  GemvPlan pl;
-  // x: a non-null placeholder with the attention output's row stride (the gather reads the partials instead)
-  if (const int st = gemv_plan(blob, ndesc, part_o, M, hq * d, 0, 0, nullptr, 0, nullptr, p, pl)) return st;
-  for (int i = 0; i < ndesc; ++i)
-    EXL2_REQUIRE(p.d[i].K == hq * d, "exl2_gemv_attn: part %d has K=%d, the attention output %d", i, p.d[i].K, hq * d);
-  EXL2_REQUIRE(pl.tma && !p.cluster && !p.xpre && !p.norm_nt && !p.rope_d && !p.probe,
-               "exl2_gemv_attn: needs the TMA GEMV (sm_90+) without cluster split-K, norm, rope or probe");
-  p.comb = AttnCombine{part_o, part_ml, ctx_lens, nsplit, min_split, tq, hq, d, cap};
-  const int smem = pl.smem + attn_combine_bytes(M, hq, nsplit);  // after the layout's end (exl2_gemv_tma.cuh)
-  EXL2_REQUIRE(smem <= 227 * 1024 - 1024, "exl2_gemv_attn: %d bytes of shared memory per block", smem);
-  return gemv_tma_launch(p, pl.blocks, smem, reinterpret_cast<cudaStream_t>(stream));
 }
 
 // The small-M GEMV's split counts per run (host only, for tests and tools): splits[i * kMaxRuns + r] for run r of

@@ -26,15 +26,6 @@ constexpr int kProbeNoMath = 4;    // weights streamed through the ring, no deco
 // R2 of 2026-12-02, 8B decode step 2.687 against 2.657 ms, k = 4 verify 3.381 against 3.335 ms.)
 constexpr int kGatherAuto = 0, kGatherRows = 1, kGatherItems = 2;
 
-// The decode attention's split partials as a GEMV's input, combined inside the gather (exl2_gemv_attn.cuh;
-// bit-identical to the attention's reduce kernel and its fp16 output).
-struct AttnCombine {
-  const float* o;   // [M * hq][nsplit][d]: token m's head h at row m * hq + h; null: not this input
-  const float* ml;  // [M * hq][nsplit][2]: max (log2 units), sum
-  const int* ctx;   // [M / tq] context lengths (token m is query m % tq of sequence m / tq)
-  int nsplit, min_split, tq, hq, d, cap;  // cap: the cache's keys per sequence
-};
-
 struct GemvParams {
   QDesc d[kMaxDesc];
   const uint2* scl[kMaxDesc];         // fp16 scales in lane layout [G][J][8 gid] uint2 (cuda_quant._lane_scales)
@@ -72,7 +63,6 @@ struct GemvParams {
   __half* norm_res_out;
   int norm_res_ld, norm_res_out_ld, norm_k, norm_nt;
   float norm_eps;
-  AttnCombine comb;  // TMA kernel, M <= 8: the input from the decode attention's split partials (comb.o not null)
 };
 
 // The block's work: descriptor, run, column block and chunk range [c0, c1). Splits are numbered run by run:

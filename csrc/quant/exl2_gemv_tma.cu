@@ -154,17 +154,8 @@ __device__ __forceinline__ void tma_block(const GemvParams& p, const GvWork& wk,
   GvStateMT<MT> st;
   gv_zero(st);
   if (one_run) {
-    const float* fold_sums = nullptr;
-#ifdef EXL2_GEMV_FOLD_STAGED  // measurement build: the sums of x per group for the bare-code walk (exl2_gemv_fold.cuh)
-    if (MT == 1 && fold_width(bits0) && !(p.probe & kProbeNoMath)) {
-      float* sums = reinterpret_cast<float*>(reinterpret_cast<unsigned char*>(sm.scl) + p.maxgrp * kGroupScaleBytes);
-      fold_group_sums(sm.info, g.nch, sm.xs, p.xstride, p.M, sums);
-      compute_sync();
-      fold_sums = sums;
-    }
-#endif
     if (active)
-      with_bits(bits0, [&](auto b) { tma_chunks<decltype(b)::value, MT>(p, wk, sm, stages, st, 0, fold_sums); });
+      with_bits(bits0, [&](auto b) { tma_chunks<decltype(b)::value, MT>(p, wk, sm, stages, st); });
   }
   for (int r = wk.ri; r < (one_run ? wk.ri : wk.re); ++r) {
     if (r > wk.ri) next_run(r);

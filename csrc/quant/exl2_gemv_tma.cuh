@@ -12,8 +12,6 @@
 
 #include "common/api.h"
 #include "quant/exl2_gemv.cuh"
-#include "quant/exl2_gemv_attn.cuh"
-#include "quant/exl2_gemv_fold.cuh"
 #include "quant/exl2_gemv_norm.cuh"
 #include "quant/exl2_gemv_rope.cuh"
 
@@ -70,12 +68,7 @@ struct TmaSizes {  // the bytes of each region for one launch's parameters
 };
 
 __host__ __device__ inline TmaSizes tma_sizes(int ring_bytes, int maxgrp, int M, int xstride, int maxnch, int norm_k) {
-#ifdef EXL2_GEMV_FOLD_STAGED
-  constexpr int kFoldSumBytes = 8 * 4;  // one group's sums of x per token (exl2_gemv_fold.cuh), after the scales
-#else
-  constexpr int kFoldSumBytes = 0;
-#endif
-  return {ring_bytes, maxgrp * (kGroupScaleBytes + kFoldSumBytes), align16(M * xstride * 2), maxnch * kChunkRows * 2,
+  return {ring_bytes, maxgrp * kGroupScaleBytes, align16(M * xstride * 2), maxnch * kChunkRows * 2,
           align16(maxnch * 4), norm_k ? kGvWarps * 4 : 0, norm_k ? align16(M * norm_k * 2) : 0};
 }
 
@@ -291,8 +284,7 @@ __device__ __forceinline__ void tma_load_constants(const QDesc& d, const GvWork&
 }
 
 // Compute warps, after the PDL wait (or the chain's grid barrier) and a compute_sync: the split's input rows in
-// stored order into sm.xs (normalized, pre-gathered, combined from attention partials or gathered); the caller
-// synchronizes after it.
+// stored order into sm.xs (normalized, pre-gathered or gathered); the caller synchronizes after it.
 // `loaded` runs once the global loads are done (after the norm's rows, or the gather's loads of this thread; the
 // chain kernel's measurement stamps).
 struct NoMark {
@@ -307,12 +299,6 @@ __device__ __forceinline__ void tma_stage_input(const GemvParams& p, const GvWor
                  compute_sync);
     loaded();
     gv_gather_normed(p, nch, sm.xs, sm.xm, sm.xf, kTmaComputeThreads);
-  } else if (MT == 1 && p.comb.o) {  // the attention's split partials combined here; weights past the layout
-    float* cb = reinterpret_cast<float*>(sm.xf);
-    gv_attn_weights(p, cb, kTmaComputeThreads);
-    compute_sync();
-    gv_gather_attn(p, nch, sm.xs, sm.xm, cb, kTmaComputeThreads);
-    loaded();
   } else if (!(p.probe & kProbeNoGather)) {  // rows at M > 8: M loads per row slot, 16 or 32 in flight
     const int mode = p.gather_mode == kGatherAuto ? (MT > 1 ? kGatherRows : kGatherItems) : p.gather_mode;
     if (p.xpre) gv_copy_pregathered(p, wk.di, wk.c0, nch, sm.xs, kTmaComputeThreads);
@@ -326,10 +312,9 @@ __device__ __forceinline__ void tma_stage_input(const GemvParams& p, const GvWor
 // into mma A registers. Ends with the flush of a group that continues past this split (its partial is linear in
 // the scale). `off`: chunks of the block's item before wk.c0 (a span split's later runs), whose chunk info and
 // input rows come first in shared memory.
-// `fold_sums`: measurement build EXL2_GEMV_FOLD_STAGED only (exl2_gemv_fold.cuh).
 template <int B, int MT>
 __device__ __forceinline__ void tma_chunks(const GemvParams& p, const GvWork& wk, const TmaSmem& sm, int stages,
-                                           GvStateMT<MT>& st, int off = 0, const float* fold_sums = nullptr) {
+                                           GvStateMT<MT>& st, int off = 0) {
   constexpr int kTileBytes = 256 * B;
   constexpr int kSlotBytes = kGvWarps * kTileBytes;
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, gid = lane >> 2, t4 = lane & 3;
@@ -347,43 +332,15 @@ __device__ __forceinline__ void tma_chunks(const GemvParams& p, const GvWork& wk
 #pragma unroll
   for (int mt = 0; mt < MT; ++mt) xls[mt] = xs + min(8 * mt + gid, M - 1) * p.xstride + 8 * t4;
   const uint32_t* tile = reinterpret_cast<const uint32_t*>(sm.ring + warp * kTileBytes);
-  // Per chunk: wait for its slot, read the lane's words, release the slot, then consume(w, i).
-  auto walk_ring = [&](auto&& consume) {
-    int s = 0;
-    uint32_t phase = 0;
+  int s = 0;
+  uint32_t phase = 0;
 #pragma unroll 1
-    for (int i = 0; i < nch; ++i) {
-      mbar_wait(sm.full(s), phase);
-      uint32_t w[2][B];
-      load_lane_words<B>(tile + s * (kSlotBytes / 4), lane, w);
-      __syncwarp();
-      if (lane == 0) mbar_arrive(sm.empty(s));  // release: the warp's reads of the slot are done
-      consume(w, i);
-      if (++s == stages) {
-        s = 0;
-        phase ^= 1;
-      }
-    }
-  };
-#ifdef EXL2_GEMV_FOLD_ZERO
-  // A measurement build that lost (H200 call Z1, 2026-12-03): the zero point out of the decode (exl2_gemv_fold.cuh).
-  if constexpr (MT == 1 && kFoldable<B>) {
-#ifdef EXL2_GEMV_FOLD_STAGED
-    if (fold_sums) {  // the block staged the sums of x (tma_block); not for span items or the chain kernel
-      XSum xs = {fold_sums};
-#else
-    if (!(p.probe & kProbeNoMath)) {
-      XSum xs = {};
-#endif
-      walk_ring([&](const uint32_t (&w)[2][B], int i) {
-        fold_chunk<B>(w, s_info[i], xl + i * kChunkRows, st, xs, scl_lane, kGvWarps * 8, ngrp);
-      });
-      if (!((s_info[nch - 1] >> 31) & 1)) fold_flush<B>(st, xs);
-      return;
-    }
-  }
-#endif
-  walk_ring([&](const uint32_t (&w)[2][B], int i) {
+  for (int i = 0; i < nch; ++i) {
+    mbar_wait(sm.full(s), phase);
+    uint32_t w[2][B];
+    load_lane_words<B>(tile + s * (kSlotBytes / 4), lane, w);
+    __syncwarp();
+    if (lane == 0) mbar_arrive(sm.empty(s));  // release: the warp's reads of the slot are done
     if (p.probe & kProbeNoMath) {
       asm volatile("" ::"r"(w[0][0]), "r"(w[1][B - 1]));  // keep the shared loads
     } else if constexpr (MT == 1) {
@@ -391,7 +348,11 @@ __device__ __forceinline__ void tma_chunks(const GemvParams& p, const GvWork& wk
     } else {
       gv_chunk_mt<B, MT>(w, s_info[i], xls, i * kChunkRows, st, scl_lane, kGvWarps * 8, ngrp);
     }
-  });
+    if (++s == stages) {
+      s = 0;
+      phase ^= 1;
+    }
+  }
   if (!((s_info[nch - 1] >> 31) & 1)) gv_flush(st);
 }
 

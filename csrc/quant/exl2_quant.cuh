@@ -158,12 +158,13 @@ __device__ __forceinline__ uint32_t and_or(uint32_t a, uint32_t b, uint32_t c) {
 
 constexpr int main_words(int b) { return b == 8 ? 8 : (b >= 4 ? 4 : 2); }
 
-// Pair P of one n-tile before its zero point is removed, for B = 4, 5, 6, 8, with the fp16 exponent bits kExp OR-ed
-// into both halves. kExp = fp16 1024 (the default): 1024 + q (at 4 bits, odd pairs: 1024 + 16q); a field at bit
-// offset o of each half becomes 1024 + 2^o q (needs o + width <= 10). kExp = 0: the bare code as an fp16 subnormal,
-// q * 2^-24 (exl2_gemv_fold.cuh).
-template <int B, int P, uint32_t kExp = 0x64006400u>
+// Pair P of one n-tile before its zero point is removed, for B = 4, 5, 6, 8: fp16 1024's exponent bits OR-ed into
+// both halves make 1024 + q (at 4 bits, odd pairs: 1024 + 16q); a field at bit offset o of each half becomes
+// 1024 + 2^o q (needs o + width <= 10). (A zero-point fold decoded the bare code as an fp16 subnormal with no
+// exponent bits, q * 2^-24, and lost: H200 calls Z1, Z3 and AA1 of 2026-12-03, docs/performance.md.)
+template <int B, int P>
 __device__ __forceinline__ uint32_t pair_raw(const uint32_t* w) {
+  constexpr uint32_t kExp = 0x64006400u;
   static_assert(B == 4 || B == 5 || B == 6 || B == 8, "raw pairs of 4, 5, 6 and 8 bits");
   if constexpr (B == 8) {
     return __byte_perm(w[P / 2], (kExp >> 8) & 0xFFu, (P & 1) ? 0x4341 : 0x4240);  // bytes -> 0x64qq = 1024 + q

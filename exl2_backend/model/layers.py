@@ -25,10 +25,6 @@ FOLD_DOWN_ORDER = os.environ.get("EXL2_BACKEND_FOLD_DOWN_ORDER", "1") != "0"
 # each column block's final values rotates q in place and writes k and v into an fp16 cache), one launch fewer per
 # layer; EXL2_BACKEND_ROPE_IN_GEMV=0 runs rope_kv_write apart (same bits), for A/B timing.
 ROPE_IN_GEMV = os.environ.get("EXL2_BACKEND_ROPE_IN_GEMV", "1") != "0"
-# The decode attention's split combination inside o_proj's input gather (CUDA, fp16 cache, up to 8 tokens): one
-# reduce launch fewer per layer, the same bits. Off by default until measured (prepared in session 15, call AA1);
-# EXL2_BACKEND_ATTN_COMBINE_IN_GEMV=1 turns it on.
-ATTN_COMBINE_IN_GEMV = os.environ.get("EXL2_BACKEND_ATTN_COMBINE_IN_GEMV", "0") == "1"
 
 
 def norm_linear(linear, h: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float):
@@ -86,26 +82,6 @@ class AttentionMetadata:
     slots: torch.Tensor
 
 
-@dataclass
-class DeferredAttention:
-    """attend()'s output left as the attention's inputs, so that o_proj can combine the splits in its input gather
-    (DecoderLayer.o_proj, CudaLinearOp.attn_combined); materialize() runs the attention as attend() would."""
-
-    q: torch.Tensor  # [B, Tq, Hq, D] fp16
-    k_cache: torch.Tensor  # [P, S, Hkv, D]
-    v_cache: torch.Tensor
-    block_tables: torch.Tensor
-    context_lens: torch.Tensor
-    scale: float
-
-    def inputs(self) -> tuple:
-        return self.q, self.k_cache, self.v_cache, self.block_tables, self.context_lens, self.scale
-
-    def materialize(self) -> torch.Tensor:
-        b, tq, hq, d = self.q.shape
-        return ops.paged_attention(*self.inputs()).reshape(b * tq, hq * d)  # [T, Hq*D] fp16
-
-
 class DecoderLayer:
     """Pre-norm attention and SwiGLU MLP; q/k/v and gate/up each run as one fused linear op."""
 
@@ -128,16 +104,7 @@ class DecoderLayer:
     def attention(self, qkv, positions, inv_freq, cache, meta: AttentionMetadata, batch: int):
         """qkv [T, (Hq + 2 Hkv) D], the fused q/k/v projection of the normed hidden states, T = B*Tq; returns the
         o_proj output [T, H]."""
-        return self.o_proj(self.attend(qkv, positions, inv_freq, cache, meta, batch))
-
-    def o_proj(self, attn) -> torch.Tensor:
-        """o_proj of attend()'s output: a tensor [T, Hq*D], or the attention left to o_proj's input gather."""
-        if isinstance(attn, DeferredAttention):
-            y = self.o.attn_combined(*attn.inputs()) if hasattr(self.o, "attn_combined") else None
-            if y is not None:
-                return y
-            attn = attn.materialize()
-        return self.o(attn)
+        return self.o(self.attend(qkv, positions, inv_freq, cache, meta, batch))
 
     def attend(self, qkv, positions, inv_freq, cache, meta: AttentionMetadata, batch: int, roped: bool = False):
         """attention() before o_proj: rope, the KV-cache write and attention; returns [T, Hq*D] in qkv's dtype.
@@ -152,8 +119,6 @@ class DecoderLayer:
         if not roped:
             q = self._rope_kv_write(q, k, v, positions, inv_freq, k_cache, v_cache, meta.slots)
         q = q.reshape(batch, t // batch, hq, d)  # [B, Tq, Hq, D]
-        if ATTN_COMBINE_IN_GEMV and t <= 8 and hasattr(self.o, "attn_combined") and qkv.dtype == torch.float16:
-            return DeferredAttention(q, k_cache, v_cache, meta.block_tables, meta.context_lens, self.scale)
         out = ops.paged_attention(q, k_cache, v_cache, meta.block_tables, meta.context_lens, self.scale)
         return out.reshape(t, hq * d).to(qkv.dtype)  # [T, Hq*D]
 
@@ -188,16 +153,13 @@ class DecoderLayer:
         residual, roped) with nxt, else (the MLP output h, residual, False). One persistent GEMV chain where it runs
         (ops/cuda_chain.py), else op by op."""
         if residual is not None and FUSED_NORM and FUSED_SILU_DOWN and hasattr(self.o, "launch"):
-            from exl2_backend.ops.cuda_chain import GEMV_CHAIN, mlp_chain
+            from exl2_backend.ops.cuda_chain import mlp_chain
 
-            if GEMV_CHAIN and isinstance(attn, DeferredAttention):  # the chain takes o_proj's input as a tensor
-                attn = attn.materialize()
-            chained = None if isinstance(attn, DeferredAttention) else mlp_chain(
-                self.o, self.gate_up, self.down, None if nxt is None else nxt.qkv, attn, residual, self.post_norm,
-                None if nxt is None else nxt.input_norm, self.eps)
+            chained = mlp_chain(self.o, self.gate_up, self.down, None if nxt is None else nxt.qkv, attn, residual,
+                                self.post_norm, None if nxt is None else nxt.input_norm, self.eps)
             if chained is not None:
                 return chained[0], chained[1], False
-        gate_up, residual = norm_linear(self.gate_up, self.o_proj(attn), residual, self.post_norm, self.eps)
+        gate_up, residual = norm_linear(self.gate_up, self.o(attn), residual, self.post_norm, self.eps)
         h = self.mlp(gate_up)
         if nxt is None:
             return h, residual, False

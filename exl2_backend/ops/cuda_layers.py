@@ -609,60 +609,16 @@ def _attention_nsplit(q_shape, cache_shape, max_pages: int, device: torch.device
     return max(nsplit, math.ceil(max_ctx / _attn_keys_max(_attn_row_tile((hq // hkv) * tq))))
 
 
-def _launch_paged_attention(q, k_cache, v_cache, tables, lens, out, ws, nsplit: int, scale: float, tickets,
-                            partials_only: bool = False) -> None:
+def _launch_paged_attention(q, k_cache, v_cache, tables, lens, out, ws, nsplit: int, scale: float, tickets) -> None:
     b, tq, hq, d = q.shape
     p, s, hkv, _ = k_cache.shape
-    flags = _attn_flags((hq // hkv) * tq) | (32 if partials_only else 0)
+    flags = _attn_flags((hq // hkv) * tq)
     with _device_guard(q):
         _call("exl2_paged_attention", q.data_ptr(), q.stride(0), q.stride(1), q.stride(2), k_cache.data_ptr(),
               v_cache.data_ptr(), tables.data_ptr(), tables.stride(0), lens.data_ptr(), out.data_ptr(),
               ws.data_ptr() if ws is not None else None, b, tq, hq, hkv, d, p, s, tables.shape[1], nsplit,
               _ATTN_MIN_SPLIT, float(scale), flags, tickets.data_ptr() if tickets is not None else None,
               _stream(q))
-
-
-# o_proj combining the attention's splits in its input gather (cuda_quant.CudaLinearOp.attn_combined) up to this
-# many splits: every column block of o_proj repeats the combination of its rows, so long contexts keep the reduce
-# kernel. EXL2_BACKEND_ATTN_COMBINE_MAX_SPLITS overrides (measurement).
-ATTN_COMBINE_MAX_SPLITS = int(os.environ.get("EXL2_BACKEND_ATTN_COMBINE_MAX_SPLITS", "32"))
-
-
-def attention_partials_splits(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                              block_tables: torch.Tensor) -> int | None:
-    """The splits attention_partials would leave for these inputs, or None where it does not apply: not fp16
-    on a CUDA device, a head size or page size the kernel does not take, a non-contiguous cache, one split (the
-    kernel writes the output itself), more than ATTN_COMBINE_MAX_SPLITS, or split tickets on."""
-    if not (isinstance(q, torch.Tensor) and q.dim() == 4 and q.is_cuda and k_cache.dim() == 4
-            and v_cache.dtype == k_cache.dtype and v_cache.shape == k_cache.shape and k_cache.device == q.device
-            and v_cache.device == q.device and isinstance(block_tables, torch.Tensor) and block_tables.dim() == 2
-            and block_tables.shape[0] == q.shape[0] and block_tables.shape[1] > 0):
-        return None
-    _, _, hq, d = q.shape
-    _, _, hkv, dk = k_cache.shape
-    if dk != d or hkv <= 0 or hq % hkv or _attn_tickets_enabled():
-        return None
-    if _attention_kernel_declines(q, k_cache, v_cache) is not None:
-        return None
-    nsplit = _attention_nsplit(q.shape, k_cache.shape, block_tables.shape[1], q.device)
-    return nsplit if 2 <= nsplit <= ATTN_COMBINE_MAX_SPLITS else None
-
-
-def attention_partials(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
-                       context_lens: torch.Tensor, scale: float) -> tuple[torch.Tensor, torch.Tensor, int, int]:
-    """paged_attention's launch with its split partials left in the workspace and no reduce launch (flags bit
-    5), for o_proj to combine them in its input gather: (workspace fp32 [B*Tq*Hq*nsplit*(D+2)], part_o then
-    part_ml; context_lens int32; nsplit; the cache's keys per sequence). Where attention_partials_splits declines,
-    InvalidRequestError (callers check first)."""
-    op = "attention_partials"
-    nsplit = attention_partials_splits(q, k_cache, v_cache, block_tables)
-    _require(nsplit is not None, f"{op}: these inputs take paged_attention and its reduce", "q")
-    b, tq, hq, d = q.shape
-    q, tables, lens = _attention_inputs(op, q, block_tables, context_lens)
-    ws = torch.empty(b * tq * hq * nsplit * (d + 2), dtype=torch.float32, device=q.device)
-    out = torch.empty(0, dtype=q.dtype, device=q.device)  # not written
-    _launch_paged_attention(q, k_cache, v_cache, tables, lens, out, ws, nsplit, scale, None, partials_only=True)
-    return ws, lens, nsplit, tables.shape[1] * k_cache.shape[1]
 
 
 @paged_attention.register_fake

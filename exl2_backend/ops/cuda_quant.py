@@ -309,7 +309,6 @@ def _fn(name: str):
                                         library.STREAM),
             "exl2_dequant": (P, P, I32, I32, library.STREAM),
             "exl2_gemv_splits": (P, I32, I32, P, P, P),
-            "exl2_gemv_attn": (P, I32, P, P, P, I32, I32, I32, I32, I32, I32, I32, library.STREAM),
         }[name]
         _fns[name] = library.declare(name, *sig)
     return _fns[name]
@@ -483,15 +482,6 @@ class _Launch:
         return 1 <= m <= min(GEMV_MAX_M, gemv_row_cap(self.device)) and \
             4 * self.gemv_plan(m).ws_numel <= WORKSPACE_BUDGET
 
-    def takes_attn(self, q: torch.Tensor) -> bool:
-        """Whether this GEMV takes the attention output of q [B, Tq, Hq, D] from the attention's split partials
-        (exl2_gemv_attn): K = Hq * D, B * Tq <= 8 rows routed to the TMA GEMV on q's device."""
-        if not (isinstance(q, torch.Tensor) and q.dim() == 4 and q.device == self.device):
-            return False
-        b, tq, hq, d = q.shape
-        return (1 <= b * tq <= 8 and hq * d == self.K and GEMV_MINB == 0 and gemv_row_cap(self.device) == 32
-                and self.takes_gemv(b * tq))
-
     def takes_fused(self, m: int) -> bool:
         """Whether M rows run a fused kernel (GEMV or mma) rather than dequantize + cuBLAS."""
         return self.takes_gemv(m) or 1 <= m <= min(FUSED_MAX_M, 32)
@@ -559,21 +549,6 @@ class _Launch:
                                             pre.data_ptr(), ld, stream)
             library.check(st, "exl2_gemv_pregather")
         self._launch_gemv(blob, x, m, gate_off, pre, ld, stream)
-        return out
-
-    def gemv_attn(self, part: torch.Tensor, lens: torch.Tensor, tq: int, hq: int, d: int, nsplit: int, cap: int,
-                  ws: torch.Tensor, counters: torch.Tensor) -> torch.Tensor:
-        """The GEMV of the attention output [M, hq * d], M = len(lens) * tq, from the attention's split partials
-        (part: fp32 part_o [M * hq][nsplit][d] then part_ml [M * hq][nsplit][2], as attention_partials leaves
-        them), combined in the input gather (exl2_gemv_attn)."""
-        m = lens.shape[0] * tq
-        out, blob = self._bind(self.gemv_plan(m), m, ws, counters, part.device)
-        from exl2_backend.ops.cuda_layers import _ATTN_MIN_SPLIT
-
-        st = _fn("exl2_gemv_attn")(blob.ctypes.data, len(self.parts), part.data_ptr(),
-                                   part.data_ptr() + 4 * m * hq * nsplit * d, lens.data_ptr(), m, tq, hq, d, nsplit,
-                                   _ATTN_MIN_SPLIT, cap, _stream(part.device))
-        library.check(st, "exl2_gemv_attn")
         return out
 
     def pregathers(self, m: int) -> bool:
@@ -689,29 +664,6 @@ def _gemv_gated_op(gate_up: torch.Tensor, packed: torch.Tensor, handle: int, ws:
 @_gemv_gated_op.register_fake
 def _(gate_up, packed, handle, ws, counters):
     return gate_up.new_empty((gate_up.shape[0], _REG[handle].out_features))
-
-
-@torch.library.custom_op("exl2_backend::exl2_attn_o_proj", mutates_args=("ws", "counters"))
-def _attn_o_proj_op(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
-                    context_lens: torch.Tensor, scale: float, packed: torch.Tensor, handle: int, ws: torch.Tensor,
-                    counters: torch.Tensor) -> torch.Tensor:
-    """o_proj(paged_attention(q, ...)) as [B * Tq, N]: the attention leaves its split partials, the GEMV combines
-    them in its input gather (one reduce launch fewer), bit-identical to the two ops. CudaLinearOp.attn_combined
-    checks the route first; inputs it does not take raise TensorShapeError / InvalidRequestError."""
-    from exl2_backend.ops import cuda_layers
-
-    launch = _REG[handle]
-    if not launch.takes_attn(q):
-        raise TensorShapeError(f"q {tuple(q.shape)}: o_proj over attention partials takes 1..8 tokens of "
-                               f"{launch.K} features on {packed.device}", tensor="q")
-    _, tq, hq, d = q.shape
-    part, lens, nsplit, cap = cuda_layers.attention_partials(q, k_cache, v_cache, block_tables, context_lens, scale)
-    return launch.gemv_attn(part, lens, tq, hq, d, nsplit, cap, ws, counters)
-
-
-@_attn_o_proj_op.register_fake
-def _(q, k_cache, v_cache, block_tables, context_lens, scale, packed, handle, ws, counters):
-    return q.new_empty((q.shape[0] * q.shape[1], _REG[handle].out_features))
 
 
 def _check_norm_input(t: torch.Tensor, name: str, k: int, m: int, device: torch.device) -> None:
@@ -871,21 +823,6 @@ class CudaLinearOp:
         from exl2_backend import ops
 
         return self(ops.silu_mul(gate_up[:, :k], gate_up[:, k:]))
-
-    def attn_combined(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                      block_tables: torch.Tensor, context_lens: torch.Tensor, scale: float) -> torch.Tensor | None:
-        """self(paged_attention(q, k_cache, v_cache, block_tables, context_lens, scale) as [B * Tq, Hq * D]) with the
-        attention's split combination inside this GEMV's input gather (no reduce launch), bit-identical; None where
-        that route does not apply (the caller runs the two ops): more than 8 tokens, the GEMV not taking them
-        (M rows on sm_90+ only), K != Hq * D, or inputs cuda_layers.attention_partials_splits declines."""
-        from exl2_backend.ops import cuda_layers
-
-        if not (self.launch.takes_attn(q)
-                and cuda_layers.attention_partials_splits(q, k_cache, v_cache, block_tables) is not None):
-            return None
-        ws, counters = self.workspace.buffers()
-        return torch.ops.exl2_backend.exl2_attn_o_proj(q, k_cache, v_cache, block_tables, context_lens, float(scale),
-                                                       self.launch.parts[0].packed, self.launch.handle, ws, counters)
 
     def add_normed(self, h: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float,
                    always: bool = False, pregather: bool | None = None) -> tuple[torch.Tensor, torch.Tensor] | None:

@@ -111,18 +111,6 @@ def test_greedy_matches_full_recompute(model):
     assert len(set(got)) > 3  # not a degenerate repetition
 
 
-def test_attention_combine_switch_changes_nothing_on_cpu(model, monkeypatch):
-    """EXL2_BACKEND_ATTN_COMBINE_IN_GEMV reaches only fp16 CUDA linears (CudaLinearOp.attn_combined); the CPU
-    model decodes exactly as with it off."""
-    from exl2_backend.model import layers
-
-    p = prompt(20)
-    params = GenerationParams(sampling=GREEDY, max_new_tokens=8)
-    off = run(make_engine(model), ["a"], [p], params)["a"]
-    monkeypatch.setattr(layers, "ATTN_COMBINE_IN_GEMV", True)
-    assert run(make_engine(model), ["a"], [p], params)["a"] == off
-
-
 def test_batch_invariance(model):
     params = GenerationParams(sampling=GREEDY, max_new_tokens=12)
     prompts = [prompt(3 + 5 * i, seed=i) for i in range(16)]  # lengths 3..78, cross page boundaries

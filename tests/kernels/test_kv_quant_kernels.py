@@ -125,14 +125,16 @@ def test_write_many_tokens_prefill_chunk():
 # --- attention ------------------------------------------------------------------------------------------------
 
 
-@pytest.fixture(params=["mma", "mma_online", "cuda_core"])
+@pytest.fixture(params=["mma", "mma_online", "mma_online2", "cuda_core"])
 def attn_kernel(request, monkeypatch):
-    """Every attention kernel: the tensor-core one (row tiles of 8, the default), its one-pass variant
-    (cuda_layers.ATTN_MMA_ONLINE, a measurement build) and the CUDA-core one."""
+    """Every attention kernel: the tensor-core one with two passes, its one-pass variants (cuda_layers.
+    ATTN_MMA_ONLINE 1: one step of keys in flight per warp; 2: two, the default of most formats) and the
+    CUDA-core one."""
     from exl2_backend.ops import cuda_layers
 
     monkeypatch.setattr(kq(), "ATTN_QUANT_MMA", request.param != "cuda_core")
-    monkeypatch.setattr(cuda_layers, "ATTN_MMA_ONLINE", 1 if request.param == "mma_online" else 0)
+    online = {"mma_online": 1, "mma_online2": 2}.get(request.param, 0)
+    monkeypatch.setattr(cuda_layers, "ATTN_MMA_ONLINE", online)
     return request.param
 
 

@@ -31,6 +31,7 @@
 
 #include "common/mma.cuh"
 #include "common/pdl.cuh"
+#include "layers/attn_mma_stage.cuh"
 #include "layers/paged_attention_quant.cuh"
 
 namespace exl2 {
@@ -502,8 +503,86 @@ __global__ void __launch_bounds__(kAttnThreads, MINB) paged_attention_quant_mma_
 // The score C fragments of a step are, lane for lane, the probabilities' A fragments of its output mma (keys
 // nb * 8 + 2 t4 + e): no score buffer, and each step's K and V loads are in flight together, where the two-pass
 // kernel waits on the K loads of all its steps, then on the V loads. A row's running max and sum live in the four
-// lanes of its gid; the accumulator is rescaled when the max grows. A measurement build
-// (EXL2_BACKEND_ATTN_MMA_ONLINE=1 in ops/cuda_kvquant.py) until it has run on the GPU.
+// lanes of its gid; the accumulator is rescaled when the max grows.
+
+// A lane's running state of row gid: max and sum in the log2 domain (l: this lane's keys only), the outputs.
+template <int NG>
+struct OnlineRow {
+  float m = -INFINITY, l = 0.f;
+  float acc[NG][4][4];
+};
+
+// One step of 16 keys [t, t + 16) into the running state (keys past `end` or `own_lim` masked).
+template <int KF, int VF, int NG>
+__device__ __forceinline__ void online_step(const uint32_t (&qa)[NG][2][4], const KStep<KF, NG>& k,
+                                            const VStep<VF, NG>& v, int t, int end, int own_lim, int t4,
+                                            float scale_log2, OnlineRow<NG>& r) {
+  float s[2][2];
+  step_scores<KF, NG>(qa, k, s);
+  float mx = -INFINITY;
+#pragma unroll
+  for (int nb = 0; nb < 2; ++nb)
+#pragma unroll
+    for (int e = 0; e < 2; ++e) {
+      const int key = t + nb * 8 + 2 * t4 + e;
+      s[nb][e] = key < end && key <= own_lim ? s[nb][e] * scale_log2 : -INFINITY;
+      mx = fmaxf(mx, s[nb][e]);
+    }
+  mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
+  mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+  const float m_new = fmaxf(r.m, mx);
+  const float mu = m_new == -INFINITY ? 0.f : m_new;  // a fully masked row so far: all p = 0, no NaN
+  const float alpha = exp2f(r.m - mu);                // 0 while m is -inf
+  float pk[4];
+#pragma unroll
+  for (int i = 0; i < 4; ++i) pk[i] = exp2f(s[i >> 1][i & 1] - mu);
+  r.l = r.l * alpha + ((pk[0] + pk[1]) + (pk[2] + pk[3]));
+  r.m = m_new;
+#pragma unroll
+  for (int g = 0; g < NG; ++g)
+#pragma unroll
+    for (int j = 0; j < 4; ++j)
+#pragma unroll
+      for (int i = 0; i < 4; ++i) r.acc[g][j][i] *= alpha;
+  uint32_t a[4];
+  split_f16x2(pk[0], pk[1], a[0], a[1]);
+  split_f16x2(pk[2], pk[3], a[2], a[3]);
+  step_outputs<VF, NG>(r.acc, a, v);
+}
+
+// The warps' rows combined (their maxima, sums and outputs through shared memory `red` [NW][RT][D], which may alias
+// the q staging) and the CTA's rows written as the split's partials (or the output).
+template <int D, int VF>
+__device__ __forceinline__ void online_finish(const QAttnParams& p, const MmaSplit& sp, OnlineRow<D / KV_GROUP>& r,
+                                              float* red, float (&row_m)[kTileRows], float (&row_l)[kTileRows],
+                                              float (&warp_m)[kAttnWarps][kTileRows],
+                                              float (&warp_l)[kAttnWarps][kTileRows]) {
+  constexpr int NW = kAttnWarps, RT = kTileRows;
+  const int warp = threadIdx.x >> 5, gid = sp.gid, t4 = sp.t4;
+  r.l += __shfl_xor_sync(0xffffffffu, r.l, 1);
+  r.l += __shfl_xor_sync(0xffffffffu, r.l, 2);
+  if (t4 == 0) {
+    warp_m[warp][gid] = r.m;
+    warp_l[warp][gid] = r.l;
+  }
+  __syncthreads();  // warp statistics; q staging read: smem becomes the cross-warp buffer
+  float mc = -INFINITY;
+#pragma unroll
+  for (int w = 0; w < NW; ++w) mc = fmaxf(mc, warp_m[w][gid]);
+  const float muc = mc == -INFINITY ? 0.f : mc;
+  store_warp_rows<D, RT>(red, r.acc, warp, gid, t4, exp2f(r.m - muc));
+  if (warp == 0 && t4 == 0) {
+    float l = 0.f;
+#pragma unroll
+    for (int w = 0; w < NW; ++w) l += warp_l[w][gid] * exp2f(warp_m[w][gid] - muc);
+    row_m[gid] = mc;
+    row_l[gid] = l;
+  }
+  __syncthreads();
+  qattn_write_rows<D, RT, KVFormat<VF>::ROT>(p, red, row_m, row_l, sp.b, sp.kvh, sp.row0, sp.split);
+}
+
+// U steps of 16 keys in flight per warp, loaded into registers (1: 168 registers, 3 CTAs per SM; 2: 2 per SM).
 template <int D, int KF, int VF, int U, int MINB>
 __global__ void __launch_bounds__(kAttnThreads, MINB) paged_attention_quant_mma_online_kernel(const QAttnParams p) {
   constexpr int NW = kAttnWarps, RT = kTileRows;
@@ -520,9 +599,8 @@ __global__ void __launch_bounds__(kAttnThreads, MINB) paged_attention_quant_mma_
   const int row = sp.row0 + gid;
   const int own_lim = row < p.R ? sp.ctx - p.Tq + row / p.G : -1;  // last key row gid may see (causal); none past R
 
-  float m_run = -INFINITY, l_run = 0.f;  // row gid, log2 domain; l_run: this lane's keys only
-  float acc[NG][4][4];
-  zero_acc(acc);
+  OnlineRow<NG> r;
+  zero_acc(r.acc);
   for (int t0 = sp.start + warp * kKeysPerStep; t0 < end; t0 += NW * kKeysPerStep * U) {
     KStep<KF, NG> ks[U];
     VStep<VF, NG> vs[U];
@@ -537,60 +615,107 @@ __global__ void __launch_bounds__(kAttnThreads, MINB) paged_attention_quant_mma_
     for (int u = 0; u < U; ++u) {
       const int t = t0 + u * NW * kKeysPerStep;
       if (t >= end) break;
-      float s[2][2];
-      step_scores<KF, NG>(qa, ks[u], s);
-      float mx = -INFINITY;
-#pragma unroll
-      for (int nb = 0; nb < 2; ++nb)
-#pragma unroll
-        for (int e = 0; e < 2; ++e) {
-          const int key = t + nb * 8 + 2 * t4 + e;
-          s[nb][e] = key < end && key <= own_lim ? s[nb][e] * p.scale_log2 : -INFINITY;
-          mx = fmaxf(mx, s[nb][e]);
-        }
-      mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
-      mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
-      const float m_new = fmaxf(m_run, mx);
-      const float mu = m_new == -INFINITY ? 0.f : m_new;  // a fully masked row so far: all p = 0, no NaN
-      const float alpha = exp2f(m_run - mu);              // 0 while m_run is -inf
-      float pk[4];
-#pragma unroll
-      for (int i = 0; i < 4; ++i) pk[i] = exp2f(s[i >> 1][i & 1] - mu);
-      l_run = l_run * alpha + ((pk[0] + pk[1]) + (pk[2] + pk[3]));
-      m_run = m_new;
-#pragma unroll
-      for (int g = 0; g < NG; ++g)
-#pragma unroll
-        for (int j = 0; j < 4; ++j)
-#pragma unroll
-          for (int i = 0; i < 4; ++i) acc[g][j][i] *= alpha;
-      uint32_t a[4];
-      split_f16x2(pk[0], pk[1], a[0], a[1]);
-      split_f16x2(pk[2], pk[3], a[2], a[3]);
-      step_outputs<VF, NG>(acc, a, vs[u]);
+      online_step<KF, VF, NG>(qa, ks[u], vs[u], t, end, own_lim, t4, p.scale_log2, r);
     }
   }
-  l_run += __shfl_xor_sync(0xffffffffu, l_run, 1);
-  l_run += __shfl_xor_sync(0xffffffffu, l_run, 2);
-  if (t4 == 0) {
-    warp_m[warp][gid] = m_run;
-    warp_l[warp][gid] = l_run;
-  }
-  __syncthreads();  // warp statistics; q staging read: smem becomes the cross-warp buffer
-  float mc = -INFINITY;
+  online_finish<D, VF>(p, sp, r, smem, row_m, row_l, warp_m, warp_l);
+}
+
+// ---- one pass with each warp's steps staged in shared memory (attn_mma_stage.cuh) -------------------------------
+// A ring of NS stages per warp: the copies of the next NS - 1 steps are in flight (cp.async, no registers held for
+// them) while the warp computes one, read back in the register kernels' lane layout: the same bits as
+// paged_attention_quant_mma_online_kernel. A measurement build (EXL2_ATTN_STAGED=NS, 2 or 3, read once; default
+// off) until it has run on the GPU. 168 registers (3 CTAs per SM; at 128, q8 and fp8 spill 104-128 bytes); the
+// rings take 64 / 96 KB per CTA for fp16 pages (NS = 2 / 3), 34 / 51 KB for q8.
+template <int D, int KF, int VF, int NS, int MINB>
+__global__ void __launch_bounds__(kAttnThreads, MINB) paged_attention_quant_mma_staged_kernel(const QAttnParams p) {
+  constexpr int NW = kAttnWarps, RT = kTileRows;
+  constexpr int NG = D / KV_GROUP;
+  constexpr int kStride = NW * kKeysPerStep;  // keys between a warp's consecutive steps
+  using S = AttnStage<D, KF, VF>;
+
+  // The warps' stage rings [NW][NS][S::BYTES]; before them the q staging [RT][D] floats and after them the
+  // cross-warp buffer [NW][RT][D] floats use the same bytes.
+  extern __shared__ __align__(16) unsigned char smem_raw[];
+  float* smem = reinterpret_cast<float*>(smem_raw);
+  __shared__ int pages[qattn_keys_max<RT>() / 16 + 2];
+  __shared__ float row_m[RT], row_l[RT], warp_m[NW][RT], warp_l[NW][RT];
+  MmaSplit sp;
+  if (!mma_split_begin<D, KF, RT>(p, sp, pages, smem)) return;
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, gid = sp.gid, t4 = sp.t4, end = sp.end;
+  uint32_t qa[NG][2][4];
+  q_fragments<D, KF>(smem, gid, t4, qa);
+  const int row = sp.row0 + gid;
+  const int own_lim = row < p.R ? sp.ctx - p.Tq + row / p.G : -1;  // last key row gid may see (causal); none past R
+  __syncthreads();  // every warp holds its q fragments: the stages may overwrite the q staging
+
+  const unsigned char* ring = smem_raw + warp * NS * S::BYTES;
+  const uint32_t ring_s = smem_addr(ring);
+  // One commit group per step, empty past the split: the group count behind each wait stays the same.
+  auto issue = [&](int t, int stage) {
+    if (t < end)
+      stage_issue<D, KF, VF>(ring_s + stage * S::BYTES, p.kc, p.ks, p.vc, p.vs, p.Hkv, sp.kvh, sp.slot(p, t), t,
+                             end, lane);
+    cp_async_commit();
+  };
+  const int t_first = sp.start + warp * kKeysPerStep;
 #pragma unroll
-  for (int w = 0; w < NW; ++w) mc = fmaxf(mc, warp_m[w][gid]);
-  const float muc = mc == -INFINITY ? 0.f : mc;
-  store_warp_rows<D, RT>(smem, acc, warp, gid, t4, exp2f(m_run - muc));
-  if (warp == 0 && t4 == 0) {
-    float l = 0.f;
-#pragma unroll
-    for (int w = 0; w < NW; ++w) l += warp_l[w][gid] * exp2f(warp_m[w][gid] - muc);
-    row_m[gid] = mc;
-    row_l[gid] = l;
+  for (int s = 0; s < NS - 1; ++s) issue(t_first + s * kStride, s);
+
+  OnlineRow<NG> r;
+  zero_acc(r.acc);
+  int stage = 0;  // the stage of step t
+  for (int t = t_first; t < end; t += kStride) {
+    issue(t + (NS - 1) * kStride, stage == 0 ? NS - 1 : stage - 1);  // into the stage the previous step freed
+    cp_async_wait<NS - 1>();  // this lane's copies of step t landed
+    __syncwarp();             // and every lane's
+    KStep<KF, NG> ks;
+    VStep<VF, NG> vs;
+    stage_read_k<D, KF, VF>(ks, ring + stage * S::BYTES, gid, t4);
+    stage_read_v<D, KF, VF>(vs, ring + stage * S::BYTES, gid, t4);
+    online_step<KF, VF, NG>(qa, ks, vs, t, end, own_lim, t4, p.scale_log2, r);
+    __syncwarp();  // every lane has read the stage before the next iteration refills it
+    stage = stage + 1 == NS ? 0 : stage + 1;
   }
-  __syncthreads();
-  qattn_write_rows<D, RT, KVFormat<VF>::ROT>(p, smem, row_m, row_l, sp.b, sp.kvh, sp.row0, sp.split);
+  cp_async_wait<0>();  // no copy lands after the stages become the cross-warp buffer
+  online_finish<D, VF>(p, sp, r, smem, row_m, row_l, warp_m, warp_l);
+}
+
+// EXL2_ATTN_STAGED (read once): 0 (default) the register kernels, 2 or 3 the staged one with that many stages.
+int staged_variant() {
+  static const int v = [] {
+    const char* e = getenv("EXL2_ATTN_STAGED");
+    const int n = e ? atoi(e) : 0;
+    return n == 2 || n == 3 ? n : 0;
+  }();
+  return v;
+}
+
+// Launch `Kernel` with `bytes` of dynamic shared memory, opting in past 48 KB once per device.
+template <auto Kernel>
+int launch_with_smem(dim3 grid, size_t bytes, cudaStream_t stream, const QAttnParams& q) {
+  static size_t set_bytes[64] = {};
+  int dev = 0;
+  if (bytes > 48 * 1024) {
+    if (cudaGetDevice(&dev) != cudaSuccess || dev < 0 || dev >= 64)
+      return check_launch("paged_attention_quant (mma, staged): current device");
+    if (bytes > set_bytes[dev]) {
+      if (cudaFuncSetAttribute(Kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)bytes) != cudaSuccess)
+        return check_launch("paged_attention_quant (mma, staged): shared memory attribute");
+      set_bytes[dev] = bytes;
+    }
+  }
+  exl2::launch_kernel(Kernel, grid, kAttnThreads, bytes, stream, q);
+  return check_launch("paged_attention_quant (mma, staged)");
+}
+
+template <int D, int KF, int VF, int NS>
+int launch_staged(const QAttnParams& q, dim3 grid, cudaStream_t stream) {
+  constexpr int MINB = 3;
+  const size_t ring = (size_t)kAttnWarps * NS * AttnStage<D, KF, VF>::BYTES;
+  const size_t red = sizeof(float) * kAttnWarps * kTileRows * D;
+  return launch_with_smem<paged_attention_quant_mma_staged_kernel<D, KF, VF, NS, MINB>>(grid, ring > red ? ring : red,
+                                                                                         stream, q);
 }
 
 template <int D, int KF, int VF>
@@ -598,6 +723,8 @@ int launch(const QAttnParams& p, int B, int variant, cudaStream_t stream) {
   const dim3 grid((unsigned)(p.row_tiles * p.nsplit), (unsigned)p.Hkv, (unsigned)B);
   QAttnParams q = p;
   q.prefetch = prefetch_mode();
+  if (variant > 0 && staged_variant() == 2) return launch_staged<D, KF, VF, 2>(q, grid, stream);
+  if (variant > 0 && staged_variant() == 3) return launch_staged<D, KF, VF, 3>(q, grid, stream);
   if (variant > 0) {  // one pass: U = 1 (168 registers, 3 CTAs per SM) or 2 (2 per SM)
     const size_t smem = sizeof(float) * kAttnWarps * kTileRows * D;
     if (variant == 1)

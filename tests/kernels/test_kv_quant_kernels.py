@@ -512,3 +512,52 @@ def test_combine_staged_past_48kb_is_bit_identical(tmp_path):
         got[kb] = torch.load(out)
     for a, b in zip(got["48"], got["200"]):
         assert torch.equal(a, b)
+
+
+_STAGED_SCRIPT = r"""
+import sys
+import torch
+from tests.kernels import test_kv_quant_kernels as T
+from tests.kernels import test_paged_attention as P
+from exl2_backend.ops import cuda_layers
+
+torch.manual_seed(0)
+outs = []
+lens = [1, 17, 300, 2000, 4111]
+for hq, hkv, d in ((32, 8, 128), (9, 3, 64)):
+    for kf, vf in T.PAIRS:
+        caches, tables, ctx = T.build(lens, hkv, d, 16, kf, vf, 0)
+        for tq in (1, 5):
+            q = torch.randn(len(lens), tq, hq, d, device="cuda").half()
+            for splits in (0, 1, 7):
+                outs.append(T.kq().paged_attention_quant(q, *caches, tables, ctx, 0.1, kf, vf, splits).cpu())
+    kc, vc, tables, ctx, _ = P.build(lens, hkv, d, 16, 0)
+    for tq in (1, 5):
+        q = torch.randn(len(lens), tq, hq, d, device="cuda").half()
+        for splits in (0, 1, 7):
+            outs.append(cuda_layers.paged_attention(q, kc, vc, tables, ctx, 0.1, splits).cpu())
+torch.save(outs, sys.argv[1])
+"""
+
+
+def test_staged_one_pass_kernel_is_bit_identical(tmp_path):
+    """EXL2_ATTN_STAGED (read once per process: subprocesses) runs the one-pass kernel with each warp's steps
+    copied into shared memory (2 or 3 stages) instead of loaded into registers: the same steps, values and
+    arithmetic, so the same bits as the register kernel for every format pair and fp16 pages, head sizes 128 and
+    64, one and five queries, automatic, one and seven splits (partial last steps, warps past the split's end)."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2]
+    got = {}
+    for staged in ("0", "2", "3"):
+        env = {**os.environ, "EXL2_ATTN_STAGED": staged, "EXL2_BACKEND_ATTN_MMA_ONLINE": "2",
+               "PYTHONPATH": f"{root}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+        out = tmp_path / f"{staged}.pt"
+        subprocess.run([sys.executable, "-c", _STAGED_SCRIPT, str(out)], env=env, cwd=root, check=True, timeout=180)
+        got[staged] = torch.load(out)
+    assert len(got["0"]) == len(got["2"]) == len(got["3"]) > 0
+    for i, (a, b, c) in enumerate(zip(got["0"], got["2"], got["3"])):
+        assert torch.equal(a, b) and torch.equal(a, c), i

@@ -10,15 +10,9 @@
 export EXL2_CARRIED_LIBRARY=1
 source scripts/device/common.sh
 begin_call ad1
-sweep() {
-  local name=$1 types=$2 ctas=$3; shift 3
-  env "$@" timeout 60 python3 scripts/attention_sweep.py --context 32768 --types "$types" --ctas "$ctas" \
-    --json "$R/sweep_$name.json" > "$R/sweep_$name.txt" 2>&1
-  echo "== sweep $name ($*)"; grep -E "ctas/SM|Error|error" "$R/sweep_$name.txt" | head -12
-}
-sweep regs fp16,q8,q4 2,3,4
-sweep staged2 fp16,q8,q4 2,3,4 EXL2_ATTN_STAGED=2 EXL2_BACKEND_ATTN_MMA_ONLINE=2
-sweep staged3 fp16,q8,q4 2,3 EXL2_ATTN_STAGED=3 EXL2_BACKEND_ATTN_MMA_ONLINE=2
+attention_sweep_32k regs fp16,q8,q4 2,3,4
+attention_sweep_32k staged2 fp16,q8,q4 2,3,4 EXL2_ATTN_STAGED=2 EXL2_BACKEND_ATTN_MMA_ONLINE=2
+attention_sweep_32k staged3 fp16,q8,q4 2,3 EXL2_ATTN_STAGED=3 EXL2_BACKEND_ATTN_MMA_ONLINE=2
 echo "elapsed $(( $(date +%s) - T0 )) s"
 gpu_tests_verbose identity 90 tests/kernels/test_kv_quant_kernels.py -k staged_one_pass
 export EXL2_ATTN_STAGED=2

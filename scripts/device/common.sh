@@ -168,3 +168,11 @@ final_figures() {
     exllamav2_vs_ours "$(left "$limit")" "$@"
   fi
 }
+# The decode attention at 32k by CTAs per SM the split aims at (scripts/attention_sweep.py, 8B attention shape):
+# attention_sweep_32k NAME TYPES CTAS [ENV=VALUE...]; $R/sweep_NAME.{txt,json}, the rows on stdout.
+attention_sweep_32k() {
+  local name=$1 types=$2 ctas=$3; shift 3
+  env "$@" timeout 90 python3 scripts/attention_sweep.py --context 32768 --types "$types" --ctas "$ctas" \
+    --json "$R/sweep_$name.json" > "$R/sweep_$name.txt" 2>&1
+  echo "== sweep $name ($*)"; grep -E "ctas/SM|Error" "$R/sweep_$name.txt" | head -12
+}

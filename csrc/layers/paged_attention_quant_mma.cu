@@ -691,19 +691,19 @@ int staged_variant() {
   return v;
 }
 
-// Launch `Kernel` with `bytes` of dynamic shared memory, opting in past 48 KB once per device.
+// Launch `Kernel` with `bytes` of dynamic shared memory, its opt-in attribute set once per device: the 48 KB
+// default counts the static arrays too (H200 call AD1: fp16 pages at D = 64 with 3 stages, exactly 48 KB of
+// rings, failed to launch without it).
 template <auto Kernel>
 int launch_with_smem(dim3 grid, size_t bytes, cudaStream_t stream, const QAttnParams& q) {
   static size_t set_bytes[64] = {};
   int dev = 0;
-  if (bytes > 48 * 1024) {
-    if (cudaGetDevice(&dev) != cudaSuccess || dev < 0 || dev >= 64)
-      return check_launch("paged_attention_quant (mma, staged): current device");
-    if (bytes > set_bytes[dev]) {
-      if (cudaFuncSetAttribute(Kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)bytes) != cudaSuccess)
-        return check_launch("paged_attention_quant (mma, staged): shared memory attribute");
-      set_bytes[dev] = bytes;
-    }
+  if (cudaGetDevice(&dev) != cudaSuccess || dev < 0 || dev >= 64)
+    return check_launch("paged_attention_quant (mma, staged): current device");
+  if (bytes > set_bytes[dev]) {
+    if (cudaFuncSetAttribute(Kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)bytes) != cudaSuccess)
+      return check_launch("paged_attention_quant (mma, staged): shared memory attribute");
+    set_bytes[dev] = bytes;
   }
   exl2::launch_kernel(Kernel, grid, kAttnThreads, bytes, stream, q);
   return check_launch("paged_attention_quant (mma, staged)");

@@ -16,8 +16,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from exl2_backend.cache import PagedKVCache  # noqa: E402
-from exl2_backend.ops import dispatch  # noqa: E402
+from exl2_backend.cache import PagedKVCache
+from exl2_backend.ops import dispatch
 
 
 def main() -> None:

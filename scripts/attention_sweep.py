@@ -18,10 +18,10 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from exl2_backend.bench.timing import graph_time_us  # noqa: E402
-from exl2_backend.cache import PagedKVCache  # noqa: E402
-from exl2_backend.ops import cuda_kvquant, cuda_layers  # noqa: E402
-from exl2_backend.ops.cuda_layers import attention_splits  # noqa: E402
+from exl2_backend.bench.timing import graph_time_us
+from exl2_backend.cache import PagedKVCache
+from exl2_backend.ops import cuda_kvquant, cuda_layers
+from exl2_backend.ops.cuda_layers import attention_splits
 
 LAYERS = 4
 PAGE, HQ, HKV, D = 256, 32, 8, 128

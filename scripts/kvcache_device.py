@@ -26,8 +26,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from exl2_backend.bench.timing import graph_time_us  # noqa: E402
-from exl2_backend.cache.kv_types import CACHE_TYPE_NAMES, CACHE_TYPES  # noqa: E402
+from exl2_backend.bench.timing import graph_time_us
+from exl2_backend.cache.kv_types import CACHE_TYPE_NAMES, CACHE_TYPES
 
 DEV = "cuda"
 HQ, HKV, D, PAGE = 32, 8, 128, 256
@@ -103,7 +103,7 @@ def bench_write() -> list[dict]:
                 call = lambda: cuda_kvquant.rope_kv_quant_write(q, k, v, pos, inv, *caches, slots, ct.k.name,  # noqa
                                                                 ct.v.name)
             else:
-                call = lambda: cuda_layers.rope_kv_write(q, k, v, pos, inv, *caches, slots)  # noqa: E731
+                call = lambda: cuda_layers.rope_kv_write(q, k, v, pos, inv, *caches, slots)
             us = graph_time_us([call] * 16)
             rows.append({"tokens": t, "cache_type": name, "us": us})
             print(f"rope+kv write T={t:5d} {name:5s} {us:8.2f} us", flush=True)

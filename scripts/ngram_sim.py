@@ -21,8 +21,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from exl2_backend.spec.config import NgramConfig  # noqa: E402
-from exl2_backend.spec.ngram import NgramIndex  # noqa: E402
+from exl2_backend.spec.config import NgramConfig
+from exl2_backend.spec.ngram import NgramIndex
 
 SETTINGS = [(2, 4, 4), (2, 4, 8), (1, 4, 4), (3, 6, 4), (2, 8, 8), (2, 4, 16)]  # (min_n, max_n, k)
 

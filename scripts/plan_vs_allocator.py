@@ -17,9 +17,9 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from exl2_backend.model import LlamaModel  # noqa: E402
-from exl2_backend.plan import describe_random, plan_load  # noqa: E402
-from tests.multigpu.test_multigpu_cuda import SETTINGS, SHAPE, _cuda_bytes_by_attribute, _weights  # noqa: E402
+from exl2_backend.model import LlamaModel
+from exl2_backend.plan import describe_random, plan_load
+from tests.multigpu.test_multigpu_cuda import SETTINGS, SHAPE, _cuda_bytes_by_attribute, _weights
 
 
 def reachable_storages(root) -> set[int]:

@@ -8,14 +8,15 @@ import time
 
 from exl2_backend.cli.common import (
     add_model_args,
+    add_prefill_args,
     add_sampling_args,
     add_spec_args,
+    multi_gpu_settings_from_args,
+    prefill_settings_from_args,
     resolve_model_dir,
     sampling_from_args,
     spec_settings_from_args,
 )
-from exl2_backend.cli.common import add_prefill_args, prefill_settings_from_args
-from exl2_backend.cli.common import multi_gpu_settings_from_args
 from exl2_backend.errors import InvalidRequestError
 
 

@@ -5,9 +5,14 @@ from __future__ import annotations
 import argparse
 
 from exl2_backend.cache.kv_types import CACHE_TYPE_NAMES
-from exl2_backend.cli.common import add_spec_args, spec_settings_from_args
-from exl2_backend.cli.common import add_prefill_args, prefill_settings_from_args
-from exl2_backend.cli.common import add_multi_gpu_args, multi_gpu_settings_from_args
+from exl2_backend.cli.common import (
+    add_multi_gpu_args,
+    add_prefill_args,
+    add_spec_args,
+    multi_gpu_settings_from_args,
+    prefill_settings_from_args,
+    spec_settings_from_args,
+)
 
 
 def add_serve_parser(subparsers) -> argparse.ArgumentParser:

@@ -65,12 +65,15 @@ ATTN_QUANT_MMA = os.environ.get("EXL2_BACKEND_ATTN_QUANT_MMA", "1") != "0"
 
 def quant_attention_ctas(k_fmt: str, v_fmt: str) -> int:
     """CTAs per SM the automatic split aims at: the tensor-core kernel 4 (128 registers; its one-pass variants 3 /
-    2, unless EXL2_BACKEND_ATTN_CTAS_PER_SM sets it); in the CUDA-core kernel
+    2, or cuda_layers.ATTN_STAGED_CTAS_PER_SM["codes"] staged; unless EXL2_BACKEND_ATTN_CTAS_PER_SM sets it); in
+    the CUDA-core kernel
     8-bit codes in either cache run the 80-register variant (6 resident per SM), 4-bit ones the 128-register one
     (4); see cuda_layers.ATTN_CTAS_PER_SM_8BIT."""
     if ATTN_QUANT_MMA:
         online = cuda_layers.attn_mma_online(k_fmt, v_fmt)
-        return _ATTN_CTAS_PER_SM if _ATTN_CTAS_ENV or not online else 4 - online
+        if _ATTN_CTAS_ENV or not online:
+            return _ATTN_CTAS_PER_SM
+        return cuda_layers.ATTN_STAGED_CTAS_PER_SM["codes"] if cuda_layers.ATTN_STAGED else 4 - online
     return ATTN_CTAS_PER_SM_8BIT if {"int8", "e4m3"} & {k_fmt, v_fmt} else _ATTN_CTAS_PER_SM
 
 

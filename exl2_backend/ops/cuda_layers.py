@@ -133,6 +133,20 @@ ATTN_MMA_ONLINE_AUTO = {("fp16", "fp16"): 2, ("int8", "int8"): 2, ("int4", "int4
                         ("int8", "int4"): 2}
 
 
+# EXL2_ATTN_STAGED=2|3 (read once by the C library, and here for the split planning; a measurement switch, off by
+# default): the one-pass kernels copy each warp's steps into shared memory (cp.async) instead of registers, 168
+# registers, 3 CTAs per SM. H200 call AD1 of 2026-12-03 (scripts/attention_sweep.py, 8B attention at 32k, 2 stages,
+# us per layer at splits for 2 / 3 / 4 CTAs per SM): fp16 48.86 / 52.39 / 60.56, q8 41.92 / 37.22 / 47.55, q4
+# 39.81 / 32.27 / 37.50; so its splits aim at ATTN_STAGED_CTAS_PER_SM per page kind.
+ATTN_STAGED = os.environ.get("EXL2_ATTN_STAGED", "0") in ("2", "3")
+ATTN_STAGED_CTAS_PER_SM = {"fp16": 2, "codes": 3}
+
+
+def attn_staged(k_fmt: str = "fp16", v_fmt: str = "fp16") -> bool:
+    """Whether the staged one-pass kernel runs these page formats (EXL2_ATTN_STAGED and a one-pass variant)."""
+    return ATTN_STAGED and attn_mma_online(k_fmt, v_fmt) > 0
+
+
 def attn_mma_online(k_fmt: str = "fp16", v_fmt: str = "fp16") -> int:
     """The one-pass variant (0 = two passes) the tensor-core kernel runs for these page formats."""
     if ATTN_MMA_ONLINE is not None:
@@ -605,7 +619,10 @@ def _attention_nsplit(q_shape, cache_shape, max_pages: int, device: torch.device
     _, s, hkv, _ = cache_shape
     max_ctx = max_pages * s
     dev_index = device.index if device.index is not None else torch.cuda.current_device()
-    nsplit = num_splits or attention_splits(b, tq, hq, hkv, max_ctx, _num_sms(dev_index))
+    ctas = _ATTN_CTAS_PER_SM
+    if attn_staged() and _attn_fp16_mma((hq // hkv) * tq) and not _ATTN_CTAS_ENV:
+        ctas = ATTN_STAGED_CTAS_PER_SM["fp16"]
+    nsplit = num_splits or attention_splits(b, tq, hq, hkv, max_ctx, _num_sms(dev_index), ctas)
     return max(nsplit, math.ceil(max_ctx / _attn_keys_max(_attn_row_tile((hq // hkv) * tq))))
 
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 import functools
 import logging
 import os
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 

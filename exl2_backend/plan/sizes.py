@@ -22,7 +22,7 @@ from pathlib import Path
 import torch
 
 from exl2_backend.format.config import ModelConfig
-from exl2_backend.format.qtensor import parse_groups, pad32
+from exl2_backend.format.qtensor import pad32, parse_groups
 from exl2_backend.format.reader import ATTN_PROJS, MLP_PROJS, layer_linear_key, linear_shape
 from exl2_backend.format.safetensors_io import ShardIndex
 

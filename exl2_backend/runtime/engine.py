@@ -35,7 +35,7 @@ def _notify(callback: Callable[[], None]) -> None:
     """Run a host's step callback; its failure is the host's problem, never the sequences' (logged)."""
     try:
         callback()
-    except Exception:  # noqa: BLE001
+    except Exception:
         log.exception("exl2_backend: a host's on_launched callback failed")
 
 

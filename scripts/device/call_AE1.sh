@@ -6,12 +6,13 @@
 # its bit-identity test stopped at fp16 pages of D = 64 with 3 stages (48 KB of rings plus the static arrays, launched
 # without the opt-in attribute; fixed since, never run).
 #  1. the bit-identity test (register kernel / 2 / 3 stages) and the attention tests with 3 stages;
-#  2. `bench` at 1k and 32k (fp16 / q8 / q4), register kernels against 2 stages at 3 CTAs per SM, interleaved twice;
+#  2. `bench` at 1k and 32k (fp16 / q8 / q4), register kernels against 2 stages (splits for 2 CTAs per SM with fp16
+#     pages, 3 with codes: cuda_layers.ATTN_STAGED_CTAS_PER_SM), interleaved twice;
 #  3. verify costs with each (the verify's 20-row attention runs three row tiles per kv head).
 export EXL2_CARRIED_LIBRARY=1
 source scripts/device/common.sh
 begin_call ae1
-STAGED="EXL2_ATTN_STAGED=2 EXL2_BACKEND_ATTN_MMA_ONLINE=2 EXL2_BACKEND_ATTN_CTAS_PER_SM=3"
+STAGED="EXL2_ATTN_STAGED=2"  # the split planning follows it (cuda_layers.ATTN_STAGED_CTAS_PER_SM)
 gpu_tests_verbose identity 100 tests/kernels/test_kv_quant_kernels.py -k staged_one_pass
 export EXL2_ATTN_STAGED=3
 gpu_tests_verbose staged3 130 -n 12 tests/kernels/test_kv_quant_kernels.py tests/kernels/test_paged_attention.py

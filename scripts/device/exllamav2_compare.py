@@ -227,7 +227,6 @@ def main() -> int:
     result: dict = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__}
     t0 = time.perf_counter()
     import exllamav2  # JIT-builds its extension on first use
-
     from exllamav2.ext import exllamav2_ext  # noqa: F401  (forces the build here, so it is timed)
 
     result["exllamav2"] = {"version": getattr(exllamav2, "__version__", "?"), "import_s": time.perf_counter() - t0}

@@ -7,11 +7,11 @@ from __future__ import annotations
 import pytest
 import torch
 
+from exl2_backend.errors import ConfigError
 from exl2_backend.format.config import ModelConfig
 from exl2_backend.format.reader import load_weights
 from exl2_backend.model import LlamaModel
 from exl2_backend.model.split import Segment, SegmentedKVCache, SplitLlamaModel
-from exl2_backend.errors import ConfigError
 from exl2_backend.plan import describe_dir, plan_load
 from exl2_backend.plan.vram import GB
 from exl2_backend.runtime import Engine, GenerationParams, LoadSettings

@@ -42,7 +42,7 @@ def test_shards_reassemble_the_layer(tmp_path, kind):
         assert torch.equal(torch.cat([x @ _dense(getattr(p, proj)) for p in parts], 1), full)
     assert all(p.o_proj is lw.o_proj for p in parts)
     # MLP: gate/up columns feed exactly the rank's down rows; partial downs add up to the full MLP
-    act = lambda g, u: torch.nn.functional.silu(g) * u  # noqa: E731
+    act = lambda g, u: torch.nn.functional.silu(g) * u
     full = act(x @ _dense(lw.gate_proj), x @ _dense(lw.up_proj)) @ _dense(lw.down_proj)
     total = sum(act(x @ _dense(p.gate_proj), x @ _dense(p.up_proj)) @ _dense(p.down_proj) for p in parts)
     torch.testing.assert_close(total, full, rtol=1e-10, atol=1e-10)

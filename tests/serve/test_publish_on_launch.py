@@ -78,7 +78,7 @@ def test_engine_loop_delivers_every_event_in_order(model_dir, publish_on_launch)
     # what the hooks give when driven one sequence at a time
     alone = {}
     for r in reqs:
-        ev, = pm.hook.exl2_prefill(handle=handle, batch=StepBatch(new=[SequenceRequest(**{**r.__dict__})]))
+        ev, = pm.hook.exl2_prefill(handle=handle, batch=StepBatch(new=[SequenceRequest(**r.__dict__)]))
         toks = list(ev.token_ids)
         while not ev.finished:
             ev, = pm.hook.exl2_decode(handle=handle, batch=StepBatch(seq_ids=[r.seq_id]))

@@ -39,9 +39,12 @@ def _requests(n: int) -> list[SequenceRequest]:
 def _serve(pm, handle, requests) -> dict[str, list[int]]:
     loop = EngineLoop(pm.hook, handle, max_batch_size=4, max_queue=16).start()  # 6 requests: some wait
 
+    async def collect(stream) -> list[int]:
+        return [t async for ev in stream for t in ev.token_ids]
+
     async def main():
         streams = [loop.submit(r) for r in requests]
-        return [[t for ev in [e async for e in s] for t in ev.token_ids] for s in streams]
+        return [await collect(s) for s in streams]
 
     try:
         outs = asyncio.run(main())

@@ -7,6 +7,7 @@ from __future__ import annotations
 import math
 
 import pytest
+import torch
 
 from exl2_backend.ops import cuda_kvquant, cuda_layers
 
@@ -96,3 +97,27 @@ def test_tensor_core_kernel_aims_at_four_ctas_per_sm_for_every_format(monkeypatc
         assert cuda_kvquant.quant_attention_ctas(*pair) == cuda_layers._ATTN_CTAS_PER_SM
     ctas = cuda_kvquant.quant_attention_ctas("int8", "int8")
     assert cuda_layers.attention_splits(1, 1, 32, 8, 32768, 132, ctas) == 66
+
+
+@pytest.mark.parametrize("staged", [False, True])
+def test_staged_kernel_splits_aim_at_its_measured_ctas(monkeypatch, staged):
+    """EXL2_ATTN_STAGED (cuda_layers.ATTN_STAGED): the one-pass launches' splits aim at ATTN_STAGED_CTAS_PER_SM (fp16
+    pages 2, codes 3, as AD1 measured them best) instead of 4 - variant (codes) and 4 (fp16 pages); the two-pass
+    kernel and an explicit EXL2_BACKEND_ATTN_CTAS_PER_SM keep theirs."""
+    monkeypatch.setattr(cuda_layers, "ATTN_MMA_ONLINE", None)
+    monkeypatch.setattr(cuda_layers, "ATTN_FP16_MMA", None)
+    monkeypatch.setattr(cuda_layers, "ATTN_STAGED", staged)
+    monkeypatch.setattr(cuda_kvquant, "ATTN_QUANT_MMA", True)
+    monkeypatch.setattr(cuda_kvquant, "_ATTN_CTAS_ENV", None)
+    monkeypatch.setattr(cuda_layers, "_ATTN_CTAS_ENV", None)
+    monkeypatch.setattr(cuda_layers, "_num_sms", lambda index: 132)
+    assert cuda_layers.attn_staged() is staged
+    assert cuda_kvquant.quant_attention_ctas("int8", "int8") == (3 if staged else 2)
+    assert cuda_kvquant.quant_attention_ctas("int4", "int4") == 3
+    assert cuda_kvquant.quant_attention_ctas("int4", "int8") == 4  # no cache type: the two-pass kernel
+    cpu = torch.device("cpu", 0)
+    want = cuda_layers.attention_splits(1, 1, 32, 8, 128 * 256, 132, 2 if staged else 4)
+    assert cuda_layers._attention_nsplit((1, 1, 32, 128), (200, 256, 8, 128), 128, cpu) == want
+    monkeypatch.setattr(cuda_layers, "_ATTN_CTAS_ENV", "4")
+    assert cuda_layers._attention_nsplit((1, 1, 32, 128), (200, 256, 8, 128), 128, cpu) == \
+        cuda_layers.attention_splits(1, 1, 32, 8, 128 * 256, 132, 4)

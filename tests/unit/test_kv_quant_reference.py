@@ -20,7 +20,8 @@ from exl2_backend.cache import PagedKVCache, kv_bytes_per_token
 from exl2_backend.cache.budget import cache_type_table
 from exl2_backend.cache.kv_types import CACHE_TYPE_NAMES, FORMATS, KVFormat, get_cache_type
 from exl2_backend.errors import ConfigError
-from exl2_backend.ops import reference, reference_kvquant as R
+from exl2_backend.ops import reference
+from exl2_backend.ops import reference_kvquant as R
 from tests.helpers.tolerances import assert_exact
 
 FMTS = ("e4m3", "int8", "int4")

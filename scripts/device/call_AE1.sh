@@ -15,6 +15,7 @@
 export EXL2_CARRIED_LIBRARY=1
 source scripts/device/common.sh
 begin_call ae1
+timeout 60 .dev/kv_stream_bench 32768 2>&1 | tee "$R/kv_stream_bench.txt"
 STAGED="EXL2_ATTN_STAGED=2"  # the split planning follows it (cuda_layers.ATTN_STAGED_CTAS_PER_SM)
 gpu_tests_verbose identity 100 tests/kernels/test_kv_quant_kernels.py -k staged_one_pass
 export EXL2_ATTN_STAGED=3
@@ -28,5 +29,4 @@ bench_8b staged2 90 1024,32768 fp16,q8,q4 $STAGED
 echo "elapsed $(( $(date +%s) - T0 )) s"
 spec_costs regs
 spec_costs staged $STAGED
-timeout 60 .dev/kv_stream_bench 32768 2>&1 | tee "$R/kv_stream_bench.txt"
 echo "total $(( $(date +%s) - T0 )) s"

@@ -551,7 +551,8 @@ __device__ __forceinline__ void online_step(const uint32_t (&qa)[NG][2][4], cons
 }
 
 // The warps' rows combined (their maxima, sums and outputs through shared memory `red` [NW][RT][D], which may alias
-// the q staging) and the CTA's rows written as the split's partials (or the output).
+// the q staging and the staged kernel's rings: its first barrier orders every warp's last read of those before the
+// writes) and the CTA's rows written as the split's partials (or the output).
 template <int D, int VF>
 __device__ __forceinline__ void online_finish(const QAttnParams& p, const MmaSplit& sp, OnlineRow<D / KV_GROUP>& r,
                                               float* red, float (&row_m)[kTileRows], float (&row_l)[kTileRows],

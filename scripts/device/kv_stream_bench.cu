@@ -16,14 +16,7 @@
 #include <cstdio>
 #include <cstdlib>
 
-#define CHECK(x)                                                                         \
-  do {                                                                                   \
-    cudaError_t e_ = (x);                                                                \
-    if (e_ != cudaSuccess) {                                                             \
-      fprintf(stderr, "%s:%d %s: %s\n", __FILE__, __LINE__, #x, cudaGetErrorString(e_)); \
-      return 1;                                                                          \
-    }                                                                                    \
-  } while (0)
+#include "cuda_check.h"
 
 constexpr int kHkv = 8, kRowBytes = 256, kSlotBytes = kHkv * kRowBytes;  // one slot: every head's row
 constexpr int kThreads = 128, kInFlight = 8, kLayers = 4;

@@ -13,16 +13,8 @@
 #include <cstdio>
 #include <vector>
 
+#include "cuda_check.h"
 #include "quant/exl2_gemv_tma.cuh"  // the GEMV's own mbarrier and bulk-copy steps
-
-#define CHECK(x)                                                                    \
-  do {                                                                              \
-    cudaError_t e_ = (x);                                                           \
-    if (e_ != cudaSuccess) {                                                        \
-      fprintf(stderr, "%s:%d %s: %s\n", __FILE__, __LINE__, #x, cudaGetErrorString(e_)); \
-      return 1;                                                                     \
-    }                                                                               \
-  } while (0)
 
 constexpr int kConsumerWarps = 8;
 constexpr int kMaxSlots = 16;

@@ -57,7 +57,13 @@ _SIGNATURES = {
 # Paged attention tuning, from the H200 sweep of scripts/bench_attention.py (2026-11-29, GQA 32/8, D=128, B=1):
 # 4 CTAs per SM was best at 8k and 32k; splits shorter than 64 keys lost at 2k (33 splits of 64 keys: 649 GB/s,
 # 64 of 32: 570); 8 key steps in flight (flags bit 0) gained 4-7% at 8k/32k/B=16 and lost 4% at 512.
-_ATTN_MIN_SPLIT = 64  # keys; short contexts are not cut finer than this
+# Keys per split at least: short contexts are not cut finer. EXL2_BACKEND_ATTN_MIN_SPLIT overrides it (a measurement
+# switch: 16..512, a multiple of 16; at 1k the 8B's decode runs 16 splits of 64 keys, one step per warp, then the
+# reduce launch).
+_MIN_SPLIT_ENV = os.environ.get("EXL2_BACKEND_ATTN_MIN_SPLIT", "64")
+_ATTN_MIN_SPLIT = int(_MIN_SPLIT_ENV) if _MIN_SPLIT_ENV.isdigit() else -1
+if not (16 <= _ATTN_MIN_SPLIT <= 512 and _ATTN_MIN_SPLIT % 16 == 0):
+    raise ValueError(f"EXL2_BACKEND_ATTN_MIN_SPLIT must be a multiple of 16 in 16..512, got {_MIN_SPLIT_ENV!r}")
 # Automatic split: aim for this many CTAs per multiprocessor. The quantized-cache kernel with 8-bit codes (fp8,
 # q8, q6's keys; 80 registers, 6 CTAs resident per SM) aims at 6: one full wave at GQA 4. H200 call G3
 # (scripts/attention_sweep.py, 8B attention at 32k): q8 68.9 us at 6 against 82.3 at 4; fp16 (96 registers) and

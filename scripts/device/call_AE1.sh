@@ -11,7 +11,9 @@
 #     pages, 3 with codes: cuda_layers.ATTN_STAGED_CTAS_PER_SM), interleaved twice;
 #  3. verify costs with each (the verify's 20-row attention runs three row tiles per kv head);
 #  4. the attention's K/V read pattern alone (kv_stream_bench): 256-byte rows 2 KB apart per head against whole
-#     slots, the same bytes and CTA count. Whether a CTA per split covering every kv head would read faster.
+#     slots, the same bytes and CTA count. Whether a CTA per split covering every kv head would read faster;
+#  5. if time is left: the 1k decode step with splits of at least 128 keys (EXL2_BACKEND_ATTN_MIN_SPLIT; 64 by
+#     default: 16 splits of one step per warp, then the reduce).
 export EXL2_CARRIED_LIBRARY=1
 source scripts/device/common.sh
 begin_call ae1
@@ -29,4 +31,9 @@ bench_8b staged2 90 1024,32768 fp16,q8,q4 $STAGED
 echo "elapsed $(( $(date +%s) - T0 )) s"
 spec_costs regs
 spec_costs staged $STAGED
+if [ "$(left 590)" -gt 90 ]; then  # 5. the 1k decode with splits of at least 128 keys (two steps per warp)
+  decode_step_1k split64 nochain
+  decode_step_1k split128 nochain EXL2_BACKEND_ATTN_MIN_SPLIT=128
+  attention_paths split64 split128
+fi
 echo "total $(( $(date +%s) - T0 )) s"

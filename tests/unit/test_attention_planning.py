@@ -121,3 +121,21 @@ def test_staged_kernel_splits_aim_at_its_measured_ctas(monkeypatch, staged):
     monkeypatch.setattr(cuda_layers, "_ATTN_CTAS_ENV", "4")
     assert cuda_layers._attention_nsplit((1, 1, 32, 128), (200, 256, 8, 128), 128, cpu) == \
         cuda_layers.attention_splits(1, 1, 32, 8, 128 * 256, 132, 4)
+
+
+@pytest.mark.parametrize("value,ok", [("64", True), ("128", True), ("16", True), ("8", False), ("100", False),
+                                      ("1024", False), ("x", False)])
+def test_min_split_override_is_checked(value, ok):
+    """EXL2_BACKEND_ATTN_MIN_SPLIT (read at import: a subprocess) sets the shortest split the planning cuts, or
+    fails the import with a ValueError naming the variable."""
+    import os
+    import subprocess
+    import sys
+
+    env = {**os.environ, "EXL2_BACKEND_ATTN_MIN_SPLIT": value}
+    code = "from exl2_backend.ops import cuda_layers; print(cuda_layers._ATTN_MIN_SPLIT)"
+    r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120, check=False)
+    if ok:
+        assert r.returncode == 0 and r.stdout.strip() == value, r.stderr
+    else:
+        assert r.returncode != 0 and "EXL2_BACKEND_ATTN_MIN_SPLIT" in r.stderr

@@ -12,18 +12,6 @@ export EXL2_CARRIED_LIBRARY=1
 source scripts/device/common.sh
 begin_call ac1
 start_exllamav2_jit
-ncu_attention() {
-  local name=$1 ct=$2
-  timeout 90 ncu --clock-control none --set full --import-source no -k "regex:paged_attention" --launch-skip 1 \
-    --launch-count 1 -o "$R/$name" python3 scripts/attention_once.py --cache-type "$ct" --context 32768 \
-    > "$R/$name.log" 2>&1
-  ncu --import "$R/$name.ncu-rep" --page details > "$R/$name.details.txt" 2>&1
-  ncu --import "$R/$name.ncu-rep" --page source --csv --print-source sass 2>&1 | gzip -c > "$R/$name.sass.csv.gz"
-  rm -f "$R/$name.ncu-rep"
-  echo "== $name"
-  grep -E "^    Duration|DRAM Throughput|Achieved Occupancy|Issue Slots Busy|Registers Per|No Eligible|Eligible Warps" \
-    "$R/$name.details.txt" | head -9
-}
 ncu_attention ncu_fp16 fp16
 ncu_attention ncu_q4 q4
 echo "elapsed $(( $(date +%s) - T0 )) s"

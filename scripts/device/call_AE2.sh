@@ -3,7 +3,7 @@
 # other shapes, last measured in session 6 (70B 57.7 tok/s at 1k, 48.6% of the roofline; 1B 989.2, 17.2%), and
 # ExLlamaV2 on the 70B shape (issue 3 asks >= 2.5x there). The 70B's random directory (~40 GB) takes minutes to
 # write (session 5's call ran out of time writing it), so it is written in the background from the start while the
-# 1B shape runs and ExLlamaV2 JIT-builds.
+# 1B shape runs, ncu looks at the staged attention (EXL2_ATTN_STAGED=2) at 32k and ExLlamaV2 JIT-builds.
 export EXL2_CARRIED_LIBRARY=1
 source scripts/device/common.sh
 begin_call ae2
@@ -16,6 +16,9 @@ W70=$!
 timeout 120 python3 -m exl2_backend.cli.main bench --shape llama3-1b --bpw 4.0 --model-out /tmp/models/llama3-1b \
   --contexts 1024,8192 --cache-type fp16 --json "$R/bench_1b.json" > "$R/bench_1b.txt" 2>&1
 echo "== 1B"; grep -E "^│ +[0-9]+ │" "$R/bench_1b.txt"
+# While the 70B is written: ncu of the staged attention at 32k (what bounds it now; AC1 had the register kernel's).
+ncu_attention ncu_staged_fp16 fp16 EXL2_ATTN_STAGED=2
+ncu_attention ncu_staged_q4 q4 EXL2_ATTN_STAGED=2
 wait $W70; tail -1 "$R/write_70b.txt"
 echo "elapsed $(( $(date +%s) - T0 )) s"
 timeout 150 python3 -m exl2_backend.cli.main bench /tmp/models/llama3-70b --contexts 1024,8192 --cache-type fp16 \

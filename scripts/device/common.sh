@@ -176,3 +176,17 @@ attention_sweep_32k() {
     --json "$R/sweep_$name.json" > "$R/sweep_$name.txt" 2>&1
   echo "== sweep $name ($*)"; grep -E "ctas/SM|Error" "$R/sweep_$name.txt" | head -12
 }
+# One launch of the decode attention at 32k (scripts/attention_once.py, 8B attention shape) under ncu --set full:
+# ncu_attention NAME CACHE_TYPE [ENV=VALUE...]; $R/NAME.details.txt and $R/NAME.sass.csv.gz (scripts/ncu_stalls.py).
+ncu_attention() {
+  local name=$1 ct=$2; shift 2
+  env "$@" timeout 90 ncu --clock-control none --set full --import-source no -k "regex:paged_attention" \
+    --launch-skip 1 --launch-count 1 -o "$R/$name" python3 scripts/attention_once.py --cache-type "$ct" \
+    --context 32768 > "$R/$name.log" 2>&1
+  ncu --import "$R/$name.ncu-rep" --page details > "$R/$name.details.txt" 2>&1
+  ncu --import "$R/$name.ncu-rep" --page source --csv --print-source sass 2>&1 | gzip -c > "$R/$name.sass.csv.gz"
+  rm -f "$R/$name.ncu-rep"
+  echo "== $name ($*)"
+  grep -E "^    Duration|DRAM Throughput|Achieved Occupancy|Issue Slots Busy|Registers Per|No Eligible|Eligible Warps" \
+    "$R/$name.details.txt" | head -9
+}

@@ -137,7 +137,7 @@ def _write_launch(q, k, v, positions, inv_freq, k_codes, k_scales, v_codes, v_sc
 
 
 def _write_inputs(op, k, v, slots, k_codes, shape):
-    p, s, hkv, d = shape
+    _p, _s, hkv, d = shape
     for name, x in (("k", k), ("v", v)):
         _check(op, name, x, ndim=3, device=k_codes.device)
         _require(tuple(x.shape[1:]) == (hkv, d), f"{op}: {name} {tuple(x.shape)} must be [T, {hkv}, {d}]", name)

@@ -155,7 +155,7 @@ def dequantize_pages(codes: torch.Tensor, scales: torch.Tensor, pages: torch.Ten
                      dtype: torch.dtype = torch.float32, pages_per_step: int = 64) -> torch.Tensor:
     """The pages `pages` [U] (int64) of one cache -> [U, S, Hkv, D] in `dtype`, dequantized a few pages at a
     time (bounds the fp32 temporaries)."""
-    p, s, hkv, g = scales.shape
+    _p, s, hkv, g = scales.shape
     out = torch.empty(pages.shape[0], s, hkv, g * GROUP, dtype=dtype, device=codes.device)
     for i in range(0, pages.shape[0], pages_per_step):
         idx = pages[i : i + pages_per_step]

@@ -154,7 +154,7 @@ class Coordinator:
         """Raise EngineUnhealthyError if a rank reported a failure or died."""
         for r, (c, p) in enumerate(zip(self.conns, self.procs), start=1):
             if c.poll():
-                kind, detail = c.recv()
+                _kind, detail = c.recv()
                 raise EngineUnhealthyError(f"tensor-parallel rank {r} failed: {detail}")
             if not p.is_alive():
                 raise EngineUnhealthyError(f"tensor-parallel rank {r} exited (code {p.exitcode})")

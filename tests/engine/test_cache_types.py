@@ -22,8 +22,8 @@ def tiny_dir(tmp_path_factory):
 
 
 def _engine(model_dir, cache_type, **kw) -> Engine:
-    s = dict(model_dir=model_dir, device="cpu", max_seq_len=256, cache_tokens=1024, page_size=16,
-             max_chunk_size=24, cache_type=cache_type)
+    s = {"model_dir": model_dir, "device": "cpu", "max_seq_len": 256, "cache_tokens": 1024, "page_size": 16,
+         "max_chunk_size": 24, "cache_type": cache_type}
     s.update(kw)
     return Engine.load(LoadSettings(**s))
 

@@ -213,7 +213,7 @@ def test_default_model_chat_prefix_reuse(default_model_dir):
         return engine, rec, cached, out
 
     warm, rec_w, cached, out_w = second(max_chunk_size=shared)
-    cold, rec_c, _, out_c = second(max_chunk_size=shared, prefix_caching=False)
+    _cold, rec_c, _, out_c = second(max_chunk_size=shared, prefix_caching=False)
     assert cached == shared and out_w == out_c
     assert torch.equal(rec_w.logits[-len(out_w)], rec_c.logits[-len(out_c)])
     assert warm.stats()["prefix_hit_rate"] > 0.3

@@ -119,7 +119,7 @@ def test_default_model_dir(default_model_dir, default_fp16_dir):
     # A second call reuses the cache: same files, no rebuild. (The first call rebuilds only if someone edited
     # the quantizer since the fixture ran: the stamp hashes its source.)
     assert prepare.ensure_default_model() == default_model_dir
-    shard = sorted(default_model_dir.glob("*.safetensors"))[0]
+    shard = min(default_model_dir.glob("*.safetensors"))
     before, dir_before = shard.stat(), default_model_dir.stat()
     assert prepare.ensure_default_model() == default_model_dir
     after, dir_after = shard.stat(), default_model_dir.stat()

@@ -188,7 +188,7 @@ def _cache_and_writes(ct: str, lens=(5, 37), page=16, hkv=2, d=64, seed=7):
 
 
 def test_kv_quant_write_places_codes_at_slots_and_skips_negative_slots():
-    cache, tables, lens, kv = _cache_and_writes("q6")
+    cache, _tables, _lens, kv = _cache_and_writes("q6")
     k, v = kv[1]
     kc, ks = R.quantize(k[20], "int8")  # sequence 1, position 20: page tables[1][1] = 7, offset 4
     assert_exact(cache.k[0][7, 4], kc, "k codes")
@@ -242,7 +242,7 @@ def test_gather_dequantized_reads_only_the_pages_in_use():
     cache, tables, lens, _ = _cache_and_writes("q8")
     tables = tables.clone()
     tables[0, 1:] = -1  # sequence 0 (5 tokens) uses only its first page; garbage past it is never touched
-    k, v, remap = R.gather_dequantized(cache.k[0], cache.k_scales[0], cache.v[0], cache.v_scales[0], tables, lens,
+    k, _v, remap = R.gather_dequantized(cache.k[0], cache.k_scales[0], cache.v[0], cache.v_scales[0], tables, lens,
                                        "int8", "int8")
     assert k.shape[0] == 4  # pages 6 | 1, 7, 4 (sequence 1 has 37 tokens: 3 pages)
     for b, n in enumerate(lens.tolist()):

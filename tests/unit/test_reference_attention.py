@@ -42,7 +42,7 @@ def build_paged(lens, hkv, d, page, dtype, seed, spare_pages=7):
 
 def sdpa_reference(q, kv, lens, scale, dtype):
     """Per sequence SDPA in `dtype` with K/V expanded for GQA and the absolute-position causal mask."""
-    bsz, tq, hq, d = q.shape
+    _bsz, tq, hq, _d = q.shape
     out = []
     for b, (k, v) in enumerate(kv):
         n, grp = lens[b], hq // k.shape[1]

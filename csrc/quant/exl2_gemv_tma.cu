@@ -154,8 +154,7 @@ __device__ __forceinline__ void tma_block(const GemvParams& p, const GvWork& wk,
   GvStateMT<MT> st;
   gv_zero(st);
   if (one_run) {
-    if (active)
-      with_bits(bits0, [&](auto b) { tma_chunks<decltype(b)::value, MT>(p, wk, sm, stages, st); });
+    if (active) with_bits(bits0, [&](auto b) { tma_chunks<decltype(b)::value, MT>(p, wk, sm, stages, st); });
   }
   for (int r = wk.ri; r < (one_run ? wk.ri : wk.re); ++r) {
     if (r > wk.ri) next_run(r);

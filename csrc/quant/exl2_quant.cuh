@@ -158,43 +158,20 @@ __device__ __forceinline__ uint32_t and_or(uint32_t a, uint32_t b, uint32_t c) {
 
 constexpr int main_words(int b) { return b == 8 ? 8 : (b >= 4 ? 4 : 2); }
 
-// Pair P of one n-tile before its zero point is removed, for B = 4, 5, 6, 8: fp16 1024's exponent bits OR-ed into
-// both halves make 1024 + q (at 4 bits, odd pairs: 1024 + 16q); a field at bit offset o of each half becomes
-// 1024 + 2^o q (needs o + width <= 10). (A zero-point fold decoded the bare code as an fp16 subnormal with no
-// exponent bits, q * 2^-24, and lost: H200 calls Z1, Z3 and AA1 of 2026-12-03, docs/performance.md.)
-template <int B, int P>
-__device__ __forceinline__ uint32_t pair_raw(const uint32_t* w) {
-  constexpr uint32_t kExp = 0x64006400u;
-  static_assert(B == 4 || B == 5 || B == 6 || B == 8, "raw pairs of 4, 5, 6 and 8 bits");
-  if constexpr (B == 8) {
-    return __byte_perm(w[P / 2], (kExp >> 8) & 0xFFu, (P & 1) ? 0x4341 : 0x4240);  // bytes -> 0x64qq = 1024 + q
-  } else if constexpr (B == 4) {
-    uint32_t word = w[P >> 2];
-    if constexpr ((P & 3) >= 2) word >>= 8;
-    return and_or(word, (P & 1) ? 0x00F000F0u : 0x000F000Fu, kExp);
-  } else if constexpr (B == 6) {
-    const uint32_t lo = and_or(w[P >> 2] >> (4 * (P & 3)), 0x000F000Fu, kExp);
-    return and_or(shr<2 * (P & 7) - 4>(w[4 + (P >> 3)]), 0x00300030u, lo);
-  } else {
-    const uint32_t lo = and_or(w[P >> 2] >> (4 * (P & 3)), 0x000F000Fu, kExp);
-    return and_or(shr<P - 4>(w[4]), 0x00100010u, lo);
-  }
-}
-
 // Pair P of one n-tile as half2 (q - z): exact small integers. w = the lane's b words of that n-tile.
-// An HFMA2 by 2^-o removes both the field's offset and the zero point.
+// A field at bit offset o of each half becomes fp16 1024 + 2^o q after OR-ing in the exponent of 1024
+// (needs o + width <= 10); an HFMA2 by 2^-o then removes both the offset and the zero point.
 template <int B, int P>
 __device__ __forceinline__ uint32_t pair_qz(const uint32_t* w) {
   constexpr uint32_t kMagic = 0x64006400u;  // fp16 1024.0 in both halves
   if constexpr (B == 8) {
-    return h2sub(pair_raw<8, P>(w), 0x64806480u);  // - (1024 + 128)
+    uint32_t v = __byte_perm(w[P / 2], 0x64u, (P & 1) ? 0x4341 : 0x4240);  // bytes -> 0x64qq = 1024 + q
+    return h2sub(v, 0x64806480u);                                          // - (1024 + 128)
   } else if constexpr (B == 4) {
-    if constexpr ((P & 1) == 0) return h2sub(pair_raw<4, P>(w), 0x64086408u);
-    else return h2fma(pair_raw<4, P>(w), 0x2C002C00u, 0xD480D480u);  // (1024+16q)/16 - 72
-  } else if constexpr (B == 6) {
-    return h2sub(pair_raw<6, P>(w), 0x64206420u);
-  } else if constexpr (B == 5) {
-    return h2sub(pair_raw<5, P>(w), 0x64106410u);
+    uint32_t word = w[P >> 2];
+    if constexpr ((P & 3) >= 2) word >>= 8;
+    if constexpr ((P & 1) == 0) return h2sub(and_or(word, 0x000F000Fu, kMagic), 0x64086408u);
+    else return h2fma(and_or(word, 0x00F000F0u, kMagic), 0x2C002C00u, 0xD480D480u);  // (1024+16q)/16 - 72
   } else if constexpr (B == 2) {
     constexpr int o = 2 * (P & 3);
     uint32_t word = w[P >> 3];
@@ -204,6 +181,12 @@ __device__ __forceinline__ uint32_t pair_qz(const uint32_t* w) {
     else if constexpr (o == 2) return h2fma(v, 0x34003400u, 0xDC08DC08u);  // /4 - 258
     else if constexpr (o == 4) return h2fma(v, 0x2C002C00u, 0xD420D420u);  // /16 - 66
     else return h2fma(v, 0x24002400u, 0xCC80CC80u);                        // /64 - 18
+  } else if constexpr (B == 6) {
+    uint32_t lo = and_or(w[P >> 2] >> (4 * (P & 3)), 0x000F000Fu, kMagic);
+    return h2sub(and_or(shr<2 * (P & 7) - 4>(w[4 + (P >> 3)]), 0x00300030u, lo), 0x64206420u);
+  } else if constexpr (B == 5) {
+    uint32_t lo = and_or(w[P >> 2] >> (4 * (P & 3)), 0x000F000Fu, kMagic);
+    return h2sub(and_or(shr<P - 4>(w[4]), 0x00100010u, lo), 0x64106410u);
   } else {  // 3: whole 3-bit fields (layout above); ~1.4 INT ops per pair against 4 for split low/high planes
     static_assert(B == 3, "bit width");
     if constexpr (P == 15) {  // bit k of the value is bit 15 of word k: moved to bits 5, 6, 7

@@ -41,6 +41,24 @@ __device__ __forceinline__ void pdl_wait_and_trigger() {
 // Whether launches on the current device get the PDL attribute (set by exl2_set_pdl; off below sm_90).
 bool pdl_enabled();
 
+// Let `Kernel` take `bytes` of dynamic shared memory on the current device: its opt-in attribute, set once per
+// device and only ever raised (the 48 KB default also counts the kernel's static arrays). cudaSuccess or the
+// failing call's error (cudaErrorInvalidDevice past 64 devices).
+template <auto Kernel>
+cudaError_t opt_in_dynamic_smem(size_t bytes) {
+  static size_t set_bytes[64] = {};  // per device
+  int dev = 0;
+  const cudaError_t err = cudaGetDevice(&dev);
+  if (err != cudaSuccess) return err;
+  if (dev < 0 || dev >= 64) return cudaErrorInvalidDevice;
+  if (bytes > set_bytes[dev]) {
+    const cudaError_t set = cudaFuncSetAttribute(Kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)bytes);
+    if (set != cudaSuccess) return set;
+    set_bytes[dev] = bytes;
+  }
+  return cudaSuccess;
+}
+
 // Launch `kernel` (which must call pdl_wait() before any dependent access) with the PDL attribute when enabled.
 template <typename... Params, typename... Args>
 cudaError_t launch_kernel(void (*kernel)(Params...), dim3 grid, dim3 block, size_t smem, cudaStream_t stream,

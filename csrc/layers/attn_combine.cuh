@@ -12,6 +12,8 @@
 #include <stdint.h>
 #include <stdlib.h>
 
+#include "common/pdl.cuh"
+
 namespace exl2 {
 namespace layers {
 
@@ -33,23 +35,14 @@ inline int64_t attn_combine_max_bytes() {
 }
 
 // Whether `Kernel` (a reduce kernel's staged instantiation) can be launched with `bytes` of dynamic shared memory
-// on the current device, setting its opt-in attribute once per device where more than 48 KB are allowed.
+// on the current device, opting in (exl2::opt_in_dynamic_smem) where more than 48 KB are allowed.
 template <auto Kernel>
 bool attn_combine_fits(int64_t bytes) {
   if (bytes <= kAttnCombineSmemMax) return true;
   if (bytes > attn_combine_max_bytes()) return false;
-  static int64_t set_bytes[64] = {};  // per device
-  int dev = 0;
-  if (cudaGetDevice(&dev) != cudaSuccess || dev < 0 || dev >= 64) {
-    (void)cudaGetLastError();
+  if (exl2::opt_in_dynamic_smem<Kernel>((size_t)bytes) != cudaSuccess) {
+    (void)cudaGetLastError();  // the loop over global memory instead
     return false;
-  }
-  if (bytes > set_bytes[dev]) {
-    if (cudaFuncSetAttribute(Kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)bytes) != cudaSuccess) {
-      (void)cudaGetLastError();  // the loop over global memory instead
-      return false;
-    }
-    set_bytes[dev] = bytes;
   }
   return true;
 }

@@ -692,19 +692,16 @@ int staged_variant() {
   return v;
 }
 
-// Launch `Kernel` with `bytes` of dynamic shared memory, its opt-in attribute set once per device: the 48 KB
-// default counts the static arrays too (H200 call AD1: fp16 pages at D = 64 with 3 stages, exactly 48 KB of
-// rings, failed to launch without it).
+// Launch `Kernel` with `bytes` of dynamic shared memory, opted into on every size (exl2::opt_in_dynamic_smem): the
+// 48 KB default counts the static arrays too (H200 call AD1: fp16 pages at D = 64 with 3 stages, exactly 48 KB of
+// rings, failed to launch without the attribute).
 template <auto Kernel>
 int launch_with_smem(dim3 grid, size_t bytes, cudaStream_t stream, const QAttnParams& q) {
-  static size_t set_bytes[64] = {};
-  int dev = 0;
-  if (cudaGetDevice(&dev) != cudaSuccess || dev < 0 || dev >= 64)
-    return check_launch("paged_attention_quant (mma, staged): current device");
-  if (bytes > set_bytes[dev]) {
-    if (cudaFuncSetAttribute(Kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)bytes) != cudaSuccess)
-      return check_launch("paged_attention_quant (mma, staged): shared memory attribute");
-    set_bytes[dev] = bytes;
+  const cudaError_t err = exl2::opt_in_dynamic_smem<Kernel>(bytes);
+  if (err != cudaSuccess) {
+    (void)cudaGetLastError();
+    return set_error((int)err, "paged_attention_quant (mma, staged): %zu bytes of shared memory: %s", bytes,
+                     cudaGetErrorString(err));
   }
   exl2::launch_kernel(Kernel, grid, kAttnThreads, bytes, stream, q);
   return check_launch("paged_attention_quant (mma, staged)");

@@ -73,7 +73,7 @@ def quant_attention_ctas(k_fmt: str, v_fmt: str) -> int:
         online = cuda_layers.attn_mma_online(k_fmt, v_fmt)
         if _ATTN_CTAS_ENV or not online:
             return _ATTN_CTAS_PER_SM
-        return cuda_layers.ATTN_STAGED_CTAS_PER_SM["codes"] if cuda_layers.ATTN_STAGED else 4 - online
+        return cuda_layers.ATTN_STAGED_CTAS_PER_SM["codes"] if cuda_layers.attn_staged(k_fmt, v_fmt) else 4 - online
     return ATTN_CTAS_PER_SM_8BIT if {"int8", "e4m3"} & {k_fmt, v_fmt} else _ATTN_CTAS_PER_SM
 
 

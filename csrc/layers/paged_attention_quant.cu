@@ -328,8 +328,9 @@ int launch_paged_attention_quant_reduce(const QAttnParams& p, bool rot, int D, i
 // and k_scales / v_scales fp16 [P, S, Hkv, D / 32], contiguous; formats 1 e4m3, 2 int8, 3 int4 (pairs as
 // kv_quant_write); block_tables [B, bt_stride] int32; context_lens [B] int32; out [B, Tq, Hq, D] fp16 contiguous;
 // workspace fp32 of B*Tq*Hq*nsplit*(D+2) floats (unused if nsplit == 1). Row tiles as exl2_paged_attention, at
-// most max_row_tile (4, 8 or 16) rows each; use_mma 1..3 selects the tensor-core kernel (row tiles of 8,
-// paged_attention_quant_mma.cu; its variant use_mma - 1).
+// most max_row_tile (4, 8 or 16) rows each; use_mma bits 0-1 = 1..3 select the tensor-core kernel (row tiles of 8,
+// paged_attention_quant_mma.cu; its variant (use_mma & 3) - 1), bits 2-3 its stages in shared memory (0, or 2 / 3
+// with a one-pass variant).
 EXL2_API int exl2_paged_attention_quant(const void* q, int64_t q_bs, int64_t q_ts, int64_t q_hs, const void* k_codes,
                                         const void* k_scales, const void* v_codes, const void* v_scales, int k_fmt,
                                         int v_fmt, const int32_t* block_tables, int64_t bt_stride,
@@ -367,7 +368,10 @@ EXL2_API int exl2_paged_attention_quant(const void* q, int64_t q_bs, int64_t q_t
   p.Hkv = (int)Hkv;
   p.G = (int)(Hq / Hkv);
   p.R = (int)(p.G * Tq);
-  EXL2_REQUIRE(use_mma >= 0 && use_mma <= 3, "paged_attention_quant: use_mma %d (0..3)", use_mma);
+  EXL2_REQUIRE(use_mma >= 0 && use_mma < 16 && ((use_mma & 3) != 0 || use_mma == 0),
+               "paged_attention_quant: use_mma %d (kernel code 0..3, stages << 2)", use_mma);
+  const int stages = use_mma >> 2;
+  use_mma &= 3;
   EXL2_REQUIRE(max_row_tile == 4 || max_row_tile == 8 || max_row_tile == 16,
                "paged_attention_quant: row tile cap %d (4, 8 or 16)", max_row_tile);
   // The tensor-core kernel takes row tiles of 8 (its mma's 16 rows hold the tile's q in two fp16 parts);
@@ -390,7 +394,7 @@ EXL2_API int exl2_paged_attention_quant(const void* q, int64_t q_bs, int64_t q_t
   EXL2_REQUIRE((int64_t)p.row_tiles * nsplit < (1ll << 31), "paged_attention_quant: grid too large");
   int st;
   if (use_mma) {
-    st = launch_paged_attention_quant_mma(p, k_fmt, v_fmt, (int)D, (int)B, use_mma - 1, stream);
+    st = launch_paged_attention_quant_mma(p, k_fmt, v_fmt, (int)D, (int)B, use_mma - 1, stages, stream);
   } else {
     st = D == 64 ? launch_fmt<64>(p, rt, k_fmt, v_fmt, (int)B, stream)
                  : launch_fmt<128>(p, rt, k_fmt, v_fmt, (int)B, stream);

@@ -41,9 +41,11 @@ struct QAttnParams {
 // splits (checked here: at most 1024 keys each), partials and reduce as the CUDA-core kernel; launches the
 // attention kernel only.
 // k_fmt / v_fmt: KVFmt codes, kFmtF16 for fp16 pages (ks / vs unused). variant 0: two passes (scores into shared
-// memory, then the outputs); 1 / 2: one pass with an online softmax, 1 or 2 steps in flight (measurement builds).
+// memory, then the outputs); 1 / 2: one pass with an online softmax, 1 or 2 steps in flight. stages 2 / 3 (a
+// one-pass variant): the one-pass kernel with each warp's steps staged in shared memory, the same bits; 0: in
+// registers.
 int launch_paged_attention_quant_mma(const QAttnParams& p, int k_fmt, int v_fmt, int D, int B, int variant,
-                                     cudaStream_t stream);
+                                     int stages, cudaStream_t stream);
 // The split combination into p.out (paged_attention_quant.cu; nothing when nsplit == 1); rot: V rotated (int
 // formats) -> the sums are rotated back.
 int launch_paged_attention_quant_reduce(const QAttnParams& p, bool rot, int D, int B, cudaStream_t stream);

@@ -625,8 +625,9 @@ __global__ void __launch_bounds__(kAttnThreads, MINB) paged_attention_quant_mma_
 // ---- one pass with each warp's steps staged in shared memory (attn_mma_stage.cuh) -------------------------------
 // A ring of NS stages per warp: the copies of the next NS - 1 steps are in flight (cp.async, no registers held for
 // them) while the warp computes one, read back in the register kernels' lane layout: the same bits as
-// paged_attention_quant_mma_online_kernel. A measurement build (EXL2_ATTN_STAGED=NS, 2 or 3, read once; default
-// off) until it has run on the GPU. 168 registers (3 CTAs per SM; at 128, q8 and fp8 spill 104-128 bytes); the
+// paged_attention_quant_mma_online_kernel (for the same splits). The default for code pages (the caller's
+// `stages`: ops/cuda_layers.attn_stages).
+// 168 registers (3 CTAs per SM; at 128, q8 and fp8 spill 104-128 bytes); the
 // rings take 64 / 96 KB per CTA for fp16 pages (NS = 2 / 3), 34 / 51 KB for q8.
 template <int D, int KF, int VF, int NS, int MINB>
 __global__ void __launch_bounds__(kAttnThreads, MINB) paged_attention_quant_mma_staged_kernel(const QAttnParams p) {
@@ -682,16 +683,6 @@ __global__ void __launch_bounds__(kAttnThreads, MINB) paged_attention_quant_mma_
   online_finish<D, VF>(p, sp, r, smem, row_m, row_l, warp_m, warp_l);
 }
 
-// EXL2_ATTN_STAGED (read once): 0 (default) the register kernels, 2 or 3 the staged one with that many stages.
-int staged_variant() {
-  static const int v = [] {
-    const char* e = getenv("EXL2_ATTN_STAGED");
-    const int n = e ? atoi(e) : 0;
-    return n == 2 || n == 3 ? n : 0;
-  }();
-  return v;
-}
-
 // Launch `Kernel` with `bytes` of dynamic shared memory, opted into on every size (exl2::opt_in_dynamic_smem): the
 // 48 KB default counts the static arrays too (H200 call AD1: fp16 pages at D = 64 with 3 stages, exactly 48 KB of
 // rings, failed to launch without the attribute).
@@ -717,12 +708,12 @@ int launch_staged(const QAttnParams& q, dim3 grid, cudaStream_t stream) {
 }
 
 template <int D, int KF, int VF>
-int launch(const QAttnParams& p, int B, int variant, cudaStream_t stream) {
+int launch(const QAttnParams& p, int B, int variant, int stages, cudaStream_t stream) {
   const dim3 grid((unsigned)(p.row_tiles * p.nsplit), (unsigned)p.Hkv, (unsigned)B);
   QAttnParams q = p;
   q.prefetch = prefetch_mode();
-  if (variant > 0 && staged_variant() == 2) return launch_staged<D, KF, VF, 2>(q, grid, stream);
-  if (variant > 0 && staged_variant() == 3) return launch_staged<D, KF, VF, 3>(q, grid, stream);
+  if (stages == 2) return launch_staged<D, KF, VF, 2>(q, grid, stream);
+  if (stages == 3) return launch_staged<D, KF, VF, 3>(q, grid, stream);
   if (variant > 0) {  // one pass: U = 1 (168 registers, 3 CTAs per SM) or 2 (2 per SM)
     const size_t smem = sizeof(float) * kAttnWarps * kTileRows * D;
     if (variant == 1)
@@ -749,24 +740,26 @@ int launch(const QAttnParams& p, int B, int variant, cudaStream_t stream) {
 }
 
 template <int D>
-int launch_fmt(const QAttnParams& p, int kf, int vf, int B, int variant, cudaStream_t stream) {
-  if (kf == kFmtF16 && vf == kFmtF16) return launch<D, kFmtF16, kFmtF16>(p, B, variant, stream);
-  if (kf == kFmtE4M3 && vf == kFmtE4M3) return launch<D, kFmtE4M3, kFmtE4M3>(p, B, variant, stream);
-  if (kf == kFmtI8 && vf == kFmtI8) return launch<D, kFmtI8, kFmtI8>(p, B, variant, stream);
-  if (kf == kFmtI8 && vf == kFmtI4) return launch<D, kFmtI8, kFmtI4>(p, B, variant, stream);
-  if (kf == kFmtI4 && vf == kFmtI4) return launch<D, kFmtI4, kFmtI4>(p, B, variant, stream);
+int launch_fmt(const QAttnParams& p, int kf, int vf, int B, int variant, int stages, cudaStream_t stream) {
+  if (kf == kFmtF16 && vf == kFmtF16) return launch<D, kFmtF16, kFmtF16>(p, B, variant, stages, stream);
+  if (kf == kFmtE4M3 && vf == kFmtE4M3) return launch<D, kFmtE4M3, kFmtE4M3>(p, B, variant, stages, stream);
+  if (kf == kFmtI8 && vf == kFmtI8) return launch<D, kFmtI8, kFmtI8>(p, B, variant, stages, stream);
+  if (kf == kFmtI8 && vf == kFmtI4) return launch<D, kFmtI8, kFmtI4>(p, B, variant, stages, stream);
+  if (kf == kFmtI4 && vf == kFmtI4) return launch<D, kFmtI4, kFmtI4>(p, B, variant, stages, stream);
   return set_error(EXL2_ERR_UNSUPPORTED, "paged_attention_quant (mma): format pair (%d, %d) not built", kf, vf);
 }
 
 }  // namespace
 
 int launch_paged_attention_quant_mma(const QAttnParams& p, int k_fmt, int v_fmt, int D, int B, int variant,
-                                     cudaStream_t stream) {
+                                     int stages, cudaStream_t stream) {
   EXL2_REQUIRE(variant >= 0 && variant <= 2, "paged_attention_quant (mma): variant %d (0..2)", variant);
+  EXL2_REQUIRE(stages == 0 || ((stages == 2 || stages == 3) && variant > 0),
+               "paged_attention_quant (mma): %d stages (0, or 2 / 3 with a one-pass variant)", stages);
   const int st = qattn_check_splits(p, qattn_keys_max<kTileRows>());
   if (st != EXL2_OK) return st;
-  if (D == 64) return launch_fmt<64>(p, k_fmt, v_fmt, B, variant, stream);
-  if (D == 128) return launch_fmt<128>(p, k_fmt, v_fmt, B, variant, stream);
+  if (D == 64) return launch_fmt<64>(p, k_fmt, v_fmt, B, variant, stages, stream);
+  if (D == 128) return launch_fmt<128>(p, k_fmt, v_fmt, B, variant, stages, stream);
   return set_error(EXL2_ERR_INVALID_ARGUMENT, "paged_attention_quant (mma): head_dim %d", D);
 }
 

@@ -77,6 +77,14 @@ def quant_attention_ctas(k_fmt: str, v_fmt: str) -> int:
     return ATTN_CTAS_PER_SM_8BIT if {"int8", "e4m3"} & {k_fmt, v_fmt} else _ATTN_CTAS_PER_SM
 
 
+def _quant_kernel_code(k_fmt: str, v_fmt: str) -> int:
+    """exl2_paged_attention_quant's use_mma: the tensor-core kernel's code (bits 0-1, 0 for the CUDA-core kernel)
+    and its stages in shared memory (bits 2-3)."""
+    if not ATTN_QUANT_MMA:
+        return 0
+    return cuda_layers.attn_mma_variant_code(k_fmt, v_fmt) | cuda_layers.attn_stages(k_fmt, v_fmt) << 2
+
+
 @functools.cache
 def _fn(name: str):
     return library.declare(name, *_SIGNATURES[name])
@@ -247,7 +255,7 @@ def paged_attention_quant(q: torch.Tensor, k_codes: torch.Tensor, k_scales: torc
               tables.data_ptr(), tables.stride(0), lens.data_ptr(), out.data_ptr(),
               ws.data_ptr() if ws is not None else None, b, tq, hq, hkv, d, p, s, max_pages, nsplit, _ATTN_MIN_SPLIT,
               float(scale), cuda_layers.ATTN_MAX_ROW_TILE,
-              cuda_layers.attn_mma_variant_code(k_fmt, v_fmt) if ATTN_QUANT_MMA else 0, _stream(q))
+              _quant_kernel_code(k_fmt, v_fmt), _stream(q))
     return out
 
 

@@ -139,18 +139,33 @@ ATTN_MMA_ONLINE_AUTO = {("fp16", "fp16"): 2, ("int8", "int8"): 2, ("int4", "int4
                         ("int8", "int4"): 2}
 
 
-# EXL2_ATTN_STAGED=2|3 (read once by the C library, and here for the split planning; a measurement switch, off by
-# default): the one-pass kernels copy each warp's steps into shared memory (cp.async) instead of registers, 168
-# registers, 3 CTAs per SM. H200 call AD1 of 2026-12-03 (scripts/attention_sweep.py, 8B attention at 32k, 2 stages,
-# us per layer at splits for 2 / 3 / 4 CTAs per SM): fp16 48.86 / 52.39 / 60.56, q8 41.92 / 37.22 / 47.55, q4
-# 39.81 / 32.27 / 37.50; so its splits aim at ATTN_STAGED_CTAS_PER_SM per page kind.
-ATTN_STAGED = os.environ.get("EXL2_ATTN_STAGED", "0") in ("2", "3")
+# The staged one-pass kernel (csrc/layers/attn_mma_stage.cuh): each warp copies its next steps into shared memory
+# (cp.async) instead of registers, 168 registers, 3 CTAs per SM; the same bits as the register kernels for the same
+# splits. EXL2_ATTN_STAGED: "auto" (default) 2 stages for code pages, none for fp16 ones; "0" never; "2" / "3"
+# always, with that many stages (passed to the library with each launch: attn_stages). H200 call AE1 of
+# 2026-12-03 (`bench`, 8B, tok/s register / staged, two runs alike): 32k q8 288.1 / 298.4, q4 296.2 / 309.7, fp16
+# 259.8 / 249.6; 1k q8 409.9 / 406.6, q4 402.4 / 400.8, fp16 418.9 / 412.1. Call AD1 (scripts/attention_sweep.py,
+# 8B attention at 32k, 2 stages, us per layer at splits for 2 / 3 / 4 CTAs per SM): fp16 48.86 / 52.39 / 60.56, q8
+# 41.92 / 37.22 / 47.55, q4 39.81 / 32.27 / 37.50; so its splits aim at ATTN_STAGED_CTAS_PER_SM per page kind.
+ATTN_STAGED = os.environ.get("EXL2_ATTN_STAGED", "auto")
+if ATTN_STAGED not in ("auto", "0", "2", "3"):
+    raise ValueError(f"EXL2_ATTN_STAGED must be auto, 0, 2 or 3, got {ATTN_STAGED}")
 ATTN_STAGED_CTAS_PER_SM = {"fp16": 2, "codes": 3}
 
 
+def attn_stages(k_fmt: str = "fp16", v_fmt: str = "fp16") -> int:
+    """Shared-memory stages of the one-pass kernel for these page formats (0: the register kernel): a one-pass
+    variant, and EXL2_ATTN_STAGED "2" / "3", or "auto" (2) with code pages."""
+    if attn_mma_online(k_fmt, v_fmt) == 0:
+        return 0
+    if ATTN_STAGED == "auto":
+        return 0 if k_fmt == "fp16" else 2
+    return int(ATTN_STAGED)
+
+
 def attn_staged(k_fmt: str = "fp16", v_fmt: str = "fp16") -> bool:
-    """Whether the staged one-pass kernel runs these page formats (EXL2_ATTN_STAGED and a one-pass variant)."""
-    return ATTN_STAGED and attn_mma_online(k_fmt, v_fmt) > 0
+    """Whether the staged one-pass kernel runs these page formats (attn_stages)."""
+    return attn_stages(k_fmt, v_fmt) > 0
 
 
 def attn_mma_online(k_fmt: str = "fp16", v_fmt: str = "fp16") -> int:
@@ -175,9 +190,11 @@ def attn_mma_variant_code(k_fmt: str = "fp16", v_fmt: str = "fp16") -> int:
 
 def _attn_flags(rows: int = 1) -> int:
     """The kernel's flags for `rows` query rows per kv head: deeper unroll (bit 0), the row tile cap (bits 1-2:
-    16 >> code), the tensor-core kernel (bits 3-4: attn_mma_variant_code(), 0 for the CUDA-core kernel)."""
+    16 >> code), the tensor-core kernel (bits 3-4: attn_mma_variant_code(), 0 for the CUDA-core kernel), its
+    stages in shared memory (bits 5-6: attn_stages())."""
     mma = attn_mma_variant_code() if _attn_fp16_mma(rows) else 0
-    return _ATTN_FLAGS | {16: 0, 8: 1, 4: 2}[ATTN_MAX_ROW_TILE] << 1 | mma << 3
+    stages = attn_stages() if mma else 0
+    return _ATTN_FLAGS | {16: 0, 8: 1, 4: 2}[ATTN_MAX_ROW_TILE] << 1 | mma << 3 | stages << 5
 
 
 def _attn_keys_max(row_tile: int) -> int:

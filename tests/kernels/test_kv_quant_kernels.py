@@ -125,16 +125,17 @@ def test_write_many_tokens_prefill_chunk():
 # --- attention ------------------------------------------------------------------------------------------------
 
 
-@pytest.fixture(params=["mma", "mma_online", "mma_online2", "cuda_core"])
+@pytest.fixture(params=["mma", "mma_online", "mma_online2", "staged", "staged3", "cuda_core"])
 def attn_kernel(request, monkeypatch):
-    """Every attention kernel: the tensor-core one with two passes, its one-pass variants (cuda_layers.
-    ATTN_MMA_ONLINE 1: one step of keys in flight per warp; 2: two, the default of most formats) and the
-    CUDA-core one."""
+    """Every attention kernel: the tensor-core one with two passes, its one-pass variants in registers
+    (cuda_layers.ATTN_MMA_ONLINE 1: one step of keys in flight per warp; 2: two) and with 2 or 3 steps staged in
+    shared memory (ATTN_STAGED; 2 stages the default for code pages), and the CUDA-core one."""
     from exl2_backend.ops import cuda_layers
 
     monkeypatch.setattr(kq(), "ATTN_QUANT_MMA", request.param != "cuda_core")
-    online = {"mma_online": 1, "mma_online2": 2}.get(request.param, 0)
+    online = {"mma_online": 1, "mma_online2": 2, "staged": 2, "staged3": 2}.get(request.param, 0)
     monkeypatch.setattr(cuda_layers, "ATTN_MMA_ONLINE", online)
+    monkeypatch.setattr(cuda_layers, "ATTN_STAGED", {"staged": "2", "staged3": "3"}.get(request.param, "0"))
     return request.param
 
 
@@ -514,50 +515,63 @@ def test_combine_staged_past_48kb_is_bit_identical(tmp_path):
         assert torch.equal(a, b)
 
 
-_STAGED_SCRIPT = r"""
-import sys
-import torch
-from tests.kernels import test_kv_quant_kernels as T
-from tests.kernels import test_paged_attention as P
-from exl2_backend.ops import cuda_layers
+def test_staged_one_pass_kernel_is_bit_identical(monkeypatch):
+    """EXL2_ATTN_STAGED (cuda_layers.ATTN_STAGED, passed to the library with each launch) runs the one-pass kernel
+    with each warp's steps copied into shared memory (2 or 3 stages) instead of loaded into registers: the same
+    steps, values and arithmetic, so the same bits as both register variants (one or two steps in flight) for
+    every format pair and fp16 pages, head sizes 128 and 64, one and five queries, one and seven splits (partial
+    last steps, warps past the split's end). Explicit splits only: the automatic split follows the kernel's CTA
+    target (H200 call AE1 compared automatic splits too, and they differed)."""
+    from exl2_backend.ops import cuda_layers
+    from tests.kernels import test_paged_attention as P
 
-torch.manual_seed(0)
-outs = []
-lens = [1, 17, 300, 2000, 4111]
-for hq, hkv, d in ((32, 8, 128), (9, 3, 64)):
-    for kf, vf in T.PAIRS:
-        caches, tables, ctx = T.build(lens, hkv, d, 16, kf, vf, 0)
-        for tq in (1, 5):
-            q = torch.randn(len(lens), tq, hq, d, device="cuda").half()
-            for splits in (0, 1, 7):
-                outs.append(T.kq().paged_attention_quant(q, *caches, tables, ctx, 0.1, kf, vf, splits).cpu())
-    kc, vc, tables, ctx, _ = P.build(lens, hkv, d, 16, 0)
-    for tq in (1, 5):
-        q = torch.randn(len(lens), tq, hq, d, device="cuda").half()
-        for splits in (0, 1, 7):
-            outs.append(cuda_layers.paged_attention(q, kc, vc, tables, ctx, 0.1, splits).cpu())
-torch.save(outs, sys.argv[1])
-"""
-
-
-def test_staged_one_pass_kernel_is_bit_identical(tmp_path):
-    """EXL2_ATTN_STAGED (read once per process: subprocesses) runs the one-pass kernel with each warp's steps
-    copied into shared memory (2 or 3 stages) instead of loaded into registers: the same steps, values and
-    arithmetic, so the same bits as the register kernel for every format pair and fp16 pages, head sizes 128 and
-    64, one and five queries, automatic, one and seven splits (partial last steps, warps past the split's end)."""
-    import os
-    import subprocess
-    import sys
-    from pathlib import Path
-
-    root = Path(__file__).resolve().parents[2]
+    monkeypatch.setattr(kq(), "ATTN_QUANT_MMA", True)
+    monkeypatch.setattr(cuda_layers, "ATTN_FP16_MMA", True)
+    lens = [1, 17, 300, 2000, 4111]
     got = {}
-    for staged in ("0", "2", "3"):
-        env = {**os.environ, "EXL2_ATTN_STAGED": staged, "EXL2_BACKEND_ATTN_MMA_ONLINE": "2",
-               "PYTHONPATH": f"{root}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
-        out = tmp_path / f"{staged}.pt"
-        subprocess.run([sys.executable, "-c", _STAGED_SCRIPT, str(out)], env=env, cwd=root, check=True, timeout=180)
-        got[staged] = torch.load(out)
-    assert len(got["0"]) == len(got["2"]) == len(got["3"]) > 0
-    for i, (a, b, c) in enumerate(zip(got["0"], got["2"], got["3"])):
-        assert torch.equal(a, b) and torch.equal(a, c), i
+    for staged, online in (("0", 1), ("0", 2), ("2", 2), ("3", 2), ("auto", 2)):
+        monkeypatch.setattr(cuda_layers, "ATTN_STAGED", staged)
+        monkeypatch.setattr(cuda_layers, "ATTN_MMA_ONLINE", online)
+        torch.manual_seed(0)
+        outs = []
+        for hq, hkv, d in ((32, 8, 128), (9, 3, 64)):
+            for kf, vf in PAIRS:
+                caches, tables, ctx = build(lens, hkv, d, 16, kf, vf, 0)
+                for tq in (1, 5):
+                    q = torch.randn(len(lens), tq, hq, d, device=DEV).half()
+                    for splits in (1, 7):
+                        outs.append(kq().paged_attention_quant(q, *caches, tables, ctx, 0.1, kf, vf, splits))
+            kc, vc, tables, ctx, _ = P.build(lens, hkv, d, 16, 0)
+            for tq in (1, 5):
+                q = torch.randn(len(lens), tq, hq, d, device=DEV).half()
+                for splits in (1, 7):
+                    outs.append(cuda_layers.paged_attention(q, kc, vc, tables, ctx, 0.1, splits))
+        got[staged, online] = outs
+    runs = list(got.values())
+    assert len(runs[0]) == 2 * (len(PAIRS) + 1) * 2 * 2
+    for name, run in got.items():
+        for i, (a, b) in enumerate(zip(runs[0], run)):
+            assert torch.equal(a, b), (name, i)
+
+
+@pytest.mark.parametrize("code", [1 | 2 << 2, 3 | 1 << 2, 2 | 4 << 2, 16])
+def test_bad_kernel_codes_are_refused_by_the_library(code):
+    """exl2_paged_attention_quant's use_mma: stages (bits 2-3) only 2 or 3 and only with a one-pass variant; no bits
+    past them. The library refuses anything else with its message, launching nothing."""
+    from exl2_backend.errors import KernelUnavailableError
+
+    lens = [40]
+    caches, tables, ctx = build(lens, 2, 64, 16, "int8", "int8", 0)
+    q = torch.randn(1, 1, 4, 64, device=DEV).half()
+    out = torch.zeros_like(q)
+    tables, ctx = tables.to(DEV), ctx.to(DEV, torch.int32)
+    kc, ks, vc, vs = caches
+    args = (q.data_ptr(), q.stride(0), q.stride(1), q.stride(2), kc.data_ptr(), ks.data_ptr(), vc.data_ptr(),
+            vs.data_ptr(), FORMATS["int8"].abi, FORMATS["int8"].abi, tables.data_ptr(), tables.stride(0),
+            ctx.data_ptr(), out.data_ptr(), None, 1, 1, 4, 2, 64, kc.shape[0], 16, tables.shape[1], 1, 64, 0.1, 8)
+    with pytest.raises(KernelUnavailableError, match="stages|use_mma"):
+        kq()._call("exl2_paged_attention_quant", *args, code, torch.cuda.current_stream().cuda_stream)
+    torch.cuda.synchronize()
+    assert not out.any()
+    kq()._call("exl2_paged_attention_quant", *args, 3 | 2 << 2, torch.cuda.current_stream().cuda_stream)
+    assert out.isfinite().all() and out.any()

@@ -34,6 +34,7 @@ def test_fp16_pages_take_the_tensor_core_kernel_from_16_rows(monkeypatch, settin
 
 @pytest.mark.parametrize("online,code,ctas", [(0, 1, 4), (1, 2, 3), (2, 3, 2)])
 def test_one_pass_variants_have_their_codes_and_cta_targets(monkeypatch, online, code, ctas):
+    monkeypatch.setattr(cuda_layers, "ATTN_STAGED", "0")  # the register kernels' targets
     monkeypatch.setattr(cuda_layers, "ATTN_MMA_ONLINE", online)
     monkeypatch.setattr(cuda_layers, "ATTN_FP16_MMA", True)
     monkeypatch.setattr(cuda_kvquant, "ATTN_QUANT_MMA", True)
@@ -47,7 +48,9 @@ def test_one_pass_variants_have_their_codes_and_cta_targets(monkeypatch, online,
                                            (("e4m3", "e4m3"), 3, 2), (("int8", "int4"), 3, 2), (("int4", "int8"), 1, 4)])
 def test_each_cache_format_takes_its_measured_variant_by_default(monkeypatch, pair, code, ctas):
     """ATTN_MMA_ONLINE "auto": one pass with two key steps for fp16, fp8, q8 and q6 pages, one step for q4; a pair
-    no cache type uses keeps the two-pass kernel."""
+    no cache type uses keeps the two-pass kernel. (CTA targets of the register kernels: code pages run the staged
+    kernel by default, test_staged_kernel_splits_aim_at_its_measured_ctas.)"""
+    monkeypatch.setattr(cuda_layers, "ATTN_STAGED", "0")
     monkeypatch.setattr(cuda_layers, "ATTN_MMA_ONLINE", None)
     monkeypatch.setattr(cuda_layers, "ATTN_FP16_MMA", None)
     monkeypatch.setattr(cuda_kvquant, "ATTN_QUANT_MMA", True)
@@ -99,22 +102,28 @@ def test_tensor_core_kernel_aims_at_four_ctas_per_sm_for_every_format(monkeypatc
     assert cuda_layers.attention_splits(1, 1, 32, 8, 32768, 132, ctas) == 66
 
 
-@pytest.mark.parametrize("staged", [False, True])
-def test_staged_kernel_splits_aim_at_its_measured_ctas(monkeypatch, staged):
-    """EXL2_ATTN_STAGED (cuda_layers.ATTN_STAGED): the one-pass launches' splits aim at ATTN_STAGED_CTAS_PER_SM (fp16
-    pages 2, codes 3, as AD1 measured them best) instead of 4 - variant (codes) and 4 (fp16 pages); the two-pass
-    kernel and an explicit EXL2_BACKEND_ATTN_CTAS_PER_SM keep theirs."""
+@pytest.mark.parametrize("mode", ["auto", "0", "2", "3"])
+def test_staged_kernel_splits_aim_at_its_measured_ctas(monkeypatch, mode):
+    """EXL2_ATTN_STAGED (cuda_layers.ATTN_STAGED, mirroring the C library's staged_stages): "auto" stages code
+    pages only, "0" nothing, "2" / "3" every one-pass launch. Staged launches' splits aim at ATTN_STAGED_CTAS_PER_SM
+    (fp16 pages 2, codes 3, as AD1 measured them best) instead of 4 - variant (codes) and 4 (fp16 pages); the
+    two-pass kernel and an explicit EXL2_BACKEND_ATTN_CTAS_PER_SM keep theirs."""
     monkeypatch.setattr(cuda_layers, "ATTN_MMA_ONLINE", None)
     monkeypatch.setattr(cuda_layers, "ATTN_FP16_MMA", None)
-    monkeypatch.setattr(cuda_layers, "ATTN_STAGED", staged)
+    monkeypatch.setattr(cuda_layers, "ATTN_STAGED", mode)
     monkeypatch.setattr(cuda_kvquant, "ATTN_QUANT_MMA", True)
     monkeypatch.setattr(cuda_kvquant, "_ATTN_CTAS_ENV", None)
     monkeypatch.setattr(cuda_layers, "_ATTN_CTAS_ENV", None)
     monkeypatch.setattr(cuda_layers, "_num_sms", lambda index: 132)
+    staged = mode in ("2", "3")  # fp16 pages
+    codes_staged = mode != "0"
     assert cuda_layers.attn_staged() is staged
-    assert cuda_kvquant.quant_attention_ctas("int8", "int8") == (3 if staged else 2)
+    for pair in (("int8", "int8"), ("e4m3", "e4m3"), ("int8", "int4"), ("int4", "int4")):
+        assert cuda_layers.attn_staged(*pair) is codes_staged
+    assert cuda_layers.attn_staged("int4", "int8") is False  # no cache type: the two-pass kernel
+    assert cuda_kvquant.quant_attention_ctas("int8", "int8") == (3 if codes_staged else 2)
     assert cuda_kvquant.quant_attention_ctas("int4", "int4") == 3
-    assert cuda_kvquant.quant_attention_ctas("int4", "int8") == 4  # no cache type: the two-pass kernel
+    assert cuda_kvquant.quant_attention_ctas("int4", "int8") == 4
     cpu = torch.device("cpu", 0)
     want = cuda_layers.attention_splits(1, 1, 32, 8, 128 * 256, 132, 2 if staged else 4)
     assert cuda_layers._attention_nsplit((1, 1, 32, 128), (200, 256, 8, 128), 128, cpu) == want

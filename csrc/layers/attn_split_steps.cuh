@@ -14,10 +14,10 @@ namespace layers {
 constexpr int kAttnWarps = 4;  // warps per CTA of every split-K decode attention kernel
 constexpr int kAttnThreads = kAttnWarps * 32;
 
-// The split's pages, clamped so that a bad table never faults. P: AttnParams or QAttnParams.
-template <typename P>
+// The split's pages, clamped so that a bad table never faults. P: AttnParams or QAttnParams; NTH: the CTA's threads.
+template <int NTH = kAttnThreads, typename P>
 __device__ __forceinline__ void attn_load_pages(const P& p, int b, int first_page, int npages, int* pages) {
-  for (int i = threadIdx.x; i < npages; i += kAttnThreads) {
+  for (int i = threadIdx.x; i < npages; i += NTH) {
     const int pg = p.block_tables[(int64_t)b * p.bt_stride + first_page + i];
     pages[i] = pg < 0 ? 0 : (pg >= p.num_pages ? p.num_pages - 1 : pg);
   }

@@ -330,7 +330,7 @@ int launch_paged_attention_quant_reduce(const QAttnParams& p, bool rot, int D, i
 // workspace fp32 of B*Tq*Hq*nsplit*(D+2) floats (unused if nsplit == 1). Row tiles as exl2_paged_attention, at
 // most max_row_tile (4, 8 or 16) rows each; use_mma bits 0-1 = 1..3 select the tensor-core kernel (row tiles of 8,
 // paged_attention_quant_mma.cu; its variant (use_mma & 3) - 1), bits 2-3 its stages in shared memory (0, or 2 / 3
-// with a one-pass variant).
+// with a one-pass variant), bits 4-5 row tiles per CTA (0 or 1: one; 2 / 3 with 2 stages).
 EXL2_API int exl2_paged_attention_quant(const void* q, int64_t q_bs, int64_t q_ts, int64_t q_hs, const void* k_codes,
                                         const void* k_scales, const void* v_codes, const void* v_scales, int k_fmt,
                                         int v_fmt, const int32_t* block_tables, int64_t bt_stride,
@@ -368,9 +368,9 @@ EXL2_API int exl2_paged_attention_quant(const void* q, int64_t q_bs, int64_t q_t
   p.Hkv = (int)Hkv;
   p.G = (int)(Hq / Hkv);
   p.R = (int)(p.G * Tq);
-  EXL2_REQUIRE(use_mma >= 0 && use_mma < 16 && ((use_mma & 3) != 0 || use_mma == 0),
-               "paged_attention_quant: use_mma %d (kernel code 0..3, stages << 2)", use_mma);
-  const int stages = use_mma >> 2;
+  EXL2_REQUIRE(use_mma >= 0 && use_mma < 64 && ((use_mma & 3) != 0 || use_mma == 0),
+               "paged_attention_quant: use_mma %d (kernel code 0..3, stages << 2, tiles << 4)", use_mma);
+  const int stages = (use_mma >> 2) & 3, tiles = use_mma >> 4 ? use_mma >> 4 : 1;
   use_mma &= 3;
   EXL2_REQUIRE(max_row_tile == 4 || max_row_tile == 8 || max_row_tile == 16,
                "paged_attention_quant: row tile cap %d (4, 8 or 16)", max_row_tile);
@@ -394,7 +394,7 @@ EXL2_API int exl2_paged_attention_quant(const void* q, int64_t q_bs, int64_t q_t
   EXL2_REQUIRE((int64_t)p.row_tiles * nsplit < (1ll << 31), "paged_attention_quant: grid too large");
   int st;
   if (use_mma) {
-    st = launch_paged_attention_quant_mma(p, k_fmt, v_fmt, (int)D, (int)B, use_mma - 1, stages, stream);
+    st = launch_paged_attention_quant_mma(p, k_fmt, v_fmt, (int)D, (int)B, use_mma - 1, stages, tiles, stream);
   } else {
     st = D == 64 ? launch_fmt<64>(p, rt, k_fmt, v_fmt, (int)B, stream)
                  : launch_fmt<128>(p, rt, k_fmt, v_fmt, (int)B, stream);

@@ -43,9 +43,9 @@ struct QAttnParams {
 // k_fmt / v_fmt: KVFmt codes, kFmtF16 for fp16 pages (ks / vs unused). variant 0: two passes (scores into shared
 // memory, then the outputs); 1 / 2: one pass with an online softmax, 1 or 2 steps in flight. stages 2 / 3 (a
 // one-pass variant): the one-pass kernel with each warp's steps staged in shared memory, the same bits; 0: in
-// registers.
+// registers. tiles 2 / 3 (2 stages): that many row tiles per CTA sharing each column's ring (a verify step's rows).
 int launch_paged_attention_quant_mma(const QAttnParams& p, int k_fmt, int v_fmt, int D, int B, int variant,
-                                     int stages, cudaStream_t stream);
+                                     int stages, int tiles, cudaStream_t stream);
 // The split combination into p.out (paged_attention_quant.cu; nothing when nsplit == 1); rot: V rotated (int
 // formats) -> the sums are rotated back.
 int launch_paged_attention_quant_reduce(const QAttnParams& p, bool rot, int D, int B, cudaStream_t stream);
@@ -77,11 +77,11 @@ __device__ __forceinline__ float qattn_load_scale(const half* p) {
 }
 
 // An unused split (or an empty context): zeros where this launch writes the output itself (nsplit == 1); the
-// reduce kernel covers the other case.
-template <int D, int RT>
+// reduce kernel covers the other case. NTH: the CTA's threads (here and below).
+template <int D, int RT, int NTH = kAttnThreads>
 __device__ __forceinline__ void qattn_empty_split(const QAttnParams& p, int b, int kvh, int row0) {
   if (p.nsplit != 1) return;
-  for (int i = threadIdx.x; i < RT * D; i += kAttnThreads) {
+  for (int i = threadIdx.x; i < RT * D; i += NTH) {
     const int row = row0 + i / D;
     if (row < p.R) {
       const int j = row / p.G, hq = kvh * p.G + row % p.G;
@@ -92,11 +92,11 @@ __device__ __forceinline__ void qattn_empty_split(const QAttnParams& p, int b, i
 
 // q rows of the tile -> qs [RT][D] fp32, rotated like the keys, times `mul`; rows past R are zeros. One (row,
 // group) per warp step.
-template <int D, int RT, bool ROT>
+template <int D, int RT, bool ROT, int NTH = kAttnThreads>
 __device__ __forceinline__ void qattn_stage_q(const QAttnParams& p, int b, int kvh, int row0, float mul, float* qs) {
   constexpr int NG = D / KV_GROUP;
   const int lane = threadIdx.x & 31;
-  for (int u = threadIdx.x >> 5; u < RT * NG; u += kAttnWarps) {
+  for (int u = threadIdx.x >> 5; u < RT * NG; u += NTH / 32) {
     const int r = u / NG, g = u % NG, row = row0 + r;
     float x = 0.f;
     if (row < p.R) {
@@ -112,10 +112,10 @@ __device__ __forceinline__ void qattn_stage_q(const QAttnParams& p, int b, int k
 // rotated back for rotated V formats) or the split's fp32 partial and statistics. A warp covers 32 consecutive
 // dims of one row (RT * D and D are multiples of 32), so the rotation back is one in-warp transform and the row
 // test is warp-uniform.
-template <int D, int RT, bool ROT>
+template <int D, int RT, bool ROT, int NTH = kAttnThreads>
 __device__ __forceinline__ void qattn_write_rows(const QAttnParams& p, const float* red, const float* row_m,
                                                  const float* row_l, int b, int kvh, int row0, int split) {
-  for (int i = threadIdx.x; i < RT * D; i += kAttnThreads) {
+  for (int i = threadIdx.x; i < RT * D; i += NTH) {
     const int r = i / D, d = i % D, row = row0 + r;
     if (row >= p.R) continue;
     float o = 0.f;

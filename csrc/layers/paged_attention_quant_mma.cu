@@ -68,12 +68,13 @@ bool deep_variant() {
   return v;
 }
 
-// Rows [t_begin, t_end) of head kvh (code bytes `row_bytes` per row, then NG fp16 scales) into L2.
-template <int NG>
+// Rows [t_begin, t_end) of head kvh (code bytes `row_bytes` per row, then NG fp16 scales) into L2 (NTH: the CTA's
+// threads).
+template <int NG, int NTH = kAttnThreads>
 __device__ __forceinline__ void prefetch_rows(const uint8_t* codes, const half* scales, int row_bytes, int t_begin,
                                               int t_end, const int* pages, int first_page, int log2S, int Hkv,
                                               int kvh) {
-  for (int t = t_begin + (int)threadIdx.x; t < t_end; t += kAttnThreads) {
+  for (int t = t_begin + (int)threadIdx.x; t < t_end; t += NTH) {
     const int64_t slot = ((int64_t)pages[(t >> log2S) - first_page] << log2S) | (t & ((1 << log2S) - 1));
     const int64_t ri = slot * Hkv + kvh;
     for (int off = 0; off < row_bytes; off += 128)
@@ -259,13 +260,16 @@ struct MmaSplit {
   }
 };
 
-// Geometry, pages, L2 prefetch of the first K rows, the PDL wait and q staged into qs [RT][D] (rotated like the
-// keys, unscaled). false: an unused split (or an empty context), whose outputs are already written.
-template <int D, int KF, int RT>
+// Geometry, pages, L2 prefetch of the first K rows, the PDL wait and q staged into qs [NT * RT][D] (rotated like
+// the keys, unscaled). NT row tiles per CTA (the staged kernel's shared rings; 1 elsewhere): CTA x covers tiles
+// [NT * (x % groups), + NT) of split x / groups, groups = ceil(row_tiles / NT); sp.row0 is its first row. false: an
+// unused split (or an empty context), whose outputs are already written.
+template <int D, int KF, int RT, int NT = 1>
 __device__ __forceinline__ bool mma_split_begin(const QAttnParams& p, MmaSplit& sp, int* pages, float* qs) {
-  constexpr int NG = D / KV_GROUP, KROW = D * KVFormat<KF>::BITS / 8;
-  const int tile = blockIdx.x % p.row_tiles;
-  sp.split = blockIdx.x / p.row_tiles;
+  constexpr int NG = D / KV_GROUP, KROW = D * KVFormat<KF>::BITS / 8, NTH = NT * kAttnThreads;
+  const int groups = (p.row_tiles + NT - 1) / NT;
+  const int tile = blockIdx.x % groups;
+  sp.split = blockIdx.x / groups;
   sp.kvh = blockIdx.y, sp.b = blockIdx.z;
   // PDL: before the wait this kernel reads only what kernels before the previous one wrote (block tables,
   // context lengths: the previous kernel had passed its own wait when this one launched) and only prefetches
@@ -273,24 +277,25 @@ __device__ __forceinline__ bool mma_split_begin(const QAttnParams& p, MmaSplit& 
   sp.ctx = qattn_clamp_ctx(p.context_lens[sp.b], p);
   const int L = qattn_split_len(sp.ctx, p.nsplit, p.min_split);
   sp.start = sp.split * L;
-  sp.row0 = tile * RT;
+  sp.row0 = tile * NT * RT;
   sp.gid = (threadIdx.x & 31) >> 2, sp.t4 = threadIdx.x & 3;
   sp.pages = pages;
   if (sp.start >= sp.ctx) {
     exl2::pdl_wait_and_trigger();
-    qattn_empty_split<D, RT>(p, sp.b, sp.kvh, sp.row0);
+    qattn_empty_split<D, NT * RT, NTH>(p, sp.b, sp.kvh, sp.row0);
     return false;
   }
   sp.end = min(sp.start + L, sp.ctx);
   sp.first_page = sp.start >> p.log2S;
-  attn_load_pages(p, sp.b, sp.first_page, ((sp.end - 1) >> p.log2S) - sp.first_page + 1, pages);
+  attn_load_pages<NTH>(p, sp.b, sp.first_page, ((sp.end - 1) >> p.log2S) - sp.first_page + 1, pages);
   __syncthreads();  // pages[]
   if (p.prefetch & (kPrefetchKHead | kPrefetchKAll))
-    prefetch_rows<NG>(p.kc, p.ks, KROW, sp.start,
-                      (p.prefetch & kPrefetchKAll) ? sp.end : min(sp.end, sp.start + kPrefetchKeys), pages,
-                      sp.first_page, p.log2S, p.Hkv, sp.kvh);
+    prefetch_rows<NG, NTH>(p.kc, p.ks, KROW, sp.start,
+                           (p.prefetch & kPrefetchKAll) ? sp.end : min(sp.end, sp.start + kPrefetchKeys), pages,
+                           sp.first_page, p.log2S, p.Hkv, sp.kvh);
   exl2::pdl_wait_and_trigger();  // inputs come from the previous kernel (PDL launch)
-  qattn_stage_q<D, RT, KVFormat<KF>::ROT>(p, sp.b, sp.kvh, sp.row0, 1.f, qs);  // the softmax scale comes later
+  // the softmax scale comes later
+  qattn_stage_q<D, NT * RT, KVFormat<KF>::ROT, NTH>(p, sp.b, sp.kvh, sp.row0, 1.f, qs);
   __syncthreads();
   return true;
 }
@@ -550,37 +555,38 @@ __device__ __forceinline__ void online_step(const uint32_t (&qa)[NG][2][4], cons
   step_outputs<VF, NG>(r.acc, a, v);
 }
 
-// The warps' rows combined (their maxima, sums and outputs through shared memory `red` [NW][RT][D], which may alias
-// the q staging and the staged kernel's rings: its first barrier orders every warp's last read of those before the
-// writes) and the CTA's rows written as the split's partials (or the output).
-template <int D, int VF>
+// The warps' rows combined (their maxima, sums and outputs through shared memory `red` [NW][RTT][D], which may
+// alias the q staging and the staged kernel's rings: its first barrier orders every warp's last read of those
+// before the writes) and the CTA's rows written as the split's partials (or the output). RTT: the CTA's rows (NT
+// tiles of kTileRows); the lane's warp is column `col` of the NW that split the keys, and holds CTA row `rr`.
+template <int D, int VF, int RTT = kTileRows>
 __device__ __forceinline__ void online_finish(const QAttnParams& p, const MmaSplit& sp, OnlineRow<D / KV_GROUP>& r,
-                                              float* red, float (&row_m)[kTileRows], float (&row_l)[kTileRows],
-                                              float (&warp_m)[kAttnWarps][kTileRows],
-                                              float (&warp_l)[kAttnWarps][kTileRows]) {
-  constexpr int NW = kAttnWarps, RT = kTileRows;
-  const int warp = threadIdx.x >> 5, gid = sp.gid, t4 = sp.t4;
+                                              float* red, float (&row_m)[RTT], float (&row_l)[RTT],
+                                              float (&warp_m)[kAttnWarps][RTT], float (&warp_l)[kAttnWarps][RTT],
+                                              int col, int rr) {
+  constexpr int NW = kAttnWarps, NTH = RTT / kTileRows * kAttnThreads;
+  const int t4 = sp.t4;
   r.l += __shfl_xor_sync(0xffffffffu, r.l, 1);
   r.l += __shfl_xor_sync(0xffffffffu, r.l, 2);
   if (t4 == 0) {
-    warp_m[warp][gid] = r.m;
-    warp_l[warp][gid] = r.l;
+    warp_m[col][rr] = r.m;
+    warp_l[col][rr] = r.l;
   }
   __syncthreads();  // warp statistics; q staging read: smem becomes the cross-warp buffer
   float mc = -INFINITY;
 #pragma unroll
-  for (int w = 0; w < NW; ++w) mc = fmaxf(mc, warp_m[w][gid]);
+  for (int w = 0; w < NW; ++w) mc = fmaxf(mc, warp_m[w][rr]);
   const float muc = mc == -INFINITY ? 0.f : mc;
-  store_warp_rows<D, RT>(red, r.acc, warp, gid, t4, exp2f(r.m - muc));
-  if (warp == 0 && t4 == 0) {
+  store_warp_rows<D, RTT>(red, r.acc, col, rr, t4, exp2f(r.m - muc));
+  if (col == 0 && t4 == 0) {
     float l = 0.f;
 #pragma unroll
-    for (int w = 0; w < NW; ++w) l += warp_l[w][gid] * exp2f(warp_m[w][gid] - muc);
-    row_m[gid] = mc;
-    row_l[gid] = l;
+    for (int w = 0; w < NW; ++w) l += warp_l[w][rr] * exp2f(warp_m[w][rr] - muc);
+    row_m[rr] = mc;
+    row_l[rr] = l;
   }
   __syncthreads();
-  qattn_write_rows<D, RT, KVFormat<VF>::ROT>(p, red, row_m, row_l, sp.b, sp.kvh, sp.row0, sp.split);
+  qattn_write_rows<D, RTT, KVFormat<VF>::ROT, NTH>(p, red, row_m, row_l, sp.b, sp.kvh, sp.row0, sp.split);
 }
 
 // U steps of 16 keys in flight per warp, loaded into registers (1: 168 registers, 3 CTAs per SM; 2: 2 per SM).
@@ -619,39 +625,51 @@ __global__ void __launch_bounds__(kAttnThreads, MINB) paged_attention_quant_mma_
       online_step<KF, VF, NG>(qa, ks[u], vs[u], t, end, own_lim, t4, p.scale_log2, r);
     }
   }
-  online_finish<D, VF>(p, sp, r, smem, row_m, row_l, warp_m, warp_l);
+  online_finish<D, VF>(p, sp, r, smem, row_m, row_l, warp_m, warp_l, warp, gid);
 }
 
 // ---- one pass with each warp's steps staged in shared memory (attn_mma_stage.cuh) -------------------------------
 // A ring of NS stages per warp: the copies of the next NS - 1 steps are in flight (cp.async, no registers held for
 // them) while the warp computes one, read back in the register kernels' lane layout: the same bits as
 // paged_attention_quant_mma_online_kernel (for the same splits). The default for code pages (the caller's
-// `stages`: ops/cuda_layers.attn_stages).
-// 168 registers (3 CTAs per SM; at 128, q8 and fp8 spill 104-128 bytes); the
-// rings take 64 / 96 KB per CTA for fp16 pages (NS = 2 / 3), 34 / 51 KB for q8.
-template <int D, int KF, int VF, int NS, int MINB>
-__global__ void __launch_bounds__(kAttnThreads, MINB) paged_attention_quant_mma_staged_kernel(const QAttnParams p) {
-  constexpr int NW = kAttnWarps, RT = kTileRows;
+// `stages`: ops/cuda_layers.attn_stages). 168 registers (3 CTAs per SM; at 128, q8 and fp8 spill 104-128 bytes);
+// the rings take 64 / 96 KB per CTA for fp16 pages (NS = 2 / 3), 34 / 51 KB for q8.
+//
+// NT > 1 (a verify step's rows: 20 per kv head at k = 4 are three row tiles): the CTA holds NT row tiles of 8 as NT
+// warps per key column, 128 * NT threads, and the NT warps of a column share its ring: warp (tile 0, column c)
+// copies the column's steps, a named barrier per step (id 1 + c, the column's warps) publishes the landed step and
+// frees the stage the previous one used. So each split's K and V are read once for all its rows instead of once
+// per row tile; each warp's arithmetic is the NT = 1 kernel's for its tile (the same bits for the same splits).
+// One CTA per SM (168 registers x 384 threads at NT = 3).
+template <int D, int KF, int VF, int NS, int NT, int MINB>
+__global__ void __launch_bounds__(kAttnThreads * NT, MINB)
+    paged_attention_quant_mma_staged_kernel(const QAttnParams p) {
+  constexpr int NW = kAttnWarps, RT = kTileRows, RTT = NT * RT;
   constexpr int NG = D / KV_GROUP;
-  constexpr int kStride = NW * kKeysPerStep;  // keys between a warp's consecutive steps
+  constexpr int kStride = NW * kKeysPerStep;  // keys between a column's consecutive steps
   using S = AttnStage<D, KF, VF>;
+  static_assert(NT == 1 || NS == 2, "shared rings are built with 2 stages");
 
-  // The warps' stage rings [NW][NS][S::BYTES]; before them the q staging [RT][D] floats and after them the
-  // cross-warp buffer [NW][RT][D] floats use the same bytes.
+  // The columns' stage rings [NW][NS][S::BYTES]; before them the q staging [RTT][D] floats and after them the
+  // cross-warp buffer [NW][RTT][D] floats use the same bytes.
   extern __shared__ __align__(16) unsigned char smem_raw[];
   float* smem = reinterpret_cast<float*>(smem_raw);
   __shared__ int pages[qattn_keys_max<RT>() / 16 + 2];
-  __shared__ float row_m[RT], row_l[RT], warp_m[NW][RT], warp_l[NW][RT];
+  __shared__ float row_m[RTT], row_l[RTT], warp_m[NW][RTT], warp_l[NW][RTT];
   MmaSplit sp;
-  if (!mma_split_begin<D, KF, RT>(p, sp, pages, smem)) return;
+  if (!mma_split_begin<D, KF, RT, NT>(p, sp, pages, smem)) return;
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, gid = sp.gid, t4 = sp.t4, end = sp.end;
+  // The warp's row tile and key column, the lane's row in the CTA; whether the warp copies its column's steps.
+  // (Spelled out for NT = 1, where the compiler cannot know that warp < NW.)
+  const int tl = NT == 1 ? 0 : warp / NW, col = NT == 1 ? warp : warp % NW, rr = tl * RT + gid;
+  const bool copies = NT == 1 || warp < NW;
   uint32_t qa[NG][2][4];
-  q_fragments<D, KF>(smem, gid, t4, qa);
-  const int row = sp.row0 + gid;
+  q_fragments<D, KF>(smem + tl * RT * D, gid, t4, qa);
+  const int row = sp.row0 + rr;
   const int own_lim = row < p.R ? sp.ctx - p.Tq + row / p.G : -1;  // last key row gid may see (causal); none past R
   __syncthreads();  // every warp holds its q fragments: the stages may overwrite the q staging
 
-  const unsigned char* ring = smem_raw + warp * NS * S::BYTES;
+  const unsigned char* ring = smem_raw + col * NS * S::BYTES;
   const uint32_t ring_s = smem_addr(ring);
   // One commit group per step, empty past the split: the group count behind each wait stays the same.
   auto issue = [&](int t, int stage) {
@@ -660,60 +678,73 @@ __global__ void __launch_bounds__(kAttnThreads, MINB) paged_attention_quant_mma_
                              end, lane);
     cp_async_commit();
   };
-  const int t_first = sp.start + warp * kKeysPerStep;
+  const int t_first = sp.start + col * kKeysPerStep;
+  if (copies) {
 #pragma unroll
-  for (int s = 0; s < NS - 1; ++s) issue(t_first + s * kStride, s);
+    for (int s = 0; s < NS - 1; ++s) issue(t_first + s * kStride, s);
+  }
 
   OnlineRow<NG> r;
   zero_acc(r.acc);
   int stage = 0;  // the stage of step t
   for (int t = t_first; t < end; t += kStride) {
-    issue(t + (NS - 1) * kStride, stage == 0 ? NS - 1 : stage - 1);  // into the stage the previous step freed
-    cp_async_wait<NS - 1>();  // this lane's copies of step t landed
-    __syncwarp();             // and every lane's
+    const int freed = stage == 0 ? NS - 1 : stage - 1;  // the stage the previous step used
+    if constexpr (NT == 1) {
+      issue(t + (NS - 1) * kStride, freed);
+      cp_async_wait<NS - 1>();  // this lane's copies of step t landed
+      __syncwarp();             // and every lane's
+    } else {
+      if (copies) cp_async_wait<NS - 2>();  // step t landed (step t + kStride is not issued yet)
+      // Step t visible to the column's warps, each of which has finished reading the previous step.
+      asm volatile("bar.sync %0, %1;" ::"r"(1 + col), "n"(32 * NT) : "memory");
+      if (copies) issue(t + (NS - 1) * kStride, freed);
+    }
     KStep<KF, NG> ks;
     VStep<VF, NG> vs;
     stage_read_k<D, KF, VF>(ks, ring + stage * S::BYTES, gid, t4);
     stage_read_v<D, KF, VF>(vs, ring + stage * S::BYTES, gid, t4);
     online_step<KF, VF, NG>(qa, ks, vs, t, end, own_lim, t4, p.scale_log2, r);
-    __syncwarp();  // every lane has read the stage before the next iteration refills it
+    if constexpr (NT == 1) __syncwarp();  // every lane has read the stage before the next iteration refills it
     stage = stage + 1 == NS ? 0 : stage + 1;
   }
-  cp_async_wait<0>();  // no copy lands after the stages become the cross-warp buffer
-  online_finish<D, VF>(p, sp, r, smem, row_m, row_l, warp_m, warp_l);
+  if (copies) cp_async_wait<0>();  // no copy lands after the stages become the cross-warp buffer
+  online_finish<D, VF, RTT>(p, sp, r, smem, row_m, row_l, warp_m, warp_l, col, rr);
 }
 
 // Launch `Kernel` with `bytes` of dynamic shared memory, opted into on every size (exl2::opt_in_dynamic_smem): the
 // 48 KB default counts the static arrays too (H200 call AD1: fp16 pages at D = 64 with 3 stages, exactly 48 KB of
 // rings, failed to launch without the attribute).
 template <auto Kernel>
-int launch_with_smem(dim3 grid, size_t bytes, cudaStream_t stream, const QAttnParams& q) {
+int launch_with_smem(dim3 grid, int threads, size_t bytes, cudaStream_t stream, const QAttnParams& q) {
   const cudaError_t err = exl2::opt_in_dynamic_smem<Kernel>(bytes);
   if (err != cudaSuccess) {
     (void)cudaGetLastError();
     return set_error((int)err, "paged_attention_quant (mma, staged): %zu bytes of shared memory: %s", bytes,
                      cudaGetErrorString(err));
   }
-  exl2::launch_kernel(Kernel, grid, kAttnThreads, bytes, stream, q);
+  exl2::launch_kernel(Kernel, grid, threads, bytes, stream, q);
   return check_launch("paged_attention_quant (mma, staged)");
 }
 
-template <int D, int KF, int VF, int NS>
-int launch_staged(const QAttnParams& q, dim3 grid, cudaStream_t stream) {
-  constexpr int MINB = 3;
+template <int D, int KF, int VF, int NS, int NT>
+int launch_staged(const QAttnParams& q, int B, cudaStream_t stream) {
+  constexpr int MINB = NT == 1 ? 3 : 1;
+  const dim3 grid((unsigned)((q.row_tiles + NT - 1) / NT * q.nsplit), (unsigned)q.Hkv, (unsigned)B);
   const size_t ring = (size_t)kAttnWarps * NS * AttnStage<D, KF, VF>::BYTES;
-  const size_t red = sizeof(float) * kAttnWarps * kTileRows * D;
-  return launch_with_smem<paged_attention_quant_mma_staged_kernel<D, KF, VF, NS, MINB>>(grid, ring > red ? ring : red,
-                                                                                         stream, q);
+  const size_t red = sizeof(float) * kAttnWarps * NT * kTileRows * D;
+  return launch_with_smem<paged_attention_quant_mma_staged_kernel<D, KF, VF, NS, NT, MINB>>(
+      grid, NT * kAttnThreads, ring > red ? ring : red, stream, q);
 }
 
 template <int D, int KF, int VF>
-int launch(const QAttnParams& p, int B, int variant, int stages, cudaStream_t stream) {
+int launch(const QAttnParams& p, int B, int variant, int stages, int tiles, cudaStream_t stream) {
   const dim3 grid((unsigned)(p.row_tiles * p.nsplit), (unsigned)p.Hkv, (unsigned)B);
   QAttnParams q = p;
   q.prefetch = prefetch_mode();
-  if (stages == 2) return launch_staged<D, KF, VF, 2>(q, grid, stream);
-  if (stages == 3) return launch_staged<D, KF, VF, 3>(q, grid, stream);
+  if (stages == 2 && tiles == 3) return launch_staged<D, KF, VF, 2, 3>(q, B, stream);
+  if (stages == 2 && tiles == 2) return launch_staged<D, KF, VF, 2, 2>(q, B, stream);
+  if (stages == 2) return launch_staged<D, KF, VF, 2, 1>(q, B, stream);
+  if (stages == 3) return launch_staged<D, KF, VF, 3, 1>(q, B, stream);
   if (variant > 0) {  // one pass: U = 1 (168 registers, 3 CTAs per SM) or 2 (2 per SM)
     const size_t smem = sizeof(float) * kAttnWarps * kTileRows * D;
     if (variant == 1)
@@ -740,26 +771,28 @@ int launch(const QAttnParams& p, int B, int variant, int stages, cudaStream_t st
 }
 
 template <int D>
-int launch_fmt(const QAttnParams& p, int kf, int vf, int B, int variant, int stages, cudaStream_t stream) {
-  if (kf == kFmtF16 && vf == kFmtF16) return launch<D, kFmtF16, kFmtF16>(p, B, variant, stages, stream);
-  if (kf == kFmtE4M3 && vf == kFmtE4M3) return launch<D, kFmtE4M3, kFmtE4M3>(p, B, variant, stages, stream);
-  if (kf == kFmtI8 && vf == kFmtI8) return launch<D, kFmtI8, kFmtI8>(p, B, variant, stages, stream);
-  if (kf == kFmtI8 && vf == kFmtI4) return launch<D, kFmtI8, kFmtI4>(p, B, variant, stages, stream);
-  if (kf == kFmtI4 && vf == kFmtI4) return launch<D, kFmtI4, kFmtI4>(p, B, variant, stages, stream);
+int launch_fmt(const QAttnParams& p, int kf, int vf, int B, int variant, int stages, int tiles, cudaStream_t stream) {
+  if (kf == kFmtF16 && vf == kFmtF16) return launch<D, kFmtF16, kFmtF16>(p, B, variant, stages, tiles, stream);
+  if (kf == kFmtE4M3 && vf == kFmtE4M3) return launch<D, kFmtE4M3, kFmtE4M3>(p, B, variant, stages, tiles, stream);
+  if (kf == kFmtI8 && vf == kFmtI8) return launch<D, kFmtI8, kFmtI8>(p, B, variant, stages, tiles, stream);
+  if (kf == kFmtI8 && vf == kFmtI4) return launch<D, kFmtI8, kFmtI4>(p, B, variant, stages, tiles, stream);
+  if (kf == kFmtI4 && vf == kFmtI4) return launch<D, kFmtI4, kFmtI4>(p, B, variant, stages, tiles, stream);
   return set_error(EXL2_ERR_UNSUPPORTED, "paged_attention_quant (mma): format pair (%d, %d) not built", kf, vf);
 }
 
 }  // namespace
 
 int launch_paged_attention_quant_mma(const QAttnParams& p, int k_fmt, int v_fmt, int D, int B, int variant,
-                                     int stages, cudaStream_t stream) {
+                                     int stages, int tiles, cudaStream_t stream) {
   EXL2_REQUIRE(variant >= 0 && variant <= 2, "paged_attention_quant (mma): variant %d (0..2)", variant);
   EXL2_REQUIRE(stages == 0 || ((stages == 2 || stages == 3) && variant > 0),
                "paged_attention_quant (mma): %d stages (0, or 2 / 3 with a one-pass variant)", stages);
+  EXL2_REQUIRE(tiles == 1 || (stages == 2 && (tiles == 2 || tiles == 3)),
+               "paged_attention_quant (mma): %d row tiles per CTA (1, or 2 / 3 with 2 stages)", tiles);
   const int st = qattn_check_splits(p, qattn_keys_max<kTileRows>());
   if (st != EXL2_OK) return st;
-  if (D == 64) return launch_fmt<64>(p, k_fmt, v_fmt, B, variant, stages, stream);
-  if (D == 128) return launch_fmt<128>(p, k_fmt, v_fmt, B, variant, stages, stream);
+  if (D == 64) return launch_fmt<64>(p, k_fmt, v_fmt, B, variant, stages, tiles, stream);
+  if (D == 128) return launch_fmt<128>(p, k_fmt, v_fmt, B, variant, stages, tiles, stream);
   return set_error(EXL2_ERR_INVALID_ARGUMENT, "paged_attention_quant (mma): head_dim %d", D);
 }
 

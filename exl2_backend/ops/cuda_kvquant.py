@@ -63,26 +63,31 @@ _PAIRS = {("e4m3", "e4m3"), ("int8", "int8"), ("int8", "int4"), ("int4", "int4")
 ATTN_QUANT_MMA = os.environ.get("EXL2_BACKEND_ATTN_QUANT_MMA", "1") != "0"
 
 
-def quant_attention_ctas(k_fmt: str, v_fmt: str) -> int:
-    """CTAs per SM the automatic split aims at: the tensor-core kernel 4 (128 registers; its one-pass variants 3 /
-    2, or cuda_layers.ATTN_STAGED_CTAS_PER_SM["codes"] staged; unless EXL2_BACKEND_ATTN_CTAS_PER_SM sets it); in
-    the CUDA-core kernel
+def quant_attention_ctas(k_fmt: str, v_fmt: str, rows: int = 1) -> int:
+    """CTAs per SM the automatic split aims at for `rows` query rows per kv head: the tensor-core kernel 4 (128
+    registers; its one-pass variants 3 / 2, or cuda_layers.ATTN_STAGED_CTAS_PER_SM["codes"] staged, 1 with row tiles
+    sharing rings: cuda_layers.attn_tiles_per_cta; unless EXL2_BACKEND_ATTN_CTAS_PER_SM sets it); in the CUDA-core
+    kernel
     8-bit codes in either cache run the 80-register variant (6 resident per SM), 4-bit ones the 128-register one
     (4); see cuda_layers.ATTN_CTAS_PER_SM_8BIT."""
     if ATTN_QUANT_MMA:
         online = cuda_layers.attn_mma_online(k_fmt, v_fmt)
         if _ATTN_CTAS_ENV or not online:
             return _ATTN_CTAS_PER_SM
+        if cuda_layers.attn_tiles_per_cta(k_fmt, v_fmt, rows) > 1:
+            return 1
         return cuda_layers.ATTN_STAGED_CTAS_PER_SM["codes"] if cuda_layers.attn_staged(k_fmt, v_fmt) else 4 - online
     return ATTN_CTAS_PER_SM_8BIT if {"int8", "e4m3"} & {k_fmt, v_fmt} else _ATTN_CTAS_PER_SM
 
 
-def _quant_kernel_code(k_fmt: str, v_fmt: str) -> int:
-    """exl2_paged_attention_quant's use_mma: the tensor-core kernel's code (bits 0-1, 0 for the CUDA-core kernel)
-    and its stages in shared memory (bits 2-3)."""
+def _quant_kernel_code(k_fmt: str, v_fmt: str, rows: int) -> int:
+    """exl2_paged_attention_quant's use_mma for `rows` query rows per kv head: the tensor-core kernel's code (bits
+    0-1, 0 for the CUDA-core kernel), its stages in shared memory (bits 2-3) and row tiles per CTA (bits 4-5)."""
     if not ATTN_QUANT_MMA:
         return 0
-    return cuda_layers.attn_mma_variant_code(k_fmt, v_fmt) | cuda_layers.attn_stages(k_fmt, v_fmt) << 2
+    tiles = cuda_layers.attn_tiles_per_cta(k_fmt, v_fmt, rows)
+    return (cuda_layers.attn_mma_variant_code(k_fmt, v_fmt) | cuda_layers.attn_stages(k_fmt, v_fmt, rows) << 2
+            | (tiles if tiles > 1 else 0) << 4)
 
 
 @functools.cache
@@ -245,8 +250,11 @@ def paged_attention_quant(q: torch.Tensor, k_codes: torch.Tensor, k_scales: torc
     max_ctx = max_pages * s
     dev_index = q.device.index if q.device.index is not None else torch.cuda.current_device()
     rows = (hq // hkv) * tq
+    tiled = ATTN_QUANT_MMA  # the tensor-core kernel's row tiles of 8, some per CTA
     nsplit = num_splits or attention_splits(b, tq, hq, hkv, max_ctx, _num_sms(dev_index),
-                                            quant_attention_ctas(k_fmt, v_fmt))
+                                            quant_attention_ctas(k_fmt, v_fmt, rows),
+                                            cuda_layers.MMA_ROW_TILE if tiled else 0,
+                                            cuda_layers.attn_tiles_per_cta(k_fmt, v_fmt, rows) if tiled else 1)
     nsplit = max(nsplit, math.ceil(max_ctx / _attn_keys_max(_attn_row_tile(rows))))
     ws = torch.empty(b * tq * hq * nsplit * (d + 2), dtype=torch.float32, device=q.device) if nsplit > 1 else None
     with _device_guard(q):
@@ -255,7 +263,7 @@ def paged_attention_quant(q: torch.Tensor, k_codes: torch.Tensor, k_scales: torc
               tables.data_ptr(), tables.stride(0), lens.data_ptr(), out.data_ptr(),
               ws.data_ptr() if ws is not None else None, b, tq, hq, hkv, d, p, s, max_pages, nsplit, _ATTN_MIN_SPLIT,
               float(scale), cuda_layers.ATTN_MAX_ROW_TILE,
-              _quant_kernel_code(k_fmt, v_fmt), _stream(q))
+              _quant_kernel_code(k_fmt, v_fmt, rows), _stream(q))
     return out
 
 

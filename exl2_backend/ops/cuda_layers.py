@@ -151,21 +151,39 @@ ATTN_STAGED = os.environ.get("EXL2_ATTN_STAGED", "auto")
 if ATTN_STAGED not in ("auto", "0", "2", "3"):
     raise ValueError(f"EXL2_ATTN_STAGED must be auto, 0, 2 or 3, got {ATTN_STAGED}")
 ATTN_STAGED_CTAS_PER_SM = {"fp16": 2, "codes": 3}
+# Rows of a verify step (20 per kv head at k = 4 and GQA 4: three row tiles of 8) through the staged kernel with
+# up to ATTN_TILES_PER_CTA_MAX row tiles per CTA, whose warps share each key column's ring (one read of the split's
+# K and V for all its rows instead of one per tile; 168 registers x 128 threads per tile: one CTA per SM). The
+# default for such rows with every page format ("auto" staging takes fp16 pages there too);
+# EXL2_BACKEND_ATTN_SHARED_TILES=0 keeps one tile per CTA.
+ATTN_SHARED_TILES = os.environ.get("EXL2_BACKEND_ATTN_SHARED_TILES", "1") != "0"
+ATTN_TILES_PER_CTA_MAX = 3
+MMA_ROW_TILE = 8  # query rows per tile of the tensor-core kernels
 
 
-def attn_stages(k_fmt: str = "fp16", v_fmt: str = "fp16") -> int:
-    """Shared-memory stages of the one-pass kernel for these page formats (0: the register kernel): a one-pass
-    variant, and EXL2_ATTN_STAGED "2" / "3", or "auto" (2) with code pages."""
+def attn_stages(k_fmt: str = "fp16", v_fmt: str = "fp16", rows: int = 1) -> int:
+    """Shared-memory stages of the one-pass kernel for these page formats and query rows per kv head (0: the
+    register kernel): a one-pass variant, and EXL2_ATTN_STAGED "2" / "3", or "auto": 2 for code pages, and for fp16
+    pages where row tiles share rings (attn_tiles_per_cta)."""
     if attn_mma_online(k_fmt, v_fmt) == 0:
         return 0
     if ATTN_STAGED == "auto":
-        return 0 if k_fmt == "fp16" else 2
+        return 2 if k_fmt != "fp16" or (ATTN_SHARED_TILES and rows > MMA_ROW_TILE) else 0
     return int(ATTN_STAGED)
 
 
-def attn_staged(k_fmt: str = "fp16", v_fmt: str = "fp16") -> bool:
-    """Whether the staged one-pass kernel runs these page formats (attn_stages)."""
-    return attn_stages(k_fmt, v_fmt) > 0
+def attn_staged(k_fmt: str = "fp16", v_fmt: str = "fp16", rows: int = 1) -> bool:
+    """Whether the staged one-pass kernel runs these page formats and rows (attn_stages)."""
+    return attn_stages(k_fmt, v_fmt, rows) > 0
+
+
+def attn_tiles_per_cta(k_fmt: str = "fp16", v_fmt: str = "fp16", rows: int = 1) -> int:
+    """Row tiles of 8 per CTA of the tensor-core kernels: up to ATTN_TILES_PER_CTA_MAX where several tiles run the
+    staged kernel with 2 stages (ATTN_SHARED_TILES), else 1."""
+    tiles = -(-rows // MMA_ROW_TILE)
+    if not ATTN_SHARED_TILES or tiles < 2 or attn_stages(k_fmt, v_fmt, rows) != 2:
+        return 1
+    return min(ATTN_TILES_PER_CTA_MAX, tiles)
 
 
 def attn_mma_online(k_fmt: str = "fp16", v_fmt: str = "fp16") -> int:
@@ -191,10 +209,12 @@ def attn_mma_variant_code(k_fmt: str = "fp16", v_fmt: str = "fp16") -> int:
 def _attn_flags(rows: int = 1) -> int:
     """The kernel's flags for `rows` query rows per kv head: deeper unroll (bit 0), the row tile cap (bits 1-2:
     16 >> code), the tensor-core kernel (bits 3-4: attn_mma_variant_code(), 0 for the CUDA-core kernel), its
-    stages in shared memory (bits 5-6: attn_stages())."""
-    mma = attn_mma_variant_code() if _attn_fp16_mma(rows) else 0
-    stages = attn_stages() if mma else 0
-    return _ATTN_FLAGS | {16: 0, 8: 1, 4: 2}[ATTN_MAX_ROW_TILE] << 1 | mma << 3 | stages << 5
+    stages in shared memory (bits 5-6: attn_stages()) and row tiles per CTA (bits 7-8: attn_tiles_per_cta())."""
+    if not _attn_fp16_mma(rows):
+        return _ATTN_FLAGS | {16: 0, 8: 1, 4: 2}[ATTN_MAX_ROW_TILE] << 1
+    tiles = attn_tiles_per_cta(rows=rows)
+    return (_ATTN_FLAGS | {16: 0, 8: 1, 4: 2}[ATTN_MAX_ROW_TILE] << 1 | attn_mma_variant_code() << 3
+            | attn_stages(rows=rows) << 5 | (tiles if tiles > 1 else 0) << 7)
 
 
 def _attn_keys_max(row_tile: int) -> int:
@@ -558,16 +578,18 @@ def _(k, v, k_cache, v_cache, slots):
 
 
 def attention_splits(batch: int, q_len: int, hq: int, hkv: int, max_context: int, num_sms: int,
-                     ctas_per_sm: int = _ATTN_CTAS_PER_SM) -> int:
+                     ctas_per_sm: int = _ATTN_CTAS_PER_SM, row_tile: int = 0, tiles_per_cta: int = 1) -> int:
     """Splits of each sequence's context: as many CTAs as one wave of `ctas_per_sm` per SM holds, each split
     within the shared-memory limit of its tile, none pointlessly short. A function of shapes only (graph-safe).
+    row_tile: the kernel's rows per tile (0: the CUDA-core kernel's, _attn_row_tile; MMA_ROW_TILE for the
+    tensor-core kernels), tiles_per_cta of them per CTA.
 
     The CTA count rounds down: a kernel whose registers allow exactly `ctas_per_sm` resident CTAs (the
     tensor-core attention kernel: 128 registers, 4) would otherwise run the few CTAs past the wave as a second
     wave of their own (3 per SM with 8 kv heads: 50 splits = 400 CTAs for 396 slots; 49 = 392 fit)."""
     rows = (hq // hkv) * q_len
-    rt = _attn_row_tile(rows)
-    base = batch * hkv * math.ceil(rows / rt)
+    rt = row_tile or _attn_row_tile(rows)
+    base = batch * hkv * math.ceil(math.ceil(rows / rt) / tiles_per_cta)
     need = math.ceil(max_context / _attn_keys_max(rt))
     want = num_sms * ctas_per_sm // max(base, 1)
     cap = max(1, math.ceil(max_context / _ATTN_MIN_SPLIT))
@@ -642,11 +664,18 @@ def _attention_nsplit(q_shape, cache_shape, max_pages: int, device: torch.device
     _, s, hkv, _ = cache_shape
     max_ctx = max_pages * s
     dev_index = device.index if device.index is not None else torch.cuda.current_device()
+    rows = (hq // hkv) * tq
+    mma = _attn_fp16_mma(rows)
+    tiles = attn_tiles_per_cta(rows=rows) if mma else 1
     ctas = _ATTN_CTAS_PER_SM
-    if attn_staged() and _attn_fp16_mma((hq // hkv) * tq) and not _ATTN_CTAS_ENV:
-        ctas = ATTN_STAGED_CTAS_PER_SM["fp16"]
-    nsplit = num_splits or attention_splits(b, tq, hq, hkv, max_ctx, _num_sms(dev_index), ctas)
-    return max(nsplit, math.ceil(max_ctx / _attn_keys_max(_attn_row_tile((hq // hkv) * tq))))
+    if mma and not _ATTN_CTAS_ENV:
+        if tiles > 1:
+            ctas = 1
+        elif attn_staged(rows=rows):
+            ctas = ATTN_STAGED_CTAS_PER_SM["fp16"]
+    nsplit = num_splits or attention_splits(b, tq, hq, hkv, max_ctx, _num_sms(dev_index), ctas,
+                                            MMA_ROW_TILE if mma else 0, tiles)
+    return max(nsplit, math.ceil(max_ctx / _attn_keys_max(_attn_row_tile(rows))))
 
 
 def _launch_paged_attention(q, k_cache, v_cache, tables, lens, out, ws, nsplit: int, scale: float, tickets) -> None:

@@ -54,6 +54,8 @@ def decode_kernel_workspace(max_rows: int, max_batch_size: int, hq: int, hkv: in
     from exl2_backend.ops.cuda_layers import (
         _ATTN_CTAS_PER_SM,
         ATTN_CTAS_PER_SM_8BIT,
+        ATTN_TILES_PER_CTA_MAX,
+        MMA_ROW_TILE,
         _attn_keys_max,
         _attn_row_tile,
         attention_splits,
@@ -64,7 +66,12 @@ def decode_kernel_workspace(max_rows: int, max_batch_size: int, hq: int, hkv: in
     worst = 0
     for tq in range(1, DECODE_KERNEL_MAX_QUERIES + 1):
         b = max(1, min(max_batch_size, max_rows // tq))
-        splits = attention_splits(b, tq, hq, hkv, max_seq_len, num_sms, ctas)
+        # The most splits of any kernel: the CUDA-core kernel's tiles, the tensor-core kernels' (one or several
+        # per CTA), each at the largest CTA target.
+        splits = max(attention_splits(b, tq, hq, hkv, max_seq_len, num_sms, ctas),
+                     attention_splits(b, tq, hq, hkv, max_seq_len, num_sms, ctas, MMA_ROW_TILE),
+                     attention_splits(b, tq, hq, hkv, max_seq_len, num_sms, ctas, MMA_ROW_TILE,
+                                      ATTN_TILES_PER_CTA_MAX))
         splits = max(splits, math.ceil(max_seq_len / _attn_keys_max(_attn_row_tile((hq // hkv) * tq))))
         worst = max(worst, b * tq * hq * splits * (d + 2) * _F32)
     return worst

@@ -125,17 +125,20 @@ def test_write_many_tokens_prefill_chunk():
 # --- attention ------------------------------------------------------------------------------------------------
 
 
-@pytest.fixture(params=["mma", "mma_online", "mma_online2", "staged", "staged3", "cuda_core"])
+@pytest.fixture(params=["mma", "mma_online", "mma_online2", "staged", "staged3", "staged_tiles", "cuda_core"])
 def attn_kernel(request, monkeypatch):
     """Every attention kernel: the tensor-core one with two passes, its one-pass variants in registers
     (cuda_layers.ATTN_MMA_ONLINE 1: one step of keys in flight per warp; 2: two) and with 2 or 3 steps staged in
-    shared memory (ATTN_STAGED; 2 stages the default for code pages), and the CUDA-core one."""
+    shared memory (ATTN_STAGED; 2 stages the default for code pages), one row tile per CTA or several sharing rings
+    (ATTN_SHARED_TILES, the default for more than 8 rows per kv head), and the CUDA-core one."""
     from exl2_backend.ops import cuda_layers
 
     monkeypatch.setattr(kq(), "ATTN_QUANT_MMA", request.param != "cuda_core")
-    online = {"mma_online": 1, "mma_online2": 2, "staged": 2, "staged3": 2}.get(request.param, 0)
+    online = {"mma_online": 1, "mma_online2": 2, "staged": 2, "staged3": 2, "staged_tiles": 2}.get(request.param, 0)
     monkeypatch.setattr(cuda_layers, "ATTN_MMA_ONLINE", online)
-    monkeypatch.setattr(cuda_layers, "ATTN_STAGED", {"staged": "2", "staged3": "3"}.get(request.param, "0"))
+    staged = {"staged": "2", "staged3": "3", "staged_tiles": "2"}.get(request.param, "0")
+    monkeypatch.setattr(cuda_layers, "ATTN_STAGED", staged)
+    monkeypatch.setattr(cuda_layers, "ATTN_SHARED_TILES", request.param == "staged_tiles")
     return request.param
 
 
@@ -520,8 +523,10 @@ def test_staged_one_pass_kernel_is_bit_identical(monkeypatch):
     with each warp's steps copied into shared memory (2 or 3 stages) instead of loaded into registers: the same
     steps, values and arithmetic, so the same bits as both register variants (one or two steps in flight) for
     every format pair and fp16 pages, head sizes 128 and 64, one and five queries, one and seven splits (partial
-    last steps, warps past the split's end). Explicit splits only: the automatic split follows the kernel's CTA
-    target (H200 call AE1 compared automatic splits too, and they differed)."""
+    last steps, warps past the split's end). Also with row tiles sharing rings (ATTN_SHARED_TILES: five queries
+    are 20 rows per kv head, three tiles per CTA, at GQA 4 and 15 rows, two tiles, at GQA 3). Explicit splits only:
+    the automatic split follows the kernel's CTA target (H200 call AE1 compared automatic splits too, and they
+    differed)."""
     from exl2_backend.ops import cuda_layers
     from tests.kernels import test_paged_attention as P
 
@@ -529,9 +534,11 @@ def test_staged_one_pass_kernel_is_bit_identical(monkeypatch):
     monkeypatch.setattr(cuda_layers, "ATTN_FP16_MMA", True)
     lens = [1, 17, 300, 2000, 4111]
     got = {}
-    for staged, online in (("0", 1), ("0", 2), ("2", 2), ("3", 2), ("auto", 2)):
+    for staged, online, tiles in (("0", 1, False), ("0", 2, False), ("2", 2, False), ("3", 2, False),
+                                  ("auto", 2, False), ("2", 2, True), ("auto", 2, True)):
         monkeypatch.setattr(cuda_layers, "ATTN_STAGED", staged)
         monkeypatch.setattr(cuda_layers, "ATTN_MMA_ONLINE", online)
+        monkeypatch.setattr(cuda_layers, "ATTN_SHARED_TILES", tiles)
         torch.manual_seed(0)
         outs = []
         for hq, hkv, d in ((32, 8, 128), (9, 3, 64)):
@@ -546,7 +553,7 @@ def test_staged_one_pass_kernel_is_bit_identical(monkeypatch):
                 q = torch.randn(len(lens), tq, hq, d, device=DEV).half()
                 for splits in (1, 7):
                     outs.append(cuda_layers.paged_attention(q, kc, vc, tables, ctx, 0.1, splits))
-        got[staged, online] = outs
+        got[staged, online, tiles] = outs
     runs = list(got.values())
     assert len(runs[0]) == 2 * (len(PAIRS) + 1) * 2 * 2
     for name, run in got.items():
@@ -554,10 +561,11 @@ def test_staged_one_pass_kernel_is_bit_identical(monkeypatch):
             assert torch.equal(a, b), (name, i)
 
 
-@pytest.mark.parametrize("code", [1 | 2 << 2, 3 | 1 << 2, 2 | 4 << 2, 16])
+@pytest.mark.parametrize("code", [1 | 2 << 2, 3 | 1 << 2, 3 | 3 << 2 | 2 << 4, 3 | 2 << 4, 16, 64])
 def test_bad_kernel_codes_are_refused_by_the_library(code):
-    """exl2_paged_attention_quant's use_mma: stages (bits 2-3) only 2 or 3 and only with a one-pass variant; no bits
-    past them. The library refuses anything else with its message, launching nothing."""
+    """exl2_paged_attention_quant's use_mma: stages (bits 2-3) only 2 or 3 and only with a one-pass variant, row
+    tiles per CTA (bits 4-5) past one only with 2 stages, no bits past them. The library refuses anything else with
+    its message, launching nothing; three tiles per CTA over a single tile's rows run (two tiles empty)."""
     from exl2_backend.errors import KernelUnavailableError
 
     lens = [40]
@@ -569,9 +577,9 @@ def test_bad_kernel_codes_are_refused_by_the_library(code):
     args = (q.data_ptr(), q.stride(0), q.stride(1), q.stride(2), kc.data_ptr(), ks.data_ptr(), vc.data_ptr(),
             vs.data_ptr(), FORMATS["int8"].abi, FORMATS["int8"].abi, tables.data_ptr(), tables.stride(0),
             ctx.data_ptr(), out.data_ptr(), None, 1, 1, 4, 2, 64, kc.shape[0], 16, tables.shape[1], 1, 64, 0.1, 8)
-    with pytest.raises(KernelUnavailableError, match="stages|use_mma"):
+    with pytest.raises(KernelUnavailableError, match="stages|use_mma|tiles"):
         kq()._call("exl2_paged_attention_quant", *args, code, torch.cuda.current_stream().cuda_stream)
     torch.cuda.synchronize()
     assert not out.any()
-    kq()._call("exl2_paged_attention_quant", *args, 3 | 2 << 2, torch.cuda.current_stream().cuda_stream)
+    kq()._call("exl2_paged_attention_quant", *args, 3 | 2 << 2 | 3 << 4, torch.cuda.current_stream().cuda_stream)
     assert out.isfinite().all() and out.any()

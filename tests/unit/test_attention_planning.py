@@ -148,3 +148,40 @@ def test_min_split_override_is_checked(value, ok):
         assert r.returncode == 0 and r.stdout.strip() == value, r.stderr
     else:
         assert r.returncode != 0 and "EXL2_BACKEND_ATTN_MIN_SPLIT" in r.stderr
+
+
+@pytest.mark.parametrize("rows,tiles", [(1, 1), (4, 1), (8, 1), (9, 2), (16, 2), (20, 3), (36, 3), (128, 3)])
+@pytest.mark.parametrize("shared", [True, False])
+def test_verify_rows_share_rings_in_tiles_of_up_to_three(monkeypatch, rows, tiles, shared):
+    """More than 8 query rows per kv head (a verify step's) run the staged kernel with up to three row tiles per CTA
+    (ATTN_SHARED_TILES): "auto" staging takes fp16 pages there too; the launch codes carry stages and tiles; the CTA
+    target is one per SM and the split counts tiles per CTA. Off, or with 3 stages, one tile per CTA."""
+    monkeypatch.setattr(cuda_layers, "ATTN_MMA_ONLINE", None)
+    monkeypatch.setattr(cuda_layers, "ATTN_FP16_MMA", None)
+    monkeypatch.setattr(cuda_layers, "ATTN_STAGED", "auto")
+    monkeypatch.setattr(cuda_layers, "ATTN_SHARED_TILES", shared)
+    monkeypatch.setattr(cuda_kvquant, "ATTN_QUANT_MMA", True)
+    monkeypatch.setattr(cuda_kvquant, "_ATTN_CTAS_ENV", None)
+    monkeypatch.setattr(cuda_layers, "_ATTN_CTAS_ENV", None)
+    want = tiles if shared else 1
+    assert cuda_layers.attn_tiles_per_cta(rows=rows) == want
+    assert cuda_layers.attn_tiles_per_cta("int8", "int8", rows) == want
+    assert cuda_layers.attn_stages(rows=rows) == (2 if want > 1 else 0)  # fp16 pages
+    assert cuda_layers.attn_stages("int4", "int4", rows) == 2
+    flags = cuda_layers._attn_flags(rows)
+    assert (flags >> 5 & 3, flags >> 7 & 3) == ((2, want) if want > 1 else (0, 0))
+    code = cuda_kvquant._quant_kernel_code("int8", "int8", rows)
+    assert (code & 3, code >> 2 & 3, code >> 4) == (3, 2, want if want > 1 else 0)
+    assert cuda_kvquant.quant_attention_ctas("int8", "int8", rows) == (1 if want > 1 else 3)
+    monkeypatch.setattr(cuda_layers, "ATTN_STAGED", "3")
+    assert cuda_layers.attn_tiles_per_cta(rows=rows) == 1
+
+
+def test_splits_count_the_tensor_core_tiles_and_tiles_per_cta():
+    """A k = 4 verify of the 8B (20 rows per kv head): the CUDA-core planning counted five tiles of 4 (six splits for
+    two CTAs per SM); the tensor-core kernel runs three tiles of 8 (eleven splits fill the wave), and three tiles per
+    CTA at one CTA per SM sixteen (the most 1k keys take at 64 keys per split)."""
+    assert cuda_layers.attention_splits(1, 5, 32, 8, 1024, 132, 2) == 6
+    assert cuda_layers.attention_splits(1, 5, 32, 8, 1024, 132, 2, cuda_layers.MMA_ROW_TILE) == 11
+    assert cuda_layers.attention_splits(1, 5, 32, 8, 1024, 132, 1, cuda_layers.MMA_ROW_TILE, 3) == 16
+    assert cuda_layers.attention_splits(1, 1, 32, 8, 1024, 132, 2, cuda_layers.MMA_ROW_TILE) == 16  # decode alike

@@ -155,7 +155,9 @@ ATTN_STAGED_CTAS_PER_SM = {"fp16": 2, "codes": 3}
 # up to ATTN_TILES_PER_CTA_MAX row tiles per CTA, whose warps share each key column's ring (one read of the split's
 # K and V for all its rows instead of one per tile; 168 registers x 128 threads per tile: one CTA per SM). The
 # default for such rows with every page format ("auto" staging takes fp16 pages there too);
-# EXL2_BACKEND_ATTN_SHARED_TILES=0 keeps one tile per CTA.
+# EXL2_BACKEND_ATTN_SHARED_TILES=0 keeps one tile per CTA. H200 call AF2 of 2026-12-03 (spec_bench, 8B at 1k, fp16
+# cache, verify / decode step, two runs): k = 2 1.130 / 1.129 against 1.191 / 1.198, k = 4 1.263 / 1.261 against
+# 1.325 / 1.330, k = 8 1.670 / 1.669 against 1.736 / 1.747.
 ATTN_SHARED_TILES = os.environ.get("EXL2_BACKEND_ATTN_SHARED_TILES", "1") != "0"
 ATTN_TILES_PER_CTA_MAX = 3
 MMA_ROW_TILE = 8  # query rows per tile of the tensor-core kernels

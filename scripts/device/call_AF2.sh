@@ -23,11 +23,7 @@ spec_costs notiles1 EXL2_BACKEND_ATTN_SHARED_TILES=0
 spec_costs tiles2
 spec_costs notiles2 EXL2_BACKEND_ATTN_SHARED_TILES=0
 echo "elapsed $(( $(date +%s) - T0 )) s"
-(t0=$(date +%s); python3 -c "
-from exl2_backend.format.random_model import write_random_exl2_model
-write_random_exl2_model('/tmp/models/llama3-70b', 'llama3-70b', 4.0, workers=12)" > "$R/write_70b.txt" 2>&1
- echo "70B written (rc=$?) in $(( $(date +%s) - t0 )) s" >> "$R/write_70b.txt") &
-W70=$!
+write_70b_background
 bench_8b final 120 1024,32768 fp16,q8,q4
 echo "elapsed $(( $(date +%s) - T0 )) s"
 gpu_tests_verbose attn 200 -n 10 tests/kernels/test_kv_quant_kernels.py tests/kernels/test_paged_attention.py \

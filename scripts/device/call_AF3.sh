@@ -8,11 +8,7 @@ export EXL2_CARRIED_LIBRARY=1
 source scripts/device/common.sh
 begin_call af3
 start_exllamav2_jit
-(t0=$(date +%s); python3 -c "
-from exl2_backend.format.random_model import write_random_exl2_model
-write_random_exl2_model('/tmp/models/llama3-70b', 'llama3-70b', 4.0, workers=12)" > "$R/write_70b.txt" 2>&1
- echo "70B written (rc=$?) in $(( $(date +%s) - t0 )) s" >> "$R/write_70b.txt") &
-W70=$!
+write_70b_background
 timeout 100 python3 scripts/spec_bench.py --skip smollm2 --iters 30 --kernels --work-dir /tmp/spec_bench \
   --out "$R/spec_kernels.json" > "$R/spec_kernels.txt" 2>&1
 echo "== spec kernels: $(grep 'step costs' "$R/spec_kernels.txt" | tail -1 | cut -c1-200)"

@@ -47,6 +47,15 @@ exllamav2_vs_ours() {
     --ours --skip-compat "$@" > "$R/exl_compare.txt" 2>&1
   grep -E "exllamav2 no_sdpa|ours:" "$R/exl_compare.txt" | cut -c1-220; tail -3 "$R/exl_compare.txt" | cut -c1-300
 }
+# The random 70B directory (/tmp/models/llama3-70b, ~35 GB; H200 call AF2: 28 s with 12 workers) written in the
+# background: write_70b_background sets W70 (`wait $W70`), the log in $R/write_70b.txt.
+write_70b_background() {
+  (t0=$(date +%s); python3 -c "
+from exl2_backend.format.random_model import write_random_exl2_model
+write_random_exl2_model('/tmp/models/llama3-70b', 'llama3-70b', 4.0, workers=12)" > "$R/write_70b.txt" 2>&1
+   echo "70B written (rc=$?) in $(( $(date +%s) - t0 )) s" >> "$R/write_70b.txt") &
+  W70=$!
+}
 # GPU tests: gpu_tests NAME SECONDS [pytest arguments...]; the whole output in $R/NAME.txt (after results_dir),
 # the failures and the summary on stdout.
 gpu_tests() {

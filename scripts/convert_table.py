@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import gc
+import itertools
 import json
 import shutil
 import sys
@@ -116,7 +117,7 @@ def run(out: Path, work: Path, device: str, max_tokens: int | None, window: int,
     matched = next(r for r in rows if r["kind"] == "optimized (matched)")
     kls = [r["kl"] for r in opt]
     checks = {
-        "kl_monotone_decreasing": all(a > b for a, b in zip(kls, kls[1:])),
+        "kl_monotone_decreasing": all(a > b for a, b in itertools.pairwise(kls)),
         "achieved_within_0.02": all(abs(r["achieved_bpw"] - r["target_bpw"]) <= 0.02 for r in opt),
         "file_bpw_equals_achieved": all(abs(r["file_bpw"] - r["achieved_bpw"]) < 1e-6 for r in opt),
         "kl4_le_half_rtn4": at4["kl"] <= 0.5 * rtn["kl"],

@@ -70,10 +70,11 @@ def bench_attention(contexts, batches=(1, 8)) -> list[dict]:
                 lens = torch.full((batch,), ctx, dtype=torch.int32, device=DEV)
                 q = torch.randn(batch, 1, HQ, D, device=DEV, dtype=torch.float16)
                 if ct.quantized:
-                    calls = [lambda t=t: cuda_kvquant.paged_attention_quant(q, *caches, t, lens, scale, ct.k.name,
-                                                                            ct.v.name) for t in tables]
+                    calls = [lambda t=t, q=q, c=caches, n=lens, ct=ct: cuda_kvquant.paged_attention_quant(
+                        q, *c, t, n, scale, ct.k.name, ct.v.name) for t in tables]
                 else:
-                    calls = [lambda t=t: cuda_layers.paged_attention(q, *caches, t, lens, scale) for t in tables]
+                    calls = [lambda t=t, q=q, c=caches, n=lens: cuda_layers.paged_attention(q, *c, t, n, scale)
+                             for t in tables]
                 us = graph_time_us(calls)
                 base = base or us
                 rows.append({"batch": batch, "context": ctx, "cache_type": name, "us": us,
@@ -99,11 +100,11 @@ def bench_write() -> list[dict]:
         for name in CACHE_TYPE_NAMES:
             ct = CACHE_TYPES[name]
             caches = _caches(ct, 64)
-            if ct.quantized:
-                call = lambda: cuda_kvquant.rope_kv_quant_write(q, k, v, pos, inv, *caches, slots, ct.k.name,  # noqa
-                                                                ct.v.name)
-            else:
-                call = lambda: cuda_layers.rope_kv_write(q, k, v, pos, inv, *caches, slots)
+            def call(q=q, k=k, v=v, pos=pos, c=caches, slots=slots, ct=ct):
+                if ct.quantized:
+                    return cuda_kvquant.rope_kv_quant_write(q, k, v, pos, inv, *c, slots, ct.k.name, ct.v.name)
+                return cuda_layers.rope_kv_write(q, k, v, pos, inv, *c, slots)
+
             us = graph_time_us([call] * 16)
             rows.append({"tokens": t, "cache_type": name, "us": us})
             print(f"rope+kv write T={t:5d} {name:5s} {us:8.2f} us", flush=True)

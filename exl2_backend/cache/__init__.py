@@ -3,7 +3,8 @@
 The torch-based names load on first use, so `exl2_backend.cache.kv_types` (cache type facts for the CLI and
 settings) imports without torch."""
 
-_LAZY = {"PageAllocator", "PagedKVCache", "kv_bytes_per_token"}
+__all__ = ["PageAllocator", "PagedKVCache", "kv_bytes_per_token"]
+_LAZY = frozenset(__all__)
 
 
 def __getattr__(name: str):
@@ -13,5 +14,3 @@ def __getattr__(name: str):
         return getattr(paged, name)
     raise AttributeError(f"module 'exl2_backend.cache' has no attribute {name!r}")
 
-
-__all__ = sorted(_LAZY)

@@ -182,7 +182,7 @@ def _print_table(r: dict) -> None:
                 "graph %", "prefill tok/s"):
         t.add_column(col, justify="right")
     for row in r["decode"]:
-        def f(key, fmt="{:.1f}"):
+        def f(key, fmt="{:.1f}", row=row):
             return fmt.format(row[key]) if key in row else "-"
         t.add_row(str(row["context"]), f("decode_tokens_per_s"), f("decode_step_ms", "{:.3f}"),
                   f("graph_tokens_per_s"), f"{row['bytes_per_token'] / 1e6:.1f}", f("roofline_tokens_per_s"),

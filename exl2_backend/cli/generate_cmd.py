@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import sys
 import time
+from pathlib import Path
 
 from exl2_backend.cli.common import (
     add_model_args,
@@ -40,7 +41,7 @@ def add_parser(sub):
 
 def _messages(args) -> list[dict] | None:
     if args.messages:
-        text = sys.stdin.read() if args.messages == "-" else open(args.messages, encoding="utf-8").read()
+        text = sys.stdin.read() if args.messages == "-" else Path(args.messages).read_text(encoding="utf-8")
         msgs = json.loads(text)
         if not isinstance(msgs, list) or not all(isinstance(m, dict) and "role" in m and "content" in m for m in msgs):
             raise InvalidRequestError("--messages must hold a JSON list of {role, content} objects", field="messages")

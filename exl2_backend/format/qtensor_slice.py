@@ -91,4 +91,4 @@ def balanced_ranges(sizes: list[int], parts: int) -> list[tuple[int, int]]:
         hi = len(sizes) - (parts - p)
         bounds.append(min(range(lo, hi + 1), key=lambda i: (abs(ends[i - 1] - target), i)))
     bounds.append(len(sizes))
-    return list(zip(bounds[:-1], bounds[1:]))
+    return list(itertools.pairwise(bounds))

@@ -11,6 +11,8 @@
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 # dtype -> (atol, rtol)
@@ -74,6 +76,6 @@ def assert_close_rel(
     err = (out.detach().cpu().double() - ref).abs().max().item() if out.numel() else 0.0
     base = (same_precision_out.detach().cpu().double() - ref).abs().max().item() if out.numel() else 0.0
     slack = REL_ATOL.get(out.dtype, 1e-5) if atol is None else atol
-    assert err == err and err <= factor * base + slack, (  # err == err: NaN fails
+    assert not math.isnan(err) and err <= factor * base + slack, (
         f"{msg} max error {err:.3g} > {factor} x same-precision error {base:.3g} + {slack:.3g}"
     )

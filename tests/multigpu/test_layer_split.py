@@ -4,6 +4,8 @@ unsplit model's logits and greedy tokens bit for bit, through the model and thro
 
 from __future__ import annotations
 
+import itertools
+
 import pytest
 import torch
 
@@ -31,7 +33,7 @@ def model_dir(request, tmp_path_factory):
 
 def _segments(cuts: list[int], n: int = 4) -> list[Segment]:
     bounds = [0, *cuts, n]
-    return [Segment(CPU, a, b) for a, b in zip(bounds[:-1], bounds[1:])]
+    return [Segment(CPU, a, b) for a, b in itertools.pairwise(bounds)]
 
 
 def _logits(model, steps: list[list[int]]) -> list[torch.Tensor]:

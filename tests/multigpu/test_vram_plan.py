@@ -4,6 +4,8 @@ computed here on the CPU from header-only descriptions, with the free memory giv
 
 from __future__ import annotations
 
+import itertools
+
 import pytest
 
 from exl2_backend.errors import VramPlanError
@@ -111,7 +113,7 @@ def test_autosplit_fills_devices_in_order():
     segs = plan.segments()
     assert [s[0] for s in segs] == ["cuda:0", "cuda:1", "cuda:2"]
     assert segs[0][1] == 0 and segs[-1][2] == 80
-    assert all(x[2] == y[1] for x, y in zip(segs, segs[1:]))
+    assert all(x[2] == y[1] for x, y in itertools.pairwise(segs))
     assert plan.devices[0].layers[1] < plan.devices[1].layers[1] - plan.devices[1].layers[0] + 1  # embedding first
     assert plan.devices[2].head
 

@@ -33,7 +33,7 @@ def _decode_all(engine, on_launched=None) -> tuple[list[list[int]], int]:
     while ids:
         before = {sid: engine.seqs[sid].num_computed for sid in ids}
 
-        def cb():
+        def cb(before=before, ids=ids):
             nonlocal calls
             calls += 1
             # on the CPU the callback runs before the (synchronous) forward: nothing of this step happened yet

@@ -17,8 +17,8 @@ from tests.engine.test_engine import run
 pytestmark = pytest.mark.cuda
 
 CHATS = [
-    "Rename the function area to rect_area in this code and show the whole file:\n\n"
-    "def area(w, h):\n    return w * h\n\n\ndef perimeter(w, h):\n    return 2 * (w + h)\n",
+    ("Rename the function area to rect_area in this code and show the whole file:\n\n"
+     "def area(w, h):\n    return w * h\n\n\ndef perimeter(w, h):\n    return 2 * (w + h)\n"),
     "What is the capital of France?",
     "Write a short poem about the sea.",
 ]

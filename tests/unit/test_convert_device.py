@@ -36,7 +36,7 @@ def test_triton_kernels_interpreted_on_cpu():
         pytest.skip("triton is not installed")
     env = {**os.environ, "TRITON_INTERPRET": "1"}
     out = subprocess.run([sys.executable, "-m", "tests.helpers.quant_kernels", "cpu", "--quick"], cwd=ROOT, env=env,
-                         capture_output=True, text=True, timeout=600)
+                         capture_output=True, text=True, timeout=600, check=False)
     assert out.returncode == 0 and out.stdout.strip().endswith("ok"), out.stderr[-3000:]
 
 

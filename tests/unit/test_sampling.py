@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import pytest
@@ -44,8 +45,8 @@ def test_params_defaults_and_helpers():
     assert not p.is_greedy
     assert SamplingParams.greedy().is_greedy and SamplingParams(top_k=1).is_greedy
     assert SamplingParams(temperature=1, seed=2**64 - 1).temperature == 1.0
-    with pytest.raises(Exception):
-        p.temperature = 0.5  # frozen
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        p.temperature = 0.5
     assert SamplingParams(top_p=0.5) == SamplingParams(top_p=0.5)
 
 

@@ -640,7 +640,8 @@ __global__ void __launch_bounds__(kAttnThreads, MINB) paged_attention_quant_mma_
 // copies the column's steps, a named barrier per step (id 1 + c, the column's warps) publishes the landed step and
 // frees the stage the previous one used. So each split's K and V are read once for all its rows instead of once
 // per row tile; each warp's arithmetic is the NT = 1 kernel's for its tile (the same bits for the same splits).
-// One CTA per SM (168 registers x 384 threads at NT = 3).
+// One CTA per SM: at NT = 3, 384 threads hold 168 registers each, and ptxas spills 12-52 bytes for fp16, fp8 and q8
+// pages at D = 128 (none at NT = 2, 198-202 registers).
 template <int D, int KF, int VF, int NS, int NT, int MINB>
 __global__ void __launch_bounds__(kAttnThreads * NT, MINB)
     paged_attention_quant_mma_staged_kernel(const QAttnParams p) {

@@ -64,12 +64,11 @@ ATTN_QUANT_MMA = os.environ.get("EXL2_BACKEND_ATTN_QUANT_MMA", "1") != "0"
 
 
 def quant_attention_ctas(k_fmt: str, v_fmt: str, rows: int = 1) -> int:
-    """CTAs per SM the automatic split aims at for `rows` query rows per kv head: the tensor-core kernel 4 (128
-    registers; its one-pass variants 3 / 2, or cuda_layers.ATTN_STAGED_CTAS_PER_SM["codes"] staged, 1 with row tiles
-    sharing rings: cuda_layers.attn_tiles_per_cta; unless EXL2_BACKEND_ATTN_CTAS_PER_SM sets it); in the CUDA-core
-    kernel
-    8-bit codes in either cache run the 80-register variant (6 resident per SM), 4-bit ones the 128-register one
-    (4); see cuda_layers.ATTN_CTAS_PER_SM_8BIT."""
+    """CTAs per SM the automatic split aims at for `rows` query rows per kv head (unless
+    EXL2_BACKEND_ATTN_CTAS_PER_SM sets it). The tensor-core kernel: 4 with two passes (128 registers), 3 / 2 for the
+    one-pass variants in registers, cuda_layers.ATTN_STAGED_CTAS_PER_SM["codes"] staged, 1 with row tiles sharing
+    rings (cuda_layers.attn_tiles_per_cta). The CUDA-core kernel: 8-bit codes in either cache run the 80-register
+    variant (6 resident per SM), 4-bit ones the 128-register one (4); see cuda_layers.ATTN_CTAS_PER_SM_8BIT."""
     if ATTN_QUANT_MMA:
         online = cuda_layers.attn_mma_online(k_fmt, v_fmt)
         if _ATTN_CTAS_ENV or not online:

@@ -73,9 +73,7 @@ def quant_attention_ctas(k_fmt: str, v_fmt: str, rows: int = 1) -> int:
         online = cuda_layers.attn_mma_online(k_fmt, v_fmt)
         if _ATTN_CTAS_ENV or not online:
             return _ATTN_CTAS_PER_SM
-        if cuda_layers.attn_tiles_per_cta(k_fmt, v_fmt, rows) > 1:
-            return 1
-        return cuda_layers.ATTN_STAGED_CTAS_PER_SM["codes"] if cuda_layers.attn_staged(k_fmt, v_fmt) else 4 - online
+        return cuda_layers.attn_mma_ctas(k_fmt, v_fmt, rows, 4 - online)
     return ATTN_CTAS_PER_SM_8BIT if {"int8", "e4m3"} & {k_fmt, v_fmt} else _ATTN_CTAS_PER_SM
 
 
@@ -84,9 +82,8 @@ def _quant_kernel_code(k_fmt: str, v_fmt: str, rows: int) -> int:
     0-1, 0 for the CUDA-core kernel), its stages in shared memory (bits 2-3) and row tiles per CTA (bits 4-5)."""
     if not ATTN_QUANT_MMA:
         return 0
-    tiles = cuda_layers.attn_tiles_per_cta(k_fmt, v_fmt, rows)
-    return (cuda_layers.attn_mma_variant_code(k_fmt, v_fmt) | cuda_layers.attn_stages(k_fmt, v_fmt, rows) << 2
-            | (tiles if tiles > 1 else 0) << 4)
+    stages, tiles = cuda_layers.attn_stage_bits(k_fmt, v_fmt, rows)
+    return cuda_layers.attn_mma_variant_code(k_fmt, v_fmt) | stages << 2 | tiles << 4
 
 
 @functools.cache

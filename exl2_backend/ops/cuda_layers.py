@@ -188,6 +188,23 @@ def attn_tiles_per_cta(k_fmt: str = "fp16", v_fmt: str = "fp16", rows: int = 1) 
     return min(ATTN_TILES_PER_CTA_MAX, tiles)
 
 
+def attn_stage_bits(k_fmt: str = "fp16", v_fmt: str = "fp16", rows: int = 1) -> tuple[int, int]:
+    """The library's fields for a tensor-core launch's stages and row tiles per CTA (0 for one tile): flags bits 5-6
+    and 7-8 of exl2_paged_attention, use_mma bits 2-3 and 4-5 of exl2_paged_attention_quant."""
+    tiles = attn_tiles_per_cta(k_fmt, v_fmt, rows)
+    return attn_stages(k_fmt, v_fmt, rows), tiles if tiles > 1 else 0
+
+
+def attn_mma_ctas(k_fmt: str, v_fmt: str, rows: int, register_ctas: int) -> int:
+    """CTAs per SM the split of a tensor-core launch aims at: 1 where row tiles share rings, ATTN_STAGED_CTAS_PER_SM
+    (by page kind) for the staged kernel, else `register_ctas` (the register kernel's target)."""
+    if attn_tiles_per_cta(k_fmt, v_fmt, rows) > 1:
+        return 1
+    if attn_staged(k_fmt, v_fmt, rows):
+        return ATTN_STAGED_CTAS_PER_SM["fp16" if k_fmt == "fp16" else "codes"]
+    return register_ctas
+
+
 def attn_mma_online(k_fmt: str = "fp16", v_fmt: str = "fp16") -> int:
     """The one-pass variant (0 = two passes) the tensor-core kernel runs for these page formats."""
     if ATTN_MMA_ONLINE is not None:
@@ -212,11 +229,11 @@ def _attn_flags(rows: int = 1) -> int:
     """The kernel's flags for `rows` query rows per kv head: deeper unroll (bit 0), the row tile cap (bits 1-2:
     16 >> code), the tensor-core kernel (bits 3-4: attn_mma_variant_code(), 0 for the CUDA-core kernel), its
     stages in shared memory (bits 5-6: attn_stages()) and row tiles per CTA (bits 7-8: attn_tiles_per_cta())."""
+    flags = _ATTN_FLAGS | {16: 0, 8: 1, 4: 2}[ATTN_MAX_ROW_TILE] << 1
     if not _attn_fp16_mma(rows):
-        return _ATTN_FLAGS | {16: 0, 8: 1, 4: 2}[ATTN_MAX_ROW_TILE] << 1
-    tiles = attn_tiles_per_cta(rows=rows)
-    return (_ATTN_FLAGS | {16: 0, 8: 1, 4: 2}[ATTN_MAX_ROW_TILE] << 1 | attn_mma_variant_code() << 3
-            | attn_stages(rows=rows) << 5 | (tiles if tiles > 1 else 0) << 7)
+        return flags
+    stages, tiles = attn_stage_bits(rows=rows)
+    return flags | attn_mma_variant_code() << 3 | stages << 5 | tiles << 7
 
 
 def _attn_keys_max(row_tile: int) -> int:
@@ -668,15 +685,11 @@ def _attention_nsplit(q_shape, cache_shape, max_pages: int, device: torch.device
     dev_index = device.index if device.index is not None else torch.cuda.current_device()
     rows = (hq // hkv) * tq
     mma = _attn_fp16_mma(rows)
-    tiles = attn_tiles_per_cta(rows=rows) if mma else 1
     ctas = _ATTN_CTAS_PER_SM
     if mma and not _ATTN_CTAS_ENV:
-        if tiles > 1:
-            ctas = 1
-        elif attn_staged(rows=rows):
-            ctas = ATTN_STAGED_CTAS_PER_SM["fp16"]
+        ctas = attn_mma_ctas("fp16", "fp16", rows, _ATTN_CTAS_PER_SM)
     nsplit = num_splits or attention_splits(b, tq, hq, hkv, max_ctx, _num_sms(dev_index), ctas,
-                                            MMA_ROW_TILE if mma else 0, tiles)
+                                            MMA_ROW_TILE if mma else 0, attn_tiles_per_cta(rows=rows) if mma else 1)
     return max(nsplit, math.ceil(max_ctx / _attn_keys_max(_attn_row_tile(rows))))
 
 

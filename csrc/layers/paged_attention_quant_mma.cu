@@ -260,14 +260,18 @@ struct MmaSplit {
   }
 };
 
+// CTAs per split and kv head with NT row tiles per CTA: the launchers' grid x is tile_groups * nsplit, and
+// mma_split_begin reads a CTA's group and split back from blockIdx.x.
+__host__ __device__ __forceinline__ int tile_groups(int row_tiles, int nt) { return (row_tiles + nt - 1) / nt; }
+
 // Geometry, pages, L2 prefetch of the first K rows, the PDL wait and q staged into qs [NT * RT][D] (rotated like
 // the keys, unscaled). NT row tiles per CTA (the staged kernel's shared rings; 1 elsewhere): CTA x covers tiles
-// [NT * (x % groups), + NT) of split x / groups, groups = ceil(row_tiles / NT); sp.row0 is its first row. false: an
-// unused split (or an empty context), whose outputs are already written.
+// [NT * (x % groups), + NT) of split x / groups (groups: tile_groups); sp.row0 is its first row. false: an unused
+// split (or an empty context), whose outputs are already written.
 template <int D, int KF, int RT, int NT = 1>
 __device__ __forceinline__ bool mma_split_begin(const QAttnParams& p, MmaSplit& sp, int* pages, float* qs) {
   constexpr int NG = D / KV_GROUP, KROW = D * KVFormat<KF>::BITS / 8, NTH = NT * kAttnThreads;
-  const int groups = (p.row_tiles + NT - 1) / NT;
+  const int groups = tile_groups(p.row_tiles, NT);
   const int tile = blockIdx.x % groups;
   sp.split = blockIdx.x / groups;
   sp.kvh = blockIdx.y, sp.b = blockIdx.z;
@@ -730,7 +734,7 @@ int launch_with_smem(dim3 grid, int threads, size_t bytes, cudaStream_t stream, 
 template <int D, int KF, int VF, int NS, int NT>
 int launch_staged(const QAttnParams& q, int B, cudaStream_t stream) {
   constexpr int MINB = NT == 1 ? 3 : 1;
-  const dim3 grid((unsigned)((q.row_tiles + NT - 1) / NT * q.nsplit), (unsigned)q.Hkv, (unsigned)B);
+  const dim3 grid((unsigned)(tile_groups(q.row_tiles, NT) * q.nsplit), (unsigned)q.Hkv, (unsigned)B);
   const size_t ring = (size_t)kAttnWarps * NS * AttnStage<D, KF, VF>::BYTES;
   const size_t red = sizeof(float) * kAttnWarps * NT * kTileRows * D;
   return launch_with_smem<paged_attention_quant_mma_staged_kernel<D, KF, VF, NS, NT, MINB>>(
@@ -739,13 +743,13 @@ int launch_staged(const QAttnParams& q, int B, cudaStream_t stream) {
 
 template <int D, int KF, int VF>
 int launch(const QAttnParams& p, int B, int variant, int stages, int tiles, cudaStream_t stream) {
-  const dim3 grid((unsigned)(p.row_tiles * p.nsplit), (unsigned)p.Hkv, (unsigned)B);
   QAttnParams q = p;
   q.prefetch = prefetch_mode();
   if (stages == 2 && tiles == 3) return launch_staged<D, KF, VF, 2, 3>(q, B, stream);
   if (stages == 2 && tiles == 2) return launch_staged<D, KF, VF, 2, 2>(q, B, stream);
   if (stages == 2) return launch_staged<D, KF, VF, 2, 1>(q, B, stream);
   if (stages == 3) return launch_staged<D, KF, VF, 3, 1>(q, B, stream);
+  const dim3 grid((unsigned)(p.row_tiles * p.nsplit), (unsigned)p.Hkv, (unsigned)B);  // one row tile per CTA
   if (variant > 0) {  // one pass: U = 1 (168 registers, 3 CTAs per SM) or 2 (2 per SM)
     const size_t smem = sizeof(float) * kAttnWarps * kTileRows * D;
     if (variant == 1)

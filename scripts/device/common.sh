@@ -143,15 +143,20 @@ attention_paths() {
     echo "-- $v critical path:"; grep -A14 "critical path" "$R/prof_$v.txt" | grep -E "\[o\]|attention|attn_|TOTAL" | cut -c1-120
   done
 }
+# An ncu report $R/NAME.ncu-rep as $R/NAME.details.txt and $R/NAME.sass.csv.gz (scripts/ncu_stalls.py reads it),
+# the report itself removed: ncu_export NAME.
+ncu_export() {
+  ncu --import "$R/$1.ncu-rep" --page details > "$R/$1.details.txt" 2>&1
+  ncu --import "$R/$1.ncu-rep" --page source --csv --print-source sass 2>&1 | gzip -c > "$R/$1.sass.csv.gz"
+  rm -f "$R/$1.ncu-rep"
+}
 # One kernel launch of scripts/chain_once.py under ncu --set full: ncu_chain_once NAME REGEX SKIP [NCU FLAGS...];
 # $R/NAME.details.txt and $R/NAME.sass.csv.gz (scripts/ncu_stalls.py reads it).
 ncu_chain_once() {
   local name=$1 k=$2 skip=$3; shift 3
   timeout 90 ncu --clock-control none "$@" --set full --import-source no -k "regex:$k" --launch-skip "$skip" \
     --launch-count 1 -o "$R/$name" python3 scripts/chain_once.py > "$R/$name.log" 2>&1
-  ncu --import "$R/$name.ncu-rep" --page details > "$R/$name.details.txt" 2>&1
-  ncu --import "$R/$name.ncu-rep" --page source --csv --print-source sass 2>&1 | gzip -c > "$R/$name.sass.csv.gz"
-  rm -f "$R/$name.ncu-rep"
+  ncu_export "$name"
   grep -E "^    Duration|DRAM Throughput|Achieved Occupancy" "$R/$name.details.txt" | head -3
 }
 # GPU tests with every result named as it comes (pytest -v, xdist): gpu_tests_verbose NAME SECONDS [pytest
@@ -192,9 +197,7 @@ ncu_attention() {
   env "$@" timeout 90 ncu --clock-control none --set full --import-source no -k "regex:paged_attention" \
     --launch-skip 1 --launch-count 1 -o "$R/$name" python3 scripts/attention_once.py --cache-type "$ct" \
     --context 32768 > "$R/$name.log" 2>&1
-  ncu --import "$R/$name.ncu-rep" --page details > "$R/$name.details.txt" 2>&1
-  ncu --import "$R/$name.ncu-rep" --page source --csv --print-source sass 2>&1 | gzip -c > "$R/$name.sass.csv.gz"
-  rm -f "$R/$name.ncu-rep"
+  ncu_export "$name"
   echo "== $name ($*)"
   grep -E "^    Duration|DRAM Throughput|Achieved Occupancy|Issue Slots Busy|Registers Per|No Eligible|Eligible Warps" \
     "$R/$name.details.txt" | head -9

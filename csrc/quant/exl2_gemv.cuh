@@ -63,6 +63,16 @@ struct GemvParams {
   __half* norm_res_out;
   int norm_res_ld, norm_res_out_ld, norm_k, norm_nt;
   float norm_eps;
+  // TMA kernel, RMSNorm from the producer's block partials (exl2_gemv_norm_partials.cuh) when norm_ssq is set: the
+  // input is rms_norm(x) * norm_w, x's sums of squares assembled from norm_ssq [M, norm_ssq_ld] (rows of
+  // norm_ssq_k); norm_k and norm_nt stay 0.
+  const float* norm_ssq;
+  int norm_ssq_ld, norm_ssq_k;
+  // TMA kernel, the producer side (one descriptor): out = round(out + resid_in) in place, and each row's
+  // 256-column block partials of the sum of squares into resid_ssq [M, resid_ssq_ld].
+  const __half* resid_in;
+  float* resid_ssq;
+  int resid_ld, resid_ssq_ld;
 };
 
 // The block's work: descriptor, run, column block and chunk range [c0, c1). Splits are numbered run by run:
@@ -497,7 +507,8 @@ __device__ __forceinline__ void gv_reduce_partials_vec4(const QDesc& d, int colb
   }
 }
 
-// The fused RMSNorm input of exl2_gemv_add_norm and of a chain phase (GemvParams::norm_*).
+// The fused RMSNorm input of exl2_gemv_add_norm and of a chain phase (GemvParams::norm_*); with ssq set, the norm
+// from the producer's block partials (exl2_gemv_ssq_norm; res and res_out null).
 struct GemvNorm {
   const void* res;
   int res_ld;
@@ -505,6 +516,16 @@ struct GemvNorm {
   void* res_out;
   int res_out_ld;
   float eps;
+  const float* ssq = nullptr;
+  int ssq_ld = 0;
+};
+
+// The producer side of the split norm (exl2_gemv_residual): the residual stream added in place, block partials out.
+struct GemvResidual {
+  const void* res;
+  int res_ld;
+  float* ssq;
+  int ssq_ld;
 };
 
 // A planned small-M GEMV launch: its grid, dynamic shared memory, and whether it runs the TMA kernel.
@@ -517,7 +538,8 @@ struct GemvPlan {
 // the arguments of exl2_gemv, and norm (null: none) those of exl2_gemv_add_norm. Returns a status.
 // allow_span: F_SPAN may select span splits (the chain kernel walks one run per item and passes false).
 int gemv_plan(const int64_t* blob, int ndesc, const void* x, int M, int ldx, int gate_off, int minb, const void* xpre,
-              int xpre_ld, const GemvNorm* norm, GemvParams& p, GemvPlan& pl, bool allow_span = true);
+              int xpre_ld, const GemvNorm* norm, GemvParams& p, GemvPlan& pl, bool allow_span = true,
+              const GemvResidual* resid = nullptr);
 
 // Fields per phase of exl2_gemv_chain's table (exl2_gemv_chain.cu; keep in sync with ops/cuda_chain.py).
 constexpr int kChainFields = 13;
@@ -525,7 +547,7 @@ constexpr int kChainFields = 13;
 // TMA-ring GEMV launch (exl2_gemv_tma.cu): p fully planned (ring_bytes set), `smem` dynamic bytes.
 int gemv_tma_launch(const GemvParams& p, int blocks, int smem, cudaStream_t stream);
 // Dynamic shared memory the TMA kernel needs beside its ring; maxgrp: most groups a block touches; norm_k: the
-// fused norm's row length (0 without).
-int gemv_tma_smem_extra(int M, int xstride, int maxnch, int maxgrp, int norm_k);
+// fused norm's row length (0 without); ssq_norm: the norm from block partials (its staged weight rows).
+int gemv_tma_smem_extra(int M, int xstride, int maxnch, int maxgrp, int norm_k, bool ssq_norm = false);
 
 }  // namespace exl2q

@@ -13,6 +13,7 @@
 #include "common/api.h"
 #include "quant/exl2_gemv.cuh"
 #include "quant/exl2_gemv_norm.cuh"
+#include "quant/exl2_gemv_norm_partials.cuh"
 #include "quant/exl2_gemv_rope.cuh"
 
 namespace exl2q {
@@ -58,7 +59,7 @@ __host__ __device__ inline int align16(int x) { return (x + 15) & ~15; }
 
 // Byte offsets of the regions after the barriers and the ring (which starts at kBarBytes):
 // [barriers][ring][scales: maxgrp x 8 warps x 8 gid uint2][x: M x xstride halves][xmap slice: maxnch x 64]
-// [chunk info: maxnch ints][fused norm: kGvWarps partial sums][fused norm: M x norm_k normalized halves]
+// [chunk info: maxnch ints][fused norm: kNormRedFloats partial sums][fused norm: M x norm_k normalized halves]
 struct TmaLayout {
   int scl, xs, xm, info, red, xf, total;
 };
@@ -67,9 +68,13 @@ struct TmaSizes {  // the bytes of each region for one launch's parameters
   int ring, scl, xs, xm, info, norm_red, norm_xf;
 };
 
-__host__ __device__ inline TmaSizes tma_sizes(int ring_bytes, int maxgrp, int M, int xstride, int maxnch, int norm_k) {
+// ssq_norm (the norm from block partials, norm_k 0): the red region holds the rows' 1 / rms (M <= 32), the xf
+// region the norm weight at the item's rows.
+__host__ __device__ inline TmaSizes tma_sizes(int ring_bytes, int maxgrp, int M, int xstride, int maxnch, int norm_k,
+                                              bool ssq_norm = false) {
   return {ring_bytes, maxgrp * kGroupScaleBytes, align16(M * xstride * 2), maxnch * kChunkRows * 2,
-          align16(maxnch * 4), norm_k ? kGvWarps * 4 : 0, norm_k ? align16(M * norm_k * 2) : 0};
+          align16(maxnch * 4), norm_k || ssq_norm ? kNormRedFloats * 4 : 0,
+          norm_k ? align16(M * norm_k * 2) : ssq_norm ? align16(maxnch * kChunkRows * 2) : 0};
 }
 
 __host__ __device__ inline TmaLayout tma_layout(const TmaSizes& z) {
@@ -277,10 +282,13 @@ __device__ __forceinline__ void tma_produce(const GemvParams& p, const GvWork& w
 }
 
 // Compute warps: the split's xmap slice and chunk info (constants) into shared memory; the caller synchronizes.
-__device__ __forceinline__ void tma_load_constants(const QDesc& d, const GvWork& wk, const TmaSmem& sm) {
+// With the norm from block partials, also its weight at the item's rows (sm.xf).
+__device__ __forceinline__ void tma_load_constants(const QDesc& d, const GvWork& wk, const TmaSmem& sm,
+                                                   const GemvParams* p = nullptr) {
   const int c0 = wk.c0, nch = wk.c1 - wk.c0;
   gv_load_xmap(d, c0, nch, sm.xm, kTmaComputeThreads);
   for (int i = threadIdx.x; i < nch; i += kTmaComputeThreads) sm.info[i] = __ldg(d.info + c0 + i);
+  if (p && p->norm_ssq) gv_load_norm_weight_rows(*p, d, c0, nch, sm.xf, kTmaComputeThreads);
 }
 
 // Compute warps, after the PDL wait (or the chain's grid barrier) and a compute_sync: the split's input rows in
@@ -299,6 +307,20 @@ __device__ __forceinline__ void tma_stage_input(const GemvParams& p, const GvWor
                  compute_sync);
     loaded();
     gv_gather_normed(p, nch, sm.xs, sm.xm, sm.xf, kTmaComputeThreads);
+  } else if (p.norm_ssq) {  // the norm from block partials: the last warp assembles 1 / rms while the rest gather
+    constexpr int kGather = kTmaComputeThreads - 32;
+    if ((threadIdx.x >> 5) == kGvWarps - 1) {
+      gv_rows_inv_rms(p, sm.red);
+    } else {  // past 8 items per thread, row slots with 16 loads in flight (M > 1 on the wide inputs)
+      const int mode = p.gather_mode == kGatherAuto ? (MT > 1 || nch * kChunkRows * p.M > 8 * kGather ? kGatherRows
+                                                                                                        : kGatherItems)
+                                                    : p.gather_mode;
+      if (mode == kGatherRows) gv_gather<16>(p, nch, sm.xs, sm.xm, kGather);
+      else gv_gather_items(p, nch, sm.xs, sm.xm, kGather);
+    }
+    loaded();
+    compute_sync();
+    gv_scale_normed(p, nch, sm.xs, sm.xf, sm.red, kTmaComputeThreads);
   } else if (!(p.probe & kProbeNoGather)) {  // rows at M > 8: M loads per row slot, 16 or 32 in flight
     const int mode = p.gather_mode == kGatherAuto ? (MT > 1 ? kGatherRows : kGatherItems) : p.gather_mode;
     if (p.xpre) gv_copy_pregathered(p, wk.di, wk.c0, nch, sm.xs, kTmaComputeThreads);
@@ -371,6 +393,10 @@ __device__ __forceinline__ void tma_finish(const GemvParams& p, const GvWork& wk
       compute_sync();
       gv_rope_kv(p, wk.di, wk.colblk, tid, kTmaComputeThreads);
     }
+    if (p.resid_ssq) {
+      compute_sync();
+      gv_residual_ssq(p, d, wk.colblk);
+    }
     return;
   }
   if (active) gv_store<MT>(d, st, n0, p.M, wk.gsplit, true);
@@ -386,6 +412,10 @@ __device__ __forceinline__ void tma_finish(const GemvParams& p, const GvWork& wk
   if (p.rope_d) {
     compute_sync();
     gv_rope_kv(p, wk.di, wk.colblk, tid, kTmaComputeThreads);
+  }
+  if (p.resid_ssq) {
+    compute_sync();
+    gv_residual_ssq(p, d, wk.colblk);
   }
 }
 #endif

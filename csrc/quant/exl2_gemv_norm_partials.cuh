@@ -1,0 +1,91 @@
+// RMSNorm split across two TMA GEMVs: the GEMV that produces the hidden state (o_proj, down_proj) finishes the
+// residual add and leaves each row's sum of squares as block partials; the GEMV that consumes it (gate/up, the
+// next layer's q/k/v) normalizes only its own split's rows from them. No block reads a whole row, no norm runs as
+// its own launch:
+//
+// - producer (GemvParams::resid_ssq): the block that writes a 256-column block's final values (the last block of
+//   the split-K ticket, or the only one) adds the residual stream to them in place, out = round(out + residual),
+//   and stores each row's partial s_b (layers/rms_ssq.cuh) at resid_ssq[m * resid_ssq_ld + b]. One warp per row:
+//   lane l takes the row's 16-byte vector l of the block, which is the canonical lane of that vector.
+// - consumer (GemvParams::norm_ssq): before the PDL wait the compute warps stage the norm weight at the split's rows
+//   in stored order (a constant); after it, the last warp sums each row's partials into 1 / rms while the others
+//   gather the split's input rows as the plain GEMV does; then every staged element becomes
+//   round(x * inv * w), the arithmetic of rms_norm_kernel.
+//
+// Together they are bit-identical to add_rms_norm between two plain GEMVs (tested).
+#pragma once
+
+#include "layers/rms_ssq.cuh"
+#include "quant/exl2_gemv.cuh"
+
+namespace exl2q {
+
+// Producer, compute threads after a barrier over them (the block's final values of column block `colblk` of
+// descriptor d are in d.out).
+__device__ __forceinline__ void gv_residual_ssq(const GemvParams& p, const QDesc& d, int colblk) {
+  using namespace exl2::layers;
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  const int n = colblk * kGvCols + kSsqVec * lane;  // N is a multiple of 8 (host): a vector is whole or absent
+  for (int m = warp; m < p.M; m += kGvWarps) {
+    float vs = 0.f;
+    if (n < d.N) {
+      __half* o = d.out + (size_t)m * d.ldo + n;
+      uint4 hv = *reinterpret_cast<const uint4*>(o);
+      const uint4 rv = *reinterpret_cast<const uint4*>(p.resid_in + (size_t)m * p.resid_ld + n);
+      __half* h = reinterpret_cast<__half*>(&hv);
+      const __half* r = reinterpret_cast<const __half*>(&rv);
+      float v[kSsqVec];
+#pragma unroll
+      for (int k = 0; k < kSsqVec; ++k) {
+        h[k] = __float2half_rn(__fadd_rn(__half2float(h[k]), __half2float(r[k])));
+        v[k] = __half2float(h[k]);
+      }
+      *reinterpret_cast<uint4*>(o) = hv;
+      vs = ssq_vec(v);
+    }
+    const float sb = ssq_block(vs);
+    if (lane == 0) p.resid_ssq[(size_t)m * p.resid_ssq_ld + colblk] = sb;
+  }
+}
+
+// Consumer, compute threads before the PDL wait: the norm weight of the item's rows [c0 * 64, c1 * 64) in stored
+// order into wrow (padding rows 0); the caller synchronizes.
+__device__ __forceinline__ void gv_load_norm_weight_rows(const GemvParams& p, const QDesc& d, int c0, int nch,
+                                                         __half* wrow, int nthreads) {
+  const int rows = nch * kChunkRows;
+  for (int r = threadIdx.x; r < rows; r += nthreads) {
+    const unsigned i = __ldg(d.xmap + (size_t)c0 * kChunkRows + r);
+    wrow[r] = i == 0xFFFFu ? __float2half_rn(0.f) : __ldg(p.norm_w + i);
+  }
+}
+
+// Consumer, the last compute warp: inv[m] = 1 / rms of row m from its block partials, 16 loads in flight.
+__device__ __forceinline__ void gv_rows_inv_rms(const GemvParams& p, float* inv) {
+  using namespace exl2::layers;
+  const int lane = threadIdx.x & 31, nb = (p.norm_ssq_k + kSsqBlockCols - 1) / kSsqBlockCols;
+  for (int m = lane; m < p.M; m += 32) {
+    const float* s = p.norm_ssq + (size_t)m * p.norm_ssq_ld;
+    float total = 0.f;
+    for (int b0 = 0; b0 < nb; b0 += 16) {
+      float t[16];
+#pragma unroll
+      for (int u = 0; u < 16; ++u) t[u] = b0 + u < nb ? s[b0 + u] : 0.f;
+#pragma unroll
+      for (int u = 0; u < 16; ++u) total = __fadd_rn(total, t[u]);  // in block order; zeros add nothing
+    }
+    inv[m] = rms_inv(total, p.norm_ssq_k, p.norm_eps);
+  }
+}
+
+// Consumer, compute threads after the gather and a barrier: xs[m][r] = round(xs * inv[m] * wrow[r]).
+__device__ __forceinline__ void gv_scale_normed(const GemvParams& p, int nch, __half* xs, const __half* wrow,
+                                                const float* inv, int nthreads) {
+  const int rows = nch * kChunkRows, items = rows * p.M;
+  for (int e = threadIdx.x; e < items; e += nthreads) {
+    const int m = e / rows, r = e - m * rows;
+    __half* x = xs + m * p.xstride + r;
+    *x = __float2half_rn(__fmul_rn(__fmul_rn(__half2float(*x), inv[m]), __half2float(wrow[r])));
+  }
+}
+
+}  // namespace exl2q

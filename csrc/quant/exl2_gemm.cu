@@ -757,8 +757,7 @@ int gemv_plan(const int64_t* blob, int ndesc, const void* x, int M, int ldx, int
         const int K = p.d[0].K;
         for (int i = 1; i < ndesc; ++i)
           EXL2_REQUIRE(p.d[i].K == K, "exl2_gemv_ssq_norm: parts with different K (%d, %d)", K, p.d[i].K);
-        EXL2_REQUIRE(gate_off == 0 && !xpre && !p.cluster && !probe, "exl2_gemv_ssq_norm: no gated, pre-gathered, "
-                     "cluster or probe launch");
+        EXL2_REQUIRE(gate_off == 0 && !p.cluster && !probe, "exl2_gemv_ssq_norm: no gated, cluster or probe launch");
         EXL2_REQUIRE(norm->ssq_ld >= (K + kGvCols - 1) / kGvCols, "exl2_gemv_ssq_norm: %d block partials per row, "
                      "K=%d needs %d", norm->ssq_ld, K, (K + kGvCols - 1) / kGvCols);
         p.norm_ssq = norm->ssq;
@@ -802,8 +801,23 @@ int gemv_plan(const int64_t* blob, int ndesc, const void* x, int M, int ldx, int
         p.resid_ld = resid->res_ld;
         p.resid_ssq = resid->ssq;
         p.resid_ssq_ld = resid->ssq_ld;
+        if (resid->xp) {
+          EXL2_REQUIRE(resid->xp_parts >= 1 && resid->xp_parts <= kMaxDesc && resid->xp_ld >= d.N &&
+                       reinterpret_cast<uintptr_t>(resid->xp) % 2 == 0, "exl2_gemv_residual: stored-order output of "
+                       "%d parts with rows of %d (1..%d parts, rows >= N=%d)", resid->xp_parts, resid->xp_ld,
+                       kMaxDesc, d.N);
+          for (int q = 0; q < resid->xp_parts; ++q) {
+            EXL2_REQUIRE(resid->inv[q] && reinterpret_cast<uintptr_t>(resid->inv[q]) % 16 == 0,
+                         "exl2_gemv_residual: inverse map %d null or not 16-byte aligned", q);
+            p.resid_inv[q] = resid->inv[q];
+          }
+          p.resid_xp = reinterpret_cast<__half*>(resid->xp);
+          p.resid_xp_ld = resid->xp_ld;
+          p.resid_xp_parts = resid->xp_parts;
+        }
       }
-      const int extra = gemv_tma_smem_extra(M, p.xstride, maxnch, p.maxgrp, p.norm_k, p.norm_ssq != nullptr);
+      const int extra = gemv_tma_smem_extra(M, p.xstride, maxnch, p.maxgrp, p.norm_k, p.norm_ssq != nullptr,
+                                            p.resid_xp_parts);
       int max_bits = 2;
       for (int i = 0; i < ndesc; ++i) max_bits = std::max(max_bits, p.d[i].runs[0].bits);  // runs: widest first
       const int slot = kGvWarps * 256 * max_bits;
@@ -876,25 +890,38 @@ EXL2_API int exl2_gemv_add_norm(const int64_t* blob, int ndesc, const void* h, i
 // The split RMSNorm (exl2_gemv_norm_partials.cuh), producer side: exl2_gemv (TMA kernel, one part, minb 0) whose
 // output then holds round(out + residual) (residual [M, res_ld] fp16, rows 16-byte aligned, N a multiple of 8)
 // and whose ssq [M, ssq_ld] fp32 (ssq_ld >= ceil(N / 256)) receives each row's sum-of-squares partial per
-// 256-column block, in the order every norm of the library uses (layers/rms_ssq.cuh).
+// 256-column block, in the order every norm of the library uses (layers/rms_ssq.cuh). scatter: null, or int64
+// {xp, xp_ld, parts, inv_0, .., inv_{parts-1}}: xp fp16 [parts, M, xp_ld] also receives the new stream in the
+// consumer's stored row order of each part (inv_q: uint16 [N], feature -> stored row, 16-byte aligned), for
+// exl2_gemv_ssq_norm's xpre; its padding rows are left as they are.
 EXL2_API int exl2_gemv_residual(const int64_t* blob, int ndesc, const void* x, int M, int ldx, int gate_off,
                                 const void* xpre, int xpre_ld, const void* residual, int res_ld, float* ssq,
-                                int ssq_ld, void* stream) {
-  const exl2q::GemvResidual resid{residual, res_ld, ssq, ssq_ld};
+                                int ssq_ld, const int64_t* scatter, void* stream) {
+  exl2q::GemvResidual resid{residual, res_ld, ssq, ssq_ld};
+  if (scatter) {
+    EXL2_REQUIRE(scatter[2] >= 1 && scatter[2] <= exl2q::kMaxDesc, "exl2_gemv_residual: %lld stored-order parts",
+                 (long long)scatter[2]);
+    resid.xp = reinterpret_cast<void*>(scatter[0]);
+    resid.xp_ld = (int)scatter[1];
+    resid.xp_parts = (int)scatter[2];
+    for (int q = 0; q < resid.xp_parts; ++q) resid.inv[q] = reinterpret_cast<const unsigned short*>(scatter[3 + q]);
+  }
   return gemv_impl(blob, ndesc, x, M, ldx, gate_off, 0, xpre, xpre_ld, nullptr, stream, &resid);
 }
 
 // The split RMSNorm, consumer side: the small-M GEMV of rms_norm(x) * weight (TMA kernel, sm_90+) where x's sums of
 // squares come as exl2_gemv_residual's block partials ssq [M, ssq_ld]; x [M, ldx] fp16 (the producer's output),
-// weight fp16 [K]. Bit-identical to exl2_rms_norm followed by exl2_gemv.
+// weight fp16 [K]; xpre (null: gathered from x) the same rows in stored order, [ndesc, M, xpre_ld] (the producer's
+// scatter). Bit-identical to exl2_rms_norm followed by exl2_gemv.
 EXL2_API int exl2_gemv_ssq_norm(const int64_t* blob, int ndesc, const void* x, int M, int ldx, const float* ssq,
-                                int ssq_ld, const void* weight, float eps, void* stream) {
+                                int ssq_ld, const void* weight, float eps, const void* xpre, int xpre_ld,
+                                void* stream) {
   EXL2_REQUIRE(x && ssq && weight, "exl2_gemv_ssq_norm: null argument");
   EXL2_REQUIRE(eps > 0.f && eps < 1.f, "exl2_gemv_ssq_norm: eps %g outside (0, 1)", (double)eps);
   exl2q::GemvNorm norm{nullptr, 0, weight, nullptr, 0, eps};
   norm.ssq = ssq;
   norm.ssq_ld = ssq_ld;
-  return gemv_impl(blob, ndesc, x, M, ldx, 0, 0, nullptr, 0, &norm, stream);
+  return gemv_impl(blob, ndesc, x, M, ldx, 0, 0, xpre, xpre_ld, &norm, stream);
 }
 
 // The small-M GEMV's split counts per run (host only, for tests and tools): splits[i * kMaxRuns + r] for run r of

@@ -73,6 +73,12 @@ struct GemvParams {
   const __half* resid_in;
   float* resid_ssq;
   int resid_ld, resid_ssq_ld;
+  // ... and, when resid_xp is set, the new stream again in the consumer's stored row order of each of its
+  // resid_xp_parts parts (resid_xp[(q * M + m) * resid_xp_ld + resid_inv[q][n]]), which the consumer then copies
+  // with 16-byte loads (GemvParams::xpre) instead of gathering two bytes at a time
+  __half* resid_xp;
+  const unsigned short* resid_inv[kMaxDesc];  // consumer part q: input feature -> stored row
+  int resid_xp_ld, resid_xp_parts;
 };
 
 // The block's work: descriptor, run, column block and chunk range [c0, c1). Splits are numbered run by run:
@@ -448,8 +454,9 @@ __device__ __forceinline__ void gv_gather(const GemvParams& p, int nch, __half* 
 
 // Sum of the split partials of column block `colblk` in split order, plus bias, into out (the last block of a
 // column block runs it after the ticket). `tid`/`nthreads`: the calling threads.
+// stash (not null): the fp16 results go to stash[m * kGvCols + column in the block] (shared memory) instead of out.
 __device__ __forceinline__ void gv_reduce_partials(const QDesc& d, int colblk, int ksplit, int M, int tid,
-                                                   int nthreads) {
+                                                   int nthreads, __half* stash = nullptr) {
   const int nblk0 = colblk * kGvCols;
   const int ncols = min(kGvCols, d.N - nblk0);
   for (int e = tid; e < ncols * M; e += nthreads) {
@@ -465,7 +472,8 @@ __device__ __forceinline__ void gv_reduce_partials(const QDesc& d, int colblk, i
       for (int u = 0; u < 16; ++u) v += t[u];
     }
     if (d.bias) v += __half2float(d.bias[n]);
-    d.out[(size_t)m * d.ldo + n] = __float2half_rn(v);
+    if (stash) stash[m * kGvCols + n - nblk0] = __float2half_rn(v);
+    else d.out[(size_t)m * d.ldo + n] = __float2half_rn(v);
   }
 }
 
@@ -475,7 +483,7 @@ __device__ __forceinline__ void gv_reduce_partials(const QDesc& d, int colblk, i
 // (bit-identical); Np is a multiple of 32, so the loads stay inside the partials. The default
 // (GemvParams::reduce_vec4; EXL2_GEMV_REDUCE=scalar selects gv_reduce_partials).
 __device__ __forceinline__ void gv_reduce_partials_vec4(const QDesc& d, int colblk, int ksplit, int M, int tid,
-                                                        int nthreads) {
+                                                        int nthreads, __half* stash = nullptr) {
   const int nblk0 = colblk * kGvCols;
   const int ncols = min(kGvCols, d.N - nblk0);
   const int quads = (ncols + 3) / 4;
@@ -502,7 +510,8 @@ __device__ __forceinline__ void gv_reduce_partials_vec4(const QDesc& d, int colb
     for (int c = 0; c < 4; ++c) {
       if (n + c >= nblk0 + ncols) break;
       const float b = d.bias ? __half2float(d.bias[n + c]) : 0.f;
-      d.out[(size_t)m * d.ldo + n + c] = __float2half_rn(o[c] + b);
+      if (stash) stash[m * kGvCols + n + c - nblk0] = __float2half_rn(o[c] + b);
+      else d.out[(size_t)m * d.ldo + n + c] = __float2half_rn(o[c] + b);
     }
   }
 }
@@ -520,12 +529,17 @@ struct GemvNorm {
   int ssq_ld = 0;
 };
 
-// The producer side of the split norm (exl2_gemv_residual): the residual stream added in place, block partials out.
+// The producer side of the split norm (exl2_gemv_residual): the residual stream added in place, block partials out;
+// xp (null: none) receives the stream in the consumer's stored row order ([parts][M][xp_ld], inv[q]: feature ->
+// stored row of part q).
 struct GemvResidual {
   const void* res;
   int res_ld;
   float* ssq;
   int ssq_ld;
+  void* xp = nullptr;
+  int xp_ld = 0, xp_parts = 0;
+  const unsigned short* inv[kMaxDesc] = {};
 };
 
 // A planned small-M GEMV launch: its grid, dynamic shared memory, and whether it runs the TMA kernel.
@@ -547,7 +561,9 @@ constexpr int kChainFields = 13;
 // TMA-ring GEMV launch (exl2_gemv_tma.cu): p fully planned (ring_bytes set), `smem` dynamic bytes.
 int gemv_tma_launch(const GemvParams& p, int blocks, int smem, cudaStream_t stream);
 // Dynamic shared memory the TMA kernel needs beside its ring; maxgrp: most groups a block touches; norm_k: the
-// fused norm's row length (0 without); ssq_norm: the norm from block partials (its staged weight rows).
-int gemv_tma_smem_extra(int M, int xstride, int maxnch, int maxgrp, int norm_k, bool ssq_norm = false);
+// fused norm's row length (0 without); ssq_norm: the norm from block partials (its staged weight rows); xp_parts:
+// the split norm's producer writing the consumer's stored order (its staged inverse maps).
+int gemv_tma_smem_extra(int M, int xstride, int maxnch, int maxgrp, int norm_k, bool ssq_norm = false,
+                        int xp_parts = 0);
 
 }  // namespace exl2q

@@ -238,7 +238,7 @@ __device__ __forceinline__ void chain_compute(const ChainParams& c, const TmaSme
       __syncwarp();
       if (lane == 0) mbar_arrive(sm.done());  // every compute warp, active or not: the ring is free
       if (item == (int)blockIdx.x) chain_stamp(c, ph, 2);
-      tma_finish<1>(p, wk, st, active);
+      tma_finish<1>(p, wk, st, active, sm);
       compute_sync();  // the next item's constants overwrite this one's
     }
     chain_stamp(c, ph, 3);

@@ -114,7 +114,7 @@ __device__ __forceinline__ void tma_block(const GemvParams& p, const GvWork& wk,
   const int bits0 = d.runs[wk.ri].bits;
   int stages = ring_stages(p, bits0);
   const TmaSmem sm(smem, tma_layout(tma_sizes(p.ring_bytes, p.maxgrp, p.M, p.xstride, p.maxnch, p.norm_k,
-                                               p.norm_ssq != nullptr)));
+                                               p.norm_ssq != nullptr, p.resid_xp_parts)));
   if (tid == 0) tma_init_ring(sm, stages, g.nwa);
   __syncthreads();
   // Between two runs of a span split: every copy and scale of the last one has landed and been read.
@@ -170,7 +170,7 @@ __device__ __forceinline__ void tma_block(const GemvParams& p, const GvWork& wk,
     cluster_reduce<MT>(d, wk, st, active, true, n0, p.M, reinterpret_cast<float*>(sm.ring));
     return;
   }
-  tma_finish<MT>(p, wk, st, active);
+  tma_finish<MT>(p, wk, st, active, sm);
 }
 #endif
 
@@ -196,8 +196,8 @@ __global__ void __launch_bounds__(kTmaThreads, MT == 1 ? EXL2_GEMV_TMA_MT1_MIN_B
 
 }  // namespace
 
-int gemv_tma_smem_extra(int M, int xstride, int maxnch, int maxgrp, int norm_k, bool ssq_norm) {
-  return tma_layout(tma_sizes(0, maxgrp, M, xstride, maxnch, norm_k, ssq_norm)).total;
+int gemv_tma_smem_extra(int M, int xstride, int maxnch, int maxgrp, int norm_k, bool ssq_norm, int xp_parts) {
+  return tma_layout(tma_sizes(0, maxgrp, M, xstride, maxnch, norm_k, ssq_norm, xp_parts)).total;
 }
 
 namespace {

@@ -30,6 +30,9 @@ ROPE_IN_GEMV = os.environ.get("EXL2_BACKEND_ROPE_IN_GEMV", "1") != "0"
 # gate/up and q/k/v normalize their own rows from them. No norm launch and no whole-row pass per GEMV block; the
 # same bits as add_rms_norm. EXL2_BACKEND_SPLIT_NORM=0 goes back to the norm inside the consumer (or its own launch).
 SPLIT_NORM = os.environ.get("EXL2_BACKEND_SPLIT_NORM", "1") != "0"
+# From this many rows the producer also writes the stream in the consumer's stored row order, which the consumer
+# copies with 16-byte loads instead of gathering two bytes at a time (0: never).
+SPLIT_NORM_STORED_FROM = int(os.environ.get("EXL2_BACKEND_SPLIT_NORM_STORED_FROM", "2"))
 
 
 def norm_linear(linear, h: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float):
@@ -184,19 +187,21 @@ class DecoderLayer:
         """attention_out_mlp with the norms split across the GEMVs (_takes_split_norm): o_proj writes the stream
         h + residual and its rows' block partials, gate/up normalizes from them; down_proj and the next q/k/v the
         same. Without `nxt` down_proj stays plain: the head's norm takes (h, residual) as before."""
-        residual, ssq = self.o.add_residual(attn, residual)  # [T, H] stream, [T, ceil(H / 256)]
-        gate_up = self.gate_up.normed_from_partials(residual, ssq, self.post_norm, self.eps)
+        stored = 0 < SPLIT_NORM_STORED_FROM <= attn.shape[0]  # the producers also write the consumers' row order
+        # [T, H] stream, [T, ceil(H / 256)] block partials, [parts, T, Kpad] stored-order copy or None
+        residual, ssq, xp = self.o.add_residual(attn, residual, consumer=self.gate_up if stored else None)
+        gate_up = self.gate_up.normed_from_partials(residual, ssq, self.post_norm, self.eps, xp)
         if nxt is None:
             return self.mlp(gate_up), residual, False
-        residual, ssq = self.down.add_residual(gate_up, residual, gated=True)
+        residual, ssq, xp = self.down.add_residual(gate_up, residual, gated=True, consumer=nxt.qkv if stored else None)
         if step is not None and ROPE_IN_GEMV and FUSED_ROPE_KV and not getattr(step.cache, "quantized", False):
             k_cache, v_cache = step.cache.k[nxt.index], step.cache.v[nxt.index]  # [P, S, Hkv, D]
             if k_cache.dtype == torch.float16:
                 qkv = nxt.qkv.normed_from_partials_rope_kv(residual, ssq, nxt.input_norm, nxt.eps, step.positions,
-                                                           step.inv_freq, k_cache, v_cache, step.meta.slots)
+                                                           step.inv_freq, k_cache, v_cache, step.meta.slots, xp)
                 if qkv is not None:
                     return qkv, residual, True
-        return nxt.qkv.normed_from_partials(residual, ssq, nxt.input_norm, nxt.eps), residual, False
+        return nxt.qkv.normed_from_partials(residual, ssq, nxt.input_norm, nxt.eps, xp), residual, False
 
     def mlp(self, gate_up):
         """gate_up [T, 2I] (gate | up, the fused projection of the normed hidden states) -> [T, H]."""

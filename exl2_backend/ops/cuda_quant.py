@@ -870,26 +870,30 @@ class CudaLinearOp:
         """Whether M rows can run either side of the split norm (the TMA GEMV takes them)."""
         return cuda_split_norm.takes_split_norm(self.launch, m)
 
-    def add_residual(self, x: torch.Tensor, residual: torch.Tensor,
-                     gated: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
-        """(round(self(x) + residual) [M, N], ssq [M, ceil(N / 256)] fp32): the split norm's producer, whose output
-        is the new residual stream and whose ssq holds its rows' sums of squares as block partials. gated: x is
-        gate | up [M, 2K] and the input silu(gate) * up (as `gated`)."""
+    def add_residual(self, x: torch.Tensor, residual: torch.Tensor, gated: bool = False,
+                     consumer: CudaLinearOp | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """(round(self(x) + residual) [M, N], ssq [M, ceil(N / 256)] fp32, xp): the split norm's producer, whose
+        output is the new residual stream and whose ssq holds its rows' sums of squares as block partials. gated: x
+        is gate | up [M, 2K] and the input silu(gate) * up (as `gated`). consumer: the op that normalizes the
+        stream next; xp then holds the stream in its stored row order, for normed_from_partials (else None)."""
         ws, counters = self.workspace.buffers()
-        return torch.ops.exl2_backend.exl2_gemv_residual(x, residual, self.launch.parts[0].packed, self.launch.handle,
-                                                         ws, counters, self.in_features if gated else 0)
+        stream, ssq, xp = torch.ops.exl2_backend.exl2_gemv_residual(
+            x, residual, self.launch.parts[0].packed, self.launch.handle, ws, counters,
+            self.in_features if gated else 0, -1 if consumer is None else consumer.launch.handle)
+        return stream, ssq, None if consumer is None else xp
 
-    def normed_from_partials(self, x: torch.Tensor, ssq: torch.Tensor, weight: torch.Tensor,
-                             eps: float) -> torch.Tensor:
+    def normed_from_partials(self, x: torch.Tensor, ssq: torch.Tensor, weight: torch.Tensor, eps: float,
+                             xp: torch.Tensor | None = None) -> torch.Tensor:
         """self(rms_norm(x) * weight) with x's sums of squares from add_residual's ssq: the split norm's consumer,
-        bit-identical to rms_norm then self(...)."""
+        bit-identical to rms_norm then self(...). xp: add_residual's stored-order copy for this op."""
         ws, counters = self.workspace.buffers()
         return torch.ops.exl2_backend.exl2_gemv_ssq_norm(x, ssq, weight, float(eps), self.launch.parts[0].packed,
-                                                         self.launch.handle, ws, counters)
+                                                         self.launch.handle, ws, counters, xp)
 
     def normed_from_partials_rope_kv(self, x: torch.Tensor, ssq: torch.Tensor, weight: torch.Tensor, eps: float,
                                      positions: torch.Tensor, inv_freq: torch.Tensor, k_cache: torch.Tensor,
-                                     v_cache: torch.Tensor, slots: torch.Tensor) -> torch.Tensor | None:
+                                     v_cache: torch.Tensor, slots: torch.Tensor,
+                                     xp: torch.Tensor | None = None) -> torch.Tensor | None:
         """normed_from_partials of a fused q/k/v projection with rope_kv_write inside the launch (as
         add_normed_rope_kv); None where the rope's tensors do not fit the fused kernel."""
         try:
@@ -898,7 +902,7 @@ class CudaLinearOp:
             return None
         ws, counters = self.workspace.buffers()
         return torch.ops.exl2_backend.exl2_gemv_ssq_norm_rope_kv(
-            x, ssq, weight, float(eps), self.launch.parts[0].packed, self.launch.handle, ws, counters, positions,
+            x, ssq, weight, float(eps), self.launch.parts[0].packed, self.launch.handle, ws, counters, xp, positions,
             inv_freq, k_cache, v_cache, slots)
 
     def _norm_route(self, h: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, always: bool,

@@ -1,11 +1,8 @@
 // rms_norm and add_rms_norm (residual add fused): one CTA per row, fp32 accumulation, the row kept in
 // registers between the sum-of-squares pass and the scaling pass (re-read only past MAXV vectors per thread).
-// Same arithmetic as reference.rms_norm: y = (x * rsqrt(mean(x^2) + eps)) * w, rounded once. Rows of 16-byte
-// vectors sum their squares in the library's one order (rms_ssq.cuh), so the GEMVs that normalize their own input
-// (whole rows or from the producer's block partials) give the same bits as this kernel.
+// Same arithmetic as reference.rms_norm: y = (x * rsqrt(mean(x^2) + eps)) * w, rounded once.
 #include "common/pdl.cuh"
 #include "layers/common.cuh"
-#include "layers/rms_ssq.cuh"
 
 namespace exl2 {
 namespace layers {
@@ -22,7 +19,6 @@ __global__ void __launch_bounds__(kMaxThreads) rms_norm_kernel(const T* x, int64
                                 T* out, int64_t out_stride, T* res_out, int64_t res_out_stride, int H, float eps) {
   exl2::pdl_wait_and_trigger();  // inputs come from the previous kernel (PDL launch)
   __shared__ float scratch[33];
-  __shared__ float blk[kSsqMaxBlocks];  // block partials of the canonical order (rms_ssq.cuh)
   const int64_t row = blockIdx.x;
   x += row * x_stride;
   out += row * out_stride;
@@ -30,10 +26,7 @@ __global__ void __launch_bounds__(kMaxThreads) rms_norm_kernel(const T* x, int64
     res += row * res_stride;
     res_out += row * res_out_stride;
   }
-  const int nvec = H / VEC, tid = threadIdx.x, nt = blockDim.x, lane = tid & 31;
-  // 16-byte vectors: the canonical order (nt is a multiple of 32, so lane l holds vectors 32 b + l); scalar rows
-  // (odd hidden sizes, never fused into a GEMV) keep one fma chain per thread and a block sum.
-  const bool canonical = VEC == kSsqVec && nvec <= 32 * kSsqMaxBlocks;
+  const int nvec = H / VEC, tid = threadIdx.x, nt = blockDim.x;
 
   // All of the thread's loads first, then the arithmetic and the stores: written load-then-store per vector,
   // the compiler kept each load behind the previous vector's res_out store (they may alias), one dependent round
@@ -49,17 +42,9 @@ __global__ void __launch_bounds__(kMaxThreads) rms_norm_kernel(const T* x, int64
     }
   }
   float ss = 0.f;
-  // canonical: vector c's squares into its block partial (all lanes of a warp take part; lane 0 stores it)
-  auto vector_done = [&](int c, float vs) {
-    if constexpr (VEC == kSsqVec) {
-      const float sb = ssq_block(vs);
-      if (lane == 0 && c < nvec) blk[c / 32] = sb;  // c: lane 0's vector
-    }
-  };
 #pragma unroll
   for (int i = 0; i < MAXV; ++i) {
     const int c = tid + i * nt;
-    float vs = 0.f;
     if (c < nvec) {
 #pragma unroll
       for (int k = 0; k < VEC; ++k) v[i][k] = xr[i].at(k);
@@ -68,41 +53,26 @@ __global__ void __launch_bounds__(kMaxThreads) rms_norm_kernel(const T* x, int64
         for (int k = 0; k < VEC; ++k) v[i][k] = round_to<T>(__fadd_rn(v[i][k], r[i].at(k)));
         store_vec<VEC>(res_out + c * VEC, v[i]);
       }
-      if constexpr (VEC == kSsqVec) vs = ssq_vec(v[i]);
 #pragma unroll
       for (int k = 0; k < VEC; ++k) ss = __fmaf_rn(v[i][k], v[i][k], ss);
     }
-    if (canonical) vector_done(c - lane, vs);
   }
-  // rows longer than MAXV * blockDim vectors; the loop runs per warp so every lane joins each block partial
-  for (int c0 = tid - lane + MAXV * nt; c0 < nvec; c0 += nt) {
-    const int c = c0 + lane;
-    float vs = 0.f;
-    if (c < nvec) {
-      float t[VEC];
-      load_vec<VEC>(x + c * VEC, t);
-      if (res != nullptr) {
-        float r[VEC];
-        load_vec<VEC>(res + c * VEC, r);
+  for (int c = tid + MAXV * nt; c < nvec; c += nt) {  // rows longer than MAXV * blockDim vectors
+    float t[VEC];
+    load_vec<VEC>(x + c * VEC, t);
+    if (res != nullptr) {
+      float r[VEC];
+      load_vec<VEC>(res + c * VEC, r);
 #pragma unroll
-        for (int k = 0; k < VEC; ++k) t[k] = round_to<T>(__fadd_rn(t[k], r[k]));
-        store_vec<VEC>(res_out + c * VEC, t);
-      }
-      if constexpr (VEC == kSsqVec) vs = ssq_vec(t);
-#pragma unroll
-      for (int k = 0; k < VEC; ++k) ss = __fmaf_rn(t[k], t[k], ss);
+      for (int k = 0; k < VEC; ++k) t[k] = round_to<T>(__fadd_rn(t[k], r[k]));
+      store_vec<VEC>(res_out + c * VEC, t);
     }
-    if (canonical) vector_done(c0, vs);
+#pragma unroll
+    for (int k = 0; k < VEC; ++k) ss = __fmaf_rn(t[k], t[k], ss);
   }
 
-  float total;
-  if (canonical) {
-    __syncthreads();
-    total = ssq_total(blk, (nvec + 31) / 32);
-  } else {
-    total = block_sum(ss, scratch);
-  }
-  const float inv = rms_inv(total, H, eps);
+  const float total = block_sum(ss, scratch);
+  const float inv = rsqrtf(__fadd_rn(__fdiv_rn(total, (float)H), eps));
 
   RawVec<W, VEC> wr[MAXV];  // the weights, all in flight before the first use
 #pragma unroll

@@ -651,8 +651,7 @@ bool exact_run_splits(const exl2q::QDesc& d, int total, int* rbase, int& maxnch)
 // gate_off > 0: fused silu_mul input (x [M, ldx] holds gate at columns [0, K) and up at [gate_off, gate_off + K)).
 namespace exl2q {
 int gemv_plan(const int64_t* blob, int ndesc, const void* x, int M, int ldx, int gate_off, int minb, const void* xpre,
-              int xpre_ld, const GemvNorm* norm, GemvParams& p, GemvPlan& pl, bool allow_span,
-              const GemvResidual* resid) {
+              int xpre_ld, const GemvNorm* norm, GemvParams& p, GemvPlan& pl, bool allow_span) {
   EXL2_REQUIRE(blob && x, "exl2_gemv: null argument");
   EXL2_REQUIRE(ndesc >= 1 && ndesc <= kMaxDesc, "exl2_gemv: %d descriptors (1..%d)", ndesc, kMaxDesc);
   EXL2_REQUIRE(M >= 1 && M <= 32, "exl2_gemv: M=%d outside 1..32", M);
@@ -753,19 +752,7 @@ int gemv_plan(const int64_t* blob, int ndesc, const void* x, int M, int ldx, int
         return e && atoi(e) > 0 ? atoi(e) : 0;
       }();
       p.maxgrp = staged_groups(blob, ndesc, maxnch);
-      if (norm && norm->ssq) {
-        const int K = p.d[0].K;
-        for (int i = 1; i < ndesc; ++i)
-          EXL2_REQUIRE(p.d[i].K == K, "exl2_gemv_ssq_norm: parts with different K (%d, %d)", K, p.d[i].K);
-        EXL2_REQUIRE(gate_off == 0 && !p.cluster && !probe, "exl2_gemv_ssq_norm: no gated, cluster or probe launch");
-        EXL2_REQUIRE(norm->ssq_ld >= (K + kGvCols - 1) / kGvCols, "exl2_gemv_ssq_norm: %d block partials per row, "
-                     "K=%d needs %d", norm->ssq_ld, K, (K + kGvCols - 1) / kGvCols);
-        p.norm_ssq = norm->ssq;
-        p.norm_ssq_ld = norm->ssq_ld;
-        p.norm_ssq_k = K;
-        p.norm_w = reinterpret_cast<const __half*>(norm->w);
-        p.norm_eps = norm->eps;
-      } else if (norm) {
+      if (norm) {
         const int K = p.d[0].K;
         for (int i = 1; i < ndesc; ++i)
           EXL2_REQUIRE(p.d[i].K == K, "exl2_gemv_add_norm: parts with different K (%d, %d)", K, p.d[i].K);
@@ -786,38 +773,7 @@ int gemv_plan(const int64_t* blob, int ndesc, const void* x, int M, int ldx, int
         EXL2_REQUIRE(!p.cluster && !probe, "exl2_gemv: no fused rope with cluster split-K or a probe");
         if (const int st = plan_rope(rope, p)) return st;
       }
-      if (resid) {
-        const QDesc& d = p.d[0];
-        EXL2_REQUIRE(ndesc == 1 && !p.cluster && !probe && !blob[F_ROPE], "exl2_gemv_residual: one part, and no "
-                     "cluster, probe or fused rope");
-        EXL2_REQUIRE(resid->res && resid->ssq, "exl2_gemv_residual: null argument");
-        EXL2_REQUIRE(d.N % 8 == 0 && d.ldo % 8 == 0 && reinterpret_cast<uintptr_t>(d.out) % 16 == 0 &&
-                     resid->res_ld % 8 == 0 && resid->res_ld >= d.N &&
-                     reinterpret_cast<uintptr_t>(resid->res) % 16 == 0,
-                     "exl2_gemv_residual: N=%d, the output and the residual rows must be 16-byte vectors", d.N);
-        EXL2_REQUIRE(resid->ssq_ld >= d.ncolblk, "exl2_gemv_residual: %d block partials per row, N=%d needs %d",
-                     resid->ssq_ld, d.N, d.ncolblk);
-        p.resid_in = reinterpret_cast<const __half*>(resid->res);
-        p.resid_ld = resid->res_ld;
-        p.resid_ssq = resid->ssq;
-        p.resid_ssq_ld = resid->ssq_ld;
-        if (resid->xp) {
-          EXL2_REQUIRE(resid->xp_parts >= 1 && resid->xp_parts <= kMaxDesc && resid->xp_ld >= d.N &&
-                       reinterpret_cast<uintptr_t>(resid->xp) % 2 == 0, "exl2_gemv_residual: stored-order output of "
-                       "%d parts with rows of %d (1..%d parts, rows >= N=%d)", resid->xp_parts, resid->xp_ld,
-                       kMaxDesc, d.N);
-          for (int q = 0; q < resid->xp_parts; ++q) {
-            EXL2_REQUIRE(resid->inv[q] && reinterpret_cast<uintptr_t>(resid->inv[q]) % 16 == 0,
-                         "exl2_gemv_residual: inverse map %d null or not 16-byte aligned", q);
-            p.resid_inv[q] = resid->inv[q];
-          }
-          p.resid_xp = reinterpret_cast<__half*>(resid->xp);
-          p.resid_xp_ld = resid->xp_ld;
-          p.resid_xp_parts = resid->xp_parts;
-        }
-      }
-      const int extra = gemv_tma_smem_extra(M, p.xstride, maxnch, p.maxgrp, p.norm_k, p.norm_ssq != nullptr,
-                                            p.resid_xp_parts);
+      const int extra = gemv_tma_smem_extra(M, p.xstride, maxnch, p.maxgrp, p.norm_k);
       int max_bits = 2;
       for (int i = 0; i < ndesc; ++i) max_bits = std::max(max_bits, p.d[i].runs[0].bits);  // runs: widest first
       const int slot = kGvWarps * 256 * max_bits;
@@ -843,7 +799,6 @@ int gemv_plan(const int64_t* blob, int ndesc, const void* x, int M, int ldx, int
   EXL2_REQUIRE(M <= 8, "exl2_gemv: M=%d needs the TMA kernel (sm_90+, minb 0 or 1); this one takes 1..8", M);
   EXL2_REQUIRE(!xpre, "exl2_gemv: pre-gathered input needs the TMA kernel (sm_90+, minb 0 or 1)");
   EXL2_REQUIRE(!norm, "exl2_gemv_add_norm: the fused norm needs the TMA kernel (sm_90+, minb 0)");
-  EXL2_REQUIRE(!resid, "exl2_gemv_residual: needs the TMA kernel (sm_90+, minb 0)");
   EXL2_REQUIRE(!blob[F_ROPE], "exl2_gemv: the fused rope needs the TMA kernel (sm_90+, minb 0 or 1)");
   const int smem = align16(M * p.xstride * 2) + maxnch * kChunkRows * 2;  // + the xmap slice
   EXL2_REQUIRE(smem <= 227 * 1024, "exl2_gemv: needs %d bytes of shared memory; use a larger ksplit", smem);
@@ -854,12 +809,11 @@ int gemv_plan(const int64_t* blob, int ndesc, const void* x, int M, int ldx, int
 
 namespace {
 int gemv_impl(const int64_t* blob, int ndesc, const void* x, int M, int ldx, int gate_off, int minb,
-              const void* xpre, int xpre_ld, const exl2q::GemvNorm* norm, void* stream,
-              const exl2q::GemvResidual* resid = nullptr) {
+              const void* xpre, int xpre_ld, const exl2q::GemvNorm* norm, void* stream) {
   using namespace exl2q;
   GemvParams p;
   GemvPlan pl;
-  const int st = gemv_plan(blob, ndesc, x, M, ldx, gate_off, minb, xpre, xpre_ld, norm, p, pl, true, resid);
+  const int st = gemv_plan(blob, ndesc, x, M, ldx, gate_off, minb, xpre, xpre_ld, norm, p, pl);
   if (st) return st;
   cudaStream_t s = reinterpret_cast<cudaStream_t>(stream);
   if (pl.tma) return gemv_tma_launch(p, pl.blocks, pl.smem, s);
@@ -885,43 +839,6 @@ EXL2_API int exl2_gemv_add_norm(const int64_t* blob, int ndesc, const void* h, i
     return st;
   const exl2q::GemvNorm norm{residual, res_ld, weight, res_out, res_out_ld, eps};
   return gemv_impl(blob, ndesc, h, M, ldh, 0, 0, nullptr, 0, &norm, stream);
-}
-
-// The split RMSNorm (exl2_gemv_norm_partials.cuh), producer side: exl2_gemv (TMA kernel, one part, minb 0) whose
-// output then holds round(out + residual) (residual [M, res_ld] fp16, rows 16-byte aligned, N a multiple of 8)
-// and whose ssq [M, ssq_ld] fp32 (ssq_ld >= ceil(N / 256)) receives each row's sum-of-squares partial per
-// 256-column block, in the order every norm of the library uses (layers/rms_ssq.cuh). scatter: null, or int64
-// {xp, xp_ld, parts, inv_0, .., inv_{parts-1}}: xp fp16 [parts, M, xp_ld] also receives the new stream in the
-// consumer's stored row order of each part (inv_q: uint16 [N], feature -> stored row, 16-byte aligned), for
-// exl2_gemv_ssq_norm's xpre; its padding rows are left as they are.
-EXL2_API int exl2_gemv_residual(const int64_t* blob, int ndesc, const void* x, int M, int ldx, int gate_off,
-                                const void* xpre, int xpre_ld, const void* residual, int res_ld, float* ssq,
-                                int ssq_ld, const int64_t* scatter, void* stream) {
-  exl2q::GemvResidual resid{residual, res_ld, ssq, ssq_ld};
-  if (scatter) {
-    EXL2_REQUIRE(scatter[2] >= 1 && scatter[2] <= exl2q::kMaxDesc, "exl2_gemv_residual: %lld stored-order parts",
-                 (long long)scatter[2]);
-    resid.xp = reinterpret_cast<void*>(scatter[0]);
-    resid.xp_ld = (int)scatter[1];
-    resid.xp_parts = (int)scatter[2];
-    for (int q = 0; q < resid.xp_parts; ++q) resid.inv[q] = reinterpret_cast<const unsigned short*>(scatter[3 + q]);
-  }
-  return gemv_impl(blob, ndesc, x, M, ldx, gate_off, 0, xpre, xpre_ld, nullptr, stream, &resid);
-}
-
-// The split RMSNorm, consumer side: the small-M GEMV of rms_norm(x) * weight (TMA kernel, sm_90+) where x's sums of
-// squares come as exl2_gemv_residual's block partials ssq [M, ssq_ld]; x [M, ldx] fp16 (the producer's output),
-// weight fp16 [K]; xpre (null: gathered from x) the same rows in stored order, [ndesc, M, xpre_ld] (the producer's
-// scatter). Bit-identical to exl2_rms_norm followed by exl2_gemv.
-EXL2_API int exl2_gemv_ssq_norm(const int64_t* blob, int ndesc, const void* x, int M, int ldx, const float* ssq,
-                                int ssq_ld, const void* weight, float eps, const void* xpre, int xpre_ld,
-                                void* stream) {
-  EXL2_REQUIRE(x && ssq && weight, "exl2_gemv_ssq_norm: null argument");
-  EXL2_REQUIRE(eps > 0.f && eps < 1.f, "exl2_gemv_ssq_norm: eps %g outside (0, 1)", (double)eps);
-  exl2q::GemvNorm norm{nullptr, 0, weight, nullptr, 0, eps};
-  norm.ssq = ssq;
-  norm.ssq_ld = ssq_ld;
-  return gemv_impl(blob, ndesc, x, M, ldx, 0, 0, xpre, xpre_ld, &norm, stream);
 }
 
 // The small-M GEMV's split counts per run (host only, for tests and tools): splits[i * kMaxRuns + r] for run r of

@@ -63,22 +63,6 @@ struct GemvParams {
   __half* norm_res_out;
   int norm_res_ld, norm_res_out_ld, norm_k, norm_nt;
   float norm_eps;
-  // TMA kernel, RMSNorm from the producer's block partials (exl2_gemv_norm_partials.cuh) when norm_ssq is set: the
-  // input is rms_norm(x) * norm_w, x's sums of squares assembled from norm_ssq [M, norm_ssq_ld] (rows of
-  // norm_ssq_k); norm_k and norm_nt stay 0.
-  const float* norm_ssq;
-  int norm_ssq_ld, norm_ssq_k;
-  // TMA kernel, the producer side (one descriptor): out = round(out + resid_in) in place, and each row's
-  // 256-column block partials of the sum of squares into resid_ssq [M, resid_ssq_ld].
-  const __half* resid_in;
-  float* resid_ssq;
-  int resid_ld, resid_ssq_ld;
-  // ... and, when resid_xp is set, the new stream again in the consumer's stored row order of each of its
-  // resid_xp_parts parts (resid_xp[(q * M + m) * resid_xp_ld + resid_inv[q][n]]), which the consumer then copies
-  // with 16-byte loads (GemvParams::xpre) instead of gathering two bytes at a time
-  __half* resid_xp;
-  const unsigned short* resid_inv[kMaxDesc];  // consumer part q: input feature -> stored row
-  int resid_xp_ld, resid_xp_parts;
 };
 
 // The block's work: descriptor, run, column block and chunk range [c0, c1). Splits are numbered run by run:
@@ -454,9 +438,8 @@ __device__ __forceinline__ void gv_gather(const GemvParams& p, int nch, __half* 
 
 // Sum of the split partials of column block `colblk` in split order, plus bias, into out (the last block of a
 // column block runs it after the ticket). `tid`/`nthreads`: the calling threads.
-// stash (not null): the fp16 results go to stash[m * kGvCols + column in the block] (shared memory) instead of out.
 __device__ __forceinline__ void gv_reduce_partials(const QDesc& d, int colblk, int ksplit, int M, int tid,
-                                                   int nthreads, __half* stash = nullptr) {
+                                                   int nthreads) {
   const int nblk0 = colblk * kGvCols;
   const int ncols = min(kGvCols, d.N - nblk0);
   for (int e = tid; e < ncols * M; e += nthreads) {
@@ -472,8 +455,7 @@ __device__ __forceinline__ void gv_reduce_partials(const QDesc& d, int colblk, i
       for (int u = 0; u < 16; ++u) v += t[u];
     }
     if (d.bias) v += __half2float(d.bias[n]);
-    if (stash) stash[m * kGvCols + n - nblk0] = __float2half_rn(v);
-    else d.out[(size_t)m * d.ldo + n] = __float2half_rn(v);
+    d.out[(size_t)m * d.ldo + n] = __float2half_rn(v);
   }
 }
 
@@ -483,7 +465,7 @@ __device__ __forceinline__ void gv_reduce_partials(const QDesc& d, int colblk, i
 // (bit-identical); Np is a multiple of 32, so the loads stay inside the partials. The default
 // (GemvParams::reduce_vec4; EXL2_GEMV_REDUCE=scalar selects gv_reduce_partials).
 __device__ __forceinline__ void gv_reduce_partials_vec4(const QDesc& d, int colblk, int ksplit, int M, int tid,
-                                                        int nthreads, __half* stash = nullptr) {
+                                                        int nthreads) {
   const int nblk0 = colblk * kGvCols;
   const int ncols = min(kGvCols, d.N - nblk0);
   const int quads = (ncols + 3) / 4;
@@ -510,14 +492,12 @@ __device__ __forceinline__ void gv_reduce_partials_vec4(const QDesc& d, int colb
     for (int c = 0; c < 4; ++c) {
       if (n + c >= nblk0 + ncols) break;
       const float b = d.bias ? __half2float(d.bias[n + c]) : 0.f;
-      if (stash) stash[m * kGvCols + n + c - nblk0] = __float2half_rn(o[c] + b);
-      else d.out[(size_t)m * d.ldo + n + c] = __float2half_rn(o[c] + b);
+      d.out[(size_t)m * d.ldo + n + c] = __float2half_rn(o[c] + b);
     }
   }
 }
 
-// The fused RMSNorm input of exl2_gemv_add_norm and of a chain phase (GemvParams::norm_*); with ssq set, the norm
-// from the producer's block partials (exl2_gemv_ssq_norm; res and res_out null).
+// The fused RMSNorm input of exl2_gemv_add_norm and of a chain phase (GemvParams::norm_*).
 struct GemvNorm {
   const void* res;
   int res_ld;
@@ -525,21 +505,6 @@ struct GemvNorm {
   void* res_out;
   int res_out_ld;
   float eps;
-  const float* ssq = nullptr;
-  int ssq_ld = 0;
-};
-
-// The producer side of the split norm (exl2_gemv_residual): the residual stream added in place, block partials out;
-// xp (null: none) receives the stream in the consumer's stored row order ([parts][M][xp_ld], inv[q]: feature ->
-// stored row of part q).
-struct GemvResidual {
-  const void* res;
-  int res_ld;
-  float* ssq;
-  int ssq_ld;
-  void* xp = nullptr;
-  int xp_ld = 0, xp_parts = 0;
-  const unsigned short* inv[kMaxDesc] = {};
 };
 
 // A planned small-M GEMV launch: its grid, dynamic shared memory, and whether it runs the TMA kernel.
@@ -552,8 +517,7 @@ struct GemvPlan {
 // the arguments of exl2_gemv, and norm (null: none) those of exl2_gemv_add_norm. Returns a status.
 // allow_span: F_SPAN may select span splits (the chain kernel walks one run per item and passes false).
 int gemv_plan(const int64_t* blob, int ndesc, const void* x, int M, int ldx, int gate_off, int minb, const void* xpre,
-              int xpre_ld, const GemvNorm* norm, GemvParams& p, GemvPlan& pl, bool allow_span = true,
-              const GemvResidual* resid = nullptr);
+              int xpre_ld, const GemvNorm* norm, GemvParams& p, GemvPlan& pl, bool allow_span = true);
 
 // Fields per phase of exl2_gemv_chain's table (exl2_gemv_chain.cu; keep in sync with ops/cuda_chain.py).
 constexpr int kChainFields = 13;
@@ -561,9 +525,7 @@ constexpr int kChainFields = 13;
 // TMA-ring GEMV launch (exl2_gemv_tma.cu): p fully planned (ring_bytes set), `smem` dynamic bytes.
 int gemv_tma_launch(const GemvParams& p, int blocks, int smem, cudaStream_t stream);
 // Dynamic shared memory the TMA kernel needs beside its ring; maxgrp: most groups a block touches; norm_k: the
-// fused norm's row length (0 without); ssq_norm: the norm from block partials (its staged weight rows); xp_parts:
-// the split norm's producer writing the consumer's stored order (its staged inverse maps).
-int gemv_tma_smem_extra(int M, int xstride, int maxnch, int maxgrp, int norm_k, bool ssq_norm = false,
-                        int xp_parts = 0);
+// fused norm's row length (0 without).
+int gemv_tma_smem_extra(int M, int xstride, int maxnch, int maxgrp, int norm_k);
 
 }  // namespace exl2q

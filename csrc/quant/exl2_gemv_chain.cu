@@ -238,7 +238,7 @@ __device__ __forceinline__ void chain_compute(const ChainParams& c, const TmaSme
       __syncwarp();
       if (lane == 0) mbar_arrive(sm.done());  // every compute warp, active or not: the ring is free
       if (item == (int)blockIdx.x) chain_stamp(c, ph, 2);
-      tma_finish<1>(p, wk, st, active, sm);
+      tma_finish<1>(p, wk, st, active);
       compute_sync();  // the next item's constants overwrite this one's
     }
     chain_stamp(c, ph, 3);
@@ -423,7 +423,7 @@ EXL2_API int exl2_gemv_chain(const int64_t* phases, int nphase, int M, float eps
         a.res_out = reinterpret_cast<__half*>(res_out);
         a.res_out_ld = res_out_ld;
         c.items[i] = M;
-        z.norm_red = kNormRedFloats * 4;
+        z.norm_red = kGvWarps * 4;
         z.norm_xf = align16(K * 2);
       }
     }

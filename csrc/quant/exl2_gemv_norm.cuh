@@ -4,15 +4,13 @@
 // and then gathers its split's rows from there in stored order. Block 0 alone writes the new residual stream.
 //
 // The arithmetic is layers/norm.cu's rms_norm_kernel with 16-byte vectors, step for step: the same threads per
-// row (ceil(K / 32) rounded up to a warp, at most kMaxNormThreads), the same vectors per thread, the sum of
-// squares in the library's one order (layers/rms_ssq.cuh), and the same rounding of h + residual and of the
-// output. So the fused GEMV is bit-identical to add_rms_norm followed by the plain GEMV (tested), and to the GEMV
-// that normalizes from its producer's block partials (exl2_gemv_residual.cuh).
+// row (ceil(K / 32) rounded up to a warp, at most kMaxNormThreads), the same vectors per thread in the same order,
+// the same fma chain, warp sums and final warp sum over the row's warps, and the same rounding of h + residual
+// and of the output. So the fused GEMV is bit-identical to add_rms_norm followed by the plain GEMV (tested).
 #pragma once
 
 #include "common/api.h"
 #include "layers/common.cuh"
-#include "layers/rms_ssq.cuh"
 #include "quant/exl2_gemv.cuh"
 
 namespace exl2q {
@@ -20,9 +18,6 @@ namespace exl2q {
 constexpr int kNormVec = 8;       // halves per 16-byte vector (rms_norm_kernel VEC)
 constexpr int kNormMaxVecs = 4;   // vectors per thread (rms_norm_kernel MAXV)
 constexpr int kMaxNormThreads = kGvWarps * 32;  // a row's threads must fit the compute warps (K <= 8192)
-// Block partials of one pass (rows per pass x 256-column blocks per row): at most 32 for any K <= 8192, as a row
-// of nt threads holds at most 4 nt vectors, ceil(4 nt / 32) = nt / 8 blocks, and a pass takes 256 / nt rows.
-constexpr int kNormRedFloats = 32;
 
 // rms_norm_kernel's block size for a row of K halves (its launch(): vectors / MAXV, rounded up to a warp).
 __host__ __device__ inline int norm_row_threads(int K) {
@@ -61,7 +56,7 @@ __device__ __forceinline__ NormRows norm_rows_of(const GemvParams& p) {
 
 // Normalized rows of all M tokens into xf[m * K + k] (shared memory): xf = round(r * inv_rms(r) * w) with
 // r = round(h + residual) (r = h without a residual); `res_out` (may be null) receives r. `sync` is the compute
-// warps' barrier; `red` holds kNormRedFloats floats. Called by the kMaxNormThreads compute threads after the PDL wait.
+// warps' barrier; `red` holds kGvWarps floats. Called by the kMaxNormThreads compute threads after the PDL wait.
 // A thread's loads of a row (h, residual and weight vectors) are all issued before any of them is used or anything
 // is stored: one round trip. Written as load-then-use per vector, with the residual store in between, the
 // compiler kept them in order (it cannot move a load above a store that may alias it): eight to twelve dependent
@@ -72,7 +67,7 @@ __device__ __forceinline__ void gv_norm_rows(const NormRows& n, __half* xf, floa
   using namespace exl2::layers;
   const int K = n.K, nvec = K / kNormVec, nt = n.nt, per_pass = kMaxNormThreads / nt;
   const int tid = threadIdx.x, sub = tid / nt, t = tid - sub * nt;
-  const int lane = tid & 31, nb = (nvec + 31) / 32;  // 256-column blocks per row
+  const int lane = tid & 31, warp = tid >> 5, nw = nt >> 5, w0 = sub * nw;
   for (int m0 = 0; m0 < n.M; m0 += per_pass) {
     const int m = m0 + sub;
     const bool live = sub < per_pass && m < n.M;
@@ -86,10 +81,10 @@ __device__ __forceinline__ void gv_norm_rows(const NormRows& n, __half* xf, floa
         wv[i] = __ldg(reinterpret_cast<const uint4*>(n.w + c * kNormVec));  // a constant
       }
     }
+    float ss = 0.f;
 #pragma unroll
     for (int i = 0; i < kNormMaxVecs; ++i) {
       const int c = t + i * nt;
-      float vs = 0.f;
       if (live && c < nvec) {
         __half* h = reinterpret_cast<__half*>(&hv[i]);
         if (n.res) {
@@ -98,16 +93,19 @@ __device__ __forceinline__ void gv_norm_rows(const NormRows& n, __half* xf, floa
           for (int k = 0; k < kNormVec; ++k) h[k] = __float2half_rn(__fadd_rn(__half2float(h[k]), __half2float(r[k])));
           if (res_out) *reinterpret_cast<uint4*>(res_out + (size_t)m * res_out_ld + c * kNormVec) = hv[i];
         }
-        float v[kNormVec];
 #pragma unroll
-        for (int k = 0; k < kNormVec; ++k) v[k] = __half2float(h[k]);
-        vs = ssq_vec(v);
+        for (int k = 0; k < kNormVec; ++k) {
+          const float v = __half2float(h[k]);
+          ss = __fmaf_rn(v, v, ss);
+        }
       }
-      const float sb = ssq_block(vs);  // the warp's block partial (a warp never straddles two rows: nt % 32 == 0)
-      if (lane == 0 && live && c < nvec) red[sub * nb + c / 32] = sb;
     }
+    ss = warp_sum(ss);  // block_sum: each warp's sum, then one warp sum over the row's warps (zeros past them)
+    if (lane == 0) red[warp] = ss;
     sync();
-    const float inv = live ? rms_inv(ssq_total(red + sub * nb, nb), K, n.eps) : 0.f;
+    float s = sub < per_pass && lane < nw ? red[w0 + lane] : 0.f;
+    s = warp_sum(s);
+    const float inv = rsqrtf(__fadd_rn(__fdiv_rn(s, (float)K), n.eps));
 #pragma unroll
     for (int i = 0; i < kNormMaxVecs; ++i) {
       const int c = t + i * nt;

@@ -36,7 +36,7 @@ struct BlockSync {
 
 __global__ void __launch_bounds__(kThreads) norm_pregather_kernel(const __grid_constant__ NormPregatherParams p) {
   __shared__ __align__(16) __half xf[kMaxK];  // row m, normalized, natural order
-  __shared__ float red[kNormRedFloats];  // gv_norm_rows's block partials
+  __shared__ float red[kThreads / 32];
   const int m = blockIdx.x, part = blockIdx.y;
   const int r_first = threadIdx.x * kPregatherRows;
   uint4 idx0 = make_uint4(0, 0, 0, 0);  // the first xmap entries: constants, loaded before the wait

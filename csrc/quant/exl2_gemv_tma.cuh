@@ -13,7 +13,6 @@
 #include "common/api.h"
 #include "quant/exl2_gemv.cuh"
 #include "quant/exl2_gemv_norm.cuh"
-#include "quant/exl2_gemv_norm_partials.cuh"
 #include "quant/exl2_gemv_rope.cuh"
 
 namespace exl2q {
@@ -59,7 +58,7 @@ __host__ __device__ inline int align16(int x) { return (x + 15) & ~15; }
 
 // Byte offsets of the regions after the barriers and the ring (which starts at kBarBytes):
 // [barriers][ring][scales: maxgrp x 8 warps x 8 gid uint2][x: M x xstride halves][xmap slice: maxnch x 64]
-// [chunk info: maxnch ints][fused norm: kNormRedFloats partial sums][fused norm: M x norm_k normalized halves]
+// [chunk info: maxnch ints][fused norm: kGvWarps partial sums][fused norm: M x norm_k normalized halves]
 struct TmaLayout {
   int scl, xs, xm, info, red, xf, total;
 };
@@ -68,14 +67,9 @@ struct TmaSizes {  // the bytes of each region for one launch's parameters
   int ring, scl, xs, xm, info, norm_red, norm_xf;
 };
 
-// ssq_norm (the norm from block partials, norm_k 0): the red region holds the rows' 1 / rms (M <= 32), the xf
-// region the norm weight at the item's rows. xp_parts (the split norm's producer with a stored-order stream): the
-// xf region holds the consumer parts' inverse maps at the column block.
-__host__ __device__ inline TmaSizes tma_sizes(int ring_bytes, int maxgrp, int M, int xstride, int maxnch, int norm_k,
-                                              bool ssq_norm = false, int xp_parts = 0) {
+__host__ __device__ inline TmaSizes tma_sizes(int ring_bytes, int maxgrp, int M, int xstride, int maxnch, int norm_k) {
   return {ring_bytes, maxgrp * kGroupScaleBytes, align16(M * xstride * 2), maxnch * kChunkRows * 2,
-          align16(maxnch * 4), norm_k || ssq_norm ? kNormRedFloats * 4 : 0,
-          norm_k ? align16(M * norm_k * 2) : ssq_norm ? align16(maxnch * kChunkRows * 2) : xp_parts * kGvCols * 2};
+          align16(maxnch * 4), norm_k ? kGvWarps * 4 : 0, norm_k ? align16(M * norm_k * 2) : 0};
 }
 
 __host__ __device__ inline TmaLayout tma_layout(const TmaSizes& z) {
@@ -283,14 +277,10 @@ __device__ __forceinline__ void tma_produce(const GemvParams& p, const GvWork& w
 }
 
 // Compute warps: the split's xmap slice and chunk info (constants) into shared memory; the caller synchronizes.
-// With the norm from block partials, also its weight at the item's rows (sm.xf).
-__device__ __forceinline__ void tma_load_constants(const QDesc& d, const GvWork& wk, const TmaSmem& sm,
-                                                   const GemvParams* p = nullptr) {
+__device__ __forceinline__ void tma_load_constants(const QDesc& d, const GvWork& wk, const TmaSmem& sm) {
   const int c0 = wk.c0, nch = wk.c1 - wk.c0;
   gv_load_xmap(d, c0, nch, sm.xm, kTmaComputeThreads);
   for (int i = threadIdx.x; i < nch; i += kTmaComputeThreads) sm.info[i] = __ldg(d.info + c0 + i);
-  if (p && p->norm_ssq) gv_load_norm_weight_rows(*p, d, c0, nch, sm.xf, kTmaComputeThreads);
-  if (p && p->resid_xp_parts) gv_stage_residual_inv(*p, wk.colblk, reinterpret_cast<unsigned short*>(sm.xf));
 }
 
 // Compute warps, after the PDL wait (or the chain's grid barrier) and a compute_sync: the split's input rows in
@@ -309,26 +299,12 @@ __device__ __forceinline__ void tma_stage_input(const GemvParams& p, const GvWor
                  compute_sync);
     loaded();
     gv_gather_normed(p, nch, sm.xs, sm.xm, sm.xf, kTmaComputeThreads);
-    return;
-  }
-  if (p.probe & kProbeNoGather) return;
-  // The norm from block partials: the last warp assembles each row's 1 / rms while the others gather (one copy of
-  // the gather code either way: the kernel's size costs instruction fetch on every launch).
-  const bool ssq = p.norm_ssq != nullptr;
-  const int nthreads = ssq ? kTmaComputeThreads - 32 : kTmaComputeThreads;
-  if (threadIdx.x >= nthreads) {
-    gv_rows_inv_rms(p, sm.red);
-  } else {  // rows at M > 8 (and the partials' wide inputs past 8 items per thread): 16 or 32 loads in flight
-    const int mode = p.gather_mode != kGatherAuto ? p.gather_mode
-                     : MT > 1 || (ssq && nch * kChunkRows * p.M > 8 * nthreads) ? kGatherRows : kGatherItems;
-    if (p.xpre) gv_copy_pregathered(p, wk.di, wk.c0, nch, sm.xs, nthreads);
-    else if (mode == kGatherRows) gv_gather<MT >= 4 ? 32 : 16>(p, nch, sm.xs, sm.xm, nthreads);
-    else gv_gather_items(p, nch, sm.xs, sm.xm, nthreads);
-  }
-  loaded();
-  if (ssq) {
-    compute_sync();
-    gv_scale_normed(p, nch, sm.xs, sm.xm, sm.xf, sm.red, kTmaComputeThreads);
+  } else if (!(p.probe & kProbeNoGather)) {  // rows at M > 8: M loads per row slot, 16 or 32 in flight
+    const int mode = p.gather_mode == kGatherAuto ? (MT > 1 ? kGatherRows : kGatherItems) : p.gather_mode;
+    if (p.xpre) gv_copy_pregathered(p, wk.di, wk.c0, nch, sm.xs, kTmaComputeThreads);
+    else if (mode == kGatherRows) gv_gather<MT >= 4 ? 32 : 16>(p, nch, sm.xs, sm.xm, kTmaComputeThreads);
+    else gv_gather_items(p, nch, sm.xs, sm.xm, kTmaComputeThreads);
+    loaded();
   }
 }
 
@@ -385,28 +361,11 @@ __device__ __forceinline__ void tma_chunks(const GemvParams& p, const GvWork& wk
 // ticket for the next launch (and graph replay). ksplit == 1: the result is stored directly.
 template <int MT>
 __device__ __forceinline__ void tma_finish(const GemvParams& p, const GvWork& wk, const GvStateMT<MT>& st,
-                                           bool active, const TmaSmem& sm) {
+                                           bool active) {
   const QDesc& d = p.d[wk.di];
   const int warp = threadIdx.x >> 5, tid = threadIdx.x;
-  const int n0 = (wk.colblk * kGvCols + warp * kWarpCols);
-  // The split norm's producer (exl2_gemv_norm_partials.cuh): final values into the drained ring, then the
-  // residual add and the block partials.
-  __half* stash = p.resid_ssq ? reinterpret_cast<__half*>(sm.ring) : nullptr;
-  uint4 res[MT];
-  if (stash) gv_residual_prefetch<MT>(p, d, wk.colblk, res);
+  const int n0 = (wk.colblk * kGvWarps + warp) * kWarpCols;
   if (wk.ksplit == 1) {
-    if (stash) {
-      compute_sync();  // every warp is past its chunk loop: the ring is free
-      if (active)
-        for_each_acc<MT>([&](int nt, int mt, int e, int c, int m) {
-          float v = gv_acc(st, nt, mt, e);
-          if (d.bias && n0 + c < d.N) v += __half2float(d.bias[n0 + c]);
-          if (m < p.M) stash[m * kGvCols + warp * kWarpCols + c] = __float2half_rn(v);
-        });
-      compute_sync();
-      gv_residual_ssq<MT>(p, d, wk.colblk, stash, res, reinterpret_cast<const unsigned short*>(sm.xf));
-      return;
-    }
     if (active) gv_store<MT>(d, st, n0, p.M, wk.gsplit, false);
     if (p.rope_d) {
       compute_sync();
@@ -421,16 +380,12 @@ __device__ __forceinline__ void tma_finish(const GemvParams& p, const GvWork& wk
   if (tid == 0) s_last = gv_ticket(d, wk.colblk, wk.ksplit);
   compute_sync();
   if (!s_last) return;
-  if (p.reduce_vec4) gv_reduce_partials_vec4(d, wk.colblk, wk.ksplit, p.M, tid, kTmaComputeThreads, stash);
-  else gv_reduce_partials(d, wk.colblk, wk.ksplit, p.M, tid, kTmaComputeThreads, stash);
+  if (p.reduce_vec4) gv_reduce_partials_vec4(d, wk.colblk, wk.ksplit, p.M, tid, kTmaComputeThreads);
+  else gv_reduce_partials(d, wk.colblk, wk.ksplit, p.M, tid, kTmaComputeThreads);
   if (tid == 0) d.counters[wk.colblk] = 0;  // ready for the next launch (and graph replay)
   if (p.rope_d) {
     compute_sync();
     gv_rope_kv(p, wk.di, wk.colblk, tid, kTmaComputeThreads);
-  }
-  if (stash) {
-    compute_sync();
-    gv_residual_ssq<MT>(p, d, wk.colblk, stash, res, reinterpret_cast<const unsigned short*>(sm.xf));
   }
 }
 #endif

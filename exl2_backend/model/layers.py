@@ -25,14 +25,6 @@ FOLD_DOWN_ORDER = os.environ.get("EXL2_BACKEND_FOLD_DOWN_ORDER", "1") != "0"
 # each column block's final values rotates q in place and writes k and v into an fp16 cache), one launch fewer per
 # layer; EXL2_BACKEND_ROPE_IN_GEMV=0 runs rope_kv_write apart (same bits), for A/B timing.
 ROPE_IN_GEMV = os.environ.get("EXL2_BACKEND_ROPE_IN_GEMV", "1") != "0"
-# The post-attention norm and the next layer's input norm split across the GEMVs around them
-# (ops/cuda_split_norm.py): o_proj and down_proj add the residual and leave block partials of the sums of squares,
-# gate/up and q/k/v normalize their own rows from them. No norm launch and no whole-row pass per GEMV block; the
-# same bits as add_rms_norm. EXL2_BACKEND_SPLIT_NORM=0 goes back to the norm inside the consumer (or its own launch).
-SPLIT_NORM = os.environ.get("EXL2_BACKEND_SPLIT_NORM", "1") != "0"
-# From this many rows the producer also writes the stream in the consumer's stored row order, which the consumer
-# copies with 16-byte loads instead of gathering two bytes at a time (0: never).
-SPLIT_NORM_STORED_FROM = int(os.environ.get("EXL2_BACKEND_SPLIT_NORM_STORED_FROM", "2"))
 
 
 def norm_linear(linear, h: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float):
@@ -160,8 +152,6 @@ class DecoderLayer:
         [T, H]; with `nxt`, also the next layer's input norm and q/k/v (norm_qkv, given `step`). Returns (qkv of nxt,
         residual, roped) with nxt, else (the MLP output h, residual, False). One persistent GEMV chain where it runs
         (ops/cuda_chain.py), else op by op."""
-        if residual is not None and self._takes_split_norm(attn.shape[0], nxt, step):
-            return self._split_norm_tail(attn, residual, nxt, step)
         if residual is not None and FUSED_NORM and FUSED_SILU_DOWN and hasattr(self.o, "launch"):
             from exl2_backend.ops.cuda_chain import mlp_chain
 
@@ -174,34 +164,6 @@ class DecoderLayer:
         if nxt is None:
             return h, residual, False
         return norm_qkv(nxt, h, residual, step)
-
-    def _takes_split_norm(self, m: int, nxt: DecoderLayer | None, step: StepInputs | None) -> bool:
-        """Whether o_proj .. the next q/k/v run with the norms split across them (SPLIT_NORM): every GEMV involved
-        takes M rows on the TMA kernel, and down_proj takes its gated input."""
-        if not (SPLIT_NORM and FUSED_NORM and FUSED_SILU_DOWN and hasattr(self.down, "gated")):
-            return False
-        linears = [self.o, self.gate_up] + ([self.down, nxt.qkv] if nxt is not None else [])
-        return all(getattr(op, "takes_split_norm", None) is not None and op.takes_split_norm(m) for op in linears)
-
-    def _split_norm_tail(self, attn, residual, nxt: DecoderLayer | None, step: StepInputs | None):
-        """attention_out_mlp with the norms split across the GEMVs (_takes_split_norm): o_proj writes the stream
-        h + residual and its rows' block partials, gate/up normalizes from them; down_proj and the next q/k/v the
-        same. Without `nxt` down_proj stays plain: the head's norm takes (h, residual) as before."""
-        stored = 0 < SPLIT_NORM_STORED_FROM <= attn.shape[0]  # the producers also write the consumers' row order
-        # [T, H] stream, [T, ceil(H / 256)] block partials, [parts, T, Kpad] stored-order copy or None
-        residual, ssq, xp = self.o.add_residual(attn, residual, consumer=self.gate_up if stored else None)
-        gate_up = self.gate_up.normed_from_partials(residual, ssq, self.post_norm, self.eps, xp)
-        if nxt is None:
-            return self.mlp(gate_up), residual, False
-        residual, ssq, xp = self.down.add_residual(gate_up, residual, gated=True, consumer=nxt.qkv if stored else None)
-        if step is not None and ROPE_IN_GEMV and FUSED_ROPE_KV and not getattr(step.cache, "quantized", False):
-            k_cache, v_cache = step.cache.k[nxt.index], step.cache.v[nxt.index]  # [P, S, Hkv, D]
-            if k_cache.dtype == torch.float16:
-                qkv = nxt.qkv.normed_from_partials_rope_kv(residual, ssq, nxt.input_norm, nxt.eps, step.positions,
-                                                           step.inv_freq, k_cache, v_cache, step.meta.slots, xp)
-                if qkv is not None:
-                    return qkv, residual, True
-        return nxt.qkv.normed_from_partials(residual, ssq, nxt.input_norm, nxt.eps, xp), residual, False
 
     def mlp(self, gate_up):
         """gate_up [T, 2I] (gate | up, the fused projection of the normed hidden states) -> [T, H]."""

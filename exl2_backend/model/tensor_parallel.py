@@ -30,9 +30,6 @@ class GatherInput:
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         return self.op(self.comm.all_gather_cols(x))  # [T, F / w] -> [T, F] -> [T, N]
 
-    def takes_split_norm(self, m: int) -> bool:  # the split norm's producer would skip the gather
-        return False
-
     def __getattr__(self, name):
         return getattr(self.op, name)
 
@@ -45,9 +42,6 @@ class ReduceOutput:
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         return self.comm.all_reduce_(self.op(x).contiguous())
-
-    def takes_split_norm(self, m: int) -> bool:  # a rank's partial output is not the hidden state
-        return False
 
     def __getattr__(self, name):
         if name == "gated":  # the CUDA op's fused silu(gate) * up input (DecoderLayer.mlp), reduced as well

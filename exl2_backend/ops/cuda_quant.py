@@ -26,7 +26,7 @@ import torch
 
 from exl2_backend.errors import TensorShapeError, UnsupportedBitWidthError
 from exl2_backend.format.qtensor import QTensor, rows_in_input_order
-from exl2_backend.ops import cuda_split_norm, library
+from exl2_backend.ops import library
 
 # Largest M that uses the mma kernel (which supports 1..32) where the GEMV does not take M (below sm_90, or its
 # split-K partials would not fit WORKSPACE_BUDGET); above it, dequantize + cuBLAS. Measured on the H200
@@ -863,47 +863,6 @@ class CudaLinearOp:
             h, residual, weight, float(eps), launch.parts[0].packed, launch.handle, ws, counters, pregather,
             positions, inv_freq, k_cache, v_cache, slots)
         return y, (h if residual is None else res_out)
-
-    # --- the norm split across two GEMVs (ops/cuda_split_norm.py) ---
-
-    def takes_split_norm(self, m: int) -> bool:
-        """Whether M rows can run either side of the split norm (the TMA GEMV takes them)."""
-        return cuda_split_norm.takes_split_norm(self.launch, m)
-
-    def add_residual(self, x: torch.Tensor, residual: torch.Tensor, gated: bool = False,
-                     consumer: CudaLinearOp | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-        """(round(self(x) + residual) [M, N], ssq [M, ceil(N / 256)] fp32, xp): the split norm's producer, whose
-        output is the new residual stream and whose ssq holds its rows' sums of squares as block partials. gated: x
-        is gate | up [M, 2K] and the input silu(gate) * up (as `gated`). consumer: the op that normalizes the
-        stream next; xp then holds the stream in its stored row order, for normed_from_partials (else None)."""
-        ws, counters = self.workspace.buffers()
-        stream, ssq, xp = torch.ops.exl2_backend.exl2_gemv_residual(
-            x, residual, self.launch.parts[0].packed, self.launch.handle, ws, counters,
-            self.in_features if gated else 0, -1 if consumer is None else consumer.launch.handle)
-        return stream, ssq, None if consumer is None else xp
-
-    def normed_from_partials(self, x: torch.Tensor, ssq: torch.Tensor, weight: torch.Tensor, eps: float,
-                             xp: torch.Tensor | None = None) -> torch.Tensor:
-        """self(rms_norm(x) * weight) with x's sums of squares from add_residual's ssq: the split norm's consumer,
-        bit-identical to rms_norm then self(...). xp: add_residual's stored-order copy for this op."""
-        ws, counters = self.workspace.buffers()
-        return torch.ops.exl2_backend.exl2_gemv_ssq_norm(x, ssq, weight, float(eps), self.launch.parts[0].packed,
-                                                         self.launch.handle, ws, counters, xp)
-
-    def normed_from_partials_rope_kv(self, x: torch.Tensor, ssq: torch.Tensor, weight: torch.Tensor, eps: float,
-                                     positions: torch.Tensor, inv_freq: torch.Tensor, k_cache: torch.Tensor,
-                                     v_cache: torch.Tensor, slots: torch.Tensor,
-                                     xp: torch.Tensor | None = None) -> torch.Tensor | None:
-        """normed_from_partials of a fused q/k/v projection with rope_kv_write inside the launch (as
-        add_normed_rope_kv); None where the rope's tensors do not fit the fused kernel."""
-        try:
-            _rope_args(self.launch, x.shape[0], positions, inv_freq, k_cache, v_cache, slots)
-        except TensorShapeError:
-            return None
-        ws, counters = self.workspace.buffers()
-        return torch.ops.exl2_backend.exl2_gemv_ssq_norm_rope_kv(
-            x, ssq, weight, float(eps), self.launch.parts[0].packed, self.launch.handle, ws, counters, xp, positions,
-            inv_freq, k_cache, v_cache, slots)
 
     def _norm_route(self, h: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, always: bool,
                     pregather: bool | None) -> bool | None:

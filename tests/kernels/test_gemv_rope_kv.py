@@ -177,18 +177,14 @@ def test_model_forward_bit_identical_with_rope_in_the_gemv(tmp_path, monkeypatch
                            num_key_value_heads=hk, head_dim=d)
     model = LlamaModel.from_dir(write_tiny_exl2_model(tmp_path / "m", cfg, seed=4), "cuda")
     fused = []
+    real = cuda_quant.CudaLinearOp.add_normed_rope_kv
 
-    def counting(real):
-        def call(self, *args, **kwargs):
-            out = real(self, *args, **kwargs)
-            fused.append(out is not None)
-            return out
-        return call
+    def counting(self, *args, **kwargs):
+        out = real(self, *args, **kwargs)
+        fused.append(out is not None)
+        return out
 
-    # the first layer's q/k/v normalizes its own input; the others, after a producer GEMV, from the split norm's
-    # partials (layers.SPLIT_NORM): both routes run the rope inside the GEMV
-    for name in ("add_normed_rope_kv", "normed_from_partials_rope_kv"):
-        monkeypatch.setattr(cuda_quant.CudaLinearOp, name, counting(getattr(cuda_quant.CudaLinearOp, name)))
+    monkeypatch.setattr(cuda_quant.CudaLinearOp, "add_normed_rope_kv", counting)
 
     def run(on: bool) -> list[torch.Tensor]:
         monkeypatch.setattr(layers, "ROPE_IN_GEMV", on)

@@ -21,6 +21,18 @@ constexpr int kProbeNoGather = 1;  // activations not gathered (shared memory le
 constexpr int kProbeNoReduce = 2;  // split partials written, no ticket and no final reduction
 constexpr int kProbeNoMath = 4;    // weights streamed through the ring, no decode or mma
 
+// Features a TMA GEMV instantiation compiles (its template argument F): every runtime switch of a launch's
+// parameters is tested as (F & bit) && switch, so kFAll is the one kernel every launch runs, and a narrower F (the
+// measurement build EXL2_GEMV_SPECIALIZED, exl2_gemv_tma.cu) leaves the code of unused features out of the kernel.
+// H200 calls AG1 / AG2 of 2026-12-03: code compiled into the kernel but not run slowed every launch ~0.6 us.
+constexpr int kFNorm = 1;     // the norm inside the GEMV (norm_nt)
+constexpr int kFRope = 2;     // the fused rope (rope_d)
+constexpr int kFGated = 4;    // a gathered silu(gate) * up input (gate_off, no xpre)
+constexpr int kFPre = 8;      // a pre-gathered input (xpre)
+constexpr int kFCluster = 16; // cluster split-K (cluster)
+constexpr int kFProbe = 32;   // timing probes (probe)
+constexpr int kFAll = 63;
+
 // GemvParams::gather_mode. Auto: by items at M <= 8, by row slots past it. (A gather by 16-byte vectors where the
 // rows are in input order, for down_proj after model/tp_shard.fold_down_order, lost to the item gather: H200 call
 // R2 of 2026-12-02, 8B decode step 2.687 against 2.657 ms, k = 4 verify 3.381 against 3.335 ms.)
@@ -292,6 +304,7 @@ __device__ __forceinline__ void gv_load_xmap(const QDesc& d, int c0, int nch, un
 // threads from thread 0 (callers synchronize); 8 independent 2-byte loads in flight per thread, items in
 // (token, row) order. With gate_off the input is silu(gate) * up, the same arithmetic as silu_mul_kernel
 // (bit-identical). The TMA kernel's default for an ungated input at M <= 8 (GemvParams::gather_mode).
+template <bool kMayGate = true>  // false: the input is never gated (the gated code is not compiled)
 __device__ __forceinline__ void gv_gather_items(const GemvParams& p, int nch, __half* xs, const unsigned short* xm,
                                           int nthreads) {
   constexpr int kB = 8;
@@ -300,7 +313,7 @@ __device__ __forceinline__ void gv_gather_items(const GemvParams& p, int nch, __
   const unsigned short* xg = reinterpret_cast<const unsigned short*>(p.x);
   unsigned short* xo = reinterpret_cast<unsigned short*>(xs);
   const int items = rows * p.M;  // (token, row) pairs, all tokens' loads in flight together
-  if (p.gate_off > 0) {
+  if (kMayGate && p.gate_off > 0) {
     const __half* xh = p.x;
     for (int e0 = threadIdx.x; e0 < items; e0 += kB * T) {
       __half g[kB], u[kB];
@@ -419,11 +432,11 @@ __device__ __forceinline__ void gv_copy_pregathered(const GemvParams& p, int di,
   }
 }
 
-template <int kMaxB = 8>
+template <int kMaxB = 8, bool kMayGate = true>
 __device__ __forceinline__ void gv_gather(const GemvParams& p, int nch, __half* xs, const unsigned short* xm,
                                           int nthreads) {
   const int rows = nch * kChunkRows, per = (rows + nthreads - 1) / nthreads, total = per * p.M;
-  const bool gated = p.gate_off > 0;
+  const bool gated = kMayGate && p.gate_off > 0;
   if (kMaxB >= 32 && total > 16) {
     if (gated) gv_gather_rounds<kMaxB >= 32 ? 16 : 8, true>(p, rows, per, xs, xm, nthreads);  // 2 loads per item
     else gv_gather_rounds<kMaxB >= 32 ? 32 : 8, false>(p, rows, per, xs, xm, nthreads);

@@ -21,6 +21,8 @@
 // register-batch kernel. Compute warps synchronize among themselves with named barrier 1 (256 threads), so the
 // producer never joins a barrier it could deadlock on.
 #include <algorithm>
+#include <cstdio>
+#include <cstdlib>
 
 #include "common/api.h"
 #include "common/pdl.cuh"
@@ -105,7 +107,7 @@ __device__ __forceinline__ GvWork run_segment(const QDesc& d, const GvWork& wk, 
   return s;
 }
 
-template <int MT>
+template <int MT, int F>
 __device__ __forceinline__ void tma_block(const GemvParams& p, const GvWork& wk, unsigned char* smem) {
   const QDesc& d = p.d[wk.di];
   const int tid = threadIdx.x, warp = tid >> 5;
@@ -131,7 +133,7 @@ __device__ __forceinline__ void tma_block(const GemvParams& p, const GvWork& wk,
   if (warp == kGvWarps) {  // producer
     if (one_run) {
       tma_produce_run(p, wk, sm, stages);
-      if (p.cluster) cluster_reduce<1>(d, wk, GvState{}, false, false, 0, p.M, nullptr);
+      if ((F & kFCluster) && p.cluster) cluster_reduce<1>(d, wk, GvState{}, false, false, 0, p.M, nullptr);
       return;
     }
     for (int r = wk.ri; r < wk.re; ++r) {
@@ -139,7 +141,7 @@ __device__ __forceinline__ void tma_block(const GemvParams& p, const GvWork& wk,
       tma_produce_run(p, one_run ? wk : run_segment(d, wk, r), sm, stages);
       if (r + 1 < wk.re) tma_prefetch_run(d, run_segment(d, wk, r + 1), ring_stages(p, d.runs[r + 1].bits));
     }
-    if (p.cluster) cluster_reduce<1>(d, wk, GvState{}, false, false, 0, p.M, nullptr);
+    if ((F & kFCluster) && p.cluster) cluster_reduce<1>(d, wk, GvState{}, false, false, 0, p.M, nullptr);
     return;
   }
 
@@ -147,29 +149,29 @@ __device__ __forceinline__ void tma_block(const GemvParams& p, const GvWork& wk,
   tma_load_constants(d, wk, sm);
   exl2::pdl_wait();
   compute_sync();
-  tma_stage_input<MT>(p, wk, sm);
+  tma_stage_input<MT, NoMark, F>(p, wk, sm);
   compute_sync();
 
   const bool active = warp < g.nwa;
   GvStateMT<MT> st;
   gv_zero(st);
   if (one_run) {
-    if (active) with_bits(bits0, [&](auto b) { tma_chunks<decltype(b)::value, MT>(p, wk, sm, stages, st); });
+    if (active) with_bits(bits0, [&](auto b) { tma_chunks<decltype(b)::value, MT, F>(p, wk, sm, stages, st); });
   }
   for (int r = wk.ri; r < (one_run ? wk.ri : wk.re); ++r) {
     if (r > wk.ri) next_run(r);
     const GvWork seg = one_run ? wk : run_segment(d, wk, r);
     if (active)
       with_bits(r == wk.ri ? bits0 : d.runs[r].bits, [&](auto b) {
-        tma_chunks<decltype(b)::value, MT>(p, seg, sm, stages, st, seg.c0 - wk.c0);
+        tma_chunks<decltype(b)::value, MT, F>(p, seg, sm, stages, st, seg.c0 - wk.c0);
       });
   }
-  if (p.cluster && wk.ksplit > 1) {  // the ring is drained: every copy into it was waited for and read
+  if ((F & kFCluster) && p.cluster && wk.ksplit > 1) {  // the ring is drained: every copy into it was waited for and read
     const int n0 = (g.j0 + warp) * kWarpCols;
     cluster_reduce<MT>(d, wk, st, active, true, n0, p.M, reinterpret_cast<float*>(sm.ring));
     return;
   }
-  tma_finish<MT>(p, wk, st, active);
+  tma_finish<MT, F>(p, wk, st, active);
 }
 #endif
 
@@ -181,13 +183,14 @@ __device__ __forceinline__ void tma_block(const GemvParams& p, const GvWork& wk,
 #ifndef EXL2_GEMV_TMA_MT1_MIN_BLOCKS
 #define EXL2_GEMV_TMA_MT1_MIN_BLOCKS 2
 #endif
-template <int MT>
+// F: the features compiled in (kFAll: every launch's kernel; narrower sets: the EXL2_GEMV_SPECIALIZED build).
+template <int MT, int F>
 __global__ void __launch_bounds__(kTmaThreads, MT == 1 ? EXL2_GEMV_TMA_MT1_MIN_BLOCKS : MT <= 2 ? 2 : 1)
     gemv_tma_kernel(const __grid_constant__ GemvParams p) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   extern __shared__ __align__(128) unsigned char smem[];
   exl2::pdl_launch_dependents();  // every block is resident now: the next kernel may launch into freed SMs
-  tma_block<MT>(p, gv_work(p), smem);
+  tma_block<MT, F>(p, gv_work(p), smem);
 #else
   __trap();  // the host launches this kernel on sm_90+ only
 #endif
@@ -200,12 +203,12 @@ int gemv_tma_smem_extra(int M, int xstride, int maxnch, int maxgrp, int norm_k) 
 }
 
 namespace {
-template <int MT>
+template <int MT, int F = kFAll>
 int launch_mt(const GemvParams& p, int blocks, int smem, cudaStream_t stream) {
   static int smem_set[kMaxDevices] = {};  // function attributes are per kernel and per device
   static bool non_portable_set[kMaxDevices] = {};
   const int dev = current_device_slot();
-  auto kernel = gemv_tma_kernel<MT>;
+  auto kernel = gemv_tma_kernel<MT, F>;
   if (const int st = raise_smem_limit(kernel, smem, smem_set[dev], "exl2_gemv (TMA)")) return st;
   if (!p.cluster) {
     exl2::launch_kernel(kernel, blocks, kTmaThreads, smem, stream, p);
@@ -236,7 +239,39 @@ int launch_mt(const GemvParams& p, int blocks, int smem, cudaStream_t stream) {
 }
 }  // namespace
 
+#ifdef EXL2_GEMV_SPECIALIZED
+// Measurement build: with EXL2_GEMV_SPECIALIZED=1 set at run time, a launch of one or two token tiles whose features
+// (kF*) are one of the decode and verify steps' sets runs an instantiation compiled with only those; any other
+// launch runs the kFAll kernel. The same arithmetic in the same order (bit-identical by construction).
+int features_of(const GemvParams& p) {
+  return (p.norm_nt ? kFNorm : 0) | (p.rope_d ? kFRope : 0) | (p.gate_off > 0 && !p.xpre ? kFGated : 0) |
+         (p.xpre ? kFPre : 0) | (p.cluster ? kFCluster : 0) | (p.probe ? kFProbe : 0);
+}
+template <int MT>
+int launch_specialized(const GemvParams& p, int blocks, int smem, cudaStream_t stream) {
+  switch (features_of(p)) {
+    case 0: return launch_mt<MT, 0>(p, blocks, smem, stream);                     // o_proj (M = 1)
+    case kFGated: return launch_mt<MT, kFGated>(p, blocks, smem, stream);         // down_proj
+    case kFNorm: return launch_mt<MT, kFNorm>(p, blocks, smem, stream);           // gate/up, the head
+    case kFNorm | kFRope: return launch_mt<MT, kFNorm | kFRope>(p, blocks, smem, stream);  // q/k/v (decode)
+    case kFPre: return launch_mt<MT, kFPre>(p, blocks, smem, stream);             // after the pre-gathering norm
+    case kFPre | kFRope: return launch_mt<MT, kFPre | kFRope>(p, blocks, smem, stream);    // q/k/v (verify)
+    default: return launch_mt<MT>(p, blocks, smem, stream);
+  }
+}
+#endif
+
 int gemv_tma_launch(const GemvParams& p, int blocks, int smem, cudaStream_t stream) {
+#ifdef EXL2_GEMV_SPECIALIZED
+  static const bool specialized = [] {
+    const char* e = getenv("EXL2_GEMV_SPECIALIZED");
+    const bool on = e && atoi(e) == 1;
+    if (on) fprintf(stderr, "exl2_backend: EXL2_GEMV_SPECIALIZED=1: GEMV kernels specialized by feature set\n");
+    return on;
+  }();
+  if (specialized && p.M <= 16)
+    return p.M <= 8 ? launch_specialized<1>(p, blocks, smem, stream) : launch_specialized<2>(p, blocks, smem, stream);
+#endif
   switch ((p.M + 7) / 8) {
     case 1: return launch_mt<1>(p, blocks, smem, stream);
     case 2: return launch_mt<2>(p, blocks, smem, stream);

@@ -290,20 +290,23 @@ __device__ __forceinline__ void tma_load_constants(const QDesc& d, const GvWork&
 struct NoMark {
   __device__ void operator()() const {}
 };
-template <int MT, typename Mark = NoMark>
+template <int MT, typename Mark = NoMark, int F = kFAll>
 __device__ __forceinline__ void tma_stage_input(const GemvParams& p, const GvWork& wk, const TmaSmem& sm,
                                                 Mark&& loaded = Mark{}) {
   const int nch = wk.c1 - wk.c0;
-  if (p.norm_nt) {
+  constexpr bool kGate = (F & kFGated) != 0;
+  if ((F & kFNorm) && p.norm_nt) {
     gv_norm_rows(norm_rows_of(p), sm.xf, sm.red, blockIdx.x == 0 ? p.norm_res_out : nullptr, p.norm_res_out_ld,
                  compute_sync);
     loaded();
     gv_gather_normed(p, nch, sm.xs, sm.xm, sm.xf, kTmaComputeThreads);
-  } else if (!(p.probe & kProbeNoGather)) {  // rows at M > 8: M loads per row slot, 16 or 32 in flight
+  } else if (!((F & kFProbe) && (p.probe & kProbeNoGather))) {
+    // rows at M > 8: M loads per row slot, 16 or 32 in flight
     const int mode = p.gather_mode == kGatherAuto ? (MT > 1 ? kGatherRows : kGatherItems) : p.gather_mode;
-    if (p.xpre) gv_copy_pregathered(p, wk.di, wk.c0, nch, sm.xs, kTmaComputeThreads);
-    else if (mode == kGatherRows) gv_gather<MT >= 4 ? 32 : 16>(p, nch, sm.xs, sm.xm, kTmaComputeThreads);
-    else gv_gather_items(p, nch, sm.xs, sm.xm, kTmaComputeThreads);
+    if ((F & kFPre) && p.xpre) gv_copy_pregathered(p, wk.di, wk.c0, nch, sm.xs, kTmaComputeThreads);
+    else if (F == kFPre || F == (kFPre | kFRope)) {}  // a pre-gathered instantiation: never without xpre
+    else if (mode == kGatherRows) gv_gather<MT >= 4 ? 32 : 16, kGate>(p, nch, sm.xs, sm.xm, kTmaComputeThreads);
+    else gv_gather_items<kGate>(p, nch, sm.xs, sm.xm, kTmaComputeThreads);
     loaded();
   }
 }
@@ -312,7 +315,7 @@ __device__ __forceinline__ void tma_stage_input(const GemvParams& p, const GvWor
 // into mma A registers. Ends with the flush of a group that continues past this split (its partial is linear in
 // the scale). `off`: chunks of the block's item before wk.c0 (a span split's later runs), whose chunk info and
 // input rows come first in shared memory.
-template <int B, int MT>
+template <int B, int MT, int F = kFAll>
 __device__ __forceinline__ void tma_chunks(const GemvParams& p, const GvWork& wk, const TmaSmem& sm, int stages,
                                            GvStateMT<MT>& st, int off = 0) {
   constexpr int kTileBytes = 256 * B;
@@ -341,7 +344,7 @@ __device__ __forceinline__ void tma_chunks(const GemvParams& p, const GvWork& wk
     load_lane_words<B>(tile + s * (kSlotBytes / 4), lane, w);
     __syncwarp();
     if (lane == 0) mbar_arrive(sm.empty(s));  // release: the warp's reads of the slot are done
-    if (p.probe & kProbeNoMath) {
+    if ((F & kFProbe) && (p.probe & kProbeNoMath)) {
       asm volatile("" ::"r"(w[0][0]), "r"(w[1][B - 1]));  // keep the shared loads
     } else if constexpr (MT == 1) {
       gv_chunk<B, true>(w, s_info[i], xl + i * kChunkRows, st, scl_lane, kGvWarps * 8, ngrp);
@@ -359,7 +362,7 @@ __device__ __forceinline__ void tma_chunks(const GemvParams& p, const GvWork& wk
 // Compute warps, split-K through the global workspace: every active warp writes its partial, thread 0 takes the
 // column block's ticket, and the last block sums the partials in split order (deterministic) and re-arms the
 // ticket for the next launch (and graph replay). ksplit == 1: the result is stored directly.
-template <int MT>
+template <int MT, int F = kFAll>
 __device__ __forceinline__ void tma_finish(const GemvParams& p, const GvWork& wk, const GvStateMT<MT>& st,
                                            bool active) {
   const QDesc& d = p.d[wk.di];
@@ -367,14 +370,14 @@ __device__ __forceinline__ void tma_finish(const GemvParams& p, const GvWork& wk
   const int n0 = (wk.colblk * kGvWarps + warp) * kWarpCols;
   if (wk.ksplit == 1) {
     if (active) gv_store<MT>(d, st, n0, p.M, wk.gsplit, false);
-    if (p.rope_d) {
+    if ((F & kFRope) && p.rope_d) {
       compute_sync();
       gv_rope_kv(p, wk.di, wk.colblk, tid, kTmaComputeThreads);
     }
     return;
   }
   if (active) gv_store<MT>(d, st, n0, p.M, wk.gsplit, true);
-  if (p.probe & kProbeNoReduce) return;
+  if ((F & kFProbe) && (p.probe & kProbeNoReduce)) return;
   __shared__ int s_last;
   compute_sync();
   if (tid == 0) s_last = gv_ticket(d, wk.colblk, wk.ksplit);
@@ -383,7 +386,7 @@ __device__ __forceinline__ void tma_finish(const GemvParams& p, const GvWork& wk
   if (p.reduce_vec4) gv_reduce_partials_vec4(d, wk.colblk, wk.ksplit, p.M, tid, kTmaComputeThreads);
   else gv_reduce_partials(d, wk.colblk, wk.ksplit, p.M, tid, kTmaComputeThreads);
   if (tid == 0) d.counters[wk.colblk] = 0;  // ready for the next launch (and graph replay)
-  if (p.rope_d) {
+  if ((F & kFRope) && p.rope_d) {
     compute_sync();
     gv_rope_kv(p, wk.di, wk.colblk, tid, kTmaComputeThreads);
   }

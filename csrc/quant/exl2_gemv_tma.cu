@@ -166,7 +166,8 @@ __device__ __forceinline__ void tma_block(const GemvParams& p, const GvWork& wk,
         tma_chunks<decltype(b)::value, MT, F>(p, seg, sm, stages, st, seg.c0 - wk.c0);
       });
   }
-  if ((F & kFCluster) && p.cluster && wk.ksplit > 1) {  // the ring is drained: every copy into it was waited for and read
+  // The ring is drained: every copy into it was waited for and read.
+  if ((F & kFCluster) && p.cluster && wk.ksplit > 1) {
     const int n0 = (g.j0 + warp) * kWarpCols;
     cluster_reduce<MT>(d, wk, st, active, true, n0, p.M, reinterpret_cast<float*>(sm.ring));
     return;

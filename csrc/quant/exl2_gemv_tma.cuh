@@ -295,6 +295,8 @@ __device__ __forceinline__ void tma_stage_input(const GemvParams& p, const GvWor
                                                 Mark&& loaded = Mark{}) {
   const int nch = wk.c1 - wk.c0;
   constexpr bool kGate = (F & kFGated) != 0;
+  // a specialized pre-gathered instantiation never gathers (kFAll keeps every path)
+  constexpr bool kMayGather = F == kFAll || !(F & kFPre);
   if ((F & kFNorm) && p.norm_nt) {
     gv_norm_rows(norm_rows_of(p), sm.xf, sm.red, blockIdx.x == 0 ? p.norm_res_out : nullptr, p.norm_res_out_ld,
                  compute_sync);
@@ -304,7 +306,7 @@ __device__ __forceinline__ void tma_stage_input(const GemvParams& p, const GvWor
     // rows at M > 8: M loads per row slot, 16 or 32 in flight
     const int mode = p.gather_mode == kGatherAuto ? (MT > 1 ? kGatherRows : kGatherItems) : p.gather_mode;
     if ((F & kFPre) && p.xpre) gv_copy_pregathered(p, wk.di, wk.c0, nch, sm.xs, kTmaComputeThreads);
-    else if (F == kFPre || F == (kFPre | kFRope)) {}  // a pre-gathered instantiation: never without xpre
+    else if (!kMayGather) {}
     else if (mode == kGatherRows) gv_gather<MT >= 4 ? 32 : 16, kGate>(p, nch, sm.xs, sm.xm, kTmaComputeThreads);
     else gv_gather_items<kGate>(p, nch, sm.xs, sm.xm, kTmaComputeThreads);
     loaded();

@@ -8,7 +8,6 @@
 
 #include "common/activation.cuh"
 #include "common/mma.cuh"
-#include "quant/exl2_gemv_pregather.cuh"
 #include "quant/exl2_quant.cuh"
 
 namespace exl2q {
@@ -33,9 +32,6 @@ constexpr int kFPre = 8;      // a pre-gathered input (xpre)
 constexpr int kFCluster = 16; // cluster split-K (cluster)
 constexpr int kFProbe = 32;   // timing probes (probe)
 constexpr int kFAll = 63;
-// Outside kFAll: the next GEMV's input norm after this one's output (GemvParams::tail, exl2_gemv_norm_tail.cuh),
-// compiled only into the instantiations exl2_gemv_norm_tail launches.
-constexpr int kFTail = 64;
 
 // GemvParams::gather_mode. Auto: by items at M <= 8, by row slots past it. (A gather by 16-byte vectors where the
 // rows are in input order, for down_proj after model/tp_shard.fold_down_order, lost to the item gather: H200 call
@@ -79,19 +75,6 @@ struct GemvParams {
   __half* norm_res_out;
   int norm_res_ld, norm_res_out_ld, norm_k, norm_nt;
   float norm_eps;
-  // TMA kernel, kFTail instantiations only (exl2_gemv_norm_tail.cuh): when tail.counter is set, the launch's
-  // output h (one descriptor) is followed by the next GEMV's input norm: round(h + res) into res_out and
-  // rms_norm(h + res) * w into the next GEMV's stored row order (tail.pg.xp), as exl2_add_norm_pregather writes.
-  struct Tail {
-    int* counter;        // zero on entry and on exit: finishing blocks count in, then the norm's workers count out
-    int finishers;       // blocks that write final output values (one per column block)
-    const __half* res;   // [M, res_ld]
-    const __half* w;     // [K], K = the output width
-    __half* res_out;     // [M, res_out_ld]
-    int res_ld, res_out_ld;
-    float eps;
-    PregatherParams pg;  // the next GEMV's parts (xmap, Kpad) and xp [parts, M, ld]
-  } tail;
 };
 
 // The block's work: descriptor, run, column block and chunk range [c0, c1). Splits are numbered run by run:
@@ -554,9 +537,6 @@ constexpr int kChainFields = 13;
 
 // TMA-ring GEMV launch (exl2_gemv_tma.cu): p fully planned (ring_bytes set), `smem` dynamic bytes.
 int gemv_tma_launch(const GemvParams& p, int blocks, int smem, cudaStream_t stream);
-// The same with the next GEMV's input norm after it (p.tail set, M <= 16; exl2_gemv_norm_tail.cuh). Launches
-// nothing, with *launched false, where the grid would not be resident all at once.
-int gemv_tma_launch_tail(const GemvParams& p, int blocks, int smem, cudaStream_t stream, bool* launched);
 // Dynamic shared memory the TMA kernel needs beside its ring; maxgrp: most groups a block touches; norm_k: the
 // fused norm's row length (0 without).
 int gemv_tma_smem_extra(int M, int xstride, int maxnch, int maxgrp, int norm_k);

@@ -61,9 +61,7 @@ __device__ __forceinline__ NormRows norm_rows_of(const GemvParams& p) {
 // is stored: one round trip. Written as load-then-use per vector, with the residual store in between, the
 // compiler kept them in order (it cannot move a load above a store that may alias it): eight to twelve dependent
 // round trips per row on the critical path of every fused-norm launch (H200 call N4, ncu).
-// kL2: h and the residual are read through L2 only (ld.cg): the norm after a GEMV inside the same launch
-// (exl2_gemv_norm_tail.cuh), whose h other blocks wrote.
-template <bool kL2 = false, typename Sync>
+template <typename Sync>
 __device__ __forceinline__ void gv_norm_rows(const NormRows& n, __half* xf, float* red, __half* res_out,
                                              int res_out_ld, Sync&& sync) {
   using namespace exl2::layers;
@@ -78,13 +76,8 @@ __device__ __forceinline__ void gv_norm_rows(const NormRows& n, __half* xf, floa
     for (int i = 0; i < kNormMaxVecs; ++i) {
       const int c = t + i * nt;
       if (live && c < nvec) {
-        if constexpr (kL2) {
-          hv[i] = __ldcg(reinterpret_cast<const uint4*>(n.x + (size_t)m * n.ldx + c * kNormVec));
-          if (n.res) rv[i] = __ldcg(reinterpret_cast<const uint4*>(n.res + (size_t)m * n.res_ld + c * kNormVec));
-        } else {
-          hv[i] = *reinterpret_cast<const uint4*>(n.x + (size_t)m * n.ldx + c * kNormVec);
-          if (n.res) rv[i] = *reinterpret_cast<const uint4*>(n.res + (size_t)m * n.res_ld + c * kNormVec);
-        }
+        hv[i] = *reinterpret_cast<const uint4*>(n.x + (size_t)m * n.ldx + c * kNormVec);
+        if (n.res) rv[i] = *reinterpret_cast<const uint4*>(n.res + (size_t)m * n.res_ld + c * kNormVec);
         wv[i] = __ldg(reinterpret_cast<const uint4*>(n.w + c * kNormVec));  // a constant
       }
     }
@@ -132,13 +125,13 @@ __device__ __forceinline__ void gv_norm_rows(const NormRows& n, __half* xf, floa
 // Row m of `rows` alone (gv_norm_rows with one row) into xf[0 .. K); res_out (null: not written) is the residual
 // stream's base, its row m receives round(h + residual). One block per row: the chain's norm phase and the
 // pre-gathering norm (exl2_gemv_norm_pregather.cu).
-template <bool kL2 = false, typename Sync>
+template <typename Sync>
 __device__ __forceinline__ void gv_norm_row(NormRows rows, int m, __half* xf, float* red, __half* res_out,
                                             int res_out_ld, Sync&& sync) {
   rows.x += (size_t)m * rows.ldx;
   if (rows.res) rows.res += (size_t)m * rows.res_ld;
   rows.M = 1;
-  gv_norm_rows<kL2>(rows, xf, red, res_out ? res_out + (size_t)m * res_out_ld : nullptr, res_out_ld, sync);
+  gv_norm_rows(rows, xf, red, res_out ? res_out + (size_t)m * res_out_ld : nullptr, res_out_ld, sync);
 }
 
 // The split's rows of the normalized tokens (xf) into xs[m * xstride + r] in stored row order (padding rows

@@ -26,7 +26,6 @@
 
 #include "common/api.h"
 #include "common/pdl.cuh"
-#include "quant/exl2_gemv_norm_tail.cuh"
 #include "quant/exl2_gemv_tma.cuh"
 
 namespace exl2q {
@@ -173,10 +172,7 @@ __device__ __forceinline__ void tma_block(const GemvParams& p, const GvWork& wk,
     cluster_reduce<MT>(d, wk, st, active, true, n0, p.M, reinterpret_cast<float*>(sm.ring));
     return;
   }
-  const bool finished = tma_finish<MT, F>(p, wk, st, active);
-  if constexpr ((F & kFTail) != 0) {
-    if (finished && p.tail.counter) gv_norm_tail(p);
-  }
+  tma_finish<MT, F>(p, wk, st, active);
 }
 #endif
 
@@ -265,31 +261,6 @@ int launch_specialized(const GemvParams& p, int blocks, int smem, cudaStream_t s
   }
 }
 #endif
-
-// The kFTail kernels (exl2_gemv_norm_tail.cuh), M <= 16: *launched is false, and nothing runs, where the grid is
-// not resident all at once (its norm's workers wait for every block that writes final values).
-int gemv_tma_launch_tail(const GemvParams& p, int blocks, int smem, cudaStream_t stream, bool* launched) {
-  *launched = false;
-  EXL2_REQUIRE(p.M >= 1 && p.M <= 16 && p.tail.counter && !p.cluster, "exl2_gemv_norm_tail: M=%d, or no counter", p.M);
-  static int sms[kMaxDevices] = {};
-  const int dev = current_device_slot();
-  if (!sms[dev]) {
-    int n = 0, id = 0;
-    if (cudaGetDevice(&id) != cudaSuccess || cudaDeviceGetAttribute(&n, cudaDevAttrMultiProcessorCount, id) != cudaSuccess)
-      return exl2::check_launch("exl2_gemv_norm_tail (SM count)");
-    sms[dev] = n;
-  }
-  auto kernel = p.M <= 8 ? gemv_tma_kernel<1, kFAll | kFTail> : gemv_tma_kernel<2, kFAll | kFTail>;
-  static int smem_set[2][kMaxDevices] = {};
-  if (const int st = raise_smem_limit(kernel, smem, smem_set[p.M > 8][dev], "exl2_gemv_norm_tail")) return st;
-  int per_sm = 0;
-  if (cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, kTmaThreads, smem) != cudaSuccess)
-    return exl2::check_launch("exl2_gemv_norm_tail (occupancy)");
-  if (blocks > per_sm * sms[dev]) return EXL2_OK;
-  exl2::launch_kernel(kernel, blocks, kTmaThreads, smem, stream, p);
-  *launched = true;
-  return exl2::check_launch("exl2_gemv_norm_tail");
-}
 
 int gemv_tma_launch(const GemvParams& p, int blocks, int smem, cudaStream_t stream) {
 #ifdef EXL2_GEMV_SPECIALIZED

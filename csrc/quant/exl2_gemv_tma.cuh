@@ -363,10 +363,9 @@ __device__ __forceinline__ void tma_chunks(const GemvParams& p, const GvWork& wk
 
 // Compute warps, split-K through the global workspace: every active warp writes its partial, thread 0 takes the
 // column block's ticket, and the last block sums the partials in split order (deterministic) and re-arms the
-// ticket for the next launch (and graph replay). ksplit == 1: the result is stored directly. Returns whether this
-// block wrote final values (a column block's last block, or every block without split-K).
+// ticket for the next launch (and graph replay). ksplit == 1: the result is stored directly.
 template <int MT, int F = kFAll>
-__device__ __forceinline__ bool tma_finish(const GemvParams& p, const GvWork& wk, const GvStateMT<MT>& st,
+__device__ __forceinline__ void tma_finish(const GemvParams& p, const GvWork& wk, const GvStateMT<MT>& st,
                                            bool active) {
   const QDesc& d = p.d[wk.di];
   const int warp = threadIdx.x >> 5, tid = threadIdx.x;
@@ -377,15 +376,15 @@ __device__ __forceinline__ bool tma_finish(const GemvParams& p, const GvWork& wk
       compute_sync();
       gv_rope_kv(p, wk.di, wk.colblk, tid, kTmaComputeThreads);
     }
-    return true;
+    return;
   }
   if (active) gv_store<MT>(d, st, n0, p.M, wk.gsplit, true);
-  if ((F & kFProbe) && (p.probe & kProbeNoReduce)) return false;
+  if ((F & kFProbe) && (p.probe & kProbeNoReduce)) return;
   __shared__ int s_last;
   compute_sync();
   if (tid == 0) s_last = gv_ticket(d, wk.colblk, wk.ksplit);
   compute_sync();
-  if (!s_last) return false;
+  if (!s_last) return;
   if (p.reduce_vec4) gv_reduce_partials_vec4(d, wk.colblk, wk.ksplit, p.M, tid, kTmaComputeThreads);
   else gv_reduce_partials(d, wk.colblk, wk.ksplit, p.M, tid, kTmaComputeThreads);
   if (tid == 0) d.counters[wk.colblk] = 0;  // ready for the next launch (and graph replay)
@@ -393,7 +392,6 @@ __device__ __forceinline__ bool tma_finish(const GemvParams& p, const GvWork& wk
     compute_sync();
     gv_rope_kv(p, wk.di, wk.colblk, tid, kTmaComputeThreads);
   }
-  return true;
 }
 #endif
 

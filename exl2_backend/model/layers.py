@@ -159,41 +159,11 @@ class DecoderLayer:
                                 self.post_norm, None if nxt is None else nxt.input_norm, self.eps)
             if chained is not None:
                 return chained[0], chained[1], False
-        if residual is not None and FUSED_NORM and hasattr(self.o, "norm_tail"):
-            tailed = self._norms_at_gemv_ends(attn, residual, nxt, step)
-            if tailed is not None:
-                return tailed
         gate_up, residual = norm_linear(self.gate_up, self.o(attn), residual, self.post_norm, self.eps)
         h = self.mlp(gate_up)
         if nxt is None:
             return h, residual, False
         return norm_qkv(nxt, h, residual, step)
-
-    def _norms_at_gemv_ends(self, attn, residual, nxt: DecoderLayer | None, step: StepInputs | None):
-        """attention_out_mlp where each norm that would run as its own pre-gathering launch runs at the end of the
-        GEMV before it (CudaLinearOp.norm_tail, M >= 3 rows): o_proj with the post-attention norm, gate/up from its
-        stored-order input; down_proj with the next layer's input norm, then q/k/v (with rope and the KV-cache write
-        where norm_qkv would fuse them). Bit-identical to the ops apart. None where o_proj's tail does not apply."""
-        tail = self.o.norm_tail(attn, residual, self.post_norm, self.eps, self.gate_up)
-        if tail is None:
-            return None
-        residual, pre = tail  # [T, H], gate/up's input in stored row order
-        gate_up = self.gate_up.pregathered(residual, pre)
-        tail = None
-        if nxt is not None and FUSED_SILU_DOWN and hasattr(self.down, "gated"):
-            tail = self.down.norm_tail(gate_up, residual, nxt.input_norm, nxt.eps, nxt.qkv, gated=True)
-        if tail is None:
-            h = self.mlp(gate_up)
-            return (h, residual, False) if nxt is None else norm_qkv(nxt, h, residual, step)
-        residual, pre = tail
-        if step is not None and ROPE_IN_GEMV and FUSED_ROPE_KV and not getattr(step.cache, "quantized", False):
-            k_cache, v_cache = step.cache.k[nxt.index], step.cache.v[nxt.index]  # [P, S, Hkv, D]
-            if k_cache.dtype == torch.float16:
-                qkv = nxt.qkv.pregathered_rope_kv(residual, pre, step.positions, step.inv_freq, k_cache, v_cache,
-                                                  step.meta.slots)
-                if qkv is not None:
-                    return qkv, residual, True
-        return nxt.qkv.pregathered(residual, pre), residual, False
 
     def mlp(self, gate_up):
         """gate_up [T, 2I] (gate | up, the fused projection of the normed hidden states) -> [T, H]."""

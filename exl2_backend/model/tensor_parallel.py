@@ -30,9 +30,6 @@ class GatherInput:
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         return self.op(self.comm.all_gather_cols(x))  # [T, F / w] -> [T, F] -> [T, N]
 
-    def norm_tail(self, *args, **kwargs):  # the op's own tail would skip the gather
-        return None
-
     def __getattr__(self, name):
         return getattr(self.op, name)
 
@@ -45,9 +42,6 @@ class ReduceOutput:
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         return self.comm.all_reduce_(self.op(x).contiguous())
-
-    def norm_tail(self, *args, **kwargs):  # a rank's partial output is not the hidden state
-        return None
 
     def __getattr__(self, name):
         if name == "gated":  # the CUDA op's fused silu(gate) * up input (DecoderLayer.mlp), reduced as well

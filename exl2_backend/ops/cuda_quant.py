@@ -87,10 +87,6 @@ NORM_MAX_PASSES = max(1, int(os.environ.get("EXL2_BACKEND_FUSED_NORM_PASSES", "1
 # (csrc/quant/exl2_gemv_norm_pregather.cu; one launch instead of add_rms_norm + pregather, and no scattered gather
 # in the GEMV), bit-identical. EXL2_BACKEND_NORM_PREGATHER=0 runs the ops apart, for A/B timing.
 NORM_PREGATHER = os.environ.get("EXL2_BACKEND_NORM_PREGATHER", "1") != "0"
-# Where the pre-gathering norm would run between two GEMVs (o_proj -> gate/up, down_proj -> the next q/k/v at M >= 3
-# rows), it runs at the end of the GEMV before it instead (csrc/quant/exl2_gemv_norm_tail.cuh): one launch fewer
-# per norm, bit-identical. EXL2_BACKEND_NORM_TAIL=0 keeps the norm's own launch, for A/B timing.
-NORM_TAIL = os.environ.get("EXL2_BACKEND_NORM_TAIL", "1") != "0"
 GEMV_MINB = int(os.environ.get("EXL2_BACKEND_GEMV_MINB", "0"))
 # Blocks per SM the GEMV's split-K factor aims at (one wave of the planned resident blocks); the TMA kernel's
 # default. Below 1 (e.g. 0.4) plans fewer, longer blocks: no split-K reduction where the columns fill the GPU.
@@ -311,8 +307,6 @@ def _fn(name: str):
             "exl2_gemv_add_norm": (P, I32, P, I32, I32, P, I32, P, P, I32, library.F32, library.STREAM),
             "exl2_add_norm_pregather": (P, I32, P, I32, I32, P, I32, P, P, I32, library.F32, P, I32,
                                         library.STREAM),
-            "exl2_gemv_norm_tail": (P, I32, P, I32, I32, I32, P, I32, P, P, I32, library.F32, P, I32, P, I32, P,
-                                    library.STREAM),
             "exl2_dequant": (P, P, I32, I32, library.STREAM),
             "exl2_gemv_splits": (P, I32, I32, P, P, P),
         }[name]
@@ -335,8 +329,6 @@ class _Workspace:
         self.counters = torch.zeros(1 << 16, dtype=torch.int32, device=device)
         # exl2_gemv_chain's grid barrier: arrivals at [0], the generation one 128-byte line further, at [32]
         self.chain_barrier = torch.zeros(64, dtype=torch.int32, device=device)
-        # exl2_gemv_norm_tail's count of finished blocks and norm workers at [0] (the kernel leaves it at zero)
-        self.tail_counter = torch.zeros(32, dtype=torch.int32, device=device)
         self._old: list[torch.Tensor] = []
         self._captured = False  # self.ws was handed to a launch during a stream capture
 
@@ -612,41 +604,6 @@ class _Launch:
         self._launch_gemv(blob, h, m, 0, pre, ld, stream)
         return out, res_out
 
-    def can_norm_tail(self, m: int, nxt: _Launch) -> bool:
-        """Whether this GEMV of M rows can run with nxt's input norm at its end (exl2_gemv_norm_tail): one part on
-        the TMA kernel, M <= 16, its output the hidden size nxt takes, and nxt takes the pre-gathering norm."""
-        return (len(self.parts) == 1 and 1 <= m <= 16 and self.device == nxt.device and GEMV_MINB == 0 and gemv_row_cap(self.device) == 32
-                and self.takes_gemv(m) and self.out_features == nxt.K and nxt.can_norm_pregather(m))
-
-    def gemv_norm_tail(self, x: torch.Tensor, gate_off: int, residual: torch.Tensor, weight: torch.Tensor,
-                       eps: float, nxt: _Launch, ws: torch.Tensor, counters: torch.Tensor,
-                       tail_counter: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """x [M, K] (gate_off > 0: [M, 2K], gate | up) -> (h + residual [M, H], nxt's input rms_norm(h + residual) *
-        weight in every part's stored row order, flat [parts, M, nxt.kpad]); h, this GEMV's output, is not kept."""
-        m = x.shape[0]
-        _, blob = self._bind(self.gemv_plan(m), m, ws, counters, x.device)  # h: freed after the stream's use
-        res_out = residual.new_empty((m, self.out_features))
-        pre, ld = nxt._stored_order_buffer(m, x.device)
-        nblob = nxt.gemv_plan(m).blob  # its xmap, Kpad and K are read
-        st = _fn("exl2_gemv_norm_tail")(blob.ctypes.data, 1, x.data_ptr(), m, _row_stride(x), gate_off,
-                                        residual.data_ptr(), _row_stride(residual), weight.data_ptr(),
-                                        res_out.data_ptr(), self.out_features, float(eps), nblob.ctypes.data,
-                                        len(nxt.parts), pre.data_ptr(), ld, tail_counter.data_ptr(),
-                                        _stream(x.device))
-        library.check(st, "exl2_gemv_norm_tail")
-        return res_out, pre
-
-    def gemv_pregathered(self, x: torch.Tensor, pre: torch.Tensor, ws: torch.Tensor, counters: torch.Tensor,
-                         rope: np.ndarray | None = None) -> torch.Tensor:
-        """The GEMV [M, N] of the input already in stored row order (gemv_norm_tail's `pre` [parts, M, kpad]);
-        x [M, K] only sizes the launch. rope: the fused rope's arguments (_rope_args)."""
-        m = x.shape[0]
-        out, blob = self._bind(self.gemv_plan(m), m, ws, counters, x.device)
-        if rope is not None:
-            blob[0, F_ROPE] = rope.ctypes.data  # read by the C call below, while `rope` is alive
-        self._launch_gemv(blob, x, m, 0, pre, self.kpad, _stream(x.device))
-        return out
-
     def dequant(self, part: int, n_begin: int, n_end: int) -> torch.Tensor:
         p = self.parts[part]
         out = torch.empty(p.K, n_end - n_begin, dtype=torch.float16, device=p.packed.device)
@@ -804,95 +761,6 @@ def _(h, residual, weight, eps, packed, handle, ws, counters, pregather, positio
     return h.new_empty((h.shape[0], _REG[handle].out_features)), res_out
 
 
-def _check_tail_call(launch: _Launch, nxt: _Launch, x: torch.Tensor, gate_off: int, residual: torch.Tensor,
-                     weight: torch.Tensor, packed: torch.Tensor) -> int:
-    """Checks exl2_gemv_norm_tail's inputs (TensorShapeError); returns M."""
-    dev = packed.device
-    k_in = launch.K * (2 if gate_off else 1)
-    _check_x(x, k_in, dev)
-    m = x.shape[0]
-    if gate_off not in (0, launch.K) or (gate_off and x.stride(0) != k_in):
-        raise TensorShapeError(f"gate_off {gate_off}: 0, or {launch.K} with x [M, {k_in}] contiguous", tensor="x")
-    if not launch.can_norm_tail(m, nxt):
-        raise TensorShapeError(f"the GEMV with the next norm at its end does not take {m} rows of {launch.K} -> "
-                               f"{launch.out_features} before a linear of {nxt.K} here", tensor="x")
-    _check_norm_input(residual, "residual", nxt.K, m, dev)
-    if not isinstance(weight, torch.Tensor) or weight.shape != (nxt.K,) or weight.dtype != torch.float16 \
-            or weight.device != dev or not weight.is_contiguous() or weight.data_ptr() % 16:
-        raise TensorShapeError(f"the norm weight must be a contiguous float16 [{nxt.K}] tensor on {dev}",
-                               tensor="weight")
-    return m
-
-
-@torch.library.custom_op("exl2_backend::exl2_gemv_norm_tail", mutates_args=("ws", "counters", "tail_counter"))
-def _gemv_norm_tail_op(x: torch.Tensor, packed: torch.Tensor, handle: int, ws: torch.Tensor, counters: torch.Tensor,
-                       tail_counter: torch.Tensor, gate_off: int, residual: torch.Tensor, weight: torch.Tensor,
-                       eps: float, next_packed: torch.Tensor, next_handle: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(h + residual, the next linear's input rms_norm(h + residual) * weight in its stored row order, flat) for h
-    the GEMV of x (gate_off > 0: of silu(gate) * up): one launch, bit-identical to the GEMV, add_rms_norm and the
-    next linear's pregather (exl2_gemv_pregathered takes the second output)."""
-    launch, nxt = _REG[handle], _REG[next_handle]
-    _check_tail_call(launch, nxt, x, gate_off, residual, weight, packed)
-    if eps <= 0.0 or eps >= 1.0:
-        raise TensorShapeError(f"eps {eps} outside (0, 1)", tensor="eps")
-    return launch.gemv_norm_tail(x, gate_off, residual, weight, eps, nxt, ws, counters, tail_counter)
-
-
-@_gemv_norm_tail_op.register_fake
-def _(x, packed, handle, ws, counters, tail_counter, gate_off, residual, weight, eps, next_packed, next_handle):
-    nxt = _REG[next_handle]
-    m = x.shape[0]
-    return residual.new_empty((m, nxt.K)), x.new_empty(len(nxt.parts) * m * nxt.kpad)
-
-
-def _check_pregathered(launch: _Launch, x: torch.Tensor, pre: torch.Tensor, packed: torch.Tensor) -> int:
-    dev = packed.device
-    _check_x(x, launch.K, dev)
-    m = x.shape[0]
-    want = len(launch.parts) * m * launch.kpad
-    if not (isinstance(pre, torch.Tensor) and pre.dtype == torch.float16 and pre.device == dev
-            and pre.is_contiguous() and pre.numel() == want and pre.data_ptr() % 16 == 0):
-        raise TensorShapeError(f"pre must be a contiguous float16 tensor of {want} values on {dev} (parts x M x "
-                               f"{launch.kpad}), 16-byte aligned", tensor="pre")
-    if not launch.can_norm_pregather(m):
-        raise TensorShapeError(f"the pre-gathered GEMV does not take {m} rows of {launch.K} here", tensor="x")
-    return m
-
-
-@torch.library.custom_op("exl2_backend::exl2_gemv_pregathered", mutates_args=("ws", "counters"))
-def _gemv_pregathered_op(x: torch.Tensor, pre: torch.Tensor, packed: torch.Tensor, handle: int, ws: torch.Tensor,
-                         counters: torch.Tensor) -> torch.Tensor:
-    """The GEMV [M, N] of an input already in its stored row order (exl2_gemv_norm_tail's second output); x [M, K]
-    sizes the launch."""
-    launch = _REG[handle]
-    _check_pregathered(launch, x, pre, packed)
-    return launch.gemv_pregathered(x, pre, ws, counters)
-
-
-@_gemv_pregathered_op.register_fake
-def _(x, pre, packed, handle, ws, counters):
-    return x.new_empty((x.shape[0], _REG[handle].out_features))
-
-
-@torch.library.custom_op("exl2_backend::exl2_gemv_pregathered_rope_kv",
-                         mutates_args=("ws", "counters", "k_cache", "v_cache"))
-def _gemv_pregathered_rope_kv_op(x: torch.Tensor, pre: torch.Tensor, packed: torch.Tensor, handle: int,
-                                 ws: torch.Tensor, counters: torch.Tensor, positions: torch.Tensor,
-                                 inv_freq: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                                 slots: torch.Tensor) -> torch.Tensor:
-    """exl2_gemv_pregathered of a fused q/k/v projection with rope_kv_write inside the same launch (as
-    exl2_gemv_add_norm_rope_kv)."""
-    launch = _REG[handle]
-    m = _check_pregathered(launch, x, pre, packed)
-    rope = _rope_args(launch, m, positions, inv_freq, k_cache, v_cache, slots)
-    return launch.gemv_pregathered(x, pre, ws, counters, rope)
-
-
-@_gemv_pregathered_rope_kv_op.register_fake
-def _(x, pre, packed, handle, ws, counters, positions, inv_freq, k_cache, v_cache, slots):
-    return x.new_empty((x.shape[0], _REG[handle].out_features))
-
-
 @torch.library.custom_op("exl2_backend::exl2_dequant", mutates_args=())
 def _dequant_op(packed: torch.Tensor, handle: int, part: int, n_begin: int, n_end: int) -> torch.Tensor:
     return _REG[handle].dequant(part, n_begin, n_end)
@@ -995,50 +863,6 @@ class CudaLinearOp:
             h, residual, weight, float(eps), launch.parts[0].packed, launch.handle, ws, counters, pregather,
             positions, inv_freq, k_cache, v_cache, slots)
         return y, (h if residual is None else res_out)
-
-    def norm_tail(self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float,
-                  nxt: CudaLinearOp, gated: bool = False) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """(h + residual [M, H], nxt's input rms_norm(h + residual) * weight in its stored row order) for h = self(x)
-        (gated: self.gated(x), x = gate | up): the GEMV with nxt's input norm at its end, one launch where routing
-        would run the pre-gathering norm between the two (NORM_TAIL; M = 3..16 at H = 4096). nxt.pregathered takes
-        the second value. None where it does not apply (the caller runs the ops apart)."""
-        m = x.shape[0] if x.dim() == 2 else 0
-        launch, nl = self.launch, getattr(nxt, "launch", None)
-        k_in = launch.K * (2 if gated else 1)
-        if not (NORM_TAIL and m and isinstance(nl, _Launch) and residual is not None and x.dtype == torch.float16
-                and x.shape[1] == k_in and x.stride(-1) == 1 and x.stride(0) == k_in
-                and weight.dtype == torch.float16 and weight.is_contiguous() and weight.data_ptr() % 16 == 0
-                and _rows_aligned(residual) and residual.shape == (m, nl.K)
-                and not nl.takes_norm(m) and NORM_PREGATHER and launch.can_norm_tail(m, nl)):
-            return None
-        ws, counters = self.workspace.buffers()
-        return torch.ops.exl2_backend.exl2_gemv_norm_tail(x, launch.parts[0].packed, launch.handle, ws, counters,
-                                                          self.workspace.tail_counter, launch.K if gated else 0,
-                                                          residual, weight, float(eps), nl.parts[0].packed,
-                                                          nl.handle)
-
-    def pregathered(self, x: torch.Tensor, pre: torch.Tensor) -> torch.Tensor:
-        """self(...) of the input that `pre` holds in stored row order (norm_tail's second value); x [M, K] (the
-        residual stream norm_tail returned) sizes the launch."""
-        ws, counters = self.workspace.buffers()
-        launch = self.launch
-        return torch.ops.exl2_backend.exl2_gemv_pregathered(x, pre, launch.parts[0].packed, launch.handle, ws,
-                                                            counters)
-
-    def pregathered_rope_kv(self, x: torch.Tensor, pre: torch.Tensor, positions: torch.Tensor,
-                            inv_freq: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                            slots: torch.Tensor) -> torch.Tensor | None:
-        """pregathered of a fused q/k/v projection with rope_kv_write in the same launch (as add_normed_rope_kv);
-        None where the rope's tensors do not fit the fused kernel."""
-        try:
-            _rope_args(self.launch, x.shape[0], positions, inv_freq, k_cache, v_cache, slots)
-        except TensorShapeError:
-            return None
-        ws, counters = self.workspace.buffers()
-        launch = self.launch
-        return torch.ops.exl2_backend.exl2_gemv_pregathered_rope_kv(x, pre, launch.parts[0].packed, launch.handle, ws,
-                                                                    counters, positions, inv_freq, k_cache, v_cache,
-                                                                    slots)
 
     def _norm_route(self, h: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, always: bool,
                     pregather: bool | None) -> bool | None:

@@ -197,6 +197,34 @@ __global__ void __launch_bounds__(kTmaThreads, MT == 1 ? EXL2_GEMV_TMA_MT1_MIN_B
 #endif
 }
 
+#ifdef EXL2_GEMV_SPECIALIZED
+// Measurement build, EXL2_GEMV_SPECIALIZED=2: the kFAll kernel's code as a separate function per decode role (Copy
+// 1..4), to tell the cost of launching a different function each time (instruction-cache misses at a launch's
+// start) from the cost of the narrower feature sets' code (H200 call AH1: the sets made the decode step 1.4%
+// slower).
+template <int MT, int Copy>
+__global__ void __launch_bounds__(kTmaThreads, MT == 1 ? EXL2_GEMV_TMA_MT1_MIN_BLOCKS : MT <= 2 ? 2 : 1)
+    gemv_tma_kernel_copy(const __grid_constant__ GemvParams p) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  extern __shared__ __align__(128) unsigned char smem[];
+  exl2::pdl_launch_dependents();
+  tma_block<MT, kFAll>(p, gv_work(p), smem);
+#else
+  __trap();
+#endif
+}
+#endif
+
+// The kernel a launch of MT token tiles and features F runs (Copy > 0: the measurement build's role copies).
+template <int MT, int F, int Copy>
+constexpr auto tma_kernel_of() {
+#ifdef EXL2_GEMV_SPECIALIZED
+  if constexpr (Copy > 0) return gemv_tma_kernel_copy<MT, Copy>;
+  else
+#endif
+    return gemv_tma_kernel<MT, F>;
+}
+
 }  // namespace
 
 int gemv_tma_smem_extra(int M, int xstride, int maxnch, int maxgrp, int norm_k) {
@@ -204,12 +232,12 @@ int gemv_tma_smem_extra(int M, int xstride, int maxnch, int maxgrp, int norm_k) 
 }
 
 namespace {
-template <int MT, int F = kFAll>
+template <int MT, int F = kFAll, int Copy = 0>
 int launch_mt(const GemvParams& p, int blocks, int smem, cudaStream_t stream) {
   static int smem_set[kMaxDevices] = {};  // function attributes are per kernel and per device
   static bool non_portable_set[kMaxDevices] = {};
   const int dev = current_device_slot();
-  auto kernel = gemv_tma_kernel<MT, F>;
+  auto kernel = tma_kernel_of<MT, F, Copy>();
   if (const int st = raise_smem_limit(kernel, smem, smem_set[dev], "exl2_gemv (TMA)")) return st;
   if (!p.cluster) {
     exl2::launch_kernel(kernel, blocks, kTmaThreads, smem, stream, p);
@@ -260,18 +288,30 @@ int launch_specialized(const GemvParams& p, int blocks, int smem, cudaStream_t s
     default: return launch_mt<MT>(p, blocks, smem, stream);
   }
 }
+// EXL2_GEMV_SPECIALIZED=2: the decode roles' launches (one token tile) each run their own copy of the kFAll kernel.
+int launch_role_copy(const GemvParams& p, int blocks, int smem, cudaStream_t stream) {
+  switch (features_of(p)) {
+    case 0: return launch_mt<1, kFAll, 1>(p, blocks, smem, stream);                // o_proj
+    case kFGated: return launch_mt<1, kFAll, 2>(p, blocks, smem, stream);          // down_proj
+    case kFNorm: return launch_mt<1, kFAll, 3>(p, blocks, smem, stream);           // gate/up, the head
+    case kFNorm | kFRope: return launch_mt<1, kFAll, 4>(p, blocks, smem, stream);  // q/k/v
+    default: return launch_mt<1>(p, blocks, smem, stream);
+  }
+}
 #endif
 
 int gemv_tma_launch(const GemvParams& p, int blocks, int smem, cudaStream_t stream) {
 #ifdef EXL2_GEMV_SPECIALIZED
-  static const bool specialized = [] {
+  static const int specialized = [] {
     const char* e = getenv("EXL2_GEMV_SPECIALIZED");
-    const bool on = e && atoi(e) == 1;
-    if (on) fprintf(stderr, "exl2_backend: EXL2_GEMV_SPECIALIZED=1: GEMV kernels specialized by feature set\n");
-    return on;
+    const int mode = e ? atoi(e) : 0;
+    if (mode == 1) fprintf(stderr, "exl2_backend: EXL2_GEMV_SPECIALIZED=1: GEMV kernels specialized by feature set\n");
+    if (mode == 2) fprintf(stderr, "exl2_backend: EXL2_GEMV_SPECIALIZED=2: a GEMV kernel copy per decode role\n");
+    return mode;
   }();
-  if (specialized && p.M <= 16)
+  if (specialized == 1 && p.M <= 16)
     return p.M <= 8 ? launch_specialized<1>(p, blocks, smem, stream) : launch_specialized<2>(p, blocks, smem, stream);
+  if (specialized == 2 && p.M <= 8) return launch_role_copy(p, blocks, smem, stream);
 #endif
   switch ((p.M + 7) / 8) {
     case 1: return launch_mt<1>(p, blocks, smem, stream);

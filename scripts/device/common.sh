@@ -57,11 +57,12 @@ write_random_exl2_model('/tmp/models/llama3-70b', 'llama3-70b', 4.0, workers=12)
   W70=$!
 }
 # GPU tests: gpu_tests NAME SECONDS [pytest arguments...]; the whole output in $R/NAME.txt (after results_dir),
-# the failures and the summary on stdout.
+# the failures and the summary on stdout. At the limit pytest gets SIGINT first, so it still prints the tracebacks
+# of what failed so far (AH2 of 2026-12-03 lost them to a plain kill), then SIGKILL 20 s later.
 gpu_tests() {
   local name=$1 secs=$2
   shift 2
-  timeout "$secs" python3 -m pytest "$@" -q -m cuda -p no:cacheprovider -rf 2>&1 | tee "$R/$name.txt" \
+  timeout -s INT -k 20 "$secs" python3 -m pytest "$@" -q -m cuda -p no:cacheprovider -rf 2>&1 | tee "$R/$name.txt" \
     | grep -E "FAILED|passed|failed|Error" | tail -8
   stop_test_workers
 }
@@ -165,7 +166,8 @@ ncu_chain_once() {
 gpu_tests_verbose() {
   local name=$1 secs=$2
   shift 2
-  timeout "$secs" python3 -m pytest "$@" -v -m cuda -p no:cacheprovider -rf > "$R/$name.txt" 2>&1
+  timeout -s INT -k 20 "$secs" python3 -m pytest "$@" -v -m cuda -p no:cacheprovider -rf --tb=short \
+    > "$R/$name.txt" 2>&1
   stop_test_workers
   echo "passed: $(grep -c PASSED "$R/$name.txt")"
   grep -E "FAILED|ERROR|passed|failed" "$R/$name.txt" | grep -v " PASSED " | tail -12 | cut -c1-200

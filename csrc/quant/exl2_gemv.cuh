@@ -32,6 +32,13 @@ constexpr int kFPre = 8;      // a pre-gathered input (xpre)
 constexpr int kFCluster = 16; // cluster split-K (cluster)
 constexpr int kFProbe = 32;   // timing probes (probe)
 constexpr int kFAll = 63;
+// The kernel every launch runs unless it asks for cluster split-K or timing probes (those take kFAll): both paths
+// compiled out, one function for every role, so a decode layer's four GEMV launches still re-enter the same code.
+// H200 call AI1 of 2026-12-04: the kFAll code as one copy per role cost the 8B decode step +99 us against one
+// function (the instruction cache), while the narrower per-role sets cost only +33 us.
+constexpr int kFLean = kFNorm | kFRope | kFGated | kFPre;
+// The input paths a runtime-routed kernel keeps (kFAll, kFLean); a narrower set with kFPre alone never gathers.
+constexpr int kFInputPaths = kFNorm | kFGated | kFPre;
 
 // GemvParams::gather_mode. Auto: by items at M <= 8, by row slots past it. (A gather by 16-byte vectors where the
 // rows are in input order, for down_proj after model/tp_shard.fold_down_order, lost to the item gather: H200 call

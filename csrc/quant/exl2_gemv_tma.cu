@@ -313,10 +313,19 @@ int gemv_tma_launch(const GemvParams& p, int blocks, int smem, cudaStream_t stre
     return p.M <= 8 ? launch_specialized<1>(p, blocks, smem, stream) : launch_specialized<2>(p, blocks, smem, stream);
   if (specialized == 2 && p.M <= 8) return launch_role_copy(p, blocks, smem, stream);
 #endif
+  // Cluster split-K and timing probes run kFAll; every other launch the lean kernel (EXL2_GEMV_LEAN=0: kFAll, a
+  // measurement switch read once). The same arithmetic in the same order either way.
+  static const bool lean_enabled = [] {
+    const char* e = getenv("EXL2_GEMV_LEAN");
+    const bool on = !(e && e[0] == '0');
+    if (!on) fprintf(stderr, "exl2_backend: EXL2_GEMV_LEAN=0: every GEMV launch runs the kFAll kernel\n");
+    return on;
+  }();
+  const bool lean = lean_enabled && !p.cluster && !p.probe;
   switch ((p.M + 7) / 8) {
-    case 1: return launch_mt<1>(p, blocks, smem, stream);
-    case 2: return launch_mt<2>(p, blocks, smem, stream);
-    default: return launch_mt<4>(p, blocks, smem, stream);  // M = 17..32
+    case 1: return lean ? launch_mt<1, kFLean>(p, blocks, smem, stream) : launch_mt<1>(p, blocks, smem, stream);
+    case 2: return lean ? launch_mt<2, kFLean>(p, blocks, smem, stream) : launch_mt<2>(p, blocks, smem, stream);
+    default: return lean ? launch_mt<4, kFLean>(p, blocks, smem, stream) : launch_mt<4>(p, blocks, smem, stream);
   }
 }
 

@@ -1,16 +1,17 @@
-"""GPU timing shared by the benchmark scripts: CUDA-graph replay medians (no launch gaps from Python)."""
+"""GPU timing shared by the benchmark scripts and tests/bench: CUDA-graph replays (no launch gaps from Python)."""
 
 from __future__ import annotations
 
+import math
 import statistics
 from collections.abc import Callable
 
 import torch
 
 
-def graph_time_us(calls: list[Callable[[], object]], reps: int = 20) -> float:
-    """Median µs per call: all `calls` captured once in a CUDA graph (after a warm-up on a side stream),
-    the graph replayed `reps` times, each replay timed with events."""
+def capture_graph(calls: list[Callable[[], object]]) -> torch.cuda.CUDAGraph:
+    """All `calls` captured in order into one CUDA graph, after a warm-up run on a side stream (workspace growth,
+    kernel attributes); replayed once before it is returned."""
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):
@@ -23,6 +24,13 @@ def graph_time_us(calls: list[Callable[[], object]], reps: int = 20) -> float:
             c()
     graph.replay()
     torch.cuda.synchronize()
+    return graph
+
+
+def graph_time_us(calls: list[Callable[[], object]], reps: int = 20) -> float:
+    """Median µs per call: all `calls` captured once in a CUDA graph, the graph replayed `reps` times, each
+    replay timed with events."""
+    graph = capture_graph(calls)
     times = []
     for _ in range(reps):
         a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -33,3 +41,21 @@ def graph_time_us(calls: list[Callable[[], object]], reps: int = 20) -> float:
         times.append(a.elapsed_time(b) * 1000.0 / len(calls))
     del graph
     return statistics.median(times)
+
+
+class GraphRounds:
+    """A pytest-benchmark round of GPU work: `calls` captured into one CUDA graph, repeated until one replay takes
+    about `min_round_us`, so the host's launch and synchronization (tens of µs, and noisy) stay a few percent of a
+    round. Calling it replays once and synchronizes; `us_per_call` is the event-timed median per call and
+    `calls_per_round` converts a round's time into it."""
+
+    def __init__(self, calls: list[Callable[[], object]], min_round_us: float = 2000.0, reps: int = 10):
+        # calibrated on at least 32 launches: a graph of one short kernel is mostly the graph's own launch
+        self.us_per_call = graph_time_us(calls * max(1, math.ceil(32 / len(calls))), reps)
+        repeat = max(1, math.ceil(min_round_us / (self.us_per_call * len(calls))))
+        self.calls_per_round = repeat * len(calls)
+        self._graph = capture_graph(calls * repeat)
+
+    def __call__(self) -> None:
+        self._graph.replay()
+        torch.cuda.synchronize()

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Device call AI1 (prepared in session 19, not yet run; carry .whl, .dev/libexl2_kernels.so.gz and
+# Device call AI1 (prepared in session 19, run in session 20; carry .whl, .dev/libexl2_kernels.so.gz and
 # .dev/libexl2_kernels_spec.so.gz; ~420 s).
 #  1. Why kernels compiled per feature set made the decode step slower (AH1: 2.30 -> 2.33 ms). The measurement
 #     library (-DEXL2_GEMV_SPECIALIZED) now also has EXL2_GEMV_SPECIALIZED=2: the kFAll kernel's code unchanged,
@@ -9,7 +9,7 @@
 #  2. The pytest-benchmark baseline issue 3 asks for: tests/bench saved as run 0001 "h200" into $OUT/r/benchmarks,
 #     to be committed as docs/measurements/benchmarks; later runs compare against it with
 #       python -m pytest tests/bench --benchmark-enable --benchmark-storage=file://docs/measurements/benchmarks \
-#         --benchmark-compare=0001 --benchmark-compare-fail=mean:10%
+#         --benchmark-compare=0001 --benchmark-compare-fail=median:10%  (as the README says since AI4)
 #     (pytest-benchmark files runs by machine id, Linux-CPython-3.12-64bit on the device image).
 export EXL2_CARRIED_LIBRARY=1
 source scripts/device/common.sh

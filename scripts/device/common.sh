@@ -204,3 +204,15 @@ ncu_attention() {
   grep -E "^    Duration|DRAM Throughput|Achieved Occupancy|Issue Slots Busy|Registers Per|No Eligible|Eligible Warps" \
     "$R/$name.details.txt" | head -9
 }
+# tests/bench with benchmarks on (pytest-benchmark runs filed under $R/benchmarks): bench_suite NAME SECONDS
+# [pytest-benchmark arguments...], e.g. --benchmark-save=h200 or --benchmark-compare=0001
+# --benchmark-compare-fail=median:10%; $R/NAME.txt, the summary and any regression on stdout.
+bench_suite() {
+  local name=$1 secs=$2; shift 2
+  timeout "$secs" python3 -m pytest tests/bench -m cuda -p no:cacheprovider -q --benchmark-enable \
+    --benchmark-storage="file://$R/benchmarks" --benchmark-columns=min,mean,median,stddev,rounds "$@" \
+    > "$R/$name.txt" 2>&1
+  echo "== $name rc=$? after $(( $(date +%s) - T0 )) s"
+  stop_test_workers
+  grep -E "passed|failed|Error|FAIL|Performance has regressed" "$R/$name.txt" | tail -8 | cut -c1-200
+}

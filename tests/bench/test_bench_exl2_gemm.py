@@ -1,14 +1,17 @@
 """pytest-benchmark suite for the fused EXL2 GEMV at M = 1 and 5 (a k = 4 verify), TMA-ring kernel (minb 0) and
 register batches (minb 2) (GPU only; tests/conftest.py marks bench/ as cuda).
 
-Each benchmarked call replays a CUDA graph of one kernel per weight copy (copies rotate through more bytes than
-L2 holds) and synchronizes; extra_info carries µs per kernel and GB/s. scripts/bench_gemm.py has the full table.
+A round replays a CUDA graph of one kernel per weight copy (copies rotate through more bytes than L2 holds),
+repeated to about 2 ms, and synchronizes (`exl2_backend.bench.timing.GraphRounds`); extra_info carries µs per
+kernel and GB/s. scripts/bench_gemm.py has the full table.
 """
 
 from __future__ import annotations
 
 import pytest
 import torch
+
+from exl2_backend.bench.timing import GraphRounds
 
 SHAPES = [(4096, 14336, "4:1@128"), (14336, 4096, "8:0.05@32 4:0.95@128"), (4096, 4096, "5:0.1@128 4:0.9@128")]
 
@@ -27,25 +30,8 @@ def test_bench_fused_gemv(benchmark, monkeypatch, k, n, option, m, minb):
     nbytes = p.packed.numel() * 4 + p.scales.numel() * 4
     ops = [base] + [cuda_quant.clone_for_bench(base) for _ in range(max(1, (180 << 20) // nbytes))]
     x = torch.randn(m, k, device="cuda").half()
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        for o in ops:
-            o.fused(x)
-    torch.cuda.current_stream().wait_stream(s)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        for o in ops:
-            o.fused(x)
-    e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-
-    def run():
-        e0.record()
-        g.replay()
-        e1.record()
-        e1.synchronize()
-        return e0.elapsed_time(e1) * 1000 / len(ops)
-
-    us = benchmark(run)
+    rounds = GraphRounds([lambda o=o: o.fused(x) for o in ops])
+    benchmark.pedantic(rounds, rounds=30, iterations=1, warmup_rounds=2)
+    us = rounds.us_per_call
     benchmark.extra_info.update(
         {"us_per_kernel": us, "gb_per_s": nbytes / us / 1e3, "ksplit": base.launch.gemv_plan(m).ksplit})

@@ -189,7 +189,9 @@ def _print_table(r: dict) -> None:
                   f("pct_roofline"), f("graph_pct_roofline"), f("prefill_tokens_per_s", "{:.0f}"))
     Console().print(t)
     p = r["prefill"]
-    print(f"prefill {p['tokens']} tokens: {p['tokens_per_s']:.0f} tokens/s; load {r['load_seconds']:.1f} s; "
+    runs = " / ".join(f"{x:.0f}" for x in p.get("runs_tokens_per_s", []))
+    print(f"prefill {p['tokens']} tokens: {p['tokens_per_s']:.0f} tokens/s (median of {runs}); "
+          f"load {r['load_seconds']:.1f} s; "
           f"weights {r['weight_bytes_per_token'] / 1e9:.3f} GB read per token; cuda graphs {r['cuda_graphs']}")
     sp = r.get("speculation")
     if sp:

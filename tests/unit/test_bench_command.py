@@ -1,0 +1,51 @@
+"""`exl2-backend bench` end to end on the CPU: a small random EXL2 directory, two cache types, the JSON and the plot
+(the GPU figures come from the same code on the device; this checks the command's wiring and its output)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from exl2_backend.format.random_model import write_random_exl2_model
+
+SMALL = {"hidden_size": 256, "num_hidden_layers": 2, "intermediate_size": 512, "num_attention_heads": 4,
+         "num_key_value_heads": 2, "vocab_size": 1000}
+
+
+@pytest.fixture(scope="module")
+def small_dir(tmp_path_factory):
+    return write_random_exl2_model(tmp_path_factory.mktemp("bench") / "m", SMALL, bpw=4.0, seed=3)
+
+
+def test_bench_writes_json_and_plot(small_dir, tmp_path, capsys):
+    from exl2_backend.bench.decode import PREFILL_RUNS
+    from exl2_backend.cli.main import main
+
+    out, png = tmp_path / "out.json", tmp_path / "out.png"
+    rc = main(["bench", str(small_dir), "--device", "cpu", "--contexts", "32,64", "--decode-tokens", "4",
+               "--prefill-tokens", "48", "--cache-type", "fp16,q4", "--json", str(out), "--plot", str(png)])
+    assert rc == 0
+    result = json.loads(out.read_text())
+    assert [r["cache_type"] for r in result["runs"]] == ["fp16", "q4"]
+    for run in result["runs"]:
+        assert [row["context"] for row in run["decode"]] == [32, 64]
+        for row in run["decode"]:
+            assert row["decode_tokens_per_s"] > 0 and row["bytes_per_token"] > run["weight_bytes_per_token"]
+        prefill = run["prefill"]
+        assert prefill["tokens"] == 48 and len(prefill["runs_tokens_per_s"]) == PREFILL_RUNS
+        assert sorted(prefill["runs_tokens_per_s"])[PREFILL_RUNS // 2] == pytest.approx(prefill["tokens_per_s"])
+    q4, fp16 = result["runs"][1], result["runs"][0]
+    assert q4["kv_bytes_per_token"] < 0.3 * fp16["kv_bytes_per_token"]  # codes + scales, ~28% of fp16
+    assert {row["cache_type"] for row in result["kv_cache_types"]["types"]} >= {"fp16", "q8", "q4"}
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    text = capsys.readouterr().out
+    assert "prefill 48 tokens" in text and "median of" in text
+
+
+def test_bench_rejects_an_unknown_cache_type(small_dir):
+    from exl2_backend.cli.main import main
+
+    with pytest.raises(SystemExit) as e:
+        main(["bench", str(small_dir), "--device", "cpu", "--cache-type", "q5"])
+    assert e.value.code != 0

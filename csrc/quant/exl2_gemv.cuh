@@ -37,6 +37,8 @@ constexpr int kFAll = 63;
 // H200 call AI1 of 2026-12-04: the kFAll code as one copy per role cost the 8B decode step +99 us against one
 // function (the instruction cache), while the narrower per-role sets cost only +33 us.
 constexpr int kFLean = kFNorm | kFRope | kFGated | kFPre;
+// kFLean without the pre-gathered copy: a decode step's GEMVs (one row, never pre-gathered); EXL2_GEMV_LEAN=2 only.
+constexpr int kFDecode = kFNorm | kFRope | kFGated;
 // The input paths a runtime-routed kernel keeps (kFAll, kFLean); a narrower set with kFPre alone never gathers.
 constexpr int kFInputPaths = kFNorm | kFGated | kFPre;
 

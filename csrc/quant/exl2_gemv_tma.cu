@@ -313,15 +313,19 @@ int gemv_tma_launch(const GemvParams& p, int blocks, int smem, cudaStream_t stre
     return p.M <= 8 ? launch_specialized<1>(p, blocks, smem, stream) : launch_specialized<2>(p, blocks, smem, stream);
   if (specialized == 2 && p.M <= 8) return launch_role_copy(p, blocks, smem, stream);
 #endif
-  // Cluster split-K and timing probes run kFAll; every other launch the lean kernel (EXL2_GEMV_LEAN=0: kFAll, a
-  // measurement switch read once). The same arithmetic in the same order either way.
-  static const bool lean_enabled = [] {
+  // Cluster split-K and timing probes run kFAll; every other launch the lean kernel. EXL2_GEMV_LEAN (a measurement
+  // switch read once): 0 sends every launch to kFAll; 2 also runs launches of one row without a pre-gathered input
+  // (every GEMV of a decode step) on kFDecode, the lean set without the pre-gathered copy (prepared call AJ1). The
+  // same arithmetic in the same order in every kernel.
+  static const int lean_mode = [] {
     const char* e = getenv("EXL2_GEMV_LEAN");
-    const bool on = !(e && e[0] == '0');
-    if (!on) fprintf(stderr, "exl2_backend: EXL2_GEMV_LEAN=0: every GEMV launch runs the kFAll kernel\n");
-    return on;
+    const int mode = e ? atoi(e) : 1;
+    if (mode == 0) fprintf(stderr, "exl2_backend: EXL2_GEMV_LEAN=0: every GEMV launch runs the kFAll kernel\n");
+    if (mode == 2) fprintf(stderr, "exl2_backend: EXL2_GEMV_LEAN=2: one-row GEMVs without xpre run kFDecode\n");
+    return mode;
   }();
-  const bool lean = lean_enabled && !p.cluster && !p.probe;
+  const bool lean = lean_mode != 0 && !p.cluster && !p.probe;
+  if (lean && lean_mode == 2 && p.M == 1 && !p.xpre) return launch_mt<1, kFDecode>(p, blocks, smem, stream);
   switch ((p.M + 7) / 8) {
     case 1: return lean ? launch_mt<1, kFLean>(p, blocks, smem, stream) : launch_mt<1>(p, blocks, smem, stream);
     case 2: return lean ? launch_mt<2, kFLean>(p, blocks, smem, stream) : launch_mt<2>(p, blocks, smem, stream);

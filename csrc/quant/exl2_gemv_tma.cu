@@ -300,15 +300,22 @@ int launch_role_copy(const GemvParams& p, int blocks, int smem, cudaStream_t str
 }
 #endif
 
+namespace {
+// A measurement switch's mode: the integer in environment variable `name` (or `fallback`), announced once on stderr
+// with its meaning when it is 1, 2 or 0 (`on1`, `on2`, `on0`; null: silent).
+int switch_mode(const char* name, int fallback, const char* on1, const char* on2, const char* on0 = nullptr) {
+  const char* e = getenv(name);
+  const int mode = e ? atoi(e) : fallback;
+  const char* what = mode == 1 ? on1 : mode == 2 ? on2 : mode == 0 ? on0 : nullptr;
+  if (e && what) fprintf(stderr, "exl2_backend: %s=%d: %s\n", name, mode, what);
+  return mode;
+}
+}  // namespace
+
 int gemv_tma_launch(const GemvParams& p, int blocks, int smem, cudaStream_t stream) {
 #ifdef EXL2_GEMV_SPECIALIZED
-  static const int specialized = [] {
-    const char* e = getenv("EXL2_GEMV_SPECIALIZED");
-    const int mode = e ? atoi(e) : 0;
-    if (mode == 1) fprintf(stderr, "exl2_backend: EXL2_GEMV_SPECIALIZED=1: GEMV kernels specialized by feature set\n");
-    if (mode == 2) fprintf(stderr, "exl2_backend: EXL2_GEMV_SPECIALIZED=2: a GEMV kernel copy per decode role\n");
-    return mode;
-  }();
+  static const int specialized = switch_mode("EXL2_GEMV_SPECIALIZED", 0, "GEMV kernels specialized by feature set",
+                                              "a GEMV kernel copy per decode role");
   if (specialized == 1 && p.M <= 16)
     return p.M <= 8 ? launch_specialized<1>(p, blocks, smem, stream) : launch_specialized<2>(p, blocks, smem, stream);
   if (specialized == 2 && p.M <= 8) return launch_role_copy(p, blocks, smem, stream);
@@ -317,13 +324,8 @@ int gemv_tma_launch(const GemvParams& p, int blocks, int smem, cudaStream_t stre
   // switch read once): 0 sends every launch to kFAll; 2 also runs launches of one row without a pre-gathered input
   // (every GEMV of a decode step) on kFDecode, the lean set without the pre-gathered copy (prepared call AJ1). The
   // same arithmetic in the same order in every kernel.
-  static const int lean_mode = [] {
-    const char* e = getenv("EXL2_GEMV_LEAN");
-    const int mode = e ? atoi(e) : 1;
-    if (mode == 0) fprintf(stderr, "exl2_backend: EXL2_GEMV_LEAN=0: every GEMV launch runs the kFAll kernel\n");
-    if (mode == 2) fprintf(stderr, "exl2_backend: EXL2_GEMV_LEAN=2: one-row GEMVs without xpre run kFDecode\n");
-    return mode;
-  }();
+  static const int lean_mode = switch_mode("EXL2_GEMV_LEAN", 1, nullptr, "one-row GEMVs without xpre run kFDecode",
+                                           "every GEMV launch runs the kFAll kernel");
   const bool lean = lean_mode != 0 && !p.cluster && !p.probe;
   if (lean && lean_mode == 2 && p.M == 1 && !p.xpre) return launch_mt<1, kFDecode>(p, blocks, smem, stream);
   switch ((p.M + 7) / 8) {

@@ -90,7 +90,9 @@ def _prefill(engine, seq_id: str, prompt: list[int], new_tokens: int) -> float:
     return time.perf_counter() - t0
 
 
-def _graph_step_seconds(engine, iters: int) -> float | None:
+def graph_step_seconds(engine, iters: int) -> float | None:
+    """Seconds per replay of the engine's batch-1 decode graph (None without one): 3 warm-up replays, then `iters`
+    timed with CUDA events. The graph repeats the step it last ran (same inputs, same cache slots)."""
     runner = engine.runner
     graphs = getattr(runner, "_graphs", {})
     if 1 not in graphs:
@@ -172,7 +174,7 @@ def run_bench(model_dir: str | Path, *, contexts=(512, 2048, 8192, 32768), decod
                 break
         _sync(dev)
         step = (time.perf_counter() - t0) / max(emitted, 1)  # seconds per generated token
-        gpu_step = _graph_step_seconds(engine, decode_tokens) if dev.type == "cuda" else None
+        gpu_step = graph_step_seconds(engine, decode_tokens) if dev.type == "cuda" else None
         engine.release("seq")
         nbytes = decode_bytes(config, wbytes, ctx, cache_type)
         row = {"context": ctx, "prefill_tokens_per_s": ctx / prefill_s, "decode_tokens_per_s": 1 / step,

@@ -84,6 +84,8 @@ def _roofline_info(engine, wbytes: int, bandwidth: float, step_s: float) -> dict
 
 
 def test_bench_decode_graph_step(benchmark, bench_engine):
+    from exl2_backend.bench.decode import graph_step_seconds
+
     engine, shape, wbytes, bandwidth = bench_engine
     graphs = getattr(engine.runner, "_graphs", {})
     _add(engine, "seq", CONTEXT, 4)
@@ -98,13 +100,7 @@ def test_bench_decode_graph_step(benchmark, bench_engine):
             torch.cuda.synchronize(engine.device)
 
         benchmark.pedantic(step, rounds=DECODE_ROUNDS, iterations=1, warmup_rounds=3)
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        for _ in range(DECODE_ROUNDS):
-            g.replay()
-        b.record()
-        b.synchronize()
-        step_s = a.elapsed_time(b) / 1e3 / DECODE_ROUNDS
+        step_s = graph_step_seconds(engine, DECODE_ROUNDS)
     finally:
         engine.release("seq")
     benchmark.extra_info.update({"shape": shape, "context": CONTEXT, "graph_step_ms": step_s * 1e3,

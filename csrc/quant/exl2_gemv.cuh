@@ -22,9 +22,10 @@ constexpr int kProbeNoReduce = 2;  // split partials written, no ticket and no f
 constexpr int kProbeNoMath = 4;    // weights streamed through the ring, no decode or mma
 
 // Features a TMA GEMV instantiation compiles (its template argument F): every runtime switch of a launch's
-// parameters is tested as (F & bit) && switch, so kFAll is the one kernel every launch runs, and a narrower F (the
-// measurement build EXL2_GEMV_SPECIALIZED, exl2_gemv_tma.cu) leaves the code of unused features out of the kernel.
-// H200 calls AG1 / AG2 of 2026-12-03: code compiled into the kernel but not run slowed every launch ~0.6 us.
+// parameters is tested as (F & bit) && switch, so a kernel with every bit takes any launch, and a narrower F leaves
+// the code of unused features out. H200 calls AG1 / AG2 of 2026-12-03: code compiled into the kernel but not run
+// slowed every launch ~0.6 us. Narrower sets per role (the measurement build EXL2_GEMV_SPECIALIZED, sessions 19-20,
+// removed; in git history at 72067f9) lost to one function for every role: see kFLean.
 constexpr int kFNorm = 1;     // the norm inside the GEMV (norm_nt)
 constexpr int kFRope = 2;     // the fused rope (rope_d)
 constexpr int kFGated = 4;    // a gathered silu(gate) * up input (gate_off, no xpre)
@@ -39,8 +40,6 @@ constexpr int kFAll = 63;
 constexpr int kFLean = kFNorm | kFRope | kFGated | kFPre;
 // kFLean without the pre-gathered copy: a decode step's GEMVs (one row, never pre-gathered); EXL2_GEMV_LEAN=2 only.
 constexpr int kFDecode = kFNorm | kFRope | kFGated;
-// The input paths a runtime-routed kernel keeps (kFAll, kFLean); a narrower set with kFPre alone never gathers.
-constexpr int kFInputPaths = kFNorm | kFGated | kFPre;
 
 // GemvParams::gather_mode. Auto: by items at M <= 8, by row slots past it. (A gather by 16-byte vectors where the
 // rows are in input order, for down_proj after model/tp_shard.fold_down_order, lost to the item gather: H200 call

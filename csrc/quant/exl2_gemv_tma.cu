@@ -184,7 +184,7 @@ __device__ __forceinline__ void tma_block(const GemvParams& p, const GvWork& wk,
 #ifndef EXL2_GEMV_TMA_MT1_MIN_BLOCKS
 #define EXL2_GEMV_TMA_MT1_MIN_BLOCKS 2
 #endif
-// F: the features compiled in (kFAll: every launch's kernel; narrower sets: the EXL2_GEMV_SPECIALIZED build).
+// F: the features compiled in (kFLean: every launch without cluster split-K or timing probes; kFAll: those).
 template <int MT, int F>
 __global__ void __launch_bounds__(kTmaThreads, MT == 1 ? EXL2_GEMV_TMA_MT1_MIN_BLOCKS : MT <= 2 ? 2 : 1)
     gemv_tma_kernel(const __grid_constant__ GemvParams p) {
@@ -197,34 +197,6 @@ __global__ void __launch_bounds__(kTmaThreads, MT == 1 ? EXL2_GEMV_TMA_MT1_MIN_B
 #endif
 }
 
-#ifdef EXL2_GEMV_SPECIALIZED
-// Measurement build, EXL2_GEMV_SPECIALIZED=2: the kFAll kernel's code as a separate function per decode role (Copy
-// 1..4), to tell the cost of launching a different function each time (instruction-cache misses at a launch's
-// start) from the cost of the narrower feature sets' code (H200 call AH1: the sets made the decode step 1.4%
-// slower).
-template <int MT, int Copy>
-__global__ void __launch_bounds__(kTmaThreads, MT == 1 ? EXL2_GEMV_TMA_MT1_MIN_BLOCKS : MT <= 2 ? 2 : 1)
-    gemv_tma_kernel_copy(const __grid_constant__ GemvParams p) {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  extern __shared__ __align__(128) unsigned char smem[];
-  exl2::pdl_launch_dependents();
-  tma_block<MT, kFAll>(p, gv_work(p), smem);
-#else
-  __trap();
-#endif
-}
-#endif
-
-// The kernel a launch of MT token tiles and features F runs (Copy > 0: the measurement build's role copies).
-template <int MT, int F, int Copy>
-constexpr auto tma_kernel_of() {
-#ifdef EXL2_GEMV_SPECIALIZED
-  if constexpr (Copy > 0) return gemv_tma_kernel_copy<MT, Copy>;
-  else
-#endif
-    return gemv_tma_kernel<MT, F>;
-}
-
 }  // namespace
 
 int gemv_tma_smem_extra(int M, int xstride, int maxnch, int maxgrp, int norm_k) {
@@ -232,12 +204,12 @@ int gemv_tma_smem_extra(int M, int xstride, int maxnch, int maxgrp, int norm_k) 
 }
 
 namespace {
-template <int MT, int F = kFAll, int Copy = 0>
+template <int MT, int F = kFAll>
 int launch_mt(const GemvParams& p, int blocks, int smem, cudaStream_t stream) {
   static int smem_set[kMaxDevices] = {};  // function attributes are per kernel and per device
   static bool non_portable_set[kMaxDevices] = {};
   const int dev = current_device_slot();
-  auto kernel = tma_kernel_of<MT, F, Copy>();
+  auto kernel = gemv_tma_kernel<MT, F>;
   if (const int st = raise_smem_limit(kernel, smem, smem_set[dev], "exl2_gemv (TMA)")) return st;
   if (!p.cluster) {
     exl2::launch_kernel(kernel, blocks, kTmaThreads, smem, stream, p);
@@ -268,64 +240,19 @@ int launch_mt(const GemvParams& p, int blocks, int smem, cudaStream_t stream) {
 }
 }  // namespace
 
-#ifdef EXL2_GEMV_SPECIALIZED
-// Measurement build: with EXL2_GEMV_SPECIALIZED=1 set at run time, a launch of one or two token tiles whose features
-// (kF*) are one of the decode and verify steps' sets runs an instantiation compiled with only those; any other
-// launch runs the kFAll kernel. The same arithmetic in the same order (bit-identical by construction).
-int features_of(const GemvParams& p) {
-  return (p.norm_nt ? kFNorm : 0) | (p.rope_d ? kFRope : 0) | (p.gate_off > 0 && !p.xpre ? kFGated : 0) |
-         (p.xpre ? kFPre : 0) | (p.cluster ? kFCluster : 0) | (p.probe ? kFProbe : 0);
-}
-template <int MT>
-int launch_specialized(const GemvParams& p, int blocks, int smem, cudaStream_t stream) {
-  switch (features_of(p)) {
-    case 0: return launch_mt<MT, 0>(p, blocks, smem, stream);                     // o_proj (M = 1)
-    case kFGated: return launch_mt<MT, kFGated>(p, blocks, smem, stream);         // down_proj
-    case kFNorm: return launch_mt<MT, kFNorm>(p, blocks, smem, stream);           // gate/up, the head
-    case kFNorm | kFRope: return launch_mt<MT, kFNorm | kFRope>(p, blocks, smem, stream);  // q/k/v (decode)
-    case kFPre: return launch_mt<MT, kFPre>(p, blocks, smem, stream);             // after the pre-gathering norm
-    case kFPre | kFRope: return launch_mt<MT, kFPre | kFRope>(p, blocks, smem, stream);    // q/k/v (verify)
-    default: return launch_mt<MT>(p, blocks, smem, stream);
-  }
-}
-// EXL2_GEMV_SPECIALIZED=2: the decode roles' launches (one token tile) each run their own copy of the kFAll kernel.
-int launch_role_copy(const GemvParams& p, int blocks, int smem, cudaStream_t stream) {
-  switch (features_of(p)) {
-    case 0: return launch_mt<1, kFAll, 1>(p, blocks, smem, stream);                // o_proj
-    case kFGated: return launch_mt<1, kFAll, 2>(p, blocks, smem, stream);          // down_proj
-    case kFNorm: return launch_mt<1, kFAll, 3>(p, blocks, smem, stream);           // gate/up, the head
-    case kFNorm | kFRope: return launch_mt<1, kFAll, 4>(p, blocks, smem, stream);  // q/k/v
-    default: return launch_mt<1>(p, blocks, smem, stream);
-  }
-}
-#endif
-
-namespace {
-// A measurement switch's mode: the integer in environment variable `name` (or `fallback`), announced once on stderr
-// with its meaning when it is 1, 2 or 0 (`on1`, `on2`, `on0`; null: silent).
-int switch_mode(const char* name, int fallback, const char* on1, const char* on2, const char* on0 = nullptr) {
-  const char* e = getenv(name);
-  const int mode = e ? atoi(e) : fallback;
-  const char* what = mode == 1 ? on1 : mode == 2 ? on2 : mode == 0 ? on0 : nullptr;
-  if (e && what) fprintf(stderr, "exl2_backend: %s=%d: %s\n", name, mode, what);
-  return mode;
-}
-}  // namespace
-
 int gemv_tma_launch(const GemvParams& p, int blocks, int smem, cudaStream_t stream) {
-#ifdef EXL2_GEMV_SPECIALIZED
-  static const int specialized = switch_mode("EXL2_GEMV_SPECIALIZED", 0, "GEMV kernels specialized by feature set",
-                                              "a GEMV kernel copy per decode role");
-  if (specialized == 1 && p.M <= 16)
-    return p.M <= 8 ? launch_specialized<1>(p, blocks, smem, stream) : launch_specialized<2>(p, blocks, smem, stream);
-  if (specialized == 2 && p.M <= 8) return launch_role_copy(p, blocks, smem, stream);
-#endif
   // Cluster split-K and timing probes run kFAll; every other launch the lean kernel. EXL2_GEMV_LEAN (a measurement
   // switch read once): 0 sends every launch to kFAll; 2 also runs launches of one row without a pre-gathered input
   // (every GEMV of a decode step) on kFDecode, the lean set without the pre-gathered copy (prepared call AJ1). The
   // same arithmetic in the same order in every kernel.
-  static const int lean_mode = switch_mode("EXL2_GEMV_LEAN", 1, nullptr, "one-row GEMVs without xpre run kFDecode",
-                                           "every GEMV launch runs the kFAll kernel");
+  static const int lean_mode = [] {
+    const char* e = getenv("EXL2_GEMV_LEAN");
+    const int mode = e ? atoi(e) : 1;
+    if (mode != 1)
+      fprintf(stderr, "exl2_backend: EXL2_GEMV_LEAN=%d: %s\n", mode,
+              mode == 0 ? "every GEMV launch runs the kFAll kernel" : "one-row GEMVs without xpre run kFDecode");
+    return mode;
+  }();
   const bool lean = lean_mode != 0 && !p.cluster && !p.probe;
   if (lean && lean_mode == 2 && p.M == 1 && !p.xpre) return launch_mt<1, kFDecode>(p, blocks, smem, stream);
   switch ((p.M + 7) / 8) {

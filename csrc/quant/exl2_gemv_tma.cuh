@@ -295,10 +295,6 @@ __device__ __forceinline__ void tma_stage_input(const GemvParams& p, const GvWor
                                                 Mark&& loaded = Mark{}) {
   const int nch = wk.c1 - wk.c0;
   constexpr bool kGate = (F & kFGated) != 0;
-  // a specialized pre-gathered instantiation never gathers (kFAll and kFLean keep every input path). Tested as
-  // "every input-path bit", not F == kFAll: session 19's kFAll | kFTail kernel (a bit outside kFAll) compiled no
-  // gather at all through the equality, and its launches computed on unset shared memory (H200 call AH2).
-  constexpr bool kMayGather = (F & kFInputPaths) == kFInputPaths || !(F & kFPre);
   if ((F & kFNorm) && p.norm_nt) {
     gv_norm_rows(norm_rows_of(p), sm.xf, sm.red, blockIdx.x == 0 ? p.norm_res_out : nullptr, p.norm_res_out_ld,
                  compute_sync);
@@ -308,7 +304,6 @@ __device__ __forceinline__ void tma_stage_input(const GemvParams& p, const GvWor
     // rows at M > 8: M loads per row slot, 16 or 32 in flight
     const int mode = p.gather_mode == kGatherAuto ? (MT > 1 ? kGatherRows : kGatherItems) : p.gather_mode;
     if ((F & kFPre) && p.xpre) gv_copy_pregathered(p, wk.di, wk.c0, nch, sm.xs, kTmaComputeThreads);
-    else if (!kMayGather) {}
     else if (mode == kGatherRows) gv_gather<MT >= 4 ? 32 : 16, kGate>(p, nch, sm.xs, sm.xm, kTmaComputeThreads);
     else gv_gather_items<kGate>(p, nch, sm.xs, sm.xm, kTmaComputeThreads);
     loaded();

@@ -31,6 +31,36 @@
 namespace exl2q {
 namespace {
 
+// BlockStamp: the measurement build's timeline, called at points 1..4 (thread 0 of the compute warps); a no-op in
+// every other build.
+#ifdef EXL2_GEMV_TIMELINE
+// Measurement build (scripts/build_variant.sh EXL2_GEMV_TIMELINE ...; scripts/gemv_timeline.py): every launch takes
+// the next of kTimelineSlots slots (a host counter, so the launches of a captured graph keep theirs on every replay)
+// and thread 0 of each of its first kTimelineBlocks blocks records %globaltimer at the kernel's start (0), after the
+// PDL wait (1), with the input staged (2), after its chunk loop (3) and after the split-K finish (4), and its SM
+// (5). Results are unchanged; the stamps' stores are the only extra work.
+constexpr int kTimelineSlots = 1024, kTimelineBlocks = 512, kTimelinePoints = 6;
+struct TimelineArg {
+  unsigned long long* buf;  // [kTimelineSlots][kTimelineBlocks][kTimelinePoints], or null (not armed)
+  int slot;
+};
+struct TimelineStamp {
+  unsigned long long* row;  // this block's kTimelinePoints entries, or null
+  __device__ void operator()(int j) const {
+    if (row && threadIdx.x == 0) {
+      unsigned long long t;
+      asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+      row[j] = t;
+    }
+  }
+};
+using BlockStamp = TimelineStamp;
+#else
+struct BlockStamp {
+  __device__ void operator()(int) const {}
+};
+#endif
+
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
 __device__ __forceinline__ void cluster_sync() {  // every thread of every block of the cluster
   asm volatile("barrier.cluster.arrive.release.aligned;\nbarrier.cluster.wait.acquire.aligned;" ::: "memory");
@@ -107,8 +137,9 @@ __device__ __forceinline__ GvWork run_segment(const QDesc& d, const GvWork& wk, 
   return s;
 }
 
-template <int MT, int F>
-__device__ __forceinline__ void tma_block(const GemvParams& p, const GvWork& wk, unsigned char* smem) {
+template <int MT, int F, typename Stamp = BlockStamp>
+__device__ __forceinline__ void tma_block(const GemvParams& p, const GvWork& wk, unsigned char* smem,
+                                          Stamp stamp = {}) {
   const QDesc& d = p.d[wk.di];
   const int tid = threadIdx.x, warp = tid >> 5;
   const TmaGeom g = tma_geom(d, wk);
@@ -148,9 +179,11 @@ __device__ __forceinline__ void tma_block(const GemvParams& p, const GvWork& wk,
   // Compute warps. Constants first (before the PDL wait), then the activation gather: both for the whole item.
   tma_load_constants(d, wk, sm);
   exl2::pdl_wait();
+  stamp(1);
   compute_sync();
   tma_stage_input<MT, NoMark, F>(p, wk, sm);
   compute_sync();
+  stamp(2);
 
   const bool active = warp < g.nwa;
   GvStateMT<MT> st;
@@ -167,12 +200,14 @@ __device__ __forceinline__ void tma_block(const GemvParams& p, const GvWork& wk,
       });
   }
   // The ring is drained: every copy into it was waited for and read.
+  stamp(3);
   if ((F & kFCluster) && p.cluster && wk.ksplit > 1) {
     const int n0 = (g.j0 + warp) * kWarpCols;
     cluster_reduce<MT>(d, wk, st, active, true, n0, p.M, reinterpret_cast<float*>(sm.ring));
     return;
   }
   tma_finish<MT, F>(p, wk, st, active);
+  stamp(4);
 }
 #endif
 
@@ -187,11 +222,29 @@ __device__ __forceinline__ void tma_block(const GemvParams& p, const GvWork& wk,
 // F: the features compiled in (kFLean: every launch without cluster split-K or timing probes; kFAll: those).
 template <int MT, int F>
 __global__ void __launch_bounds__(kTmaThreads, MT == 1 ? EXL2_GEMV_TMA_MT1_MIN_BLOCKS : MT <= 2 ? 2 : 1)
+#ifdef EXL2_GEMV_TIMELINE
+    gemv_tma_kernel(const __grid_constant__ GemvParams p, const TimelineArg tl) {
+#else
     gemv_tma_kernel(const __grid_constant__ GemvParams p) {
+#endif
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   extern __shared__ __align__(128) unsigned char smem[];
+#ifdef EXL2_GEMV_TIMELINE
+  const TimelineStamp stamp{tl.buf && blockIdx.x < kTimelineBlocks
+                                ? tl.buf + ((size_t)tl.slot * kTimelineBlocks + blockIdx.x) * kTimelinePoints
+                                : nullptr};
+  stamp(0);
+  if (stamp.row && threadIdx.x == 0) {
+    unsigned int sm;
+    asm volatile("mov.u32 %0, %%smid;" : "=r"(sm));
+    stamp.row[5] = sm;
+  }
+  exl2::pdl_launch_dependents();
+  tma_block<MT, F>(p, gv_work(p), smem, stamp);
+#else
   exl2::pdl_launch_dependents();  // every block is resident now: the next kernel may launch into freed SMs
   tma_block<MT, F>(p, gv_work(p), smem);
+#endif
 #else
   __trap();  // the host launches this kernel on sm_90+ only
 #endif
@@ -203,6 +256,29 @@ int gemv_tma_smem_extra(int M, int xstride, int maxnch, int maxgrp, int norm_k) 
   return tma_layout(tma_sizes(0, maxgrp, M, xstride, maxnch, norm_k)).total;
 }
 
+#ifdef EXL2_GEMV_TIMELINE
+namespace {
+unsigned long long* g_timeline[kMaxDevices] = {};
+int g_timeline_next[kMaxDevices] = {};
+// Per slot, what the launch was: blocks, M, part 0's K and N, parts, feature bits (1 norm, 2 rope, 4 gated, 8
+// pre-gathered, 16 cluster), the kernel's token tiles.
+constexpr int kTimelineMeta = 7;
+int g_timeline_meta[kMaxDevices][kTimelineSlots][kTimelineMeta] = {};
+
+// The next slot of an armed device (its metadata recorded), or {null, 0}.
+TimelineArg timeline_take(const GemvParams& p, int blocks, int mt) {
+  const int dev = current_device_slot();
+  if (!g_timeline[dev]) return {nullptr, 0};
+  const int slot = g_timeline_next[dev]++ % kTimelineSlots;
+  const int feats = (p.norm_nt ? 1 : 0) | (p.rope_d ? 2 : 0) | (p.gate_off > 0 && !p.xpre ? 4 : 0) |
+                    (p.xpre ? 8 : 0) | (p.cluster ? 16 : 0);
+  const int meta[kTimelineMeta] = {blocks, p.M, p.d[0].K, p.d[0].N, p.ndesc, feats, mt};
+  for (int i = 0; i < kTimelineMeta; ++i) g_timeline_meta[dev][slot][i] = meta[i];
+  return {g_timeline[dev], slot};
+}
+}  // namespace
+#endif
+
 namespace {
 template <int MT, int F = kFAll>
 int launch_mt(const GemvParams& p, int blocks, int smem, cudaStream_t stream) {
@@ -211,8 +287,14 @@ int launch_mt(const GemvParams& p, int blocks, int smem, cudaStream_t stream) {
   const int dev = current_device_slot();
   auto kernel = gemv_tma_kernel<MT, F>;
   if (const int st = raise_smem_limit(kernel, smem, smem_set[dev], "exl2_gemv (TMA)")) return st;
+#ifdef EXL2_GEMV_TIMELINE
+  const TimelineArg tl = timeline_take(p, blocks, MT);
+#define EXL2_TIMELINE_ARG , tl
+#else
+#define EXL2_TIMELINE_ARG
+#endif
   if (!p.cluster) {
-    exl2::launch_kernel(kernel, blocks, kTmaThreads, smem, stream, p);
+    exl2::launch_kernel(kernel, blocks, kTmaThreads, smem, stream, p EXL2_TIMELINE_ARG);
     return exl2::check_launch("exl2_gemv (TMA)");
   }
   if (p.cluster > 8 && !non_portable_set[dev]) {
@@ -235,7 +317,8 @@ int launch_mt(const GemvParams& p, int blocks, int smem, cudaStream_t stream) {
   attr[1].val.programmaticStreamSerializationAllowed = 1;
   cfg.attrs = attr;
   cfg.numAttrs = exl2::pdl_enabled() ? 2 : 1;
-  cudaLaunchKernelEx(&cfg, kernel, p);
+  cudaLaunchKernelEx(&cfg, kernel, p EXL2_TIMELINE_ARG);
+#undef EXL2_TIMELINE_ARG
   return exl2::check_launch("exl2_gemv (TMA, cluster)");
 }
 }  // namespace
@@ -263,3 +346,42 @@ int gemv_tma_launch(const GemvParams& p, int blocks, int smem, cudaStream_t stre
 }
 
 }  // namespace exl2q
+
+#ifdef EXL2_GEMV_TIMELINE
+// Arms (or re-arms) the timeline of the current device: the buffer allocated once and zeroed, the slot counter at
+// 0; clear = 1 only zeroes the stamps (the slots the launches already hold stay theirs, e.g. a captured graph's).
+EXL2_API int exl2_gemv_timeline_arm(int clear) {
+  using namespace exl2q;
+  const int dev = current_device_slot();
+  const size_t bytes = sizeof(unsigned long long) * kTimelineSlots * kTimelineBlocks * kTimelinePoints;
+  if (!g_timeline[dev]) {
+    cudaError_t err = cudaMalloc(&g_timeline[dev], bytes);
+    if (err != cudaSuccess) {
+      g_timeline[dev] = nullptr;
+      return exl2::set_error((int)err, "exl2_gemv_timeline_arm: %s", cudaGetErrorString(err));
+    }
+  }
+  cudaError_t err = cudaMemset(g_timeline[dev], 0, bytes);
+  if (err != cudaSuccess) return exl2::set_error((int)err, "exl2_gemv_timeline_arm: %s", cudaGetErrorString(err));
+  if (!clear) g_timeline_next[dev] = 0;
+  return 0;
+}
+
+// The stamps of slots [0, n) into host[n][kTimelineBlocks][kTimelinePoints] (globaltimer ns; 0: not stamped) and
+// their metadata into meta[n][7] (see g_timeline_meta); *slots_taken: launches since the last arm. n <= 1024.
+EXL2_API int exl2_gemv_timeline_copy(unsigned long long* host, int* meta, int n, int* slots_taken) {
+  using namespace exl2q;
+  EXL2_REQUIRE(host && meta && slots_taken && n > 0 && n <= kTimelineSlots, "exl2_gemv_timeline_copy: bad argument");
+  const int dev = current_device_slot();
+  if (!g_timeline[dev]) return exl2::set_error(EXL2_ERR_UNSUPPORTED, "exl2_gemv_timeline_copy: not armed");
+  cudaError_t err = cudaDeviceSynchronize();
+  if (err == cudaSuccess)
+    err = cudaMemcpy(host, g_timeline[dev], sizeof(unsigned long long) * n * kTimelineBlocks * kTimelinePoints,
+                     cudaMemcpyDeviceToHost);
+  if (err != cudaSuccess) return exl2::set_error((int)err, "exl2_gemv_timeline_copy: %s", cudaGetErrorString(err));
+  for (int i = 0; i < n; ++i)
+    for (int j = 0; j < kTimelineMeta; ++j) meta[i * kTimelineMeta + j] = g_timeline_meta[dev][i][j];
+  *slots_taken = g_timeline_next[dev];
+  return 0;
+}
+#endif

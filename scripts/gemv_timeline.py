@@ -1,0 +1,182 @@
+#!/usr/bin/env python3
+"""Where each GEMV launch of a captured decode step spends its time, block by block.
+
+Needs the measurement library built with -DEXL2_GEMV_TIMELINE:
+    bash scripts/build_variant.sh EXL2_GEMV_TIMELINE .dev/libexl2_kernels_timeline.so.gz
+
+The 8B shape (a random 4.0 bpw directory under --workdir) prefills --context tokens and decodes a step; the batch-1
+decode graph is then captured again with the timeline armed, so each of its GEMV launches holds a slot, and replayed
+once. Thread 0 of every block stamped %globaltimer at the kernel's start, after the PDL wait, with its input staged,
+after its chunk loop and after the split-K finish (csrc/quant/exl2_gemv_tma.cu). Printed per role (q/k/v, o,
+gate/up, down, head), as medians over the step's launches of that role, in us:
+  gap     the previous GEMV's last block end -> this launch's first block start (negative: PDL overlap; the
+          attention and its reduce sit in the gap before o_proj)
+  wait    block start -> PDL wait returned (median block)
+  stage   wait returned -> input staged (the gather, or the norm)
+  stream  input staged -> chunk loop done (median block; the slowest block's figure beside it)
+  finish  chunk loop done -> split-K finish done (the last block of each column block reduces)
+  span    first block start -> last block end;  tail  median block's chunk loop done -> last block end
+The sum of the spans and gaps is the step's GEMV critical path as the blocks saw it.
+
+    python scripts/gemv_timeline.py --json timeline.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import json
+import statistics
+from pathlib import Path
+
+import numpy as np
+
+SLOTS, BLOCKS, POINTS, META = 1024, 512, 6, 7  # exl2_gemv_tma.cu's kTimeline* and kTimelineMeta
+ROLE_ORDER = ("q/k/v", "o", "gate/up", "down", "head", "other")
+
+
+def role_of(meta: np.ndarray) -> str:
+    """meta [7]: blocks, M, K, N of part 0, parts, feature bits (1 norm, 2 rope, 4 gated, 8 pre-gathered), tiles."""
+    _, _, k, n, parts, feats, _ = (int(v) for v in meta)
+    if feats & 2:
+        return "q/k/v"
+    if feats & 4:
+        return "down"
+    if feats & 1:
+        return "head" if parts == 1 and n > 4 * k else "gate/up"
+    if parts == 1 and n == k:
+        return "o"
+    return "other"
+
+
+def launch_rows(stamps: np.ndarray, meta: np.ndarray) -> list[dict]:
+    """stamps [L, BLOCKS, POINTS] uint64 globaltimer ns (0: not stamped) and meta [L, 7] of the stamped launches in
+    launch order -> one dict per launch (us, relative to the first launch's first block start)."""
+    rows = []
+    t_origin = None
+    prev_end = None
+    for i in range(stamps.shape[0]):
+        blocks = int(meta[i][0])
+        s = stamps[i, : min(blocks, BLOCKS), :5].astype(np.float64)
+        s = s[(s > 0).all(axis=1)]  # blocks that stamped every point
+        if not len(s):
+            continue
+        if t_origin is None:
+            t_origin = s[:, 0].min()
+        s = (s - t_origin) / 1e3  # us
+        start, end = float(s[:, 0].min()), float(s[:, 4].max())
+        row = {
+            "role": role_of(meta[i]), "blocks": blocks, "stamped_blocks": len(s), "start_us": start,
+            "end_us": end, "gap_us": None if prev_end is None else start - prev_end,
+            "wait_us": float(np.median(s[:, 1] - s[:, 0])), "stage_us": float(np.median(s[:, 2] - s[:, 1])),
+            "stream_us": float(np.median(s[:, 3] - s[:, 2])), "stream_max_us": float((s[:, 3] - s[:, 2]).max()),
+            "finish_us": float(np.median(s[:, 4] - s[:, 3])), "span_us": end - start,
+            "tail_us": end - float(np.median(s[:, 3])),
+        }
+        rows.append(row)
+        prev_end = end
+    return rows
+
+
+def summarize(rows: list[dict]) -> dict:
+    """Per role: the launch count and the median of each figure over its launches; 'step': the step's first start ->
+    last end and the sums of spans and of positive gaps."""
+    keys = ("gap_us", "wait_us", "stage_us", "stream_us", "stream_max_us", "finish_us", "span_us", "tail_us")
+    out = {}
+    for role in ROLE_ORDER:
+        mine = [r for r in rows if r["role"] == role]
+        if not mine:
+            continue
+        fig = {"launches": len(mine), "blocks": int(statistics.median(r["blocks"] for r in mine))}
+        for k in keys:
+            vals = [r[k] for r in mine if r[k] is not None]
+            fig[k] = statistics.median(vals) if vals else None
+        out[role] = fig
+    if rows:
+        out["step"] = {"first_start_to_last_end_us": rows[-1]["end_us"] - rows[0]["start_us"],
+                       "sum_span_us": sum(r["span_us"] for r in rows),
+                       "sum_gap_us": sum(r["gap_us"] for r in rows if r["gap_us"] is not None and r["gap_us"] > 0)}
+    return out
+
+
+def capture_timeline(engine) -> tuple[np.ndarray, np.ndarray]:
+    """Re-capture the engine's batch-1 decode graph with the timeline armed, replay it (warm), clear the stamps,
+    replay once more -> (stamps, meta) of its GEMV launches in launch order."""
+    import torch
+
+    from exl2_backend.ops import library
+
+    lib = library.get()
+    if not hasattr(lib, "exl2_gemv_timeline_arm"):
+        raise SystemExit("this library has no timeline: build it with -DEXL2_GEMV_TIMELINE (see the docstring)")
+    arm = library.declare("exl2_gemv_timeline_arm", library.I32)
+    copy = library.declare("exl2_gemv_timeline_copy", library.PTR, library.PTR, library.I32,
+                           ctypes.POINTER(ctypes.c_int))
+    runner = engine.runner
+    library.check(arm(0), "exl2_gemv_timeline_arm")  # slots from 0: the capture's warm-up, then the graph
+    runner._capture(1)  # measurement only: the graph's launches take slots as they are captured
+    graph = runner._graphs[1]
+    for _ in range(3):
+        graph.replay()
+    torch.cuda.synchronize()
+    library.check(arm(1), "exl2_gemv_timeline_arm")  # zero the stamps, keep the slots
+    graph.replay()
+    torch.cuda.synchronize()
+    stamps = np.zeros((SLOTS, BLOCKS, POINTS), dtype=np.uint64)
+    meta = np.zeros((SLOTS, META), dtype=np.int32)
+    taken = ctypes.c_int(0)
+    library.check(copy(stamps.ctypes.data, meta.ctypes.data, SLOTS, ctypes.byref(taken)), "exl2_gemv_timeline_copy")
+    stamped = [i for i in range(min(taken.value, SLOTS)) if stamps[i, 0, 0] > 0]
+    return stamps[stamped], meta[stamped]
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--workdir", default="/tmp/models")
+    ap.add_argument("--shape", default="llama3-8b")
+    ap.add_argument("--context", type=int, default=1024)
+    ap.add_argument("--json", help="write the per-launch rows and the summary here")
+    args = ap.parse_args()
+
+    import torch
+
+    from exl2_backend.bench.decode import load_engine
+    from exl2_backend.format.random_model import write_random_exl2_model
+    from exl2_backend.runtime import GenerationParams
+    from exl2_backend.sampling import SamplingParams
+
+    model_dir = Path(args.workdir) / args.shape
+    if not (model_dir / "config.json").is_file():
+        write_random_exl2_model(model_dir, args.shape, 4.0)
+    engine, _, _ = load_engine(model_dir, "cuda", args.context + 256, use_graphs=True)
+    ids = torch.randint(0, engine.config.vocab_size, (args.context,), generator=torch.Generator().manual_seed(0))
+    params = GenerationParams(sampling=SamplingParams.greedy(), max_new_tokens=16, ignore_eos=True)
+    engine.add_sequence("seq", ids.tolist(), params)
+    while not engine.prefill(["seq"])[0].token_ids:
+        pass
+    for _ in range(2):
+        engine.decode(["seq"])
+    stamps, meta = capture_timeline(engine)
+    engine.release("seq")
+    rows = launch_rows(stamps, meta)
+    summary = summarize(rows)
+    print(f"{len(rows)} GEMV launches stamped; medians per role, us:")
+    print(f"{'role':8s} {'n':>4s} {'blocks':>6s} {'gap':>7s} {'wait':>7s} {'stage':>7s} {'stream':>7s} {'max':>7s} "
+          f"{'finish':>7s} {'span':>7s} {'tail':>7s}")
+    for role in ROLE_ORDER:
+        f = summary.get(role)
+        if f:
+            vals = [f[k] for k in ("gap_us", "wait_us", "stage_us", "stream_us", "stream_max_us", "finish_us",
+                                   "span_us", "tail_us")]
+            print(f"{role:8s} {f['launches']:4d} {f['blocks']:6d} "
+                  + " ".join("      -" if v is None else f"{v:7.2f}" for v in vals))
+    st = summary.get("step", {})
+    print(f"step: first start -> last end {st.get('first_start_to_last_end_us', 0):.1f} us; sum of spans "
+          f"{st.get('sum_span_us', 0):.1f}, of positive gaps {st.get('sum_gap_us', 0):.1f}")
+    if args.json:
+        Path(args.json).write_text(json.dumps({"rows": rows, "summary": summary}, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

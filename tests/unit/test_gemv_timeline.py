@@ -1,0 +1,69 @@
+"""scripts/gemv_timeline.py's analysis on synthetic stamps (the GPU part needs the -DEXL2_GEMV_TIMELINE library)."""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+_PATH = Path(__file__).resolve().parents[2] / "scripts" / "gemv_timeline.py"
+_spec = importlib.util.spec_from_file_location("gemv_timeline", _PATH)
+tl = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(tl)
+
+# meta rows: blocks, M, K, N (part 0), parts, feature bits (1 norm, 2 rope, 4 gated, 8 pre-gathered), tiles
+QKV = [4, 1, 4096, 4096, 3, 3, 1]
+O = [4, 1, 4096, 4096, 1, 0, 1]
+GATE_UP = [4, 1, 4096, 14336, 2, 1, 1]
+DOWN = [4, 1, 14336, 4096, 1, 4, 1]
+HEAD = [4, 1, 4096, 128256, 1, 1, 1]
+
+
+def _launch(start_ns: float, wait: float, stage: float, stream: list[float], finish: float) -> np.ndarray:
+    """Stamps [BLOCKS, POINTS] of one launch: block b starts at start + 100 b ns, points 0..4 (ns), SM in 5."""
+    s = np.zeros((tl.BLOCKS, tl.POINTS), dtype=np.uint64)
+    for b, st in enumerate(stream):
+        t0 = start_ns + 100 * b
+        pts = np.cumsum([t0, wait, stage, st, finish])
+        s[b, :5] = pts.astype(np.uint64)
+        s[b, 5] = b
+    return s
+
+
+def test_roles_follow_the_feature_bits_and_shapes():
+    assert [tl.role_of(np.array(m)) for m in (QKV, O, GATE_UP, DOWN, HEAD)] == ["q/k/v", "o", "gate/up", "down",
+                                                                                 "head"]
+    assert tl.role_of(np.array([4, 1, 4096, 1024, 1, 0, 1])) == "other"
+
+
+def test_rows_and_summary_measure_each_phase():
+    base = 1_000_000_000
+    stamps = np.stack([
+        _launch(base, 1000, 2000, [5000, 6000, 7000, 9000], 1500),  # q/k/v: ends at 900 + 3500 + 9000 + ... ns
+        _launch(base + 30_000, 500, 1000, [4000, 4000, 4000, 4000], 800),  # o
+    ])
+    meta = np.array([QKV, O], dtype=np.int32)
+    rows = tl.launch_rows(stamps, meta)
+    assert [r["role"] for r in rows] == ["q/k/v", "o"]
+    q, o = rows
+    assert q["gap_us"] is None and q["start_us"] == 0.0
+    assert q["wait_us"] == pytest.approx(1.0) and q["stage_us"] == pytest.approx(2.0)
+    assert q["stream_us"] == pytest.approx(6.5) and q["stream_max_us"] == pytest.approx(9.0)
+    assert q["finish_us"] == pytest.approx(1.5)
+    q_end = (300 + 1000 + 2000 + 9000 + 1500) / 1e3  # the last block: started 300 ns late, streamed longest
+    assert q["end_us"] == pytest.approx(q_end) and q["span_us"] == pytest.approx(q_end)
+    assert o["gap_us"] == pytest.approx(30.0 - q_end)
+    summary = tl.summarize(rows)
+    assert summary["q/k/v"]["launches"] == 1 and summary["o"]["stream_us"] == pytest.approx(4.0)
+    assert summary["step"]["first_start_to_last_end_us"] == pytest.approx(o["end_us"])
+    assert summary["step"]["sum_gap_us"] == pytest.approx(o["gap_us"])
+
+
+def test_blocks_that_missed_a_stamp_are_left_out():
+    s = _launch(1e9, 1000, 1000, [2000, 2000], 1000)
+    s[1, 3] = 0  # block 1 never reached its chunk loop's end stamp
+    rows = tl.launch_rows(s[None], np.array([O], dtype=np.int32))
+    assert rows[0]["stamped_blocks"] == 1
+    assert tl.launch_rows(np.zeros((1, tl.BLOCKS, tl.POINTS), np.uint64), np.array([O], np.int32)) == []

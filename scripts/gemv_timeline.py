@@ -16,6 +16,7 @@ gate/up, down, head), as medians over the step's launches of that role, in us:
   stream  input staged -> chunk loop done (median block; the slowest block's figure beside it)
   finish  chunk loop done -> split-K finish done (the last block of each column block reduces)
   span    first block start -> last block end;  tail  median block's chunk loop done -> last block end
+  paired / alone  streaming of blocks that shared their SM with another block of the launch / that had it alone
 The sum of the spans and gaps is the step's GEMV critical path as the blocks saw it.
 
     python scripts/gemv_timeline.py --json timeline.json
@@ -57,8 +58,9 @@ def launch_rows(stamps: np.ndarray, meta: np.ndarray) -> list[dict]:
     prev_end = None
     for i in range(stamps.shape[0]):
         blocks = int(meta[i][0])
-        s = stamps[i, : min(blocks, BLOCKS), :5].astype(np.float64)
-        s = s[(s > 0).all(axis=1)]  # blocks that stamped every point
+        raw = stamps[i, : min(blocks, BLOCKS)]
+        ok = (raw[:, :5] > 0).all(axis=1)  # blocks that stamped every point
+        s, sm = raw[ok, :5].astype(np.float64), raw[ok, 5].astype(np.int64)
         if not len(s):
             continue
         if t_origin is None:
@@ -72,16 +74,30 @@ def launch_rows(stamps: np.ndarray, meta: np.ndarray) -> list[dict]:
             "stream_us": float(np.median(s[:, 3] - s[:, 2])), "stream_max_us": float((s[:, 3] - s[:, 2]).max()),
             "finish_us": float(np.median(s[:, 4] - s[:, 3])), "span_us": end - start,
             "tail_us": end - float(np.median(s[:, 3])),
+            **shared_sm_split(s[:, 3] - s[:, 2], sm),
         }
         rows.append(row)
         prev_end = end
     return rows
 
 
+def shared_sm_split(stream_us: np.ndarray, sm: np.ndarray) -> dict:
+    """Streaming of blocks that shared their SM with another block of the launch against blocks alone on theirs (a
+    launch of 224 items on 132 SMs puts two on 92 SMs and one on 40; session 9 saw the pairs stream at ~2/3 the
+    rate per block in the chain kernel): medians, us, and how many SMs held two or more blocks."""
+    sms, counts = np.unique(sm, return_counts=True)
+    per_block = counts[np.searchsorted(sms, sm)]
+    shared, alone = stream_us[per_block >= 2], stream_us[per_block == 1]
+    return {"sms_shared": int((counts >= 2).sum()), "sms_alone": int((counts == 1).sum()),
+            "stream_shared_us": float(np.median(shared)) if len(shared) else None,
+            "stream_alone_us": float(np.median(alone)) if len(alone) else None}
+
+
 def summarize(rows: list[dict]) -> dict:
     """Per role: the launch count and the median of each figure over its launches; 'step': the step's first start ->
     last end and the sums of spans and of positive gaps."""
-    keys = ("gap_us", "wait_us", "stage_us", "stream_us", "stream_max_us", "finish_us", "span_us", "tail_us")
+    keys = ("gap_us", "wait_us", "stage_us", "stream_us", "stream_max_us", "finish_us", "span_us", "tail_us",
+            "stream_shared_us", "stream_alone_us", "sms_shared", "sms_alone")
     out = {}
     for role in ROLE_ORDER:
         mine = [r for r in rows if r["role"] == role]
@@ -162,14 +178,15 @@ def main() -> int:
     summary = summarize(rows)
     print(f"{len(rows)} GEMV launches stamped; medians per role, us:")
     print(f"{'role':8s} {'n':>4s} {'blocks':>6s} {'gap':>7s} {'wait':>7s} {'stage':>7s} {'stream':>7s} {'max':>7s} "
-          f"{'finish':>7s} {'span':>7s} {'tail':>7s}")
+          f"{'finish':>7s} {'span':>7s} {'tail':>7s} {'paired':>7s} {'alone':>7s} {'SMs 2/1':>8s}")
     for role in ROLE_ORDER:
         f = summary.get(role)
         if f:
             vals = [f[k] for k in ("gap_us", "wait_us", "stage_us", "stream_us", "stream_max_us", "finish_us",
-                                   "span_us", "tail_us")]
+                                   "span_us", "tail_us", "stream_shared_us", "stream_alone_us")]
             print(f"{role:8s} {f['launches']:4d} {f['blocks']:6d} "
-                  + " ".join("      -" if v is None else f"{v:7.2f}" for v in vals))
+                  + " ".join("      -" if v is None else f"{v:7.2f}" for v in vals)
+                  + f" {f['sms_shared']:4.0f}/{f['sms_alone']:<3.0f}")
     st = summary.get("step", {})
     print(f"step: first start -> last end {st.get('first_start_to_last_end_us', 0):.1f} us; sum of spans "
           f"{st.get('sum_span_us', 0):.1f}, of positive gaps {st.get('sum_gap_us', 0):.1f}")

@@ -67,3 +67,12 @@ def test_blocks_that_missed_a_stamp_are_left_out():
     rows = tl.launch_rows(s[None], np.array([O], dtype=np.int32))
     assert rows[0]["stamped_blocks"] == 1
     assert tl.launch_rows(np.zeros((1, tl.BLOCKS, tl.POINTS), np.uint64), np.array([O], np.int32)) == []
+
+
+def test_blocks_sharing_an_sm_are_told_from_blocks_alone():
+    s = _launch(1e9, 1000, 1000, [3000, 3000, 2000], 1000)
+    s[:3, 5] = [7, 7, 9]  # blocks 0 and 1 on SM 7, block 2 alone on SM 9
+    row = tl.launch_rows(s[None], np.array([O], dtype=np.int32))[0]
+    assert (row["sms_shared"], row["sms_alone"]) == (1, 1)
+    assert row["stream_shared_us"] == pytest.approx(3.0) and row["stream_alone_us"] == pytest.approx(2.0)
+    assert tl.summarize([row])["o"]["stream_alone_us"] == pytest.approx(2.0)

@@ -156,20 +156,15 @@ def main() -> int:
 
     import torch
 
-    from exl2_backend.bench.decode import load_engine
+    from exl2_backend.bench.decode import load_engine, prefill_seconds
     from exl2_backend.format.random_model import write_random_exl2_model
-    from exl2_backend.runtime import GenerationParams
-    from exl2_backend.sampling import SamplingParams
 
     model_dir = Path(args.workdir) / args.shape
     if not (model_dir / "config.json").is_file():
         write_random_exl2_model(model_dir, args.shape, 4.0)
     engine, _, _ = load_engine(model_dir, "cuda", args.context + 256, use_graphs=True)
     ids = torch.randint(0, engine.config.vocab_size, (args.context,), generator=torch.Generator().manual_seed(0))
-    params = GenerationParams(sampling=SamplingParams.greedy(), max_new_tokens=16, ignore_eos=True)
-    engine.add_sequence("seq", ids.tolist(), params)
-    while not engine.prefill(["seq"])[0].token_ids:
-        pass
+    prefill_seconds(engine, "seq", ids.tolist(), 16)
     for _ in range(2):
         engine.decode(["seq"])
     stamps, meta = capture_timeline(engine)

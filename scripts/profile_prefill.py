@@ -14,29 +14,18 @@ from __future__ import annotations
 
 import argparse
 import json
-import time
 from pathlib import Path
 
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from exl2_backend.bench.decode import load_engine, load_model
+from exl2_backend.bench.decode import load_engine, load_model, prefill_seconds
 from exl2_backend.format.random_model import write_random_exl2_model
-from exl2_backend.runtime import GenerationParams
-from exl2_backend.sampling import SamplingParams
 
 
 def prefill_once(engine, seq_id: str, ids: list[int]) -> float:
-    """Seconds from add_sequence to the first token (every chunk), device synchronized."""
-    params = GenerationParams(sampling=SamplingParams.greedy(), max_new_tokens=1, ignore_eos=True)
-    sync = torch.cuda.synchronize if engine.device.type == "cuda" else (lambda: None)
-    engine.add_sequence(seq_id, ids, params)
-    sync()
-    t0 = time.perf_counter()
-    while not engine.prefill([seq_id])[0].token_ids:
-        pass
-    sync()
-    secs = time.perf_counter() - t0
+    """Seconds of one prefill of `ids` to its first token (every chunk); the sequence released after."""
+    secs = prefill_seconds(engine, seq_id, ids, 1)
     engine.release(seq_id)
     return secs
 

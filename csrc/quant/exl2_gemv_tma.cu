@@ -260,8 +260,8 @@ int gemv_tma_smem_extra(int M, int xstride, int maxnch, int maxgrp, int norm_k) 
 namespace {
 unsigned long long* g_timeline[kMaxDevices] = {};
 int g_timeline_next[kMaxDevices] = {};
-// Per slot, what the launch was: blocks, M, part 0's K and N, parts, feature bits (1 norm, 2 rope, 4 gated, 8
-// pre-gathered, 16 cluster), the kernel's token tiles.
+// Per slot, what the launch was: blocks, M, part 0's K and N, parts, the kF* bits of the features it uses (kFNorm 1,
+// kFRope 2, kFGated 4, kFPre 8, kFCluster 16), the kernel's token tiles.
 constexpr int kTimelineMeta = 7;
 int g_timeline_meta[kMaxDevices][kTimelineSlots][kTimelineMeta] = {};
 
@@ -270,8 +270,8 @@ TimelineArg timeline_take(const GemvParams& p, int blocks, int mt) {
   const int dev = current_device_slot();
   if (!g_timeline[dev]) return {nullptr, 0};
   const int slot = g_timeline_next[dev]++ % kTimelineSlots;
-  const int feats = (p.norm_nt ? 1 : 0) | (p.rope_d ? 2 : 0) | (p.gate_off > 0 && !p.xpre ? 4 : 0) |
-                    (p.xpre ? 8 : 0) | (p.cluster ? 16 : 0);
+  const int feats = (p.norm_nt ? kFNorm : 0) | (p.rope_d ? kFRope : 0) | (p.gate_off > 0 && !p.xpre ? kFGated : 0) |
+                    (p.xpre ? kFPre : 0) | (p.cluster ? kFCluster : 0);
   const int meta[kTimelineMeta] = {blocks, p.M, p.d[0].K, p.d[0].N, p.ndesc, feats, mt};
   for (int i = 0; i < kTimelineMeta; ++i) g_timeline_meta[dev][slot][i] = meta[i];
   return {g_timeline[dev], slot};

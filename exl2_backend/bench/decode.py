@@ -76,7 +76,9 @@ def load_engine(model_dir: str | Path, device: str, max_seq_len: int, use_graphs
     return engine, wbytes, load_s
 
 
-def _prefill(engine, seq_id: str, prompt: list[int], new_tokens: int) -> float:
+def prefill_seconds(engine, seq_id: str, prompt: list[int], new_tokens: int) -> float:
+    """Add a greedy sequence (ignore_eos, `new_tokens` to generate) and prefill it to its first token, every
+    chunk; -> seconds of the prefill alone, device synchronized before and after. The caller releases it."""
     from exl2_backend.runtime import GenerationParams
     from exl2_backend.sampling import SamplingParams
 
@@ -144,7 +146,7 @@ def run_bench(model_dir: str | Path, *, contexts=(512, 2048, 8192, 32768), decod
     if plan is not None and plan.mode != "single":  # layer split / tensor parallel: where everything went
         result["placement"] = plan.to_dict()
     # Warm-up (kernel selection, graph capture) on a short sequence.
-    _prefill(engine, "warmup", prompt(64), 8)
+    prefill_seconds(engine, "warmup", prompt(64), 8)
     for _ in range(4):
         engine.decode(["warmup"])
     engine.release("warmup")
@@ -153,7 +155,7 @@ def run_bench(model_dir: str | Path, *, contexts=(512, 2048, 8192, 32768), decod
     # prefill moved by a third between processes on the H200 (sessions 19-20).
     runs = []
     for i in range(PREFILL_RUNS):
-        runs.append(_prefill(engine, f"prefill{i}", prompt(prefill_tokens), 1))
+        runs.append(prefill_seconds(engine, f"prefill{i}", prompt(prefill_tokens), 1))
         engine.release(f"prefill{i}")
     secs = statistics.median(runs)
     result["prefill"] = {"tokens": prefill_tokens, "seconds": secs, "tokens_per_s": prefill_tokens / secs,
@@ -161,7 +163,7 @@ def run_bench(model_dir: str | Path, *, contexts=(512, 2048, 8192, 32768), decod
     for ctx in contexts:
         if progress:
             progress(f"context {ctx}")
-        prefill_s = _prefill(engine, "seq", prompt(ctx), decode_tokens + slack)
+        prefill_s = prefill_seconds(engine, "seq", prompt(ctx), decode_tokens + slack)
         for _ in range(2):
             engine.decode(["seq"])
         _sync(dev)

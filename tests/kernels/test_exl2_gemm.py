@@ -652,3 +652,52 @@ def test_vec4_split_reduction_is_bit_identical(tmp_path):
         got[mode] = torch.load(out)
     for a, b in zip(got["scalar"], got["vec4"]):
         assert torch.equal(a, b)
+
+
+_NARROW_SCRIPT = """
+import sys, torch
+from exl2_backend.ops import cuda_quant
+from tests.helpers.synth import random_qtensor
+from tests.kernels.test_exl2_dequant import _to_cuda
+cases = {  # K, N, one spec per part: the 8B's gate/up (4-bit; mixed: span splits), a partial last column block
+    "gate_up": (4096, 14336, ["4:1@128", "4:1@128"]),
+    "mixed": (4096, 14336, ["4:0.1@32 3:0.9@32", "4:0.25@32 3:0.75@32"]),
+    "partial": (4096, 14176, ["4:1@128", "5:0.2@128 4:0.8@128"]),
+}
+outs, warps = {}, {}
+for name, (k, n, specs) in cases.items():
+    parts = [_to_cuda(random_qtensor(f"{name}{i}", k, n, s, seed=i, bias=i == 1)) for i, s in enumerate(specs)]
+    op = cuda_quant.prepare_linear(parts, "cuda")
+    op.launch.sms = 132  # the H200's plan on any device
+    for m in (1, 5, 9):
+        x = torch.randn(m, k, generator=torch.Generator().manual_seed(m)).half().cuda()
+        gate_up = torch.randn(m, 2 * k, generator=torch.Generator().manual_seed(m + 9)).half().cuda()
+        outs[name, m] = (op.fused_kernel(x, "gemv").cpu(), op.gated(gate_up).cpu())
+        warps[name, m] = op.launch.gemv_colblk_warps(m)
+torch.save((outs, warps), sys.argv[1])
+"""
+
+
+@pytest.mark.cuda
+def test_narrowed_column_blocks_are_bit_identical(tmp_path):
+    """Column blocks of 7 warp tiles (narrow_column_blocks; EXL2_GEMV_NARROW is read once per process: run in
+    subprocesses) regroup columns only: every column keeps its split ranges and split order, so the output equals
+    the 8-wide plan's bit for bit. The 8B's gate/up shapes at M = 1, 5 (one token tile) and 9 (two), span splits,
+    a partial last column block, bias; plain and gated (silu_mul) input."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2]
+    got = {}
+    for mode in ("0", "1"):
+        path = f"{root}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"
+        env = {**os.environ, "EXL2_GEMV_NARROW": mode, "PYTHONPATH": path}
+        out = tmp_path / f"narrow{mode}.pt"
+        subprocess.run([sys.executable, "-c", _NARROW_SCRIPT, str(out)], env=env, cwd=root, check=True, timeout=300)
+        got[mode] = torch.load(out)
+    (wide, warps), (narrow, _) = got["0"], got["1"]
+    assert warps["gate_up", 1] == warps["mixed", 1] == warps["partial", 1] == [7, 7]
+    for key, (plain, gated) in wide.items():
+        assert torch.equal(plain, narrow[key][0]) and torch.equal(gated, narrow[key][1]), key

@@ -313,7 +313,6 @@ int parse_desc(const int64_t* f, QDesc& d) {
   d.counters = reinterpret_cast<int*>(f[F_COUNTERS]);
   d.ldo = (int)f[F_LDO]; d.K = (int)f[F_K]; d.Kpad = (int)f[F_KPAD]; d.N = (int)f[F_N]; d.Np = (int)f[F_NP];
   d.C = (int)f[F_C]; d.G = (int)f[F_G]; d.nruns = (int)f[F_NRUNS]; d.ksplit = (int)f[F_KSPLIT];
-  d.colblk_warps = kGvWarps;  // the TMA GEMV's planner may narrow them (narrow_column_blocks)
   EXL2_REQUIRE(d.packed && d.scales && d.maxf && d.info && d.xmap, "exl2 desc: null tensor pointer");
   EXL2_REQUIRE(d.Np > 0 && d.Np % 32 == 0 && d.N > 0 && d.N <= d.Np, "exl2 desc: bad N=%d Np=%d", d.N, d.Np);
   EXL2_REQUIRE(d.C > 0 && d.Kpad == d.C * kChunkRows && d.K <= d.Kpad && d.K <= 65535,
@@ -652,7 +651,7 @@ bool exact_run_splits(const exl2q::QDesc& d, int total, int* rbase, int& maxnch)
 // gate_off > 0: fused silu_mul input (x [M, ldx] holds gate at columns [0, K) and up at [gate_off, gate_off + K)).
 namespace exl2q {
 int gemv_plan(const int64_t* blob, int ndesc, const void* x, int M, int ldx, int gate_off, int minb, const void* xpre,
-              int xpre_ld, const GemvNorm* norm, GemvParams& p, GemvPlan& pl, bool standalone) {
+              int xpre_ld, const GemvNorm* norm, GemvParams& p, GemvPlan& pl, bool allow_span) {
   EXL2_REQUIRE(blob && x, "exl2_gemv: null argument");
   EXL2_REQUIRE(ndesc >= 1 && ndesc <= kMaxDesc, "exl2_gemv: %d descriptors (1..%d)", ndesc, kMaxDesc);
   EXL2_REQUIRE(M >= 1 && M <= 32, "exl2_gemv: M=%d outside 1..32", M);
@@ -745,16 +744,7 @@ int gemv_plan(const int64_t* blob, int ndesc, const void* x, int M, int ldx, int
       }
       // Per-run splits balanced by bytes within the launch's planned blocks, then span splits where they pay
       // (exl2_gemv_splits.cuh).
-      if (!p.cluster) refine_splits(p, blob, (int)blob[F_SLOTS], standalone && !probe, blocks, maxnch);
-      // Column blocks of fewer warp tiles where one wave leaves slots idle (not with a fused rope: a head must stay
-      // inside a 256-column block). EXL2_GEMV_NARROW=0 keeps 8 everywhere (A/B runs; read once).
-      static const bool narrow = [] {
-        const char* e = getenv("EXL2_GEMV_NARROW");
-        const bool on = !e || atoi(e) != 0;
-        if (!on) fprintf(stderr, "exl2_backend: EXL2_GEMV_NARROW=0: every GEMV column block 8 warp tiles wide\n");
-        return on;
-      }();
-      if (!p.cluster && standalone && narrow && !blob[F_ROPE]) narrow_column_blocks(p, (int)blob[F_SLOTS], blocks);
+      if (!p.cluster) refine_splits(p, blob, (int)blob[F_SLOTS], allow_span && !probe, blocks, maxnch);
       p.xstride = maxnch * kChunkRows + 8;
       p.maxnch = maxnch;
       static const int prefetch_kb = [] {  // L2 prefetch past the ring, KB per block (0 = off until measured)
@@ -854,12 +844,9 @@ EXL2_API int exl2_gemv_add_norm(const int64_t* blob, int ndesc, const void* h, i
 // The small-M GEMV's split counts per run (host only, for tests and tools): splits[i * kMaxRuns + r] for run r of
 // descriptor i, proportional, then balanced within `slots` blocks when slots > 0 (what exl2_gemv plans on sm_90+
 // with F_SLOTS set; F_WS and F_COUNTERS must be set for a descriptor to take more splits); with F_SPAN set, the
-// descriptor's span splits at r = 0 (exl2_gemv_splits.cuh span_splits); then column blocks narrowed where one wave
-// leaves slots idle (narrow_column_blocks; not with F_ROPE set), as exl2_gemv plans them unless EXL2_GEMV_NARROW=0.
-// *blocks: the total; *groups (when not null): the quantization groups per block whose scales the TMA kernel
-// stages; colblk_warps[i] (when not null): descriptor i's warp tiles per column block.
-EXL2_API int exl2_gemv_splits(const int64_t* blob, int ndesc, int slots, int* splits, int* blocks, int* groups,
-                              int* colblk_warps) {
+// descriptor's span splits at r = 0 (exl2_gemv_splits.cuh span_splits). *blocks: the total;
+// *groups (when not null): the quantization groups per block whose scales the TMA kernel stages.
+EXL2_API int exl2_gemv_splits(const int64_t* blob, int ndesc, int slots, int* splits, int* blocks, int* groups) {
   using namespace exl2q;
   EXL2_REQUIRE(blob && splits && blocks, "exl2_gemv_splits: null argument");
   EXL2_REQUIRE(ndesc >= 1 && ndesc <= kMaxDesc, "exl2_gemv_splits: %d descriptors (1..%d)", ndesc, kMaxDesc);
@@ -875,9 +862,6 @@ EXL2_API int exl2_gemv_splits(const int64_t* blob, int ndesc, int slots, int* sp
     n += d.ncolblk * proportional_run_splits(d, p.rbase[i], maxnch);
   }
   refine_splits(p, blob, slots, true, n, maxnch);  // span: splits[i * kMaxRuns], the rest 0
-  if (!blob[F_ROPE]) narrow_column_blocks(p, slots, n);
-  if (colblk_warps)
-    for (int i = 0; i < ndesc; ++i) colblk_warps[i] = p.d[i].colblk_warps;
   for (int i = 0; i < ndesc; ++i)
     for (int r = 0; r < kMaxRuns; ++r)
       splits[i * kMaxRuns + r] = p.span ? (r == 0 ? p.rbase[i][p.d[i].nruns] : 0)

@@ -461,8 +461,8 @@ __device__ __forceinline__ void gv_gather(const GemvParams& p, int nch, __half* 
 // column block runs it after the ticket). `tid`/`nthreads`: the calling threads.
 __device__ __forceinline__ void gv_reduce_partials(const QDesc& d, int colblk, int ksplit, int M, int tid,
                                                    int nthreads) {
-  const int cols = d.colblk_warps * kWarpCols, nblk0 = colblk * cols;
-  const int ncols = min(cols, d.N - nblk0);
+  const int nblk0 = colblk * kGvCols;
+  const int ncols = min(kGvCols, d.N - nblk0);
   for (int e = tid; e < ncols * M; e += nthreads) {
     const int m = e / ncols, n = nblk0 + e % ncols;
     const float* src = d.ws + (size_t)m * d.Np + n;
@@ -487,8 +487,8 @@ __device__ __forceinline__ void gv_reduce_partials(const QDesc& d, int colblk, i
 // (GemvParams::reduce_vec4; EXL2_GEMV_REDUCE=scalar selects gv_reduce_partials).
 __device__ __forceinline__ void gv_reduce_partials_vec4(const QDesc& d, int colblk, int ksplit, int M, int tid,
                                                         int nthreads) {
-  const int cols = d.colblk_warps * kWarpCols, nblk0 = colblk * cols;
-  const int ncols = min(cols, d.N - nblk0);
+  const int nblk0 = colblk * kGvCols;
+  const int ncols = min(kGvCols, d.N - nblk0);
   const int quads = (ncols + 3) / 4;
   const size_t stride = (size_t)M * d.Np;
   for (int e = tid; e < quads * M; e += nthreads) {
@@ -536,10 +536,9 @@ struct GemvPlan {
 
 // Checks the arguments of one small-M GEMV (exl2_gemm.cu) and plans it into p (splits, ring, staged sizes):
 // the arguments of exl2_gemv, and norm (null: none) those of exl2_gemv_add_norm. Returns a status.
-// standalone: a launch of its own, where F_SPAN may select span splits and column blocks may narrow (the chain
-// kernel walks one run per item of 256 columns and passes false).
+// allow_span: F_SPAN may select span splits (the chain kernel walks one run per item and passes false).
 int gemv_plan(const int64_t* blob, int ndesc, const void* x, int M, int ldx, int gate_off, int minb, const void* xpre,
-              int xpre_ld, const GemvNorm* norm, GemvParams& p, GemvPlan& pl, bool standalone = true);
+              int xpre_ld, const GemvNorm* norm, GemvParams& p, GemvPlan& pl, bool allow_span = true);
 
 // Fields per phase of exl2_gemv_chain's table (exl2_gemv_chain.cu; keep in sync with ops/cuda_chain.py).
 constexpr int kChainFields = 13;

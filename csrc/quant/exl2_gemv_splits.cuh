@@ -167,48 +167,6 @@ inline void refine_splits(GemvParams& p, const int64_t* blob, int slots, bool sp
   if (span && blob[F_SPAN]) take_span_if_it_pays(p, slots, blocks, maxnch);
 }
 
-// Column blocks of fewer than 8 warp tiles where a one-wave launch leaves block slots idle. A launch's blocks all
-// start at once and its time is about its longest block's: H200 call AJ1 of 2026-12-04 (the 8B's gate/up, 224
-// blocks of 8 warp tiles, two splits per column block, on 264 slots): 102 SMs streamed two blocks (15.6 us median),
-// 20 SMs one (12.0 us), 10 none (the next GEMV's early blocks held their slots); the slowest block 18.7 us. The same
-// splits over column blocks of 7 warp tiles make 256 blocks of 7/8 the bytes.
-//   Cost of a plan: its longest item (chunk-bits per warp tile) x warp tiles per column block, weighted 4 where the
-// blocks outnumber the SMs (two per SM) and 3 where each has an SM to itself (AJ1: equal items streamed in 15.6 us
-// paired, 12.0 alone). Narrowest first is not the rule: 6..8 warp tiles, the cheapest plan within `slots` blocks, ties
-// to the wider. Only where the 8-wide plan fits one wave (`slots` plans two blocks per SM); every descriptor
-// gets the same width; splits unchanged. Returns the chosen warp tiles (8: unchanged).
-constexpr int kNarrowestColblk = 6;  // warp tiles: below this, idle compute warps outweigh the shorter items
-inline int narrow_column_blocks(GemvParams& p, int slots, int& blocks) {
-  if (slots <= 0 || blocks > slots) return kGvWarps;
-  const int sms = (slots + 1) / 2;
-  const long long longest = longest_item(p);
-  auto blocks_at = [&](int w) {
-    int n = 0;
-    for (int i = 0; i < p.ndesc; ++i) n += (p.d[i].Np / kWarpCols + w - 1) / w * p.rbase[i][p.d[i].nruns];
-    return n;
-  };
-  auto cost = [&](int w, int n) { return longest * w * (n > sms ? 4 : 3); };
-  int best = kGvWarps;
-  long long best_cost = cost(kGvWarps, blocks);
-  for (int w = kGvWarps - 1; w >= kNarrowestColblk; --w) {
-    const int n = blocks_at(w);
-    if (n <= slots && cost(w, n) < best_cost) {
-      best = w;
-      best_cost = cost(w, n);
-    }
-  }
-  if (best == kGvWarps) return best;
-  blocks = 0;
-  for (int i = 0; i < p.ndesc; ++i) {
-    QDesc& d = p.d[i];
-    d.colblk_warps = best;
-    d.ncolblk = (d.Np / kWarpCols + best - 1) / best;
-    d.block_start = blocks;
-    blocks += d.ncolblk * p.rbase[i][d.nruns];
-  }
-  return best;
-}
-
 // The most quantization groups a split of `maxnch` chunks touches, which the TMA GEMV stages the scales of: at most
 // two group ends per chunk, and at most one more than its rows over the part's smallest group (F_GROUP_ROWS; a
 // split may start inside a group); the most of any part. The 8B's 6-bit head (groups of 128 rows, 54-chunk

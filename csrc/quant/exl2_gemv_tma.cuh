@@ -154,8 +154,8 @@ struct TmaGeom {
   int J, j0, nwa, c0, nch;
 };
 __device__ __forceinline__ TmaGeom tma_geom(const QDesc& d, const GvWork& wk) {
-  const int J = d.Np / kWarpCols, j0 = wk.colblk * d.colblk_warps;
-  return {J, j0, min(d.colblk_warps, J - j0), wk.c0, wk.c1 - wk.c0};  // nwa: a partial last column block has fewer
+  const int J = d.Np / kWarpCols, j0 = wk.colblk * kGvWarps;
+  return {J, j0, min(kGvWarps, J - j0), wk.c0, wk.c1 - wk.c0};  // nwa: a partial last column block has fewer
 }
 // Calls f(std::integral_constant<int, B>{}) for the run's width B (2, 3, 4, 5, 6 or 8).
 template <typename F>
@@ -366,7 +366,7 @@ __device__ __forceinline__ void tma_finish(const GemvParams& p, const GvWork& wk
                                            bool active) {
   const QDesc& d = p.d[wk.di];
   const int warp = threadIdx.x >> 5, tid = threadIdx.x;
-  const int n0 = (wk.colblk * d.colblk_warps + warp) * kWarpCols;
+  const int n0 = (wk.colblk * kGvWarps + warp) * kWarpCols;
   if (wk.ksplit == 1) {
     if (active) gv_store<MT>(d, st, n0, p.M, wk.gsplit, false);
     if ((F & kFRope) && p.rope_d) {

@@ -58,8 +58,6 @@ struct QDesc {
   float* ws;                // split-K partials [ksplit][M][Np] (ksplit > 1)
   int* counters;            // [ncolblk], zero between launches
   int ldo, K, Kpad, N, Np, C, G, nruns, ksplit, ncolblk, block_start;
-  int colblk_warps;         // small-M GEMV: 32-column warp tiles per column block (8; fewer where the TMA planner
-                            // narrows them, exl2_gemv_splits.cuh narrow_column_blocks)
   Run runs[kMaxRuns];
 };
 

@@ -28,7 +28,7 @@ from exl2_backend.ops.cuda_quant import _REG, CudaLinearOp, _check_norm_input, _
 # with the chain against 2.88 ms with the GEMVs one by one (eager: 122 us per chain kernel against 85 us for its
 # four GEMVs), same tokens and bit-identical logits. scripts/chain_bench.py isolates it.
 GEMV_CHAIN = os.environ.get("EXL2_BACKEND_GEMV_CHAIN", "0") == "1"
-# Its work items stay inside one width run (per-run splits; exl2_gemv_chain.cu plans with standalone=false), so with
+# Its work items stay inside one width run (per-run splits; exl2_gemv_chain.cu plans with allow_span=false), so with
 # the default span splits of the one-launch GEMV its sums differ from the launches' in the last bits.
 CHAIN_FIELDS = 13  # int64 per phase; csrc/quant/exl2_gemv.cuh kChainFields
 GEMV, PREGATHER, NORM = 0, 1, 2  # phase kinds

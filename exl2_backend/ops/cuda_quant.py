@@ -308,7 +308,7 @@ def _fn(name: str):
             "exl2_add_norm_pregather": (P, I32, P, I32, I32, P, I32, P, P, I32, library.F32, P, I32,
                                         library.STREAM),
             "exl2_dequant": (P, P, I32, I32, library.STREAM),
-            "exl2_gemv_splits": (P, I32, I32, P, P, P, P),
+            "exl2_gemv_splits": (P, I32, I32, P, P, P),
         }[name]
         _fns[name] = library.declare(name, *sig)
     return _fns[name]
@@ -433,9 +433,7 @@ class _Launch:
             blob[0, F_SPAN] = int(GEMV_SPLITS == "span")
             kmax = ks + _MAX_RUNS
             ws_off = list(itertools.accumulate([0] + [kmax * m * p.Np for p in self.parts[:-1]]))
-            # a ticket per column block, which the planner may narrow to as few as one 32-column warp tile
-            tickets = [p.Np // 32 for p in self.parts]
-            cnt_off = list(itertools.accumulate([0] + tickets[:-1]))
+            cnt_off = list(itertools.accumulate([0] + ncol[:-1]))
             ws_numel = kmax * m * sum(p.Np for p in self.parts)
             self._plans[key] = _Plan(ks, blob, ws_off, cnt_off, ws_numel)
         return self._plans[key]
@@ -443,31 +441,25 @@ class _Launch:
     def gemv_splits(self, m: int) -> tuple[list[list[int]], int]:
         """The TMA GEMV's split count per width run of each part at M rows, and the launch's blocks (host only:
         the planner exl2_gemv runs, csrc/quant/exl2_gemv_splits.cuh)."""
-        splits, blocks, _, _ = self._split_query(m)
+        splits, blocks, _ = self._split_query(m)
         return splits, blocks
 
     def gemv_staged_groups(self, m: int) -> int:
         """Quantization groups per block whose scales the TMA GEMV stages in shared memory at M rows."""
         return self._split_query(m)[2]
 
-    def gemv_colblk_warps(self, m: int) -> list[int]:
-        """32-column warp tiles per TMA GEMV column block of each part at M rows (8 unless the planner narrows
-        them where one wave leaves block slots idle; EXL2_GEMV_NARROW=0 keeps 8 on the GPU)."""
-        return self._split_query(m)[3]
-
-    def _split_query(self, m: int) -> tuple[list[list[int]], int, int, list[int]]:
+    def _split_query(self, m: int) -> tuple[list[list[int]], int, int]:
         pl = self.gemv_plan(m)
         blob = pl.blob.copy()
         blob[:, F_WS] = blob[:, F_COUNTERS] = 1  # split-K storage present (the planner only checks for it)
         splits = np.zeros(len(self.parts) * _MAX_RUNS, dtype=np.int32)
         blocks, groups = np.zeros(1, dtype=np.int32), np.zeros(1, dtype=np.int32)
-        warps = np.zeros(len(self.parts), dtype=np.int32)
         st = _fn("exl2_gemv_splits")(blob.ctypes.data, len(self.parts), int(blob[0, F_SLOTS]), splits.ctypes.data,
-                                     blocks.ctypes.data, groups.ctypes.data, warps.ctypes.data)
+                                     blocks.ctypes.data, groups.ctypes.data)
         library.check(st, "exl2_gemv_splits")
         runs = [len(p.runs) for p in self.parts]
         split_lists = [splits[i * _MAX_RUNS: i * _MAX_RUNS + n].tolist() for i, n in enumerate(runs)]
-        return split_lists, int(blocks[0]), int(groups[0]), warps.tolist()
+        return split_lists, int(blocks[0]), int(groups[0])
 
     def plan(self, m: int) -> _Plan:
         """Split-K factor: fill the planned resident blocks of one wave, shared by all parts."""

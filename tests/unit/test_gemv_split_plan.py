@@ -67,16 +67,14 @@ def test_balanced_stays_in_budget_and_never_lengthens_the_launch(monkeypatch, sp
         assert all(x >= y for x, y in zip(b, p))  # only ever adds splits
         assert sum(b) <= ks + 6  # the workspace holds ksplit + _MAX_RUNS partials per column block
         assert all(k <= end - start for (_, start, end, _), k in zip(part.runs, b))
-    warps = launch.gemv_colblk_warps(m)
-    ncol = [-(-part.Np // (32 * w)) for part, w in zip(launch.parts, warps)]
+    ncol = [-(-part.N // 256) for part in launch.parts]
     assert blocks == sum(c * sum(b) for c, b in zip(ncol, bal))
 
 
 def test_two_waves_split_the_mlp_gate_up(monkeypatch):
     launch = _launch(["4:0.1@32 3:0.9@32", "4:0.25@32 3:0.75@32"], 4096, 14336)
     one, blocks_one = _splits(launch, 1, "balanced", monkeypatch)
-    # 56 column blocks per part: no split fits 264 blocks; 64 narrower ones (7 warp tiles) do
-    assert (one, blocks_one, launch.gemv_colblk_warps(1)) == ([[1, 1], [1, 1]], 256, [7, 7])
+    assert (one, blocks_one) == ([[1, 1], [1, 1]], 224)  # 56 column blocks per part: no split fits 264 blocks
     two, blocks_two = _splits(launch, 1, "balanced", monkeypatch, waves=2.0)
     assert 224 < blocks_two <= 528 and _longest(launch, two) < _longest(launch, one)
 
@@ -126,7 +124,7 @@ def _item_bits(part, c0: int, c1: int) -> int:
 def test_span_splits_cross_width_runs_with_equal_bytes(monkeypatch):
     launch = _launch(["4:0.1@32 3:0.9@32", "4:0.25@32 3:0.75@32"], 4096, 14336)
     splits, blocks = _splits(launch, 1, "span", monkeypatch)
-    assert (splits, blocks) == ([[2, 0], [2, 0]], 256)  # ksplit 2 per column block of 7 warp tiles, none per run
+    assert (splits, blocks) == ([[2, 0], [2, 0]], 224)  # ksplit 2 per column block, no split per run
     per_run, _ = _splits(launch, 1, "balanced", monkeypatch)
     for part in launch.parts:
         items = _span_items(part, 2)
@@ -151,55 +149,3 @@ def test_span_splits_only_where_they_pay(monkeypatch):
     head = _launch(["8:0.15@128 6:0.85@128"], 4096, 8192, sms=4)
     assert _splits(head, 1, "balanced", monkeypatch) == ([[1, 1]], 64)
     assert _splits(head, 1, "span", monkeypatch) == ([[1, 0]], 32)
-
-
-# --- narrowed column blocks (exl2_gemv_splits.cuh narrow_column_blocks) ---------------------------------------
-
-
-def _blocks_at(launch, splits, warps: int) -> int:
-    return sum(-(-part.Np // (32 * warps)) * sum(ks) for part, ks in zip(launch.parts, splits))
-
-
-def test_the_8b_gate_up_narrows_to_fill_the_wave(monkeypatch):
-    """224 blocks of 8 warp tiles leave 40 of 264 slots idle (H200 call AJ1: 102 SMs streamed two blocks, 10 none);
-    7 warp tiles make 256 blocks of 7/8 the bytes; 6 would need 300."""
-    launch = _launch(["4:1@128", "4:1@128"], 4096, 14336)
-    splits, blocks = _splits(launch, 1, "span", monkeypatch)
-    assert (splits, blocks, launch.gemv_colblk_warps(1)) == ([[2], [2]], 256, [7, 7])
-    assert _blocks_at(launch, splits, 8) == 224 and _blocks_at(launch, splits, 6) > 264
-    assert launch.gemv_colblk_warps(5) == [7, 7]  # the verify's rows plan the same blocks (batch invariance)
-
-
-@pytest.mark.parametrize("spec, m", [(DOWN, 1), (QKV, 1), (MIXED_QKV, 1), (QKV, 32)])
-def test_full_waves_keep_eight_warp_tiles(monkeypatch, spec, m):
-    """down / o-like launches plan 240-264 blocks: a narrower column block would need a second wave."""
-    launch = _launch(*spec)
-    splits, blocks = _splits(launch, m, "span", monkeypatch)
-    assert launch.gemv_colblk_warps(m) == [8] * len(launch.parts)
-    assert _blocks_at(launch, splits, 7) > 264 or blocks > 264
-
-
-def test_narrowing_needs_the_per_slot_plan(monkeypatch):
-    """Without F_SLOTS (the proportional plan) or with more blocks than slots nothing narrows."""
-    launch = _launch(["4:1@128", "4:1@128"], 4096, 14336)
-    _splits(launch, 1, "proportional", monkeypatch)
-    assert launch.gemv_colblk_warps(1) == [8, 8]
-    launch = _launch(*QKV, sms=1)
-    _splits(launch, 1, "balanced", monkeypatch)
-    assert launch.gemv_colblk_warps(1) == [8, 8, 8]
-
-
-def test_narrowing_is_never_below_six_warp_tiles_and_costs_less(monkeypatch):
-    """A small launch with room to spare (SmolLM2's gate/up on 132 SMs): the cheapest width of 6..8 by the
-    planner's rule (longest item x width, x 4 with two blocks per SM, else x 3), ties to the wider."""
-    launch = _launch(["4:1@32", "4:1@32"], 576, 1536)
-    splits, blocks = _splits(launch, 1, "span", monkeypatch)
-    w = launch.gemv_colblk_warps(1)[0]
-    assert 6 <= w <= 8 and blocks == _blocks_at(launch, splits, w) <= 264
-
-    def cost(width):
-        n = _blocks_at(launch, splits, width)
-        return width * (4 if n > 132 else 3) if n <= 264 else float("inf")
-
-    assert cost(w) == min(cost(x) for x in (6, 7, 8))
-    assert all(cost(x) > cost(w) for x in range(w + 1, 9))

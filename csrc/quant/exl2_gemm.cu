@@ -696,10 +696,12 @@ int gemv_plan(const int64_t* blob, int ndesc, const void* x, int M, int ldx, int
     }
     if (major >= 9) {
       // Ring: enough bytes in flight for the bandwidth, no more: everything a block loads through the cache
-      // (activations, chunk info) queues behind its ring's copies. EXL2_GEMV_RING_KB overrides (benchmarks).
+      // (activations, chunk info) queues behind its ring's copies. H200 call AJ3 of 2026-12-04, 8B decode step
+      // (interleaved twice): 16 KB 2.266 / 2.266 ms, 20 KB 2.272 / 2.266, 24 KB 2.250 / 2.249, 28 KB 2.249 /
+      // 2.250, 32 KB 2.275 / 2.280 (4-bit slots are 8 KB: three in flight at 24 KB). EXL2_GEMV_RING_KB overrides.
       static const int ring_kb = [] {
         const char* e = getenv("EXL2_GEMV_RING_KB");
-        return e && atoi(e) > 0 ? atoi(e) : 32;
+        return e && atoi(e) > 0 ? atoi(e) : 24;
       }();
       static const int probe = [] {
         const char* e = getenv("EXL2_GEMV_PROBE");

@@ -37,9 +37,9 @@ constexpr int kFAll = 63;
 // compiled out, one function for every role, so a decode layer's four GEMV launches still re-enter the same code.
 // H200 call AI1 of 2026-12-04: the kFAll code as one copy per role cost the 8B decode step +99 us against one
 // function (the instruction cache), while the narrower per-role sets cost only +33 us.
+// (kFLean without the pre-gathered copy for the decode step's one-row GEMVs gained nothing: H200 call AJ1, 2.296
+// against 2.295 ms; removed.)
 constexpr int kFLean = kFNorm | kFRope | kFGated | kFPre;
-// kFLean without the pre-gathered copy: a decode step's GEMVs (one row, never pre-gathered); EXL2_GEMV_LEAN=2 only.
-constexpr int kFDecode = kFNorm | kFRope | kFGated;
 
 // GemvParams::gather_mode. Auto: by items at M <= 8, by row slots past it. (A gather by 16-byte vectors where the
 // rows are in input order, for down_proj after model/tp_shard.fold_down_order, lost to the item gather: H200 call

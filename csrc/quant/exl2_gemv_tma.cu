@@ -73,7 +73,9 @@ __device__ __forceinline__ float ld_cluster(uint32_t local_addr, uint32_t rank) 
   return v;
 }
 
-// Cluster split-K: every block leaves its partial [M][256] in its own (drained) ring; after a cluster barrier,
+// Cluster split-K: every block leaves its partial [M][256] in its own drained ring (its compute warps first meet at
+// a block barrier: a warp done with its chunks would otherwise overwrite slot 0 while a slower warp still reads
+// it; AJ3 of 2026-12-04 caught that with a 24 KB ring, whose last chunks land in other slots); after a cluster barrier,
 // block `rank` sums the columns [rank * 256 / C, (rank + 1) * 256 / C) over the C blocks in split order
 // (deterministic, as the ticket path), adds the bias and writes the output; a second barrier keeps every
 // block's shared memory alive until the others have read it. Called by all threads, producer warp included.
@@ -82,6 +84,7 @@ __device__ __forceinline__ void cluster_reduce(const QDesc& d, const GvWork& wk,
                                                bool compute, int n0, int M, float* part) {
   const int tid = threadIdx.x;
   const int nblk0 = wk.colblk * kGvCols, C = wk.ksplit;
+  if (compute) compute_sync();  // every compute warp has read its last slot
   if (compute && active)
     for_each_acc<MT>([&](int nt, int mt, int e, int c, int m) {
       if (m < M) part[m * kGvCols + n0 - nblk0 + c] = gv_acc(st, nt, mt, e);
@@ -324,20 +327,15 @@ int launch_mt(const GemvParams& p, int blocks, int smem, cudaStream_t stream) {
 }  // namespace
 
 int gemv_tma_launch(const GemvParams& p, int blocks, int smem, cudaStream_t stream) {
-  // Cluster split-K and timing probes run kFAll; every other launch the lean kernel. EXL2_GEMV_LEAN (a measurement
-  // switch read once): 0 sends every launch to kFAll; 2 also runs launches of one row without a pre-gathered input
-  // (every GEMV of a decode step) on kFDecode, the lean set without the pre-gathered copy (prepared call AJ1). The
-  // same arithmetic in the same order in every kernel.
-  static const int lean_mode = [] {
+  // Cluster split-K and timing probes run kFAll; every other launch the lean kernel. EXL2_GEMV_LEAN=0 (a
+  // measurement switch, read once) sends every launch to kFAll. The same arithmetic in the same order either way.
+  static const bool lean_on = [] {
     const char* e = getenv("EXL2_GEMV_LEAN");
-    const int mode = e ? atoi(e) : 1;
-    if (mode != 1)
-      fprintf(stderr, "exl2_backend: EXL2_GEMV_LEAN=%d: %s\n", mode,
-              mode == 0 ? "every GEMV launch runs the kFAll kernel" : "one-row GEMVs without xpre run kFDecode");
-    return mode;
+    const bool on = !e || atoi(e) != 0;
+    if (!on) fprintf(stderr, "exl2_backend: EXL2_GEMV_LEAN=0: every GEMV launch runs the kFAll kernel\n");
+    return on;
   }();
-  const bool lean = lean_mode != 0 && !p.cluster && !p.probe;
-  if (lean && lean_mode == 2 && p.M == 1 && !p.xpre) return launch_mt<1, kFDecode>(p, blocks, smem, stream);
+  const bool lean = lean_on && !p.cluster && !p.probe;
   switch ((p.M + 7) / 8) {
     case 1: return lean ? launch_mt<1, kFLean>(p, blocks, smem, stream) : launch_mt<1>(p, blocks, smem, stream);
     case 2: return lean ? launch_mt<2, kFLean>(p, blocks, smem, stream) : launch_mt<2>(p, blocks, smem, stream);

@@ -75,7 +75,7 @@ GEMV_PREGATHER_ITEMS = int(os.environ.get("EXL2_BACKEND_GEMV_PREGATHER_ITEMS", "
 # of partials, as many bytes as the weights) runs on the mma kernel or dequant + cuBLAS instead.
 WORKSPACE_BUDGET = 60 << 20
 # RMSNorm fused into the TMA GEMV (CudaLinearOp.add_normed, csrc/quant/exl2_gemv_norm.cuh): every block keeps the
-# M normalized rows in shared memory beside its 32 KB ring, so M * K * 2 bytes are capped here (two blocks per SM
+# M normalized rows in shared memory beside its 24 KB ring, so M * K * 2 bytes are capped here (two blocks per SM
 # must still fit: at K = 4096, M <= 5 covers a decode step and a k = 4 verify).
 NORM_SMEM_BYTES = int(os.environ.get("EXL2_BACKEND_NORM_SMEM_BYTES", str(40 << 10)))
 # Passes of the fused norm's 256 threads over the M rows that routing accepts (_Launch.takes_norm). 1 since call

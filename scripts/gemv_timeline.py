@@ -17,9 +17,14 @@ gate/up, down, head), as medians over the step's launches of that role, in us:
   finish  chunk loop done -> split-K finish done (the last block of each column block reduces)
   span    first block start -> last block end;  tail  median block's chunk loop done -> last block end
   paired / alone  streaming of blocks that shared their SM with another block of the launch / that had it alone
-The sum of the spans and gaps is the step's GEMV critical path as the blocks saw it.
+  step    the launch's last block end minus the previous launch's (its share of the step's critical path)
+and, for the slowest tenth of each launch's blocks by streaming time (the blocks that set its end):
+  late    when they began streaming, minus the launch's median block (us; positive: they started late)
+  shared  the fraction of them that shared their SM;  index  their median block index / the launch's blocks
+The sum of the spans and gaps is the step's GEMV critical path as the blocks saw it. --raw keeps the stamps and the
+launch metadata (.npz) for analysis off the device.
 
-    python scripts/gemv_timeline.py --json timeline.json
+    python scripts/gemv_timeline.py --json timeline.json --raw timeline.npz
 """
 
 from __future__ import annotations
@@ -73,8 +78,9 @@ def launch_rows(stamps: np.ndarray, meta: np.ndarray) -> list[dict]:
             "wait_us": float(np.median(s[:, 1] - s[:, 0])), "stage_us": float(np.median(s[:, 2] - s[:, 1])),
             "stream_us": float(np.median(s[:, 3] - s[:, 2])), "stream_max_us": float((s[:, 3] - s[:, 2]).max()),
             "finish_us": float(np.median(s[:, 4] - s[:, 3])), "span_us": end - start,
-            "tail_us": end - float(np.median(s[:, 3])),
+            "tail_us": end - float(np.median(s[:, 3])), "step_us": None if prev_end is None else end - prev_end,
             **shared_sm_split(s[:, 3] - s[:, 2], sm),
+            **slowest_blocks(s, sm, np.flatnonzero(ok)),
         }
         rows.append(row)
         prev_end = end
@@ -93,11 +99,26 @@ def shared_sm_split(stream_us: np.ndarray, sm: np.ndarray) -> dict:
             "stream_alone_us": float(np.median(alone)) if len(alone) else None}
 
 
+def slowest_blocks(s: np.ndarray, sm: np.ndarray, index: np.ndarray) -> dict:
+    """s [B, 5] stamps (us) of one launch's blocks, sm [B], index [B] their block indices -> where the slowest tenth
+    by streaming time (at least one block) began streaming against the median block, the fraction of them that
+    shared their SM, and their median block index as a fraction of the launch's stamped blocks."""
+    stream = s[:, 3] - s[:, 2]
+    k = max(1, len(stream) // 10)
+    slow = np.argsort(stream, kind="stable")[-k:]
+    sms, counts = np.unique(sm, return_counts=True)
+    shared = counts[np.searchsorted(sms, sm)] >= 2
+    return {"slow_late_us": float(np.median(s[slow, 2]) - np.median(s[:, 2])),
+            "slow_shared_frac": float(shared[slow].mean()),
+            "slow_index_frac": float(np.median(index[slow]) / len(stream))}
+
+
 def summarize(rows: list[dict]) -> dict:
     """Per role: the launch count and the median of each figure over its launches; 'step': the step's first start ->
     last end and the sums of spans and of positive gaps."""
     keys = ("gap_us", "wait_us", "stage_us", "stream_us", "stream_max_us", "finish_us", "span_us", "tail_us",
-            "stream_shared_us", "stream_alone_us", "sms_shared", "sms_alone")
+            "stream_shared_us", "stream_alone_us", "sms_shared", "sms_alone", "step_us", "slow_late_us",
+            "slow_shared_frac", "slow_index_frac")
     out = {}
     for role in ROLE_ORDER:
         mine = [r for r in rows if r["role"] == role]
@@ -152,6 +173,7 @@ def main() -> int:
     ap.add_argument("--shape", default="llama3-8b")
     ap.add_argument("--context", type=int, default=1024)
     ap.add_argument("--json", help="write the per-launch rows and the summary here")
+    ap.add_argument("--raw", help="write the stamps [launches, blocks, 6] and metadata [launches, 7] here (.npz)")
     args = ap.parse_args()
 
     import torch
@@ -169,6 +191,8 @@ def main() -> int:
         engine.decode(["seq"])
     stamps, meta = capture_timeline(engine)
     engine.release("seq")
+    if args.raw:
+        np.savez_compressed(args.raw, stamps=stamps, meta=meta)
     rows = launch_rows(stamps, meta)
     summary = summarize(rows)
     print(f"{len(rows)} GEMV launches stamped; medians per role, us:")
@@ -182,6 +206,12 @@ def main() -> int:
             print(f"{role:8s} {f['launches']:4d} {f['blocks']:6d} "
                   + " ".join("      -" if v is None else f"{v:7.2f}" for v in vals)
                   + f" {f['sms_shared']:4.0f}/{f['sms_alone']:<3.0f}")
+    print("the slowest tenth of each launch's blocks (medians over launches): step us, late us, shared, index")
+    for role in ROLE_ORDER:
+        f = summary.get(role)
+        if f and f["step_us"] is not None:
+            print(f"{role:8s} {f['step_us']:7.2f} {f['slow_late_us']:7.2f} {f['slow_shared_frac']:7.2f} "
+                  f"{f['slow_index_frac']:7.2f}")
     st = summary.get("step", {})
     print(f"step: first start -> last end {st.get('first_start_to_last_end_us', 0):.1f} us; sum of spans "
           f"{st.get('sum_span_us', 0):.1f}, of positive gaps {st.get('sum_gap_us', 0):.1f}")

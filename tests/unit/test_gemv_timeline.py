@@ -76,3 +76,20 @@ def test_blocks_sharing_an_sm_are_told_from_blocks_alone():
     assert (row["sms_shared"], row["sms_alone"]) == (1, 1)
     assert row["stream_shared_us"] == pytest.approx(3.0) and row["stream_alone_us"] == pytest.approx(2.0)
     assert tl.summarize([row])["o"]["stream_alone_us"] == pytest.approx(2.0)
+
+
+def test_the_slowest_blocks_are_found_and_placed():
+    """Ten blocks, two SMs shared: block 9 streams longest and starts its chunks 5 us late on an SM of its own."""
+    base = 1_000_000_000
+    stream = [4000] * 9 + [9000]
+    s = _launch(base, 500, 1000, stream, 800)
+    s[9, 2:5] += 5000  # its input staged 5 us later than the others
+    s[:10, 5] = [0, 0, 1, 1, 2, 3, 4, 5, 6, 7]  # blocks 0-3 pair up on SMs 0 and 1
+    rows = tl.launch_rows(np.stack([_launch(base - 50_000, 500, 1000, [4000] * 4, 800), s]),
+                          np.array([QKV, [10, *O[1:]]], dtype=np.int32))
+    o = rows[1]
+    assert o["slow_late_us"] == pytest.approx(5.0 + 0.9 - 0.45)  # stage end 5 us late (+ 100 ns per block index)
+    assert o["slow_shared_frac"] == 0.0 and o["slow_index_frac"] == pytest.approx(0.9)
+    assert o["step_us"] == pytest.approx(o["end_us"] - rows[0]["end_us"])
+    summary = tl.summarize(rows)
+    assert summary["o"]["step_us"] == pytest.approx(o["step_us"]) and summary["q/k/v"]["step_us"] is None

@@ -1,0 +1,28 @@
+#!/usr/bin/env bash
+# Device call AK1 (prepared in session 21, not yet run; ~560 s). Carry .whl and .dev with two libraries built from
+# the commit that runs:
+#     bash scripts/build_variant.sh "" .dev/libexl2_kernels.so.gz          # the default library
+#     bash scripts/build_variant.sh EXL2_GEMV_TIMELINE .dev/libexl2_kernels_timeline.so.gz
+#  1. The cluster split-K fix of session 21 (its compute warps meet before writing partials into the ring; AJ3 found
+#     the race with the 24 KB ring): the cluster tests first, then the rest of the GEMV tests.
+#  2. The decode step's GEMV timeline with its raw stamps kept (--raw, .npz): which blocks set each launch's end.
+#     AJ2 / AJ3: gate/up's slowest block streams 18.4 us against a ~15 us median whatever the SMs' load; the head's
+#     second wave leaves 61 us after its median block.
+#  3. The README's pytest-benchmark compare against the session-20 baseline (the ring is 24 KB since session 21).
+#  4. The GPU tests that need no SmolLM2, in what time is left.
+export EXL2_CARRIED_LIBRARY=1
+source scripts/device/common.sh
+begin_call ak1
+use_libraries T=.dev/libexl2_kernels_timeline.so.gz
+gpu_tests cluster 90 tests/kernels/test_exl2_gemm.py -k "cluster"
+cp /tmp/libT.so "$LIB"
+timeout 80 python3 scripts/gemv_timeline.py --workdir /tmp/models --json "$R/timeline.json" --raw "$R/timeline.npz" \
+  > "$R/timeline.txt" 2>&1
+cp /tmp/libD.so "$LIB"
+tail -16 "$R/timeline.txt"
+bench_suite suite_compare 120 --benchmark-storage=file://docs/measurements/benchmarks --benchmark-compare=0001 \
+  --benchmark-compare-fail=median:10%
+echo "elapsed $(( $(date +%s) - T0 )) s"
+gpu_tests_verbose gemv 200 -n 12 $GEMV_GPU_TESTS -k "not llama3_8b and not cluster"
+gpu_tests_verbose gpu_tests "$(left 560)" -n 12 $CUDA_TESTS_NO_SMOLLM2 --deselect tests/kernels/test_exl2_gemm.py
+echo "total $(( $(date +%s) - T0 )) s"

@@ -25,6 +25,7 @@ The sum of the spans and gaps is the step's GEMV critical path as the blocks saw
 launch metadata (.npz) for analysis off the device.
 
     python scripts/gemv_timeline.py --json timeline.json --raw timeline.npz
+    python scripts/gemv_timeline.py --from-raw timeline.npz      # the same tables from kept stamps, no GPU
 """
 
 from __future__ import annotations
@@ -174,7 +175,12 @@ def main() -> int:
     ap.add_argument("--context", type=int, default=1024)
     ap.add_argument("--json", help="write the per-launch rows and the summary here")
     ap.add_argument("--raw", help="write the stamps [launches, blocks, 6] and metadata [launches, 7] here (.npz)")
+    ap.add_argument("--from-raw", help="analyse stamps an earlier run kept with --raw instead of measuring")
     args = ap.parse_args()
+    if args.from_raw:
+        kept = np.load(args.from_raw)
+        report(kept["stamps"], kept["meta"], args.json)
+        return 0
 
     import torch
 
@@ -193,6 +199,12 @@ def main() -> int:
     engine.release("seq")
     if args.raw:
         np.savez_compressed(args.raw, stamps=stamps, meta=meta)
+    report(stamps, meta, args.json)
+    return 0
+
+
+def report(stamps: np.ndarray, meta: np.ndarray, json_path: str | None) -> None:
+    """Print the per-role tables of stamped launches (and write rows and summary to json_path)."""
     rows = launch_rows(stamps, meta)
     summary = summarize(rows)
     print(f"{len(rows)} GEMV launches stamped; medians per role, us:")
@@ -215,9 +227,8 @@ def main() -> int:
     st = summary.get("step", {})
     print(f"step: first start -> last end {st.get('first_start_to_last_end_us', 0):.1f} us; sum of spans "
           f"{st.get('sum_span_us', 0):.1f}, of positive gaps {st.get('sum_gap_us', 0):.1f}")
-    if args.json:
-        Path(args.json).write_text(json.dumps({"rows": rows, "summary": summary}, indent=1))
-    return 0
+    if json_path:
+        Path(json_path).write_text(json.dumps({"rows": rows, "summary": summary}, indent=1))
 
 
 if __name__ == "__main__":

@@ -93,3 +93,19 @@ def test_the_slowest_blocks_are_found_and_placed():
     assert o["step_us"] == pytest.approx(o["end_us"] - rows[0]["end_us"])
     summary = tl.summarize(rows)
     assert summary["o"]["step_us"] == pytest.approx(o["step_us"]) and summary["q/k/v"]["step_us"] is None
+
+
+def test_kept_stamps_are_analysed_without_a_gpu(tmp_path, monkeypatch, capsys):
+    """--raw's .npz read back with --from-raw: the same tables and JSON, no library or GPU needed."""
+    import json
+
+    base = 1_000_000_000
+    stamps = np.stack([_launch(base, 1000, 2000, [5000, 6000, 7000, 9000], 1500),
+                       _launch(base + 30_000, 500, 1000, [4000, 4000, 4000, 4000], 800)])
+    raw = tmp_path / "t.npz"
+    np.savez_compressed(raw, stamps=stamps, meta=np.array([QKV, O], dtype=np.int32))
+    out = tmp_path / "t.json"
+    monkeypatch.setattr("sys.argv", ["gemv_timeline.py", "--from-raw", str(raw), "--json", str(out)])
+    assert tl.main() == 0
+    assert "2 GEMV launches stamped" in capsys.readouterr().out
+    assert json.loads(out.read_text())["summary"]["o"]["stream_us"] == pytest.approx(4.0)

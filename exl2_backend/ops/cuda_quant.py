@@ -98,6 +98,11 @@ GEMV_BLOCKS_PER_SM = float(os.environ.get("EXL2_BACKEND_GEMV_BLOCKS_PER_SM", "2"
 # gate/up items were 48-348 KB; per-run items leave a 58-chunk 3-bit item beside a 7-chunk 4-bit one).
 GEMV_SPLITS = os.environ.get("EXL2_BACKEND_GEMV_SPLITS", "span")
 GEMV_WAVES = max(1.0, float(os.environ.get("EXL2_BACKEND_GEMV_WAVES", "1")))
+# The fewest splits per column block of a launch whose column blocks alone outnumber one wave of blocks (the 8B's
+# head: 501 column blocks on 264 slots). 1 = none; a measurement switch (prepared call AK1): the session-21 timeline
+# (H200 call AJ1) put 61 us between the head's median block finishing its chunks and its last block's end, as its
+# second wave of full-column items (~0.8 MB, ~46 us each) started only as the first wave's blocks retired.
+GEMV_MULTIWAVE_KSPLIT = max(1, int(os.environ.get("EXL2_BACKEND_GEMV_MULTIWAVE_KSPLIT", "1")))
 _CAPABILITY: dict[int, tuple[int, int]] = {}
 
 
@@ -422,6 +427,8 @@ class _Launch:
         if key not in self._plans:
             ncol = [-(-p.Np // _GEMV_COLS) for p in self.parts]
             ks = max(1, int(self.sms * per_sm) // sum(ncol))
+            if sum(ncol) > self.sms * per_sm:
+                ks = max(ks, GEMV_MULTIWAVE_KSPLIT)
             # activations of one split in shared memory: <= ~48 KB at M tokens
             ks = max(ks, -(-self.kpad * m * 2 // (48 << 10)))
             ks = min(ks, min(p.C for p in self.parts))

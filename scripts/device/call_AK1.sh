@@ -8,18 +8,25 @@
 #  2. The decode step's GEMV timeline with its raw stamps kept (--raw, .npz): which blocks set each launch's end.
 #     AJ2 / AJ3: gate/up's slowest block streams 18.4 us against a ~15 us median whatever the SMs' load; the head's
 #     second wave leaves 61 us after its median block.
-#  3. The README's pytest-benchmark compare against the session-20 baseline (the ring is 24 KB since session 21).
-#  4. The GPU tests that need no SmolLM2, in what time is left.
+#  3. The head in more, shorter items (EXL2_BACKEND_GEMV_MULTIWAVE_KSPLIT=2 / 4: two or four equal-byte splits per
+#     column block where the column blocks outnumber one wave; its GPU test first), spec_bench interleaved twice.
+#  4. The README's pytest-benchmark compare against the session-20 baseline (the ring is 24 KB since session 21).
+#  5. The GPU tests that need no SmolLM2, in what time is left.
 export EXL2_CARRIED_LIBRARY=1
 source scripts/device/common.sh
 begin_call ak1
 use_libraries T=.dev/libexl2_kernels_timeline.so.gz
-gpu_tests cluster 90 tests/kernels/test_exl2_gemm.py -k "cluster"
+gpu_tests cluster 90 tests/kernels/test_exl2_gemm.py -k "cluster or multiwave"
 cp /tmp/libT.so "$LIB"
 timeout 80 python3 scripts/gemv_timeline.py --workdir /tmp/models --json "$R/timeline.json" --raw "$R/timeline.npz" \
   > "$R/timeline.txt" 2>&1
 cp /tmp/libD.so "$LIB"
 tail -16 "$R/timeline.txt"
+for round in 1 2; do
+  spec_costs D$round
+  spec_costs K2_$round EXL2_BACKEND_GEMV_MULTIWAVE_KSPLIT=2
+  spec_costs K4_$round EXL2_BACKEND_GEMV_MULTIWAVE_KSPLIT=4
+done
 bench_suite suite_compare 120 --benchmark-storage=file://docs/measurements/benchmarks --benchmark-compare=0001 \
   --benchmark-compare-fail=median:10%
 echo "elapsed $(( $(date +%s) - T0 )) s"

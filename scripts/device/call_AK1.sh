@@ -4,7 +4,11 @@
 #     bash scripts/build_variant.sh "" .dev/libexl2_kernels.so.gz          # the default library
 #     bash scripts/build_variant.sh EXL2_GEMV_TIMELINE .dev/libexl2_kernels_timeline.so.gz
 #  1. The cluster split-K fix of session 21 (its compute warps meet before writing partials into the ring; AJ3 found
-#     the race with the 24 KB ring): the cluster tests first, then the rest of the GEMV tests.
+#     the race with the 24 KB ring): the cluster tests first, then the rest of the GEMV tests. With them the prefill
+#     over quantized caches, which since session 21 really runs the KV page dequantization kernel (dispatch had
+#     never found it: ops/cuda.py did not export dequantize_pages), and the kernel's bit-exactness tests.
+#  1b. The 2k prefill of the 8B per cache type (scripts/profile_prefill.py): AJ1 ran the torch-op dequantization
+#     (fp16 / q8 / q4 86 / 93 / 151 ms wall, ~53 / ~58 / ~60 ms of kernels).
 #  2. The decode step's GEMV timeline with its raw stamps kept (--raw, .npz): which blocks set each launch's end.
 #     AJ2 / AJ3: gate/up's slowest block streams 18.4 us against a ~15 us median whatever the SMs' load; the head's
 #     second wave leaves 61 us after its median block.
@@ -16,7 +20,11 @@ export EXL2_CARRIED_LIBRARY=1
 source scripts/device/common.sh
 begin_call ak1
 use_libraries T=.dev/libexl2_kernels_timeline.so.gz
-gpu_tests cluster 90 tests/kernels/test_exl2_gemm.py -k "cluster or multiwave"
+gpu_tests first 120 tests/kernels/test_exl2_gemm.py tests/kernels/test_kv_quant_kernels.py \
+  -k "cluster or multiwave or prefill or dequantize_pages"
+timeout 150 python3 scripts/profile_prefill.py --shape llama3-8b --workdir /tmp/models --cache-types fp16,q8,q4 \
+  --top 20 --json "$R/profile_prefill.json" > "$R/profile_prefill.txt" 2>&1
+grep -E "^== " "$R/profile_prefill.txt" | cut -c1-160
 cp /tmp/libT.so "$LIB"
 timeout 80 python3 scripts/gemv_timeline.py --workdir /tmp/models --json "$R/timeline.json" --raw "$R/timeline.npz" \
   > "$R/timeline.txt" 2>&1

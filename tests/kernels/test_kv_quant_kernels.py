@@ -465,15 +465,26 @@ def test_dequantize_pages_kernel_rejects_mismatched_caches(monkeypatch):
 
 
 def test_prefill_over_quantized_history_with_the_dequant_kernel(monkeypatch):
-    """The prefill path (> 32 queries) gives the same bits with the kernel as with the torch dequantization."""
+    """The prefill path (> 32 queries) gives the same bits with the kernel as with the torch dequantization, and
+    really launches it (until session 21 dispatch never found the CUDA dequantize_pages, so both runs here took the
+    torch ops): the library calls are counted on their way through."""
     from exl2_backend import ops
 
     caches, tables, ctx = build([700, 100], 8, 128, 64, "int8", "int4")
     q = torch.randn(2, 64, 32, 128, device=DEV).half()
+    real_call, launched = kq()._call, []
+
+    def counting_call(name, *args):
+        launched.append(name)
+        return real_call(name, *args)
+
+    monkeypatch.setattr(kq(), "_call", counting_call)
     outs = []
     for on in (False, True):
         monkeypatch.setattr(kq(), "KV_DEQUANT_KERNEL", on)
+        launched.clear()
         outs.append(ops.paged_attention_quant(q, *caches, tables, ctx, 0.09, "int8", "int4"))
+        assert ("exl2_kv_dequant_pages" in launched) == on
     assert_exact(outs[1], outs[0], "prefill with the dequant kernel")
 
 

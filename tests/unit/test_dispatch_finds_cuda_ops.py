@@ -1,0 +1,35 @@
+"""ops/dispatch.py looks up each op by name in ops/cuda.py and silently falls back to the reference where the name
+is missing. An op that a CUDA module implements but ops/cuda.py does not export therefore runs as torch ops on the
+GPU: from session 8 to 21 the prefill's KV page dequantization did (its kernel existed, its tests called it
+directly, dispatch never found it). Host code: runs wherever the compiled library loads."""
+
+from __future__ import annotations
+
+import importlib
+import re
+from pathlib import Path
+
+import pytest
+
+from exl2_backend.ops import library
+
+pytestmark = pytest.mark.skipif(not library.available(), reason="compiled library not loaded")
+
+CUDA_MODULES = ("cuda_layers", "cuda_kvquant", "cuda_quant")
+
+
+def _dispatched_names() -> set[str]:
+    src = (Path(__file__).resolve().parents[2] / "exl2_backend" / "ops" / "dispatch.py").read_text()
+    return set(re.findall(r'_pick(?:_kvquant)?\("(\w+)"', src))
+
+
+def test_every_dispatched_op_with_a_cuda_implementation_is_exported():
+    from exl2_backend.ops import cuda
+
+    names = _dispatched_names()
+    assert {"dequantize_pages", "kv_quant_write", "paged_attention_quant"} <= names
+    for module in CUDA_MODULES:
+        mod = importlib.import_module(f"exl2_backend.ops.{module}")
+        for name in sorted(names):
+            if callable(getattr(mod, name, None)):
+                assert getattr(cuda, name, None) is getattr(mod, name), f"ops.cuda does not export {module}.{name}"

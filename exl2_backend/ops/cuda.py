@@ -4,7 +4,11 @@ from __future__ import annotations
 
 try:
     from exl2_backend.ops.cuda_kvquant import (  # noqa: F401
-        dequantize_pages, kv_quant_write, paged_attention_quant, rope_kv_quant_write)
+        dequantize_pages,
+        kv_quant_write,
+        paged_attention_quant,
+        rope_kv_quant_write,
+    )
     from exl2_backend.ops.cuda_layers import *
 except ImportError:  # layer kernels not written yet: those ops run on the reference
     pass

@@ -88,12 +88,18 @@ def launch_rows(stamps: np.ndarray, meta: np.ndarray) -> list[dict]:
     return rows
 
 
+def blocks_on_sm(sm: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """sm [B], the SM of each of a launch's blocks -> (blocks on each SM that ran any, per SM; the same count per
+    block, i.e. how many of the launch's blocks shared that block's SM, itself included)."""
+    sms, counts = np.unique(sm, return_counts=True)
+    return counts, counts[np.searchsorted(sms, sm)]
+
+
 def shared_sm_split(stream_us: np.ndarray, sm: np.ndarray) -> dict:
     """Streaming of blocks that shared their SM with another block of the launch against blocks alone on theirs (a
     launch of 224 items on 132 SMs puts two on 92 SMs and one on 40; session 9 saw the pairs stream at ~2/3 the
     rate per block in the chain kernel): medians, us, and how many SMs held two or more blocks."""
-    sms, counts = np.unique(sm, return_counts=True)
-    per_block = counts[np.searchsorted(sms, sm)]
+    counts, per_block = blocks_on_sm(sm)
     shared, alone = stream_us[per_block >= 2], stream_us[per_block == 1]
     return {"sms_shared": int((counts >= 2).sum()), "sms_alone": int((counts == 1).sum()),
             "stream_shared_us": float(np.median(shared)) if len(shared) else None,
@@ -107,8 +113,7 @@ def slowest_blocks(s: np.ndarray, sm: np.ndarray, index: np.ndarray) -> dict:
     stream = s[:, 3] - s[:, 2]
     k = max(1, len(stream) // 10)
     slow = np.argsort(stream, kind="stable")[-k:]
-    sms, counts = np.unique(sm, return_counts=True)
-    shared = counts[np.searchsorted(sms, sm)] >= 2
+    shared = blocks_on_sm(sm)[1] >= 2
     return {"slow_late_us": float(np.median(s[slow, 2]) - np.median(s[:, 2])),
             "slow_shared_frac": float(shared[slow].mean()),
             "slow_index_frac": float(np.median(index[slow]) / len(stream))}

@@ -242,12 +242,11 @@ __global__ void __launch_bounds__(kTmaThreads, MT == 1 ? EXL2_GEMV_TMA_MT1_MIN_B
     asm volatile("mov.u32 %0, %%smid;" : "=r"(sm));
     stamp.row[5] = sm;
   }
-  exl2::pdl_launch_dependents();
-  tma_block<MT, F>(p, gv_work(p), smem, stamp);
 #else
-  exl2::pdl_launch_dependents();  // every block is resident now: the next kernel may launch into freed SMs
-  tma_block<MT, F>(p, gv_work(p), smem);
+  const BlockStamp stamp{};
 #endif
+  exl2::pdl_launch_dependents();  // every block is resident now: the next kernel may launch into freed SMs
+  tma_block<MT, F>(p, gv_work(p), smem, stamp);
 #else
   __trap();  // the host launches this kernel on sm_90+ only
 #endif

@@ -327,26 +327,6 @@ def test_gemv_variants_and_splits(monkeypatch, minb):
 
 
 @pytest.mark.cuda
-@pytest.mark.parametrize("ks", [1, 2, 3])
-def test_gemv_multiwave_ksplit(monkeypatch, ks):
-    """EXL2_BACKEND_GEMV_MULTIWAVE_KSPLIT: a launch of more column blocks than one wave of blocks (8 on a planned
-    2 SMs x 2, like the 8B's head on 132 SMs) split ks ways, span splits over two widths, over several waves."""
-    from exl2_backend.ops import cuda_quant
-
-    monkeypatch.setattr(cuda_quant, "GEMV_MULTIWAVE_KSPLIT", ks)
-    qt = _to_cuda(make_qt([(8, 64)] + [(6, 128)] * 7, 2000, seed=ks, bias=True))
-    op = cuda_quant.prepare_linear([qt], "cuda")
-    op.launch.sms = 2
-    for m in (1, 5):
-        x = _x(m, qt.in_features, seed=m)
-        ref, same = _ref(x, qt)
-        first = op.fused_kernel(x, "gemv")
-        assert op.launch.gemv_plan(m).ksplit == ks
-        assert_close_rel(first, ref, same, msg=f"gemv multiwave ksplit {ks} M={m}")
-        assert torch.equal(op.fused_kernel(x, "gemv"), first)
-
-
-@pytest.mark.cuda
 @pytest.mark.parametrize("minb", [0, 1, 2])
 @pytest.mark.parametrize("bits", [2, 4, 8])
 def test_gemv_long_splits_wrap_the_ring(monkeypatch, minb, bits):

@@ -149,20 +149,3 @@ def test_span_splits_only_where_they_pay(monkeypatch):
     head = _launch(["8:0.15@128 6:0.85@128"], 4096, 8192, sms=4)
     assert _splits(head, 1, "balanced", monkeypatch) == ([[1, 1]], 64)
     assert _splits(head, 1, "span", monkeypatch) == ([[1, 0]], 32)
-
-
-def test_multiwave_ksplit_splits_only_launches_past_one_wave(monkeypatch):
-    """EXL2_BACKEND_GEMV_MULTIWAVE_KSPLIT (a measurement switch): a head-like launch whose column blocks outnumber
-    the slots (32 on 4 SMs x 2) takes that many equal-byte span splits; a launch within one wave keeps its plan."""
-    from exl2_backend.ops import cuda_quant
-
-    head = _launch(["8:0.15@128 6:0.85@128"], 4096, 8192, sms=4)
-    assert _splits(head, 1, "span", monkeypatch) == ([[1, 0]], 32)
-    monkeypatch.setattr(cuda_quant, "GEMV_MULTIWAVE_KSPLIT", 2)
-    splits, blocks = _splits(head, 1, "span", monkeypatch)
-    assert (splits, blocks) == ([[2, 0]], 64)
-    items = _span_items(head.parts[0], 2)
-    costs = [_item_bits(head.parts[0], c0, c1) for c0, c1 in items]
-    assert max(costs) - min(costs) <= 8  # equal bytes within a chunk
-    down = _launch(*DOWN)
-    assert _splits(down, 1, "span", monkeypatch) == ([[2, 14]], 256)  # 16 column blocks fit one wave: unchanged

@@ -24,9 +24,9 @@ int check_launch(const char* what) {
 
 EXL2_API const char* exl2_last_error() { return g_last_error; }
 
-// Bumped whenever an exported signature changes, or what an argument means (10: the GEMV descriptor blob has three
-// more fields, a flag pair's ready flags: exl2_quant.cuh F_FLAGS); ops/library.py checks it.
-EXL2_API int exl2_abi_version() { return 10; }
+// Bumped whenever an exported signature changes, or what an argument means (9: the attention's stages and row
+// tiles per CTA come from the caller, cuda_layers.attn_stages / attn_tiles_per_cta); ops/library.py checks it.
+EXL2_API int exl2_abi_version() { return 9; }
 
 // --- programmatic dependent launch switch (common/pdl.cuh) ---
 #include "common/pdl.cuh"

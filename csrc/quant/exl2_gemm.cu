@@ -311,7 +311,6 @@ int parse_desc(const int64_t* f, QDesc& d) {
   d.out = reinterpret_cast<__half*>(f[F_OUT]);
   d.ws = reinterpret_cast<float*>(f[F_WS]);
   d.counters = reinterpret_cast<int*>(f[F_COUNTERS]);
-  d.flags = reinterpret_cast<int*>(f[F_FLAGS]);
   d.ldo = (int)f[F_LDO]; d.K = (int)f[F_K]; d.Kpad = (int)f[F_KPAD]; d.N = (int)f[F_N]; d.Np = (int)f[F_NP];
   d.C = (int)f[F_C]; d.G = (int)f[F_G]; d.nruns = (int)f[F_NRUNS]; d.ksplit = (int)f[F_KSPLIT];
   EXL2_REQUIRE(d.packed && d.scales && d.maxf && d.info && d.xmap, "exl2 desc: null tensor pointer");
@@ -651,25 +650,6 @@ bool exact_run_splits(const exl2q::QDesc& d, int total, int* rbase, int& maxnch)
 // with column blocks of 256 (counters: one per 256-column block).
 // gate_off > 0: fused silu_mul input (x [M, ldx] holds gate at columns [0, K) and up at [gate_off, gate_off + K)).
 namespace exl2q {
-// A flag pair's fields (exl2_gemv_flags.cuh): producers (F_FLAGS per descriptor) and the consumer (F_WAIT_FLAGS),
-// on the TMA kernel's ticket split-K with the input gathered by items (M <= 8, no pre-gathered input, no norm).
-int plan_flags(const int64_t* blob, GemvParams& p, const void* xpre, const GemvNorm* norm, int gather_mode) {
-  bool produces = false;
-  for (int i = 0; i < p.ndesc; ++i) produces |= p.d[i].flags != nullptr;
-  EXL2_REQUIRE(!produces || (!p.cluster && !p.probe), "exl2_gemv: no ready flags with cluster split-K or a probe");
-  p.wait_flags = reinterpret_cast<int*>(blob[F_WAIT_FLAGS]);
-  p.wait_nflags = (int)blob[F_WAIT_NFLAGS];
-  if (!p.wait_flags) return EXL2_OK;
-  EXL2_REQUIRE(!p.cluster && !p.probe && !xpre && !norm && p.M <= 8 && gather_mode != kGatherRows,
-               "exl2_gemv: waiting on ready flags needs the item gather (M <= 8; no cluster, probe, pre-gathered "
-               "input or fused norm)");
-  for (int i = 0; i < p.ndesc; ++i)
-    EXL2_REQUIRE((p.gate_off + p.d[i].K + kGvCols - 1) / kGvCols <= p.wait_nflags,
-                 "exl2_gemv: %d ready flags do not cover input columns up to %d", p.wait_nflags,
-                 p.gate_off + p.d[i].K);
-  return EXL2_OK;
-}
-
 int gemv_plan(const int64_t* blob, int ndesc, const void* x, int M, int ldx, int gate_off, int minb, const void* xpre,
               int xpre_ld, const GemvNorm* norm, GemvParams& p, GemvPlan& pl, bool allow_span) {
   EXL2_REQUIRE(blob && x, "exl2_gemv: null argument");
@@ -795,7 +775,6 @@ int gemv_plan(const int64_t* blob, int ndesc, const void* x, int M, int ldx, int
         EXL2_REQUIRE(!p.cluster && !probe, "exl2_gemv: no fused rope with cluster split-K or a probe");
         if (const int st = plan_rope(rope, p)) return st;
       }
-      if (const int st = plan_flags(blob, p, xpre, norm, gather_mode)) return st;
       const int extra = gemv_tma_smem_extra(M, p.xstride, maxnch, p.maxgrp, p.norm_k);
       int max_bits = 2;
       for (int i = 0; i < ndesc; ++i) max_bits = std::max(max_bits, p.d[i].runs[0].bits);  // runs: widest first
@@ -823,8 +802,6 @@ int gemv_plan(const int64_t* blob, int ndesc, const void* x, int M, int ldx, int
   EXL2_REQUIRE(!xpre, "exl2_gemv: pre-gathered input needs the TMA kernel (sm_90+, minb 0 or 1)");
   EXL2_REQUIRE(!norm, "exl2_gemv_add_norm: the fused norm needs the TMA kernel (sm_90+, minb 0)");
   EXL2_REQUIRE(!blob[F_ROPE], "exl2_gemv: the fused rope needs the TMA kernel (sm_90+, minb 0 or 1)");
-  for (int i = 0; i < ndesc; ++i)
-    EXL2_REQUIRE(!p.d[i].flags && !blob[F_WAIT_FLAGS], "exl2_gemv: ready flags need the TMA kernel (sm_90+, minb 0)");
   const int smem = align16(M * p.xstride * 2) + maxnch * kChunkRows * 2;  // + the xmap slice
   EXL2_REQUIRE(smem <= 227 * 1024, "exl2_gemv: needs %d bytes of shared memory; use a larger ksplit", smem);
   pl = GemvPlan{blocks, smem, false};

@@ -32,15 +32,14 @@ constexpr int kFGated = 4;    // a gathered silu(gate) * up input (gate_off, no 
 constexpr int kFPre = 8;      // a pre-gathered input (xpre)
 constexpr int kFCluster = 16; // cluster split-K (cluster)
 constexpr int kFProbe = 32;   // timing probes (probe)
-constexpr int kFFlags = 64;   // ready flags between two launches (flags, wait_flags: exl2_gemv_flags.cuh)
-constexpr int kFAll = 127;
+constexpr int kFAll = 63;
 // The kernel every launch runs unless it asks for cluster split-K or timing probes (those take kFAll): both paths
 // compiled out, one function for every role, so a decode layer's four GEMV launches still re-enter the same code.
 // H200 call AI1 of 2026-12-04: the kFAll code as one copy per role cost the 8B decode step +99 us against one
 // function (the instruction cache), while the narrower per-role sets cost only +33 us.
 // (kFLean without the pre-gathered copy for the decode step's one-row GEMVs gained nothing: H200 call AJ1, 2.296
 // against 2.295 ms; removed.)
-constexpr int kFLean = kFNorm | kFRope | kFGated | kFPre | kFFlags;
+constexpr int kFLean = kFNorm | kFRope | kFGated | kFPre;
 
 // GemvParams::gather_mode. Auto: by items at M <= 8, by row slots past it. (A gather by 16-byte vectors where the
 // rows are in input order, for down_proj after model/tp_shard.fold_down_order, lost to the item gather: H200 call
@@ -68,10 +67,6 @@ struct GemvParams {
   int xpre_ld;         // + r] (exl2_gemv_pregather.cu; silu_mul applied): blocks copy their rows, no gather
   int reduce_vec4;     // TMA kernel: the last block sums the split partials four columns per item
   int span;            // TMA kernel: splits of equal bytes across width runs (span_range; rbase[di][nruns] of them)
-  // TMA kernel, the consumer of a flag pair (exl2_gemv_flags.cuh): null, or the producer's ready flags (one per 256
-  // input columns, then the count-in), polled instead of the PDL wait
-  int* wait_flags;
-  int wait_nflags;
   // TMA kernel: RoPE and the fp16 KV-cache write after the q/k/v GEMV when rope_d > 0 (exl2_gemv_rope.cuh)
   const long long* rope_pos;    // [M] token positions
   const float* rope_inv_freq;   // [rope_d / 2]
@@ -337,9 +332,8 @@ __device__ __forceinline__ void gv_gather_items(const GemvParams& p, int nch, __
         const unsigned i = e < items ? xm[r] : 0xFFFFu;
         o[k] = m * p.xstride + r;
         const bool ok = i != 0xFFFFu;
-        // through L2 (ld.global.cg): a flag pair's consumer reads these while the producer is still running
-        g[k] = ok ? __ldcg(xh + (size_t)m * p.ldx + i) : __half(0.f);
-        u[k] = ok ? __ldcg(xh + (size_t)m * p.ldx + p.gate_off + i) : __half(0.f);
+        g[k] = ok ? __ldg(xh + (size_t)m * p.ldx + i) : __half(0.f);
+        u[k] = ok ? __ldg(xh + (size_t)m * p.ldx + p.gate_off + i) : __half(0.f);
       }
 #pragma unroll
       for (int k = 0; k < kB; ++k) {

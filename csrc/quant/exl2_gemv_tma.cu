@@ -180,16 +180,8 @@ __device__ __forceinline__ void tma_block(const GemvParams& p, const GvWork& wk,
   }
 
   // Compute warps. Constants first (before the PDL wait), then the activation gather: both for the whole item.
-  // A flag pair's consumer waits for the producer's column blocks it reads instead (exl2_gemv_flags.cuh).
   tma_load_constants(d, wk, sm);
-  if ((F & kFFlags) && p.wait_flags) {
-    __shared__ int range[2];
-    compute_sync();  // sm.xm
-    gv_wait_input_flags(p, sm.xm, g.nch * kChunkRows, kTmaComputeThreads, range, compute_sync);
-    if (tid == 0) gv_flags_count_in(p);
-  } else {
-    exl2::pdl_wait();
-  }
+  exl2::pdl_wait();
   stamp(1);
   compute_sync();
   tma_stage_input<MT, NoMark, F>(p, wk, sm);

@@ -12,7 +12,6 @@
 
 #include "common/api.h"
 #include "quant/exl2_gemv.cuh"
-#include "quant/exl2_gemv_flags.cuh"
 #include "quant/exl2_gemv_norm.cuh"
 #include "quant/exl2_gemv_rope.cuh"
 
@@ -374,7 +373,6 @@ __device__ __forceinline__ void tma_finish(const GemvParams& p, const GvWork& wk
       compute_sync();
       gv_rope_kv(p, wk.di, wk.colblk, tid, kTmaComputeThreads);
     }
-    if ((F & kFFlags) && d.flags) gv_flag_ready(d, wk.colblk, compute_sync);
     return;
   }
   if (active) gv_store<MT>(d, st, n0, p.M, wk.gsplit, true);
@@ -391,7 +389,6 @@ __device__ __forceinline__ void tma_finish(const GemvParams& p, const GvWork& wk
     compute_sync();
     gv_rope_kv(p, wk.di, wk.colblk, tid, kTmaComputeThreads);
   }
-  if ((F & kFFlags) && d.flags) gv_flag_ready(d, wk.colblk, compute_sync);
 }
 #endif
 

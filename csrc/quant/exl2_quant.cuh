@@ -40,7 +40,7 @@ constexpr int kBlockCols = kBlockWarps * kWarpCols;  // 128 columns per block
 #endif
 constexpr int kStages = EXL2_GEMM_STAGES;  // per-warp cp.async ring depth in chunks (kStages - 1 in flight)
 constexpr int kInfoGroupMask = 0x3FFFFFFF;
-constexpr int kDescLen = 26 + 4 * kMaxRuns;  // int64 fields per descriptor in the host blob
+constexpr int kDescLen = 23 + 4 * kMaxRuns;  // int64 fields per descriptor in the host blob
 
 struct Run {
   int bits, chunk_start, chunk_end;
@@ -57,8 +57,6 @@ struct QDesc {
   __half* out;              // out[m * ldo + n], n < N
   float* ws;                // split-K partials [ksplit][M][Np] (ksplit > 1)
   int* counters;            // [ncolblk], zero between launches
-  int* flags;               // small-M GEMV (TMA kernel), the producer of a flag pair: flags[colblk] = 1 once the
-                            // column block's final values are out (exl2_gemv_flags.cuh), or null
   int ldo, K, Kpad, N, Np, C, G, nruns, ksplit, ncolblk, block_start;
   Run runs[kMaxRuns];
 };
@@ -74,13 +72,8 @@ enum BlobField {
             // per-run split counts by bytes within it (exl2_gemv_splits.cuh), 0 keeps the proportional split
   F_GROUP_ROWS,  // the fewest rows of any quantization group (0: unknown); bounds the groups a split touches, so the
                  // TMA GEMV stages no more scale rows than it can read (the 8B's head: 56 -> 14 KB per block)
-  F_SPAN,  // small-M GEMV (TMA kernel), first descriptor only: 1 = splits of equal bytes that may span width runs
-           // (span_range; the block re-arms its ring at each run it enters), 0 = splits inside one run
-  F_FLAGS,  // small-M GEMV (TMA kernel): 0, or this descriptor's ready flags, one int per 256-column block of its
-            // output (QDesc::flags; the flag pair's producer, exl2_gemv_flags.cuh)
-  F_WAIT_FLAGS,   // small-M GEMV (TMA kernel), first descriptor only: 0, or the ready flags of the gated input's
-                  // producer, one per 256 input columns, then one int of count-in (the flag pair's consumer)
-  F_WAIT_NFLAGS   // first descriptor only: how many ready flags F_WAIT_FLAGS holds
+  F_SPAN  // small-M GEMV (TMA kernel), first descriptor only: 1 = splits of equal bytes that may span width runs
+          // (span_range; the block re-arms its ring at each run it enters), 0 = splits inside one run
 };
 
 // Sum over runs of chunks * bits: the split-K work measure (bytes are proportional to it).

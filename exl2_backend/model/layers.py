@@ -159,22 +159,11 @@ class DecoderLayer:
                                 self.post_norm, None if nxt is None else nxt.input_norm, self.eps)
             if chained is not None:
                 return chained[0], chained[1], False
-        h, residual = self.normed_mlp(self.o(attn), residual)
+        gate_up, residual = norm_linear(self.gate_up, self.o(attn), residual, self.post_norm, self.eps)
+        h = self.mlp(gate_up)
         if nxt is None:
             return h, residual, False
         return norm_qkv(nxt, h, residual, step)
-
-    def normed_mlp(self, h, residual):
-        """(mlp(gate_up(rms_norm(h + residual) * post_norm)), h + residual) for h, residual [T, H]; gate/up and down
-        as one flag pair where it runs (ops/cuda_mlp_pair.py: down's blocks start on the columns they read)."""
-        if FUSED_NORM and FUSED_SILU_DOWN and residual is not None and hasattr(self.down, "gated"):
-            from exl2_backend.ops.cuda_mlp_pair import mlp_pair
-
-            paired = mlp_pair(self.gate_up, self.down, h, residual, self.post_norm, self.eps)
-            if paired is not None:
-                return paired
-        gate_up, residual = norm_linear(self.gate_up, h, residual, self.post_norm, self.eps)
-        return self.mlp(gate_up), residual
 
     def mlp(self, gate_up):
         """gate_up [T, 2I] (gate | up, the fused projection of the normed hidden states) -> [T, H]."""

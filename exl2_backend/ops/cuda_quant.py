@@ -41,7 +41,7 @@ _BLOCK_COLS = 128
 _CHUNK = 64
 _MAX_RUNS = 6
 _MAX_DESC = 4
-_DESC_LEN = 26 + 4 * _MAX_RUNS
+_DESC_LEN = 23 + 4 * _MAX_RUNS
 (F_PACKED, F_SCALES, F_MAXF, F_INFO, F_XMAP, F_BIAS, F_OUT, F_WS, F_COUNTERS, F_LDO, F_K, F_KPAD, F_N, F_NP, F_C,
  F_G, F_NRUNS, F_KSPLIT, F_RUNS) = range(19)
 F_SCL16 = F_RUNS + 4 * _MAX_RUNS
@@ -49,9 +49,6 @@ F_ROPE = F_SCL16 + 1  # first descriptor: host address of the fused rope's int64
 F_SLOTS = F_ROPE + 1  # first descriptor: blocks the TMA GEMV may plan, its per-run splits balanced by bytes (0: off)
 F_GROUP_ROWS = F_SLOTS + 1  # the fewest rows of any quantization group: bounds the scales a GEMV split stages
 F_SPAN = F_GROUP_ROWS + 1  # first descriptor: 1 = TMA GEMV splits of equal bytes that may span width runs
-# A flag pair (csrc/quant/exl2_gemv_flags.cuh, ops/cuda_mlp_pair.py): the producer's ready flags per descriptor, and
-# the consumer's (first descriptor) flags to wait on and their count
-F_FLAGS, F_WAIT_FLAGS, F_WAIT_NFLAGS = F_SPAN + 1, F_SPAN + 2, F_SPAN + 3
 
 # Small-M GEMV kernels: used for M <= GEMV_MAX_M. Blocks of 8 compute warps (256 columns). GEMV_MINB selects:
 # 0 = the TMA-ring kernel on sm_90+ (exl2_gemv_tma.cu; the register-batch kernel below sm_90), planned at 2 blocks
@@ -321,9 +318,6 @@ def _stream(device: torch.device) -> int:
     return torch.cuda.current_stream(device).cuda_stream
 
 
-FLAG_BUFFER_INTS = 4096  # ready flags of one 256-column block each: producers of up to ~1M output columns
-
-
 class _Workspace:
     """Per-device split-K partials (grow-only) and the per-column-block tickets, which every launch leaves at zero.
     A buffer that a CUDA graph may have captured stays alive when the workspace grows (the graph keeps pointing
@@ -335,8 +329,6 @@ class _Workspace:
         self.counters = torch.zeros(1 << 16, dtype=torch.int32, device=device)
         # exl2_gemv_chain's grid barrier: arrivals at [0], the generation one 128-byte line further, at [32]
         self.chain_barrier = torch.zeros(64, dtype=torch.int32, device=device)
-        # a flag pair's ready flags and count-in (ops/cuda_mlp_pair.py), zero between pairs
-        self.flags = torch.zeros(FLAG_BUFFER_INTS, dtype=torch.int32, device=device)
         self._old: list[torch.Tensor] = []
         self._captured = False  # self.ws was handed to a launch during a stream capture
 
@@ -543,17 +535,11 @@ class _Launch:
                               None if pre is None else pre.data_ptr(), ld, stream)
         library.check(st, "exl2_gemv")
 
-    def _gemv(self, x: torch.Tensor, ws: torch.Tensor, counters: torch.Tensor, gate_off: int = 0,
-              wait_flags: torch.Tensor | None = None) -> torch.Tensor:
-        """x [M, K], or with gate_off > 0 x [M, >= gate_off + K] holding gate and up (input = silu(gate) * up).
-        wait_flags: a flag pair's consumer (ops/cuda_mlp_pair.py), int32 ready flags of x's 256-column blocks then
-        the count-in, polled instead of the PDL wait."""
+    def _gemv(self, x: torch.Tensor, ws: torch.Tensor, counters: torch.Tensor, gate_off: int = 0) -> torch.Tensor:
+        """x [M, K], or with gate_off > 0 x [M, >= gate_off + K] holding gate and up (input = silu(gate) * up)."""
         m = x.shape[0]
         pl = self.gemv_plan(m)
         out, blob = self._bind(pl, m, ws, counters, x.device)
-        if wait_flags is not None:
-            blob[0, F_WAIT_FLAGS] = wait_flags.data_ptr()
-            blob[0, F_WAIT_NFLAGS] = wait_flags.numel() - 1
         ldx = _row_stride(x)
         stream = _stream(x.device)
         pre, ld = None, 0
@@ -595,20 +581,15 @@ class _Launch:
 
     def gemv_add_norm(self, h: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float,
                       ws: torch.Tensor, counters: torch.Tensor, pregather: bool = False,
-                      rope: np.ndarray | None = None,
-                      flags: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                      rope: np.ndarray | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """h, residual [M, K] fp16 (rows 16-byte aligned), weight fp16 [K] -> (GEMV output [M, N], residual out
         [M, K] = h + residual; an empty tensor when residual is None). One launch that normalizes inside the GEMV,
         or with `pregather` two: the norm writing every part's input in stored row order, then the GEMV copying
-        its rows. rope: the fused rope's arguments (_rope_args), applied by the GEMV after its output. flags: a
-        flag pair's producer (ops/cuda_mlp_pair.py), int32 ready flags of the output's 256-column blocks."""
+        its rows. rope: the fused rope's arguments (_rope_args), applied by the GEMV after its output."""
         m = h.shape[0]
         out, blob = self._bind(self.gemv_plan(m), m, ws, counters, h.device)
         if rope is not None:
             blob[0, F_ROPE] = rope.ctypes.data  # read by the C call below, while `rope` is alive
-        if flags is not None:
-            for i, off in enumerate(self.col_off):
-                blob[i, F_FLAGS] = flags.data_ptr() + 4 * (off // _GEMV_COLS)
         res_out = h.new_empty((m, self.K)) if residual is not None else h.new_empty(0)
         norm_args = (blob.ctypes.data, len(self.parts), h.data_ptr(), m, _row_stride(h),
                      None if residual is None else residual.data_ptr(),

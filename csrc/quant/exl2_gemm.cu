@@ -794,6 +794,17 @@ int gemv_plan(const int64_t* blob, int ndesc, const void* x, int M, int ldx, int
                    ring + extra);
       p.ring_bytes = ring;
       p.prefetch_bytes = prefetch_kb * 1024;
+      // Producer order switches (measurement only, results unchanged): H200 call AK4 of 2026-12-04.
+      static const int scales_first = [] {
+        const char* e = getenv("EXL2_GEMV_SCALES_FIRST");
+        return e && atoi(e) > 0 ? 1 : 0;
+      }();
+      static const int prewait_slots = [] {
+        const char* e = getenv("EXL2_GEMV_PREWAIT_SLOTS");
+        return e && *e ? atoi(e) : -1;
+      }();
+      p.scales_first = scales_first;
+      p.prewait_slots = prewait_slots;
       pl = GemvPlan{blocks, ring + extra, true};
       return EXL2_OK;
     }

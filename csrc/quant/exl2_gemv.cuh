@@ -60,6 +60,10 @@ struct GemvParams {
   int maxgrp;      // TMA kernel: most quantization groups any block touches (sizes its staged scales)
   int probe;       // TMA kernel, timing probes only (results are wrong): kProbe* bits, from EXL2_GEMV_PROBE
   int prefetch_bytes;  // TMA kernel: weight bytes per block past the ring's first fill prefetched into L2 early
+  // TMA kernel, measurement switches of the producer warp (EXL2_GEMV_SCALES_FIRST, EXL2_GEMV_PREWAIT_SLOTS):
+  // stage the group scales before the ring's first fill instead of after it; issue at most prewait_slots ring
+  // copies before the PDL wait (< 0: the whole first fill, the default), the rest after it
+  int scales_first, prewait_slots;
   int gather_mode;  // kGather*: how the TMA kernel gathers an input that is not pre-gathered (EXL2_GEMV_GATHER)
   int cluster;  // TMA kernel: 0, or the split count C of every descriptor, reduced through distributed shared
                 // memory inside a cluster of C blocks instead of the global workspace and ticket

@@ -11,6 +11,7 @@
 #include <type_traits>
 
 #include "common/api.h"
+#include "common/pdl.cuh"
 #include "quant/exl2_gemv.cuh"
 #include "quant/exl2_gemv_norm.cuh"
 #include "quant/exl2_gemv_rope.cuh"
@@ -234,9 +235,26 @@ __device__ __forceinline__ void tma_produce_run(const GemvParams& p, const GvWor
   const auto [src, step, bytes] = tma_source(d, wk);
   const uint32_t ring_s = smem_addr(sm.ring);
   const int first = min(stages, g.nch);
+  // The scales of this block's groups, staged once: loads through the cache would queue behind the ring's
+  // copies (~ring bytes / bandwidth per SM) on every group of the compute warps' critical path.
+  auto stage_scales = [&] {
+    const int g_first = __ldg(d.info + g.c0) & kInfoGroupMask;
+    const int last = __ldg(d.info + wk.c1 - 1);  // its unit 1 starts a new group when unit 0 ends one
+    const int ngrp = (last & kInfoGroupMask) + ((last >> 30) & 1) - g_first + 1;  // <= maxgrp (host bound)
+    if (lane == 0) mbar_expect_tx(sm.scale(), ngrp * g.nwa * 64);
+    __syncwarp();
+    for (int gi = lane; gi < ngrp; gi += 32)
+      bulk_copy(smem_addr(sm.scl) + gi * kGroupScaleBytes,
+                p.scl[wk.di] + ((size_t)(g_first + gi) * g.J + g.j0) * 8, g.nwa * 64, sm.scale(), pol);
+  };
+  if (p.scales_first) stage_scales();
+  // Ring copies before the PDL wait: the whole first fill unless the measurement switch caps them; the producer
+  // then waits for the previous grid itself before the rest (a no-op once passed).
+  const int pre = p.prewait_slots < 0 ? first : min(first, p.prewait_slots);
   if (lane == 0)
 #pragma unroll 1
     for (int i = 0; i < first; ++i) {
+      if (i == pre) exl2::pdl_wait();
       mbar_expect_tx(sm.full(i), bytes);
       bulk_copy(ring_s + i * slot_bytes, src + i * step, bytes, sm.full(i), pol);
     }
@@ -245,16 +263,7 @@ __device__ __forceinline__ void tma_produce_run(const GemvParams& p, const GvWor
   const int pf_end = min(g.nch, first + (int)(p.prefetch_bytes / bytes));
   for (int i = first + lane; i < pf_end; i += 32)
     asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(src + i * step), "r"(bytes) : "memory");
-  // The scales of this block's groups, staged once: loads through the cache would queue behind the ring's
-  // copies (~ring bytes / bandwidth per SM) on every group of the compute warps' critical path.
-  const int g_first = __ldg(d.info + g.c0) & kInfoGroupMask;
-  const int last = __ldg(d.info + wk.c1 - 1);  // its unit 1 starts a new group when unit 0 ends one
-  const int ngrp = (last & kInfoGroupMask) + ((last >> 30) & 1) - g_first + 1;  // <= maxgrp (host bound)
-  if (lane == 0) mbar_expect_tx(sm.scale(), ngrp * g.nwa * 64);
-  __syncwarp();
-  for (int gi = lane; gi < ngrp; gi += 32)
-    bulk_copy(smem_addr(sm.scl) + gi * kGroupScaleBytes, p.scl[wk.di] + ((size_t)(g_first + gi) * g.J + g.j0) * 8,
-              g.nwa * 64, sm.scale(), pol);
+  if (!p.scales_first) stage_scales();
   if (lane == 0) {
     int s = first == stages ? 0 : first;
     uint32_t phase = first == stages ? 1 : 0;

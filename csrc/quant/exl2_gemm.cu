@@ -794,10 +794,13 @@ int gemv_plan(const int64_t* blob, int ndesc, const void* x, int M, int ldx, int
                    ring + extra);
       p.ring_bytes = ring;
       p.prefetch_bytes = prefetch_kb * 1024;
-      // Producer order switches (measurement only, results unchanged): H200 call AK4 of 2026-12-04.
+      // The producer warp's order (results unchanged either way). H200 call AK4 of 2026-12-04, spec_bench, 8B at 1k,
+      // interleaved twice: the group scales staged before the ring's first fill (the default; EXL2_GEMV_SCALES_FIRST=0
+      // stages them after it) 2.253 / 2.252 ms per decode step against 2.269 / 2.266; at most one ring slot before
+      // the PDL wait (EXL2_GEMV_PREWAIT_SLOTS=1, a measurement switch; default: the whole first fill) 2.280 / 2.276.
       static const int scales_first = [] {
         const char* e = getenv("EXL2_GEMV_SCALES_FIRST");
-        return e && atoi(e) > 0 ? 1 : 0;
+        return e && *e ? (atoi(e) > 0 ? 1 : 0) : 1;
       }();
       static const int prewait_slots = [] {
         const char* e = getenv("EXL2_GEMV_PREWAIT_SLOTS");

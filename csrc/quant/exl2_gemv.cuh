@@ -60,8 +60,8 @@ struct GemvParams {
   int maxgrp;      // TMA kernel: most quantization groups any block touches (sizes its staged scales)
   int probe;       // TMA kernel, timing probes only (results are wrong): kProbe* bits, from EXL2_GEMV_PROBE
   int prefetch_bytes;  // TMA kernel: weight bytes per block past the ring's first fill prefetched into L2 early
-  // TMA kernel, measurement switches of the producer warp (EXL2_GEMV_SCALES_FIRST, EXL2_GEMV_PREWAIT_SLOTS):
-  // stage the group scales before the ring's first fill instead of after it; issue at most prewait_slots ring
+  // TMA kernel, the producer warp's order (exl2_gemm.cu, EXL2_GEMV_SCALES_FIRST / EXL2_GEMV_PREWAIT_SLOTS): the
+  // group scales staged before the ring's first fill (1, the default) or after it; at most prewait_slots ring
   // copies before the PDL wait (< 0: the whole first fill, the default), the rest after it
   int scales_first, prewait_slots;
   int gather_mode;  // kGather*: how the TMA kernel gathers an input that is not pre-gathered (EXL2_GEMV_GATHER)

@@ -236,7 +236,9 @@ __device__ __forceinline__ void tma_produce_run(const GemvParams& p, const GvWor
   const uint32_t ring_s = smem_addr(sm.ring);
   const int first = min(stages, g.nch);
   // The scales of this block's groups, staged once: loads through the cache would queue behind the ring's
-  // copies (~ring bytes / bandwidth per SM) on every group of the compute warps' critical path.
+  // copies (~ring bytes / bandwidth per SM) on every group of the compute warps' critical path. Before the ring's
+  // first fill by default (GemvParams::scales_first): the first chunk then waits for its own slot, not for the
+  // whole fill and the scales behind it (H200 call AK4: -15 us per 8B decode step).
   auto stage_scales = [&] {
     const int g_first = __ldg(d.info + g.c0) & kInfoGroupMask;
     const int last = __ldg(d.info + wk.c1 - 1);  // its unit 1 starts a new group when unit 0 ends one

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Device call AK4 (session 22; ~230 s, the session's last budget). Carry .whl and .dev/libexl2_kernels.so.gz built
 # from the commit that runs (bash scripts/build_variant.sh "" .dev/libexl2_kernels.so.gz).
-# The TMA GEMV's producer warp in two other orders (measurement switches, results unchanged):
+# The TMA GEMV's producer warp in two other orders (switches, results unchanged; S became the default after it):
 #   S  EXL2_GEMV_SCALES_FIRST=1: the block's group scales staged before the ring's first fill, so the first chunk
 #      waits for its slot only, not for the whole fill and then the scales;
 #   P  EXL2_GEMV_PREWAIT_SLOTS=1: one ring slot before the PDL wait, the rest after it, so the input stage's loads

@@ -9,11 +9,7 @@ export EXL2_CARRIED_LIBRARY=1
 source scripts/device/common.sh
 begin_call ak3
 start_exllamav2_jit
-for round in 1 2; do
-  spec_costs D$round
-  spec_costs S128_$round EXL2_BACKEND_ATTN_MIN_SPLIT=128
-  spec_costs S256_$round EXL2_BACKEND_ATTN_MIN_SPLIT=256
-done
+interleaved_spec_costs D S128_=EXL2_BACKEND_ATTN_MIN_SPLIT=128 S256_=EXL2_BACKEND_ATTN_MIN_SPLIT=256
 echo "elapsed $(( $(date +%s) - T0 )) s"
 bench_8b final 130 1024,32768 fp16,q8,q4
 grep -E "^prefill|read bandwidth" "$R/bench_final.txt" | head -4

@@ -12,9 +12,5 @@ source scripts/device/common.sh
 begin_call ak4
 EXL2_GEMV_SCALES_FIRST=1 EXL2_GEMV_PREWAIT_SLOTS=1 gpu_tests switches 50 -n 12 tests/kernels/test_exl2_gemm.py \
   tests/kernels/test_gemv_norm.py -k "not llama3_8b and not cluster"
-for round in 1 2; do
-  spec_costs D$round
-  spec_costs S$round EXL2_GEMV_SCALES_FIRST=1
-  spec_costs P$round EXL2_GEMV_PREWAIT_SLOTS=1
-done
+interleaved_spec_costs D S=EXL2_GEMV_SCALES_FIRST=1 P=EXL2_GEMV_PREWAIT_SLOTS=1
 echo "total $(( $(date +%s) - T0 )) s"

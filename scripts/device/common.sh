@@ -92,6 +92,16 @@ spec_costs() {
     --out "$R/spec_$name.json" 2> "$R/spec_$name.log"
   echo "== spec $name: $(grep 'step costs' "$R/spec_$name.log" | tail -1)"
 }
+# spec_costs of several variants, interleaved twice: interleaved_spec_costs VARIANT...; a VARIANT is NAME or
+# NAME=ENV=VALUE (one variable), run as spec_costs NAME<round> [ENV=VALUE] ($R/spec_NAME1.json, ...).
+interleaved_spec_costs() {
+  local round v
+  for round in 1 2; do
+    for v in "$@"; do
+      if [[ $v == *=* ]]; then spec_costs "${v%%=*}$round" "${v#*=}"; else spec_costs "$v$round"; fi
+    done
+  done
+}
 # `exl2-backend bench` of the random 8B directory: bench_8b NAME SECONDS CONTEXTS CACHE_TYPES [ENV=VALUE...];
 # $R/bench_NAME.{txt,json}, the decode table's rows (engine step / graph replay) on stdout.
 bench_8b() {

@@ -9,24 +9,25 @@
 #     clearing, no branch; the 4-bit chunk of two such units 103 SASS instructions against ~118): its GEMV tests
 #     (bit-identical to the default), then spec_bench D / G interleaved twice. AK1's timeline: in the 8B's 4-bit
 #     layers up_proj (groups of 32 rows) streams 16.0-17.4 us against gate's (groups of 128) 14.1-15.1.
-#  3. The GEMV GPU tests in full on the scales-first default (AK4 ran 94 of them with it before its limit), then the
-#     other GPU tests that need no SmolLM2 in what time is left.
+#     With them the weight ring at 32 and 16 KB (EXL2_GEMV_RING_KB): AJ3's optimum (24 KB) was measured with the
+#     scales staged after the ring's first fill, before they came first (AK4).
+#  3. The GEMV GPU tests on the scales-first default (AK4 ran 94 of them with it before its limit), in what time is
+#     left.
 export EXL2_CARRIED_LIBRARY=1
 source scripts/device/common.sh
 begin_call al1
 use_libraries G=.dev/libexl2_kernels_g32.so.gz
-timeout 120 python3 scripts/profile_engine_step.py --shape llama3-8b --workdir /tmp/models --context 1024 \
+timeout 110 python3 scripts/profile_engine_step.py --shape llama3-8b --workdir /tmp/models --context 1024 \
   --json "$R/engine_step.json" > "$R/engine_step.txt" 2>&1
 head -40 "$R/engine_step.txt" | cut -c1-160
 cp /tmp/libG.so "$LIB"
-gpu_tests_verbose g32 90 -n 12 tests/kernels/test_exl2_gemm.py tests/kernels/test_gemv_norm.py \
+gpu_tests_verbose g32 70 -n 12 tests/kernels/test_exl2_gemm.py tests/kernels/test_gemv_norm.py \
   -k "not llama3_8b and not cluster"
 for round in 1 2; do
   cp /tmp/libD.so "$LIB"; spec_costs D$round
   cp /tmp/libG.so "$LIB"; spec_costs G$round
+  cp /tmp/libD.so "$LIB"; spec_costs R32_$round EXL2_GEMV_RING_KB=32; spec_costs R16_$round EXL2_GEMV_RING_KB=16
 done
-cp /tmp/libD.so "$LIB"
 echo "elapsed $(( $(date +%s) - T0 )) s"
-gpu_tests_verbose gemv 200 -n 12 $GEMV_GPU_TESTS -k "not llama3_8b"
-gpu_tests_verbose gpu_tests "$(left 550)" -n 12 $CUDA_TESTS_NO_SMOLLM2 --deselect tests/kernels/test_exl2_gemm.py
+gpu_tests_verbose gemv "$(left 555)" -n 12 $GEMV_GPU_TESTS -k "not llama3_8b"
 echo "total $(( $(date +%s) - T0 )) s"

@@ -892,10 +892,14 @@ class CudaLinearOp:
 
     def _dequant_matmul(self, x: torch.Tensor) -> torch.Tensor:
         outs = []
+        direct = library.direct_calls()  # the dequantization without the dispatcher (eager prefill)
         for i, p in enumerate(self.launch.parts):
             for n0 in range(0, p.N, DEQUANT_SLICE):
                 n1 = min(p.Np, n0 + DEQUANT_SLICE)
-                w = torch.ops.exl2_backend.exl2_dequant(p.packed, self.launch.handle, i, n0, n1)  # [K, n1-n0]
+                if direct:
+                    w = self.launch.dequant(i, n0, n1)  # [K, n1-n0]
+                else:
+                    w = torch.ops.exl2_backend.exl2_dequant(p.packed, self.launch.handle, i, n0, n1)
                 cols = min(p.N, n1) - n0
                 if p.bias is not None:
                     outs.append(torch.addmm(p.bias[n0 : n0 + cols], x, w[:, :cols]))

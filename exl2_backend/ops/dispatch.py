@@ -35,11 +35,21 @@ def cuda_enabled() -> bool:
     return _cuda_module() is not None
 
 
+def _cuda_impl(mod, name: str) -> Callable:
+    """The CUDA module's op `name`: its plain implementation where eager calls may skip the dispatcher
+    (library.direct_calls), else the custom op."""
+    if library.direct_calls():
+        fn = getattr(getattr(mod, "direct", None), name, None)
+        if fn is not None:
+            return fn
+    return getattr(mod, name)
+
+
 def _pick(name: str, tensor: torch.Tensor) -> Callable:
     if tensor.is_cuda:
         mod = _cuda_module()
         if mod is not None and hasattr(mod, name):
-            return getattr(mod, name)
+            return _cuda_impl(mod, name)
     return getattr(reference, name)
 
 
@@ -108,7 +118,7 @@ def _pick_kvquant(name: str, tensor: torch.Tensor) -> Callable:
     if tensor.is_cuda:
         mod = _cuda_module()
         if mod is not None and hasattr(mod, name):
-            return getattr(mod, name)
+            return _cuda_impl(mod, name)
     from exl2_backend.ops import reference_kvquant
 
     return getattr(reference_kvquant, name)

@@ -83,6 +83,23 @@ def set_pdl(on: bool) -> bool:
     return bool(get().exl2_set_pdl(1 if on else 0))
 
 
+# Eager calls of the CUDA ops skip the torch.library dispatcher where a plain implementation is kept (cuda_layers
+# `direct`, the quantized linear's dequantization): the same function the custom op runs, without its ~20-25 us per
+# call. A 2k prefill of the 8B makes ~450 such calls, and it is bound by the host (session 21: 86 ms of wall time
+# around ~53 ms of kernels). Code that torch.compile traces keeps the custom ops. Off until measured on the GPU
+# (prepared call AL2); EXL2_BACKEND_DIRECT_OPS=1 turns it on.
+DIRECT_OPS = os.environ.get("EXL2_BACKEND_DIRECT_OPS", "0") == "1"
+
+
+def direct_calls() -> bool:
+    """Whether an op may be called without the torch.library dispatcher now (DIRECT_OPS, and not tracing)."""
+    if not DIRECT_OPS:
+        return False
+    import torch
+
+    return not torch.compiler.is_compiling()
+
+
 def available() -> bool:
     _load()
     return _lib is not None

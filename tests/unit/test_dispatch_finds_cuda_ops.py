@@ -33,3 +33,32 @@ def test_every_dispatched_op_with_a_cuda_implementation_is_exported():
         for name in sorted(names):
             if callable(getattr(mod, name, None)):
                 assert getattr(cuda, name, None) is getattr(mod, name), f"ops.cuda does not export {module}.{name}"
+
+
+def test_direct_calls_skip_the_dispatcher_for_every_custom_op(monkeypatch):
+    """EXL2_BACKEND_DIRECT_OPS: every dispatched CUDA op that is a torch.library custom op has its plain
+    implementation in `direct`, and eager dispatch picks it; while torch.compile traces, and with the switch
+    off, dispatch keeps the custom op."""
+    import torch
+
+    from exl2_backend.ops import cuda, dispatch
+
+    monkeypatch.setattr(library, "DIRECT_OPS", True)
+    custom = 0
+    for name in sorted(_dispatched_names()):
+        op = getattr(cuda, name, None)
+        if op is None:
+            continue
+        picked = dispatch._cuda_impl(cuda, name)
+        if isinstance(op, torch._library.custom_ops.CustomOpDef):
+            custom += 1
+            assert picked is getattr(cuda.direct, name), name
+            assert not isinstance(picked, torch._library.custom_ops.CustomOpDef), name
+        else:
+            assert picked is op, name  # a plain function already (dequantize_pages, exl2_gemm, ...)
+    assert custom >= 8
+    monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
+    assert dispatch._cuda_impl(cuda, "rms_norm") is cuda.rms_norm
+    monkeypatch.undo()
+    monkeypatch.setattr(library, "DIRECT_OPS", False)
+    assert dispatch._cuda_impl(cuda, "rms_norm") is cuda.rms_norm

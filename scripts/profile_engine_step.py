@@ -24,8 +24,7 @@ import torch
 from torch.autograd import DeviceType
 from torch.profiler import ProfilerActivity, profile
 
-from exl2_backend.bench.decode import load_engine, load_model, prefill_seconds
-from exl2_backend.format.random_model import write_random_exl2_model
+from exl2_backend.bench.decode import add_model_args, load_engine, load_model, model_dir_from_args, prefill_seconds
 
 
 def device_intervals(prof) -> list[tuple[float, float, str]]:
@@ -76,19 +75,14 @@ def summarize(spans, steps: int, top: int) -> dict:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("model_dir", nargs="?", help="an EXL2 directory (default: a random --shape directory)")
-    ap.add_argument("--shape", default="llama3-8b")
-    ap.add_argument("--workdir", default="/tmp/models")
-    ap.add_argument("--device", default="auto")
+    add_model_args(ap, "/tmp/models")
     ap.add_argument("--context", type=int, default=1024)
     ap.add_argument("--steps", type=int, default=32)
     ap.add_argument("--top", type=int, default=15)
     ap.add_argument("--json", help="write the summary here")
     args = ap.parse_args()
 
-    model_dir = Path(args.model_dir) if args.model_dir else Path(args.workdir) / args.shape
-    if not args.model_dir and not (model_dir / "config.json").is_file():
-        write_random_exl2_model(model_dir, args.shape, 4.0)
+    model_dir = model_dir_from_args(args)
     loaded = load_model(model_dir, args.device)
     engine, _, _ = load_engine(model_dir, args.device, args.context + 2 * args.steps + 64, use_graphs=True,
                                loaded=loaded)

@@ -20,8 +20,7 @@ import torch
 from torch.autograd import DeviceType
 from torch.profiler import ProfilerActivity, profile
 
-from exl2_backend.bench.decode import load_engine, load_model, prefill_seconds
-from exl2_backend.format.random_model import write_random_exl2_model
+from exl2_backend.bench.decode import add_model_args, load_engine, load_model, model_dir_from_args, prefill_seconds
 
 
 def prefill_once(engine, seq_id: str, ids: list[int]) -> float:
@@ -51,19 +50,14 @@ def kernel_table(prof, on_gpu: bool, top: int) -> tuple[list[dict], float]:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("model_dir", nargs="?", help="an EXL2 directory (default: a random --shape directory)")
-    ap.add_argument("--shape", default="llama3-8b", help="random model shape when no MODEL_DIR is given")
-    ap.add_argument("--workdir", default="/tmp/profile_prefill")
-    ap.add_argument("--device", default="auto")
+    add_model_args(ap, "/tmp/profile_prefill")
     ap.add_argument("--tokens", type=int, default=2048, help="prompt length of the profiled prefill")
     ap.add_argument("--cache-types", default="fp16,q4")
     ap.add_argument("--top", type=int, default=15)
     ap.add_argument("--json", help="write the tables here")
     args = ap.parse_args()
 
-    model_dir = Path(args.model_dir) if args.model_dir else Path(args.workdir) / args.shape
-    if not args.model_dir and not (model_dir / "config.json").is_file():
-        write_random_exl2_model(model_dir, args.shape, 4.0)
+    model_dir = model_dir_from_args(args)
     loaded = load_model(model_dir, args.device)
     gen = torch.Generator().manual_seed(0)
     results = {}

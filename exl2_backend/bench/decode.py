@@ -24,6 +24,27 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
+def add_model_args(ap, workdir: str) -> None:
+    """A measurement script's model arguments: an optional MODEL_DIR, else a random --shape directory under
+    --workdir (model_dir_from_args), and --device."""
+    ap.add_argument("model_dir", nargs="?", help="an EXL2 directory (default: a random --shape directory)")
+    ap.add_argument("--shape", default="llama3-8b", help="random model shape when no MODEL_DIR is given")
+    ap.add_argument("--workdir", default=workdir)
+    ap.add_argument("--device", default="auto")
+
+
+def model_dir_from_args(args) -> Path:
+    """add_model_args' directory: MODEL_DIR, or the random --shape directory at 4.0 bpw, written when missing."""
+    if args.model_dir:
+        return Path(args.model_dir)
+    model_dir = Path(args.workdir) / args.shape
+    if not (model_dir / "config.json").is_file():
+        from exl2_backend.format.random_model import write_random_exl2_model
+
+        write_random_exl2_model(model_dir, args.shape, 4.0)
+    return model_dir
+
+
 def load_model(model_dir: str | Path, device: str, multi: dict | None = None):
     """-> (LlamaModel on `device`, weight bytes per decode step, load seconds). `multi`: multi-GPU load
     settings (gpu_split / autosplit / tensor_parallel): the model Engine.load would build (planned, checked)."""

@@ -149,24 +149,34 @@ __device__ __forceinline__ void tile_zero(TileAcc<MT>& a) {
       for (int e = 0; e < 4; ++e) a.acc[nt][mt][e] = a.cg[nt][mt][e] = 0.f;
 }
 
-// acc += scale * cg for the current group; cg = 0. sc: the lane's fp16 scales {(a0, b0), (a1, b1)} for
-// columns 16nt + gid (a) and 16nt + gid + 8 (b).
+// acc += scale * cg. sc: the lane's fp16 scales {(a0, b0), (a1, b1)} for columns 16nt + gid (a) and
+// 16nt + gid + 8 (b).
 template <int MT>
-__device__ __forceinline__ void tile_flush(TileAcc<MT>& a, uint2 sc) {
+__device__ __forceinline__ void tile_scale_into(float (&acc)[2][MT][4], const float (&cg)[2][MT][4], uint2 sc) {
   const float2 s0 = h2_to_f2(sc.x), s1 = h2_to_f2(sc.y);
 #pragma unroll
   for (int nt = 0; nt < 2; ++nt) {
     const float sa = nt ? s1.x : s0.x, sb = nt ? s1.y : s0.y;
 #pragma unroll
     for (int mt = 0; mt < MT; ++mt) {
-      a.acc[nt][mt][0] += sa * a.cg[nt][mt][0];
-      a.acc[nt][mt][1] += sa * a.cg[nt][mt][1];
-      a.acc[nt][mt][2] += sb * a.cg[nt][mt][2];
-      a.acc[nt][mt][3] += sb * a.cg[nt][mt][3];
-#pragma unroll
-      for (int e = 0; e < 4; ++e) a.cg[nt][mt][e] = 0.f;
+      acc[nt][mt][0] += sa * cg[nt][mt][0];
+      acc[nt][mt][1] += sa * cg[nt][mt][1];
+      acc[nt][mt][2] += sb * cg[nt][mt][2];
+      acc[nt][mt][3] += sb * cg[nt][mt][3];
     }
   }
+}
+
+// acc += scale * cg for the current group; cg = 0.
+template <int MT>
+__device__ __forceinline__ void tile_flush(TileAcc<MT>& a, uint2 sc) {
+  tile_scale_into(a.acc, a.cg, sc);
+#pragma unroll
+  for (int nt = 0; nt < 2; ++nt)
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) a.cg[nt][mt][e] = 0.f;
 }
 
 // k-step S of a 32-row unit: decode the lane's 4 pairs of each n-tile once, one mma per token tile.
@@ -210,23 +220,30 @@ struct GvStateMT {
 };
 using GvState = GvStateMT<1>;
 
-#ifdef EXL2_GEMV_GROUP32_FAST
 template <int MT>
 __device__ __forceinline__ void gv_zero(GvStateMT<MT>& s) {
   tile_zero(s.a);
+#ifdef EXL2_GEMV_GROUP32_FAST
   s.fresh = true;
+#endif
 }
 template <int MT>
 __device__ __forceinline__ void gv_flush(GvStateMT<MT>& s) {
   tile_flush(s.a, s.sc);
+#ifdef EXL2_GEMV_GROUP32_FAST
   s.fresh = true;
-}
-#else
-template <int MT>
-__device__ __forceinline__ void gv_zero(GvStateMT<MT>& s) { tile_zero(s.a); }
-template <int MT>
-__device__ __forceinline__ void gv_flush(GvStateMT<MT>& s) { tile_flush(s.a, s.sc); }
 #endif
+}
+
+// The next group: its index and its scales (a whole group before their use). kSmem: staged in shared memory, read
+// without a branch (an index clamped to the last group; past it the value is unused); else through the read-only
+// cache.
+template <bool kSmem>
+__device__ __forceinline__ void gv_next_group(GvState& s, const uint2* scl_lane, int scl_gstride, int G) {
+  ++s.g;
+  if constexpr (kSmem) s.sc = scl_lane[min(s.g, G - 1) * scl_gstride];
+  else if (s.g < G) s.sc = __ldg(scl_lane + (size_t)s.g * scl_gstride);
+}
 
 // One 32-row unit U of a chunk: two k-steps, then the group end if the chunk info says so (the next group's
 // scales are loaded then, a whole group before their use). kSmem: the scales were staged in shared memory
@@ -240,12 +257,9 @@ __device__ __forceinline__ void gv_unit(const uint32_t (&w)[2][B], int info, con
   tile_kstep<B, 1, 2 * U + 1>(w, xb, s.a);
   if ((info >> (30 + U)) & 1) {
     gv_flush(s);
-    ++s.g;
-    // Staged scales: read without a branch (an index clamped to the last group; past it the value is unused). H200
-    // call Y1 of 2026-12-03: the 4-bit TMA chunk loop's group-end blocks 27 / 37 -> 21 / 29 SASS instructions, the
-    // 8B decode step at 1k 2.360 -> 2.315 ms.
-    if constexpr (kSmem) s.sc = scl_lane[min(s.g, G - 1) * scl_gstride];
-    else if (s.g < G) s.sc = __ldg(scl_lane + (size_t)s.g * scl_gstride);
+    // Staged scales read without a branch: H200 call Y1 of 2026-12-03, the 4-bit TMA chunk loop's group-end blocks
+    // 27 / 37 -> 21 / 29 SASS instructions, the 8B decode step at 1k 2.360 -> 2.315 ms.
+    gv_next_group<kSmem>(s, scl_lane, scl_gstride, G);
   }
 #ifdef EXL2_GEMV_GROUP32_FAST
   else {
@@ -272,18 +286,8 @@ __device__ __forceinline__ void gv_unit_group32(const uint32_t (&w)[2][B], const
     for (int e = 0; e < 4; ++e) t.cg[nt][0][e] = 0.f;
   tile_kstep<B, 1, 2 * U>(w, xb, t);
   tile_kstep<B, 1, 2 * U + 1>(w, xb, t);
-  const float2 s0 = h2_to_f2(s.sc.x), s1 = h2_to_f2(s.sc.y);
-#pragma unroll
-  for (int nt = 0; nt < 2; ++nt) {  // tile_flush's arithmetic
-    const float sa = nt ? s1.x : s0.x, sb = nt ? s1.y : s0.y;
-    s.a.acc[nt][0][0] += sa * t.cg[nt][0][0];
-    s.a.acc[nt][0][1] += sa * t.cg[nt][0][1];
-    s.a.acc[nt][0][2] += sb * t.cg[nt][0][2];
-    s.a.acc[nt][0][3] += sb * t.cg[nt][0][3];
-  }
-  ++s.g;
-  if constexpr (kSmem) s.sc = scl_lane[min(s.g, G - 1) * scl_gstride];
-  else if (s.g < G) s.sc = __ldg(scl_lane + (size_t)s.g * scl_gstride);
+  tile_scale_into(s.a.acc, t.cg, s.sc);
+  gv_next_group<kSmem>(s, scl_lane, scl_gstride, G);
 }
 #endif
 

@@ -91,5 +91,91 @@ __device__ __forceinline__ float attn_combine_staged(const float* ml, const floa
   return attn_combine_in_order(used, [&](int i) { return s_ml[i]; }, [&](int s) { return s_po[s * D + d]; });
 }
 
+// ---- the last CTA of a row tile (split tickets): its rows' splits combined inside the attention launch ----------
+
+// Floats of dynamic shared memory a ticket-combining launch gives each CTA: at least `base` (the attention's own
+// buffers), and room for the statistics [RT][nsplit][2] (16-byte rounded) and every split's partials [RT][nsplit][D]
+// within kAttnTicketSmemMax bytes (the 48 KB default, static arrays included); past that the partials go in chunks
+// of splits. The kernel recomputes it to know its buffer.
+constexpr int kAttnTicketSmemMax = 46 * 1024;
+__host__ __device__ constexpr int attn_ticket_stats_floats(int rows, int nsplit) { return (rows * nsplit * 2 + 3) & ~3; }
+__host__ __device__ constexpr int attn_ticket_smem_floats(int base, int RT, int D, int nsplit) {
+  const int want = attn_ticket_stats_floats(RT, nsplit) + RT * nsplit * D;
+  const int cap = kAttnTicketSmemMax / 4;
+  const int staged = want < cap ? want : cap;
+  return base > staged ? base : staged;
+}
+// Whether `rows` rows of `nsplit` splits stage at least one split's partials at a time in `floats`.
+__host__ __device__ constexpr bool attn_ticket_combine_fits(int floats, int rows, int D, int nsplit) {
+  return floats - attn_ticket_stats_floats(rows, nsplit) >= rows * D;
+}
+
+// The `used` splits of `rows` rows combined by one CTA of NTH threads, the bits of attn_combine_in_order (the
+// reduce kernels): the statistics through L2 (__ldcg: other CTAs of this launch wrote them) into shared memory, the
+// row maxima, then the partials in chunks of whole splits (cp.async.cg, L2 only), num and den as fmaf chains in
+// split order across the chunks. Why: the ticket combine looping over global memory waited one L2 round trip per
+// split and was ~2 us per layer slower than the separate reduce launch (H200, 2026-11-29). prow(r): the row's
+// index into part_o [.., nsplit, D] and part_ml [.., nsplit, 2] (16-byte aligned); smem: `floats` floats
+// (attn_ticket_combine_fits); out(r, d, value). Starts by writing smem: the caller has passed a barrier after its
+// last read of it.
+template <int D, int RT, int NTH, typename PROW, typename OUT>
+__device__ __forceinline__ void attn_combine_tile_staged(const float* part_o, const float* part_ml, int nsplit,
+                                                         int rows, int used, PROW&& prow, float* smem, int floats,
+                                                         OUT&& out) {
+  static_assert(D % 4 == 0, "partials are copied four floats at a time");
+  constexpr int NO = (RT * D + NTH - 1) / NTH;  // outputs per thread
+  const int tid = threadIdx.x;
+  const int ml_floats = attn_ticket_stats_floats(rows, used);
+  const int chunk = min(used, (floats - ml_floats) / (rows * D));
+  float* s_ml = smem;              // [rows][used][2]
+  float* s_po = smem + ml_floats;  // [rows][chunk][D]
+  for (int i = tid; i < rows * used * 2; i += NTH) {
+    const int r = i / (2 * used), k = i % (2 * used);
+    s_ml[i] = __ldcg(part_ml + prow(r) * nsplit * 2 + k);
+  }
+  __syncthreads();
+  float M[NO], num[NO], den[NO];
+#pragma unroll
+  for (int k = 0; k < NO; ++k) {
+    const int i = tid + k * NTH;
+    M[k] = -INFINITY;
+    num[k] = den[k] = 0.f;
+    if (i < rows * D) {
+      const float* ml = s_ml + (i / D) * used * 2;
+      for (int s = 0; s < used; ++s) M[k] = fmaxf(M[k], ml[2 * s]);
+    }
+  }
+  constexpr int V = D / 4;  // 16-byte copies per split and row
+  for (int c0 = 0; c0 < used; c0 += chunk) {
+    const int cn = min(chunk, used - c0);
+    if (c0 > 0) __syncthreads();  // every thread is done with the previous chunk
+    for (int i = tid; i < rows * cn * V; i += NTH) {
+      const int r = i / (cn * V), s = i % (cn * V) / V, v = i % V;
+      cp_async_f32x4(s_po + (r * chunk + s) * D + 4 * v, part_o + (prow(r) * nsplit + c0 + s) * D + 4 * v);
+    }
+    asm volatile("cp.async.wait_all;" ::: "memory");
+    __syncthreads();
+#pragma unroll
+    for (int k = 0; k < NO; ++k) {
+      const int i = tid + k * NTH;
+      if (i < rows * D && M[k] != -INFINITY) {
+        const int r = i / D, d = i % D;
+        const float* ml = s_ml + r * used * 2 + 2 * c0;
+        const float* po = s_po + r * chunk * D + d;
+        for (int s = 0; s < cn; ++s) {
+          const float w = exp2f(ml[2 * s] - M[k]);
+          den[k] = fmaf(w, ml[2 * s + 1], den[k]);
+          num[k] = fmaf(w, po[s * D], num[k]);
+        }
+      }
+    }
+  }
+#pragma unroll
+  for (int k = 0; k < NO; ++k) {
+    const int i = tid + k * NTH;
+    if (i < rows * D) out(i / D, i % D, den[k] > 0.f ? num[k] / den[k] : 0.f);
+  }
+}
+
 }  // namespace layers
 }  // namespace exl2

@@ -13,6 +13,7 @@ from exl2_backend.ops.dispatch import (  # noqa: F401
     embedding,
     exl2_dequant,
     exl2_gemm,
+    greedy_tokens,
     kv_cache_write,
     kv_quant_write,
     paged_attention,

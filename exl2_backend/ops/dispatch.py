@@ -89,6 +89,11 @@ def embedding(ids, table):
     return _pick("embedding", table)(ids, table)
 
 
+def greedy_tokens(logits):
+    """logits [B, V] -> int64 [B] argmax per row on the logits' device (ties to the lowest id, NaN the largest)."""
+    return _pick("greedy_tokens", logits)(logits)
+
+
 def kv_cache_write(k, v, k_cache, v_cache, slots):
     return _pick("kv_cache_write", k)(k, v, k_cache, v_cache, slots)
 

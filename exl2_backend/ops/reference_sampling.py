@@ -92,6 +92,11 @@ def make_generator(seed: int | None, device="cpu") -> torch.Generator:
     return g
 
 
+def greedy_tokens(logits: torch.Tensor) -> torch.Tensor:
+    """logits [B, V] -> int64 [B]: each row's argmax, ties to the lowest id, NaN the largest (torch.argmax)."""
+    return torch.argmax(logits.float(), dim=-1)
+
+
 def make_uniforms(generators: list[torch.Generator], vocab: int) -> torch.Tensor:
     """One row of `vocab` uniforms in (0, 1] per generator (advancing it) -> f32 [B, V] on the generators'
     device. 1 - rand maps torch's [0, 1) grid exactly onto (0, 1]."""

@@ -337,7 +337,7 @@ class Engine:
         taken, text = [], ""
         # Greedy without penalties: each row's token is its argmax whatever was accepted before (one sync).
         greedy = s.params.sampling.temperature == 0 and s.prompt_counts is None
-        argmax = logits.float().argmax(-1).tolist() if greedy else None  # [k+1]
+        argmax = ops.greedy_tokens(logits.float()).tolist() if greedy else None  # [k+1]
         for j in range(len(draft) + 1):
             q = probs[j] if probs is not None and j < len(draft) and s.params.sampling.temperature != 0 else None
             if argmax is not None:

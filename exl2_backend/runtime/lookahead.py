@@ -22,6 +22,7 @@ from dataclasses import dataclass
 
 import torch
 
+from exl2_backend.ops.dispatch import greedy_tokens
 from exl2_backend.runtime.cuda_graphs import CudaGraphRunner
 
 
@@ -77,7 +78,7 @@ class DecodeLookahead:
             r._stage_dev[:b, 0].copy_(tokens_dev)  # stream-ordered after the staging upload
         r._graphs[bucket].replay()
         r.replays += 1
-        tok = torch.argmax(r._outputs[bucket][:b], dim=-1)  # [B]: sample_for's greedy rule (first maximum)
+        tok = greedy_tokens(r._outputs[bucket][:b])  # [B]: sample_for's greedy rule (first maximum)
         host = self._host[self._flip][:b]
         self._flip ^= 1
         host.copy_(tok, non_blocking=True)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import torch
 
+from exl2_backend.ops.dispatch import greedy_tokens
 from exl2_backend.ops.reference import apply_penalties, make_uniforms, sample_tokens
 
 
@@ -28,7 +29,7 @@ def sample_for(seqs, logits: torch.Tensor) -> list[int]:
     logits = penalized_logits(seqs, logits)
     # Greedy rows are the argmax (ties -> lowest id, as sample_tokens), drawing no uniforms so their
     # generators stay untouched; only the sampled rows go through the full sampler.
-    tokens = torch.argmax(logits, dim=-1)  # [B]
+    tokens = greedy_tokens(logits)  # [B]
     rows = [i for i, p in enumerate(params) if p.temperature != 0]
     if rows:
         uniforms = make_uniforms([seqs[i].generator for i in rows], v).to(logits.device)  # [b', V]

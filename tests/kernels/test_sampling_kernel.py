@@ -160,3 +160,34 @@ def test_opcheck():
     op = torch.ops.exl2_backend.sample_tokens.default
     torch.library.opcheck(op, (logits, u, temp))
     torch.library.opcheck(op, (logits, u, temp, torch.softmax(logits, -1)))
+
+
+@pytest.mark.parametrize("v", VOCABS)
+@pytest.mark.parametrize("b", [1, 5, 70])
+def test_greedy_tokens_is_argmax(v, b):
+    """greedy_tokens (the sampler kernel, every temperature 0, the logits as the unread uniforms) equals
+    torch.argmax: ties across chunks to the lowest id, all -inf rows to 0, NaN the largest; rows with a stride past
+    V (the model's logits[:, :vocab_size] slice), batches past the cached zero temperatures (70 > 64)."""
+    wide = torch.randn(b, v + 40, device=DEV) * 4
+    logits = wide[:, :v]
+    logits[0, 5] = logits[0, v - 1] = 100.0
+    if b > 1:
+        logits[1, :] = -float("inf")
+    if b > 2:
+        logits[2, v // 2] = float("nan")
+    got = cl().greedy_tokens(logits)
+    assert got.dtype == torch.int64 and got.device == logits.device
+    assert_exact(got, torch.argmax(logits, -1))
+    assert got[0].item() == 5
+
+
+def test_greedy_tokens_in_cuda_graph():
+    logits = torch.randn(3, 32000, device=DEV)
+    cl().greedy_tokens(logits)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        out = cl().greedy_tokens(logits)
+    for seed in range(3):
+        logits.copy_(torch.randn(3, 32000, device=DEV, generator=torch.Generator(device=DEV).manual_seed(seed)))
+        g.replay()
+        assert_exact(out, torch.argmax(logits, -1))

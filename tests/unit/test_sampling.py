@@ -202,3 +202,19 @@ def test_race_with_u_equal_one():
     assert probs[2] < 1e-12
     assert reference.sample_tokens(logits, [SamplingParams()], u).item() == 0
     assert -torch.log(torch.tensor(1.0 - 2.0**-24)).item() > 2.0**-25  # the floor only touches u = 1
+
+
+def test_greedy_tokens_dispatch_on_cpu():
+    """ops.greedy_tokens (the engine's greedy sampling) on CPU tensors is the reference: torch.argmax, ties to the
+    lowest id, NaN the largest, fp16 logits compared in fp32."""
+    from exl2_backend import ops
+
+    logits = torch.randn(4, 1000)
+    logits[0, 7] = logits[0, 900] = 50.0
+    logits[1, 3] = float("nan")
+    logits[2, :] = -float("inf")
+    got = ops.greedy_tokens(logits)
+    assert got.dtype == torch.int64
+    assert got.tolist()[:3] == [7, 3, 0]
+    assert_exact(got, torch.argmax(logits, -1))
+    assert_exact(ops.greedy_tokens(logits.half()), torch.argmax(logits.half().float(), -1))

@@ -423,8 +423,7 @@ int launch_rt(const AttnParams& p, int rt, int flags, int B, cudaStream_t stream
 }
 
 // fp16 pages through the tensor-core kernel of the quantized formats (paged_attention_quant_mma.cu): the same
-// splits and partials, tiles of 8 rows, its own reduce launch or, with tickets where its kernel takes them
-// (qattn_mma_tickets), the combine inside the launch.
+// splits and partials, tiles of 8 rows, its own reduce launch.
 int launch_tensor_core(const AttnParams& a, int D, int B, int variant, int stages, int tiles, cudaStream_t stream) {
   constexpr int kRows = 8;
   QAttnParams p = {};
@@ -452,11 +451,9 @@ int launch_tensor_core(const AttnParams& a, int D, int B, int variant, int stage
   p.max_pages = a.max_pages;
   p.num_pages = a.num_pages;
   p.scale_log2 = a.scale_log2;
-  p.tickets = a.tickets;
   EXL2_REQUIRE((int64_t)p.row_tiles * p.nsplit < (1ll << 31), "paged_attention: grid too large");
   const int st = launch_paged_attention_quant_mma(p, kFmtF16, kFmtF16, D, B, variant, stages, tiles, stream);
-  if (st != EXL2_OK || qattn_mma_tickets(p, variant, stages, tiles)) return st;
-  return launch_paged_attention_quant_reduce(p, false, D, B, stream);
+  return st != EXL2_OK ? st : launch_paged_attention_quant_reduce(p, false, D, B, stream);
 }
 
 }  // namespace
@@ -473,11 +470,11 @@ EXL2_API int exl2_paged_attention_row_tile(int64_t rows) {
 // out [B, Tq, Hq, D] fp16 contiguous; workspace fp32 of B*Tq*Hq*nsplit*(D+2) floats (unused if nsplit == 1);
 // flags: bit 0 = deeper load unroll for small row tiles; bits 1-2 = row tile cap (0: 16, 1: 8, 2: 4; more,
 // smaller tiles for a verify step's rows, ops/cuda_layers.ATTN_MAX_ROW_TILE); bits 3-4 = the tensor-core kernel
-// (paged_attention_quant_mma.cu over fp16 pages: row tiles of 8, its reduce launch or, with one row tile per CTA
-// of a one-pass variant, the tickets), variant bits - 1 (0 two passes, 1 / 2 one pass); bits 5-6 = its stages in
-// shared memory (0 none, 2 / 3 with a one-pass variant), bits 7-8 = row tiles per CTA (0 or 1: one; 2 / 3 with 2
-// stages; launch_paged_attention_quant_mma). tickets: int32 [B * Hkv * row_tiles of 4 rows or more], all zero (and
-// left so), to combine the splits inside the one launch; null: a second (reduce) launch does it.
+// (paged_attention_quant_mma.cu over fp16 pages: row tiles of 8, its reduce launch, no tickets), variant bits - 1
+// (0 two passes, 1 / 2 one pass); bits 5-6 = its stages in shared memory (0 none, 2 / 3 with a one-pass variant),
+// bits 7-8 = row tiles per CTA (0 or 1: one; 2 / 3 with 2 stages; launch_paged_attention_quant_mma). tickets: int32
+// [B * Hkv * row_tiles],
+// all zero (and left so), to combine the splits inside the one launch; null: a second (reduce) launch does it.
 EXL2_API int exl2_paged_attention(const void* q, int64_t q_bs, int64_t q_ts, int64_t q_hs, const void* k_cache,
                                   const void* v_cache, const int32_t* block_tables, int64_t bt_stride,
                                   const int32_t* context_lens, void* out, float* workspace, int64_t B, int64_t Tq,

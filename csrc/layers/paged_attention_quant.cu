@@ -350,7 +350,7 @@ EXL2_API int exl2_paged_attention_quant(const void* q, int64_t q_bs, int64_t q_t
   EXL2_REQUIRE(kv_fmt_valid(k_fmt) && kv_fmt_valid(v_fmt), "paged_attention_quant: bad formats %d, %d", k_fmt,
                v_fmt);
   if (B == 0) return EXL2_OK;
-  QAttnParams p = {};
+  QAttnParams p;
   p.q = (const half*)q;
   p.q_bs = q_bs;
   p.q_ts = q_ts;

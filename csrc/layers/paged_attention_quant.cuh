@@ -35,8 +35,6 @@ struct QAttnParams {
   int Tq, Hq, Hkv, G, R, row_tiles, nsplit, min_split, log2S, max_pages, num_pages;
   float scale_log2;  // softmax scale * log2(e)
   int prefetch;      // tensor-core kernel, L2 prefetches (kQAttnPrefetch*): set by its launcher
-  int* tickets;      // tensor-core one-pass kernels: [B, Hkv, row_tiles], zero on entry and exit, the splits
-                     // combined by the last CTA of each row tile (qattn_mma_tickets); null: the reduce launch
 };
 
 // The tensor-core kernel (paged_attention_quant_mma.cu): row tiles of 8 (p.row_tiles set for them), the same
@@ -48,9 +46,6 @@ struct QAttnParams {
 // registers. tiles 2 / 3 (2 stages): that many row tiles per CTA sharing each column's ring (a verify step's rows).
 int launch_paged_attention_quant_mma(const QAttnParams& p, int k_fmt, int v_fmt, int D, int B, int variant,
                                      int stages, int tiles, cudaStream_t stream);
-// Whether that launch combines the splits itself (p.tickets set, nsplit > 1, a one-pass variant with one row tile
-// per CTA, registers or 2 stages, a 16-byte aligned part_o): the caller then launches no reduce.
-bool qattn_mma_tickets(const QAttnParams& p, int variant, int stages, int tiles);
 // The split combination into p.out (paged_attention_quant.cu; nothing when nsplit == 1); rot: V rotated (int
 // formats) -> the sums are rotated back.
 int launch_paged_attention_quant_reduce(const QAttnParams& p, bool rot, int D, int B, cudaStream_t stream);
@@ -81,12 +76,11 @@ __device__ __forceinline__ float qattn_load_scale(const half* p) {
   return __half2float(__ushort_as_half(__ldg(reinterpret_cast<const unsigned short*>(p))));
 }
 
-// An unused split (or an empty context): zeros where this launch writes the output itself (nsplit == 1, or split
-// 0 of an empty context with tickets: no split counts in); the reduce kernel covers the other case. NTH: the CTA's
-// threads (here and below).
-template <int D, int RT, int NTH = kAttnThreads, bool TK = false>
-__device__ __forceinline__ void qattn_empty_split(const QAttnParams& p, int b, int kvh, int row0, int split = 0) {
-  if (p.nsplit != 1 && !(TK && split == 0)) return;
+// An unused split (or an empty context): zeros where this launch writes the output itself (nsplit == 1); the
+// reduce kernel covers the other case. NTH: the CTA's threads (here and below).
+template <int D, int RT, int NTH = kAttnThreads>
+__device__ __forceinline__ void qattn_empty_split(const QAttnParams& p, int b, int kvh, int row0) {
+  if (p.nsplit != 1) return;
   for (int i = threadIdx.x; i < RT * D; i += NTH) {
     const int row = row0 + i / D;
     if (row < p.R) {

@@ -31,7 +31,6 @@
 
 #include "common/mma.cuh"
 #include "common/pdl.cuh"
-#include "layers/attn_combine.cuh"
 #include "layers/attn_mma_stage.cuh"
 #include "layers/paged_attention_quant.cuh"
 
@@ -269,7 +268,7 @@ __host__ __device__ __forceinline__ int tile_groups(int row_tiles, int nt) { ret
 // the keys, unscaled). NT row tiles per CTA (the staged kernel's shared rings; 1 elsewhere): CTA x covers tiles
 // [NT * (x % groups), + NT) of split x / groups (groups: tile_groups); sp.row0 is its first row. false: an unused
 // split (or an empty context), whose outputs are already written.
-template <int D, int KF, int RT, int NT = 1, bool TK = false>
+template <int D, int KF, int RT, int NT = 1>
 __device__ __forceinline__ bool mma_split_begin(const QAttnParams& p, MmaSplit& sp, int* pages, float* qs) {
   constexpr int NG = D / KV_GROUP, KROW = D * KVFormat<KF>::BITS / 8, NTH = NT * kAttnThreads;
   const int groups = tile_groups(p.row_tiles, NT);
@@ -287,7 +286,7 @@ __device__ __forceinline__ bool mma_split_begin(const QAttnParams& p, MmaSplit& 
   sp.pages = pages;
   if (sp.start >= sp.ctx) {
     exl2::pdl_wait_and_trigger();
-    qattn_empty_split<D, NT * RT, NTH, TK>(p, sp.b, sp.kvh, sp.row0, sp.split);
+    qattn_empty_split<D, NT * RT, NTH>(p, sp.b, sp.kvh, sp.row0);
     return false;
   }
   sp.end = min(sp.start + L, sp.ctx);
@@ -509,63 +508,6 @@ __global__ void __launch_bounds__(kAttnThreads, MINB) paged_attention_quant_mma_
   qattn_write_rows<D, RT, KVFormat<VF>::ROT>(p, smem, row_m, row_l, sp.b, sp.kvh, sp.row0, sp.split);
 }
 
-// Dynamic shared memory (floats) of the one-pass kernels: the register kernel's cross-warp buffer; the staged
-// kernel's rings or that buffer, whichever is larger (they share the bytes).
-template <int D>
-constexpr int online_smem_floats() {
-  return kAttnWarps * kTileRows * D;
-}
-template <int D, int KF, int VF, int NS, int NT>
-constexpr int staged_smem_floats() {
-  constexpr int ring = kAttnWarps * NS * AttnStage<D, KF, VF>::BYTES / 4, red = kAttnWarps * NT * kTileRows * D;
-  static_assert(AttnStage<D, KF, VF>::BYTES % 16 == 0, "stages are 16-byte aligned");
-  return ring > red ? ring : red;
-}
-
-// ---- the split combination inside the launch (tickets) ------------------------------------------------------------
-// After a CTA's partials are out, every used split of its (b, kvh, row tile) counts in on the tile's ticket; the
-// last one combines them (attn_combine_tile_staged: the reduce kernel's bits), rotates them back for rotated V
-// formats and leaves the ticket at zero for the next launch (and graph replay). Each thread fences its own partial
-// stores before the barrier (release); the last CTA fences after reading the ticket (acquire) and reads the
-// partials through L2. Why: the reduce launch held 87 us of the 8B's 1k decode step (call AA1 of 2026-12-03,
-// EXL2_ATTN_PROBE) and 181 us at 32k (AC1). smem: `floats` floats (attn_ticket_smem_floats of the launch).
-template <int D, int RTT, bool ROT, int NTH>
-__device__ __forceinline__ void qattn_ticket_combine(const QAttnParams& p, const MmaSplit& sp, float* smem,
-                                                     int floats) {
-  if (p.nsplit == 1) return;
-  __shared__ int is_last;
-  __threadfence();
-  __syncthreads();
-  const int L = qattn_split_len(sp.ctx, p.nsplit, p.min_split);
-  const int used = (sp.ctx + L - 1) / L;
-  int* ticket = p.tickets + ((int64_t)sp.b * p.Hkv + sp.kvh) * p.row_tiles + sp.row0 / RTT;
-  if (threadIdx.x == 0) is_last = atomicAdd(ticket, 1) == used - 1;
-  __syncthreads();  // also: every thread is done reading the cross-warp buffer
-  if (!is_last) return;
-  __threadfence();
-  const int rows = min(RTT, p.R - sp.row0);
-  auto prow = [&](int r) -> int64_t {
-    const int row = sp.row0 + r;
-    return ((int64_t)sp.b * p.Tq + row / p.G) * p.Hq + sp.kvh * p.G + row % p.G;
-  };
-  // (rows * D and NTH are multiples of 32: a warp's lanes hold 32 consecutive dims of one row, as warp_fwht32 needs)
-  auto out = [&](int r, int d, float o) {
-    if constexpr (ROT) o = warp_fwht32(o);
-    p.out[prow(r) * D + d] = __float2half_rn(o);
-  };
-  if (attn_ticket_combine_fits(floats, rows, D, p.nsplit)) {
-    attn_combine_tile_staged<D, RTT, NTH>(p.part_o, p.part_ml, p.nsplit, rows, used, prow, smem, floats, out);
-  } else {
-    for (int i = threadIdx.x; i < rows * D; i += NTH) {
-      const float* ml = p.part_ml + prow(i / D) * p.nsplit * 2;
-      const float* po = p.part_o + prow(i / D) * p.nsplit * D + i % D;
-      out(i / D, i % D, attn_combine_in_order(used, [&](int k) { return __ldcg(ml + k); },
-                                              [&](int s) { return __ldcg(po + (int64_t)s * D); }));
-    }
-  }
-  if (threadIdx.x == 0) *ticket = 0;
-}
-
 // ---- one pass (online softmax): each step's scores feed its outputs in registers ---------------------------------
 // The score C fragments of a step are, lane for lane, the probabilities' A fragments of its output mma (keys
 // nb * 8 + 2 t4 + e): no score buffer, and each step's K and V loads are in flight together, where the two-pass
@@ -621,11 +563,11 @@ __device__ __forceinline__ void online_step(const uint32_t (&qa)[NG][2][4], cons
 // alias the q staging and the staged kernel's rings: its first barrier orders every warp's last read of those
 // before the writes) and the CTA's rows written as the split's partials (or the output). RTT: the CTA's rows (NT
 // tiles of kTileRows); the lane's warp is column `col` of the NW that split the keys, and holds CTA row `rr`.
-template <int D, int VF, int RTT = kTileRows, bool TK = false>
+template <int D, int VF, int RTT = kTileRows>
 __device__ __forceinline__ void online_finish(const QAttnParams& p, const MmaSplit& sp, OnlineRow<D / KV_GROUP>& r,
                                               float* red, float (&row_m)[RTT], float (&row_l)[RTT],
                                               float (&warp_m)[kAttnWarps][RTT], float (&warp_l)[kAttnWarps][RTT],
-                                              int col, int rr, int smem_floats = 0) {
+                                              int col, int rr) {
   constexpr int NW = kAttnWarps, NTH = RTT / kTileRows * kAttnThreads;
   const int t4 = sp.t4;
   r.l += __shfl_xor_sync(0xffffffffu, r.l, 1);
@@ -649,12 +591,10 @@ __device__ __forceinline__ void online_finish(const QAttnParams& p, const MmaSpl
   }
   __syncthreads();
   qattn_write_rows<D, RTT, KVFormat<VF>::ROT, NTH>(p, red, row_m, row_l, sp.b, sp.kvh, sp.row0, sp.split);
-  if constexpr (TK) qattn_ticket_combine<D, RTT, KVFormat<VF>::ROT, NTH>(p, sp, red, smem_floats);
 }
 
 // U steps of 16 keys in flight per warp, loaded into registers (1: 168 registers, 3 CTAs per SM; 2: 2 per SM).
-// TK: the splits combined in the launch (qattn_ticket_combine), in its own instantiation.
-template <int D, int KF, int VF, int U, int MINB, bool TK = false>
+template <int D, int KF, int VF, int U, int MINB>
 __global__ void __launch_bounds__(kAttnThreads, MINB) paged_attention_quant_mma_online_kernel(const QAttnParams p) {
   constexpr int NW = kAttnWarps, RT = kTileRows;
   constexpr int NG = D / KV_GROUP;
@@ -663,7 +603,7 @@ __global__ void __launch_bounds__(kAttnThreads, MINB) paged_attention_quant_mma_
   __shared__ int pages[qattn_keys_max<RT>() / 16 + 2];
   __shared__ float row_m[RT], row_l[RT], warp_m[NW][RT], warp_l[NW][RT];
   MmaSplit sp;
-  if (!mma_split_begin<D, KF, RT, 1, TK>(p, sp, pages, smem)) return;
+  if (!mma_split_begin<D, KF, RT>(p, sp, pages, smem)) return;
   const int warp = threadIdx.x >> 5, gid = sp.gid, t4 = sp.t4, end = sp.end;
   uint32_t qa[NG][2][4];
   q_fragments<D, KF>(smem, gid, t4, qa);
@@ -689,8 +629,7 @@ __global__ void __launch_bounds__(kAttnThreads, MINB) paged_attention_quant_mma_
       online_step<KF, VF, NG>(qa, ks[u], vs[u], t, end, own_lim, t4, p.scale_log2, r);
     }
   }
-  online_finish<D, VF, RT, TK>(p, sp, r, smem, row_m, row_l, warp_m, warp_l, warp, gid,
-                               attn_ticket_smem_floats(online_smem_floats<D>(), RT, D, p.nsplit));
+  online_finish<D, VF>(p, sp, r, smem, row_m, row_l, warp_m, warp_l, warp, gid);
 }
 
 // ---- one pass with each warp's steps staged in shared memory (attn_mma_stage.cuh) -------------------------------
@@ -707,7 +646,7 @@ __global__ void __launch_bounds__(kAttnThreads, MINB) paged_attention_quant_mma_
 // per row tile; each warp's arithmetic is the NT = 1 kernel's for its tile (the same bits for the same splits).
 // One CTA per SM: at NT = 3, 384 threads hold 168 registers each, and ptxas spills 12-52 bytes for fp16, fp8 and q8
 // pages at D = 128 (none at NT = 2, 198-202 registers).
-template <int D, int KF, int VF, int NS, int NT, int MINB, bool TK = false>
+template <int D, int KF, int VF, int NS, int NT, int MINB>
 __global__ void __launch_bounds__(kAttnThreads * NT, MINB)
     paged_attention_quant_mma_staged_kernel(const QAttnParams p) {
   constexpr int NW = kAttnWarps, RT = kTileRows, RTT = NT * RT;
@@ -723,7 +662,7 @@ __global__ void __launch_bounds__(kAttnThreads * NT, MINB)
   __shared__ int pages[qattn_keys_max<RT>() / 16 + 2];
   __shared__ float row_m[RTT], row_l[RTT], warp_m[NW][RTT], warp_l[NW][RTT];
   MmaSplit sp;
-  if (!mma_split_begin<D, KF, RT, NT, TK>(p, sp, pages, smem)) return;
+  if (!mma_split_begin<D, KF, RT, NT>(p, sp, pages, smem)) return;
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, gid = sp.gid, t4 = sp.t4, end = sp.end;
   // The warp's row tile and key column, the lane's row in the CTA; whether the warp copies its column's steps.
   // (Spelled out for NT = 1, where the compiler cannot know that warp < NW.)
@@ -774,8 +713,7 @@ __global__ void __launch_bounds__(kAttnThreads * NT, MINB)
     stage = stage + 1 == NS ? 0 : stage + 1;
   }
   if (copies) cp_async_wait<0>();  // no copy lands after the stages become the cross-warp buffer
-  online_finish<D, VF, RTT, TK>(p, sp, r, smem, row_m, row_l, warp_m, warp_l, col, rr,
-                                attn_ticket_smem_floats(staged_smem_floats<D, KF, VF, NS, NT>(), RTT, D, p.nsplit));
+  online_finish<D, VF, RTT>(p, sp, r, smem, row_m, row_l, warp_m, warp_l, col, rr);
 }
 
 // Launch `Kernel` with `bytes` of dynamic shared memory, opted into on every size (exl2::opt_in_dynamic_smem): the
@@ -797,40 +735,23 @@ template <int D, int KF, int VF, int NS, int NT>
 int launch_staged(const QAttnParams& q, int B, cudaStream_t stream) {
   constexpr int MINB = NT == 1 ? 3 : 1;
   const dim3 grid((unsigned)(tile_groups(q.row_tiles, NT) * q.nsplit), (unsigned)q.Hkv, (unsigned)B);
-  constexpr int base = staged_smem_floats<D, KF, VF, NS, NT>();
-  if constexpr (KF == kFmtF16 && NS == 2 && NT == 1) {
-    if (q.tickets != nullptr)
-      return launch_with_smem<paged_attention_quant_mma_staged_kernel<D, KF, VF, NS, NT, MINB, true>>(
-          grid, NT * kAttnThreads, sizeof(float) * attn_ticket_smem_floats(base, NT * kTileRows, D, q.nsplit), stream,
-          q);
-  }
+  const size_t ring = (size_t)kAttnWarps * NS * AttnStage<D, KF, VF>::BYTES;
+  const size_t red = sizeof(float) * kAttnWarps * NT * kTileRows * D;
   return launch_with_smem<paged_attention_quant_mma_staged_kernel<D, KF, VF, NS, NT, MINB>>(
-      grid, NT * kAttnThreads, sizeof(float) * base, stream, q);
+      grid, NT * kAttnThreads, ring > red ? ring : red, stream, q);
 }
 
 template <int D, int KF, int VF>
 int launch(const QAttnParams& p, int B, int variant, int stages, int tiles, cudaStream_t stream) {
   QAttnParams q = p;
   q.prefetch = prefetch_mode();
-  if (!qattn_mma_tickets(q, variant, stages, tiles)) q.tickets = nullptr;
   if (stages == 2 && tiles == 3) return launch_staged<D, KF, VF, 2, 3>(q, B, stream);
   if (stages == 2 && tiles == 2) return launch_staged<D, KF, VF, 2, 2>(q, B, stream);
   if (stages == 2) return launch_staged<D, KF, VF, 2, 1>(q, B, stream);
   if (stages == 3) return launch_staged<D, KF, VF, 3, 1>(q, B, stream);
   const dim3 grid((unsigned)(p.row_tiles * p.nsplit), (unsigned)p.Hkv, (unsigned)B);  // one row tile per CTA
   if (variant > 0) {  // one pass: U = 1 (168 registers, 3 CTAs per SM) or 2 (2 per SM)
-    constexpr int base = online_smem_floats<D>();
-    if constexpr (KF == kFmtF16) {
-      if (q.tickets != nullptr) {
-        const size_t smem = sizeof(float) * attn_ticket_smem_floats(base, kTileRows, D, q.nsplit);
-        if (variant == 1)
-          return launch_with_smem<paged_attention_quant_mma_online_kernel<D, KF, VF, 1, 3, true>>(
-              grid, kAttnThreads, smem, stream, q);
-        return launch_with_smem<paged_attention_quant_mma_online_kernel<D, KF, VF, 2, 2, true>>(grid, kAttnThreads,
-                                                                                                smem, stream, q);
-      }
-    }
-    const size_t smem = sizeof(float) * base;
+    const size_t smem = sizeof(float) * kAttnWarps * kTileRows * D;
     if (variant == 1)
       exl2::launch_kernel(paged_attention_quant_mma_online_kernel<D, KF, VF, 1, 3>, grid, kAttnThreads, smem, stream,
                           q);
@@ -865,12 +786,6 @@ int launch_fmt(const QAttnParams& p, int kf, int vf, int B, int variant, int sta
 }
 
 }  // namespace
-
-bool qattn_mma_tickets(const QAttnParams& p, int variant, int stages, int tiles) {
-  // (only fp16 pages pass tickets: exl2_paged_attention; the quantized caches' entry point has no such argument)
-  return p.tickets != nullptr && p.nsplit > 1 && variant > 0 && (stages == 0 || (stages == 2 && tiles == 1)) &&
-         reinterpret_cast<uintptr_t>(p.part_o) % 16 == 0;
-}
 
 int launch_paged_attention_quant_mma(const QAttnParams& p, int k_fmt, int v_fmt, int D, int B, int variant,
                                      int stages, int tiles, cudaStream_t stream) {

@@ -203,7 +203,6 @@ def test_cuda_graph_replay():
         assert_exact(out, cl().paged_attention(q, kc, vc, tables, ctx, 0.08), f"replay lens={lens}")
 
 
-@pytest.mark.usefixtures("attn_kernel")
 def test_tickets_in_cuda_graph(monkeypatch):
     """The ticket combine captured and replayed: each replay's last CTAs find their tickets at zero again and give
     the reduce kernel's bits, for 1k (one staged chunk) and 9k (chunks) contexts."""
@@ -261,16 +260,13 @@ def test_no_host_sync():
 
 
 @pytest.mark.parametrize("num_splits", [0, 2, 7, 23, 64, 120, 1500])
-@pytest.mark.usefixtures("attn_kernel")
 def test_tickets_match_reduce_kernel(num_splits, monkeypatch):
     """Splits combined by the last CTA (tickets, one launch) give the bits of the separate reduce kernel,
     launch after launch (every ticket is left at zero). The reduce kernel stages the partials in shared memory
     (attn_combine.cuh) where nsplit x (D + 2) floats fit 48 KB, and loops over global memory otherwise (120
     splits at D = 128). The last CTA stages them too (attn_combine_tile_staged): all splits at once up to 22 at
     D = 128 and row tile 4 (46 KB), in chunks of splits past that (23, 64, 120), and loops over global memory
-    where one split's partials no longer fit beside the statistics (1500). Every fp16 kernel: the CUDA-core one and
-    the tensor-core one-pass kernels with one row tile per CTA combine with tickets (qattn_mma_tickets); the
-    two-pass kernel and shared row tiles ignore them and launch the reduce kernel."""
+    where one split's partials no longer fit beside the statistics (1500)."""
     for lens, hq, hkv, d, tq, page in (([1, 17, 300, 2000], 32, 8, 128, 1, 16), ([0, 3, 900], 9, 3, 64, 3, 16),
                                        ([5000, 60], 32, 8, 128, 1, 256)):
         kc, vc, tables, ctx, _ = build(lens, hkv, d, page)

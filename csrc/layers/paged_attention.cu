@@ -113,10 +113,8 @@ __device__ __forceinline__ float combine_splits(const AttnParams& p, int64_t pro
                                [&](int s) { return __ldcg(po + (int64_t)s * D); });
 }
 
-// U: key steps per thread with loads in flight (more bytes in flight per CTA vs more registers). TK: the splits
-// are combined by the last CTA of each row tile (p.tickets set), in its own instantiation so that the default
-// kernel carries none of that code.
-template <int D, int RT, int U, bool TK>
+// U: key steps per thread with loads in flight (more bytes in flight per CTA vs more registers)
+template <int D, int RT, int U>
 __global__ void __launch_bounds__(NT) paged_attention_kernel(const AttnParams p) {
   // PDL: before the wait this kernel reads only what earlier kernels than the previous one wrote (block
   // tables, context lengths: the previous kernel had passed its own wait when this one launched) and only
@@ -145,7 +143,7 @@ __global__ void __launch_bounds__(NT) paged_attention_kernel(const AttnParams p)
   if (start >= ctx) {  // an unused split (or an empty context)
     exl2::pdl_wait_and_trigger();
     // no key at all (ctx == 0): the reference gives zeros, written here unless the reduce kernel does it
-    if (p.nsplit == 1 || (TK && split == 0)) {
+    if (p.nsplit == 1 || (p.tickets != nullptr && split == 0)) {
       for (int i = tid; i < RT * D; i += NT) {
         const int row = row0 + i / D;
         if (row < p.R) {
@@ -326,38 +324,30 @@ __global__ void __launch_bounds__(NT) paged_attention_kernel(const AttnParams p)
       }
     }
   }
-  if constexpr (TK) {
-    if (p.nsplit == 1) return;
-    // Ticket: every used split of this (b, kvh, tile) counts in once its partials are out; the last one
-    // combines them. Each thread fences its own partial stores before the barrier (release), the last CTA
-    // fences after reading the ticket (acquire) and reads the partials through L2.
-    __shared__ int is_last;
-    __threadfence();
-    __syncthreads();
-    const int used = (ctx + L - 1) / L;
-    int* ticket = p.tickets + ((int64_t)b * p.Hkv + kvh) * p.row_tiles + tile;
-    if (tid == 0) {
-      const int prev = atomicAdd(ticket, 1);
-      is_last = prev == used - 1;
-    }
-    __syncthreads();  // also: every thread is done reading the cross-warp buffer
-    if (!is_last) return;
-    __threadfence();
-    const int rows = min(RT, p.R - row0);
-    auto prow = [&](int r) -> int64_t {
-      const int row = row0 + r;
-      return ((int64_t)b * p.Tq + row / p.G) * p.Hq + kvh * p.G + row % p.G;
-    };
-    const int floats = attn_ticket_smem_floats(RT * KM, RT, D, p.nsplit);
-    if (attn_ticket_combine_fits(floats, rows, D, p.nsplit)) {
-      attn_combine_tile_staged<D, RT, NT>(p.part_o, p.part_ml, p.nsplit, rows, used, prow, smem, floats,
-                                          [&](int r, int d, float o) { p.out[prow(r) * D + d] = __float2half_rn(o); });
-    } else {
-      for (int i = tid; i < rows * D; i += NT)
-        p.out[prow(i / D) * D + i % D] = __float2half_rn(combine_splits<D>(p, prow(i / D), i % D, used));
-    }
-    if (tid == 0) *ticket = 0;  // ready for the next launch (and graph replay)
+  if (p.nsplit == 1 || p.tickets == nullptr) return;
+  // Ticket: every used split of this (b, kvh, tile) counts in once its partials are out; the last one
+  // combines them. Each thread fences its own partial stores before the barrier (release), the last CTA
+  // fences after reading the ticket (acquire) and reads the partials through L2.
+  __shared__ int is_last;
+  __threadfence();
+  __syncthreads();
+  const int used = (ctx + L - 1) / L;
+  int* ticket = p.tickets + ((int64_t)b * p.Hkv + kvh) * p.row_tiles + tile;
+  if (tid == 0) {
+    const int prev = atomicAdd(ticket, 1);
+    is_last = prev == used - 1;
   }
+  __syncthreads();
+  if (!is_last) return;
+  __threadfence();
+  for (int i = tid; i < RT * D; i += NT) {
+    const int r = i / D, d = i % D, row = row0 + r;
+    if (row >= p.R) continue;
+    const int j = row / p.G, hq = kvh * p.G + row % p.G;
+    const int64_t prow = ((int64_t)b * p.Tq + j) * p.Hq + hq;
+    p.out[prow * D + d] = __float2half_rn(combine_splits<D>(p, prow, d, used));
+  }
+  if (tid == 0) *ticket = 0;  // ready for the next launch (and graph replay)
 }
 
 // One CTA per output row (b, j, hq), one thread per dim: combine the splits in order. STAGED: the row's partials
@@ -386,25 +376,17 @@ int launch(const AttnParams& p, int B, cudaStream_t stream) {
   EXL2_REQUIRE(p.min_split <= keys_max<RT>() && p.min_split > 0, "paged_attention: min_split %d out of range",
                p.min_split);
   const dim3 grid((unsigned)(p.row_tiles * p.nsplit), (unsigned)p.Hkv, (unsigned)B);
-  const int base = RT * keys_max<RT>();  // floats: the scores, later the cross-warp buffer
-  // The ticket combine copies partials 16 bytes at a time: an unaligned workspace takes the reduce launch.
-  if (p.nsplit > 1 && p.tickets != nullptr && reinterpret_cast<uintptr_t>(p.part_o) % 16 == 0) {
-    const size_t smem = sizeof(float) * attn_ticket_smem_floats(base, RT, D, p.nsplit);
-    exl2::launch_kernel(paged_attention_kernel<D, RT, U, true>, grid, NT, smem, stream, p);
-    return check_launch("paged_attention (tickets)");
-  }
-  AttnParams q = p;
-  q.tickets = nullptr;
-  exl2::launch_kernel(paged_attention_kernel<D, RT, U, false>, grid, NT, sizeof(float) * base, stream, q);
+  const size_t smem = sizeof(float) * RT * keys_max<RT>();
+  exl2::launch_kernel(paged_attention_kernel<D, RT, U>, grid, NT, smem, stream, p);
   int st = check_launch("paged_attention");
-  if (st != EXL2_OK || p.nsplit == 1) return st;
+  if (st != EXL2_OK || p.nsplit == 1 || p.tickets != nullptr) return st;
   const int64_t combine_bytes = attn_combine_smem(p.nsplit, D);
   const unsigned rows = (unsigned)((int64_t)B * p.Tq * p.Hq);
   constexpr auto staged = attn_reduce_kernel<D, true>;
   if (reinterpret_cast<uintptr_t>(p.part_o) % 16 == 0 && attn_combine_fits<staged>(combine_bytes))
-    exl2::launch_kernel(staged, rows, D, (size_t)combine_bytes, stream, q);
+    exl2::launch_kernel(staged, rows, D, (size_t)combine_bytes, stream, p);
   else
-    exl2::launch_kernel(attn_reduce_kernel<D, false>, rows, D, 0, stream, q);
+    exl2::launch_kernel(attn_reduce_kernel<D, false>, rows, D, 0, stream, p);
   return check_launch("paged_attention reduce");
 }
 

@@ -84,7 +84,11 @@ _SAMPLE_CHUNK = 2048  # tokens per CTA of the sampling kernel (csrc/layers/sampl
 # once and left at zero by every launch (the last CTA resets its entry), so no memset runs per call or in a
 # captured graph. Attention tickets are opt-in (EXL2_BACKEND_ATTN_TICKETS=1): on the H200 (2026-11-29, 8B shape,
 # context 512, graph replay) the one-launch version was ~2 us per layer slower than the separate reduce kernel,
-# whose 32 CTAs combine the splits with more parallelism than the one last CTA per kv head.
+# whose 32 CTAs combine the splits with more parallelism than the one last CTA per kv head. H200 call AL3 of
+# 2026-12-04 (spec_bench, 8B at 1k, decode step ms, two runs): the last CTA staging the partials through shared
+# memory in chunks of whole splits, in kernels of their own, for this kernel and for the tensor-core one-pass
+# kernel the fp16 decode runs: 2.554 / 2.557 and 2.572 / 2.571 against 2.253 / 2.257 (bench at 32k: 220.5
+# against 263.0 tok/s). That code is in git history at f3109a9; the fp16 tensor-core kernel takes no tickets.
 _TICKETS_NUMEL = 1 << 16
 _tickets: dict[tuple[str, torch.device], torch.Tensor] = {}
 

@@ -13,7 +13,7 @@ source scripts/device/common.sh
 begin_call al4
 interleaved_spec_costs D K=EXL2_SMEM_CARVEOUT=100
 for v in D X; do
-  env $([ $v = X ] && echo EXL2_BACKEND_DIRECT_OPS=1) timeout 60 python3 scripts/profile_prefill.py \
+  env $([ $v = X ] && echo EXL2_BACKEND_DIRECT_OPS=1) timeout 90 python3 scripts/profile_prefill.py \
     --shape llama3-8b --workdir /tmp/models --cache-types fp16,q4 --top 8 --json "$R/prefill_$v.json" \
     > "$R/prefill_$v.txt" 2>&1
   echo "-- $v"; grep -E "^== " "$R/prefill_$v.txt" | cut -c1-160

@@ -3,7 +3,6 @@
 
 #include <stdarg.h>
 #include <stdio.h>
-#include <stdlib.h>
 
 static thread_local char g_last_error[512] = "";
 
@@ -46,18 +45,6 @@ bool pdl_enabled() {
     g_pdl = major >= 9 ? 1 : 0;
   }
   return g_pdl == 1;
-}
-}  // namespace exl2
-
-namespace exl2 {
-int smem_carveout() {
-  static const int v = [] {
-    const char* e = getenv("EXL2_SMEM_CARVEOUT");
-    if (e == nullptr || *e == '\0') return -1;
-    const int c = atoi(e);
-    return c < 0 ? -1 : (c > 100 ? 100 : c);
-  }();
-  return v;
 }
 }  // namespace exl2
 

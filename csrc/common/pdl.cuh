@@ -41,13 +41,6 @@ __device__ __forceinline__ void pdl_wait_and_trigger() {
 // Whether launches on the current device get the PDL attribute (set by exl2_set_pdl; off below sm_90).
 bool pdl_enabled();
 
-// The shared-memory carveout (percent of the unified L1 / shared storage, 0..100) every launch_kernel launch asks
-// for, or -1 (the default): the driver's choice per kernel. A measurement switch, EXL2_SMEM_CARVEOUT (read once):
-// a dependent kernel's blocks can only share an SM with the previous kernel's under the same carveout, so kernels
-// of different shared-memory needs in one PDL chain (the GEMVs' rings, the attention, its reduce) may each wait
-// for SMs to drain.
-int smem_carveout();
-
 // Let `Kernel` take `bytes` of dynamic shared memory on the current device: its opt-in attribute, set once per
 // device and only ever raised (the 48 KB default also counts the kernel's static arrays). cudaSuccess or the
 // failing call's error (cudaErrorInvalidDevice past 64 devices).
@@ -80,8 +73,6 @@ cudaError_t launch_kernel(void (*kernel)(Params...), dim3 grid, dim3 block, size
   attr[0].val.programmaticStreamSerializationAllowed = 1;
   cfg.attrs = attr;
   cfg.numAttrs = pdl_enabled() ? 1 : 0;
-  if (const int carveout = smem_carveout(); carveout >= 0)
-    (void)cudaFuncSetAttribute(kernel, cudaFuncAttributePreferredSharedMemoryCarveout, carveout);
   return cudaLaunchKernelEx(&cfg, kernel, static_cast<Params>(args)...);
 }
 

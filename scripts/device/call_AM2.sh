@@ -7,14 +7,16 @@
 # never at 1k against it. AL3 ran it with tickets only (2.554 against the tensor-core kernel's 2.572 ms with them).
 #  1. scripts/attention_sweep.py at 32k and 1k: the tensor-core kernel by CTAs per SM (2 / 3 / 4) against the
 #     CUDA-core one (EXL2_BACKEND_ATTN_FP16_MMA=0; 2 / 4 / 6 / 8 / 12).
-#  2. bench at 1k and 32k (fp16), default against EXL2_BACKEND_ATTN_FP16_MMA=0 (with EXL2_BACKEND_ATTN_CTAS_PER_SM at
-#     the sweep's best 32k cell for it, if that is not the default 4: set CC_CTAS below by hand before the call).
+#  2. bench at 1k and 32k (fp16), default against EXL2_BACKEND_ATTN_FP16_MMA=0 with EXL2_BACKEND_ATTN_CTAS_PER_SM at
+#     the CUDA-core kernel's best 32k cell of the sweep.
 export EXL2_CARRIED_LIBRARY=1
 source scripts/device/common.sh
 begin_call am2
-CC_CTAS=${CC_CTAS:-4}
 attention_sweep_32k mma fp16 2,3,4
 attention_sweep_32k cc fp16 2,4,6,8,12 EXL2_BACKEND_ATTN_FP16_MMA=0
+CC_CTAS=$(python3 -c "import json; r = json.load(open('$R/sweep_cc.json'))['results']['fp16']
+print(min(r, key=lambda c: r[c]['us']))" 2>/dev/null || echo 4)
+echo "CUDA-core kernel's best CTAs per SM at 32k: $CC_CTAS"
 for v in mma cc; do
   env $([ $v = cc ] && echo EXL2_BACKEND_ATTN_FP16_MMA=0) timeout 60 python3 scripts/attention_sweep.py \
     --context 1024 --types fp16 --ctas 2,4,8 --json "$R/sweep1k_$v.json" > "$R/sweep1k_$v.txt" 2>&1

@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import pytest
 
-from exl2_backend.runtime import Engine, GenerationParams, LoadSettings
-from exl2_backend.sampling import SamplingParams
+from exl2_backend.runtime import Engine, LoadSettings
+from tests.helpers.greedy_runs import run_greedy_batch as _run
 
 pytestmark = pytest.mark.cuda
 
@@ -17,34 +17,6 @@ def engine(default_model_dir):
     eng = Engine.load(LoadSettings(model_dir=default_model_dir, device="cuda", max_seq_len=512, max_batch_size=4))
     assert eng.lookahead is not None
     return eng
-
-
-def _run(engine, prompts: dict[str, list[int]], new_tokens: dict[str, int], *, lookahead: bool,
-         schedule=None) -> dict[str, list[int]]:
-    """Decode the prompts as one batch; schedule(step, engine, live) may release sequences between steps."""
-    saved = engine.lookahead
-    engine.lookahead = saved if lookahead else None
-    try:
-        out = {sid: [] for sid in prompts}
-        for sid, p in prompts.items():
-            engine.add_sequence(sid, p, GenerationParams(sampling=SamplingParams.greedy(),
-                                                         max_new_tokens=new_tokens[sid], ignore_eos=True))
-            while not out[sid]:
-                out[sid] += engine.prefill([sid])[0].token_ids
-        live = [sid for sid in prompts if not engine.seqs[sid].finished]
-        step = 0
-        while live:
-            if schedule is not None:
-                live = schedule(step, engine, live)
-            for ev in engine.decode(live):
-                out[ev.seq_id] += ev.token_ids
-            live = [sid for sid in live if not engine.seqs[sid].finished]
-            step += 1
-        for sid in prompts:
-            engine.release(sid)
-        return out
-    finally:
-        engine.lookahead = saved
 
 
 def test_lookahead_tokens_identical_single_and_batched(engine):

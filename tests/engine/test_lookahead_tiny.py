@@ -8,6 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from tests.helpers.gpu_engine import small_gpu_engine
 from tests.helpers.greedy_runs import run_greedy_batch
 
 pytestmark = pytest.mark.cuda
@@ -15,16 +16,7 @@ pytestmark = pytest.mark.cuda
 
 @pytest.fixture(scope="module")
 def engine(tmp_path_factory):
-    from exl2_backend import ops
-    from exl2_backend.runtime import Engine, LoadSettings
-    from tests.helpers.synth import tiny_config_dict, write_tiny_exl2_model
-
-    if not torch.cuda.is_available() or not ops.cuda_enabled():
-        pytest.skip("needs a GPU and the compiled kernel library")
-    cfg = tiny_config_dict(hidden_size=1024, intermediate_size=2816, num_attention_heads=8, num_key_value_heads=2,
-                           num_hidden_layers=4, vocab_size=40000, bos_token_id=1, eos_token_id=2)
-    model_dir = write_tiny_exl2_model(tmp_path_factory.mktemp("lookahead") / "m", cfg, seed=3)
-    eng = Engine.load(LoadSettings(model_dir=str(model_dir), device="cuda", max_seq_len=512, max_batch_size=4))
+    eng = small_gpu_engine(tmp_path_factory.mktemp("lookahead") / "m", 40_000, 3, max_seq_len=512, max_batch_size=4)
     assert eng.lookahead is not None
     return eng
 

@@ -74,21 +74,10 @@ GPU_NEW_TOKENS = 32
 
 
 def _gpu_engine(tmp_path_factory):
-    import torch
+    from tests.helpers.gpu_engine import small_gpu_engine
 
-    from exl2_backend import ops
-    from exl2_backend.runtime import Engine, LoadSettings
-    from tests.helpers.synth import tiny_config_dict, write_tiny_exl2_model
-
-    if not torch.cuda.is_available() or not ops.cuda_enabled():
-        pytest.skip("needs a GPU and the compiled kernel library")
-    cfg = tiny_config_dict(hidden_size=1024, intermediate_size=2816, num_attention_heads=8, num_key_value_heads=2,
-                           num_hidden_layers=4, vocab_size=4096, bos_token_id=1, eos_token_id=2)
-    model_dir = write_tiny_exl2_model(tmp_path_factory.mktemp("inv") / "m", cfg, seed=11)
-    engine = Engine.load(LoadSettings(model_dir=str(model_dir), device="cuda", max_seq_len=256, max_batch_size=16,
-                                      cache_tokens=16 * 256 + 2048))
-    assert type(engine.runner).__name__ == "CudaGraphRunner"
-    return engine
+    return small_gpu_engine(tmp_path_factory.mktemp("inv") / "m", 4096, 11, max_seq_len=256, max_batch_size=16,
+                            cache_tokens=16 * 256 + 2048)
 
 
 def _gpu_prompts() -> list[list[int]]:

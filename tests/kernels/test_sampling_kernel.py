@@ -191,3 +191,15 @@ def test_greedy_tokens_in_cuda_graph():
         logits.copy_(torch.randn(3, 32000, device=DEV, generator=torch.Generator(device=DEV).manual_seed(seed)))
         g.replay()
         assert_exact(out, torch.argmax(logits, -1))
+
+
+def test_greedy_tokens_rejects_bad_logits():
+    """A typed error naming the input, before any launch: one-dimensional, fp16 or empty-vocabulary logits."""
+    from exl2_backend.errors import InvalidRequestError
+
+    with pytest.raises(InvalidRequestError, match="greedy_tokens: logits must have 2 dims"):
+        cl().greedy_tokens(torch.randn(100, device=DEV))
+    with pytest.raises(InvalidRequestError, match="greedy_tokens: logits dtype"):
+        cl().greedy_tokens(torch.randn(2, 100, device=DEV).half())
+    with pytest.raises(InvalidRequestError, match="empty vocabulary"):
+        cl().greedy_tokens(torch.empty(2, 0, device=DEV))

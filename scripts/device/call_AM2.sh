@@ -9,12 +9,13 @@
 #     CUDA-core one (EXL2_BACKEND_ATTN_FP16_MMA=0; 2 / 4 / 6 / 8 / 12).
 #  2. bench at 1k and 32k (fp16), default against EXL2_BACKEND_ATTN_FP16_MMA=0 with EXL2_BACKEND_ATTN_CTAS_PER_SM at
 #     the CUDA-core kernel's best 32k cell of the sweep.
-#  0. First, tests/engine/test_lookahead_tiny.py (session 23, not yet run): the decode lookahead's exactness on a
-#     tiny random model, the GPU check of the engine's greedy path that needs no SmolLM2 in the carry.
+#  0. First, two session-23 tests not yet run on a GPU: tests/engine/test_lookahead_tiny.py (the decode lookahead's
+#     exactness on a tiny random model, no SmolLM2 in the carry) and, with the sampler's other tests,
+#     test_greedy_tokens_rejects_bad_logits.
 export EXL2_CARRIED_LIBRARY=1
 source scripts/device/common.sh
 begin_call am2
-gpu_tests lookahead 90 tests/engine/test_lookahead_tiny.py
+gpu_tests lookahead 90 tests/engine/test_lookahead_tiny.py tests/kernels/test_sampling_kernel.py
 attention_sweep_32k mma fp16 2,3,4
 attention_sweep_32k cc fp16 2,4,6,8,12 EXL2_BACKEND_ATTN_FP16_MMA=0
 CC_CTAS=$(python3 -c "import json; r = json.load(open('$R/sweep_cc.json'))['results']['fp16']

@@ -24,9 +24,9 @@ int check_launch(const char* what) {
 
 EXL2_API const char* exl2_last_error() { return g_last_error; }
 
-// Bumped whenever an exported signature changes, or what an argument means (9: the attention's stages and row
-// tiles per CTA come from the caller, cuda_layers.attn_stages / attn_tiles_per_cta); ops/library.py checks it.
-EXL2_API int exl2_abi_version() { return 9; }
+// Bumped whenever an exported signature changes, or what an argument means, or the package needs a new function
+// (10: exl2_decode_inputs and exl2_mapped_pointer, layers/decode_io.cu); ops/library.py checks it.
+EXL2_API int exl2_abi_version() { return 10; }
 
 // --- programmatic dependent launch switch (common/pdl.cuh) ---
 #include "common/pdl.cuh"

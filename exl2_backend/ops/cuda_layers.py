@@ -738,6 +738,15 @@ def sample_tokens_tensor(logits: torch.Tensor, uniforms: torch.Tensor, temperatu
     out = torch.empty(b, dtype=torch.int64, device=logits.device)
     if b == 0:
         return out
+    launch_sampler(logits, uniforms, temperature, probs, out.data_ptr())
+    return out
+
+
+def launch_sampler(logits: torch.Tensor, uniforms: torch.Tensor, temperature: torch.Tensor,
+                   probs: torch.Tensor | None, out_address: int) -> None:
+    """The sampler kernel over checked inputs (B >= 1 rows), its int64 [B] tokens written at `out_address`: a
+    device tensor's data, or pinned host memory's device address (ops/cuda_decode_io.py)."""
+    b, v = logits.shape
     logits = logits if logits.stride(1) == 1 else logits.contiguous()
     uniforms = uniforms if uniforms.stride(1) == 1 else uniforms.contiguous()
     temperature = temperature.contiguous()
@@ -750,8 +759,7 @@ def sample_tokens_tensor(logits: torch.Tensor, uniforms: torch.Tensor, temperatu
         _call("exl2_sample_tokens", logits.data_ptr(), logits.stride(0),
               probs.data_ptr() if probs is not None else None, probs.stride(0) if probs is not None else 0,
               uniforms.data_ptr(), uniforms.stride(0), temperature.data_ptr(), partials.data_ptr(),
-              counters.data_ptr(), out.data_ptr(), b, v, _stream(logits))
-    return out
+              counters.data_ptr(), out_address, b, v, _stream(logits))
 
 
 @sample_tokens_tensor.register_fake
@@ -769,14 +777,18 @@ def greedy_tokens(logits: torch.Tensor) -> torch.Tensor:
     step's largest kernel outside its graph). Greedy rows never read their uniforms, so the logits stand in for
     them (the same shape and strides)."""
     _check("greedy_tokens", "logits", logits, ndim=2, dtypes=(torch.float32,))
-    b = logits.shape[0]
-    zeros = _zero_temperatures.get(logits.device)
-    if zeros is None or zeros.numel() < b:
-        zeros = torch.zeros(max(b, 64), dtype=torch.float32, device=logits.device)
-        if not torch.cuda.is_current_stream_capturing():  # a tensor of the graph's pool is not kept
-            _zero_temperatures[logits.device] = zeros
     logits = logits if logits.stride(1) == 1 else logits.contiguous()
-    return direct.sample_tokens_tensor(logits, logits, zeros[:b])
+    return direct.sample_tokens_tensor(logits, logits, zero_temperatures(logits.device, logits.shape[0]))
+
+
+def zero_temperatures(device: torch.device, b: int) -> torch.Tensor:
+    """f32 [b] zeros on `device` (every row greedy), kept per device unless made under graph capture."""
+    zeros = _zero_temperatures.get(device)
+    if zeros is None or zeros.numel() < b:
+        zeros = torch.zeros(max(b, 64), dtype=torch.float32, device=device)
+        if not torch.cuda.is_current_stream_capturing():  # a tensor of the graph's pool is not kept
+            _zero_temperatures[device] = zeros
+    return zeros[:b]
 
 
 def _to_device(rows: list, dtype: torch.dtype, device: torch.device) -> torch.Tensor:

@@ -22,6 +22,21 @@ log = logging.getLogger("exl2_backend")
 DECODE_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 
 
+def fill_stage_rows(st, tokens, starts, block_tables, bucket: int, page_size: int) -> None:
+    """Staging rows [bucket, 4 + max_pages] (numpy int64) of one decode step: per sequence [token | position |
+    context length | cache slot | page ids]; padded rows attend to one position of page 0 and write no KV."""
+    s = page_size
+    st[:bucket] = 0
+    st[:bucket, 2] = 1  # padded rows: context length 1
+    st[:bucket, 3] = -1  # padded rows: no KV write
+    for i, (t, p, pages) in enumerate(zip(tokens, starts, block_tables)):
+        st[i, 0] = t
+        st[i, 1] = p
+        st[i, 2] = p + 1
+        st[i, 3] = pages[p // s] * s + p % s
+        st[i, 4 : 4 + len(pages)] = pages
+
+
 class CudaGraphRunner(ModelRunner):
     """ModelRunner whose decode steps replay a CUDA graph of the smallest bucket that fits the batch."""
 
@@ -88,18 +103,8 @@ class CudaGraphRunner(ModelRunner):
 
     def _upload(self, tokens, starts, block_tables, bucket: int) -> None:
         """Fill the pinned staging rows for this step and copy them to the device (the graph unpacks them)."""
-        s = self.page_size
-        st = self._stage_np
         self._uploaded.synchronize()
-        st[:bucket] = 0
-        st[:bucket, 2] = 1  # padded rows: context length 1
-        st[:bucket, 3] = -1  # padded rows: no KV write
-        for i, (t, p, pages) in enumerate(zip(tokens, starts, block_tables)):
-            st[i, 0] = t[0]
-            st[i, 1] = p
-            st[i, 2] = p + 1
-            st[i, 3] = pages[p // s] * s + p % s
-            st[i, 4 : 4 + len(pages)] = pages
+        fill_stage_rows(self._stage_np, [t[0] for t in tokens], starts, block_tables, bucket, self.page_size)
         self._stage_dev[:bucket].copy_(self._stage[:bucket], non_blocking=True)
         self._uploaded.record()
 

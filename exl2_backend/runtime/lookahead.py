@@ -14,16 +14,25 @@ token further; otherwise it is dropped. Dropping is safe: its only side effect i
 its sequences, in pages they own (grown within their admission reservation) and rewritten with the same
 values by the step that plain decoding runs; pages freed meanwhile are reused only by work queued later
 on the same stream.
+
+With EXL2_BACKEND_GRAPH_IO=1 (off until measured on the GPU) a step is one launch of a greedy graph whose host I/O
+runs inside it (runtime/greedy_graphs.py): the lookahead step's input token is read from the previous launch's
+output by the graph itself.
 """
 
 from __future__ import annotations
 
+import logging
+import os
 from dataclasses import dataclass
 
 import torch
 
 from exl2_backend.ops.dispatch import greedy_tokens
+from exl2_backend.ops.reference_decode_io import FROM_PREVIOUS
 from exl2_backend.runtime.cuda_graphs import CudaGraphRunner
+
+log = logging.getLogger("exl2_backend")
 
 
 @dataclass
@@ -32,17 +41,28 @@ class _Flight:
 
     seqs: tuple  # the Sequence objects, in batch order
     expect: tuple[int, ...]  # each sequence's num_tokens when the step's result is consumed
-    tokens_dev: torch.Tensor  # int64 [B] argmax tokens on the device
+    tokens_dev: torch.Tensor | None  # int64 [B] argmax tokens on the device (None: a greedy graph's launch)
     host: torch.Tensor  # pinned int64 [B]
     ready: torch.cuda.Event  # recorded after the copy to `host`
+    launch: int = -1  # a greedy graph's launch number (GreedyGraphs.launches before it)
 
 
 class DecodeLookahead:
     """Greedy decode with one step in flight ahead (see the module docstring)."""
 
-    def __init__(self, engine, runner: CudaGraphRunner):
+    def __init__(self, engine, runner: CudaGraphRunner, graph_io: bool | None = None):
         self.engine = engine
         self.runner = runner
+        if graph_io is None:
+            graph_io = os.environ.get("EXL2_BACKEND_GRAPH_IO", "0") == "1"
+        self.graphs = None
+        if graph_io:
+            from exl2_backend.runtime.greedy_graphs import GreedyGraphs
+
+            try:
+                self.graphs = GreedyGraphs(runner)
+            except Exception as exc:  # noqa: BLE001 - the plain graph steps are a correct fallback
+                log.warning("exl2_backend: greedy graphs with host I/O unavailable (%s); plain graph steps", exc)
         n = runner.buckets[-1]
         self._host = [torch.zeros(n, dtype=torch.int64).pin_memory() for _ in range(2)]  # ping-pong
         self._flip = 0
@@ -64,18 +84,31 @@ class DecodeLookahead:
             self.steps_ahead_dropped += 1
         self._ahead = None
 
-    def _enqueue(self, seqs: tuple, offset: int, tokens_dev: torch.Tensor | None) -> _Flight:
-        """Queue the decode step at position num_tokens - 1 + offset of each sequence. offset 0: inputs are the
-        sequences' last tokens; offset 1: `tokens_dev`, the previous flight's argmax, still on the device."""
+    def _enqueue(self, seqs: tuple, prev: _Flight | None) -> _Flight:
+        """Queue the decode step at position num_tokens - 1 of each sequence, its inputs their last tokens; or,
+        after `prev` (the flight at that position), the next one, its inputs prev's argmax still on the device."""
         r, b = self.runner, len(seqs)
+        offset = 0 if prev is None else 1
         starts = [s.num_tokens - 1 + offset for s in seqs]
         for s, p in zip(seqs, starts):
             self.engine.pages.grow(s, p + 1)
+        expect = tuple(s.num_tokens + offset for s in seqs)
         bucket = next(x for x in r.buckets if x >= b)
+        # a step after `prev` takes prev's path (its token is where that path left it); a fresh one the greedy
+        # graphs when they are on and capture
+        on_graph = prev.tokens_dev is None if prev is not None else self.graphs is not None and self.graphs.ready(bucket)
+        if on_graph:
+            n = self.graphs.launches
+            if prev is not None and prev.launch != n - 1:  # the graph reads the last launch's tokens
+                raise RuntimeError(f"lookahead: greedy graph launch {n} would read launch {n - 1}, not its "
+                                   f"input flight's ({prev.launch})")
+            tokens = [FROM_PREVIOUS if prev is not None else s.last_token for s in seqs]
+            host, ready = self.graphs.launch(tokens, starts, [s.pages for s in seqs])
+            return _Flight(seqs, expect, None, host, ready, n)
         tokens = [[s.last_token] for s in seqs]  # offset 1: placeholders, overwritten on the device below
         r._upload(tokens, starts, [s.pages for s in seqs], bucket)
-        if tokens_dev is not None:
-            r._stage_dev[:b, 0].copy_(tokens_dev)  # stream-ordered after the staging upload
+        if prev is not None:
+            r._stage_dev[:b, 0].copy_(prev.tokens_dev)  # stream-ordered after the staging upload
         r._graphs[bucket].replay()
         r.replays += 1
         tok = greedy_tokens(r._outputs[bucket][:b])  # [B]: sample_for's greedy rule (first maximum)
@@ -84,7 +117,7 @@ class DecodeLookahead:
         host.copy_(tok, non_blocking=True)
         ready = torch.cuda.Event()
         ready.record()
-        return _Flight(seqs, tuple(s.num_tokens + offset for s in seqs), tok, host, ready)
+        return _Flight(seqs, expect, tok, host, ready)
 
     def decode(self, seqs: list) -> list:
         """One greedy token per sequence (StepEvents, as Engine.decode)."""
@@ -96,9 +129,9 @@ class DecodeLookahead:
         else:
             if ahead is not None:
                 self.steps_ahead_dropped += 1
-            flight = self._enqueue(key, 0, None)
+            flight = self._enqueue(key, None)
         if all(s.remaining_new_tokens >= 2 for s in seqs):
-            self._ahead = self._enqueue(key, 1, flight.tokens_dev)
+            self._ahead = self._enqueue(key, flight)
         flight.ready.synchronize()
         tokens = flight.host.tolist()
         events = []

@@ -20,7 +20,7 @@ import logging
 import torch
 
 from exl2_backend.model import AttentionMetadata
-from exl2_backend.runtime.cuda_graphs import DECODE_BUCKETS
+from exl2_backend.runtime.cuda_graphs import DECODE_BUCKETS, fill_stage_rows
 from exl2_backend.runtime.model_runner import ModelRunner
 
 log = logging.getLogger("exl2_backend")
@@ -135,19 +135,10 @@ class SegmentGraphRunner(ModelRunner):
     # --- steps -----------------------------------------------------------------------------------------------
 
     def _upload(self, tokens, starts, block_tables, bucket: int) -> None:
-        s = self.page_size
         st = self._stage
         for x in self.statics:  # the pinned rows are rewritten only after every device has copied them
             x.uploaded.synchronize()
-        st[:bucket].zero_()
-        st[:bucket, 2] = 1  # padded rows: context length 1
-        st[:bucket, 3] = -1  # padded rows: no KV write
-        for i, (t, p, pages) in enumerate(zip(tokens, starts, block_tables)):
-            st[i, 0] = t[0]
-            st[i, 1] = p
-            st[i, 2] = p + 1
-            st[i, 3] = pages[p // s] * s + p % s
-            st[i, 4 : 4 + len(pages)] = torch.as_tensor(pages, dtype=torch.int64)
+        fill_stage_rows(st.numpy(), [t[0] for t in tokens], starts, block_tables, bucket, self.page_size)
         for x in self.statics:
             with torch.cuda.device(x.device):
                 x.scatter(st, bucket)

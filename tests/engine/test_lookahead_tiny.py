@@ -37,3 +37,31 @@ def test_lookahead_tokens_identical_on_a_tiny_model(engine):
     assert alone["a"] == run_greedy_batch(engine, {"a": prompts["a"]}, {"a": 40}, lookahead=False)["a"]
     assert engine.pages.available == free0
     engine.assert_no_leaks()
+
+
+def test_lookahead_with_host_io_in_the_graph(engine):
+    """EXL2_BACKEND_GRAPH_IO's path (runtime/greedy_graphs.py): each step one launch of a parity graph that reads
+    its staging rows and the previous launch's tokens from pinned memory and writes its greedy tokens there. The
+    tokens equal plain graph decoding, batched (the batch shrinks across buckets 4 -> 2 -> 1) and alone."""
+    from exl2_backend.runtime.lookahead import DecodeLookahead
+
+    g = torch.Generator().manual_seed(2)
+    prompts = {sid: torch.randint(3, 39_000, (n,), generator=g).tolist() for sid, n in (("a", 9), ("b", 21),
+                                                                                        ("c", 4))}
+    lengths = {"a": 37, "b": 18, "c": 29}
+    free0 = engine.pages.available
+    want = run_greedy_batch(engine, prompts, lengths, lookahead=False)
+    want_alone = run_greedy_batch(engine, {"b": prompts["b"]}, {"b": 18}, lookahead=False)
+    saved = engine.lookahead
+    engine.lookahead = DecodeLookahead(engine, engine.runner, graph_io=True)
+    try:
+        got = run_greedy_batch(engine, prompts, lengths, lookahead=True)
+        alone = run_greedy_batch(engine, {"b": prompts["b"]}, {"b": 18}, lookahead=True)
+        stats = engine.lookahead.steps_ahead_used, engine.lookahead.graphs.launches
+    finally:
+        engine.lookahead = saved
+    assert got == want
+    assert alone == want_alone
+    assert stats[0] > 0 and stats[1] > stats[0]
+    assert engine.pages.available == free0
+    engine.assert_no_leaks()

@@ -5,6 +5,9 @@ layers' caches filled with random values or codes so that a CUDA graph of calls 
 past L2. Prints us per call and the read rate over the cache bytes (codes + scales) each call must read.
 
     python3 scripts/attention_sweep.py [--context 32768] [--types fp16,q8,q4] [--ctas 2,4,8,12] [--json out.json]
+
+--splits 0,66,132 times given split counts instead of CTA targets (0: the route's automatic split), e.g. for the
+streamed fp16 kernel (EXL2_BACKEND_ATTN_STREAM=1), whose split is one CTA per SM rather than a CTA target.
 """
 
 from __future__ import annotations
@@ -48,6 +51,7 @@ def main() -> int:
     ap.add_argument("--context", type=int, default=32768)
     ap.add_argument("--types", default="fp16,q8,q4")
     ap.add_argument("--ctas", default="2,4,8,12")
+    ap.add_argument("--splits", help="split counts to time instead of --ctas (0: automatic)")
     ap.add_argument("--json")
     args = ap.parse_args()
     dev = torch.device("cuda")
@@ -63,8 +67,11 @@ def main() -> int:
         fill(cache, g)
         nbytes = layer_bytes(cache, args.context)
         results[ct] = {}
-        for c in (int(x) for x in args.ctas.split(",")):
-            ns = attention_splits(1, 1, HQ, HKV, args.context, sms, ctas_per_sm=c)
+        # (label, JSON key, splits): by CTA target (key: the target), or by split count (key: "s<count>")
+        cells = [(f"splits {int(x)}", f"s{int(x)}", int(x)) for x in args.splits.split(",")] if args.splits else [
+            (f"ctas/SM {int(c):>2}", int(c), attention_splits(1, 1, HQ, HKV, args.context, sms, ctas_per_sm=int(c)))
+            for c in args.ctas.split(",")]
+        for label, c, ns in cells:
 
             def call(i, ns=ns, cache=cache):
                 if cache.quantized:
@@ -75,7 +82,7 @@ def main() -> int:
 
             per = graph_time_us([lambda i=i: call(i) for i in range(LAYERS)] * 3)  # us per call
             results[ct][c] = {"splits": ns, "us": round(per, 2), "gbs": round(nbytes / per / 1e3, 1)}
-            print(f"{ct:>5} ctas/SM {c:>2}: {ns:>4} splits  {per:8.2f} us  {nbytes / per / 1e3:7.1f} GB/s", flush=True)
+            print(f"{ct:>5} {label}: {ns:>4} splits  {per:8.2f} us  {nbytes / per / 1e3:7.1f} GB/s", flush=True)
         del cache
         torch.cuda.empty_cache()
     if args.json:

@@ -404,10 +404,9 @@ int launch_rt(const AttnParams& p, int rt, int flags, int B, cudaStream_t stream
   return set_error(EXL2_ERR_INVALID_ARGUMENT, "paged_attention: bad row tile %d", rt);
 }
 
-// fp16 pages through the tensor-core kernel of the quantized formats (paged_attention_quant_mma.cu): the same
-// splits and partials, tiles of 8 rows, its own reduce launch.
-int launch_tensor_core(const AttnParams& a, int D, int B, int variant, int stages, int tiles, cudaStream_t stream) {
-  constexpr int kRows = 8;
+// The parameters of the kernels that read fp16 pages through the quantized formats' code (paged_attention_quant.cuh:
+// the tensor-core kernel, the streamed one, their reduce), for row tiles of `rows`.
+QAttnParams quant_params(const AttnParams& a, int rows) {
   QAttnParams p = {};
   p.q = a.q;
   p.q_bs = a.q_bs;
@@ -426,13 +425,20 @@ int launch_tensor_core(const AttnParams& a, int D, int B, int variant, int stage
   p.Hkv = a.Hkv;
   p.G = a.G;
   p.R = a.R;
-  p.row_tiles = (a.R + kRows - 1) / kRows;
+  p.row_tiles = (a.R + rows - 1) / rows;
   p.nsplit = a.nsplit;
   p.min_split = a.min_split;
   p.log2S = a.log2S;
   p.max_pages = a.max_pages;
   p.num_pages = a.num_pages;
   p.scale_log2 = a.scale_log2;
+  return p;
+}
+
+// fp16 pages through the tensor-core kernel of the quantized formats (paged_attention_quant_mma.cu): the same
+// splits and partials, tiles of 8 rows, its own reduce launch.
+int launch_tensor_core(const AttnParams& a, int D, int B, int variant, int stages, int tiles, cudaStream_t stream) {
+  const QAttnParams p = quant_params(a, 8);
   EXL2_REQUIRE((int64_t)p.row_tiles * p.nsplit < (1ll << 31), "paged_attention: grid too large");
   const int st = launch_paged_attention_quant_mma(p, kFmtF16, kFmtF16, D, B, variant, stages, tiles, stream);
   return st != EXL2_OK ? st : launch_paged_attention_quant_reduce(p, false, D, B, stream);
@@ -454,7 +460,8 @@ EXL2_API int exl2_paged_attention_row_tile(int64_t rows) {
 // smaller tiles for a verify step's rows, ops/cuda_layers.ATTN_MAX_ROW_TILE); bits 3-4 = the tensor-core kernel
 // (paged_attention_quant_mma.cu over fp16 pages: row tiles of 8, its reduce launch, no tickets), variant bits - 1
 // (0 two passes, 1 / 2 one pass); bits 5-6 = its stages in shared memory (0 none, 2 / 3 with a one-pass variant),
-// bits 7-8 = row tiles per CTA (0 or 1: one; 2 / 3 with 2 stages; launch_paged_attention_quant_mma). tickets: int32
+// bits 7-8 = row tiles per CTA (0 or 1: one; 2 / 3 with 2 stages; launch_paged_attention_quant_mma); bit 9 = the
+// streamed kernel (paged_attention_stream.cu: decode steps, D = 128, sm_90+; bits 3-8 zero). tickets: int32
 // [B * Hkv * row_tiles],
 // all zero (and left so), to combine the splits inside the one launch; null: a second (reduce) launch does it.
 EXL2_API int exl2_paged_attention(const void* q, int64_t q_bs, int64_t q_ts, int64_t q_hs, const void* k_cache,
@@ -506,8 +513,10 @@ EXL2_API int exl2_paged_attention(const void* q, int64_t q_bs, int64_t q_ts, int
   p.tickets = nsplit > 1 ? tickets : nullptr;
   EXL2_REQUIRE(nsplit == 1 || workspace != nullptr, "paged_attention: workspace required for nsplit > 1");
   EXL2_REQUIRE((int64_t)p.row_tiles * nsplit < (1ll << 31), "paged_attention: grid too large");
-  const int mma = (flags >> 3) & 3, stages = (flags >> 5) & 3, tiles = (flags >> 7) & 3;
-  EXL2_REQUIRE(flags >> 9 == 0 && (mma || (!stages && !tiles)), "paged_attention: bad flags %d", flags);
+  const int mma = (flags >> 3) & 3, stages = (flags >> 5) & 3, tiles = (flags >> 7) & 3, stream_kernel = (flags >> 9) & 1;
+  EXL2_REQUIRE(flags >> 10 == 0 && (mma || (!stages && !tiles)) && !(stream_kernel && mma), "paged_attention: bad flags %d",
+               flags);
+  if (stream_kernel) return launch_paged_attention_stream(quant_params(p, p.R), (int)D, (int)B, stream);
   if (mma) return launch_tensor_core(p, (int)D, (int)B, mma - 1, stages, tiles ? tiles : 1, stream);
   if (D == 64) return launch_rt<64>(p, rt, flags, (int)B, stream);
   return launch_rt<128>(p, rt, flags, (int)B, stream);

@@ -240,6 +240,43 @@ def _attn_flags(rows: int = 1) -> int:
     return flags | attn_mma_variant_code() << 3 | stages << 5 | tiles << 7
 
 
+# The streamed decode attention over fp16 pages (csrc/layers/paged_attention_stream.cu; exl2_paged_attention's flags
+# bit 9): a CTA per split of a sequence takes all its kv heads, so each 16-token chunk of K and of V is one
+# contiguous run of the page, copied by one bulk copy into a ~192 KB shared-memory ring (one CTA per SM, the splits
+# one wave of the SMs). For decode steps (one query per sequence), head_dim 128, 1 / 2 / 4 query heads per kv head,
+# 2 / 4 / 8 kv heads, sm_90+. Written because the tensor-core one-pass kernel runs the 8B's fp16 attention at 32k
+# at ~49 us per layer for ~32 us of bytes (latency-bound, 12% occupancy; ncu, H200 call AC1 of 2026-12-03). Off
+# until measured on the GPU (EXL2_BACKEND_ATTN_STREAM=1; keys per split at least ATTN_STREAM_MIN_SPLIT, a multiple
+# of 16: EXL2_BACKEND_ATTN_STREAM_MIN_SPLIT).
+ATTN_STREAM = os.environ.get("EXL2_BACKEND_ATTN_STREAM", "0") == "1"
+_STREAM_MIN_ENV = os.environ.get("EXL2_BACKEND_ATTN_STREAM_MIN_SPLIT", "16")
+ATTN_STREAM_MIN_SPLIT = int(_STREAM_MIN_ENV) if _STREAM_MIN_ENV.isdigit() else -1
+if not (16 <= ATTN_STREAM_MIN_SPLIT <= 4096 and ATTN_STREAM_MIN_SPLIT % 16 == 0):
+    raise ValueError(f"EXL2_BACKEND_ATTN_STREAM_MIN_SPLIT must be a multiple of 16 in 16..4096, got {_STREAM_MIN_ENV!r}")
+_ATTN_STREAM_FLAG = 1 << 9
+
+
+@functools.cache
+def _sm90(index: int) -> bool:
+    return torch.cuda.get_device_capability(index)[0] >= 9
+
+
+def attn_streamed(q_shape, cache_shape, device: torch.device) -> bool:
+    """Whether fp16 paged attention of these shapes runs the streamed kernel (ATTN_STREAM and the shapes it takes)."""
+    if not ATTN_STREAM:
+        return False
+    _, tq, hq, d = q_shape
+    hkv = cache_shape[2]
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    return tq == 1 and d == 128 and hkv in (2, 4, 8) and hq // hkv in (1, 2, 4) and _sm90(index)
+
+
+def stream_splits(batch: int, max_context: int, num_sms: int) -> int:
+    """Splits per sequence of the streamed kernel: one CTA per SM over the batch, none under ATTN_STREAM_MIN_SPLIT
+    keys (a function of shapes only: graph-safe)."""
+    return max(1, min(math.ceil(num_sms / max(batch, 1)), math.ceil(max_context / ATTN_STREAM_MIN_SPLIT)))
+
+
 def _attn_keys_max(row_tile: int) -> int:
     return 1024 if row_tile <= 8 else 512
 
@@ -646,12 +683,17 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     if b == 0 or tq == 0 or hq == 0:
         return out
     q, tables, lens = _attention_inputs(op, q, block_tables, context_lens)
-    nsplit = _attention_nsplit(q.shape, k_cache.shape, tables.shape[1], q.device, num_splits)
+    streamed = attn_streamed(q.shape, k_cache.shape, q.device)
+    if streamed:
+        index = q.device.index if q.device.index is not None else torch.cuda.current_device()
+        nsplit = num_splits or stream_splits(b, tables.shape[1] * k_cache.shape[1], _num_sms(index))
+    else:
+        nsplit = _attention_nsplit(q.shape, k_cache.shape, tables.shape[1], q.device, num_splits)
     ws = torch.empty(b * tq * hq * nsplit * (d + 2), dtype=torch.float32, device=q.device) if nsplit > 1 else None
     tickets = None
-    if nsplit > 1 and _attn_tickets_enabled():
+    if nsplit > 1 and _attn_tickets_enabled() and not streamed:
         tickets = _ticket_buffer(q.device, b * hkv * math.ceil((hq // hkv) * tq / _attn_row_tile((hq // hkv) * tq)))
-    _launch_paged_attention(q, k_cache, v_cache, tables, lens, out, ws, nsplit, scale, tickets)
+    _launch_paged_attention(q, k_cache, v_cache, tables, lens, out, ws, nsplit, scale, tickets, streamed)
     return out
 
 
@@ -697,16 +739,17 @@ def _attention_nsplit(q_shape, cache_shape, max_pages: int, device: torch.device
     return max(nsplit, math.ceil(max_ctx / _attn_keys_max(_attn_row_tile(rows))))
 
 
-def _launch_paged_attention(q, k_cache, v_cache, tables, lens, out, ws, nsplit: int, scale: float, tickets) -> None:
+def _launch_paged_attention(q, k_cache, v_cache, tables, lens, out, ws, nsplit: int, scale: float, tickets,
+                            streamed: bool = False) -> None:
     b, tq, hq, d = q.shape
     p, s, hkv, _ = k_cache.shape
-    flags = _attn_flags((hq // hkv) * tq)
+    flags = _ATTN_STREAM_FLAG if streamed else _attn_flags((hq // hkv) * tq)
+    min_split = ATTN_STREAM_MIN_SPLIT if streamed else _ATTN_MIN_SPLIT
     with _device_guard(q):
         _call("exl2_paged_attention", q.data_ptr(), q.stride(0), q.stride(1), q.stride(2), k_cache.data_ptr(),
               v_cache.data_ptr(), tables.data_ptr(), tables.stride(0), lens.data_ptr(), out.data_ptr(),
               ws.data_ptr() if ws is not None else None, b, tq, hq, hkv, d, p, s, tables.shape[1], nsplit,
-              _ATTN_MIN_SPLIT, float(scale), flags, tickets.data_ptr() if tickets is not None else None,
-              _stream(q))
+              min_split, float(scale), flags, tickets.data_ptr() if tickets is not None else None, _stream(q))
 
 
 @paged_attention.register_fake

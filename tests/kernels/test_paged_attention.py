@@ -81,13 +81,17 @@ def check(lens, tq, hq, hkv, d, page=16, num_splits=0, seed=0, q=None):
     return out
 
 
-@pytest.fixture(params=["cuda_core", "mma", "mma_online", "mma_online2", "staged", "staged_tiles"])
+@pytest.fixture(params=["cuda_core", "mma", "mma_online", "mma_online2", "staged", "staged_tiles", "stream"])
 def attn_kernel(request, monkeypatch):
     """Every kernel for fp16 pages: the CUDA-core one and the tensor-core one of the quantized caches
     (ops/cuda_layers.ATTN_FP16_MMA: row tiles of 8, fp16 operands, q and probabilities in two fp16 parts), two
     passes or one with one or two key steps in flight (ATTN_MMA_ONLINE 1 / 2; 2 is the fp16 pages' default), or
     two steps staged in shared memory (ATTN_STAGED "2"; the default for fp16 pages only where row tiles share
-    rings: ATTN_SHARED_TILES, more than 8 rows per kv head)."""
+    rings: ATTN_SHARED_TILES, more than 8 rows per kv head); or the streamed kernel (ATTN_STREAM: decode steps of
+    the shapes it takes, the others on the default route)."""
+    monkeypatch.setattr(cl(), "ATTN_STREAM", request.param == "stream")
+    if request.param == "stream":
+        return request.param
     monkeypatch.setattr(cl(), "ATTN_FP16_MMA", request.param != "cuda_core")
     online = {"mma_online": 1, "mma_online2": 2, "staged": 2, "staged_tiles": 2}.get(request.param, 0)
     monkeypatch.setattr(cl(), "ATTN_MMA_ONLINE", online)

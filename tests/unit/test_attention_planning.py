@@ -5,6 +5,7 @@ Python: runs without a GPU."""
 from __future__ import annotations
 
 import math
+import os
 
 import pytest
 import torch
@@ -185,3 +186,26 @@ def test_splits_count_the_tensor_core_tiles_and_tiles_per_cta():
     assert cuda_layers.attention_splits(1, 5, 32, 8, 1024, 132, 2, cuda_layers.MMA_ROW_TILE) == 11
     assert cuda_layers.attention_splits(1, 5, 32, 8, 1024, 132, 1, cuda_layers.MMA_ROW_TILE, 3) == 16
     assert cuda_layers.attention_splits(1, 1, 32, 8, 1024, 132, 2, cuda_layers.MMA_ROW_TILE) == 16  # decode alike
+
+
+@pytest.mark.parametrize("batch,max_context,min_split,want", [
+    (1, 32768, 16, 132),  # one CTA per SM
+    (1, 1024, 16, 64),  # no split under 16 keys
+    (1, 1024, 64, 16),
+    (4, 32768, 16, 33),  # the SMs shared over the batch
+    (200, 32768, 16, 1),
+    (1, 5, 16, 1),
+])
+def test_streamed_kernel_splits(monkeypatch, batch, max_context, min_split, want):
+    """The streamed fp16 decode kernel (ATTN_STREAM): one wave of one CTA per SM over the batch, splits of at least
+    ATTN_STREAM_MIN_SPLIT keys; its flags word is bit 9 alone."""
+    monkeypatch.setattr(cuda_layers, "ATTN_STREAM_MIN_SPLIT", min_split)
+    assert cuda_layers.stream_splits(batch, max_context, 132) == want
+    assert cuda_layers._ATTN_STREAM_FLAG == 512
+
+
+def test_streamed_kernel_is_off_until_measured():
+    """Off by default (EXL2_BACKEND_ATTN_STREAM=1 turns it on); off, no shape takes it."""
+    assert cuda_layers.ATTN_STREAM == (os.environ.get("EXL2_BACKEND_ATTN_STREAM") == "1")
+    if not cuda_layers.ATTN_STREAM:
+        assert not cuda_layers.attn_streamed((1, 1, 32, 128), (1, 256, 8, 128), torch.device("cpu"))

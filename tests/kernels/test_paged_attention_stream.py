@@ -1,0 +1,86 @@
+"""The streamed decode attention over fp16 pages (csrc/layers/paged_attention_stream.cu, ops/cuda_layers.ATTN_STREAM)
+against the reference, with the tolerance of test_paged_attention.check (2x fp16 SDPA's error + 2e-3). Its shapes:
+decode steps (Tq = 1), head_dim 128, 1 / 2 / 4 query heads per kv head over 2 / 4 / 8 kv heads (1, 2 or 4 warps per
+kv head); chunks of 16 tokens within pages of 16..256; splits of 16+ keys (the last chunk of a split partial, its
+unused slots NaN in build()); one split (the output written by the kernel) or many (the reduce launch)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.helpers.tolerances import assert_exact
+from tests.kernels.test_paged_attention import DEV, build, check, cl
+
+pytestmark = pytest.mark.cuda
+
+
+@pytest.fixture(autouse=True)
+def streamed(monkeypatch):
+    if torch.cuda.get_device_capability()[0] < 9:
+        pytest.skip("the streamed kernel needs sm_90+")
+    monkeypatch.setattr(cl(), "ATTN_STREAM", True)
+
+
+@pytest.mark.parametrize("hq,hkv", [(32, 8), (16, 8), (8, 8), (16, 4), (8, 4), (8, 2), (4, 2), (2, 2)])
+@pytest.mark.parametrize("page", [16, 256])
+def test_shapes_it_takes(hq, hkv, page):
+    assert cl().attn_streamed((1, 1, hq, 128), (1, page, hkv, 128), torch.device(DEV))
+    check([1, 15, 16, 17, 31, 33, 255, 256, 257, 1000, 4097], 1, hq, hkv, 128, page=page)
+
+
+@pytest.mark.parametrize("num_splits", [1, 2, 3, 16, 64, 132])
+def test_forced_splits(num_splits):
+    """One split: the kernel normalizes and writes the output; more: partials and the reduce launch (132: the
+    staged reduce past 48 KB of shared memory)."""
+    check([1, 17, 300, 2000, 9000], 1, 32, 8, 128, page=16, num_splits=num_splits)
+
+
+@pytest.mark.parametrize("min_split", [16, 32, 64, 512])
+def test_min_split(monkeypatch, min_split):
+    monkeypatch.setattr(cl(), "ATTN_STREAM_MIN_SPLIT", min_split)
+    check([5, 100, 1024, 7000], 1, 32, 8, 128, page=64)
+
+
+def test_long_context_and_batch():
+    check([32768], 1, 32, 8, 128, page=256)
+    check([70, 20000, 3, 8191], 1, 32, 8, 128, page=256, seed=1)
+
+
+def test_empty_context_gives_zeros():
+    out = check([0, 3], 1, 32, 8, 128, num_splits=1)
+    assert torch.all(out[0] == 0)
+    out = check([0, 3000], 1, 32, 8, 128)
+    assert torch.all(out[0] == 0)
+
+
+def test_shapes_it_declines_take_the_default_route():
+    """Verify rows (Tq > 1), head_dim 64, G = 8 and one kv head are not its shapes: the default kernels run them."""
+    for q_shape, cache_shape in (((1, 5, 32, 128), (1, 16, 8, 128)), ((1, 1, 32, 64), (1, 16, 8, 64)),
+                                 ((1, 1, 64, 128), (1, 16, 8, 128)), ((1, 1, 8, 128), (1, 16, 1, 128))):
+        assert not cl().attn_streamed(q_shape, cache_shape, torch.device(DEV))
+    check([300, 2000], 5, 32, 8, 128, page=64)
+    check([300, 2000], 1, 64, 8, 128, page=64)
+    check([33, 900], 1, 8, 1, 128, page=16)
+
+
+def test_deterministic_and_graph_replay():
+    hq, hkv, d, page = 32, 8, 128, 256
+    kc, vc, tables, ctx, _ = build([3000, 9000], hkv, d, page)
+    q = torch.randn(2, 1, hq, d, device=DEV).half()
+    first = cl().paged_attention(q, kc, vc, tables, ctx, 0.08)
+    assert_exact(cl().paged_attention(q, kc, vc, tables, ctx, 0.08), first, "run to run")
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        cl().paged_attention(q, kc, vc, tables, ctx, 0.08)
+    torch.cuda.current_stream().wait_stream(s)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        out = cl().paged_attention(q, kc, vc, tables, ctx, 0.08)
+    for lens in ([3000, 9000], [1, 8999], [2999, 257], [0, 16]):
+        ctx.copy_(torch.tensor(lens, dtype=torch.int32))
+        q.copy_(torch.randn_like(q))
+        g.replay()
+        torch.cuda.synchronize()
+        assert_exact(out, cl().paged_attention(q, kc, vc, tables, ctx, 0.08), f"replay lens={lens}")

@@ -67,7 +67,8 @@ __device__ __forceinline__ void load16(const half* p, float (&f)[16]) {
 }
 #endif
 
-// G query heads per kv head (1, 2 or 4).
+// G query heads per kv head (1, 2 or 4). __maxnreg__ instead of __launch_bounds__(288, 1), under which ptxas held
+// the G = 4 kernel at 168 registers and spilled 108 bytes (it needs ~203: q and the accumulators of 4 heads).
 template <int G>
 __global__ void __maxnreg__(224) paged_attention_stream_kernel(const StreamParams p) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
@@ -289,6 +290,8 @@ int launch_paged_attention_stream(const QAttnParams& a, int D, int B, cudaStream
   EXL2_REQUIRE(a.G == 1 || a.G == 2 || a.G == 4, "paged_attention (stream): %d query heads per kv head (1, 2, 4)",
                a.G);
   EXL2_REQUIRE(a.log2S >= 4, "paged_attention (stream): pages of at least %d tokens", kStreamChunk);
+  EXL2_REQUIRE(a.min_split >= kStreamChunk && a.min_split % kStreamChunk == 0,  // no chunk straddles two splits
+               "paged_attention (stream): min_split %d must be a multiple of %d", a.min_split, kStreamChunk);
   int dev = 0, major = 0;
   if (cudaGetDevice(&dev) != cudaSuccess || cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev) !=
                                                  cudaSuccess)

@@ -513,9 +513,10 @@ EXL2_API int exl2_paged_attention(const void* q, int64_t q_bs, int64_t q_ts, int
   p.tickets = nsplit > 1 ? tickets : nullptr;
   EXL2_REQUIRE(nsplit == 1 || workspace != nullptr, "paged_attention: workspace required for nsplit > 1");
   EXL2_REQUIRE((int64_t)p.row_tiles * nsplit < (1ll << 31), "paged_attention: grid too large");
-  const int mma = (flags >> 3) & 3, stages = (flags >> 5) & 3, tiles = (flags >> 7) & 3, stream_kernel = (flags >> 9) & 1;
-  EXL2_REQUIRE(flags >> 10 == 0 && (mma || (!stages && !tiles)) && !(stream_kernel && mma), "paged_attention: bad flags %d",
-               flags);
+  const int mma = (flags >> 3) & 3, stages = (flags >> 5) & 3, tiles = (flags >> 7) & 3;
+  const int stream_kernel = (flags >> 9) & 1;
+  EXL2_REQUIRE(flags >> 10 == 0 && (mma || (!stages && !tiles)) && !(stream_kernel && mma),
+               "paged_attention: bad flags %d", flags);
   if (stream_kernel) return launch_paged_attention_stream(quant_params(p, p.R), (int)D, (int)B, stream);
   if (mma) return launch_tensor_core(p, (int)D, (int)B, mma - 1, stages, tiles ? tiles : 1, stream);
   if (D == 64) return launch_rt<64>(p, rt, flags, (int)B, stream);

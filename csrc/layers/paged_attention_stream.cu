@@ -34,29 +34,13 @@ constexpr int kStreamThreads = (kStreamWarps + 1) * 32;
 constexpr int kStreamMaxStages = 8;
 constexpr int kStreamSmemTarget = 192 * 1024;  // ring bytes aimed at (3 stages of the 8B's 64 KB)
 
-struct StreamParams {
-  const half* q;  // [B, 1, Hq, D]: strides q_bs, q_hs (elements)
-  int64_t q_bs, q_hs;
-  const half* kc;  // [P, S, Hkv, D]
-  const half* vc;
-  const int* block_tables;  // [B, bt_stride]
-  int64_t bt_stride;
-  const int* context_lens;  // [B]
-  half* out;                // [B, 1, Hq, D] (nsplit == 1)
-  float* part_o;            // [B, Hq, nsplit, D]
-  float* part_ml;           // [B, Hq, nsplit, 2]
-  int Hq, Hkv, nsplit, min_split, log2S, max_pages, stages;
-  float scale_log2;
-};
-
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
 __device__ __forceinline__ void stream_sync() {  // the compute warps only (named barrier 1)
   asm volatile("bar.sync 1, %0;" ::"n"(kStreamWarps * 32) : "memory");
 }
 
-// 16 halves at a 32-byte aligned shared address -> floats.
-__device__ __forceinline__ void load16(const half* p, float (&f)[16]) {
-  const uint4 a = reinterpret_cast<const uint4*>(p)[0], b = reinterpret_cast<const uint4*>(p)[1];
+// 16 halves (two 16-byte words) -> floats.
+__device__ __forceinline__ void halves16(const uint4 a, const uint4 b, float (&f)[16]) {
   const uint32_t w[8] = {a.x, a.y, a.z, a.w, b.x, b.y, b.z, b.w};
 #pragma unroll
   for (int i = 0; i < 8; ++i) {
@@ -65,19 +49,22 @@ __device__ __forceinline__ void load16(const half* p, float (&f)[16]) {
     f[2 * i + 1] = v.y;
   }
 }
+// 16 halves at a 32-byte aligned shared address -> floats.
+__device__ __forceinline__ void load16(const half* p, float (&f)[16]) {
+  halves16(reinterpret_cast<const uint4*>(p)[0], reinterpret_cast<const uint4*>(p)[1], f);
+}
 #endif
 
 // G query heads per kv head (1, 2 or 4). __maxnreg__ instead of __launch_bounds__(288, 1), under which ptxas held
 // the G = 4 kernel at 168 registers and spilled 108 bytes (it needs ~203: q and the accumulators of 4 heads).
 template <int G>
-__global__ void __maxnreg__(224) paged_attention_stream_kernel(const StreamParams p) {
+__global__ void __maxnreg__(224) paged_attention_stream_kernel(const QAttnParams p, const int stages) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   constexpr int D = kStreamD;
   extern __shared__ __align__(128) unsigned char smem[];
   __shared__ __align__(8) uint64_t bars[2 * kStreamMaxStages];  // full[stages], empty[stages]
   __shared__ float wm[kStreamWarps][G], wl[kStreamWarps][G];
   const int b = blockIdx.y, split = blockIdx.x, warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-  const int stages = p.stages;
   const uint32_t full0 = exl2::smem_addr(bars), empty0 = full0 + 8 * kStreamMaxStages;
   if (threadIdx.x == 0) {
     for (int s = 0; s < stages; ++s) {
@@ -100,7 +87,8 @@ __global__ void __maxnreg__(224) paged_attention_stream_kernel(const StreamParam
   half* ring = reinterpret_cast<half*>(smem);  // [stages][K chunk | V chunk]
   if (t0 >= t1) {  // an unused split; with one split (ctx == 0) the output is zeros, as the reference
     if (p.nsplit == 1 && warp < kStreamWarps)
-      for (int i = threadIdx.x; i < p.Hq * D; i += kStreamWarps * 32) p.out[(int64_t)b * p.Hq * D + i] = __float2half_rn(0.f);
+      for (int i = threadIdx.x; i < p.Hq * D; i += kStreamWarps * 32)
+        p.out[(int64_t)b * p.Hq * D + i] = __float2half_rn(0.f);
     return;
   }
   const int nch = (t1 - t0 + kStreamChunk - 1) / kStreamChunk;
@@ -117,8 +105,9 @@ __global__ void __maxnreg__(224) paged_attention_stream_kernel(const StreamParam
         const int64_t slot = ((int64_t)__ldg(table + (t >> p.log2S)) << p.log2S) | (t & smask);
         const uint32_t dst = exl2::smem_addr(ring + (size_t)s * 2 * chunk_halves);
         exl2::mbar_expect_tx(full0 + 8 * s, 2 * chunk_bytes);
-        exl2::bulk_copy(dst, p.kc + slot * row_halves, chunk_bytes, full0 + 8 * s, pol);
-        exl2::bulk_copy(dst + chunk_bytes, p.vc + slot * row_halves, chunk_bytes, full0 + 8 * s, pol);
+        exl2::bulk_copy(dst, reinterpret_cast<const half*>(p.kc) + slot * row_halves, chunk_bytes, full0 + 8 * s, pol);
+        exl2::bulk_copy(dst + chunk_bytes, reinterpret_cast<const half*>(p.vc) + slot * row_halves, chunk_bytes,
+                        full0 + 8 * s, pol);
       }
     }
     return;
@@ -131,14 +120,7 @@ __global__ void __maxnreg__(224) paged_attention_stream_kernel(const StreamParam
 #pragma unroll
   for (int g = 0; g < G; ++g) {
     const half* qrow = p.q + (int64_t)b * p.q_bs + (int64_t)(h * G + g) * p.q_hs + sub * 16;
-    const uint4 a = __ldg(reinterpret_cast<const uint4*>(qrow)), c = __ldg(reinterpret_cast<const uint4*>(qrow) + 1);
-    const uint32_t w[8] = {a.x, a.y, a.z, a.w, c.x, c.y, c.z, c.w};
-#pragma unroll
-    for (int i = 0; i < 8; ++i) {
-      const float2 v = __half22float2(*reinterpret_cast<const __half2*>(&w[i]));
-      q[g][2 * i] = v.x;
-      q[g][2 * i + 1] = v.y;
-    }
+    halves16(__ldg(reinterpret_cast<const uint4*>(qrow)), __ldg(reinterpret_cast<const uint4*>(qrow) + 1), q[g]);
   }
   float m[G], l[G], acc[G][16];
 #pragma unroll
@@ -268,14 +250,14 @@ __global__ void __maxnreg__(224) paged_attention_stream_kernel(const StreamParam
 }
 
 template <int G>
-int launch_g(const StreamParams& p, int B, cudaStream_t stream) {
-  const int smem = p.stages * 2 * kStreamChunk * p.Hkv * kStreamD * 2;
+int launch_g(const QAttnParams& p, int stages, int B, cudaStream_t stream) {
+  const int smem = stages * 2 * kStreamChunk * p.Hkv * kStreamD * 2;
   constexpr auto kernel = paged_attention_stream_kernel<G>;
   const cudaError_t err = exl2::opt_in_dynamic_smem<kernel>((size_t)smem);
   if (err != cudaSuccess)
     return exl2::set_error((int)err, "paged_attention (stream): %d bytes of shared memory: %s", smem,
                            cudaGetErrorString(err));
-  exl2::launch_kernel(kernel, dim3((unsigned)p.nsplit, (unsigned)B), kStreamThreads, (size_t)smem, stream, p);
+  exl2::launch_kernel(kernel, dim3((unsigned)p.nsplit, (unsigned)B), kStreamThreads, (size_t)smem, stream, p, stages);
   return check_launch("paged_attention (stream)");
 }
 
@@ -297,28 +279,10 @@ int launch_paged_attention_stream(const QAttnParams& a, int D, int B, cudaStream
                                                  cudaSuccess)
     return exl2::set_error(EXL2_ERR_UNSUPPORTED, "paged_attention (stream): no device");
   EXL2_REQUIRE(major >= 9, "paged_attention (stream): needs sm_90+ (bulk copies)");
-  StreamParams p;
-  p.q = a.q;
-  p.q_bs = a.q_bs;
-  p.q_hs = a.q_hs;
-  p.kc = reinterpret_cast<const half*>(a.kc);
-  p.vc = reinterpret_cast<const half*>(a.vc);
-  p.block_tables = a.block_tables;
-  p.bt_stride = a.bt_stride;
-  p.context_lens = a.context_lens;
-  p.out = a.out;
-  p.part_o = a.part_o;
-  p.part_ml = a.part_ml;
-  p.Hq = a.Hq;
-  p.Hkv = a.Hkv;
-  p.nsplit = a.nsplit;
-  p.min_split = a.min_split;
-  p.log2S = a.log2S;
-  p.max_pages = a.max_pages;
-  p.scale_log2 = a.scale_log2;
-  const int stage_bytes = 2 * kStreamChunk * a.Hkv * kStreamD * 2;
-  p.stages = min(kStreamMaxStages, kStreamSmemTarget / stage_bytes);
-  int st = a.G == 1 ? launch_g<1>(p, B, stream) : a.G == 2 ? launch_g<2>(p, B, stream) : launch_g<4>(p, B, stream);
+  const int stages = min(kStreamMaxStages, kStreamSmemTarget / (2 * kStreamChunk * a.Hkv * kStreamD * 2));
+  const int st = a.G == 1   ? launch_g<1>(a, stages, B, stream)
+                 : a.G == 2 ? launch_g<2>(a, stages, B, stream)
+                            : launch_g<4>(a, stages, B, stream);
   return st != EXL2_OK ? st : launch_paged_attention_quant_reduce(a, false, D, B, stream);
 }
 

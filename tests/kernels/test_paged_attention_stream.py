@@ -2,15 +2,15 @@
 against the reference, with the tolerance of test_paged_attention.check (2x fp16 SDPA's error + 2e-3). Its shapes:
 decode steps (Tq = 1), head_dim 128, 1 / 2 / 4 query heads per kv head over 2 / 4 / 8 kv heads (1, 2 or 4 warps per
 kv head); chunks of 16 tokens within pages of 16..256; splits of 16+ keys (the last chunk of a split partial, its
-unused slots NaN in build()); one split (the output written by the kernel) or many (the reduce launch)."""
+unused slots NaN in build()); one split (the output written by the kernel) or many (the reduce launch). Graph replay,
+determinism and strided q run through the `stream` case of test_paged_attention.py's kernel fixture."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from tests.helpers.tolerances import assert_exact
-from tests.kernels.test_paged_attention import DEV, build, check, cl
+from tests.kernels.test_paged_attention import DEV, check, cl
 
 pytestmark = pytest.mark.cuda
 
@@ -63,24 +63,3 @@ def test_shapes_it_declines_take_the_default_route():
     check([300, 2000], 1, 64, 8, 128, page=64)
     check([33, 900], 1, 8, 1, 128, page=16)
 
-
-def test_deterministic_and_graph_replay():
-    hq, hkv, d, page = 32, 8, 128, 256
-    kc, vc, tables, ctx, _ = build([3000, 9000], hkv, d, page)
-    q = torch.randn(2, 1, hq, d, device=DEV).half()
-    first = cl().paged_attention(q, kc, vc, tables, ctx, 0.08)
-    assert_exact(cl().paged_attention(q, kc, vc, tables, ctx, 0.08), first, "run to run")
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        cl().paged_attention(q, kc, vc, tables, ctx, 0.08)
-    torch.cuda.current_stream().wait_stream(s)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        out = cl().paged_attention(q, kc, vc, tables, ctx, 0.08)
-    for lens in ([3000, 9000], [1, 8999], [2999, 257], [0, 16]):
-        ctx.copy_(torch.tensor(lens, dtype=torch.int32))
-        q.copy_(torch.randn_like(q))
-        g.replay()
-        torch.cuda.synchronize()
-        assert_exact(out, cl().paged_attention(q, kc, vc, tables, ctx, 0.08), f"replay lens={lens}")

@@ -10,8 +10,8 @@
 // (nsplit, B). Splits are the other kernels' (qattn_split_len: 16-key multiples), partials and reduce launch the
 // same, so only decode steps (Tq = 1) with D = 128, G <= 4 and Hkv in {2, 4, 8} come here (ops/cuda_layers.py).
 // Warp w takes kv head w / WPH (WPH = 8 / Hkv warps per head) and steps w % WPH, w % WPH + WPH, ... of each chunk's
-// four steps of 4 tokens. Lanes: token group tg = lane / 8 (token 4 * step + tg), sub = lane % 8 (dims
-// [16 sub, 16 sub + 16)); a score is 16 products per lane, summed over the 8 lanes of its group (3 shuffles).
+// four steps of 4 tokens. Lanes: token group tg = lane / 8 (token 4 * step + tg), sub = lane % 8 (16 dims,
+// lane_dim); a score is 16 products per lane, summed over the 8 lanes of its group (3 shuffles).
 // Softmax per chunk: the warp's scores of the chunk, their max, the running state rescaled once, then p * V.
 // Finish: the token groups' sums by shuffles, the head's warps through shared memory; the split's partial (o, m, l)
 // as the other kernels write it, or the output when nsplit == 1.
@@ -49,9 +49,13 @@ __device__ __forceinline__ void halves16(const uint4 a, const uint4 b, float (&f
     f[2 * i + 1] = v.y;
   }
 }
-// 16 halves at a 32-byte aligned shared address -> floats.
-__device__ __forceinline__ void load16(const half* p, float (&f)[16]) {
-  halves16(reinterpret_cast<const uint4*>(p)[0], reinterpret_cast<const uint4*>(p)[1], f);
+// A lane's 16 dims of a 128-dim row: halves [8 sub, 8 sub + 8) and [64 + 8 sub, 72 + 8 sub), so the 8 lanes of a
+// token group read 128 contiguous bytes per 16-byte load (conflict-free; 32-byte runs per lane hit each bank
+// twice). The dim of the lane's element i:
+__device__ __forceinline__ int lane_dim(int sub, int i) { return (i < 8 ? 0 : 56) + 8 * sub + i; }
+// The lane's 16 dims of the row at `row` (shared memory, 16-byte aligned) -> floats.
+__device__ __forceinline__ void load16(const half* row, int sub, float (&f)[16]) {
+  halves16(reinterpret_cast<const uint4*>(row + 8 * sub)[0], reinterpret_cast<const uint4*>(row + 64 + 8 * sub)[0], f);
 }
 #endif
 
@@ -119,8 +123,8 @@ __global__ void __maxnreg__(224) paged_attention_stream_kernel(const QAttnParams
   float q[G][16];
 #pragma unroll
   for (int g = 0; g < G; ++g) {
-    const half* qrow = p.q + (int64_t)b * p.q_bs + (int64_t)(h * G + g) * p.q_hs + sub * 16;
-    halves16(__ldg(reinterpret_cast<const uint4*>(qrow)), __ldg(reinterpret_cast<const uint4*>(qrow) + 1), q[g]);
+    const half* qrow = p.q + (int64_t)b * p.q_bs + (int64_t)(h * G + g) * p.q_hs + 8 * sub;
+    halves16(__ldg(reinterpret_cast<const uint4*>(qrow)), __ldg(reinterpret_cast<const uint4*>(qrow + 64)), q[g]);
   }
   float m[G], l[G], acc[G][16];
 #pragma unroll
@@ -146,7 +150,7 @@ __global__ void __maxnreg__(224) paged_attention_stream_kernel(const QAttnParams
       if (st % wph != wj) continue;  // wph divides kSteps: a compile-time-shaped loop over the warp's steps
       const int token = 4 * st + tg;
       float k[16];
-      load16(kch + (size_t)token * row_halves + h * D + sub * 16, k);
+      load16(kch + (size_t)token * row_halves + h * D, sub, k);
       const bool valid = tc + token < t1;
 #pragma unroll
       for (int g = 0; g < G; ++g) {
@@ -179,7 +183,7 @@ __global__ void __maxnreg__(224) paged_attention_stream_kernel(const QAttnParams
       const int token = 4 * st + tg;
       if (tc + token >= t1) continue;  // past the split: its p is 0, but its V may be any bits (NaN * 0)
       float v[16];
-      load16(vch + (size_t)token * row_halves + h * D + sub * 16, v);
+      load16(vch + (size_t)token * row_halves + h * D, sub, v);
 #pragma unroll
       for (int g = 0; g < G; ++g) {
         const float pr = exp2f(sc[st][g] - mu[g]);
@@ -209,7 +213,7 @@ __global__ void __maxnreg__(224) paged_attention_stream_kernel(const QAttnParams
 #pragma unroll
     for (int g = 0; g < G; ++g)
 #pragma unroll
-      for (int i = 0; i < 16; ++i) red[(warp * G + g) * D + sub * 16 + i] = acc[g][i];
+      for (int i = 0; i < 16; ++i) red[(warp * G + g) * D + lane_dim(sub, i)] = acc[g][i];
   }
   if (lane == 0) {
 #pragma unroll

@@ -17,6 +17,7 @@
 // as the other kernels write it, or the output when nsplit == 1.
 #include <cuda_fp16.h>
 #include <math.h>
+#include <stdlib.h>
 
 #include "common/api.h"
 #include "common/bulk_copy.cuh"
@@ -33,6 +34,16 @@ constexpr int kStreamWarps = 8;   // compute warps
 constexpr int kStreamThreads = (kStreamWarps + 1) * 32;
 constexpr int kStreamMaxStages = 8;
 constexpr int kStreamSmemTarget = 192 * 1024;  // ring bytes aimed at (3 stages of the 8B's 64 KB)
+
+// The ring's first fill prefetched into L2 before the PDL wait (QAttnParams::prefetch): on unless
+// EXL2_ATTN_STREAM_PREFETCH=0 (read once; a measurement switch).
+int stream_prefetch() {
+  static const int v = [] {
+    const char* e = getenv("EXL2_ATTN_STREAM_PREFETCH");
+    return e != nullptr && atoi(e) == 0 ? 0 : 1;
+  }();
+  return v;
+}
 
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
 __device__ __forceinline__ void stream_sync() {  // the compute warps only (named barrier 1)
@@ -78,16 +89,34 @@ __global__ void __maxnreg__(224) paged_attention_stream_kernel(const QAttnParams
     asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
   }
   __syncthreads();
+  const int cap = p.max_pages << p.log2S, smask = (1 << p.log2S) - 1;
+  const int row_halves = p.Hkv * D, chunk_halves = kStreamChunk * row_halves;
+  const uint32_t chunk_bytes = (uint32_t)chunk_halves * 2;
+  const int* table = p.block_tables + (int64_t)b * p.bt_stride;
+  if (p.prefetch && warp == kStreamWarps) {
+    // The ring's first fill into L2 while the previous kernel finishes: its lengths and tables may be stale here
+    // (read past L1, so no stale line stays for the loads after the wait), which costs only wasted reads; the
+    // copies after the wait then find their chunks in L2 (the newest K / V row included: L2 is where the previous
+    // kernel's writes land).
+    const int c_pre = min(max(__ldcg(p.context_lens + b), 0), cap);
+    const int L_pre = qattn_split_len(c_pre, p.nsplit, p.min_split);
+    const int t0_pre = split * L_pre, t1_pre = min(c_pre, t0_pre + L_pre);
+    const int n_pre = min(stages, (t1_pre - t0_pre + kStreamChunk - 1) / kStreamChunk);
+    for (int i = lane; i < 2 * n_pre; i += 32) {
+      const int t = t0_pre + (i >> 1) * kStreamChunk;
+      const int64_t slot = ((int64_t)__ldcg(table + (t >> p.log2S)) << p.log2S) | (t & smask);
+      const half* src = reinterpret_cast<const half*>(i & 1 ? p.vc : p.kc) + slot * row_halves;
+      if (slot >= 0 && slot < ((int64_t)p.num_pages << p.log2S))  // a stale table entry may be anything
+        asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(src), "r"(chunk_bytes) : "memory");
+    }
+  }
   exl2::pdl_wait();  // q, the newest K / V row, the tables and lengths come from earlier kernels
   exl2::pdl_launch_dependents();
 
-  const int cap = p.max_pages << p.log2S;
   int ctx = p.context_lens[b];
   ctx = ctx < 0 ? 0 : (ctx > cap ? cap : ctx);
   const int L = qattn_split_len(ctx, p.nsplit, p.min_split);
   const int t0 = split * L, t1 = min(ctx, t0 + L);
-  const int row_halves = p.Hkv * D, chunk_halves = kStreamChunk * row_halves;
-  const uint32_t chunk_bytes = (uint32_t)chunk_halves * 2;
   half* ring = reinterpret_cast<half*>(smem);  // [stages][K chunk | V chunk]
   if (t0 >= t1) {  // an unused split; with one split (ctx == 0) the output is zeros, as the reference
     if (p.nsplit == 1 && warp < kStreamWarps)
@@ -100,8 +129,6 @@ __global__ void __maxnreg__(224) paged_attention_stream_kernel(const QAttnParams
   if (warp == kStreamWarps) {  // producer: lane 0 keeps `stages` chunks of K and V in flight
     if (lane == 0) {
       const uint64_t pol = exl2::evict_first_policy();  // read once per step
-      const int* table = p.block_tables + (int64_t)b * p.bt_stride;
-      const int smask = (1 << p.log2S) - 1;
       for (int c = 0; c < nch; ++c) {
         const int s = c % stages;
         if (c >= stages) exl2::mbar_wait(empty0 + 8 * s, ((c / stages) - 1) & 1);
@@ -284,9 +311,11 @@ int launch_paged_attention_stream(const QAttnParams& a, int D, int B, cudaStream
     return exl2::set_error(EXL2_ERR_UNSUPPORTED, "paged_attention (stream): no device");
   EXL2_REQUIRE(major >= 9, "paged_attention (stream): needs sm_90+ (bulk copies)");
   const int stages = min(kStreamMaxStages, kStreamSmemTarget / (2 * kStreamChunk * a.Hkv * kStreamD * 2));
-  const int st = a.G == 1   ? launch_g<1>(a, stages, B, stream)
-                 : a.G == 2 ? launch_g<2>(a, stages, B, stream)
-                            : launch_g<4>(a, stages, B, stream);
+  QAttnParams p = a;
+  p.prefetch = stream_prefetch();
+  const int st = a.G == 1   ? launch_g<1>(p, stages, B, stream)
+                 : a.G == 2 ? launch_g<2>(p, stages, B, stream)
+                            : launch_g<4>(p, stages, B, stream);
   return st != EXL2_OK ? st : launch_paged_attention_quant_reduce(a, false, D, B, stream);
 }
 

@@ -10,7 +10,8 @@
 #   the engine's step was 38.6 us over its graph replay in AL2.
 #  1. GPU tests of both (kernels against references, graph replays, the lookahead on a tiny model off and on).
 #  2. attention_sweep (fp16) at 32k and 1k: the default route (CTA targets 2 / 4) against the streamed kernel's
-#     automatic split and 66 / 132 splits; at 1k also its minimum split of 64 keys.
+#     automatic split and 66 / 132 splits; at 1k also its minimum split of 64 keys; at both without its L2 prefetch
+#     before the PDL wait (EXL2_ATTN_STREAM_PREFETCH=0).
 #  3. bench 1k and 32k (fp16): default, STREAM, STREAM + GRAPH_IO.
 #  4. In the time left: profile_engine_step (8B, 1k) off / GRAPH_IO; profile_decode (critical path at 1k) with STREAM.
 # The default flips for a switch that wins with its tests passed.
@@ -32,6 +33,11 @@ done
 env $S EXL2_BACKEND_ATTN_STREAM_MIN_SPLIT=64 timeout 40 python3 scripts/attention_sweep.py --context 1024 \
   --types fp16 --splits 0 > "$R/sweep_s1024_m64.txt" 2>&1
 echo "-- stream 1k, min split 64"; grep -hE "splits [0-9]|Error" "$R/sweep_s1024_m64.txt"
+for ctx in 32768 1024; do  # without the L2 prefetch of the ring's first fill before the PDL wait
+  env $S EXL2_ATTN_STREAM_PREFETCH=0 timeout 40 python3 scripts/attention_sweep.py --context $ctx --types fp16 \
+    --splits 0 > "$R/sweep_s${ctx}_nopf.txt" 2>&1
+  echo "-- stream $ctx, no prefetch"; grep -hE "splits [0-9]|Error" "$R/sweep_s${ctx}_nopf.txt"
+done
 echo "elapsed $(( $(date +%s) - T0 )) s"
 bench_8b D 80 1024,32768 fp16
 bench_8b S 80 1024,32768 fp16 $S

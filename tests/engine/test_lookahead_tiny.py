@@ -65,3 +65,28 @@ def test_lookahead_with_host_io_in_the_graph(engine):
     assert stats[0] > 0 and stats[1] > stats[0]
     assert engine.pages.available == free0
     engine.assert_no_leaks()
+
+
+def test_lookahead_falls_back_when_a_greedy_graph_capture_fails(engine, monkeypatch):
+    """A failed capture (e.g. pinned memory the device cannot map) is logged once and the plain graph steps run:
+    the same tokens, no leaked page, and no later capture is tried."""
+    from exl2_backend.runtime.greedy_graphs import GreedyGraphs
+    from exl2_backend.runtime.lookahead import DecodeLookahead
+
+    def broken(self, bucket):
+        raise RuntimeError("capture failed on purpose")
+
+    g = torch.Generator().manual_seed(3)
+    prompts = {"a": torch.randint(3, 39_000, (6,), generator=g).tolist()}
+    want = run_greedy_batch(engine, prompts, {"a": 12}, lookahead=False)
+    saved = engine.lookahead
+    monkeypatch.setattr(GreedyGraphs, "_capture", broken)
+    engine.lookahead = DecodeLookahead(engine, engine.runner, graph_io=True)
+    try:
+        got = run_greedy_batch(engine, prompts, {"a": 12}, lookahead=True)
+        graphs = engine.lookahead.graphs
+    finally:
+        engine.lookahead = saved
+    assert got == want
+    assert graphs.launches == 0 and graphs._failed is not None
+    engine.assert_no_leaks()

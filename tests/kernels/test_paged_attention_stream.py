@@ -63,3 +63,21 @@ def test_shapes_it_declines_take_the_default_route():
     check([300, 2000], 1, 64, 8, 128, page=64)
     check([33, 900], 1, 8, 1, 128, page=16)
 
+
+
+def test_library_rejects_shapes_it_does_not_take():
+    """The C entry checks the shapes itself (flags bit 9 from a caller that did not ask attn_streamed): a verify
+    step's rows and head_dim 64 give a typed error naming the kernel, before any launch."""
+    import math
+
+    from exl2_backend.errors import KernelUnavailableError
+    from tests.kernels.test_paged_attention import build
+
+    for tq, d in ((2, 128), (1, 64)):
+        kc, vc, tables, ctx, _ = build([40, 300], 8, d, 16)
+        q = torch.randn(2, tq, 32, d, device=DEV).half()
+        q, tables, ctx = cl()._attention_inputs("paged_attention", q, tables, ctx)
+        out = torch.empty_like(q)
+        ws = torch.empty(2 * tq * 32 * 4 * (d + 2), device=DEV)
+        with pytest.raises(KernelUnavailableError, match="stream"):
+            cl()._launch_paged_attention(q, kc, vc, tables, ctx, out, ws, 4, 1 / math.sqrt(d), None, streamed=True)

@@ -147,10 +147,27 @@ __device__ __forceinline__ void with_bits(int bits, F&& f) {
 
 // Ring slots of B-bit weights: ring_fill bytes in flight, but at least min_stages slots (a 2-slot ring of 8-bit
 // or 6-bit weights only double-buffers) and no more than the ring holds.
+// Measurement build EXL2_GEMV_DEEP_RING (scripts/build_variant.sh; the host makes the ring EXL2_GEMV_DEEP_RING_KB,
+// default 64, where two blocks per SM still fit): every slot of the ring is used, but at most tma_flight copies are
+// in flight (the producer waits for copy i - flight to land before it issues copy i). The first fill then reaches
+// deeper into the block's weights while the previous kernel finishes, and what the block loads through the cache
+// after the PDL wait still queues behind no more than ring_fill bytes (why 32 KB rings lost to 24 KB, AJ3).
 template <int B>
 __device__ __forceinline__ int tma_stages(const GemvParams& p) {
   constexpr int kSlot = kGvWarps * 256 * B;
+#ifdef EXL2_GEMV_DEEP_RING
+  return min(kTmaMaxStages, p.ring_bytes / kSlot);
+#else
   return min(min(kTmaMaxStages, p.ring_bytes / kSlot), max(p.min_stages, p.ring_fill / kSlot));
+#endif
+}
+// Copies in flight of a run with `slot_bytes` per slot and `stages` slots (the deep ring's cap; all of them otherwise).
+__device__ __forceinline__ int tma_flight(const GemvParams& p, int slot_bytes, int stages) {
+#ifdef EXL2_GEMV_DEEP_RING
+  return min(stages, max(p.min_stages, p.ring_fill / slot_bytes));
+#else
+  return stages;
+#endif
 }
 
 // The ring's barriers for `stages` slots and `nwa` consuming warps, plus the scale barrier (one thread).
@@ -227,10 +244,19 @@ __device__ __forceinline__ void tma_produce_run(const GemvParams& p, const GvWor
   // Ring copies before the PDL wait: the whole first fill unless the measurement switch caps them; the producer
   // then waits for the previous grid itself before the rest (a no-op once passed).
   const int pre = p.prewait_slots < 0 ? first : min(first, p.prewait_slots);
+#ifdef EXL2_GEMV_DEEP_RING
+  const int flight = tma_flight(p, slot_bytes, stages);
+  auto cap = [&](int i) {  // copy i - flight has landed
+    if (i >= flight) mbar_wait(sm.full((i - flight) % stages), ((i - flight) / stages) & 1);
+  };
+#else
+  auto cap = [](int) {};
+#endif
   if (lane == 0)
 #pragma unroll 1
     for (int i = 0; i < first; ++i) {
       if (i == pre) exl2::pdl_wait();
+      cap(i);
       mbar_expect_tx(sm.full(i), bytes);
       bulk_copy(ring_s + i * slot_bytes, src + i * step, bytes, sm.full(i), pol);
     }
@@ -245,6 +271,7 @@ __device__ __forceinline__ void tma_produce_run(const GemvParams& p, const GvWor
     uint32_t phase = first == stages ? 1 : 0;
     for (int i = first; i < g.nch; ++i) {
       mbar_wait(sm.empty(s), phase ^ 1);  // the slot's previous use was released
+      cap(i);
       mbar_expect_tx(sm.full(s), bytes);
       bulk_copy(ring_s + s * slot_bytes, src + i * step, bytes, sm.full(s), pol);
       if (++s == stages) {

@@ -8,6 +8,7 @@ time alone). Both are compared with the roofline: measured read bandwidth / byte
 from __future__ import annotations
 
 import math
+import os
 import statistics
 import time
 from pathlib import Path
@@ -162,6 +163,8 @@ def run_bench(model_dir: str | Path, *, contexts=(512, 2048, 8192, 32768), decod
         "cuda_graphs": type(getattr(engine.runner, "inner", engine.runner)).__name__ == "CudaGraphRunner",
         "decode": [],
         "cache_type": cache_type, "kv_bytes_per_token": decode_bytes(config, 0, 0, cache_type),
+        # the kernel and runtime switches of this process (EXL2_*), so a result says which paths it measured
+        "switches": {k: v for k, v in sorted(os.environ.items()) if k.startswith("EXL2_")},
     }
     plan = getattr(engine.model, "plan", None)
     if plan is not None and plan.mode != "single":  # layer split / tensor parallel: where everything went

@@ -18,9 +18,11 @@ def small_dir(tmp_path_factory):
     return write_random_exl2_model(tmp_path_factory.mktemp("bench") / "m", SMALL, bpw=4.0, seed=3)
 
 
-def test_bench_writes_json_and_plot(small_dir, tmp_path, capsys):
+def test_bench_writes_json_and_plot(small_dir, tmp_path, capsys, monkeypatch):
     from exl2_backend.bench.decode import PREFILL_RUNS
     from exl2_backend.cli.main import main
+
+    monkeypatch.setenv("EXL2_BACKEND_GRAPH_IO", "1")  # recorded with the results (a CPU run takes no graphs)
 
     out, png = tmp_path / "out.json", tmp_path / "out.png"
     rc = main(["bench", str(small_dir), "--device", "cpu", "--contexts", "32,64", "--decode-tokens", "4",
@@ -28,6 +30,7 @@ def test_bench_writes_json_and_plot(small_dir, tmp_path, capsys):
     assert rc == 0
     result = json.loads(out.read_text())
     assert [r["cache_type"] for r in result["runs"]] == ["fp16", "q4"]
+    assert all(r["switches"]["EXL2_BACKEND_GRAPH_IO"] == "1" for r in result["runs"])
     for run in result["runs"]:
         assert [row["context"] for row in run["decode"]] == [32, 64]
         for row in run["decode"]:

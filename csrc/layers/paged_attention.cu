@@ -517,7 +517,8 @@ EXL2_API int exl2_paged_attention(const void* q, int64_t q_bs, int64_t q_ts, int
   const int stream_kernel = (flags >> 9) & 1;
   EXL2_REQUIRE(flags >> 10 == 0 && (mma || (!stages && !tiles)) && !(stream_kernel && mma),
                "paged_attention: bad flags %d", flags);
-  if (stream_kernel) return launch_paged_attention_stream(quant_params(p, p.R), (int)D, (int)B, stream);
+  if (stream_kernel)
+    return launch_paged_attention_stream(quant_params(p, p.R), kFmtF16, kFmtF16, (int)D, (int)B, stream);
   if (mma) return launch_tensor_core(p, (int)D, (int)B, mma - 1, stages, tiles ? tiles : 1, stream);
   if (D == 64) return launch_rt<64>(p, rt, flags, (int)B, stream);
   return launch_rt<128>(p, rt, flags, (int)B, stream);

@@ -46,9 +46,10 @@ struct QAttnParams {
 // registers. tiles 2 / 3 (2 stages): that many row tiles per CTA sharing each column's ring (a verify step's rows).
 int launch_paged_attention_quant_mma(const QAttnParams& p, int k_fmt, int v_fmt, int D, int B, int variant,
                                      int stages, int tiles, cudaStream_t stream);
-// The streamed decode attention over fp16 pages (paged_attention_stream.cu: Tq = 1, D = 128, all kv heads of a
-// split per CTA, bulk copies into a shared-memory ring), then its reduce launch; p.row_tiles unused.
-int launch_paged_attention_stream(const QAttnParams& p, int D, int B, cudaStream_t stream);
+// The streamed decode attention (paged_attention_stream.cu: Tq = 1, D = 128, all kv heads of a split per CTA, bulk
+// copies into a shared-memory ring) over fp16 pages (both formats kFmtF16) or code pages, then its reduce launch;
+// p.row_tiles unused.
+int launch_paged_attention_stream(const QAttnParams& p, int k_fmt, int v_fmt, int D, int B, cudaStream_t stream);
 // The split combination into p.out (paged_attention_quant.cu; nothing when nsplit == 1); rot: V rotated (int
 // formats) -> the sums are rotated back.
 int launch_paged_attention_quant_reduce(const QAttnParams& p, bool rot, int D, int B, cudaStream_t stream);

@@ -77,6 +77,9 @@ def quant_attention_ctas(k_fmt: str, v_fmt: str, rows: int = 1) -> int:
     return ATTN_CTAS_PER_SM_8BIT if {"int8", "e4m3"} & {k_fmt, v_fmt} else _ATTN_CTAS_PER_SM
 
 
+_STREAM_CODE = 64  # exl2_paged_attention_quant's use_mma for the streamed kernel (alone)
+
+
 def _quant_kernel_code(k_fmt: str, v_fmt: str, rows: int) -> int:
     """exl2_paged_attention_quant's use_mma for `rows` query rows per kv head: the tensor-core kernel's code (bits
     0-1, 0 for the CUDA-core kernel), its stages in shared memory (bits 2-3) and row tiles per CTA (bits 4-5)."""
@@ -246,20 +249,25 @@ def paged_attention_quant(q: torch.Tensor, k_codes: torch.Tensor, k_scales: torc
     max_ctx = max_pages * s
     dev_index = q.device.index if q.device.index is not None else torch.cuda.current_device()
     rows = (hq // hkv) * tq
-    tiled = ATTN_QUANT_MMA  # the tensor-core kernel's row tiles of 8, some per CTA
-    nsplit = num_splits or attention_splits(b, tq, hq, hkv, max_ctx, _num_sms(dev_index),
-                                            quant_attention_ctas(k_fmt, v_fmt, rows),
-                                            cuda_layers.MMA_ROW_TILE if tiled else 0,
-                                            cuda_layers.attn_tiles_per_cta(k_fmt, v_fmt, rows) if tiled else 1)
-    nsplit = max(nsplit, math.ceil(max_ctx / _attn_keys_max(_attn_row_tile(rows))))
+    streamed = cuda_layers.attn_streamed(q.shape, (p, s, hkv, d), q.device)
+    if streamed:  # cuda_layers.ATTN_STREAM: one CTA per split for all kv heads (paged_attention_stream.cu)
+        nsplit = num_splits or cuda_layers.stream_splits(b, max_ctx, _num_sms(dev_index))
+        code, min_split = _STREAM_CODE, cuda_layers.ATTN_STREAM_MIN_SPLIT
+    else:
+        tiled = ATTN_QUANT_MMA  # the tensor-core kernel's row tiles of 8, some per CTA
+        nsplit = num_splits or attention_splits(b, tq, hq, hkv, max_ctx, _num_sms(dev_index),
+                                                quant_attention_ctas(k_fmt, v_fmt, rows),
+                                                cuda_layers.MMA_ROW_TILE if tiled else 0,
+                                                cuda_layers.attn_tiles_per_cta(k_fmt, v_fmt, rows) if tiled else 1)
+        nsplit = max(nsplit, math.ceil(max_ctx / _attn_keys_max(_attn_row_tile(rows))))
+        code, min_split = _quant_kernel_code(k_fmt, v_fmt, rows), _ATTN_MIN_SPLIT
     ws = torch.empty(b * tq * hq * nsplit * (d + 2), dtype=torch.float32, device=q.device) if nsplit > 1 else None
     with _device_guard(q):
         _call("exl2_paged_attention_quant", q.data_ptr(), q.stride(0), q.stride(1), q.stride(2), k_codes.data_ptr(),
               k_scales.data_ptr(), v_codes.data_ptr(), v_scales.data_ptr(), FORMATS[k_fmt].abi, FORMATS[v_fmt].abi,
               tables.data_ptr(), tables.stride(0), lens.data_ptr(), out.data_ptr(),
-              ws.data_ptr() if ws is not None else None, b, tq, hq, hkv, d, p, s, max_pages, nsplit, _ATTN_MIN_SPLIT,
-              float(scale), cuda_layers.ATTN_MAX_ROW_TILE,
-              _quant_kernel_code(k_fmt, v_fmt, rows), _stream(q))
+              ws.data_ptr() if ws is not None else None, b, tq, hq, hkv, d, p, s, max_pages, nsplit, min_split,
+              float(scale), cuda_layers.ATTN_MAX_ROW_TILE, code, _stream(q))
     return out
 
 

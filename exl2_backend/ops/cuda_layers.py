@@ -240,14 +240,15 @@ def _attn_flags(rows: int = 1) -> int:
     return flags | attn_mma_variant_code() << 3 | stages << 5 | tiles << 7
 
 
-# The streamed decode attention over fp16 pages (csrc/layers/paged_attention_stream.cu; exl2_paged_attention's flags
-# bit 9): a CTA per split of a sequence takes all its kv heads, so each 16-token chunk of K and of V is one
-# contiguous run of the page, copied by one bulk copy into a ~192 KB shared-memory ring (one CTA per SM, the splits
-# one wave of the SMs). For decode steps (one query per sequence), head_dim 128, 1 / 2 / 4 query heads per kv head,
-# 2 / 4 / 8 kv heads, sm_90+. Written because the tensor-core one-pass kernel runs the 8B's fp16 attention at 32k
-# at ~49 us per layer for ~32 us of bytes (latency-bound, 12% occupancy; ncu, H200 call AC1 of 2026-12-03). Off
-# until measured on the GPU (EXL2_BACKEND_ATTN_STREAM=1; keys per split at least ATTN_STREAM_MIN_SPLIT, a multiple
-# of 16: EXL2_BACKEND_ATTN_STREAM_MIN_SPLIT).
+# The streamed decode attention (csrc/layers/paged_attention_stream.cu; exl2_paged_attention's flags bit 9 for fp16
+# pages, exl2_paged_attention_quant's use_mma 64 for code pages): a CTA per split of a sequence takes all its kv
+# heads, so each 16-token chunk of K and of V (and of their scales) is one contiguous run of the page, copied by one
+# bulk copy into a ~170-192 KB shared-memory ring (one CTA per SM, the splits one wave of the SMs). For decode steps
+# (one query per sequence), head_dim 128, 1 / 2 / 4 query heads per kv head, 2 / 4 / 8 kv heads, sm_90+. Written
+# because the tensor-core one-pass kernel runs the 8B's fp16 attention at 32k at ~49 us per layer for ~32 us of
+# bytes (latency-bound, 12% occupancy; ncu, H200 call AC1 of 2026-12-03), the code pages at 46% (int8) / 28% (int4)
+# of the bandwidth (AD1). Off until measured on the GPU (EXL2_BACKEND_ATTN_STREAM=1; keys per split at least
+# ATTN_STREAM_MIN_SPLIT, a multiple of 16: EXL2_BACKEND_ATTN_STREAM_MIN_SPLIT).
 ATTN_STREAM = os.environ.get("EXL2_BACKEND_ATTN_STREAM", "0") == "1"
 _STREAM_MIN_ENV = os.environ.get("EXL2_BACKEND_ATTN_STREAM_MIN_SPLIT", "16")
 ATTN_STREAM_MIN_SPLIT = int(_STREAM_MIN_ENV) if _STREAM_MIN_ENV.isdigit() else -1
@@ -262,7 +263,8 @@ def _sm90(index: int) -> bool:
 
 
 def attn_streamed(q_shape, cache_shape, device: torch.device) -> bool:
-    """Whether fp16 paged attention of these shapes runs the streamed kernel (ATTN_STREAM and the shapes it takes)."""
+    """Whether paged attention of these shapes (q [B, Tq, Hq, D], cache [P, S, Hkv, ...]) runs the streamed kernel
+    (ATTN_STREAM and the shapes it takes)."""
     if not ATTN_STREAM:
         return False
     _, tq, hq, d = q_shape

@@ -125,13 +125,19 @@ def test_write_many_tokens_prefill_chunk():
 # --- attention ------------------------------------------------------------------------------------------------
 
 
-@pytest.fixture(params=["mma", "mma_online", "mma_online2", "staged", "staged3", "staged_tiles", "cuda_core"])
+@pytest.fixture(params=["mma", "mma_online", "mma_online2", "staged", "staged3", "staged_tiles", "cuda_core",
+                        "stream"])
 def attn_kernel(request, monkeypatch):
     """Every attention kernel: the tensor-core one with two passes, its one-pass variants in registers
     (cuda_layers.ATTN_MMA_ONLINE 1: one step of keys in flight per warp; 2: two) and with 2 or 3 steps staged in
     shared memory (ATTN_STAGED; 2 stages the default for code pages), one row tile per CTA or several sharing rings
-    (ATTN_SHARED_TILES, the default for more than 8 rows per kv head), and the CUDA-core one."""
+    (ATTN_SHARED_TILES, the default for more than 8 rows per kv head), the CUDA-core one; and the streamed kernel
+    (ATTN_STREAM: decode steps of the shapes it takes, the others on the default route)."""
     from exl2_backend.ops import cuda_layers
+
+    monkeypatch.setattr(cuda_layers, "ATTN_STREAM", request.param == "stream")
+    if request.param == "stream":
+        return request.param
 
     monkeypatch.setattr(kq(), "ATTN_QUANT_MMA", request.param != "cuda_core")
     online = {"mma_online": 1, "mma_online2": 2, "staged": 2, "staged3": 2, "staged_tiles": 2}.get(request.param, 0)
@@ -572,11 +578,12 @@ def test_staged_one_pass_kernel_is_bit_identical(monkeypatch):
             assert torch.equal(a, b), (name, i)
 
 
-@pytest.mark.parametrize("code", [1 | 2 << 2, 3 | 1 << 2, 3 | 3 << 2 | 2 << 4, 3 | 2 << 4, 16, 64])
+@pytest.mark.parametrize("code", [1 | 2 << 2, 3 | 1 << 2, 3 | 3 << 2 | 2 << 4, 3 | 2 << 4, 16, 64 | 2, 128])
 def test_bad_kernel_codes_are_refused_by_the_library(code):
     """exl2_paged_attention_quant's use_mma: stages (bits 2-3) only 2 or 3 and only with a one-pass variant, row
-    tiles per CTA (bits 4-5) past one only with 2 stages, no bits past them. The library refuses anything else with
-    its message, launching nothing; three tiles per CTA over a single tile's rows run (two tiles empty)."""
+    tiles per CTA (bits 4-5) past one only with 2 stages, the streamed kernel (64) alone, no bits past them. The
+    library refuses anything else with its message, launching nothing; three tiles per CTA over a single tile's
+    rows run (two tiles empty), and the streamed kernel refuses head_dim 64 (its shapes: D = 128)."""
     from exl2_backend.errors import KernelUnavailableError
 
     lens = [40]
@@ -590,6 +597,8 @@ def test_bad_kernel_codes_are_refused_by_the_library(code):
             ctx.data_ptr(), out.data_ptr(), None, 1, 1, 4, 2, 64, kc.shape[0], 16, tables.shape[1], 1, 64, 0.1, 8)
     with pytest.raises(KernelUnavailableError, match="stages|use_mma|tiles"):
         kq()._call("exl2_paged_attention_quant", *args, code, torch.cuda.current_stream().cuda_stream)
+    with pytest.raises(KernelUnavailableError, match="stream"):
+        kq()._call("exl2_paged_attention_quant", *args, 64, torch.cuda.current_stream().cuda_stream)
     torch.cuda.synchronize()
     assert not out.any()
     kq()._call("exl2_paged_attention_quant", *args, 3 | 2 << 2 | 3 << 4, torch.cuda.current_stream().cuda_stream)

@@ -1,9 +1,11 @@
-"""The streamed decode attention over fp16 pages (csrc/layers/paged_attention_stream.cu, ops/cuda_layers.ATTN_STREAM)
-against the reference, with the tolerance of test_paged_attention.check (2x fp16 SDPA's error + 2e-3). Its shapes:
+"""The streamed decode attention (csrc/layers/paged_attention_stream.cu, ops/cuda_layers.ATTN_STREAM) against the
+reference, with the tolerance of test_paged_attention.check (2x fp16 SDPA's error + 2e-3) for fp16 pages and of
+test_kv_quant_kernels.check for code pages. Its shapes:
 decode steps (Tq = 1), head_dim 128, 1 / 2 / 4 query heads per kv head over 2 / 4 / 8 kv heads (1, 2 or 4 warps per
 kv head); chunks of 16 tokens within pages of 16..256; splits of 16+ keys (the last chunk of a split partial, its
 unused slots NaN in build()); one split (the output written by the kernel) or many (the reduce launch). Graph replay,
-determinism and strided q run through the `stream` case of test_paged_attention.py's kernel fixture."""
+determinism and strided q run through the `stream` cases of test_paged_attention.py's and test_kv_quant_kernels.py's
+kernel fixtures."""
 
 from __future__ import annotations
 
@@ -81,3 +83,17 @@ def test_library_rejects_shapes_it_does_not_take():
         ws = torch.empty(2 * tq * 32 * 4 * (d + 2), device=DEV)
         with pytest.raises(KernelUnavailableError, match="stream"):
             cl()._launch_paged_attention(q, kc, vc, tables, ctx, out, ws, 4, 1 / math.sqrt(d), None, streamed=True)
+
+
+@pytest.mark.parametrize("kf,vf", [("e4m3", "e4m3"), ("int8", "int8"), ("int8", "int4"), ("int4", "int4")])
+@pytest.mark.parametrize("hq,hkv", [(32, 8), (8, 4), (4, 2)])
+def test_code_pages(kf, vf, hq, hkv):
+    """Quantized pages (fp8 / q8 / q6 / q4) against the reference over the dequantized pages, with the tolerance of
+    test_kv_quant_kernels.check: codes and group scales in the ring, q rotated once for the rotated formats, V's sums
+    rotated back by the reduce, or by the kernel itself with one split."""
+    from tests.kernels.test_kv_quant_kernels import check as check_codes
+
+    assert cl().attn_streamed((1, 1, hq, 128), (1, 16, hkv, 128), torch.device(DEV))
+    check_codes([1, 17, 255, 257, 1000, 4097], 1, hq, hkv, 128, kf, vf, page=16)
+    check_codes([3000, 40], 1, hq, hkv, 128, kf, vf, page=256, num_splits=1)
+    check_codes([3000, 40], 1, hq, hkv, 128, kf, vf, page=64, num_splits=132)

@@ -14,13 +14,12 @@ export EXL2_CARRIED_LIBRARY=1
 source scripts/device/common.sh
 begin_call ao1
 use_libraries E=.dev/libexl2_kernels_deep.so.gz
-cp /tmp/libE.so "$LIB"
-gpu_tests_verbose deep 150 -n 12 $GEMV_GPU_TESTS -k "not llama3_8b"
+# the deep ring's correctness first: the TMA GEMV, fused norm / rope and chain tests on its library
+cp /tmp/libE.so "$LIB" && gpu_tests deep 150 -n 12 $GEMV_GPU_TESTS -k "not llama3_8b"
 echo "elapsed $(( $(date +%s) - T0 )) s"
-for round in 1 2; do
-  cp /tmp/libD.so "$LIB"; spec_costs D$round
-  cp /tmp/libE.so "$LIB"
-  for kb in 48 64 96; do spec_costs E$kb-$round EXL2_GEMV_DEEP_RING_KB=$kb; done
+for round in 1 2; do  # default, then the deep ring at three sizes, per round
+  cp /tmp/libD.so "$LIB" && spec_costs "D$round"
+  for kb in 48 64 96; do cp /tmp/libE.so "$LIB" && spec_costs "E$kb-$round" EXL2_GEMV_DEEP_RING_KB=$kb; done
 done
 cp /tmp/libD.so "$LIB"
 echo "total $(( $(date +%s) - T0 )) s"

@@ -91,5 +91,22 @@ __device__ __forceinline__ float attn_combine_staged(const float* ml, const floa
   return attn_combine_in_order(used, [&](int i) { return s_ml[i]; }, [&](int s) { return s_po[s * D + d]; });
 }
 
+// Dims [32 slice, 32 slice + 32) of one row by one warp (lane = dim within the slice; the reduce's sliced kernel):
+// ml [used][2], po [used][D] (16-byte aligned); smem holds used * (32 + 2) floats. The same staging and arithmetic
+// per element as attn_combine_staged, so the same bits.
+template <int D>
+__device__ __forceinline__ float attn_combine_staged_slice(const float* ml, const float* po, int used, int slice,
+                                                           float* smem) {
+  float* s_po = smem;             // [used][32]
+  float* s_ml = smem + used * 32;  // [used][2]
+  const int lane = threadIdx.x & 31;
+  for (int i = lane; i < 2 * used; i += 32) cp_async_f32(s_ml + i, ml + i);
+  for (int i = lane; i < used * 8; i += 32)  // 8 words of 4 floats per split
+    cp_async_f32x4(s_po + 4 * i, po + (int64_t)(i >> 3) * D + 32 * slice + 4 * (i & 7));
+  asm volatile("cp.async.wait_all;" ::: "memory");
+  __syncwarp();
+  return attn_combine_in_order(used, [&](int i) { return s_ml[i]; }, [&](int s) { return s_po[s * 32 + lane]; });
+}
+
 }  // namespace layers
 }  // namespace exl2

@@ -255,12 +255,48 @@ __global__ void __launch_bounds__(D) attn_quant_reduce_kernel(const QAttnParams 
   p.out[prow * D + d] = __float2half_rn(o);
 }
 
+// The same combination by slices of 32 dims, one warp per (row, slice): grid (rows, D / 32), 4x the CTAs of the
+// kernel above at D = 128, each staging a quarter of the row's partials. Where the splits are many (the streamed
+// kernel's 132 at 32k: 68 KB of partials per row on the 8B decode's 32 CTAs) the one-CTA-per-row kernel waits on
+// one long stream of loads per row. Bit-identical (attn_combine_staged_slice).
+template <int D, bool ROT>
+__global__ void __launch_bounds__(32) attn_quant_reduce_slice_kernel(const QAttnParams p) {
+  extern __shared__ float combine_smem[];
+  exl2::pdl_wait_and_trigger();
+  const int64_t prow = blockIdx.x;
+  const int slice = blockIdx.y, b = (int)(prow / ((int64_t)p.Tq * p.Hq));
+  const int ctx = qattn_clamp_ctx(p.context_lens[b], p);
+  const int L = qattn_split_len(ctx, p.nsplit, p.min_split);
+  const int used = ctx > 0 ? (ctx + L - 1) / L : 0;
+  float o = attn_combine_staged_slice<D>(p.part_ml + prow * p.nsplit * 2, p.part_o + prow * p.nsplit * D, used,
+                                         slice, combine_smem);
+  if constexpr (ROT) o = warp_fwht32(o);  // the slice is one group of 32: the warp rotates it back
+  p.out[prow * D + 32 * slice + (threadIdx.x & 31)] = __float2half_rn(o);
+}
+
+// Splits from which the reduce runs in slices (attn_quant_reduce_slice_kernel): EXL2_ATTN_REDUCE_SLICE_MIN, read
+// once; 0 (the default until measured on the GPU) never.
+int reduce_slice_min() {
+  static const int v = [] {
+    const char* e = getenv("EXL2_ATTN_REDUCE_SLICE_MIN");
+    return e != nullptr && atoi(e) > 0 ? atoi(e) : 0;
+  }();
+  return v;
+}
+
 // The split combination after either attention kernel (nothing to do when nsplit == 1).
 template <int D, bool ROT>
 int launch_reduce(const QAttnParams& p, int B, cudaStream_t stream) {
   if (p.nsplit == 1) return EXL2_OK;
   const int64_t combine_bytes = attn_combine_smem(p.nsplit, D);
   const unsigned rows = (unsigned)((int64_t)B * p.Tq * p.Hq);
+  const int64_t slice_bytes = (int64_t)p.nsplit * (32 + 2) * 4;
+  if (reduce_slice_min() > 0 && p.nsplit >= reduce_slice_min() && reinterpret_cast<uintptr_t>(p.part_o) % 16 == 0 &&
+      attn_combine_fits<attn_quant_reduce_slice_kernel<D, ROT>>(slice_bytes)) {
+    exl2::launch_kernel(attn_quant_reduce_slice_kernel<D, ROT>, dim3(rows, D / 32), 32, (size_t)slice_bytes, stream,
+                        p);
+    return check_launch("paged_attention_quant reduce (slices)");
+  }
   constexpr auto staged = attn_quant_reduce_kernel<D, ROT, true>;
   if (reinterpret_cast<uintptr_t>(p.part_o) % 16 == 0 && attn_combine_fits<staged>(combine_bytes))
     exl2::launch_kernel(staged, rows, D, (size_t)combine_bytes, stream, p);

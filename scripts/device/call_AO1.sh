@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Device call AO1 (prepared in session 24, not yet run; ~330 s). Carry .whl and two libraries built from the commit
+# Device call AO1 (prepared in session 24, not yet run; ~450 s). Carry .whl and two libraries built from the commit
 # that runs:
 #     bash scripts/build_variant.sh "" .dev/libexl2_kernels.so.gz                      # the default library
 #     bash scripts/build_variant.sh EXL2_GEMV_DEEP_RING .dev/libexl2_kernels_deep.so.gz
@@ -10,6 +10,7 @@
 # today; 32 KB rings lost to 24 KB (AJ3) because they raised both at once.
 #  1. The GEMV GPU tests on the deep library (a measurement build; the time limit may cut them).
 #  2. spec_bench, default (D) against the deep ring at 48 / 64 / 96 KB (96 is capped per launch), interleaved twice.
+#  3. The split combine in slices of 32 dims (below).
 export EXL2_CARRIED_LIBRARY=1
 source scripts/device/common.sh
 begin_call ao1
@@ -22,4 +23,15 @@ for round in 1 2; do  # default, then the deep ring at three sizes, per round
   for kb in 48 64 96; do cp /tmp/libE.so "$LIB" && spec_costs "E$kb-$round" EXL2_GEMV_DEEP_RING_KB=$kb; done
 done
 cp /tmp/libD.so "$LIB"
+# 3. The reduce in slices of 32 dims (EXL2_ATTN_REDUCE_SLICE_MIN; bit-identical: its test first): at 32k, on the
+#    default route (q8 99 splits, fp16 ~33) and on the streamed kernel's 132 splits (EXL2_BACKEND_ATTN_STREAM=1).
+gpu_tests slices 60 tests/kernels/test_kv_quant_kernels.py -k combine_staged
+for v in d s; do
+  for sl in 0 32; do
+    env EXL2_ATTN_REDUCE_SLICE_MIN=$sl $([ $v = s ] && echo EXL2_BACKEND_ATTN_STREAM=1) timeout 50 \
+      python3 scripts/attention_sweep.py --context 32768 --types fp16,q8,q4 \
+      $([ $v = s ] && echo "--splits 0" || echo "--ctas 3") > "$R/sweep_${v}_slice$sl.txt" 2>&1
+    echo "-- sweep 32k ${v} slice min $sl"; grep -hE "ctas/SM|splits [0-9]|Error" "$R/sweep_${v}_slice$sl.txt"
+  done
+done
 echo "total $(( $(date +%s) - T0 )) s"

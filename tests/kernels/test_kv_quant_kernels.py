@@ -515,9 +515,10 @@ torch.save(outs, sys.argv[1])
 
 
 def test_combine_staged_past_48kb_is_bit_identical(tmp_path):
-    """EXL2_ATTN_COMBINE_MAX_KB (read once per process: subprocesses): at 200 the reduce kernels stage 62 KB of
-    partials per row through the opt-in attribute (the default); at 48 they loop over global memory. Same bits,
-    for every quantized format pair and for fp16 pages."""
+    """EXL2_ATTN_COMBINE_MAX_KB and EXL2_ATTN_REDUCE_SLICE_MIN (read once per process: subprocesses): at 200 the
+    reduce kernels stage 62 KB of partials per row through the opt-in attribute (the default); at 48 they loop over
+    global memory; with slices, one warp per 32 dims of a row stages its quarter (attn_quant_reduce_slice_kernel).
+    Same bits, for every quantized format pair and for fp16 pages."""
     import os
     import subprocess
     import sys
@@ -525,14 +526,15 @@ def test_combine_staged_past_48kb_is_bit_identical(tmp_path):
 
     root = Path(__file__).resolve().parents[2]
     got = {}
-    for kb in ("48", "200"):
-        env = {**os.environ, "EXL2_ATTN_COMBINE_MAX_KB": kb,
-               "PYTHONPATH": f"{root}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
-        out = tmp_path / f"{kb}.pt"
+    for name, setting in (("48", {"EXL2_ATTN_COMBINE_MAX_KB": "48"}), ("200", {"EXL2_ATTN_COMBINE_MAX_KB": "200"}),
+                          ("slices", {"EXL2_ATTN_REDUCE_SLICE_MIN": "2"})):
+        env = {**os.environ, **setting, "PYTHONPATH": f"{root}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+        out = tmp_path / f"{name}.pt"
         subprocess.run([sys.executable, "-c", _COMBINE_SCRIPT, str(out)], env=env, cwd=root, check=True, timeout=120)
-        got[kb] = torch.load(out)
-    for a, b in zip(got["48"], got["200"]):
-        assert torch.equal(a, b)
+        got[name] = torch.load(out)
+    for name in ("48", "slices"):
+        for a, b in zip(got[name], got["200"]):
+            assert torch.equal(a, b), name
 
 
 def test_staged_one_pass_kernel_is_bit_identical(monkeypatch):

@@ -50,13 +50,9 @@ int stream_prefetch() {
   return v;
 }
 
-// A page format as the stream sees it: kFmtF16 (fp16 pages, no scales) or a KVFmt code.
+// Whether pages of format F (kFmtF16: fp16 pages, else a KVFmt code) come with group scales.
 template <int F>
-struct StreamFmt {
-  static constexpr int BITS = KVFormat<F>::BITS;
-  static constexpr bool SCALED = F != kFmtF16;
-  static constexpr bool ROT = KVFormat<F>::ROT;
-};
+constexpr bool kScaled = F != kFmtF16;
 
 // Bytes of one stage: K codes, K scales, V codes, V scales of kStreamChunk tokens (every region a multiple of 16).
 template <int KF, int VF>
@@ -64,10 +60,10 @@ struct StageLayout {
   int k_codes, k_scales, v_codes, v_scales, total;
   __host__ __device__ StageLayout(int hkv) {
     const int scales = kStreamChunk * hkv * (kStreamD / KV_GROUP) * 2;
-    k_codes = kStreamChunk * hkv * kStreamD * StreamFmt<KF>::BITS / 8;
-    k_scales = StreamFmt<KF>::SCALED ? scales : 0;
-    v_codes = kStreamChunk * hkv * kStreamD * StreamFmt<VF>::BITS / 8;
-    v_scales = StreamFmt<VF>::SCALED ? scales : 0;
+    k_codes = kStreamChunk * hkv * kStreamD * KVFormat<KF>::BITS / 8;
+    k_scales = kScaled<KF> ? scales : 0;
+    v_codes = kStreamChunk * hkv * kStreamD * KVFormat<VF>::BITS / 8;
+    v_scales = kScaled<VF> ? scales : 0;
     total = k_codes + k_scales + v_codes + v_scales;
   }
 };
@@ -75,7 +71,7 @@ struct StageLayout {
 // Staged q: fp32 [Hq][D] after the ring, for code pages (rotated there for rotated K formats).
 template <int KF>
 constexpr int staged_q_bytes(int hq) {
-  return StreamFmt<KF>::SCALED ? hq * kStreamD * 4 : 0;
+  return kScaled<KF> ? hq * kStreamD * 4 : 0;
 }
 
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
@@ -119,7 +115,7 @@ __device__ __forceinline__ void run8(const uint8_t* p, float* f) {
 // The lane's 16 elements of head h's row `row` of a chunk region (rows of Hkv heads of D elements).
 template <int F>
 __device__ __forceinline__ void lane_row(const uint8_t* region, int row, int hkv, int h, int sub, float (&f)[16]) {
-  constexpr int EB = StreamFmt<F>::BITS;  // bits per element
+  constexpr int EB = KVFormat<F>::BITS;  // bits per element
   const uint8_t* head = region + ((size_t)row * hkv + h) * (kStreamD * EB / 8);
   run8<F>(head + 8 * sub * EB / 8, f);
   run8<F>(head + (64 + 8 * sub) * EB / 8, f + 8);
@@ -128,7 +124,7 @@ __device__ __forceinline__ void lane_row(const uint8_t* region, int row, int hkv
 // The lane's two group scales (runs 0 and 1) of head h's row `row` of a scale region; 1 without scales.
 template <int F>
 __device__ __forceinline__ float2 lane_scales(const uint8_t* region, int row, int hkv, int h, int sub) {
-  if constexpr (!StreamFmt<F>::SCALED) {
+  if constexpr (!kScaled<F>) {
     return make_float2(1.f, 1.f);
   } else {
     const half* s = reinterpret_cast<const half*>(region) + ((size_t)row * hkv + h) * (kStreamD / KV_GROUP);
@@ -158,16 +154,16 @@ __global__ void __maxnreg__(224) paged_attention_stream_kernel(const QAttnParams
   __syncthreads();
   const StageLayout<KF, VF> lay(p.Hkv);
   const int cap = p.max_pages << p.log2S, smask = (1 << p.log2S) - 1;
-  const int kc_row = p.Hkv * D * StreamFmt<KF>::BITS / 8, vc_row = p.Hkv * D * StreamFmt<VF>::BITS / 8;
+  const int kc_row = p.Hkv * D * KVFormat<KF>::BITS / 8, vc_row = p.Hkv * D * KVFormat<VF>::BITS / 8;
   const int sc_row = p.Hkv * (D / KV_GROUP) * 2;  // scale bytes per token
   const int* table = p.block_tables + (int64_t)b * p.bt_stride;
   // The chunk c of the split at t0: its four regions' sources (scale regions only for scaled formats).
   auto sources = [&](int t, const uint8_t*(&src)[4]) {
     const int64_t slot = ((int64_t)__ldcg(table + (t >> p.log2S)) << p.log2S) | (t & smask);
     src[0] = p.kc + slot * kc_row;
-    src[1] = StreamFmt<KF>::SCALED ? reinterpret_cast<const uint8_t*>(p.ks) + slot * sc_row : nullptr;
+    src[1] = kScaled<KF> ? reinterpret_cast<const uint8_t*>(p.ks) + slot * sc_row : nullptr;
     src[2] = p.vc + slot * vc_row;
-    src[3] = StreamFmt<VF>::SCALED ? reinterpret_cast<const uint8_t*>(p.vs) + slot * sc_row : nullptr;
+    src[3] = kScaled<VF> ? reinterpret_cast<const uint8_t*>(p.vs) + slot * sc_row : nullptr;
     return slot;
   };
   const int bytes[4] = {lay.k_codes, lay.k_scales, lay.v_codes, lay.v_scales};
@@ -230,7 +226,7 @@ __global__ void __maxnreg__(224) paged_attention_stream_kernel(const QAttnParams
   const int wph = kStreamWarps / p.Hkv;  // warps per kv head
   const int h = warp / wph, wj = warp % wph, tg = lane >> 3, sub = lane & 7;
   float q[G][16];
-  if constexpr (!StreamFmt<KF>::SCALED) {  // fp16 pages: q straight from global memory (16-byte aligned rows)
+  if constexpr (!kScaled<KF>) {  // fp16 pages: q straight from global memory (16-byte aligned rows)
 #pragma unroll
     for (int g = 0; g < G; ++g) {
       const half* qrow = p.q + (int64_t)b * p.q_bs + (int64_t)(h * G + g) * p.q_hs;
@@ -241,7 +237,7 @@ __global__ void __maxnreg__(224) paged_attention_stream_kernel(const QAttnParams
     float* qs = reinterpret_cast<float*>(smem + (size_t)stages * lay.total);
     for (int i = threadIdx.x; i < p.Hq * D; i += kStreamWarps * 32)
       qs[i] = __half2float(p.q[(int64_t)b * p.q_bs + (int64_t)(i / D) * p.q_hs + i % D]);
-    if constexpr (StreamFmt<KF>::ROT) {
+    if constexpr (KVFormat<KF>::ROT) {
       stream_sync();
       for (int grp = warp; grp < p.Hq * D / KV_GROUP; grp += kStreamWarps)  // warp-uniform: every lane shuffles
         qs[grp * KV_GROUP + lane] = warp_fwht32(qs[grp * KV_GROUP + lane]);
@@ -289,7 +285,7 @@ __global__ void __maxnreg__(224) paged_attention_stream_kernel(const QAttnParams
           d0 = fmaf(q[g][i], k[i], d0);
           d1 = fmaf(q[g][8 + i], k[8 + i], d1);
         }
-        float d = StreamFmt<KF>::SCALED ? fmaf(d0, ks.x, d1 * ks.y) : d0 + d1;
+        float d = kScaled<KF> ? fmaf(d0, ks.x, d1 * ks.y) : d0 + d1;
         d += __shfl_xor_sync(0xffffffffu, d, 1);
         d += __shfl_xor_sync(0xffffffffu, d, 2);
         d += __shfl_xor_sync(0xffffffffu, d, 4);
@@ -378,7 +374,7 @@ __global__ void __maxnreg__(224) paged_attention_stream_kernel(const QAttnParams
     const int64_t prow = (int64_t)b * p.Hq + hq;
     if (p.nsplit == 1) {
       float y = den > 0.f ? o / den : 0.f;
-      if constexpr (StreamFmt<VF>::ROT) y = warp_fwht32(y);
+      if constexpr (KVFormat<VF>::ROT) y = warp_fwht32(y);
       p.out[prow * D + d] = __float2half_rn(y);
     } else {
       const int64_t ps = prow * p.nsplit + split;

@@ -787,16 +787,13 @@ int gemv_plan(const int64_t* blob, int ndesc, const void* x, int M, int ldx, int
         const char* e = getenv("EXL2_GEMV_MIN_STAGES");
         return e && atoi(e) >= 2 ? std::min(atoi(e), 32) : 2;  // 32: kTmaMaxStages
       }();
+      int ring = std::max(std::max(min_stages * slot, M * kGvCols * 4), (ring_kb * 1024 / slot) * slot);
 #ifdef EXL2_GEMV_DEEP_RING
       static const int deep_kb = [] {  // the deep ring (exl2_gemv_tma.cuh tma_stages): up to two blocks per SM
         const char* e = getenv("EXL2_GEMV_DEEP_RING_KB");
         return e && atoi(e) > 0 ? atoi(e) : 64;
       }();
-      const int two_per_sm = ((110 * 1024 - extra) / slot) * slot;
-      const int ring = std::max(std::max(std::max(min_stages * slot, M * kGvCols * 4), (ring_kb * 1024 / slot) * slot),
-                                std::min((deep_kb * 1024 / slot) * slot, two_per_sm));
-#else
-      const int ring = std::max(std::max(min_stages * slot, M * kGvCols * 4), (ring_kb * 1024 / slot) * slot);
+      ring = std::max(ring, std::min((deep_kb * 1024 / slot) * slot, ((110 * 1024 - extra) / slot) * slot));
 #endif
       p.ring_fill = ring_kb * 1024;
       p.min_stages = min_stages;

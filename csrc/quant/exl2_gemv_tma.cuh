@@ -148,8 +148,8 @@ __device__ __forceinline__ void with_bits(int bits, F&& f) {
 // Ring slots of B-bit weights: ring_fill bytes in flight, but at least min_stages slots (a 2-slot ring of 8-bit
 // or 6-bit weights only double-buffers) and no more than the ring holds.
 // Measurement build EXL2_GEMV_DEEP_RING (scripts/build_variant.sh; the host makes the ring EXL2_GEMV_DEEP_RING_KB,
-// default 64, where two blocks per SM still fit): every slot of the ring is used, but at most tma_flight copies are
-// in flight (the producer waits for copy i - flight to land before it issues copy i). The first fill then reaches
+// default 64, where two blocks per SM still fit): every slot of the ring is used, but at most ring_fill bytes of copies
+// are in flight (the producer waits for copy i - flight to land before it issues copy i). The first fill then reaches
 // deeper into the block's weights while the previous kernel finishes, and what the block loads through the cache
 // after the PDL wait still queues behind no more than ring_fill bytes (why 32 KB rings lost to 24 KB, AJ3).
 template <int B>
@@ -159,14 +159,6 @@ __device__ __forceinline__ int tma_stages(const GemvParams& p) {
   return min(kTmaMaxStages, p.ring_bytes / kSlot);
 #else
   return min(min(kTmaMaxStages, p.ring_bytes / kSlot), max(p.min_stages, p.ring_fill / kSlot));
-#endif
-}
-// Copies in flight of a run with `slot_bytes` per slot and `stages` slots (the deep ring's cap; all of them otherwise).
-__device__ __forceinline__ int tma_flight(const GemvParams& p, int slot_bytes, int stages) {
-#ifdef EXL2_GEMV_DEEP_RING
-  return min(stages, max(p.min_stages, p.ring_fill / slot_bytes));
-#else
-  return stages;
 #endif
 }
 
@@ -245,7 +237,7 @@ __device__ __forceinline__ void tma_produce_run(const GemvParams& p, const GvWor
   // then waits for the previous grid itself before the rest (a no-op once passed).
   const int pre = p.prewait_slots < 0 ? first : min(first, p.prewait_slots);
 #ifdef EXL2_GEMV_DEEP_RING
-  const int flight = tma_flight(p, slot_bytes, stages);
+  const int flight = min(stages, max(p.min_stages, p.ring_fill / slot_bytes));  // copies in flight (tma_stages)
   auto cap = [&](int i) {  // copy i - flight has landed
     if (i >= flight) mbar_wait(sm.full((i - flight) % stages), ((i - flight) / stages) & 1);
   };

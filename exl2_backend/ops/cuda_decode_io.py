@@ -12,16 +12,10 @@ from typing import NamedTuple
 
 import torch
 
-from exl2_backend.errors import InvalidRequestError
 from exl2_backend.ops import library
-from exl2_backend.ops.cuda_layers import launch_sampler, zero_temperatures
+from exl2_backend.ops.cuda_layers import _require, launch_sampler, zero_temperatures
 from exl2_backend.ops.library import I32, I64, PTR, STREAM
 from exl2_backend.ops.reference_decode_io import STAGE_FIELDS
-
-
-def _require(cond: bool, msg: str, field: str) -> None:
-    if not cond:
-        raise InvalidRequestError(msg, field=field)
 
 
 def _pinned(op: str, name: str, t: torch.Tensor, shape: tuple[int, ...]) -> None:

@@ -33,6 +33,7 @@ from exl2_backend.ops.cuda_layers import (
     _attn_row_tile,
     _check,
     _device_guard,
+    _device_index,
     _index_tensor,
     _num_sms,
     _op,
@@ -247,7 +248,7 @@ def paged_attention_quant(q: torch.Tensor, k_codes: torch.Tensor, k_scales: torc
     max_pages = tables.shape[1]
     _require(max_pages > 0, f"{op}: block_tables has no columns", "block_tables")
     max_ctx = max_pages * s
-    dev_index = q.device.index if q.device.index is not None else torch.cuda.current_device()
+    dev_index = _device_index(q.device)
     rows = (hq // hkv) * tq
     streamed = cuda_layers.attn_streamed(q.shape, (p, s, hkv, d), q.device)
     if streamed:  # cuda_layers.ATTN_STREAM: one CTA per split for all kv heads (paged_attention_stream.cu)

@@ -253,8 +253,14 @@ ATTN_STREAM = os.environ.get("EXL2_BACKEND_ATTN_STREAM", "0") == "1"
 _STREAM_MIN_ENV = os.environ.get("EXL2_BACKEND_ATTN_STREAM_MIN_SPLIT", "16")
 ATTN_STREAM_MIN_SPLIT = int(_STREAM_MIN_ENV) if _STREAM_MIN_ENV.isdigit() else -1
 if not (16 <= ATTN_STREAM_MIN_SPLIT <= 4096 and ATTN_STREAM_MIN_SPLIT % 16 == 0):
-    raise ValueError(f"EXL2_BACKEND_ATTN_STREAM_MIN_SPLIT must be a multiple of 16 in 16..4096, got {_STREAM_MIN_ENV!r}")
+    raise ValueError("EXL2_BACKEND_ATTN_STREAM_MIN_SPLIT must be a multiple of 16 in 16..4096, got "
+                     f"{_STREAM_MIN_ENV!r}")
 _ATTN_STREAM_FLAG = 1 << 9
+
+
+def _device_index(device: torch.device) -> int:
+    """A CUDA device's index (the current device for a bare "cuda")."""
+    return device.index if device.index is not None else torch.cuda.current_device()
 
 
 @functools.cache
@@ -269,8 +275,7 @@ def attn_streamed(q_shape, cache_shape, device: torch.device) -> bool:
         return False
     _, tq, hq, d = q_shape
     hkv = cache_shape[2]
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    return tq == 1 and d == 128 and hkv in (2, 4, 8) and hq // hkv in (1, 2, 4) and _sm90(index)
+    return tq == 1 and d == 128 and hkv in (2, 4, 8) and hq // hkv in (1, 2, 4) and _sm90(_device_index(device))
 
 
 def stream_splits(batch: int, max_context: int, num_sms: int) -> int:
@@ -687,8 +692,7 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     q, tables, lens = _attention_inputs(op, q, block_tables, context_lens)
     streamed = attn_streamed(q.shape, k_cache.shape, q.device)
     if streamed:
-        index = q.device.index if q.device.index is not None else torch.cuda.current_device()
-        nsplit = num_splits or stream_splits(b, tables.shape[1] * k_cache.shape[1], _num_sms(index))
+        nsplit = num_splits or stream_splits(b, tables.shape[1] * k_cache.shape[1], _num_sms(_device_index(q.device)))
     else:
         nsplit = _attention_nsplit(q.shape, k_cache.shape, tables.shape[1], q.device, num_splits)
     ws = torch.empty(b * tq * hq * nsplit * (d + 2), dtype=torch.float32, device=q.device) if nsplit > 1 else None
@@ -730,7 +734,7 @@ def _attention_nsplit(q_shape, cache_shape, max_pages: int, device: torch.device
     b, tq, hq, _ = q_shape
     _, s, hkv, _ = cache_shape
     max_ctx = max_pages * s
-    dev_index = device.index if device.index is not None else torch.cuda.current_device()
+    dev_index = _device_index(device)
     rows = (hq // hkv) * tq
     mma = _attn_fp16_mma(rows)
     ctas = _ATTN_CTAS_PER_SM

@@ -15,6 +15,7 @@ import logging
 import torch
 
 from exl2_backend.model import AttentionMetadata
+from exl2_backend.ops.reference_decode_io import STAGE_FIELDS
 from exl2_backend.runtime.model_runner import ModelRunner
 
 log = logging.getLogger("exl2_backend")
@@ -34,7 +35,7 @@ def fill_stage_rows(st, tokens, starts, block_tables, bucket: int, page_size: in
         st[i, 1] = p
         st[i, 2] = p + 1
         st[i, 3] = pages[p // s] * s + p % s
-        st[i, 4 : 4 + len(pages)] = pages
+        st[i, STAGE_FIELDS : STAGE_FIELDS + len(pages)] = pages
 
 
 class CudaGraphRunner(ModelRunner):
@@ -50,9 +51,9 @@ class CudaGraphRunner(ModelRunner):
         self._lens = torch.ones(n, dtype=torch.int32, device=dev)  # [Bmax]
         self._slots = torch.full((n,), -1, dtype=torch.int64, device=dev)  # [Bmax]
         # One pinned staging row per step: [ids | pos | lens | slots | tables] as int64, uploaded in one copy.
-        self._stage = torch.zeros(n, 4 + w, dtype=torch.int64).pin_memory()
+        self._stage = torch.zeros(n, STAGE_FIELDS + w, dtype=torch.int64).pin_memory()
         self._stage_np = self._stage.numpy()  # filled from Python through numpy: ~100x cheaper than tensor indexing
-        self._stage_dev = torch.zeros(n, 4 + w, dtype=torch.int64, device=dev)
+        self._stage_dev = torch.zeros(n, STAGE_FIELDS + w, dtype=torch.int64, device=dev)
         self._uploaded = torch.cuda.Event()  # the staging buffer is reused only after its last copy finished
         self._graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self._outputs: dict[int, torch.Tensor] = {}
@@ -99,7 +100,7 @@ class CudaGraphRunner(ModelRunner):
         self._pos[:b, 0] = dev[:, 1]
         self._lens[:b] = dev[:, 2].to(torch.int32)
         self._slots[:b] = dev[:, 3]
-        self._tables[:b] = dev[:, 4:].to(torch.int32)
+        self._tables[:b] = dev[:, STAGE_FIELDS:].to(torch.int32)
 
     def _upload(self, tokens, starts, block_tables, bucket: int) -> None:
         """Fill the pinned staging rows for this step and copy them to the device (the graph unpacks them)."""

@@ -96,7 +96,10 @@ class DecodeLookahead:
         bucket = next(x for x in r.buckets if x >= b)
         # a step after `prev` takes prev's path (its token is where that path left it); a fresh one the greedy
         # graphs when they are on and capture
-        on_graph = prev.tokens_dev is None if prev is not None else self.graphs is not None and self.graphs.ready(bucket)
+        if prev is not None:
+            on_graph = prev.tokens_dev is None
+        else:
+            on_graph = self.graphs is not None and self.graphs.ready(bucket)
         if on_graph:
             n = self.graphs.launches
             if prev is not None and prev.launch != n - 1:  # the graph reads the last launch's tokens

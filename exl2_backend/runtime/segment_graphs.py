@@ -20,6 +20,7 @@ import logging
 import torch
 
 from exl2_backend.model import AttentionMetadata
+from exl2_backend.ops.reference_decode_io import STAGE_FIELDS
 from exl2_backend.runtime.cuda_graphs import DECODE_BUCKETS, fill_stage_rows
 from exl2_backend.runtime.model_runner import ModelRunner
 
@@ -39,7 +40,7 @@ class _Statics:
         self.tables = torch.zeros(n, width, dtype=torch.int32, device=device)  # [Bmax, max_pages]
         self.lens = torch.ones(n, dtype=torch.int32, device=device)  # [Bmax]
         self.slots = torch.full((n,), -1, dtype=torch.int64, device=device)  # [Bmax]
-        self.stage_dev = torch.zeros(n, 4 + width, dtype=torch.int64, device=device)
+        self.stage_dev = torch.zeros(n, STAGE_FIELDS + width, dtype=torch.int64, device=device)
         self.uploaded = torch.cuda.Event()
 
     def meta(self, b: int) -> AttentionMetadata:
@@ -67,7 +68,7 @@ class _Statics:
         self.pos[:bucket, 0] = dev[:, 1]
         self.lens[:bucket] = dev[:, 2].to(torch.int32)
         self.slots[:bucket] = dev[:, 3]
-        self.tables[:bucket] = dev[:, 4:].to(torch.int32)
+        self.tables[:bucket] = dev[:, STAGE_FIELDS:].to(torch.int32)
 
 
 class SegmentGraphRunner(ModelRunner):
@@ -80,7 +81,7 @@ class SegmentGraphRunner(ModelRunner):
         hidden = model.config.hidden_size
         self.statics = [_Statics(seg.device, n, w, hidden, model.dtype, first=(s == 0))
                         for s, seg in enumerate(model.segments)]
-        self._stage = torch.zeros(n, 4 + w, dtype=torch.int64).pin_memory()  # one staging row per sequence
+        self._stage = torch.zeros(n, STAGE_FIELDS + w, dtype=torch.int64).pin_memory()  # one staging row per sequence
         self._segment_graphs: dict[int, list[torch.cuda.CUDAGraph]] = {}
         self._outputs: dict[int, list[torch.Tensor]] = {}
         self._pools: dict[torch.device, object] = {}

@@ -133,22 +133,26 @@ def test_staged_kernel_splits_aim_at_its_measured_ctas(monkeypatch, mode):
         cuda_layers.attention_splits(1, 1, 32, 8, 128 * 256, 132, 4)
 
 
-@pytest.mark.parametrize("value,ok", [("64", True), ("128", True), ("16", True), ("8", False), ("100", False),
-                                      ("1024", False), ("x", False)])
-def test_min_split_override_is_checked(value, ok):
-    """EXL2_BACKEND_ATTN_MIN_SPLIT (read at import: a subprocess) sets the shortest split the planning cuts, or
-    fails the import with a ValueError naming the variable."""
-    import os
+@pytest.mark.parametrize("var,attr,value,ok", [
+    *[("EXL2_BACKEND_ATTN_MIN_SPLIT", "_ATTN_MIN_SPLIT", v, ok) for v, ok in (
+        ("64", True), ("128", True), ("16", True), ("8", False), ("100", False), ("1024", False), ("x", False))],
+    # the streamed kernel's: a multiple of its 16-token chunk up to 4096
+    *[("EXL2_BACKEND_ATTN_STREAM_MIN_SPLIT", "ATTN_STREAM_MIN_SPLIT", v, ok) for v, ok in (
+        ("16", True), ("1024", True), ("4096", True), ("8", False), ("100", False), ("8192", False), ("x", False))],
+])
+def test_min_split_override_is_checked(var, attr, value, ok):
+    """EXL2_BACKEND_ATTN_MIN_SPLIT and EXL2_BACKEND_ATTN_STREAM_MIN_SPLIT (read at import: a subprocess) set the
+    shortest split the planning cuts, or fail the import with a ValueError naming the variable."""
     import subprocess
     import sys
 
-    env = {**os.environ, "EXL2_BACKEND_ATTN_MIN_SPLIT": value}
-    code = "from exl2_backend.ops import cuda_layers; print(cuda_layers._ATTN_MIN_SPLIT)"
+    env = {**os.environ, var: value}
+    code = f"from exl2_backend.ops import cuda_layers; print(cuda_layers.{attr})"
     r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120, check=False)
     if ok:
         assert r.returncode == 0 and r.stdout.strip() == value, r.stderr
     else:
-        assert r.returncode != 0 and "EXL2_BACKEND_ATTN_MIN_SPLIT" in r.stderr
+        assert r.returncode != 0 and var in r.stderr
 
 
 @pytest.mark.parametrize("rows,tiles", [(1, 1), (4, 1), (8, 1), (9, 2), (16, 2), (20, 3), (36, 3), (128, 3)])

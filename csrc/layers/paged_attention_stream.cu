@@ -412,7 +412,7 @@ int launch_formats(const QAttnParams& p, int B, cudaStream_t stream) {
 
 }  // namespace
 
-// The streamed decode attention (flags bit 9 of exl2_paged_attention, use_mma bit 6 of exl2_paged_attention_quant):
+// The streamed decode attention (flags bit 9 of exl2_paged_attention, use_mma == 64 of exl2_paged_attention_quant):
 // a decode step (Tq == 1), D = 128, G = Hq / Hkv in {1, 2, 4}, Hkv in {2, 4, 8}, on sm_90+, over fp16 pages
 // (k_fmt = v_fmt = kFmtF16) or code pages (the kv_quant_write pairs); its reduce launch when nsplit > 1. `a` holds
 // the other kernels' parameters (part_o / part_ml laid out as theirs).
@@ -424,6 +424,10 @@ int launch_paged_attention_stream(const QAttnParams& a, int k_fmt, int v_fmt, in
   EXL2_REQUIRE(a.log2S >= 4, "paged_attention (stream): pages of at least %d tokens", kStreamChunk);
   EXL2_REQUIRE(a.min_split >= kStreamChunk && a.min_split % kStreamChunk == 0,  // no chunk straddles two splits
                "paged_attention (stream): min_split %d must be a multiple of %d", a.min_split, kStreamChunk);
+  // Bulk copies fault on a source not 16-byte aligned (a sticky error that ends the context): checked, not assumed.
+  const bool scaled = k_fmt != kFmtF16;
+  EXL2_REQUIRE(aligned16(a.kc) && aligned16(a.vc) && (!scaled || (aligned16(a.ks) && aligned16(a.vs))),
+               "paged_attention (stream): cache and scale tensors must start 16-byte aligned");
   int dev = 0, major = 0;
   if (cudaGetDevice(&dev) != cudaSuccess || cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev) !=
                                                  cudaSuccess)

@@ -279,9 +279,10 @@ def attn_streamed(q_shape, cache_shape, device: torch.device) -> bool:
 
 
 def stream_splits(batch: int, max_context: int, num_sms: int) -> int:
-    """Splits per sequence of the streamed kernel: one CTA per SM over the batch, none under ATTN_STREAM_MIN_SPLIT
-    keys (a function of shapes only: graph-safe)."""
-    return max(1, min(math.ceil(num_sms / max(batch, 1)), math.ceil(max_context / ATTN_STREAM_MIN_SPLIT)))
+    """Splits per sequence of the streamed kernel: one CTA per SM over the batch, rounded down so the batch's CTAs
+    are one wave (136 CTAs on 132 SMs would run 4 of them as a second wave, ~1.9x the time); none under
+    ATTN_STREAM_MIN_SPLIT keys (a function of shapes only: graph-safe)."""
+    return max(1, min(num_sms // max(batch, 1), math.ceil(max_context / ATTN_STREAM_MIN_SPLIT)))
 
 
 def _attn_keys_max(row_tile: int) -> int:

@@ -528,7 +528,10 @@ def test_combine_staged_past_48kb_is_bit_identical(tmp_path):
     got = {}
     for name, setting in (("48", {"EXL2_ATTN_COMBINE_MAX_KB": "48"}), ("200", {"EXL2_ATTN_COMBINE_MAX_KB": "200"}),
                           ("slices", {"EXL2_ATTN_REDUCE_SLICE_MIN": "2"})):
-        env = {**os.environ, **setting, "PYTHONPATH": f"{root}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+        # The caller's own settings of both switches dropped: "200" must be the default reduce, not slices.
+        base = {k: v for k, v in os.environ.items()
+                if k not in ("EXL2_ATTN_COMBINE_MAX_KB", "EXL2_ATTN_REDUCE_SLICE_MIN")}
+        env = {**base, **setting, "PYTHONPATH": f"{root}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
         out = tmp_path / f"{name}.pt"
         subprocess.run([sys.executable, "-c", _COMBINE_SCRIPT, str(out)], env=env, cwd=root, check=True, timeout=120)
         got[name] = torch.load(out)

@@ -66,10 +66,10 @@ def test_shapes_it_declines_take_the_default_route():
     check([33, 900], 1, 8, 1, 128, page=16)
 
 
-
 def test_library_rejects_shapes_it_does_not_take():
     """The C entry checks the shapes itself (flags bit 9 from a caller that did not ask attn_streamed): a verify
-    step's rows and head_dim 64 give a typed error naming the kernel, before any launch."""
+    step's rows, head_dim 64 and a cache not 16-byte aligned give a typed error naming the kernel, before any
+    launch."""
     import math
 
     from exl2_backend.errors import KernelUnavailableError
@@ -83,6 +83,19 @@ def test_library_rejects_shapes_it_does_not_take():
         ws = torch.empty(2 * tq * 32 * 4 * (d + 2), device=DEV)
         with pytest.raises(KernelUnavailableError, match="stream"):
             cl()._launch_paged_attention(q, kc, vc, tables, ctx, out, ws, 4, 1 / math.sqrt(d), None, streamed=True)
+    # A cache that starts 8 bytes past a 16-byte boundary: bulk copies would fault (a sticky error ending the
+    # context); the entry refuses it instead, and the context still runs the next launch.
+    kc, vc, tables, ctx, _ = build([40, 300], 8, 128, 16)
+    shifted = torch.empty(kc.numel() + 4, dtype=kc.dtype, device=DEV)[4:].view(kc.shape).copy_(kc)
+    assert shifted.data_ptr() % 16 == 8
+    q = torch.randn(2, 1, 32, 128, device=DEV).half()
+    q, tables, ctx = cl()._attention_inputs("paged_attention", q, tables, ctx)
+    out = torch.empty_like(q)
+    ws = torch.empty(2 * 32 * 4 * 130, device=DEV)
+    with pytest.raises(KernelUnavailableError, match="16-byte aligned"):
+        cl()._launch_paged_attention(q, shifted, vc, tables, ctx, out, ws, 4, 1 / math.sqrt(128), None,
+                                     streamed=True)
+    check([40, 300], 1, 32, 8, 128, page=16)
 
 
 @pytest.mark.parametrize("kf,vf", [("e4m3", "e4m3"), ("int8", "int8"), ("int8", "int4"), ("int4", "int4")])

@@ -197,6 +197,8 @@ def test_splits_count_the_tensor_core_tiles_and_tiles_per_cta():
     (1, 1024, 16, 64),  # no split under 16 keys
     (1, 1024, 64, 16),
     (4, 32768, 16, 33),  # the SMs shared over the batch
+    (8, 32768, 16, 16),  # rounded down: 17 splits would be 136 CTAs, a second wave on 132 SMs
+    (5, 32768, 16, 26),
     (200, 32768, 16, 1),
     (1, 5, 16, 1),
 ])

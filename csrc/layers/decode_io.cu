@@ -26,8 +26,10 @@ __global__ void __launch_bounds__(kDecodeIoThreads)
   const int64_t* row = stage + b * ld;
   const int t = threadIdx.x;
   if (t == 0) {
+    // both loads issued before the branch: one round trip over the bus, not two (each is a host read)
     const int64_t token = row[0];
-    ids[b] = token >= 0 || prev == nullptr ? token : prev[b];
+    const int64_t previous = prev != nullptr ? prev[b] : 0;
+    ids[b] = token == -1 && prev != nullptr ? previous : token;  // -1: FROM_PREVIOUS (reference_decode_io)
   } else if (t == 1) {
     pos[b] = row[1];
   } else if (t == 2) {

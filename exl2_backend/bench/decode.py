@@ -116,12 +116,17 @@ def prefill_seconds(engine, seq_id: str, prompt: list[int], new_tokens: int) -> 
 
 def graph_step_seconds(engine, iters: int) -> float | None:
     """Seconds per replay of the engine's batch-1 decode graph (None without one): 3 warm-up replays, then `iters`
-    timed with CUDA events. The graph repeats the step it last ran (same inputs, same cache slots)."""
-    runner = engine.runner
-    graphs = getattr(runner, "_graphs", {})
-    if 1 not in graphs:
-        return None
-    g = graphs[1]
+    timed with CUDA events. The graph repeats the step it last ran (same inputs, same cache slots). With greedy
+    graphs (EXL2_BACKEND_GRAPH_IO) that is the last one launched: the plain graph's staging was never written
+    then, and replaying it would time a step over an empty context."""
+    greedy = getattr(getattr(engine, "lookahead", None), "graphs", None)
+    if greedy is not None and greedy.last is not None:
+        g = greedy.last
+    else:
+        graphs = getattr(engine.runner, "_graphs", {})
+        if 1 not in graphs:
+            return None
+        g = graphs[1]
     for _ in range(3):
         g.replay()
     a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -214,6 +219,8 @@ def run_bench(model_dir: str | Path, *, contexts=(512, 2048, 8192, 32768), decod
                 row["graph_pct_roofline"] = 100 / gpu_step / roof
         result["decode"].append(row)
     engine.assert_no_leaks()
+    stats = engine.stats()
+    result["graph_io"] = {k: stats[k] for k in ("graph_io_launches", "graph_io_failed")}  # which path ran
     if engine.spec is not None:
         result["speculation"] = {k: v for k, v in engine.stats().items() if k.startswith("spec_")}
     return result

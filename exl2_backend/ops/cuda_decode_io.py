@@ -19,7 +19,10 @@ from exl2_backend.ops.reference_decode_io import STAGE_FIELDS
 
 
 def _pinned(op: str, name: str, t: torch.Tensor, shape: tuple[int, ...]) -> None:
-    _require(isinstance(t, torch.Tensor) and t.device.type == "cpu" and t.is_pinned(),
+    # is_pinned() asks the runtime about the pointer, which a capture may forbid; under capture the MappedHost
+    # the view came from has checked it
+    _require(isinstance(t, torch.Tensor) and t.device.type == "cpu"
+             and (torch.cuda.is_current_stream_capturing() or t.is_pinned()),
              f"{op}: {name} must be a pinned CPU tensor", name)
     _require(t.dtype == torch.int64 and tuple(t.shape) == shape and t.is_contiguous(),
              f"{op}: {name} must be contiguous int64 {list(shape)}, got {t.dtype} {tuple(t.shape)}", name)
@@ -56,7 +59,8 @@ class MappedHost:
         self.tensor = tensor
         self._base = mapped_address(tensor)
         self._start = tensor.data_ptr()
-        self._end = self._start + tensor.untyped_storage().nbytes()
+        storage = tensor.untyped_storage()
+        self._end = storage.data_ptr() + storage.nbytes()
 
     def view(self, t: torch.Tensor) -> MappedView:
         """t: a view of this tensor (e.g. `host.tensor[p, :b]`)."""

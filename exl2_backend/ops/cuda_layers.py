@@ -818,6 +818,7 @@ def _(logits, uniforms, temperature, probs=None):
 
 
 _zero_temperatures: dict[torch.device, torch.Tensor] = {}
+_retired_zeros: list[torch.Tensor] = []  # superseded zero temperatures, kept alive for the graphs using them
 
 
 def greedy_tokens(logits: torch.Tensor) -> torch.Tensor:
@@ -832,12 +833,18 @@ def greedy_tokens(logits: torch.Tensor) -> torch.Tensor:
 
 
 def zero_temperatures(device: torch.device, b: int) -> torch.Tensor:
-    """f32 [b] zeros on `device` (every row greedy), kept per device unless made under graph capture."""
+    """f32 [b] zeros on `device` (every row greedy), kept per device unless made under graph capture. A graph
+    captured with one holds its address, so a larger one replaces it without freeing it (_retired_zeros): freed,
+    its memory could be reused and the graph's rows would sample with nonzero temperatures."""
     zeros = _zero_temperatures.get(device)
     if zeros is None or zeros.numel() < b:
-        zeros = torch.zeros(max(b, 64), dtype=torch.float32, device=device)
-        if not torch.cuda.is_current_stream_capturing():  # a tensor of the graph's pool is not kept
-            _zero_temperatures[device] = zeros
+        fresh = torch.zeros(max(b, 64), dtype=torch.float32, device=device)
+        capturing = device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+        if not capturing:  # a tensor of the graph's pool is not kept
+            if zeros is not None:
+                _retired_zeros.append(zeros)
+            _zero_temperatures[device] = fresh
+        zeros = fresh
     return zeros[:b]
 
 

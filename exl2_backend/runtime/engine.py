@@ -396,7 +396,15 @@ class Engine:
             "prefill_scratch_bytes": self.prefill_scratch_bytes(),
             "lookahead_steps_used": self.lookahead.steps_ahead_used if self.lookahead is not None else 0,
             "lookahead_steps_dropped": self.lookahead.steps_ahead_dropped if self.lookahead is not None else 0,
+            **self._graph_io_stats(),
         }
+
+    def _graph_io_stats(self) -> dict:
+        """Whether greedy steps ran with their host I/O in the graph (EXL2_BACKEND_GRAPH_IO): launches, and why a
+        capture failed (then plain graph steps ran), so a measurement can tell which path it timed."""
+        graphs = self.lookahead.graphs if self.lookahead is not None else None
+        return {"graph_io_launches": graphs.launches if graphs is not None else 0,
+                "graph_io_failed": graphs.failed if graphs is not None else None}
 
     def flush_prefix_cache(self) -> int:
         """Forget every cached prefix page (pages held by live sequences stay theirs); returns pages freed."""

@@ -48,7 +48,8 @@ class GreedyGraphs:
         self._done: list[torch.cuda.Event | None] = [None, None]  # the last launch of each parity
         self._parity = 0
         self.launches = 0
-        self._failed: str | None = None  # why a capture failed (then no more are tried)
+        self.last: torch.cuda.CUDAGraph | None = None  # the graph of the last launch (bench: repeats that step)
+        self.failed: str | None = None  # why a capture failed (then no more are tried; in the engine's stats)
 
     def _capture(self, bucket: int) -> list[torch.cuda.CUDAGraph]:
         r, io = self.runner, self._io
@@ -79,13 +80,16 @@ class GreedyGraphs:
         fails: the caller then runs plain graph steps."""
         if bucket in self._graphs:
             return True
-        if self._failed is None:
+        if self.failed is None:
+            stream = torch.cuda.current_stream()
             try:
                 self._capture(bucket)
                 return True
             except Exception as exc:  # noqa: BLE001 - the plain graph steps are a correct fallback
-                self._failed = f"{type(exc).__name__}: {exc}"
-                log.warning("exl2_backend: greedy graph capture failed (%s); plain graph steps", self._failed)
+                # torch.cuda.graph leaves its side stream current when the capture's end raises
+                torch.cuda.set_stream(stream)
+                self.failed = f"{type(exc).__name__}: {exc}"
+                log.warning("exl2_backend: greedy graph capture failed (%s); plain graph steps", self.failed)
         return False
 
     def launch(self, tokens: list[int], starts: list[int], block_tables: list[list[int]]):
@@ -101,6 +105,7 @@ class GreedyGraphs:
             self._done[p].synchronize()  # its graph has read stage[p], and tokens[p] was consumed before this call
         fill_stage_rows(self._stage_np[p], tokens, starts, block_tables, bucket, self.runner.page_size)
         graphs[p].replay()
+        self.last = graphs[p]
         done = torch.cuda.Event()
         done.record()
         self._done[p] = done

@@ -58,6 +58,7 @@ def test_lookahead_with_host_io_in_the_graph(engine):
         got = run_greedy_batch(engine, prompts, lengths, lookahead=True)
         alone = run_greedy_batch(engine, {"b": prompts["b"]}, {"b": 18}, lookahead=True)
         stats = engine.lookahead.steps_ahead_used, engine.lookahead.graphs.launches
+        assert engine.stats()["graph_io_launches"] == stats[1] and engine.stats()["graph_io_failed"] is None
     finally:
         engine.lookahead = saved
     assert got == want
@@ -85,8 +86,10 @@ def test_lookahead_falls_back_when_a_greedy_graph_capture_fails(engine, monkeypa
     try:
         got = run_greedy_batch(engine, prompts, {"a": 12}, lookahead=True)
         graphs = engine.lookahead.graphs
+        stats = engine.stats()
     finally:
         engine.lookahead = saved
     assert got == want
-    assert graphs.launches == 0 and graphs._failed is not None
+    assert graphs.launches == 0 and graphs.failed is not None
+    assert stats["graph_io_launches"] == 0 and "on purpose" in stats["graph_io_failed"]
     engine.assert_no_leaks()

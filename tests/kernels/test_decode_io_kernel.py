@@ -31,6 +31,8 @@ def _random_stage(b: int, w: int, seed: int, previous_rows: bool) -> torch.Tenso
     st[:, STAGE_FIELDS:] = torch.randint(0, 1 << 30, (b, w), generator=g)  # page ids fit int32
     if previous_rows:
         st[::2, 0] = FROM_PREVIOUS
+        if b > 2:
+            st[1, 0] = -2  # only -1 means "previous": other negatives pass through as the reference does
     st[-1, 3] = -1  # a padded row's slot
     return st.pin_memory()
 

@@ -63,3 +63,21 @@ def test_fill_stage_rows_pads_the_bucket():
     assert st[3].tolist() == [99] * 8  # past the bucket: untouched
     got = decode_inputs(torch.from_numpy(st[:3]), torch.tensor([5, 6, 7]))
     assert got.ids.flatten().tolist() == [7, 6, 0] and got.slots.tolist() == [148, 35, -1]
+
+
+def test_zero_temperatures_outlive_a_larger_request(monkeypatch):
+    """A greedy graph captured with the shared zero temperatures holds their address: a later, larger request
+    replaces them without freeing them (freed, the memory could be reused and the graph's rows would sample with
+    nonzero temperatures). The reuse path is exercised on CPU tensors; the kernels never see them here."""
+    from exl2_backend.ops import cuda_layers
+
+    monkeypatch.setattr(cuda_layers, "_zero_temperatures", {})
+    monkeypatch.setattr(cuda_layers, "_retired_zeros", [])
+    dev = torch.device("cpu")
+    first = cuda_layers.zero_temperatures(dev, 8)
+    assert first.shape == (8,) and first.untyped_storage().nbytes() == 64 * 4  # at least 64 rows
+    assert cuda_layers.zero_temperatures(dev, 64).data_ptr() == first.data_ptr()  # reused while large enough
+    larger = cuda_layers.zero_temperatures(dev, 100)
+    assert larger.shape == (100,) and larger.data_ptr() != first.data_ptr()
+    assert any(z.data_ptr() == first.data_ptr() for z in cuda_layers._retired_zeros)  # still alive
+    assert torch.count_nonzero(larger) == 0

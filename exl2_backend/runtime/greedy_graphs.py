@@ -29,7 +29,8 @@ log = logging.getLogger("exl2_backend")
 
 
 class GreedyGraphs:
-    """Per batch bucket of `runner`, the two parity graphs of a greedy decode step (captured on first use)."""
+    """Per batch bucket of `runner`, the two parity graphs of a greedy decode step (capture_all at load, or on
+    first use)."""
 
     def __init__(self, runner: CudaGraphRunner):
         from exl2_backend.ops import cuda_decode_io
@@ -91,6 +92,14 @@ class GreedyGraphs:
                 self.failed = f"{type(exc).__name__}: {exc}"
                 log.warning("exl2_backend: greedy graph capture failed (%s); plain graph steps", self.failed)
         return False
+
+    def capture_all(self) -> None:
+        """Every bucket's graphs now, as the plain runner's capture_all does at load: a capture during serving
+        would stall the first step of each new batch size (two forwards captured, the device synchronized). Stops
+        at the first failure (ready() logs it; plain graph steps run)."""
+        for bucket in self.runner.buckets:
+            if not self.ready(bucket):
+                return
 
     def launch(self, tokens: list[int], starts: list[int], block_tables: list[list[int]]):
         """Queue one greedy decode step: per sequence its input token (or FROM_PREVIOUS: the previous launch's

@@ -63,6 +63,8 @@ class DecodeLookahead:
                 self.graphs = GreedyGraphs(runner)
             except Exception as exc:  # noqa: BLE001 - the plain graph steps are a correct fallback
                 log.warning("exl2_backend: greedy graphs with host I/O unavailable (%s); plain graph steps", exc)
+            else:
+                self.graphs.capture_all()
         n = runner.buckets[-1]
         self._host = [torch.zeros(n, dtype=torch.int64).pin_memory() for _ in range(2)]  # ping-pong
         self._flip = 0

@@ -123,7 +123,8 @@ class Exl2Handle(BackendHandle):
             if req.prompt is not None:
                 return tok.encode(req.prompt)
             return tok.encode_chat(req.messages, req.add_generation_prompt)
-        except Exl2Error as exc:  # TokenizerError: bad template input, no chat template, ...
+        except (Exl2Error, TypeError, ValueError, UnicodeError) as exc:  # TokenizerError: bad template input, ...
+            # whatever one request's text does to the tokenizer fails that request, never the engine
             field = "messages" if req.messages is not None else "prompt"
             raise AdmissionRejected(f"{field}: {exc}", reason="invalid_request", field=field,
                                     seq_id=req.seq_id) from exc

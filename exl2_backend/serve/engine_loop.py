@@ -142,6 +142,7 @@ class EngineLoop:
         self._active: dict[str, _Job] = {}  # engine thread only
         self._blocked = False  # engine thread: the head of the queue did not fit; wait for a finish
         self._admitting = 0  # jobs taken off the queue for this step's prefill, not yet in _active
+        self._admitting_jobs: list[_Job] = []  # those jobs (engine thread): _die fails them too
         self._stop = False
         self._fatal: str | None = None
         self._counters = _Counters()
@@ -325,6 +326,7 @@ class EngineLoop:
                 while self._waiting and len(self._active) + len(new) < self.max_batch_size:
                     new.append(self._waiting.popleft())
             self._admitting = len(new)
+        self._admitting_jobs = new
         prefilling = [sid for sid, j in self._active.items() if j.prefilling]
         if new or prefilling:
             self._flush()  # an eager prompt chunk takes a while: do not hold the previous tokens through it
@@ -353,6 +355,7 @@ class EngineLoop:
                     self._blocked = True
                     self._waiting.extendleft(reversed(requeue))
                 self._admitting = 0
+            self._admitting_jobs = []
             self._deliver(out)  # first tokens and refusals now: holding them through a decode step adds to TTFT
             out = []
 
@@ -428,9 +431,13 @@ class EngineLoop:
             waiting = list(self._waiting)
             self._waiting.clear()
         err = EngineUnhealthy(message)
-        items = [(j.sink, Event(j.req.seq_id, finish_reason="error", error=err))
-                 for j in list(self._active.values()) + waiting]
+        # a step that failed during admission holds jobs in neither _active nor _waiting: they are failed too,
+        # or their requests would wait forever
+        active = list(self._active.values())
+        admitting = [j for j in self._admitting_jobs if all(j is not a for a in active)]
+        items = [(j.sink, Event(j.req.seq_id, finish_reason="error", error=err)) for j in active + admitting + waiting]
         self._active.clear()
+        self._admitting_jobs = []
         self._deliver(items)
 
     def _shutdown(self) -> None:

@@ -34,6 +34,7 @@ from exl2_backend.serve.schemas import (
     ModelCard,
     ModelList,
     first_error,
+    lone_surrogate,
 )
 
 log = logging.getLogger("exl2_backend.serve")
@@ -191,6 +192,9 @@ class Exl2OpenAISpec(LitSpec):
         body = await self._body(request)
         if isinstance(body, Response):
             return body
+        bad_text = lone_surrogate(body)
+        if bad_text is not None:
+            return _error_response(400, bad_text[1], param=bad_text[0])
         try:
             req = schema.model_validate(body)
         except ValidationError as exc:

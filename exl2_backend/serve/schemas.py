@@ -336,3 +336,25 @@ def first_error(exc: ValidationError) -> tuple[str, str]:
         return param, f"{param}: this field is required"
     msg = msg.removeprefix("Value error, ")
     return param, f"{param}: {msg}"
+
+
+def lone_surrogate(body, path: str = "") -> tuple[str, str] | None:
+    """(param, message) for the first string of a parsed JSON body that is not valid Unicode, or None. JSON may
+    escape half of a surrogate pair ("\\ud83d", e.g. an emoji cut by a client's slice); no tokenizer can encode
+    it, so it is refused here, as a 400 naming the field, before it reaches the engine."""
+    if isinstance(body, str):
+        try:
+            body.encode("utf-8")
+        except UnicodeEncodeError as exc:
+            param = path or "body"
+            return param, (f"{param}: character {exc.start} is a lone surrogate (U+{ord(body[exc.start]):04X}), "
+                           "not valid Unicode")
+        return None
+    items = body.items() if isinstance(body, dict) else enumerate(body) if isinstance(body, list) else ()
+    for key, value in items:
+        found = lone_surrogate(key, path) if isinstance(key, str) else None
+        found = found or lone_surrogate(value, f"{path}.{key}" if path else str(key))
+        if found:
+            return found
+    return None
+

@@ -24,6 +24,16 @@ _CLEANUPS = ((" .", "."), (" ?", "?"), (" !", "!"), (" ,", ","), (" ' ", "'"), (
              (" 's", "'s"), (" 've", "'ve"), (" 're", "'re"))
 
 
+def _unicode_problem(text: str) -> str | None:
+    """Why `text` is not valid Unicode (a lone surrogate, e.g. from JSON's "\\ud83d" or half of an emoji cut by
+    a client), or None."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        return f"character {exc.start} is a lone surrogate (U+{ord(text[exc.start]):04X}), not valid Unicode"
+    return None
+
+
 def _read_json(path: Path, required: bool = False) -> dict:
     if not path.is_file():
         if required:
@@ -150,7 +160,10 @@ class Tokenizer:
         """
         if not isinstance(text, str):
             raise TokenizerError(f"encode expects a str, got {type(text).__name__}")
-        ids = self._tok.encode(text, add_special_tokens=add_special_tokens).ids
+        try:
+            ids = self._tok.encode(text, add_special_tokens=add_special_tokens).ids
+        except Exception as exc:  # e.g. TypeError for a str that is not valid Unicode
+            raise TokenizerError(f"cannot encode the text: {_unicode_problem(text) or exc}") from exc
         want_bos = add_bos if add_bos is not None else (self.add_bos_token if add_special_tokens else None)
         has_bos = bool(ids) and ids[0] == self.bos_token_id
         if want_bos is True and not has_bos and self.bos_token_id is not None:

@@ -144,3 +144,55 @@ def test_cancel_that_overtakes_its_request(backend):
         assert events[-1].finish_reason == "cancelled" and sum(len(e.token_ids) for e in events) < 40
     finally:
         loop.stop()
+
+
+def test_a_request_whose_text_is_not_unicode_fails_alone(backend):
+    """A prompt holding a lone surrogate (half an emoji cut by a client, "\\ud83d" in JSON) reaching the hooks from
+    a host that does not check text: no tokenizer can encode it, so that request is refused (invalid_request,
+    naming the character) and the loop stays healthy: the next request runs. It once killed the engine."""
+    pm, handle = backend
+    loop = EngineLoop(pm.hook, handle, max_batch_size=8, max_queue=8).start()
+
+    async def main():
+        bad = await _drain(loop.submit(SequenceRequest("bad", prompt="Hi \ud83d", max_new_tokens=4)))
+        chat = await _drain(loop.submit(SequenceRequest(
+            "bad-chat", messages=[{"role": "user", "content": "x\udc00"}], max_new_tokens=4)))
+        good = await _drain(loop.submit(_req("good", handle, 4)))
+        return bad, chat, good
+
+    try:
+        bad, chat, good = asyncio.run(main())
+        for events, field in ((bad, "prompt"), (chat, "messages")):
+            err = events[-1].error
+            assert isinstance(err, AdmissionRejected) and err.reason == "invalid_request" and err.field == field
+            assert "surrogate" in str(err)
+        assert good[-1].finish_reason == "length" and sum(len(e.token_ids) for e in good) == 4
+        assert loop.healthy and loop.stats()["backend"]["free_pages"] == PAGES
+    finally:
+        loop.stop()
+
+
+def test_a_step_that_fails_fails_the_requests_it_was_admitting(backend):
+    """A hook failure the loop cannot attribute to one request ends the loop (tier 3), and every request ends
+    with an error event, including those taken off the queue for the failing step's admission, which are in
+    neither the queue nor the running set at that moment (they used to wait forever)."""
+    pm, handle = backend
+
+    class PrefillFails:  # the real hooks, except that the prefill step raises
+        def __getattr__(self, name):
+            return getattr(pm.hook, name)
+
+        def exl2_prefill(self, **kwargs):
+            raise RuntimeError("injected prefill failure")
+
+    loop = EngineLoop(PrefillFails(), handle, max_batch_size=8, max_queue=8).start()
+
+    async def main():
+        return await asyncio.wait_for(_drain(loop.submit(_req("x", handle, 4))), 60)
+
+    try:
+        events = asyncio.run(main())
+        assert events[-1].finish_reason == "error" and "injected prefill failure" in str(events[-1].error)
+        assert not loop.healthy
+    finally:
+        loop.stop()

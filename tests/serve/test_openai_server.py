@@ -188,6 +188,23 @@ def test_bad_completion_request_and_body(http, client):
     assert "n=" in str(ei.value)
 
 
+def test_text_that_is_not_unicode_is_400_and_harms_nobody(http, client):
+    """JSON may escape half of a surrogate pair (an emoji cut by a client's string slice): 400 naming the field,
+    before the engine; the server stays healthy (such a body once killed its engine for every user)."""
+    cases = (("/v1/chat/completions", {"messages": [{"role": "user", "content": "Hi \ud83d"}]}, "messages.0.content"),
+             ("/v1/completions", {"prompt": "\ud800x", "stream": True}, "prompt"),
+             ("/v1/chat/completions", {"messages": FRANCE, "stop": ["ok", "\udfff"]}, "stop.1"))
+    for path, fields, param in cases:
+        body = json.dumps({"model": MODEL, "max_tokens": 2, **fields})  # ASCII: the surrogate as a \\u escape
+        r = http.post(path, content=body.encode(), headers={"content-type": "application/json"})
+        assert r.status_code == 400, r.text
+        err = r.json()["error"]
+        assert err["param"] == param and "lone surrogate" in err["message"], err
+    assert http.get("/health").status_code == 200
+    out = client.chat.completions.create(model=MODEL, messages=FRANCE, max_tokens=4, temperature=0)
+    assert out.choices[0].message.content
+
+
 def test_prompt_longer_than_context_is_400_naming_the_limit(http):
     long = "hello " * (MAX_SEQ_LEN + 50)
     r = http.post("/v1/chat/completions", json={"model": MODEL, "messages": [{"role": "user", "content": long}]})

@@ -211,3 +211,13 @@ def test_incremental_sentencepiece_spacing(ids):
         deltas = _stream(decoder, ids)
         assert "".join(deltas) == tok.decode(ids, skip_special_tokens=skip)
         assert not any("\ufffd" in d for d in deltas[:-1])
+
+
+def test_text_that_is_not_unicode_is_a_tokenizer_error(ours):
+    """A str holding a lone surrogate cannot be encoded: a TokenizerError naming the character, not the
+    tokenizers library's bare TypeError (which a host would not treat as the request's fault)."""
+
+    with pytest.raises(TokenizerError, match=r"character 3 is a lone surrogate \(U\+D83D\)"):
+        ours.encode("Hi \ud83d")
+    with pytest.raises(TokenizerError, match="lone surrogate"):
+        ours.encode_chat([{"role": "user", "content": "\udfff"}])

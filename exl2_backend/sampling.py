@@ -10,6 +10,12 @@ from numbers import Integral, Real
 from exl2_backend.errors import SamplingParamsError
 
 _SEED_LIMIT = 1 << 64  # torch.Generator.manual_seed takes an unsigned 64-bit seed
+# Where valid values meet fp32 (SamplingParams._into_fp32_range): temperatures below MIN_TEMPERATURE are greedy,
+# top_p is at least MIN_TOP_P (the same kept set for vocabularies under 10^7), repetition penalties are held
+# within [1 / BOUND, BOUND] (a penalized logit stays finite and ranks the same).
+MIN_TEMPERATURE = 1e-5
+MIN_TOP_P = 1e-7
+REPETITION_PENALTY_BOUND = 1e6
 
 
 def _real(name: str, value) -> float:
@@ -58,6 +64,7 @@ class SamplingParams:
             if not ok(value):
                 raise SamplingParamsError(f"{name} must be {rule}, got {value!r}", field=name)
             object.__setattr__(self, name, value)
+        self._into_fp32_range()
         top_k = _int("top_k", self.top_k)
         if top_k < 0:
             raise SamplingParamsError(f"top_k must be >= 0 (0 = off), got {top_k}", field="top_k")
@@ -67,6 +74,17 @@ class SamplingParams:
             if not 0 <= seed < _SEED_LIMIT:
                 raise SamplingParamsError(f"seed must be an integer in [0, 2^64), got {seed}", field="seed")
             object.__setattr__(self, "seed", seed)
+
+    def _into_fp32_range(self) -> None:
+        """Valid values that the fp32 sampler cannot carry act as the nearest ones it can, which sample the same
+        way. Unmapped, a temperature of 1e-40 made the scaled logits inf and a top_p of 1e-50 became 0 in fp32:
+        NaN rows, from which the sampler silently drew token 0."""
+        if 0 < self.temperature < MIN_TEMPERATURE:
+            object.__setattr__(self, "temperature", 0.0)  # greedy (vLLM draws the same line)
+        # any top_p up to the top token's probability (>= 1 / vocab) keeps that token alone
+        object.__setattr__(self, "top_p", max(self.top_p, MIN_TOP_P))
+        rp = min(max(self.repetition_penalty, 1 / REPETITION_PENALTY_BOUND), REPETITION_PENALTY_BOUND)
+        object.__setattr__(self, "repetition_penalty", rp)
 
     @property
     def is_greedy(self) -> bool:

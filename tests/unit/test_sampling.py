@@ -108,6 +108,29 @@ def test_temperature_to_zero_limit():
         assert_exact(got, torch.argmax(logits, -1))
 
 
+@pytest.mark.parametrize("fields", [
+    {"temperature": 1e-38}, {"temperature": 1e-40}, {"top_p": 1e-50}, {"top_p": 1e-50, "temperature": 0.5},
+    {"repetition_penalty": 1e-50, "temperature": 0.7}, {"repetition_penalty": 1e300, "temperature": 0.7},
+])
+def test_extreme_valid_values_sample_like_their_limit(fields):
+    """Valid values at the edge of fp32 (a temperature of 1e-40 is inf logits in fp32, a top_p of 1e-50 is 0):
+    they once gave NaN rows, from which the sampler drew token 0 every step, silently. They now act as the nearest
+    values fp32 carries: finite distributions, and the argmax where the limit is greedy."""
+    logits = torch.randn(6, 80) * 8
+    counts = torch.zeros(6, 80, dtype=torch.long)
+    counts[:, ::3] = 1  # tokens seen in the prompt: the repetition penalty applies to them
+    params = [SamplingParams(**fields)] * 6
+    pen = reference.apply_penalties(logits, counts, torch.zeros_like(counts), params)
+    probs = reference.sampling_probs(pen, params)
+    assert torch.isfinite(pen).all() and torch.isfinite(probs).all()
+    assert_close(probs.sum(-1), torch.ones(6))  # fp32 tolerance
+    u = reference.make_uniforms([reference.make_generator(i) for i in range(6)], 80)
+    got = reference.sample_tokens(pen, params, u)
+    if "repetition_penalty" not in fields:  # temperature to 0 or top_p under the top token's mass: greedy
+        assert_exact(got, torch.argmax(logits, -1))
+    assert SamplingParams(temperature=1e-6).is_greedy and not SamplingParams(temperature=1e-5).is_greedy
+
+
 def test_filters_on_probabilities():
     probs8 = torch.softmax(LOGITS8, -1)
     # top-k: the 3 best, renormalized

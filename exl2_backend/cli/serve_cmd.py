@@ -34,6 +34,8 @@ def add_serve_parser(subparsers) -> argparse.ArgumentParser:
                    help="KV cache storage: fp16 (default), fp8, q8, q6 or q4 (quantized pages, more context per GB)")
     p.add_argument("--max-queue", type=int, default=64,
                    help="requests that may wait (beyond free batch slots) before 503")
+    p.add_argument("--max-payload-mb", type=float, default=32.0,
+                   help="largest request body in MB (larger ones get 413 before they are read whole)")
     p.add_argument("--model-id", default=None, help="name served at /v1/models (default: the directory name)")
     p.add_argument("--fast-queue", action="store_true", help="ZeroMQ transport between HTTP and engine processes")
     p.add_argument("--log-level", default="warning", choices=["debug", "info", "warning", "error"])
@@ -51,6 +53,7 @@ def run_serve(args: argparse.Namespace) -> int:
                max_concurrent=args.max_batch_size, max_seq_len=args.max_seq_len, device=args.device,
                max_chunk_size=args.max_chunk_size, max_queue=args.max_queue, model_id=args.model_id,
                log_level=args.log_level, fast_queue=args.fast_queue, cache_type=args.cache_type,
+               max_payload_mb=args.max_payload_mb,
                **prefill_settings_from_args(args),
                **spec_settings_from_args(args), **multi_gpu_settings_from_args(args))
     return 0

@@ -116,16 +116,24 @@ class Exl2Handle(BackendHandle):
     # --- admission -------------------------------------------------------------------------------------
 
     def _prompt_ids(self, req: SequenceRequest) -> list[int]:
+        from exl2_backend.errors import PromptTooLongError
+
         tok = self.engine.tokenizer
+        limit = self.limits.max_seq_len - 1  # the longest prompt that leaves room for one token
+        field = "messages" if req.messages is not None else "prompt"
         try:
             if req.prompt_ids is not None:
                 return [int(t) for t in req.prompt_ids]
             if req.prompt is not None:
-                return tok.encode(req.prompt)
-            return tok.encode_chat(req.messages, req.add_generation_prompt)
+                return tok.encode(req.prompt, limit=limit)
+            return tok.encode_chat(req.messages, req.add_generation_prompt, limit=limit)
+        except PromptTooLongError as exc:  # sure to be too long: refused before tokenizing (engine thread)
+            raise AdmissionRejected(
+                f"{exc}; this model is served with a context of max_seq_len={limit + 1} tokens (prompt + "
+                f"completion)", reason="prompt_too_long", field=field, limit=limit + 1, length=exc.length,
+                seq_id=req.seq_id) from exc
         except (Exl2Error, TypeError, ValueError, UnicodeError) as exc:  # TokenizerError: bad template input, ...
             # whatever one request's text does to the tokenizer fails that request, never the engine
-            field = "messages" if req.messages is not None else "prompt"
             raise AdmissionRejected(f"{field}: {exc}", reason="invalid_request", field=field,
                                     seq_id=req.seq_id) from exc
 

@@ -22,7 +22,7 @@ from collections import deque
 from collections.abc import AsyncIterator
 from typing import Any
 
-from fastapi import Request, Response
+from fastapi import HTTPException, Request, Response
 from fastapi.responses import JSONResponse, StreamingResponse
 from litserve.specs.base import LitSpec
 from litserve.utils import LitAPIStatus, ResponseBufferItem
@@ -245,6 +245,11 @@ class Exl2OpenAISpec(LitSpec):
     async def _body(request: Request) -> Any:
         try:
             body = await request.json()
+        except HTTPException as exc:  # LitServe's size limit, raised while the body is read
+            if exc.status_code != 413:
+                raise
+            return _error_response(413, f"the request body is larger than this server accepts ({exc.detail})",
+                                   param="body", code="payload_too_large")
         except Exception:  # noqa: BLE001
             return _error_response(400, "the request body is not valid JSON", param="body")
         if not isinstance(body, dict):

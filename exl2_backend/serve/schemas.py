@@ -43,6 +43,7 @@ class ServeSettings(BaseModel):
     max_queue: int = Field(default=64, ge=0)  # requests that may wait beyond the free batch slots before 503
     queue_timeout_s: float = Field(default=120.0, gt=0)  # a request waiting longer than this gets 503
     default_max_tokens: int | None = Field(default=None, ge=1)  # when a request gives none: up to the context
+    max_payload_mb: float = Field(default=32.0, gt=0)  # larger request bodies get 413 before they are parsed
     host: str = "127.0.0.1"
     port: int = Field(default=8000, ge=1024, le=65535)
     log_level: str = "warning"

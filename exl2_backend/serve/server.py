@@ -72,6 +72,7 @@ def build_server(settings: ServeSettings | dict | None = None, **overrides):
         timeout=settings.queue_timeout_s + 30,  # LitServe's own queue: requests leave it at once (async loop)
         model_metadata={"model": served_model_id(settings), "backend": "exl2_backend"},
         fast_queue=settings.fast_queue,
+        max_payload_size=int(settings.max_payload_mb * 2**20),
     )
     config = getattr(server, "transport_config", None)
     if settings.fast_queue and getattr(config, "transport_type", None) == "mp":

@@ -14,7 +14,7 @@ from typing import Any
 from tokenizers import AddedToken
 from tokenizers import Tokenizer as _HFTokenizer
 
-from exl2_backend.errors import TokenizerError
+from exl2_backend.errors import PromptTooLongError, TokenizerError
 from exl2_backend.tokenizer.chat_template import render, select_template
 from exl2_backend.tokenizer.incremental import IncrementalDecoder
 
@@ -32,6 +32,41 @@ def _unicode_problem(text: str) -> str | None:
     except UnicodeEncodeError as exc:
         return f"character {exc.start} is a lone surrogate (U+{ord(text[exc.start]):04X}), not valid Unicode"
     return None
+
+
+# Normalizers that never shrink text by more than 3:1 (Unicode compositions: three jamo into one syllable) and
+# remove nothing; with any other (Strip, StripAccents, BertNormalizer's control-character removal, ...) text
+# may shrink without bound and min_tokens gives no bound.
+_BOUNDED_NORMALIZERS = {"NFC": 3, "NFD": 3, "NFKC": 3, "NFKD": 3, "Lowercase": 3, "Prepend": 1, "Replace": 1}
+
+
+def _normalizer_shrink(spec) -> int:
+    """How many times shorter (in UTF-8 bytes) normalization can make a text: 1, 3, or 0 for unbounded."""
+    if spec is None:
+        return 1
+    kind = spec.get("type")
+    if kind == "Sequence":
+        factor = 1
+        for part in spec.get("normalizers", []):
+            f = _normalizer_shrink(part)
+            if f == 0:
+                return 0
+            factor *= f
+        return factor
+    if kind == "Replace" and not spec.get("content"):
+        return 0  # replacing with nothing removes text
+    return _BOUNDED_NORMALIZERS.get(kind, 0)
+
+
+def _bytes_per_token_bound(tok: _HFTokenizer) -> int:
+    """Most input bytes one token can stand for, times the normalizer's shrink (0: unknown, no bound)."""
+    try:
+        shrink = _normalizer_shrink(json.loads(tok.to_str()).get("normalizer"))
+    except (ValueError, AttributeError):
+        return 0
+    longest = max((len(t.encode("utf-8", "surrogatepass")) for t in tok.get_vocab(with_added_tokens=True)),
+                  default=0)
+    return longest * shrink
 
 
 def _read_json(path: Path, required: bool = False) -> dict:
@@ -91,6 +126,7 @@ class Tokenizer:
         # Does the post-processor (e.g. Llama's TemplateProcessing) already put BOS in front?
         probe = self._tok.encode("", add_special_tokens=True).ids
         self._post_adds_bos = bool(probe) and probe[0] == self.bos_token_id
+        self._bytes_per_token: int | None = None  # min_tokens' divisor, found on first use (0: no bound)
 
     # --- construction -------------------------------------------------------------------------------
 
@@ -152,14 +188,28 @@ class Tokenizer:
 
     # --- encode / decode ----------------------------------------------------------------------------
 
-    def encode(self, text: str, add_special_tokens: bool = True, *, add_bos: bool | None = None) -> list[int]:
+    def min_tokens(self, text: str) -> int:
+        """A lower bound on len(encode(text)) that costs a byte count, not a tokenization (0 where none is known):
+        no token covers more input bytes than its vocabulary string has UTF-8 bytes (byte-level and
+        SentencePiece alphabets only overestimate), and normalizers that shrink text do so at most 3:1
+        (compositions), or the bound is not used (stripping normalizers)."""
+        if self._bytes_per_token is None:
+            self._bytes_per_token = _bytes_per_token_bound(self._tok)
+        return len(text.encode("utf-8", "surrogatepass")) // self._bytes_per_token if self._bytes_per_token else 0
+
+    def encode(self, text: str, add_special_tokens: bool = True, *, add_bos: bool | None = None,
+               limit: int | None = None) -> list[int]:
         """Token ids of `text`. Special-token text such as `<|im_start|>` maps to its id.
 
         `add_special_tokens` runs the post-processor and honours `add_bos_token`; `add_bos` (if given)
-        forces BOS on or off regardless.
+        forces BOS on or off regardless. `limit`: PromptTooLongError, without tokenizing, for a text that is
+        sure to exceed that many tokens (min_tokens): a 9 MB prompt took the engine thread 8 s to tokenize.
         """
         if not isinstance(text, str):
             raise TokenizerError(f"encode expects a str, got {type(text).__name__}")
+        if limit is not None and (least := self.min_tokens(text)) > limit:
+            raise PromptTooLongError(f"the prompt has at least {least} tokens ({len(text)} characters), more than "
+                                     f"the {limit} this context holds", limit=limit, length=least)
         try:
             ids = self._tok.encode(text, add_special_tokens=add_special_tokens).ids
         except Exception as exc:  # e.g. TypeError for a str that is not valid Unicode
@@ -198,10 +248,12 @@ class Tokenizer:
         return render(source, messages, add_generation_prompt=add_generation_prompt,
                       special_tokens=self.special_tokens, **kwargs)
 
-    def encode_chat(self, messages: list[dict], add_generation_prompt: bool = True, **kwargs: Any) -> list[int]:
+    def encode_chat(self, messages: list[dict], add_generation_prompt: bool = True, *, limit: int | None = None,
+                    **kwargs: Any) -> list[int]:
         """Ids of the rendered chat. Templates usually write BOS themselves, so BOS is only added when the
-        model wants one and the rendering does not already start with it."""
-        ids = self.encode(self.apply_chat_template(messages, add_generation_prompt, **kwargs), add_special_tokens=False)
+        model wants one and the rendering does not already start with it. `limit` as in encode."""
+        ids = self.encode(self.apply_chat_template(messages, add_generation_prompt, **kwargs), add_special_tokens=False,
+                          limit=limit)
         wants_bos = self.add_bos_token is True or (self.add_bos_token is None and self._post_adds_bos)
         if wants_bos and self.bos_token_id is not None and (not ids or ids[0] != self.bos_token_id):
             ids.insert(0, self.bos_token_id)

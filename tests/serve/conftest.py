@@ -6,7 +6,7 @@ import pytest
 
 # max_queue=0: a 17th concurrent request (beyond max_batch_size=16) is refused with 503 at once.
 SERVER_SETTINGS = {"device": "cpu", "max_seq_len": 512, "cache_tokens": 16384, "max_batch_size": 16,
-                   "max_queue": 0, "log_level": "warning"}
+                   "max_queue": 0, "log_level": "warning", "max_payload_mb": 2}
 
 
 @pytest.fixture(scope="session")

@@ -216,6 +216,22 @@ def test_prompt_longer_than_context_is_400_naming_the_limit(http):
     assert r.status_code == 400 and r.json()["error"]["param"] == "prompt"
 
 
+def test_huge_prompt_is_refused_without_tokenizing_and_oversized_body_is_413(http):
+    """A prompt sure to exceed the context (more bytes than max_seq_len tokens can stand for) is refused from its
+    byte count: a 9 MB prompt once held the engine thread for 8 s of tokenization. Bodies past max_payload_mb
+    (2 MB here) get 413 before they are parsed."""
+    big = "hello " * 250_000  # 1.5 MB
+    t0 = time.monotonic()
+    r = http.post("/v1/completions", json={"model": MODEL, "prompt": big, "max_tokens": 2})
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert err["code"] == "context_length_exceeded" and "at least" in err["message"] and err["param"] == "prompt"
+    assert time.monotonic() - t0 < 60  # bounded loop guard, not a timing assertion: the refusal came back
+    r = http.post("/v1/completions", json={"model": MODEL, "prompt": "x" * (3 << 20), "max_tokens": 2})
+    assert r.status_code == 413 and r.json()["error"]["code"] == "payload_too_large", r.text
+    assert http.get("/health").status_code == 200
+
+
 # --- concurrency, disconnects, capacity -----------------------------------------------------------------------
 
 

@@ -221,3 +221,34 @@ def test_text_that_is_not_unicode_is_a_tokenizer_error(ours):
         ours.encode("Hi \ud83d")
     with pytest.raises(TokenizerError, match="lone surrogate"):
         ours.encode_chat([{"role": "user", "content": "\udfff"}])
+
+
+@pytest.mark.parametrize("text", ["", "hello world", " " * 5000, "-" * 3000, "\n\n\t" * 900, "ab" * 4000,
+                                  "日本語のテキスト" * 300, "😀" * 1000, "<|im_start|>" * 400, "x" * 20000])
+def test_min_tokens_is_a_lower_bound(ours, text):
+    """min_tokens (a byte count over the longest token's bytes) never exceeds the real count; encode with a
+    limit below that bound refuses the text without tokenizing it."""
+    from exl2_backend.errors import PromptTooLongError
+
+    n = len(ours.encode(text))
+    least = ours.min_tokens(text)
+    assert least <= n
+    if least > 0:
+        with pytest.raises(PromptTooLongError, match=f"at least {least} tokens"):
+            ours.encode(text, limit=least - 1)
+    assert ours.encode(text, limit=n) == ours.encode(text)
+
+
+def test_normalizers_that_remove_text_give_no_bound():
+    """Stripping normalizers can shrink a text without limit (BertNormalizer drops control characters): no
+    bound; compositions (NFC and kin) shrink at most 3:1; none or Prepend / Replace with text: 1."""
+    from exl2_backend.tokenizer.tokenizer import _normalizer_shrink
+
+    assert _normalizer_shrink(None) == 1
+    assert _normalizer_shrink({"type": "Sequence", "normalizers": [
+        {"type": "Prepend", "prepend": "\u2581"}, {"type": "Replace", "content": "\u2581"}]}) == 1
+    assert _normalizer_shrink({"type": "NFKC"}) == 3
+    for spec in ({"type": "BertNormalizer"}, {"type": "Strip"}, {"type": "Replace", "content": ""},
+                 {"type": "Sequence", "normalizers": [{"type": "NFC"}, {"type": "StripAccents"}]}):
+        assert _normalizer_shrink(spec) == 0
+

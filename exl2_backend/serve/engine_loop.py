@@ -441,18 +441,25 @@ class EngineLoop:
         self._deliver(items)
 
     def _shutdown(self) -> None:
+        # Requests still open end with an error (503, retry elsewhere), not "cancelled": the spec maps that to
+        # finish_reason "stop", and a client would take a cut-off answer for a whole one.
         self._flush()
         with self._cv:
             waiting = list(self._waiting)
             self._waiting.clear()
-        items = [(j.sink, Event(j.req.seq_id, finish_reason="cancelled")) for j in waiting]
+        err = LoopUnhealthy("the server is shutting down; the request did not finish")
+
+        def ended(sid: str) -> Event:
+            return Event(sid, finish_reason="error", error=err)
+
+        items = [(j.sink, ended(j.req.seq_id)) for j in waiting]
         if self._active:
             ids = list(self._active)
             try:
                 self.hook.exl2_release(handle=self.handle, seq_ids=ids)
             except Exception as exc:  # noqa: BLE001 - best effort at shutdown
                 log.debug("exl2_backend: release at shutdown failed: %s", exc)
-            items += [(self._active[sid].sink, Event(sid, finish_reason="cancelled")) for sid in ids]
+            items += [(self._active[sid].sink, ended(sid)) for sid in ids]
             self._active.clear()
         self._deliver(items)
 

@@ -196,3 +196,29 @@ def test_a_step_that_fails_fails_the_requests_it_was_admitting(backend):
         assert not loop.healthy
     finally:
         loop.stop()
+
+
+def test_requests_open_at_shutdown_end_with_an_error_not_a_stop(backend):
+    """Stopping the loop ends running and waiting requests with an error event (the server answers 503), not
+    "cancelled", which the OpenAI surface reports as finish_reason "stop": a cut-off answer looked whole."""
+    from exl2_backend.serve.engine_loop import LoopUnhealthy
+
+    pm, handle = backend
+    loop = EngineLoop(pm.hook, handle, max_batch_size=1, max_queue=4).start()
+
+    async def main():
+        running = loop.submit(_req("running", handle, 60))
+        waiting = loop.submit(_req("waiting", handle, 4))  # one batch slot: it waits behind "running"
+        first = await running.__anext__()
+        await asyncio.to_thread(loop.stop)
+        return [first] + await _drain(running), await _drain(waiting)
+
+    try:
+        running, waiting = asyncio.run(main())
+        for events in (running, waiting):
+            assert events[-1].finish_reason == "error" and isinstance(events[-1].error, LoopUnhealthy)
+            assert "shutting down" in str(events[-1].error)
+        assert sum(len(e.token_ids) for e in running) < 60
+        assert handle.stats()["free_pages"] == PAGES  # released at shutdown
+    finally:
+        loop.stop()

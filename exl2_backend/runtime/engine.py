@@ -155,6 +155,10 @@ class Engine:
         if bad:
             raise InvalidRequestError(f"prompt token id {bad[0]} is outside the vocabulary [0, "
                                       f"{self.model.vocab_size})", field="prompt")
+        bad = [t for t in params.stop_token_ids if not 0 <= t < self.model.vocab_size]
+        if bad:  # it could never be sampled: a silent no-op otherwise
+            raise InvalidRequestError(f"stop token id {bad[0]} is outside the vocabulary [0, "
+                                      f"{self.model.vocab_size})", field="stop_token_ids")
         if n >= self.max_seq_len:
             raise PromptTooLongError(f"prompt has {n} tokens but the engine was loaded with max_seq_len="
                                      f"{self.max_seq_len} (prompt + output); shorten the prompt or load with a "

@@ -11,7 +11,7 @@ from __future__ import annotations
 import time
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 # --- server settings (decision 10) ---------------------------------------------------------------------------
 
@@ -63,12 +63,31 @@ class ServeSettings(BaseModel):
 # --- requests -----------------------------------------------------------------------------------------------
 
 
+def _typed_as_json(value, info):
+    """Numbers and booleans as JSON types them: pydantic's lax mode would take true as 1 token, "5" as 5 and
+    "yes" as true, where the OpenAI API answers 400. Whole floats stay accepted for integers (5.0)."""
+    kind = _JSON_KINDS.get(info.field_name)
+    if kind == "bool" and value is not None and not isinstance(value, bool):
+        raise ValueError(f"must be a JSON boolean (true / false), got {value!r}")
+    if kind == "number" and isinstance(value, (bool, str)):
+        raise ValueError(f"must be a JSON number, got {value!r}")
+    return value
+
+
+_JSON_KINDS = {**dict.fromkeys(("max_tokens", "max_completion_tokens", "temperature", "top_p", "top_k", "min_p",
+                                "presence_penalty", "frequency_penalty", "repetition_penalty", "n", "seed",
+                                "best_of", "top_logprobs"), "number"),
+               **dict.fromkeys(("stream", "ignore_eos", "include_usage", "echo"), "bool")}
+
+
 class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
 
 class StreamOptions(_Strict):
     include_usage: bool = False
+
+    _json_types = field_validator("include_usage", mode="before")(_typed_as_json)
 
 
 class TextPart(BaseModel):
@@ -96,6 +115,12 @@ class ChatMessage(BaseModel):
                     raise ValueError(f"only text content parts are supported (got {kind!r})")
         return v
 
+    @model_validator(mode="after")
+    def _content_unless_assistant(self):
+        if self.content is None and self.role != "assistant":  # as the OpenAI API: only an assistant's may be null
+            raise ValueError(f"a {self.role} message needs content")
+        return self
+
     @field_validator("tool_calls")
     @classmethod
     def _no_tool_calls(cls, v):
@@ -120,6 +145,10 @@ def _reject_if_set(value, info):
 
 class _SamplingRequest(_Strict):
     """Fields shared by chat and text completions."""
+
+    _json_types = field_validator("max_tokens", "temperature", "top_p", "top_k", "min_p", "presence_penalty",
+                                  "frequency_penalty", "repetition_penalty", "n", "seed", "stream", "ignore_eos",
+                                  mode="before")(_typed_as_json)
 
     model: str | None = None
     max_tokens: int | None = Field(default=None, ge=1)
@@ -186,6 +215,7 @@ class _SamplingRequest(_Strict):
 
 
 class ChatCompletionRequest(_SamplingRequest):
+    _chat_json_types = field_validator("max_completion_tokens", "top_logprobs", mode="before")(_typed_as_json)
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = Field(default=None, ge=1)
     logprobs: bool | None = None
@@ -269,6 +299,8 @@ class CompletionRequest(_SamplingRequest):
         if isinstance(v, str) and not v:
             raise ValueError("prompt must not be empty")
         return v
+
+    _completion_json_types = field_validator("echo", "best_of", mode="before")(_typed_as_json)
 
     @field_validator("echo", "logprobs", "suffix")
     @classmethod

@@ -79,7 +79,23 @@ def build_server(settings: ServeSettings | dict | None = None, **overrides):
         # LitServe 0.2.19 builds TransportConfig(transport_config=...) (a misspelt field pydantic ignores), so
         # fast_queue silently keeps the multiprocessing-Manager transport; the field it meant to set:
         config.transport_type = "zmq"
+    _openai_shaped_http_errors(server.app)
     return server
+
+
+def _openai_shaped_http_errors(app) -> None:
+    """Routing errors (405 wrong method, 404 unknown path) in the OpenAI error shape every other refusal has,
+    not FastAPI's {"detail": ...}."""
+    from fastapi.responses import JSONResponse
+    from starlette.exceptions import HTTPException
+
+    async def handler(request, exc: HTTPException):
+        kind = "invalid_request_error" if exc.status_code < 500 else "server_error"
+        message = f"{request.method} {request.url.path}: {exc.detail}"
+        return JSONResponse({"error": {"message": message, "type": kind, "param": None, "code": None}},
+                            status_code=exc.status_code, headers=getattr(exc, "headers", None))
+
+    app.add_exception_handler(HTTPException, handler)
 
 
 def run_server(model_dir: str | None = None, host: str = "127.0.0.1", port: int = 8000,

@@ -58,6 +58,10 @@ def sse_events(lines) -> list:
 
 def test_health_and_models(http, client):
     assert http.get("/health").status_code == 200
+    r = http.get("/v1/chat/completions")  # wrong method: 405 in the OpenAI error shape
+    assert r.status_code == 405 and "GET /v1/chat/completions" in r.json()["error"]["message"]
+    r = http.post("/v1/nothing-here", json={})
+    assert r.status_code == 404 and r.json()["error"]["type"] == "invalid_request_error"
     models = client.models.list()
     assert [m.id for m in models.data] == [MODEL]
     assert client.models.retrieve(MODEL).id == MODEL
@@ -166,6 +170,14 @@ def test_seed_and_sampler_fields(client):
     ({"stop": ["a", "b", "c", "d", "e"]}, "stop"),
     ({"seed": "abc"}, "seed"),
     ({"stream": "yes please"}, "stream"),
+    ({"stream": "yes"}, "stream"),  # JSON types as JSON has them: lax coercion once took these
+    ({"stream": 1}, "stream"),
+    ({"max_tokens": True}, "max_tokens"),
+    ({"max_tokens": "5"}, "max_tokens"),
+    ({"stream_options": {"include_usage": "y"}, "stream": True}, "stream_options"),
+    ({"messages": [{"role": "user"}]}, "messages"),
+    ({"messages": [{"role": "user", "content": None}]}, "messages"),
+    ({"stop_token_ids": [10**12]}, "stop_token_ids"),  # outside the vocabulary: it could never stop anything
     ({"frobnicate": True}, "frobnicate"),
     ({"messages": []}, "messages"),
     ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]}, "messages"),

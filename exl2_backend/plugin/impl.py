@@ -7,7 +7,9 @@ Like the engine, a handle is not thread-safe: one host thread drives it (docs/ho
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -88,6 +90,7 @@ class Exl2Handle(BackendHandle):
             max_chunk_size=int(s.max_chunk_size), vocab_size=int(engine.model.vocab_size), device=str(engine.device))
         self._seqs: dict[str, _SeqState] = {}
         self._fatal: str | None = None
+        self._busy = threading.Lock()  # held by the stateful hook calls (_exclusive)
 
     # --- cheap queries ---------------------------------------------------------------------------------
 
@@ -228,46 +231,95 @@ class Exl2Handle(BackendHandle):
                     accepted_drafts=st.accepted, proposed_drafts=st.proposed)
         return out
 
-    def prefill(self, batch: StepBatch) -> list[Event]:
+    @contextlib.contextmanager
+    def _exclusive(self, what: str):
+        """One stateful hook call at a time: two threads stepping one engine corrupt its output silently (the
+        contract says one engine thread; this makes a breach a typed error instead)."""
+        if not self._busy.acquire(blocking=False):
+            raise InvalidRequestError(f"{what}: another hook call is running on this handle; hooks are not "
+                                      "thread-safe (call them from one thread, and not from on_launched)",
+                                      field="handle")
+        try:
+            yield
+        finally:
+            self._busy.release()
+
+    def _batch(self, batch) -> StepBatch:
+        if not isinstance(batch, StepBatch):
+            raise InvalidRequestError(f"batch must be a StepBatch, got {type(batch).__name__}", field="batch")
+        batch.validate()
         self._check()
-        results: dict[str, Event] = {}
-        rejected: dict[int, Event] = {}  # by position in batch.new (an id may repeat there)
-        admitted = []
-        for i, req in enumerate(batch.new):
-            try:
-                self._admit(req)
-                admitted.append(req.seq_id)
-            except AdmissionRejected as exc:
-                rejected[i] = Event(req.seq_id, finish_reason="error", error=exc)
-        ids = admitted + list(batch.seq_ids)
-        if ids:
-            chunk = self.limits.max_chunk_size
-            for ev in self._call(self.engine.prefill, ids):
-                st = self._seqs.get(ev.seq_id)
-                remaining = 0
-                if st is not None:
-                    st.prefill_remaining = 0 if ev.token_ids else max(st.prefill_remaining - chunk, 0)
-                    remaining = st.prefill_remaining
-                out = self._event(ev)
-                out.prefill_remaining = 0 if out.finished else remaining
-                results[ev.seq_id] = out
-        return ([rejected[i] if i in rejected else results[r.seq_id] for i, r in enumerate(batch.new)]
-                + [results[sid] for sid in batch.seq_ids])
+        return batch
+
+    def prefill(self, batch: StepBatch) -> list[Event]:
+        with self._exclusive("exl2_prefill"):
+            batch = self._batch(batch)
+            both = {r.seq_id for r in batch.new} & set(batch.seq_ids)
+            if both:
+                raise InvalidRequestError(f"sequence id {min(both)!r} is both new and continuing in one "
+                                          "prefill batch", field="seq_ids")
+            results: dict[str, Event] = {}
+            rejected: dict[int, Event] = {}  # by position in batch.new (an id may repeat there)
+            admitted = []
+            for i, req in enumerate(batch.new):
+                try:
+                    self._admit(req)
+                    admitted.append(req.seq_id)
+                except AdmissionRejected as exc:
+                    rejected[i] = Event(req.seq_id, finish_reason="error", error=exc)
+            ids = admitted + list(batch.seq_ids)
+            if ids:
+                chunk = self.limits.max_chunk_size
+                try:
+                    events = self._call(self.engine.prefill, ids)
+                except InvalidRequestError:
+                    # a host mistake in seq_ids (unknown, finished, twice): the requests this call admitted are
+                    # released, or they would hold pages the host was never told about
+                    self._release(admitted)
+                    raise
+                for ev in events:
+                    st = self._seqs.get(ev.seq_id)
+                    remaining = 0
+                    if st is not None:
+                        st.prefill_remaining = 0 if ev.token_ids else max(st.prefill_remaining - chunk, 0)
+                        remaining = st.prefill_remaining
+                    out = self._event(ev)
+                    out.prefill_remaining = 0 if out.finished else remaining
+                    results[ev.seq_id] = out
+            return ([rejected[i] if i in rejected else results[r.seq_id] for i, r in enumerate(batch.new)]
+                    + [results[sid] for sid in batch.seq_ids])
 
     def decode(self, batch: StepBatch) -> list[Event]:
-        ids = list(batch.seq_ids)
-        if not ids:
-            return []
-        return [self._event(ev) for ev in self._call(self.engine.decode, ids, batch.on_launched)]
+        with self._exclusive("exl2_decode"):
+            ids = list(self._batch(batch).seq_ids)
+            if not ids:
+                return []
+            return [self._event(ev) for ev in self._call(self.engine.decode, ids, batch.on_launched)]
 
     def draft_verify(self, batch: StepBatch) -> list[Event]:
-        ids = batch.ids()
-        if not ids:
-            return []
-        drafts = {sid: [int(t) for t in batch.drafts.get(sid, [])] for sid in ids}
-        return [self._event(ev, draft=drafts[ev.seq_id]) for ev in self._call(self.engine.verify, ids, drafts)]
+        with self._exclusive("exl2_draft_verify"):
+            ids = self._batch(batch).ids()
+            if not ids:
+                return []
+            drafts = {}
+            for sid in ids:
+                seq = self.engine.seqs.get(sid)
+                d = [int(t) for t in batch.drafts.get(sid, [])]
+                # the engine verifies no draft past the length limit: count acceptance over the same drafts
+                drafts[sid] = d[: max(seq.remaining_new_tokens - 1, 0)] if seq is not None else d
+            return [self._event(ev, draft=drafts[ev.seq_id])
+                    for ev in self._call(self.engine.verify, ids, drafts)]
 
     def release(self, seq_ids) -> list[Event]:
+        if not isinstance(seq_ids, (list, tuple)) or not all(isinstance(i, str) for i in seq_ids):
+            raise InvalidRequestError(f"seq_ids must be a list of sequence id strings, got {seq_ids!r}",
+                                      field="seq_ids")
+        with self._exclusive("exl2_release"):
+            return self._release(seq_ids)
+
+    def _release(self, seq_ids) -> list[Event]:
+        if self.engine is None:  # unloaded: nothing is live
+            return []
         out = []
         for sid in seq_ids:
             ev = self.engine.release(sid)
@@ -277,23 +329,26 @@ class Exl2Handle(BackendHandle):
         return out
 
     def stats(self) -> dict:
+        if self.engine is None:
+            raise EngineUnhealthy("the engine was unloaded")
         s = dict(self.engine.stats())
         s.update(model_id=self.model_id, live_sequences=len(self._seqs), healthy=self.healthy)
         return s
 
     def unload(self) -> bool:
-        self.release(list(self._seqs))
-        engine, self.engine = self.engine, None
-        if engine is not None:
-            engine.close()  # tensor-parallel ranks stop with the engine
-        self._fatal = self._fatal or "unloaded"
-        device = getattr(engine, "device", None)
-        del engine
-        if device is not None and getattr(device, "type", "") == "cuda":
-            import torch
+        with self._exclusive("exl2_unload"):
+            self._release(list(self._seqs))
+            engine, self.engine = self.engine, None
+            if engine is not None:
+                engine.close()  # tensor-parallel ranks stop with the engine
+            self._fatal = self._fatal or "unloaded"
+            device = getattr(engine, "device", None)
+            del engine
+            if device is not None and getattr(device, "type", "") == "cuda":
+                import torch
 
-            torch.cuda.empty_cache()
-        return True
+                torch.cuda.empty_cache()
+            return True
 
 
 def _load_settings(settings: dict):
@@ -363,7 +418,7 @@ def exl2_draft_verify(handle, batch):
 
 @hookimpl
 def exl2_release(handle, seq_ids):
-    return handle.release(list(seq_ids)) if _own(handle) else None
+    return handle.release(seq_ids) if _own(handle) else None
 
 
 @hookimpl

@@ -11,7 +11,7 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from typing import Any, Literal
 
-from exl2_backend.errors import Exl2Error
+from exl2_backend.errors import Exl2Error, InvalidRequestError
 from exl2_backend.sampling import SAMPLING_RANGES  # torch-free, like this module
 
 FinishReason = Literal["stop", "length", "cancelled", "error"]
@@ -89,6 +89,9 @@ class SequenceRequest:
             bad("stop", "must be a list of non-empty strings")
         if not isinstance(self.stop_token_ids, list) or not all(_is_int(t) and t >= 0 for t in self.stop_token_ids):
             bad("stop_token_ids", "must be a list of non-negative token ids")
+        for name in ("ignore_eos", "add_generation_prompt"):  # "no" is truthy: only real booleans
+            if not isinstance(getattr(self, name), bool):
+                bad(name, f"must be true or false, got {getattr(self, name)!r}")
 
 
 def _is_int(x: Any) -> bool:
@@ -120,6 +123,27 @@ class StepBatch:
         if not ids and self.drafts:
             ids = list(self.drafts)
         return ids
+
+    def validate(self) -> None:
+        """Raise InvalidRequestError (a host bug) for a batch of the wrong shape: ids that are not a list of
+        strings (a bare string would be taken character by character), `new` entries that are not
+        SequenceRequest, drafts that are not lists of integer token ids (100.9 or True are not ids)."""
+        def check_ids(name: str, ids) -> None:
+            if not isinstance(ids, (list, tuple)) or not all(isinstance(i, str) and i for i in ids):
+                raise InvalidRequestError(f"StepBatch.{name} must be a list of sequence id strings, got {ids!r}",
+                                          field=name)
+
+        check_ids("seq_ids", self.seq_ids)
+        if not isinstance(self.new, (list, tuple)) or not all(isinstance(r, SequenceRequest) for r in self.new):
+            raise InvalidRequestError("StepBatch.new must be a list of SequenceRequest", field="new")
+        if not isinstance(self.drafts, dict):
+            raise InvalidRequestError(f"StepBatch.drafts must be a dict, got {type(self.drafts).__name__}",
+                                      field="drafts")
+        check_ids("drafts", list(self.drafts))
+        for sid, draft in self.drafts.items():
+            if not isinstance(draft, (list, tuple)) or not all(_is_int(t) for t in draft):
+                raise InvalidRequestError(f"drafts[{sid!r}] must be a list of integer token ids, got {draft!r}",
+                                          field="drafts")
 
 
 # --- results -----------------------------------------------------------------------------------------------

@@ -83,6 +83,7 @@ def test_per_engine_hooks_ignore_foreign_handles():
     ("temperature", -0.5), ("top_p", 0.0), ("top_p", 1.5), ("top_k", -1), ("min_p", 1.5), ("repetition_penalty", 0),
     ("frequency_penalty", 3.0), ("presence_penalty", -3.0), ("max_new_tokens", 0), ("seed", -1),
     ("stop", [""]), ("stop_token_ids", [-2]),
+    ("ignore_eos", "no"), ("add_generation_prompt", 1),  # only real booleans: "no" is truthy
 ])
 def test_request_validation_names_the_field(field, value):
     req = SequenceRequest("s", prompt="hi", **{field: value})

@@ -18,10 +18,21 @@ CUDA_CACHE_FRACTION = 0.5  # of the free GPU memory after the weights, for the d
 
 
 def resolve_device(device: str) -> torch.device:
-    """"auto" -> cuda if available else cpu; anything else as given."""
+    """"auto" -> cuda if available else cpu; anything else as given, once it exists here (ConfigError naming
+    `device` otherwise, not torch's AssertionError from deep inside the load)."""
     if device == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return torch.device(device)
+    dev = torch.device(device)
+    if dev.type == "cuda":
+        count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if count == 0:
+            raise ConfigError(f"device {device!r}: no CUDA device is available here (torch {torch.__version__}, "
+                              f"built {'with' if torch.version.cuda else 'without'} CUDA); use 'cpu' or 'auto'",
+                              field="device")
+        if dev.index is not None and dev.index >= count:
+            raise ConfigError(f"device {device!r}: only {count} CUDA device(s) are visible (cuda:0 .. "
+                              f"cuda:{count - 1})", field="device")
+    return dev
 
 
 class LoadSettings(BaseModel):

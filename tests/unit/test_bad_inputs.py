@@ -210,3 +210,29 @@ def test_directory_without_config_or_weights(model):
     with pytest.raises(ModelDirectoryError) as e:
         load_weights(model, cfg)
     assert e.value.path == str(model)
+
+
+def test_a_cuda_device_that_is_not_here_is_a_config_error():
+    """device="cuda" / "cuda:N" where no such device exists: ConfigError naming `device` when the settings are
+    resolved, not torch's AssertionError from inside the model load."""
+    import torch
+
+    from exl2_backend.runtime.settings import LoadSettings, resolve_device
+
+    count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    with pytest.raises(ConfigError, match=f"cuda:{count}") as e:
+        resolve_device(f"cuda:{count}")
+    assert e.value.field == "device"
+    if count == 0:
+        with pytest.raises(ConfigError, match="no CUDA device"):
+            _ = LoadSettings(device="cuda").torch_device
+
+
+def test_load_setting_errors_give_the_reason_of_a_union_field():
+    """ngram is bool | NgramConfig: pydantic fails both members; the error is the NgramConfig check's own
+    reason (min_n > max_n), on the field `ngram`, not "Input should be a valid boolean"."""
+    from exl2_backend.plugin.impl import _load_settings
+
+    with pytest.raises(ConfigError, match=r"ngram: ngram min_n \(5\) must be <= max_n \(2\)") as e:
+        _load_settings({"ngram": {"min_n": 5, "max_n": 2}})
+    assert e.value.field == "ngram"

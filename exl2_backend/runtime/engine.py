@@ -23,7 +23,7 @@ from exl2_backend.runtime.lookahead import DecodeLookahead
 from exl2_backend.runtime.model_runner import ModelRunner
 from exl2_backend.runtime.pages import PageBudget
 from exl2_backend.runtime.params import GenerationParams, StepEvent
-from exl2_backend.runtime.sampler import sample_for
+from exl2_backend.runtime.sampler import NAN_LOGITS, sample_for
 from exl2_backend.runtime.sequence import Sequence
 from exl2_backend.runtime.settings import LoadSettings
 from exl2_backend.tokenizer import StopMatcher
@@ -259,7 +259,15 @@ class Engine:
         except Exception as exc:  # noqa: BLE001 - reported per sequence, pages returned
             return self._fail(group, exc)
         first = dict(zip(done, tokens))
-        return [self._emit(s, [first[i]]) if i in first else s.event([], "") for i, s in enumerate(group)]
+        return [self._emit_sampled(s, first[i]) if i in first else s.event([], "") for i, s in enumerate(group)]
+
+    def _emit_sampled(self, s: Sequence, token: int) -> StepEvent:
+        """The sequence's event for a token from sample_for: NAN_LOGITS fails it (tier 2, pages returned)."""
+        if token == NAN_LOGITS:
+            log.error("exl2_backend: NaN logits for sequence %s; it fails", s.seq_id)
+            self._finish(s, "error", "numerical fault: the model produced NaN logits for this sequence")
+            return s.event([], "")
+        return self._emit(s, [token])
 
     def decode(self, seq_ids: list[str], on_launched: Callable[[], None] | None = None) -> list[StepEvent]:
         """One new token for each sequence, batched (groups of at most max_batch_size). With speculation
@@ -331,7 +339,7 @@ class Engine:
             tokens = sample_for(group, logits)
             for s in group:
                 s.num_computed += 1
-            return [self._emit(s, [t]) for s, t in zip(group, tokens)]
+            return [self._emit_sampled(s, t) for s, t in zip(group, tokens)]
         except Exception as exc:  # noqa: BLE001 - reported per sequence, pages returned
             return self._fail(group, exc)
 
@@ -348,6 +356,8 @@ class Engine:
                 t = argmax[j]
             elif q is None:
                 t = sample_for([s], logits[j : j + 1])[0]
+                if t == NAN_LOGITS:
+                    return self._emit_sampled(s, t)
             else:  # a sampled draft with its distribution: rejection sampling keeps the target's distribution
                 from exl2_backend.spec.rejection import accept_or_resample
 

@@ -22,8 +22,14 @@ def penalized_logits(seqs, logits: torch.Tensor) -> torch.Tensor:
     return logits
 
 
+NAN_LOGITS = -1  # sample_for's token for a row whose logits hold a NaN
+
+
 def sample_for(seqs, logits: torch.Tensor) -> list[int]:
-    """logits f32 [B, V] (one row per sequence, V = the model's vocab_size) -> one token id per sequence."""
+    """logits f32 [B, V] (one row per sequence, V = the model's vocab_size) -> one token id per sequence, or
+    NAN_LOGITS for a row with a NaN logit: a numerical fault the caller fails that sequence for (tier 2). The
+    samplers would quietly draw a token from such a row (token 0 from the reference's zeroed row), a wrong answer
+    nobody sees. The check rides on the same device-to-host copy as the tokens."""
     v = logits.shape[1]
     params = [s.params.sampling for s in seqs]
     logits = penalized_logits(seqs, logits)
@@ -34,4 +40,4 @@ def sample_for(seqs, logits: torch.Tensor) -> list[int]:
     if rows:
         uniforms = make_uniforms([seqs[i].generator for i in rows], v).to(logits.device)  # [b', V]
         tokens[rows] = sample_tokens(logits[rows], [params[i] for i in rows], uniforms)
-    return tokens.tolist()
+    return torch.where(torch.isnan(logits).any(-1), NAN_LOGITS, tokens).tolist()

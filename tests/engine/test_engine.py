@@ -214,6 +214,37 @@ def test_pages_returned_on_finish_cancel_and_error(model, monkeypatch):
     assert engine.stats()["free_pages"] == total and engine.stats()["sequences"] == 0
 
 
+@pytest.mark.parametrize("sampling", [GREEDY, SamplingParams(temperature=0.8, seed=3)])
+def test_nan_logits_fail_only_their_sequence(model, monkeypatch, sampling):
+    """A row of NaN logits (a numerical fault) fails that sequence (finish "error", pages returned) instead of
+    drawing a token from it (the reference sampler's zeroed row gave token 0, every step, silently); the other
+    sequence of the batch decodes on."""
+    engine = make_engine(model)
+    total = engine.stats()["total_pages"]
+    params = GenerationParams(sampling=sampling, max_new_tokens=6)
+    for sid, seed in (("sick", 1), ("well", 2)):
+        engine.add_sequence(sid, prompt(12, seed), params)
+    engine.prefill(["sick", "well"])
+    real_run = engine.runner.run
+
+    def nan_in_row_0(*args, **kwargs):
+        logits = real_run(*args, **kwargs).clone()
+        logits[0, 5] = float("nan")
+        return logits
+
+    monkeypatch.setattr(engine.runner, "run", nan_in_row_0)
+    sick, well = engine.decode(["sick", "well"])
+    monkeypatch.setattr(engine.runner, "run", real_run)
+    assert sick.finish_reason == "error" and "NaN logits" in sick.error and not sick.token_ids
+    assert well.finish_reason is None and len(well.token_ids) == 1
+    while not engine.decode(["well"])[0].finish_reason:
+        pass
+    engine.release("sick")
+    engine.release("well")
+    engine.assert_no_leaks()
+    assert engine.stats()["free_pages"] == total
+
+
 def test_limits_and_request_errors(model):
     engine = make_engine(model, max_seq_len=64, cache_tokens=160, max_batch_size=3)  # 10 pages
     with pytest.raises(PromptTooLongError, match="max_seq_len=64") as e:

@@ -45,7 +45,8 @@ class TensorShapeError(ModelFormatError):
 
 
 class NonFiniteScaleError(ModelFormatError):
-    """A q_scale_max (or another FP16 scale) is NaN or infinite."""
+    """A q_scale_max is NaN, infinite, negative or large enough to dequantize past fp16, or a floating weight
+    (norm, embedding, dense linear) holds NaN or infinite values."""
 
 
 class UnsupportedBitWidthError(ModelFormatError):

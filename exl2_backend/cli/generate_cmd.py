@@ -103,4 +103,4 @@ def run(args) -> int:
               f"{st['spec_mean_accepted_length']:.2f}, {st['spec_tokens_per_step']:.2f} tokens per step]",
               file=sys.stderr)
     engine.close()  # tensor-parallel ranks
-    return 0
+    return 2 if finish == "error" else 0  # a failed generation is a failed command

@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 import json
+import logging
 import math
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
 from exl2_backend.errors import ConfigError, ModelDirectoryError, UnsupportedModelError
+
+log = logging.getLogger("exl2_backend")
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
 _MODEL_TYPES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM"}
@@ -74,10 +77,15 @@ class ModelConfig:
         raw = _read_json(cfg_path)
         gen_path = d / "generation_config.json"
         gen = _read_json(gen_path) if gen_path.is_file() else {}
+        if not isinstance(gen, dict):
+            raise ConfigError("generation_config.json must be a JSON object", path=str(gen_path))
         cfg = cls.from_dict(raw, path=str(cfg_path))
         extra = _eos_tuple(gen.get("eos_token_id"), str(gen_path))
         eos = cfg.eos_token_ids + tuple(e for e in extra if e not in cfg.eos_token_ids)
         bos = cfg.bos_token_id if cfg.bos_token_id is not None else _opt_int(gen, "bos_token_id", str(gen_path))
+        eos = _in_vocab(eos, "eos_token_id", cfg.vocab_size, str(gen_path))
+        bos = (_in_vocab((bos,), "bos_token_id", cfg.vocab_size, str(gen_path)) or (None,))[0] if bos is not None \
+            else None
         return replace(cfg, eos_token_ids=eos, bos_token_id=bos)
 
     @classmethod
@@ -112,6 +120,9 @@ class ModelConfig:
             raise ConfigError(f"pad_token_id={pad} is outside the vocabulary (size {vocab})",
                               field="pad_token_id", path=path)
         theta, scaling = _rope(d, path)
+        if theta <= 1:  # inv_freq = theta^(-2i/d): a base of 1 or less gives no rotation, or infinities
+            raise ConfigError(f"rope_theta={theta!r} must be greater than 1", field="rope_theta", path=path)
+        bos, eos = _opt_int(d, "bos_token_id", path), _eos_tuple(d.get("eos_token_id"), path)
         qwen2 = arch == "Qwen2ForCausalLM"
         quant = d.get("quantization_config")
         return cls(
@@ -131,8 +142,8 @@ class ModelConfig:
             tie_word_embeddings=_bool(d, "tie_word_embeddings", False, path),
             attention_bias=True if qwen2 else _bool(d, "attention_bias", False, path),
             mlp_bias=False if qwen2 else _bool(d, "mlp_bias", False, path),
-            bos_token_id=_opt_int(d, "bos_token_id", path),
-            eos_token_ids=_eos_tuple(d.get("eos_token_id"), path),
+            bos_token_id=bos,
+            eos_token_ids=eos,
             pad_token_id=pad,
             quantization=quant if isinstance(quant, dict) else None,
             raw=d,
@@ -202,6 +213,15 @@ def _eos_tuple(v: Any, path: str | None) -> tuple[int, ...]:
     return tuple(dict.fromkeys(items))
 
 
+def _in_vocab(ids: tuple[int, ...], name: str, vocab: int, path: str | None) -> tuple[int, ...]:
+    """The ids inside the vocabulary; the others are dropped with a warning (an EOS outside it can never be
+    sampled, a BOS outside it would be an invalid prompt token)."""
+    bad = [i for i in ids if not 0 <= i < vocab]
+    if bad:
+        log.warning("exl2_backend: %s %s outside the vocabulary (size %d) ignored (%s)", name, bad, vocab, path)
+    return tuple(i for i in ids if 0 <= i < vocab)
+
+
 def _number(v: Any, name: str, path: str | None) -> float:
     if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v <= 0:
         raise ConfigError(f"{name}={v!r} must be a positive number", field=name, path=path)
@@ -261,10 +281,10 @@ def _scaling(s: Any, name: str, path: str | None) -> RopeScaling | None:
     if isinstance(orig, bool) or not isinstance(orig, int) or orig <= 0:
         raise ConfigError(f"{name}.original_max_position_embeddings={orig!r} must be a positive integer",
                           field=f"{name}.original_max_position_embeddings", path=path)
-    return RopeScaling(
-        "llama3",
-        factor,
-        low_freq_factor=_number(s.get("low_freq_factor"), f"{name}.low_freq_factor", path),
-        high_freq_factor=_number(s.get("high_freq_factor"), f"{name}.high_freq_factor", path),
-        original_max_position_embeddings=orig,
-    )
+    low = _number(s.get("low_freq_factor"), f"{name}.low_freq_factor", path)
+    high = _number(s.get("high_freq_factor"), f"{name}.high_freq_factor", path)
+    if not 0 < low < high:  # the smoothing band divides by high - low
+        raise ConfigError(f"{name}: low_freq_factor={low} must be positive and below high_freq_factor={high}",
+                          field=f"{name}.low_freq_factor", path=path)
+    return RopeScaling("llama3", factor, low_freq_factor=low, high_freq_factor=high,
+                       original_max_position_embeddings=orig)

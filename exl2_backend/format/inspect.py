@@ -11,9 +11,10 @@ from pathlib import Path
 
 import torch
 
+from exl2_backend.errors import TensorShapeError
 from exl2_backend.format.config import ModelConfig
 from exl2_backend.format.qtensor import QTensor
-from exl2_backend.format.reader import ATTN_PROJS, MLP_PROJS, iter_linear_keys, linear_shape
+from exl2_backend.format.reader import ATTN_PROJS, MLP_PROJS, check_layer_count, iter_linear_keys, linear_shape
 from exl2_backend.format.safetensors_io import ShardIndex
 
 
@@ -33,6 +34,9 @@ def describe_linear(index: ShardIndex, key: str, config: ModelConfig, proj: str)
             out_features=n, bias=_meta(index, f"{key}.bias", torch.float16) if index.has(f"{key}.bias") else None,
             source=str(index.file_of(f"{key}.q_weight")),
         )
+        if qt.q_weight.dim() != 2:  # (meta tensors: the loader's full validation needs the data)
+            raise TensorShapeError(f"shape {tuple(qt.q_weight.shape)} is not 2-D", path=qt.source,
+                                   tensor=f"{key}.q_weight")
         rows: Counter[int] = Counter()
         for g in qt.groups:
             rows[g.bits] += g.rows
@@ -51,6 +55,7 @@ def describe_model(model_dir: str | Path) -> dict:
     model_dir = Path(model_dir)
     config = ModelConfig.from_dir(model_dir)
     index = ShardIndex(model_dir)
+    check_layer_count(index, config)
     linears = {key: describe_linear(index, key, config, proj) for key, proj in iter_linear_keys(config, True)}
     head = linears.pop("lm_head")
     tied = head["format"] == "missing"

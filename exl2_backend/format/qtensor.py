@@ -191,6 +191,17 @@ def validate_qtensor(qt: QTensor, *, in_features: int | None = None) -> None:
         )
     if not torch.isfinite(qt.q_scale_max).all():
         raise NonFiniteScaleError("q_scale_max holds NaN or infinite values", path=path, tensor=f"{key}.q_scale_max")
+    smax = qt.q_scale_max.float()
+    if (smax < 0).any():  # the format stores fp16(max |scale|): a sign would flip the group's weights silently
+        raise NonFiniteScaleError(f"q_scale_max holds a negative value ({smax.min().item():g})", path=path,
+                                  tensor=f"{key}.q_scale_max")
+    # |w| <= q_scale_max * 2^(bits-1) (scale code 15, code 0): past fp16's range the weights dequantize to inf
+    reach = smax * torch.tensor([float(1 << (gr.bits - 1)) for gr in groups], device=smax.device)
+    if (reach > 65504.0).any():
+        g_bad = int(torch.argmax(reach))
+        raise NonFiniteScaleError(
+            f"group {g_bad}: q_scale_max {smax[g_bad].item():g} with {groups[g_bad].bits}-bit codes reaches "
+            f"|w| = {reach[g_bad].item():g}, past fp16's 65504", path=path, tensor=f"{key}.q_scale_max")
     inv = qt.q_invperm.long()
     if inv.numel() and (inv.min() < 0 or inv.max() >= k or torch.unique(inv).numel() != k):
         raise TensorShapeError("is not a permutation of 0..K-1", path=path, tensor=f"{key}.q_invperm")

@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
-from exl2_backend.errors import MissingTensorError, ModelFormatError, TensorShapeError
+from exl2_backend.errors import MissingTensorError, ModelFormatError, NonFiniteScaleError, TensorShapeError
 from exl2_backend.format.config import ModelConfig
 from exl2_backend.format.qtensor import QTensor, pad32
 from exl2_backend.format.safetensors_io import ShardIndex
@@ -123,22 +124,45 @@ def _load_exl2(index: ShardIndex, key: str, k: int, n: int, has_bias: bool) -> Q
 
 
 def _float(index: ShardIndex, name: str, shape: tuple[int, ...]) -> torch.Tensor:
-    """A floating tensor of exactly `shape`, converted to fp16."""
+    """A floating tensor of exactly `shape`, converted to fp16; NaN / inf refused (a NaN norm weight only showed
+    as NaN logits at the first step, a NaN dense weight as finite garbage)."""
     info = index.info(name)
     t = index.get(name)
     if tuple(t.shape) != shape or t.dtype not in _FLOAT_DTYPES:
         raise TensorShapeError(f"{t.dtype} {tuple(t.shape)}, expected a float tensor of shape {shape}",
                                path=str(info.file), tensor=name)
     out = t.to(torch.float16)
-    if t.dtype != torch.float16 and not torch.isfinite(out).all() and torch.isfinite(t).all():
-        raise TensorShapeError("values overflow fp16", path=str(info.file), tensor=name)
+    if not torch.isfinite(out).all():
+        stored = bool(torch.isfinite(t).all())
+        raise NonFiniteScaleError("values overflow fp16" if stored else "holds NaN or infinite values",
+                                  path=str(info.file), tensor=name)
     return out
+
+
+_LAYER_TENSOR = re.compile(r"^model\.layers\.(\d+)\.")
+
+
+def check_layer_count(index: ShardIndex, config: ModelConfig) -> None:
+    """config.json's num_hidden_layers against the layers the shards hold, before anything loops over layers:
+    fewer in the config silently dropped the last layers (wrong output), more (10^9) looped for minutes."""
+    names = index.keys()  # every shard's tensor names (headers only)
+    present = {int(m.group(1)) for key in names if (m := _LAYER_TENSOR.match(key))}
+    n = config.num_hidden_layers
+    top = max(present, default=-1)
+    if top >= n:
+        raise ModelFormatError(f"config.json says num_hidden_layers={n}, but the shards hold tensors of layer "
+                               f"{top}", path=str(index.model_dir))
+    if top < n - 1:
+        raise MissingTensorError(f"config.json says num_hidden_layers={n}, but the shards hold no tensors of "
+                                 f"layer {top + 1}" + (f" (layers 0..{top} are there)" if top >= 0 else ""),
+                                 path=str(index.model_dir), tensor=f"model.layers.{top + 1}.*")
 
 
 def load_weights(model_dir: str | Path, config: ModelConfig) -> ModelWeights:
     """Read every tensor the architecture needs from `model_dir`, validated against `config`."""
     index = ShardIndex(model_dir)
     try:
+        check_layer_count(index, config)
         h = config.hidden_size
         layers = []
         for layer in range(config.num_hidden_layers):

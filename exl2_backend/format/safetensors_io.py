@@ -43,8 +43,13 @@ class TensorInfo:
 
 def read_header(path: Path) -> dict[str, TensorInfo]:
     """Parse and validate one file's header: lengths, JSON, dtypes, shapes and offsets against the file size."""
-    size = path.stat().st_size
     p = str(path)
+    try:
+        if not path.is_file():  # a directory named *.safetensors, a broken link
+            raise CorruptFileError("is not a regular file (a directory, or a link to nothing)", path=p)
+        size = path.stat().st_size
+    except OSError as e:  # a link loop
+        raise CorruptFileError(f"cannot be read: {e.strerror or e}", path=p) from e
     if size < 8:
         raise CorruptFileError(f"file is {size} bytes, shorter than the 8-byte header length", path=p)
     with open(path, "rb") as f:

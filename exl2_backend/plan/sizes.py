@@ -23,7 +23,7 @@ import torch
 
 from exl2_backend.format.config import ModelConfig
 from exl2_backend.format.qtensor import pad32, parse_groups
-from exl2_backend.format.reader import ATTN_PROJS, MLP_PROJS, layer_linear_key, linear_shape
+from exl2_backend.format.reader import ATTN_PROJS, MLP_PROJS, check_layer_count, layer_linear_key, linear_shape
 from exl2_backend.format.safetensors_io import ShardIndex
 
 CHUNK_ROWS = 64  # ops/cuda_quant._CHUNK: rows of one packed chunk
@@ -159,6 +159,7 @@ def describe_dir(model_dir: str | Path) -> ModelDesc:
     """Read config.json, the headers and the q_groups tensors (a few bytes each) of a model directory."""
     config = ModelConfig.from_dir(model_dir)
     with ShardIndex(model_dir) as index:
+        check_layer_count(index, config)
         layers = []
         for i in range(config.num_hidden_layers):
             layer = {}

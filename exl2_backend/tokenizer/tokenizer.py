@@ -144,7 +144,11 @@ class Tokenizer:
         config = _read_json(model_dir / "tokenizer_config.json")
         template: Any = None
         if (model_dir / "chat_template.jinja").is_file():
-            template = (model_dir / "chat_template.jinja").read_text(encoding="utf-8")
+            jinja = model_dir / "chat_template.jinja"
+            try:
+                template = jinja.read_text(encoding="utf-8")
+            except (OSError, UnicodeDecodeError) as exc:
+                raise TokenizerError(f"cannot read chat_template.jinja: {exc} (file {jinja})") from exc
         elif (model_dir / "chat_template.json").is_file():
             template = _read_json(model_dir / "chat_template.json").get("chat_template")
         gen = _read_json(model_dir / "generation_config.json")
@@ -154,12 +158,18 @@ class Tokenizer:
         return cls(backend, config, chat_template=template, extra_eos_ids=extra_eos, fallback_bos_id=fallback_bos,
                    source=str(model_dir))
 
-    def _add_extra_tokens(self, decoder: dict) -> None:
+    def _add_extra_tokens(self, decoder: Any) -> None:
         """Register tokens that `added_tokens_decoder` lists but tokenizer.json lacks (rare, older exports)."""
+        if not isinstance(decoder, dict):
+            raise TokenizerError(f"tokenizer_config.json: added_tokens_decoder must be an object of id -> token, "
+                                 f"got {type(decoder).__name__} (file {self.source})")
         for entry in decoder.values():
             content = _token_text(entry)
             if content is None or self._tok.token_to_id(content) is not None:
                 continue
+            if not isinstance(entry, dict):  # a bare string names a token tokenizer.json lacks: no flags to add it by
+                raise TokenizerError(f"tokenizer_config.json: added_tokens_decoder entry {entry!r} is not in "
+                                     f"tokenizer.json and has no AddedToken fields (file {self.source})")
             token = AddedToken(content, special=bool(entry.get("special", False)),
                                normalized=bool(entry.get("normalized", False)), lstrip=bool(entry.get("lstrip")),
                                rstrip=bool(entry.get("rstrip")), single_word=bool(entry.get("single_word")))

@@ -236,3 +236,88 @@ def test_load_setting_errors_give_the_reason_of_a_union_field():
     with pytest.raises(ConfigError, match=r"ngram: ngram min_n \(5\) must be <= max_n \(2\)") as e:
         _load_settings({"ngram": {"min_n": 5, "max_n": 2}})
     assert e.value.field == "ngram"
+
+
+# --- found by fuzzing (session 25): each of these loaded, hung or crashed untyped ----------------------------
+
+
+def _set_config(d, **fields):
+    cfg = json.loads((d / "config.json").read_text())
+    cfg.update(fields)
+    (d / "config.json").write_text(json.dumps(cfg))
+
+
+def test_layer_count_must_match_the_shards(model):
+    """Fewer layers in config.json than in the shards silently dropped the last ones (wrong output); many more
+    (10^9) looped for minutes in the plan and in `info`. Both are refused before anything loops over layers."""
+    from exl2_backend.format.inspect import describe_model
+    from exl2_backend.plan.sizes import describe_dir
+
+    n = json.loads((model / "config.json").read_text())["num_hidden_layers"]
+    for layers, exc, says in ((n - 1, ModelFormatError, f"tensors of layer {n - 1}"),
+                              (n + 1, MissingTensorError, f"no tensors of layer {n}"),
+                              (10**9, MissingTensorError, f"no tensors of layer {n}")):
+        _set_config(model, num_hidden_layers=layers)
+        for read in (_load, describe_dir, describe_model):
+            with pytest.raises(exc, match=says):
+                read(model)
+
+
+@pytest.mark.parametrize("name, row", [("model.norm.weight", None), ("model.layers.0.input_layernorm.weight", None),
+                                       ("model.embed_tokens.weight", 3)])
+@pytest.mark.parametrize("value", [float("nan"), float("inf")])
+def test_non_finite_floating_weights_are_refused_at_load(model, name, row, value):
+    """A NaN norm or embedding row only showed as NaN logits at the first step (or finite garbage through a
+    dense weight): refused at load, naming the tensor."""
+    def poison(t):
+        (t[name][row] if row is not None else t[name])[0] = value
+
+    _mutate(model, poison)
+    _expect(model, NonFiniteScaleError, name)
+
+
+@pytest.mark.parametrize("value, says", [(-1.0, "negative"), (60000.0, "past fp16")])
+def test_q_scale_max_negative_or_overflowing_is_refused(model, value, says):
+    """A negative maximum flips a group's weights silently; one so large that code 0 with scale code 15 leaves
+    fp16 dequantizes to inf. ExLlamaV2 writes fp16(max |scale|), never either."""
+    def poison(t):
+        t[f"{Q}.q_scale_max"][0] = value
+
+    _mutate(model, poison)
+    with pytest.raises(NonFiniteScaleError, match=says) as e:
+        _load(model)
+    assert e.value.tensor == f"{Q}.q_scale_max"
+
+
+def test_shard_paths_that_are_not_files(model):
+    """A directory named *.safetensors, a link to nothing, a link loop: CorruptFileError naming the path, not
+    IsADirectoryError / FileNotFoundError / OSError."""
+    for make in (lambda p: p.mkdir(), lambda p: p.symlink_to(model / "nowhere"), lambda p: p.symlink_to(p)):
+        odd = model / "zz.safetensors"
+        make(odd)
+        with pytest.raises(CorruptFileError) as e:
+            _load(model)
+        assert e.value.path == str(odd)
+        odd.rmdir() if odd.is_dir() and not odd.is_symlink() else odd.unlink()
+
+
+def test_config_values_that_break_rope_or_generation_config(model):
+    for fields, field in (({"rope_theta": 1e-300}, "rope_theta"), ({"rope_theta": 1.0}, "rope_theta"),
+                          ({"rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 4.0,
+                                             "high_freq_factor": 1.0, "original_max_position_embeddings": 8192}},
+                           "rope_scaling.low_freq_factor")):
+        cfg = tiny_config_dict(**fields)
+        with pytest.raises(ConfigError) as e:
+            ModelConfig.from_dict(cfg)
+        assert e.value.field == field
+    (model / "generation_config.json").write_text("[1]")
+    with pytest.raises(ConfigError, match="generation_config.json must be a JSON object"):
+        ModelConfig.from_dir(model)
+
+
+def test_eos_outside_the_vocabulary_is_dropped_with_a_warning(model, caplog):
+    vocab = json.loads((model / "config.json").read_text())["vocab_size"]
+    (model / "generation_config.json").write_text(json.dumps({"eos_token_id": [1, vocab + 5]}))
+    _set_config(model, eos_token_id=2)
+    assert ModelConfig.from_dir(model).eos_token_ids == (2, 1)
+    assert f"[{vocab + 5}]" in caplog.text

@@ -52,3 +52,20 @@ def test_bench_rejects_an_unknown_cache_type(small_dir):
     with pytest.raises(SystemExit) as e:
         main(["bench", str(small_dir), "--device", "cpu", "--cache-type", "q5"])
     assert e.value.code != 0
+
+
+def test_generate_exits_nonzero_when_the_sequence_fails(small_dir, monkeypatch, capsys):
+    """`generate` printed the error of a failed sequence and still exited 0; a failed generation is a failed
+    command (exit 2). The failure is a NaN logit row, which the engine turns into finish "error"."""
+    from exl2_backend.cli.main import main
+    from exl2_backend.runtime.model_runner import ModelRunner
+
+    real_run = ModelRunner.run
+
+    def nan_logits(self, *args, **kwargs):
+        return real_run(self, *args, **kwargs) * float("nan")
+
+    assert main(["generate", str(small_dir), "--device", "cpu", "--prompt", "hello", "--max-new-tokens", "3"]) == 0
+    monkeypatch.setattr(ModelRunner, "run", nan_logits)
+    assert main(["generate", str(small_dir), "--device", "cpu", "--prompt", "hello", "--max-new-tokens", "3"]) == 2
+    assert "NaN logits" in capsys.readouterr().err

@@ -115,6 +115,25 @@ def test_invalid_tokenizer_config(default_fp16_dir, tmp_path):
         Tokenizer.from_dir(tmp_path)
 
 
+@pytest.mark.parametrize("decoder, says", [([1], "must be an object"), ({"5": "zzqq_new"}, "no AddedToken fields")])
+def test_malformed_added_tokens_decoder(default_fp16_dir, tmp_path, decoder, says):
+    """added_tokens_decoder as a list, or an entry that is a bare unknown string: TokenizerError naming the
+    file, not AttributeError."""
+    _copy_tokenizer(default_fp16_dir, tmp_path)
+    cfg = json.loads((tmp_path / "tokenizer_config.json").read_text())
+    cfg["added_tokens_decoder"] = decoder
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps(cfg))
+    with pytest.raises(TokenizerError, match=says):
+        Tokenizer.from_dir(tmp_path)
+
+
+def test_chat_template_file_that_is_not_utf8(default_fp16_dir, tmp_path):
+    _copy_tokenizer(default_fp16_dir, tmp_path)
+    (tmp_path / "chat_template.jinja").write_bytes(b"\xff\xfe{{ x }}")
+    with pytest.raises(TokenizerError, match="chat_template.jinja"):
+        Tokenizer.from_dir(tmp_path)
+
+
 def test_eos_ids_from_generation_config(default_fp16_dir, tmp_path):
     _copy_tokenizer(default_fp16_dir, tmp_path)
     (tmp_path / "generation_config.json").write_text(json.dumps({"eos_token_id": [2, 0]}))

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 import struct
 from dataclasses import dataclass
 from pathlib import Path
@@ -39,6 +40,26 @@ class TensorInfo:
     @property
     def nbytes(self) -> int:
         return self.end - self.begin
+
+
+_SHARD_NAME = re.compile(r"^(?P<stem>.+)-(?P<i>\d+)-of-(?P<n>\d+)\.safetensors$")
+
+
+def _check_shard_numbering(files: list[Path], model_dir: Path) -> None:
+    """Shards named `<stem>-00002-of-00003.safetensors` say how many there are: a missing one is named (it would
+    otherwise surface as some tensor of it "not found")."""
+    sets: dict[tuple[str, int], set[int]] = {}
+    for f in files:
+        m = _SHARD_NAME.match(f.name)
+        if m:
+            sets.setdefault((m["stem"], int(m["n"])), set()).add(int(m["i"]))
+    for (stem, n), have in sets.items():
+        missing = sorted(set(range(1, n + 1)) - have)
+        if missing:
+            width = len(next(_SHARD_NAME.match(f.name)["i"] for f in files if f.name.startswith(stem + "-")))
+            name = f"{stem}-{missing[0]:0{width}d}-of-{n:0{width}d}.safetensors"
+            raise ModelDirectoryError(f"shard {missing[0]} of {n} is missing ({name}; "
+                                      f"{len(missing)} missing in all)", path=str(model_dir / name))
 
 
 def read_header(path: Path) -> dict[str, TensorInfo]:
@@ -106,6 +127,7 @@ class ShardIndex:
         self.files: list[Path] = sorted(self.model_dir.glob("*.safetensors"))
         if not self.files:
             raise ModelDirectoryError("no *.safetensors files in the model directory", path=str(self.model_dir))
+        _check_shard_numbering(self.files, self.model_dir)
         self._infos: dict[str, TensorInfo] = {}
         for f in self.files:
             for name, info in read_header(f).items():

@@ -321,3 +321,15 @@ def test_eos_outside_the_vocabulary_is_dropped_with_a_warning(model, caplog):
     _set_config(model, eos_token_id=2)
     assert ModelConfig.from_dir(model).eos_token_ids == (2, 1)
     assert f"[{vocab + 5}]" in caplog.text
+
+
+def test_a_missing_shard_is_named(tmp_path):
+    """Shards named <stem>-i-of-n: a missing one is named (it surfaced as "neither ...q_weight nor ...weight
+    found" for some tensor it held)."""
+    d = write_tiny_exl2_model(tmp_path / "m", tiny_config_dict(), seed=0, shard_mb=0.05)
+    shards = sorted(d.glob("*-of-*.safetensors"))
+    assert len(shards) >= 3
+    shards[1].unlink()
+    with pytest.raises(ModelDirectoryError, match=f"shard 2 of {len(shards)} is missing") as e:
+        _load(d)
+    assert e.value.path.endswith(shards[1].name)

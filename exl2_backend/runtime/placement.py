@@ -16,6 +16,9 @@ def load_model(settings):
     """-> (model, settings). For a split or tensor-parallel load the returned settings carry the plan's
     max_seq_len and cache_tokens (sized over all devices); a single-device load keeps the engine's own
     sizing from the free memory after the weights."""
+    from exl2_backend.runtime.settings import require_device
+
+    require_device(settings.device)  # a device that is not here: ConfigError before any planning
     plan = plan_load(settings)
     plan.check()
     for d in plan.devices:

@@ -18,11 +18,17 @@ CUDA_CACHE_FRACTION = 0.5  # of the free GPU memory after the weights, for the d
 
 
 def resolve_device(device: str) -> torch.device:
-    """"auto" -> cuda if available else cpu; anything else as given, once it exists here (ConfigError naming
-    `device` otherwise, not torch's AssertionError from deep inside the load)."""
+    """"auto" -> cuda if available else cpu; anything else as given (plans may name devices of another
+    machine; require_device checks that one exists here)."""
     if device == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    dev = torch.device(device)
+    return torch.device(device)
+
+
+def require_device(device: str) -> torch.device:
+    """resolve_device, for a load on this machine: a CUDA device that is not here is a ConfigError naming
+    `device`, not torch's AssertionError from deep inside the load."""
+    dev = resolve_device(device)
     if dev.type == "cuda":
         count = torch.cuda.device_count() if torch.cuda.is_available() else 0
         if count == 0:

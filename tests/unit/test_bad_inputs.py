@@ -217,15 +217,17 @@ def test_a_cuda_device_that_is_not_here_is_a_config_error():
     resolved, not torch's AssertionError from inside the model load."""
     import torch
 
-    from exl2_backend.runtime.settings import LoadSettings, resolve_device
+    from exl2_backend.runtime.placement import load_model
+    from exl2_backend.runtime.settings import LoadSettings, require_device, resolve_device
 
     count = torch.cuda.device_count() if torch.cuda.is_available() else 0
     with pytest.raises(ConfigError, match=f"cuda:{count}") as e:
-        resolve_device(f"cuda:{count}")
+        require_device(f"cuda:{count}")
     assert e.value.field == "device"
+    assert resolve_device(f"cuda:{count}").index == count  # plans may name another machine's devices
     if count == 0:
         with pytest.raises(ConfigError, match="no CUDA device"):
-            _ = LoadSettings(device="cuda").torch_device
+            load_model(LoadSettings(device="cuda"))
 
 
 def test_load_setting_errors_give_the_reason_of_a_union_field():

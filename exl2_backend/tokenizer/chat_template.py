@@ -59,7 +59,10 @@ def select_template(value: Any, name: str | None = None) -> str | None:
     if value is None or isinstance(value, str):
         return value
     if isinstance(value, list):
-        named = {str(t.get("name")): t.get("template") for t in value if isinstance(t, dict)}
+        if not all(isinstance(t, dict) and isinstance(t.get("template"), str) for t in value):
+            raise TokenizerError("chat_template as a list must hold {name, template} objects with string templates, "
+                                 f"got {value!r:.120}")
+        named = {str(t.get("name")): t.get("template") for t in value}
         if name is not None:
             if name not in named:
                 raise TokenizerError(f"no chat template named {name!r} (have {sorted(named)})")

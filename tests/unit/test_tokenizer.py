@@ -163,6 +163,10 @@ def test_template_syntax_error_and_missing_template(default_fp16_dir, tmp_path):
     tok = Tokenizer.from_dir(_copy_tokenizer(default_fp16_dir, tmp_path / "b", chat_template=None))
     with pytest.raises(TokenizerError, match="no chat template"):
         tok.apply_chat_template([{"role": "user", "content": "x"}])
+    # a list that is not {name, template} objects is malformed, not "no chat template"
+    tok = Tokenizer.from_dir(_copy_tokenizer(default_fp16_dir, tmp_path / "c", chat_template=[1, "x"]))
+    with pytest.raises(TokenizerError, match="must hold {name, template} objects"):
+        tok.apply_chat_template([{"role": "user", "content": "x"}])
 
 
 def test_template_sandbox_blocks_python_internals(default_fp16_dir, tmp_path):

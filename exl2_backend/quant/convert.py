@@ -29,7 +29,7 @@ from exl2_backend.format.writer import make_quantization_config, write_model_dir
 from exl2_backend.ops import reference as ops
 from exl2_backend.quant.job import JobState, fingerprint, tensor_hash
 from exl2_backend.quant.layer_quant import METHODS, calibration_ids, quantize_head, quantize_layer, spread
-from exl2_backend.quant.measure import DEFAULT_OPTIONS, OPTION_TABLES, block_key, measure_block
+from exl2_backend.quant.measure import DEFAULT_OPTIONS, OPTION_TABLES, block_key, measure_block, record_options
 from exl2_backend.quant.optimize import BudgetError, achieved_bpw, bpw_range, optimize
 
 log = logging.getLogger(__name__)
@@ -93,10 +93,30 @@ def _matmul_tf32(enabled: bool):
         torch.backends.cuda.matmul.allow_tf32 = old
 
 
+def _check_output(in_dir: Path, out_dir: Path) -> None:
+    """Before any work: the output replaces a directory atomically (format/writer.py), so it must not hold the
+    input (an output that was an ancestor of the input deleted the input), lie inside it, or be anything but an
+    earlier EXL2 output, an empty directory or a new path (a file, or another model, would be lost or refused
+    only after the whole conversion)."""
+    src, out = in_dir.resolve(), out_dir.resolve()
+    if out == src or out in src.parents or src in out.parents:
+        raise ModelDirectoryError("the output directory must not be, contain or lie inside the input directory "
+                                  f"({src})", path=str(out_dir))
+    if out.exists() and not out.is_dir():
+        raise ModelDirectoryError("the output path exists and is not a directory", path=str(out_dir))
+    if out.is_dir() and any(out.iterdir()):
+        try:
+            earlier = json.loads((out / "config.json").read_text()).get("quantization_config", {})
+        except (OSError, ValueError, AttributeError):
+            earlier = {}
+        if not isinstance(earlier, dict) or earlier.get("quant_method") != "exl2":
+            raise ModelDirectoryError("refusing to replace a non-empty directory that is not an earlier EXL2 "
+                                      "output (its config.json has no exl2 quantization_config)", path=str(out_dir))
+
+
 def _check_input(in_dir: Path, out_dir: Path, s: ConvertSettings) -> tuple[ModelConfig, object]:
     cfg = ModelConfig.from_dir(in_dir)  # raises for a missing dir/config and unsupported architectures
-    if in_dir.resolve() == out_dir.resolve():
-        raise ModelDirectoryError("output directory must differ from the input directory", path=str(out_dir))
+    _check_output(in_dir, out_dir)
     if s.head_bits not in HEAD_OPTIONS:
         raise ConfigError(f"head bits must be one of {sorted(HEAD_OPTIONS)}, got {s.head_bits}", field="head_bits")
     if any(v is not None and v < 1 for v in (s.rows, s.length, s.measure_rows)):
@@ -154,20 +174,56 @@ def uniform_strategy(cfg: ModelConfig, option: str) -> dict:
     return out
 
 
-def _load_measurement(path: str, keys: list[str]) -> dict:
+def _load_measurement(path: str, cfg: ModelConfig, keys: list[str]) -> dict:
+    """A measurement.json (ours or ExLlamaV2's) checked against this model before the optimizer trusts it: every
+    block of the model and no other, accuracies finite in [0, 1], each record's options valid for the block's
+    shapes and its total_bits what they cost here. A measurement of another model recorded other bit counts
+    (a "2.0 bpw" conversion came out at 7.7), and NaN accuracies made the optimizer pick the cheapest options."""
     p = Path(path)
     if not p.is_file():
         raise ModelDirectoryError("measurement file not found", path=str(p))
+
+    def bad(why: str) -> ModelFormatError:
+        return ModelFormatError(f"not a measurement.json for this model: {why}", path=str(p))
+
     try:
         meas = json.loads(p.read_text())
-        recs = [meas["measurement"][k] for k in keys]
-        ok = all(r and all(isinstance(x["accuracy"], float | int) and int(x["total_bits"]) > 0 for x in r)
-                 for r in recs)
-    except (ValueError, KeyError, TypeError) as e:
-        raise ModelFormatError(f"not a measurement.json for this model ({type(e).__name__}: {e})", path=str(p)) from None
-    if not ok:
-        raise ModelFormatError("measurement has empty or malformed records", path=str(p))
+        table = meas["measurement"]
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise bad(f"{type(e).__name__}: {e}") from None
+    if not isinstance(table, dict):
+        raise bad("'measurement' is not an object")
+    extra = sorted(set(table) - set(keys))
+    if extra:
+        raise bad(f"it has blocks this model lacks ({extra[0]}; the model has {cfg.num_hidden_layers} layers)")
+    kinds = {block_key(i, k): k for i in range(cfg.num_hidden_layers) for k in ("attn", "mlp")}
+    for key in keys:
+        recs = table.get(key)
+        if not isinstance(recs, list) or not recs:
+            raise bad(f"block {key} has no records")
+        kind = kinds[key]
+        for r in recs:
+            acc = r.get("accuracy") if isinstance(r, dict) else None
+            if isinstance(acc, bool) or not isinstance(acc, (int, float)) or not 0 <= acc <= 1:  # NaN fails too
+                raise bad(f"block {key}: accuracy {acc!r} is not a number in [0, 1]")
+            try:
+                options = record_options(r, kind)
+                bits = _block_bits(cfg, kind, [options[q] for q in (ATTN_PROJS if kind == "attn" else MLP_PROJS)])
+            except (KeyError, TypeError, ValueError) as e:
+                raise bad(f"block {key}: a record's options are invalid here ({type(e).__name__}: {e})") from None
+            recorded = r.get("total_bits")
+            # within 1%: another writer's rounding; another model's shapes are off by whole factors
+            if isinstance(recorded, bool) or not isinstance(recorded, (int, float)) or \
+                    not abs(recorded - bits) <= 0.01 * bits:
+                raise bad(f"block {key}: a record says {recorded!r} bits where its options cost {bits} in this "
+                          "model (a measurement of another model?)")
     return meas
+
+
+def _weights_identity(in_dir: Path) -> list:
+    """The source shards' names, sizes and modification times: a resumed job whose source weights changed
+    starts again (it reused quantized layers of the old weights, silently)."""
+    return [(f.name, f.stat().st_size, f.stat().st_mtime_ns) for f in sorted(in_dir.glob("*.safetensors"))]
 
 
 class _Checkpoint:
@@ -192,7 +248,7 @@ def _embed(ids: torch.Tensor, weights, dev: torch.device) -> torch.Tensor:
 
 def _measure(job: JobState, cfg, weights, ids, s: ConvertSettings, inv_freq, in_dir: Path, dev) -> dict:
     mfp = fingerprint({"ids": tensor_hash(ids), "attn": s.attn_options, "mlp": s.mlp_options, "cfg": cfg.raw,
-                       "in": str(in_dir.resolve())})
+                       "in": str(in_dir.resolve()), "weights": _weights_identity(in_dir)})
     job.reset_if_changed("measure", mfp, ("measurement.json", "measure_hidden.safetensors"))
     meas = job.read_json("measurement.json") or {"measurement": {}, "last_module_idx": -1}
     done = job.data.get("measure_layers", 0)
@@ -229,7 +285,7 @@ def _strategy(cfg, weights, ids, s: ConvertSettings, inv_freq, in_dir: Path, dev
         strategy = uniform_strategy(cfg, s.uniform)
         return strategy, sum(r["total_bits"] for r in strategy.values()) / numel, False
     if s.measurement:
-        meas = _load_measurement(s.measurement, keys)
+        meas = _load_measurement(s.measurement, cfg, keys)
     else:
         _check_budget(cfg, s, numel)
         meas = _measure(job, cfg, weights, ids, s, inv_freq, in_dir, dev)
@@ -268,7 +324,8 @@ def convert(in_dir: str | Path, out_dir: str | Path, settings: ConvertSettings |
 
     # quant pass, layer by layer, resumable
     qfp = fingerprint({"in": str(in_dir.resolve()), "ids": tensor_hash(ids), "strategy": strategy,
-                       "head_bits": s.head_bits, "cfg": cfg.raw, "method": s.method})
+                       "head_bits": s.head_bits, "cfg": cfg.raw, "method": s.method,
+                       "weights": _weights_identity(in_dir)})
     job.reset_if_changed("quant", qfp, ("layers", "quant_hidden.safetensors", "head.safetensors"))
     job.write_json("strategy.json", strategy)
     done = job.data.get("quant_layers", 0)

@@ -163,3 +163,64 @@ def test_converter_output_has_the_format_exllamav2_loaded(converted, tmp_path):
     q_ours = json.loads((out / "config.json").read_text())["quantization_config"]
     q_theirs = json.loads((loaded / "config.json").read_text())["quantization_config"]
     assert set(q_theirs) <= set(q_ours) and q_ours["quant_method"] == q_theirs["quant_method"] == "exl2"
+
+
+# --- found by fuzzing (session 25): each of these converted silently into a wrong or destroyed model ----------
+
+
+def test_output_that_holds_or_is_inside_the_input_is_refused_before_any_work(converted, tmp_path):
+    """An output dir that was an ancestor of the input replaced it atomically, deleting the input; one inside
+    it littered the source model; a file or another model as output was refused only after the whole run."""
+    import shutil
+
+    _, src, _, _ = converted
+    parent = tmp_path / "p"
+    shutil.copytree(src, parent / "src")
+    (parent / "config.json").write_text((src / "config.json").read_text())
+    other = tmp_path / "other_fp16"
+    shutil.copytree(src, other)
+    (tmp_path / "afile").write_text("x")
+    for out, says in ((parent, "must not be, contain or lie inside"), (parent / "src" / "sub", "lie inside"),
+                      (tmp_path / "afile", "not a directory"), (other, "not an earlier EXL2 output")):
+        with pytest.raises(ModelDirectoryError, match=says):
+            convert(parent / "src" if out != other and out != tmp_path / "afile" else src, out,
+                    _settings(tmp_path, "x", uniform="4:1@128"), texts=TEXTS)
+    assert (parent / "src" / "config.json").is_file() and (other / "config.json").is_file()
+
+
+def test_measurement_of_another_model_or_with_bad_accuracy_is_refused(converted, tmp_path):
+    """A measurement of another model recorded other bit counts (a "2.0 bpw" conversion came out at 7.7 bpw);
+    NaN, negative or boolean accuracies made the optimizer pick the cheapest options. Both refused."""
+    _, src, out, _ = converted
+    meas = json.loads((out / "measurement.json").read_text())
+    key = "model.layers.0.self_attn"
+    for change, says in ((lambda m: m["measurement"][key][0].update(total_bits=m["measurement"][key][0]["total_bits"]
+                                                                    * 4), "bits where its options cost"),
+                         (lambda m: m["measurement"][key][1].update(accuracy=float("nan")), "accuracy"),
+                         (lambda m: m["measurement"][key][1].update(accuracy=-0.5), "accuracy"),
+                         (lambda m: m["measurement"][key][1].update(accuracy=True), "accuracy"),
+                         (lambda m: m["measurement"][key][0].pop("q_proj"), "options are invalid"),
+                         (lambda m: m["measurement"].update({"model.layers.99.mlp": []}), "blocks this model lacks")):
+        bad = json.loads(json.dumps(meas))
+        change(bad)
+        path = tmp_path / "m.json"
+        path.write_text(json.dumps(bad))
+        with pytest.raises(ModelFormatError, match=says):
+            convert(src, tmp_path / "q", _settings(tmp_path, "q", bpw=3.0, measurement=str(path)), texts=TEXTS)
+
+
+def test_resume_after_the_source_weights_changed_starts_again(tmp_path):
+    """The resume fingerprints held the input's path and config but not its weights: a rerun after new
+    weights were written reused the old quantized layers. They now include the shards' sizes and times."""
+    src = write_tiny_fp16_model(tmp_path / "src", tiny_config_dict(), seed=1)
+    settings = _settings(tmp_path, "job", uniform="4:1@128")
+    convert(src, tmp_path / "a", settings, texts=TEXTS)
+    first = _tensors(tmp_path / "a")
+    write_tiny_fp16_model(tmp_path / "src", tiny_config_dict(), seed=2)  # new weights, same path and config
+    summary = convert(src, tmp_path / "a", settings, texts=TEXTS)
+    assert summary["resumed_layers"] == 0
+    again = _tensors(tmp_path / "a")
+    fresh = convert(src, tmp_path / "b", _settings(tmp_path, "fresh", uniform="4:1@128"), texts=TEXTS)
+    assert fresh is not None
+    q = "model.layers.0.self_attn.q_proj.q_weight"
+    assert not torch.equal(again[q], first[q]) and torch.equal(again[q], _tensors(tmp_path / "b")[q])

@@ -6,12 +6,14 @@ that shape (mixed bit widths as the format allows) and benchmarks it; speed does
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import json
 import sys
 from pathlib import Path
 
 from exl2_backend.cache.kv_types import CACHE_TYPE_NAMES
+from exl2_backend.errors import ConfigError
 
 
 def add_parser(sub):
@@ -48,7 +50,16 @@ def _model_dir(args) -> Path:
         from exl2_backend.cli.common import resolve_model_dir
 
         return resolve_model_dir(args.model_dir)
-    from exl2_backend.format.random_model import write_random_exl2_model
+    from exl2_backend.format.layout import HEAD_OPTIONS
+    from exl2_backend.format.random_model import SHAPES, _config_dict, write_random_exl2_model
+
+    if args.shape not in SHAPES:
+        raise ConfigError(f"--shape must be one of {', '.join(SHAPES)}, got {args.shape!r}", field="shape")
+    if not 2.0 <= args.bpw <= 8.0:  # NaN fails too
+        raise ConfigError(f"--bpw must be in [2, 8] for --shape, got {args.bpw}", field="bpw")
+    if args.head_bits not in HEAD_OPTIONS:
+        raise ConfigError(f"--head-bits must be one of {sorted(HEAD_OPTIONS)}, got {args.head_bits}",
+                          field="head_bits")
 
     if args.model_out:
         out = Path(args.model_out)
@@ -59,6 +70,14 @@ def _model_dir(args) -> Path:
     if not (out / "config.json").exists():
         print(f"writing a random {args.shape} model at {args.bpw} bpw to {out} ...", file=sys.stderr)
         write_random_exl2_model(out, args.shape, bpw=args.bpw, head_bits=args.head_bits)
+    else:  # reused: it must be that shape (a tiny model there was benchmarked as "llama3-8b")
+        have = json.loads((out / "config.json").read_text())
+        want = _config_dict(args.shape)
+        keys = ("hidden_size", "num_hidden_layers", "intermediate_size", "num_attention_heads", "vocab_size")
+        if any(have.get(k) != want.get(k) for k in keys):
+            raise ConfigError(f"--model-out {out} holds a model that is not {args.shape} "
+                              f"({ {k: have.get(k) for k in keys} }); remove it or choose another path",
+                              field="model_out")
     return out
 
 
@@ -80,11 +99,37 @@ def _free_device_memory() -> None:
 
 
 def run(args) -> int:
-    from exl2_backend.bench.decode import load_model, plot, run_bench
-    from exl2_backend.cli.common import multi_gpu_settings_from_args, spec_settings_from_args
+    from exl2_backend.bench.decode import plot
 
     types = _cache_types(args.cache_type)
-    contexts = tuple(int(c) for c in args.contexts.split(",") if c.strip())
+    try:
+        contexts = tuple(int(c) for c in args.contexts.split(",") if c.strip())
+    except ValueError:
+        contexts = ()
+    if not contexts or min(contexts) < 1:
+        raise ConfigError(f"--contexts takes comma-separated positive token counts, got {args.contexts!r}",
+                          field="contexts")
+    if args.decode_tokens < 1:  # none decoded would report a speed of nothing timed
+        raise ConfigError(f"--decode-tokens must be >= 1, got {args.decode_tokens}", field="decode_tokens")
+    # with --json - the JSON alone goes to stdout: the tables go to stderr
+    with contextlib.redirect_stdout(sys.stderr) if args.json == "-" else contextlib.nullcontext():
+        results, out = _measure_all(args, types, contexts)
+    if args.json:
+        text = json.dumps(out, indent=2)
+        if args.json == "-":
+            print(text)
+        else:
+            Path(args.json).write_text(text)
+    if args.plot:
+        plot(results if len(results) > 1 else results[0], args.plot)
+    return 0
+
+
+def _measure_all(args, types: list[str], contexts: tuple[int, ...]) -> tuple[list[dict], dict]:
+    """Every cache type's bench run, its table printed as it finishes; -> (results, the JSON document)."""
+    from exl2_backend.bench.decode import load_model, run_bench
+    from exl2_backend.cli.common import multi_gpu_settings_from_args, spec_settings_from_args
+
     model_dir = _model_dir(args)
     multi = multi_gpu_settings_from_args(args)
     loaded = load_model(model_dir, args.device, multi)
@@ -104,15 +149,7 @@ def run(args) -> int:
     if len(results) > 1:
         _print_comparison(results)
     out = {**results[0], "kv_cache_types": budget} if len(results) == 1 else {"runs": results, "kv_cache_types": budget}
-    if args.json:
-        text = json.dumps(out, indent=2)
-        if args.json == "-":
-            print(text)
-        else:
-            Path(args.json).write_text(text)
-    if args.plot:
-        plot(results if len(results) > 1 else results[0], args.plot)
-    return 0
+    return results, out
 
 
 def _budget(model, weight_bytes: int, vram_gb: float | None) -> dict:

@@ -41,8 +41,11 @@ def add_parser(sub):
 
 def _messages(args) -> list[dict] | None:
     if args.messages:
-        text = sys.stdin.read() if args.messages == "-" else Path(args.messages).read_text(encoding="utf-8")
-        msgs = json.loads(text)
+        try:
+            text = sys.stdin.read() if args.messages == "-" else Path(args.messages).read_text(encoding="utf-8")
+            msgs = json.loads(text)
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+            raise InvalidRequestError(f"--messages {args.messages}: {exc}", field="messages") from None
         if not isinstance(msgs, list) or not all(isinstance(m, dict) and "role" in m and "content" in m for m in msgs):
             raise InvalidRequestError("--messages must hold a JSON list of {role, content} objects", field="messages")
         return msgs

@@ -160,9 +160,9 @@ def evaluate(model_dir: str | Path, reference_dir: str | Path, text: str | None 
     held-out evaluation text), at most `max_tokens` tokens of it, in windows of `window` tokens. The model runs
     over a KV cache of `cache_type`, the reference over an fp16 one."""
     from exl2_backend.model import LlamaModel
-    from exl2_backend.runtime.settings import resolve_device
+    from exl2_backend.runtime.settings import require_device
 
-    dev = resolve_device(device)
+    dev = require_device(device)
     ids, bos = tokenize_eval_text(model_dir, text, max_tokens, reference_dir)
     t0 = time.perf_counter()
     model = LlamaModel.from_dir(model_dir, dev)

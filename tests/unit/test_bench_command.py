@@ -69,3 +69,51 @@ def test_generate_exits_nonzero_when_the_sequence_fails(small_dir, monkeypatch, 
     monkeypatch.setattr(ModelRunner, "run", nan_logits)
     assert main(["generate", str(small_dir), "--device", "cpu", "--prompt", "hello", "--max-new-tokens", "3"]) == 2
     assert "NaN logits" in capsys.readouterr().err
+
+
+def test_bench_json_to_stdout_is_json_alone(small_dir, capsys):
+    """`--json -`: the tables go to stderr, so stdout parses as the JSON document."""
+    from exl2_backend.cli.main import main
+
+    rc = main(["bench", str(small_dir), "--device", "cpu", "--contexts", "32", "--decode-tokens", "2",
+               "--prefill-tokens", "16", "--json", "-"])
+    assert rc == 0
+    captured = capsys.readouterr()
+    assert json.loads(captured.out)["decode"][0]["context"] == 32
+    assert "decode" in captured.err  # the table
+
+
+@pytest.mark.parametrize("argv, says", [
+    (["--contexts", "abc"], "--contexts"), (["--contexts", "-5"], "--contexts"),
+    (["--decode-tokens", "0"], "--decode-tokens"),
+    (["--shape", "bogus"], "--shape must be one of"), (["--shape", "llama3-1b", "--bpw", "nan"], "--bpw"),
+    (["--shape", "llama3-1b", "--head-bits", "7"], "--head-bits"),
+])
+def test_bench_arguments_are_checked_first(small_dir, capsys, argv, says):
+    """Each of these ran, or crashed with a traceback, or reported a speed of nothing (--decode-tokens 0)."""
+    from exl2_backend.cli.main import main
+
+    model = [] if "--shape" in argv else [str(small_dir)]
+    assert main(["bench", *model, "--device", "cpu", *argv]) == 2
+    assert says in capsys.readouterr().err
+
+
+def test_bench_shape_refuses_a_model_out_of_another_shape(small_dir, capsys):
+    """--shape X --model-out DIR measured whatever DIR held (a tiny model as "llama3-8b")."""
+    from exl2_backend.cli.main import main
+
+    assert main(["bench", "--shape", "llama3-8b", "--model-out", str(small_dir), "--device", "cpu"]) == 2
+    assert "is not llama3-8b" in capsys.readouterr().err
+
+
+def test_cli_settings_errors_and_bad_messages_file(small_dir, tmp_path, capsys):
+    """A settings value pydantic refuses (LoadSettings built from the arguments) and a --messages file that is
+    missing or not JSON: `error:` lines and exit 2, not tracebacks."""
+    from exl2_backend.cli.main import main
+
+    assert main(["generate", str(small_dir), "--device", "cpu", "--max-seq-len", "0", "--prompt", "hi"]) == 2
+    assert "max_seq_len" in capsys.readouterr().err
+    (tmp_path / "bad.json").write_text("{not json")
+    for path in (tmp_path / "missing.json", tmp_path / "bad.json"):
+        assert main(["generate", str(small_dir), "--device", "cpu", "--messages", str(path)]) == 2
+        assert "--messages" in capsys.readouterr().err

@@ -149,17 +149,20 @@ def _read_file(path: Path) -> list[str]:
         return [path.read_text(encoding="utf-8", errors="replace")]
     if suffix == ".jsonl":
         texts = []
-        with path.open(encoding="utf-8") as fh:
-            for n, line in enumerate(fh, 1):
-                if not line.strip():
-                    continue
-                try:
-                    row = json.loads(line)
-                except json.JSONDecodeError as exc:
-                    raise CalibrationDataError(f"{path}:{n}: not JSON: {exc}") from None
-                if not isinstance(row, dict) or not isinstance(row.get("text"), str):
-                    raise CalibrationDataError(f'{path}:{n}: expected an object with a string "text" field')
-                texts.append(row["text"])
+        try:
+            lines = path.read_text(encoding="utf-8").splitlines()
+        except UnicodeDecodeError as exc:
+            raise CalibrationDataError(f"{path}: not UTF-8 text ({exc.reason} at byte {exc.start})") from None
+        for n, line in enumerate(lines, 1):
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError as exc:
+                raise CalibrationDataError(f"{path}:{n}: not JSON: {exc}") from None
+            if not isinstance(row, dict) or not isinstance(row.get("text"), str):
+                raise CalibrationDataError(f'{path}:{n}: expected an object with a string "text" field')
+            texts.append(row["text"])
         return texts
     if suffix == ".parquet":
         try:

@@ -25,7 +25,7 @@ from pathlib import Path
 
 import torch
 
-from exl2_backend.errors import ConfigError
+from exl2_backend.errors import ConfigError, InvalidRequestError
 
 DEFAULT_WINDOW = 512
 PAGE_SIZE = 64
@@ -92,7 +92,7 @@ def evaluate_models(model, reference, ids: list[int], window: int = DEFAULT_WIND
         raise ConfigError(f"vocabulary sizes differ: model {model.vocab_size}, reference {reference.vocab_size}")
     wins = _windows(ids, window, bos)
     if not wins:
-        raise ValueError("need at least 2 tokens to evaluate")
+        raise InvalidRequestError("the evaluation text needs at least 2 tokens", field="text")
     t0 = time.perf_counter()
     run_m = _Runner(model, window, cache_type)
     run_r = _Runner(reference, window, reference_cache_type)  # own cache even when `reference is model` (then KL ~ 0 checks the path)

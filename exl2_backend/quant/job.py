@@ -18,6 +18,8 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
+from exl2_backend.errors import ModelDirectoryError
+
 
 def fingerprint(obj) -> str:
     return hashlib.sha256(json.dumps(obj, sort_keys=True, default=str).encode()).hexdigest()[:16]
@@ -30,8 +32,12 @@ def tensor_hash(t: torch.Tensor) -> str:
 class JobState:
     def __init__(self, work_dir: str | Path):
         self.dir = Path(work_dir)
-        self.dir.mkdir(parents=True, exist_ok=True)
-        (self.dir / "layers").mkdir(exist_ok=True)
+        try:
+            self.dir.mkdir(parents=True, exist_ok=True)
+            (self.dir / "layers").mkdir(exist_ok=True)
+        except OSError as exc:  # a path through a file, a read-only or virtual file system
+            raise ModelDirectoryError(f"cannot create the work directory: {exc.strerror or exc}",
+                                      path=str(self.dir)) from None
         p = self.dir / "job.json"
         self.data: dict = json.loads(p.read_text()) if p.is_file() else {}
 

@@ -20,6 +20,7 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
+from exl2_backend.errors import ConfigError
 from exl2_backend.serve.schemas import ServeSettings
 
 _LITSERVE_HOSTS = ("0.0.0.0", "127.0.0.1", "::")
@@ -112,7 +113,8 @@ def run_server(model_dir: str | None = None, host: str = "127.0.0.1", port: int 
     cfg = validate_settings(dict(model_dir=str(model_dir) if model_dir is not None else None, host=host, port=port,
                                  cache_tokens=cache_tokens, max_seq_len=max_seq_len, device=device, **settings))
     if cfg.host not in _LITSERVE_HOSTS:
-        raise ValueError(f"host must be one of {', '.join(_LITSERVE_HOSTS)} (LitServe's rule), got {cfg.host!r}")
+        raise ConfigError(f"host must be one of {', '.join(_LITSERVE_HOSTS)} (LitServe's rule), got {cfg.host!r}",
+                          field="host")
     server = build_server(cfg)
     server.run(host=cfg.host, port=cfg.port, num_api_servers=1, log_level=cfg.log_level,
                generate_client_file=False)

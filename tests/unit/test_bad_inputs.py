@@ -335,3 +335,30 @@ def test_a_missing_shard_is_named(tmp_path):
     with pytest.raises(ModelDirectoryError, match=f"shard 2 of {len(shards)} is missing") as e:
         _load(d)
     assert e.value.path.endswith(shards[1].name)
+
+
+def test_cli_inputs_that_raised_untyped(tmp_path):
+    """A binary .jsonl calibration file (UnicodeDecodeError), a work directory through a file
+    (NotADirectoryError), a non-loopback serve host (ValueError), a one-token evaluation text (ValueError):
+    each is now a typed error the CLI prints as one line."""
+    from exl2_backend.errors import Exl2Error, InvalidRequestError
+    from exl2_backend.quant.calibration import CalibrationDataError, load_calibration_texts
+    from exl2_backend.quant.evaluate import evaluate_models
+    from exl2_backend.quant.job import JobState
+    from exl2_backend.serve.server import run_server
+
+    (tmp_path / "bin.jsonl").write_bytes(b"\xff\xfe\x00\x01")
+    with pytest.raises(CalibrationDataError, match="not UTF-8"):
+        load_calibration_texts([str(tmp_path / "bin.jsonl")])
+    (tmp_path / "afile").write_text("x")
+    with pytest.raises(ModelDirectoryError, match="cannot create the work directory"):
+        JobState(tmp_path / "afile" / "work")
+    with pytest.raises(ConfigError) as e:
+        run_server(None, host="8.8.8.8", port=18123)
+    assert e.value.field == "host" and isinstance(e.value, Exl2Error)
+
+    class _Vocab:  # evaluate_models checks vocabulary sizes before the windows
+        vocab_size = 10
+
+    with pytest.raises(InvalidRequestError, match="at least 2 tokens"):
+        evaluate_models(_Vocab(), _Vocab(), [1], 16, None)

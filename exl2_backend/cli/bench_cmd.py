@@ -85,8 +85,8 @@ def _cache_types(arg: str) -> list[str]:
     types = [t.strip().lower() for t in arg.split(",") if t.strip()]
     bad = [t for t in types if t not in CACHE_TYPE_NAMES]
     if bad or not types:
-        raise SystemExit(f"error: --cache-type takes a comma-separated list of {', '.join(CACHE_TYPE_NAMES)}, "
-                         f"got {arg!r}")
+        raise ConfigError(f"--cache-type takes a comma-separated list of {', '.join(CACHE_TYPE_NAMES)}, got {arg!r}",
+                          field="cache_type")
     return types
 
 
@@ -111,6 +111,9 @@ def run(args) -> int:
                           field="contexts")
     if args.decode_tokens < 1:  # none decoded would report a speed of nothing timed
         raise ConfigError(f"--decode-tokens must be >= 1, got {args.decode_tokens}", field="decode_tokens")
+    for flag, path in (("--json", args.json if args.json != "-" else None), ("--plot", args.plot)):
+        if path and (Path(path).is_dir() or not Path(path).absolute().parent.is_dir()):  # before the run, not after
+            raise ConfigError(f"{flag} {path}: not a file path in an existing directory", field=flag.lstrip("-"))
     # with --json - the JSON alone goes to stdout: the tables go to stderr
     with contextlib.redirect_stdout(sys.stderr) if args.json == "-" else contextlib.nullcontext():
         results, out = _measure_all(args, types, contexts)

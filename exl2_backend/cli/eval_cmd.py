@@ -61,6 +61,9 @@ def run(args) -> int:
     if args.window < 2:
         print("error: --window must be at least 2", file=sys.stderr)
         return 2
+    if args.max_tokens is not None and args.max_tokens < 0:  # a negative count silently dropped the text's tail
+        print(f"error: --max-tokens must be >= 0 (0: all), got {args.max_tokens}", file=sys.stderr)
+        return 2
     text = None
     if args.text:
         path = Path(args.text)

@@ -163,6 +163,11 @@ def evaluate(model_dir: str | Path, reference_dir: str | Path, text: str | None 
     from exl2_backend.runtime.settings import require_device
 
     dev = require_device(device)
+    from exl2_backend.format.config import ModelConfig
+
+    limit = ModelConfig.from_dir(model_dir).max_position_embeddings
+    if window > limit:  # past the trained positions; its KV cache is sized by the window (1e8: 25 GB)
+        raise ConfigError(f"window {window} exceeds the model's max_position_embeddings ({limit})", field="window")
     ids, bos = tokenize_eval_text(model_dir, text, max_tokens, reference_dir)
     t0 = time.perf_counter()
     model = LlamaModel.from_dir(model_dir, dev)

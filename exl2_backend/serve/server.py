@@ -112,6 +112,10 @@ def run_server(model_dir: str | None = None, host: str = "127.0.0.1", port: int 
         settings["max_batch_size"] = max_concurrent
     cfg = validate_settings(dict(model_dir=str(model_dir) if model_dir is not None else None, host=host, port=port,
                                  cache_tokens=cache_tokens, max_seq_len=max_seq_len, device=device, **settings))
+    if cfg.model_dir is not None:  # a missing or broken directory: one typed error here, not a worker's traceback
+        from exl2_backend.format.config import ModelConfig
+
+        ModelConfig.from_dir(cfg.model_dir)
     if cfg.host not in _LITSERVE_HOSTS:
         raise ConfigError(f"host must be one of {', '.join(_LITSERVE_HOSTS)} (LitServe's rule), got {cfg.host!r}",
                           field="host")

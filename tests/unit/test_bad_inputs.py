@@ -356,6 +356,8 @@ def test_cli_inputs_that_raised_untyped(tmp_path):
     with pytest.raises(ConfigError) as e:
         run_server(None, host="8.8.8.8", port=18123)
     assert e.value.field == "host" and isinstance(e.value, Exl2Error)
+    with pytest.raises(ModelDirectoryError):  # checked before LitServe starts a worker
+        run_server(str(tmp_path / "no-model"), host="127.0.0.1", port=18123)
 
     class _Vocab:  # evaluate_models checks vocabulary sizes before the windows
         vocab_size = 10

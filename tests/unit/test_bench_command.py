@@ -46,12 +46,11 @@ def test_bench_writes_json_and_plot(small_dir, tmp_path, capsys, monkeypatch):
     assert "prefill 48 tokens" in text and "median of" in text
 
 
-def test_bench_rejects_an_unknown_cache_type(small_dir):
+def test_bench_rejects_an_unknown_cache_type(small_dir, capsys):
     from exl2_backend.cli.main import main
 
-    with pytest.raises(SystemExit) as e:
-        main(["bench", str(small_dir), "--device", "cpu", "--cache-type", "q5"])
-    assert e.value.code != 0
+    assert main(["bench", str(small_dir), "--device", "cpu", "--cache-type", "q5"]) == 2  # as every typed error
+    assert "--cache-type takes" in capsys.readouterr().err
 
 
 def test_generate_exits_nonzero_when_the_sequence_fails(small_dir, monkeypatch, capsys):
@@ -88,6 +87,7 @@ def test_bench_json_to_stdout_is_json_alone(small_dir, capsys):
     (["--decode-tokens", "0"], "--decode-tokens"),
     (["--shape", "bogus"], "--shape must be one of"), (["--shape", "llama3-1b", "--bpw", "nan"], "--bpw"),
     (["--shape", "llama3-1b", "--head-bits", "7"], "--head-bits"),
+    (["--json", "/no/such/dir/out.json"], "--json"), (["--plot", "/no/such/dir/p.png"], "--plot"),
 ])
 def test_bench_arguments_are_checked_first(small_dir, capsys, argv, says):
     """Each of these ran, or crashed with a traceback, or reported a speed of nothing (--decode-tokens 0)."""
@@ -117,3 +117,19 @@ def test_cli_settings_errors_and_bad_messages_file(small_dir, tmp_path, capsys):
     for path in (tmp_path / "missing.json", tmp_path / "bad.json"):
         assert main(["generate", str(small_dir), "--device", "cpu", "--messages", str(path)]) == 2
         assert "--messages" in capsys.readouterr().err
+
+
+def test_eval_refuses_a_negative_token_count_and_a_window_past_the_context(small_dir, capsys):
+    """--max-tokens -250 silently dropped the text's last 250 tokens; a window past max_position_embeddings
+    ran past the trained positions (and 1e8 tried to allocate a 25 GB cache)."""
+    import json as json_
+
+    from exl2_backend.cli.main import main
+
+    assert main(["eval", str(small_dir), "--reference", str(small_dir), "--max-tokens", "-250"]) == 2
+    assert "--max-tokens" in capsys.readouterr().err
+    limit = json_.loads((small_dir / "config.json").read_text())["max_position_embeddings"]
+    assert main(["eval", str(small_dir), "--reference", str(small_dir), "--device", "cpu",
+                 "--window", str(limit + 1)]) == 2
+    assert "max_position_embeddings" in capsys.readouterr().err
+

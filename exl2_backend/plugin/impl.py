@@ -135,7 +135,7 @@ class Exl2Handle(BackendHandle):
                 f"{exc}; this model is served with a context of max_seq_len={limit + 1} tokens (prompt + "
                 f"completion)", reason="prompt_too_long", field=field, limit=limit + 1, length=exc.length,
                 seq_id=req.seq_id) from exc
-        except (Exl2Error, TypeError, ValueError, UnicodeError) as exc:  # TokenizerError: bad template input, ...
+        except (Exl2Error, TypeError, ValueError) as exc:  # TokenizerError: bad template input, ...
             # whatever one request's text does to the tokenizer fails that request, never the engine
             raise AdmissionRejected(f"{field}: {exc}", reason="invalid_request", field=field,
                                     seq_id=req.seq_id) from exc
@@ -305,8 +305,8 @@ class Exl2Handle(BackendHandle):
             for sid in ids:
                 seq = self.engine.seqs.get(sid)
                 d = [int(t) for t in batch.drafts.get(sid, [])]
-                # the engine verifies no draft past the length limit: count acceptance over the same drafts
-                drafts[sid] = d[: max(seq.remaining_new_tokens - 1, 0)] if seq is not None else d
+                # the engine verifies at most seq.max_drafts: count acceptance over the same drafts
+                drafts[sid] = d[: seq.max_drafts] if seq is not None else d
             return [self._event(ev, draft=drafts[ev.seq_id])
                     for ev in self._call(self.engine.verify, ids, drafts)]
 

@@ -308,7 +308,7 @@ class Engine:
             if any(not 0 <= t < self.model.vocab_size for t in d):
                 raise InvalidRequestError(f"draft for {s.seq_id!r} has a token id outside the vocabulary",
                                           field="drafts")
-            clipped[s.seq_id] = d[: max(s.remaining_new_tokens - 1, 0)]  # never draft past the length limit
+            clipped[s.seq_id] = d[: s.max_drafts]
         groups: dict[int, list[Sequence]] = {}
         for s in seqs:
             groups.setdefault(len(clipped[s.seq_id]), []).append(s)

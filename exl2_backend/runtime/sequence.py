@@ -67,6 +67,12 @@ class Sequence:
     def remaining_new_tokens(self) -> int:
         return self.max_total - self.num_tokens
 
+    @property
+    def max_drafts(self) -> int:
+        """Drafts one verify step may check: the step's last token is the target's own, so never past the
+        length limit."""
+        return max(self.remaining_new_tokens - 1, 0)
+
     # --- token bookkeeping ------------------------------------------------------------------------------
 
     def append_token(self, token: int) -> tuple[str, str | None]:

@@ -144,7 +144,7 @@ class SpecDecoder:
         # length limit). Padding is a deterministic proposal: accepted only if the target agrees with it.
         for s in group:
             sid = s.seq_id
-            n = min(width, max(s.remaining_new_tokens - 1, 0))
+            n = min(width, s.max_drafts)
             d = drafts.setdefault(sid, [])
             fill = d[-1] if d else s.last_token
             d += [fill] * (n - len(d))

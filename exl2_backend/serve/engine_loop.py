@@ -141,8 +141,8 @@ class EngineLoop:
         self._early_cancels: dict[str, float] = {}  # cancels that arrived before their request (id -> time)
         self._active: dict[str, _Job] = {}  # engine thread only
         self._blocked = False  # engine thread: the head of the queue did not fit; wait for a finish
-        self._admitting = 0  # jobs taken off the queue for this step's prefill, not yet in _active
-        self._admitting_jobs: list[_Job] = []  # those jobs (engine thread): _die fails them too
+        # jobs taken off the queue for this step's prefill, not yet in _active (set under _cv; _die fails them too)
+        self._admitting: list[_Job] = []
         self._stop = False
         self._fatal: str | None = None
         self._counters = _Counters()
@@ -184,7 +184,7 @@ class EngineLoop:
         with self._cv:
             if not self.healthy:
                 raise LoopUnhealthy(f"the engine is not serving: {self._fatal or 'stopped'}")
-            free_slots = max(self.max_batch_size - len(self._active) - self._admitting, 0)  # join next step
+            free_slots = max(self.max_batch_size - len(self._active) - len(self._admitting), 0)  # join next step
             if len(self._waiting) >= self.max_queue + free_slots:
                 self._counters.rejected["queue_full"] += 1
                 raise QueueFull(f"no capacity: {len(self._active)} sequences are running (max_batch_size="
@@ -325,8 +325,7 @@ class EngineLoop:
             if not self._blocked:
                 while self._waiting and len(self._active) + len(new) < self.max_batch_size:
                     new.append(self._waiting.popleft())
-            self._admitting = len(new)
-        self._admitting_jobs = new
+            self._admitting = new
         prefilling = [sid for sid, j in self._active.items() if j.prefilling]
         if new or prefilling:
             self._flush()  # an eager prompt chunk takes a while: do not hold the previous tokens through it
@@ -354,8 +353,7 @@ class EngineLoop:
                 if requeue:
                     self._blocked = True
                     self._waiting.extendleft(reversed(requeue))
-                self._admitting = 0
-            self._admitting_jobs = []
+                self._admitting = []
             self._deliver(out)  # first tokens and refusals now: holding them through a decode step adds to TTFT
             out = []
 
@@ -430,14 +428,14 @@ class EngineLoop:
             self._fatal = message
             waiting = list(self._waiting)
             self._waiting.clear()
+            # a step that failed during admission holds jobs in neither _active nor _waiting: they are failed
+            # too, or their requests would wait forever
+            admitting, self._admitting = self._admitting, []
         err = EngineUnhealthy(message)
-        # a step that failed during admission holds jobs in neither _active nor _waiting: they are failed too,
-        # or their requests would wait forever
         active = list(self._active.values())
-        admitting = [j for j in self._admitting_jobs if all(j is not a for a in active)]
+        admitting = [j for j in admitting if self._active.get(j.req.seq_id) is not j]
         items = [(j.sink, Event(j.req.seq_id, finish_reason="error", error=err)) for j in active + admitting + waiting]
         self._active.clear()
-        self._admitting_jobs = []
         self._deliver(items)
 
     def _shutdown(self) -> None:

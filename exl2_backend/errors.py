@@ -62,6 +62,19 @@ class ConfigError(Exl2Error):
         self.field = field
         self.path = path
 
+    @classmethod
+    def from_validation(cls, exc, prefix: str = "") -> ConfigError:
+        """A pydantic ValidationError of a settings object -> "<prefix><field>: <reason>". A union field
+        (ngram: bool | NgramConfig) fails once per member; the member's own check (a value error) says why, and
+        the member and validator names are left out of the field path."""
+        errs = exc.errors()
+        err = next((e for e in errs if e.get("type") == "value_error"), errs[0])
+        members = {"bool", "int", "str", "float", "NgramConfig"}
+        field = ".".join(str(p) for p in err.get("loc", ())
+                         if str(p) not in members and not str(p).startswith("function-")) or "settings"
+        msg = str(err.get("msg")).removeprefix("Value error, ")
+        return cls(f"{prefix}{field}: {msg}", field=field)
+
 
 class UnsupportedModelError(ConfigError):
     """The architecture in config.json is not one this backend implements."""

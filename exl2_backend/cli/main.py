@@ -10,7 +10,7 @@ import sys
 from pydantic import ValidationError
 
 from exl2_backend._version import __version__
-from exl2_backend.errors import Exl2Error
+from exl2_backend.errors import ConfigError, Exl2Error
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -38,9 +38,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {type(exc).__name__}: {exc}", file=sys.stderr)
         return 2
     except ValidationError as exc:  # settings built from the arguments (LoadSettings, ...): name the field
-        err = exc.errors()[0]
-        field = ".".join(str(p) for p in err.get("loc", ()) if not str(p).startswith("function-")) or "settings"
-        print(f"error: ConfigError: {field}: {str(err.get('msg')).removeprefix('Value error, ')}", file=sys.stderr)
+        print(f"error: ConfigError: {ConfigError.from_validation(exc)}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         return 130

@@ -361,14 +361,7 @@ def _load_settings(settings: dict):
     try:
         return LoadSettings(**values)
     except pydantic.ValidationError as exc:
-        errs = exc.errors()
-        # a union field (ngram: bool | NgramConfig) fails once per member: the member's own check says why
-        err = next((e for e in errs if e.get("type") == "value_error"), errs[0])
-        members = {"bool", "int", "str", "float", "NgramConfig"}  # and validator wrappers, "function-after[...]"
-        field = ".".join(str(p) for p in err.get("loc", ())
-                         if str(p) not in members and not str(p).startswith("function-")) or "settings"
-        msg = str(err.get("msg")).removeprefix("Value error, ")
-        raise ConfigError(f"load setting {field}: {msg}", field=field) from None
+        raise ConfigError.from_validation(exc, "load setting ") from None
 
 
 # --- hook implementations ------------------------------------------------------------------------------------

@@ -83,9 +83,9 @@ class ModelConfig:
         extra = _eos_tuple(gen.get("eos_token_id"), str(gen_path))
         eos = cfg.eos_token_ids + tuple(e for e in extra if e not in cfg.eos_token_ids)
         bos = cfg.bos_token_id if cfg.bos_token_id is not None else _opt_int(gen, "bos_token_id", str(gen_path))
-        eos = _in_vocab(eos, "eos_token_id", cfg.vocab_size, str(gen_path))
-        bos = (_in_vocab((bos,), "bos_token_id", cfg.vocab_size, str(gen_path)) or (None,))[0] if bos is not None \
-            else None
+        eos = _in_vocab(eos, "eos_token_id", cfg.vocab_size, str(d))
+        if bos is not None and not _in_vocab((bos,), "bos_token_id", cfg.vocab_size, str(d)):
+            bos = None
         return replace(cfg, eos_token_ids=eos, bos_token_id=bos)
 
     @classmethod
@@ -122,7 +122,6 @@ class ModelConfig:
         theta, scaling = _rope(d, path)
         if theta <= 1:  # inv_freq = theta^(-2i/d): a base of 1 or less gives no rotation, or infinities
             raise ConfigError(f"rope_theta={theta!r} must be greater than 1", field="rope_theta", path=path)
-        bos, eos = _opt_int(d, "bos_token_id", path), _eos_tuple(d.get("eos_token_id"), path)
         qwen2 = arch == "Qwen2ForCausalLM"
         quant = d.get("quantization_config")
         return cls(
@@ -142,8 +141,8 @@ class ModelConfig:
             tie_word_embeddings=_bool(d, "tie_word_embeddings", False, path),
             attention_bias=True if qwen2 else _bool(d, "attention_bias", False, path),
             mlp_bias=False if qwen2 else _bool(d, "mlp_bias", False, path),
-            bos_token_id=bos,
-            eos_token_ids=eos,
+            bos_token_id=_opt_int(d, "bos_token_id", path),
+            eos_token_ids=_eos_tuple(d.get("eos_token_id"), path),
             pad_token_id=pad,
             quantization=quant if isinstance(quant, dict) else None,
             raw=d,

@@ -48,16 +48,16 @@ _SHARD_NAME = re.compile(r"^(?P<stem>.+)-(?P<i>\d+)-of-(?P<n>\d+)\.safetensors$"
 def _check_shard_numbering(files: list[Path], model_dir: Path) -> None:
     """Shards named `<stem>-00002-of-00003.safetensors` say how many there are: a missing one is named (it would
     otherwise surface as some tensor of it "not found")."""
-    sets: dict[tuple[str, int], set[int]] = {}
+    sets: dict[tuple[str, str], set[int]] = {}  # (stem, count as written) -> shard numbers present
     for f in files:
         m = _SHARD_NAME.match(f.name)
         if m:
-            sets.setdefault((m["stem"], int(m["n"])), set()).add(int(m["i"]))
-    for (stem, n), have in sets.items():
+            sets.setdefault((m["stem"], m["n"]), set()).add(int(m["i"]))
+    for (stem, n_text), have in sets.items():
+        n = int(n_text)
         missing = sorted(set(range(1, n + 1)) - have)
         if missing:
-            width = len(next(_SHARD_NAME.match(f.name)["i"] for f in files if f.name.startswith(stem + "-")))
-            name = f"{stem}-{missing[0]:0{width}d}-of-{n:0{width}d}.safetensors"
+            name = f"{stem}-{missing[0]:0{len(n_text)}d}-of-{n_text}.safetensors"  # numbers as wide as the count
             raise ModelDirectoryError(f"shard {missing[0]} of {n} is missing ({name}; "
                                       f"{len(missing)} missing in all)", path=str(model_dir / name))
 
@@ -66,10 +66,10 @@ def read_header(path: Path) -> dict[str, TensorInfo]:
     """Parse and validate one file's header: lengths, JSON, dtypes, shapes and offsets against the file size."""
     p = str(path)
     try:
-        if not path.is_file():  # a directory named *.safetensors, a broken link
+        if not path.is_file():  # a directory named *.safetensors, a broken link, a link loop
             raise CorruptFileError("is not a regular file (a directory, or a link to nothing)", path=p)
         size = path.stat().st_size
-    except OSError as e:  # a link loop
+    except OSError as e:  # stat itself failing (permissions, I/O)
         raise CorruptFileError(f"cannot be read: {e.strerror or e}", path=p) from e
     if size < 8:
         raise CorruptFileError(f"file is {size} bytes, shorter than the 8-byte header length", path=p)

@@ -159,12 +159,11 @@ def evaluate(model_dir: str | Path, reference_dir: str | Path, text: str | None 
     """Load `model_dir` (EXL2 or FP16) and `reference_dir` (FP16) and compare them on `text` (default: the
     held-out evaluation text), at most `max_tokens` tokens of it, in windows of `window` tokens. The model runs
     over a KV cache of `cache_type`, the reference over an fp16 one."""
+    from exl2_backend.format.config import ModelConfig
     from exl2_backend.model import LlamaModel
     from exl2_backend.runtime.settings import require_device
 
     dev = require_device(device)
-    from exl2_backend.format.config import ModelConfig
-
     limit = ModelConfig.from_dir(model_dir).max_position_embeddings
     if window > limit:  # past the trained positions; its KV cache is sized by the window (1e8: 25 GB)
         raise ConfigError(f"window {window} exceeds the model's max_position_embeddings ({limit})", field="window")

@@ -13,6 +13,8 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from exl2_backend.text import unicode_problem
+
 # --- server settings (decision 10) ---------------------------------------------------------------------------
 
 
@@ -63,21 +65,18 @@ class ServeSettings(BaseModel):
 # --- requests -----------------------------------------------------------------------------------------------
 
 
-def _typed_as_json(value, info):
-    """Numbers and booleans as JSON types them: pydantic's lax mode would take true as 1 token, "5" as 5 and
-    "yes" as true, where the OpenAI API answers 400. Whole floats stay accepted for integers (5.0)."""
-    kind = _JSON_KINDS.get(info.field_name)
-    if kind == "bool" and value is not None and not isinstance(value, bool):
-        raise ValueError(f"must be a JSON boolean (true / false), got {value!r}")
-    if kind == "number" and isinstance(value, (bool, str)):
-        raise ValueError(f"must be a JSON number, got {value!r}")
+# Numbers and booleans as JSON types them: pydantic's lax mode would take true as 1 token, "5" as 5 and "yes" as
+# true, where the OpenAI API answers 400. Whole floats stay accepted for integers (5.0). Registered per field below.
+def _json_number(value):
+    if isinstance(value, (bool, str)):
+        raise ValueError(f"must be a JSON number, got {value!r}")  # noqa: TRY004 - pydantic reports ValueError only
     return value
 
 
-_JSON_KINDS = {**dict.fromkeys(("max_tokens", "max_completion_tokens", "temperature", "top_p", "top_k", "min_p",
-                                "presence_penalty", "frequency_penalty", "repetition_penalty", "n", "seed",
-                                "best_of", "top_logprobs"), "number"),
-               **dict.fromkeys(("stream", "ignore_eos", "include_usage", "echo"), "bool")}
+def _json_bool(value):
+    if value is not None and not isinstance(value, bool):
+        raise ValueError(f"must be a JSON boolean (true / false), got {value!r}")
+    return value
 
 
 class _Strict(BaseModel):
@@ -87,7 +86,7 @@ class _Strict(BaseModel):
 class StreamOptions(_Strict):
     include_usage: bool = False
 
-    _json_types = field_validator("include_usage", mode="before")(_typed_as_json)
+    _json_types = field_validator("include_usage", mode="before")(_json_bool)
 
 
 class TextPart(BaseModel):
@@ -146,9 +145,9 @@ def _reject_if_set(value, info):
 class _SamplingRequest(_Strict):
     """Fields shared by chat and text completions."""
 
-    _json_types = field_validator("max_tokens", "temperature", "top_p", "top_k", "min_p", "presence_penalty",
-                                  "frequency_penalty", "repetition_penalty", "n", "seed", "stream", "ignore_eos",
-                                  mode="before")(_typed_as_json)
+    _json_numbers = field_validator("max_tokens", "temperature", "top_p", "top_k", "min_p", "presence_penalty",
+                                    "frequency_penalty", "repetition_penalty", "n", "seed", mode="before")(_json_number)
+    _json_bools = field_validator("stream", "ignore_eos", mode="before")(_json_bool)
 
     model: str | None = None
     max_tokens: int | None = Field(default=None, ge=1)
@@ -215,7 +214,7 @@ class _SamplingRequest(_Strict):
 
 
 class ChatCompletionRequest(_SamplingRequest):
-    _chat_json_types = field_validator("max_completion_tokens", "top_logprobs", mode="before")(_typed_as_json)
+    _chat_json_numbers = field_validator("max_completion_tokens", "top_logprobs", mode="before")(_json_number)
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = Field(default=None, ge=1)
     logprobs: bool | None = None
@@ -300,7 +299,8 @@ class CompletionRequest(_SamplingRequest):
             raise ValueError("prompt must not be empty")
         return v
 
-    _completion_json_types = field_validator("echo", "best_of", mode="before")(_typed_as_json)
+    _completion_json_bools = field_validator("echo", mode="before")(_json_bool)
+    _completion_json_numbers = field_validator("best_of", mode="before")(_json_number)
 
     @field_validator("echo", "logprobs", "suffix")
     @classmethod
@@ -376,13 +376,8 @@ def lone_surrogate(body, path: str = "") -> tuple[str, str] | None:
     escape half of a surrogate pair ("\\ud83d", e.g. an emoji cut by a client's slice); no tokenizer can encode
     it, so it is refused here, as a 400 naming the field, before it reaches the engine."""
     if isinstance(body, str):
-        try:
-            body.encode("utf-8")
-        except UnicodeEncodeError as exc:
-            param = path or "body"
-            return param, (f"{param}: character {exc.start} is a lone surrogate (U+{ord(body[exc.start]):04X}), "
-                           "not valid Unicode")
-        return None
+        problem = unicode_problem(body)
+        return None if problem is None else (path or "body", f"{path or 'body'}: {problem}")
     items = body.items() if isinstance(body, dict) else enumerate(body) if isinstance(body, list) else ()
     for key, value in items:
         found = lone_surrogate(key, path) if isinstance(key, str) else None

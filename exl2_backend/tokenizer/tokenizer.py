@@ -15,6 +15,7 @@ from tokenizers import AddedToken
 from tokenizers import Tokenizer as _HFTokenizer
 
 from exl2_backend.errors import PromptTooLongError, TokenizerError
+from exl2_backend.text import unicode_problem
 from exl2_backend.tokenizer.chat_template import render, select_template
 from exl2_backend.tokenizer.incremental import IncrementalDecoder
 
@@ -22,16 +23,6 @@ _SPECIAL_NAMES = ("bos_token", "eos_token", "pad_token", "unk_token")
 # transformers' `clean_up_tokenization_spaces` rules, applied only when the config asks for them.
 _CLEANUPS = ((" .", "."), (" ?", "?"), (" !", "!"), (" ,", ","), (" ' ", "'"), (" n't", "n't"), (" 'm", "'m"),
              (" 's", "'s"), (" 've", "'ve"), (" 're", "'re"))
-
-
-def _unicode_problem(text: str) -> str | None:
-    """Why `text` is not valid Unicode (a lone surrogate, e.g. from JSON's "\\ud83d" or half of an emoji cut by
-    a client), or None."""
-    try:
-        text.encode("utf-8")
-    except UnicodeEncodeError as exc:
-        return f"character {exc.start} is a lone surrogate (U+{ord(text[exc.start]):04X}), not valid Unicode"
-    return None
 
 
 # Normalizers that never shrink text by more than 3:1 (Unicode compositions: three jamo into one syllable) and
@@ -223,7 +214,7 @@ class Tokenizer:
         try:
             ids = self._tok.encode(text, add_special_tokens=add_special_tokens).ids
         except Exception as exc:  # e.g. TypeError for a str that is not valid Unicode
-            raise TokenizerError(f"cannot encode the text: {_unicode_problem(text) or exc}") from exc
+            raise TokenizerError(f"cannot encode the text: {unicode_problem(text) or exc}") from exc
         want_bos = add_bos if add_bos is not None else (self.add_bos_token if add_special_tokens else None)
         has_bos = bool(ids) and ids[0] == self.bos_token_id
         if want_bos is True and not has_bos and self.bos_token_id is not None:

@@ -16,8 +16,8 @@ use_libraries G=.dev/libexl2_kernels_g32.so.gz
 cp /tmp/libG.so "$LIB"
 gpu_tests_verbose g32 330 -n 12 $GEMV_GPU_TESTS -k "not llama3_8b"
 echo "elapsed $(( $(date +%s) - T0 )) s"
-for round in 1 2; do  # each pair only while its two 60 s timeouts fit before 575 s (a killed call packs nothing)
-  [ "$(left 575)" -gt 130 ] || break
+for round in 1 2; do  # each pair only while its two 60 s timeouts fit (common.sh fits)
+  fits 130 "spec pair $round" || break
   cp /tmp/libD.so "$LIB"; spec_costs D$round
   cp /tmp/libG.so "$LIB"; spec_costs G$round
 done

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
-# Device call AN1 (prepared in session 24, reviewed in session 25, not yet run; ~560 s). Carry .whl and .dev/libexl2_kernels.so.gz built
-# from the commit that runs (bash scripts/build_variant.sh "" .dev/libexl2_kernels.so.gz; C ABI 10). Two switches
-# of session 24, both off until this call measures them:
+# Device call AN1 (prepared in session 24, reviewed in session 25, not yet run; ~560 s). Carry .whl and
+# .dev/libexl2_kernels.so.gz built from the commit that runs (bash scripts/build_variant.sh ""
+# .dev/libexl2_kernels.so.gz; C ABI 10). Two switches of session 24, both off until this call measures them:
 # - EXL2_BACKEND_ATTN_STREAM=1: the streamed decode attention (csrc/layers/paged_attention_stream.cu: a CTA per
 #   split takes all kv heads, 16-token chunks of K and V (and their scales) as bulk copies into a ~170-192 KB ring,
 #   one CTA per SM), fp16 and code pages. At 32k the fp16 decode attention takes ~49 us per layer for ~32 us of
@@ -25,8 +25,7 @@ gpu_tests stream 120 -n 12 tests/kernels/test_paged_attention_stream.py tests/ke
   tests/kernels/test_kv_quant_kernels.py -k "stream or Stream or streamed or bad_kernel_codes"
 gpu_tests graph_io 60 -n 8 tests/kernels/test_decode_io_kernel.py tests/engine/test_lookahead_tiny.py
 echo "elapsed $(( $(date +%s) - T0 )) s"
-# Each sweep and bench only where its whole timeout fits before 575 s: a call killed at the limit packs no results.
-fits() { [ "$(left 575)" -gt "$1" ] || { echo "-- skipped (time): $2"; return 1; }; }
+# Each sweep and bench only where its whole timeout fits before 575 s (common.sh fits).
 sweep() {  # sweep NAME CONTEXT TYPES CELLS [ENV=VALUE...]: CELLS is --ctas A,B or --splits A,B
   local name=$1 ctx=$2 types=$3 cells=$4; shift 4
   fits 60 "sweep $name" || return 0

@@ -85,6 +85,9 @@ begin_call() {
   T0=$(date +%s)
 }
 left() { echo $(( ${1} - ($(date +%s) - T0) )); }
+# `fits SECONDS WHAT [LIMIT]`: whether a step with that timeout still ends before LIMIT (575 s) into the call; a
+# call killed at the limit packs no results, so later steps are skipped (and said so) instead.
+fits() { [ "$(left "${3:-575}")" -gt "$1" ] || { echo "-- skipped (time): $2"; return 1; }; }
 # Verify / decode step costs of the 8B shape (spec_bench): spec_costs NAME [ENV=VALUE...]; $R/spec_NAME.{json,log}.
 spec_costs() {
   local name=$1; shift

@@ -157,6 +157,13 @@ class Exl2Handle(BackendHandle):
                 f"the prompt has {len(ids)} tokens but this model is served with a context of max_seq_len={limit} "
                 f"tokens (prompt + completion); shorten the prompt to at most {limit - 1} tokens",
                 reason="prompt_too_long", field="prompt", limit=limit, length=len(ids), seq_id=sid)
+        wanted = len(ids) + (req.max_new_tokens or 0)
+        if not req.cap_to_context and wanted > limit:
+            raise AdmissionRejected(
+                f"this model is served with a context of max_seq_len={limit} tokens, but {wanted} were requested "
+                f"({len(ids)} in the prompt, {req.max_new_tokens} in the completion); lower max_tokens to at most "
+                f"{limit - len(ids)} or shorten the prompt", reason="prompt_too_long", field="max_tokens",
+                limit=limit, length=wanted, seq_id=sid)
         try:
             sampling = SamplingParams(
                 temperature=req.temperature, top_k=req.top_k, top_p=req.top_p, min_p=req.min_p,

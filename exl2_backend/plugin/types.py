@@ -30,7 +30,9 @@ class SequenceRequest:
     sequences) and gives exactly one of `prompt_ids` (token ids, used as is), `prompt` (text, tokenized with
     the model's BOS rule) or `messages` (chat messages, rendered with the model's chat template).
 
-    max_new_tokens None means "until the context (max_seq_len) is full". Sampling: temperature 0 = greedy,
+    max_new_tokens None means "until the context (max_seq_len) is full". A prompt plus max_new_tokens past the
+    context is cut to what fits (finish_reason "length") when `cap_to_context` is true, and refused as
+    `prompt_too_long` when it is false (the OpenAI API's rule for an explicit max_tokens). Sampling: temperature 0 = greedy,
     top_k 0 / top_p 1 / min_p 0 / penalties 1 and 0 = off; seed None = fresh entropy. Stop strings end the
     sequence with the match removed from the text; stop_token_ids end it like EOS."""
 
@@ -51,6 +53,7 @@ class SequenceRequest:
     stop: list[str] = field(default_factory=list)
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
+    cap_to_context: bool = True
 
     def validate(self) -> None:
         """Raise `AdmissionRejected(reason="invalid_request", field=...)` for a malformed request (cheap, no
@@ -89,7 +92,7 @@ class SequenceRequest:
             bad("stop", "must be a list of non-empty strings")
         if not isinstance(self.stop_token_ids, list) or not all(_is_int(t) and t >= 0 for t in self.stop_token_ids):
             bad("stop_token_ids", "must be a list of non-negative token ids")
-        for name in ("ignore_eos", "add_generation_prompt"):  # "no" is truthy: only real booleans
+        for name in ("ignore_eos", "add_generation_prompt", "cap_to_context"):  # "no" is truthy: only real booleans
             if not isinstance(getattr(self, name), bool):
                 bad(name, f"must be true or false, got {getattr(self, name)!r}")
 

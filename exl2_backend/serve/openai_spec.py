@@ -209,7 +209,7 @@ class Exl2OpenAISpec(LitSpec):
             return req
         sid = f"chatcmpl-{uuid.uuid4().hex}"
         seq = dict(seq_id=sid, messages=[m.as_template_message() for m in req.messages],
-                   max_new_tokens=req.limit(), **req.sampling_fields())
+                   max_new_tokens=req.limit(), cap_to_context=req.limit() is None, **req.sampling_fields())
         return await self._run(request, req, sid, seq, chat=True)
 
     async def completions(self, request: Request) -> Response:
@@ -218,7 +218,8 @@ class Exl2OpenAISpec(LitSpec):
             return req
         sid = f"cmpl-{uuid.uuid4().hex}"
         prompt = {"prompt": req.prompt} if isinstance(req.prompt, str) else {"prompt_ids": list(req.prompt)}
-        seq = dict(seq_id=sid, max_new_tokens=req.limit(), **prompt, **req.sampling_fields())
+        seq = dict(seq_id=sid, max_new_tokens=req.limit(), cap_to_context=req.limit() is None, **prompt,
+                   **req.sampling_fields())
         return await self._run(request, req, sid, seq, chat=False)
 
     async def list_models(self) -> Response:

@@ -228,6 +228,23 @@ def test_prompt_longer_than_context_is_400_naming_the_limit(http):
     assert r.status_code == 400 and r.json()["error"]["param"] == "prompt"
 
 
+def test_max_tokens_past_the_context_is_400_and_no_max_tokens_runs_to_the_context(http):
+    """An explicit max_tokens that the context cannot hold beside the prompt is refused, as OpenAI and vLLM do
+    (not silently cut short); without max_tokens the completion may run to the end of the context."""
+    for path, fields, key in (("/v1/chat/completions", {"messages": FRANCE}, "max_tokens"),
+                              ("/v1/chat/completions", {"messages": FRANCE}, "max_completion_tokens"),
+                              ("/v1/completions", {"prompt": "The capital of France is"}, "max_tokens")):
+        r = http.post(path, json={"model": MODEL, key: MAX_SEQ_LEN, **fields})
+        assert r.status_code == 400, r.text
+        err = r.json()["error"]
+        assert err["code"] == "context_length_exceeded" and err["param"] == "max_tokens", err
+        assert f"max_seq_len={MAX_SEQ_LEN}" in err["message"] and "in the completion" in err["message"]
+    r = http.post("/v1/completions", json={"model": MODEL, "prompt": "hello " * (MAX_SEQ_LEN - 8),
+                                           "temperature": 0, "ignore_eos": True})
+    assert r.status_code == 200, r.text
+    assert r.json()["choices"][0]["finish_reason"] == "length"
+
+
 def test_huge_prompt_is_refused_without_tokenizing_and_oversized_body_is_413(http):
     """A prompt sure to exceed the context (more bytes than max_seq_len tokens can stand for) is refused from its
     byte count: a 9 MB prompt once held the engine thread for 8 s of tokenization. Bodies past max_payload_mb

@@ -1,5 +1,6 @@
 """`exl2-backend info`: architecture, bits per weight per layer, sizes, and the memory plan of a load (per device,
-with --gpu-split / --autosplit / --tensor-parallel); exits 1 when that plan does not fit."""
+with --gpu-split / --autosplit / --tensor-parallel); exits 1 when that plan does not fit or the directory lacks
+tensors a load needs."""
 
 from __future__ import annotations
 
@@ -12,7 +13,9 @@ def add_parser(sub):
     p = sub.add_parser("info", help="describe a model directory")
     p.add_argument("model_dir", nargs="?", default=None, help="default: the embedded model")
     p.add_argument("--json", action="store_true", help="print machine-readable JSON")
-    p.add_argument("--max-seq-len", type=int, default=4096, help="context length for the memory estimate")
+    p.add_argument("--max-seq-len", type=int, default=None,
+                   help="context length for the memory estimate (default: 4096, or the model's "
+                        "max_position_embeddings where smaller)")
     p.add_argument("--vram-gb", type=float, default=24.0,
                    help="GPU memory budget (GiB) for the max-context column of the KV cache table (default 24)")
     p.add_argument("--reserve-gb", type=float, default=1.0,
@@ -56,6 +59,8 @@ def run(args) -> int:
 
     model_dir = resolve_model_dir(args.model_dir)
     info = describe_model(model_dir)
+    if args.max_seq_len is None:
+        args.max_seq_len = min(4096, info["max_position_embeddings"])
     plan, plan_error = _memory_plan(args, model_dir)
     info["memory_plan"] = {**plan.to_dict(), "fits": plan_error is None,
                            "error": None if plan_error is None else str(plan_error)}
@@ -64,11 +69,13 @@ def run(args) -> int:
         weights_bytes=info["memory"]["weights_bytes"], vram_bytes=int(args.vram_gb * GIB),
         reserve_bytes=int(args.reserve_gb * GIB), context=args.max_seq_len)
     info["kv_cache_budget"] = {"vram_gb": args.vram_gb, "reserve_gb": args.reserve_gb, "context": args.max_seq_len}
+    ok = plan_error is None and not info["missing_tensors"]
     if args.json:
         print(json.dumps(info, indent=2, default=str))
-        return 0 if plan_error is None else 1
-    from exl2_backend.cli.info_render import render, render_plan
+        return 0 if ok else 1
+    from exl2_backend.cli.info_render import render, render_missing, render_plan
 
     render(info, max_seq_len=args.max_seq_len)
     render_plan(plan, plan_error)
-    return 0 if plan_error is None else 1
+    render_missing(info["missing_tensors"])
+    return 0 if ok else 1

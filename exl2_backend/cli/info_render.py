@@ -87,3 +87,12 @@ def render_plan(plan, error=None, console: Console | None = None) -> None:
     if error is not None:
         console.print(f"[red]does not fit:[/red] {error}")
 
+
+
+def render_missing(missing: list[str], console: Console | None = None, shown: int = 8) -> None:
+    """The tensors a load needs and the directory lacks (nothing when complete)."""
+    if not missing:
+        return
+    console = console or Console()
+    more = f" and {len(missing) - shown} more" if len(missing) > shown else ""
+    console.print(f"[red]will not load:[/red] {len(missing)} tensors missing: {', '.join(missing[:shown])}{more}")

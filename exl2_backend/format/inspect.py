@@ -77,6 +77,12 @@ def describe_model(model_dir: str | Path) -> dict:
         dec_bits += bits
         dec_numel += numel
 
+    # what a load needs and this directory lacks (the head may be tied; a layer's norms and linears may not)
+    needed = ["model.embed_tokens.weight", "model.norm.weight"] + [
+        f"model.layers.{i}.{norm}.weight" for i in range(config.num_hidden_layers)
+        for norm in ("input_layernorm", "post_attention_layernorm")]
+    missing = [name for name in needed if not index.has(name)]
+    missing += [f"{key} (q_weight or weight)" for key, d in linears.items() if d["format"] == "missing"]
     tensor_bytes = sum(info.nbytes for info in index.infos())
     kv_per_token = 2 * config.num_hidden_layers * config.num_key_value_heads * config.head_dim * 2  # K+V, fp16
     h, v = config.hidden_size, config.vocab_size
@@ -112,4 +118,5 @@ def describe_model(model_dir: str | Path) -> dict:
                        "head": 0 if tied else h * v,
                        "total": v * h + decoder_params + h + (0 if tied else h * v)},
         "memory": {"weights_bytes": tensor_bytes, "kv_cache_bytes_per_token": kv_per_token},
+        "missing_tensors": missing,  # non-empty: the directory will not load
     }

@@ -169,3 +169,25 @@ def test_describe_model(tmp_path):
     assert info["file_bytes"] >= info["memory"]["weights_bytes"] > 0
     assert info["parameters"]["total"] > info["parameters"]["decoder"] > 0
     json.dumps(info)  # JSON-able for the CLI
+    assert info["missing_tensors"] == []
+
+
+def test_info_names_missing_tensors_and_exits_1(tmp_path, capsys):
+    """`info` describes a directory that lacks tensors a load needs, names them and exits 1 (it once exited 0,
+    showing a missing linear as 0 bpw); the complete directory exits 0."""
+    from safetensors.torch import save_file
+
+    from exl2_backend.cli.main import main
+
+    d = write_tiny_exl2_model(tmp_path / "m", tiny_config_dict(), seed=0)
+    assert main(["info", str(d), "--device", "cpu", "--json"]) == 0
+    capsys.readouterr()
+    shard = sorted(d.glob("*.safetensors"))[0]
+    tensors = {k: v for k, v in load_file(shard).items()
+               if not k.startswith("model.layers.1.mlp.up_proj.") and k != "model.norm.weight"}
+    save_file(tensors, shard, metadata={"format": "pt"})
+    assert main(["info", str(d), "--device", "cpu", "--json"]) == 1
+    missing = json.loads(capsys.readouterr().out)["missing_tensors"]
+    assert missing == ["model.norm.weight", "model.layers.1.mlp.up_proj (q_weight or weight)"]
+    assert main(["info", str(d), "--device", "cpu"]) == 1
+    assert "will not load" in capsys.readouterr().out

@@ -61,10 +61,12 @@ class ConvertSettings:
     tf32: bool = False  # GPU only: TF32 matmuls for block forwards and Hessians (GPTQ itself stays fp32)
     checkpoint_s: float = 30.0  # save the resumable hidden state at most this often (0: after every layer)
 
-    def sizes(self, device: torch.device) -> tuple[int, int, int]:
-        """(rows, length, measure_rows) with the device defaults filled in."""
+    def sizes(self, device: torch.device, max_positions: int | None = None) -> tuple[int, int, int]:
+        """(rows, length, measure_rows) with the device defaults filled in (the default length no longer than
+        the model's positions)."""
         d = CUDA_DEFAULTS if device.type == "cuda" else CPU_DEFAULTS
-        return (self.rows or d[0], self.length or d[1], self.measure_rows or d[2])
+        length = self.length or min(d[1], max_positions or d[1])
+        return (self.rows or d[0], length, self.measure_rows or d[2])
 
 
 def resolve_device(name: str) -> torch.device:
@@ -119,8 +121,15 @@ def _check_input(in_dir: Path, out_dir: Path, s: ConvertSettings) -> tuple[Model
     _check_output(in_dir, out_dir)
     if s.head_bits not in HEAD_OPTIONS:
         raise ConfigError(f"head bits must be one of {sorted(HEAD_OPTIONS)}, got {s.head_bits}", field="head_bits")
-    if any(v is not None and v < 1 for v in (s.rows, s.length, s.measure_rows)):
-        raise ConfigError("calibration rows and length must be positive", field="rows")
+    if any(v is not None and v < 1 for v in (s.rows, s.measure_rows)):
+        raise ConfigError("calibration rows must be positive", field="rows")
+    if s.length is not None and not 2 <= s.length <= cfg.max_position_embeddings:
+        # one token has no next token to score (the calibration perplexity was nan); past the model's positions
+        # the calibration runs where the model was never trained
+        raise ConfigError(f"calibration length must be within [2, {cfg.max_position_embeddings}] (the model's "
+                          f"max_position_embeddings), got {s.length}", field="length")
+    if not s.shard_mb > 0:
+        raise ConfigError(f"shard size must be positive, got {s.shard_mb} MB", field="shard_mb")
     if s.method not in METHODS:
         raise ConfigError(f"method must be one of {METHODS}, got {s.method!r}", field="method")
     if s.uniform is not None:
@@ -307,7 +316,7 @@ def convert(in_dir: str | Path, out_dir: str | Path, settings: ConvertSettings |
     t0 = time.perf_counter()
     dev = resolve_device(s.device)
     cfg, weights = _check_input(in_dir, out_dir, s)
-    rows, length, measure_rows = s.sizes(dev)
+    rows, length, measure_rows = s.sizes(dev, cfg.max_position_embeddings)
     job = JobState(s.work_dir or f"{out_dir}.work")
     n_rows = max(rows, measure_rows)
     all_ids, dataset = calibration_ids(in_dir, cfg, s.cal_files, n_rows, length, texts)  # int64 [n_rows, length]

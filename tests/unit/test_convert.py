@@ -7,7 +7,7 @@ import json
 import pytest
 import torch
 
-from exl2_backend.errors import ModelDirectoryError, ModelFormatError, UnsupportedModelError
+from exl2_backend.errors import ConfigError, ModelDirectoryError, ModelFormatError, UnsupportedModelError
 from exl2_backend.format.config import ModelConfig
 from exl2_backend.format.qtensor import QTensor
 from exl2_backend.format.reader import load_weights
@@ -128,6 +128,13 @@ def test_errors(converted, tmp_path):
     with pytest.raises(ModelFormatError, match="already quantized"):
         convert(write_tiny_exl2_model(tmp_path / "q", tiny_config_dict()), tmp_path / "e", _settings(tmp_path, "e"),
                 texts=TEXTS)
+    # a one-token row has nothing to score (the calibration ppl was nan); past the model's 512 positions the
+    # calibration runs where the model never ran; a shard of 0 MB
+    for name, fields, field in (("l1", {"length": 1}, "length"), ("l2", {"length": 513}, "length"),
+                                ("s0", {"shard_mb": 0}, "shard_mb")):
+        with pytest.raises(ConfigError) as e:
+            convert(src, tmp_path / name, _settings(tmp_path, name, **fields), texts=TEXTS)
+        assert e.value.field == field and not (tmp_path / name).exists()
 
 
 def _bad_arch(tmp_path):

@@ -74,9 +74,9 @@ class RandomSource:
     seed: int = 0
 
     def config(self) -> ModelConfig:
-        from exl2_backend.format.random_model import _config_dict
+        from exl2_backend.format.random_model import shape_config_dict
 
-        return ModelConfig.from_dict(_config_dict(self.shape))
+        return ModelConfig.from_dict(shape_config_dict(self.shape))
 
     def weights(self, config: ModelConfig, device: torch.device) -> ModelWeights:
         """ModelWeights whose `layers` is a generator (one layer's tensors alive at a time)."""

@@ -51,7 +51,7 @@ def _model_dir(args) -> Path:
 
         return resolve_model_dir(args.model_dir)
     from exl2_backend.format.layout import HEAD_OPTIONS
-    from exl2_backend.format.random_model import SHAPES, _config_dict, write_random_exl2_model
+    from exl2_backend.format.random_model import SHAPES, shape_config_dict, write_random_exl2_model
 
     if args.shape not in SHAPES:
         raise ConfigError(f"--shape must be one of {', '.join(SHAPES)}, got {args.shape!r}", field="shape")
@@ -72,7 +72,7 @@ def _model_dir(args) -> Path:
         write_random_exl2_model(out, args.shape, bpw=args.bpw, head_bits=args.head_bits)
     else:  # reused: it must be that shape (a tiny model there was benchmarked as "llama3-8b")
         have = json.loads((out / "config.json").read_text())
-        want = _config_dict(args.shape)
+        want = shape_config_dict(args.shape)
         keys = ("hidden_size", "num_hidden_layers", "intermediate_size", "num_attention_heads", "vocab_size")
         if any(have.get(k) != want.get(k) for k in keys):
             raise ConfigError(f"--model-out {out} holds a model that is not {args.shape} "

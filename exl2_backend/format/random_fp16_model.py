@@ -13,7 +13,7 @@ from pathlib import Path
 import torch
 
 from exl2_backend.format.config import ModelConfig
-from exl2_backend.format.random_model import SHAPES, _config_dict, _seeded, write_byte_tokenizer
+from exl2_backend.format.random_model import SHAPES, seeded_generator, shape_config_dict, write_byte_tokenizer
 from exl2_backend.format.reader import ATTN_PROJS, MLP_PROJS, layer_linear_key, linear_shape
 from exl2_backend.format.writer import (
     TensorSpec,
@@ -27,7 +27,7 @@ from exl2_backend.format.writer import (
 
 def fp16_config(shape: str | dict, num_layers: int | None = None) -> dict:
     """config.json dict of an FP16 model of `shape` (a SHAPES name or config fields), optionally cut short."""
-    cfg = _config_dict(shape)
+    cfg = shape_config_dict(shape)
     if num_layers is not None:
         if not 1 <= num_layers <= cfg["num_hidden_layers"]:
             raise ValueError(f"num_layers must be in 1..{cfg['num_hidden_layers']}, got {num_layers}")
@@ -59,7 +59,7 @@ def _specs(config: ModelConfig) -> list[tuple[TensorSpec, str]]:
 
 def _make(spec: TensorSpec, kind: str, seed: int) -> torch.Tensor:
     name, _, shape = spec
-    g = _seeded(seed, name)
+    g = seeded_generator(seed, name)
     if kind == "norm":
         return torch.empty(shape).uniform_(0.8, 1.2, generator=g).half()
     t = torch.empty(shape).normal_(0.0, 1.0, generator=g)

@@ -81,7 +81,7 @@ def _kn(config: ModelConfig, proj: str) -> tuple[int, int]:
     return k, pad32(n)
 
 
-def _seeded(seed: int, name: str) -> torch.Generator:
+def seeded_generator(seed: int, name: str) -> torch.Generator:
     return torch.Generator().manual_seed(seed * 1_000_003 + zlib.crc32(name.encode()))
 
 
@@ -135,13 +135,13 @@ def _plan(config: ModelConfig, bpw: float, head_bits: int) -> list[tuple[list[Te
     plan = []
 
     def dense(name, shape, fill):
-        plan.append(([(name, torch.float16, shape)], lambda seed: {name: fill(shape, _seeded(seed, name))}))
+        plan.append(([(name, torch.float16, shape)], lambda seed: {name: fill(shape, seeded_generator(seed, name))}))
 
     def linear(key, proj, option):
         k, n = linear_shape(config, proj)
         b = config.has_bias(proj)
         plan.append((linear_specs(key, k, n, option, b),
-                     lambda seed: random_linear_tensors(key, k, n, option, _seeded(seed, key), b)))
+                     lambda seed: random_linear_tensors(key, k, n, option, seeded_generator(seed, key), b)))
 
     def embed(shape, g):
         # Rows drawn from a 4096-row random block: values don't matter for benchmarks, and a full normal_
@@ -170,13 +170,14 @@ def _plan(config: ModelConfig, bpw: float, head_bits: int) -> list[tuple[list[Te
     return plan
 
 
-def _config_dict(shape: str | dict) -> dict:
+def shape_config_dict(shape: str | dict) -> dict:
+    """The config.json dict of a named shape (SHAPES) or of a dict of overrides on the defaults."""
     return {**_DEFAULTS, **(SHAPES[shape] if isinstance(shape, str) else shape)}
 
 
 def estimate_bytes(shape: str | dict, bpw: float = 4.0, head_bits: int = 6) -> int:
     """Tensor bytes write_random_exl2_model would write (e.g. to check disk space first)."""
-    plan = _plan(ModelConfig.from_dict(_config_dict(shape)), bpw, head_bits)
+    plan = _plan(ModelConfig.from_dict(shape_config_dict(shape)), bpw, head_bits)
     return sum(spec_nbytes(spec) for specs, _ in plan for spec in specs)
 
 
@@ -190,7 +191,7 @@ def write_random_exl2_model(out_dir: str | Path, shape: str | dict, bpw: float =
     count. One thread took ~10 s for the 1B shape here, so the 70B shape (35 GB) did not fit a device call."""
     if head_bits not in HEAD_OPTIONS:
         raise ValueError(f"head_bits must be one of {sorted(HEAD_OPTIONS)}")
-    cfg_dict = _config_dict(shape)
+    cfg_dict = shape_config_dict(shape)
     if tokenizer_from is not None and (Path(tokenizer_from) / "config.json").is_file():
         src = json.loads((Path(tokenizer_from) / "config.json").read_text())
         cfg_dict.update({k: src[k] for k in ("bos_token_id", "eos_token_id") if k in src})

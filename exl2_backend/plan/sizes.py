@@ -182,9 +182,9 @@ def describe_random(shape: str | dict, bpw: float = 4.0, head_bits: int = 6) -> 
     """The ModelDesc of `format.random_model.write_random_exl2_model(shape, bpw, head_bits)` (or of its
     in-memory twin in bench/random_weights.py), without generating anything."""
     from exl2_backend.format.layout import ATTENTION_OPTIONS, HEAD_OPTIONS, MLP_OPTIONS
-    from exl2_backend.format.random_model import _config_dict, choose_options
+    from exl2_backend.format.random_model import choose_options, shape_config_dict
 
-    config = ModelConfig.from_dict(_config_dict(shape))
+    config = ModelConfig.from_dict(shape_config_dict(shape))
     layers = []
     for i, (ai, mi) in enumerate(choose_options(config, bpw)):
         layer = {}

@@ -9,7 +9,8 @@
 #   ~300 tok/s against 263, and q8 / q4 must stay above fp16 there.
 # - EXL2_BACKEND_GRAPH_IO=1: the greedy decode step with its host I/O inside the graph (runtime/greedy_graphs.py);
 #   the engine's step was 38.6 us over its graph replay in AL2.
-#  1. GPU tests of both (kernels against references, graph replays, the lookahead on a tiny model off and on).
+#  1. GPU tests of both (kernels against references, graph replays, the lookahead on a tiny model off and on), and
+#     session 25's NaN-logits check in the GPU sampling path (tests/engine/test_sampled_gpu_tiny.py).
 #  2. attention_sweep at 32k (fp16, q8, q4) and 1k (fp16): the default route against the streamed kernel's automatic
 #     split.
 #  3. bench: fp16 at 1k and 32k, default against STREAM; q8 / q4 at 32k likewise; fp16 at 1k with STREAM + GRAPH_IO.
@@ -23,7 +24,8 @@ begin_call an1
 S=EXL2_BACKEND_ATTN_STREAM=1
 gpu_tests stream 120 -n 12 tests/kernels/test_paged_attention_stream.py tests/kernels/test_paged_attention.py \
   tests/kernels/test_kv_quant_kernels.py -k "stream or Stream or streamed or bad_kernel_codes"
-gpu_tests graph_io 60 -n 8 tests/kernels/test_decode_io_kernel.py tests/engine/test_lookahead_tiny.py
+gpu_tests graph_io 90 -n 8 tests/kernels/test_decode_io_kernel.py tests/engine/test_lookahead_tiny.py \
+  tests/engine/test_sampled_gpu_tiny.py
 echo "elapsed $(( $(date +%s) - T0 )) s"
 # Each sweep and bench only where its whole timeout fits before 575 s (common.sh fits).
 sweep() {  # sweep NAME CONTEXT TYPES CELLS [ENV=VALUE...]: CELLS is --ctas A,B or --splits A,B

@@ -60,8 +60,16 @@ def _bytes_per_token_bound(tok: _HFTokenizer) -> int:
     return longest * shrink
 
 
+def _present(path: Path) -> bool:
+    """Whether the optional file is there; a directory (or other non-file) in its place is an error, not a
+    silently missing chat template or EOS id."""
+    if path.exists() and not path.is_file():
+        raise TokenizerError(f"{path.name} is not a regular file (path {path})")
+    return path.is_file()
+
+
 def _read_json(path: Path, required: bool = False) -> dict:
-    if not path.is_file():
+    if not _present(path):
         if required:
             raise TokenizerError(f"missing {path.name} (file {path})")
         return {}
@@ -134,13 +142,13 @@ class Tokenizer:
             raise TokenizerError(f"invalid tokenizer.json: {exc} (file {path})") from exc
         config = _read_json(model_dir / "tokenizer_config.json")
         template: Any = None
-        if (model_dir / "chat_template.jinja").is_file():
+        if _present(model_dir / "chat_template.jinja"):
             jinja = model_dir / "chat_template.jinja"
             try:
                 template = jinja.read_text(encoding="utf-8")
             except (OSError, UnicodeDecodeError) as exc:
                 raise TokenizerError(f"cannot read chat_template.jinja: {exc} (file {jinja})") from exc
-        elif (model_dir / "chat_template.json").is_file():
+        elif _present(model_dir / "chat_template.json"):
             template = _read_json(model_dir / "chat_template.json").get("chat_template")
         gen = _read_json(model_dir / "generation_config.json")
         model_config = _read_json(model_dir / "config.json")

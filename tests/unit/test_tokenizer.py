@@ -134,6 +134,17 @@ def test_chat_template_file_that_is_not_utf8(default_fp16_dir, tmp_path):
         Tokenizer.from_dir(tmp_path)
 
 
+@pytest.mark.parametrize("name", ["chat_template.jinja", "tokenizer_config.json", "generation_config.json"])
+def test_companion_file_that_is_a_directory(default_fp16_dir, tmp_path, name):
+    """A directory where an optional companion file belongs is an error naming it, not a silently absent chat
+    template or EOS id."""
+    _copy_tokenizer(default_fp16_dir, tmp_path)
+    (tmp_path / name).unlink(missing_ok=True)
+    (tmp_path / name).mkdir()
+    with pytest.raises(TokenizerError, match=f"{name} is not a regular file"):
+        Tokenizer.from_dir(tmp_path)
+
+
 def test_eos_ids_from_generation_config(default_fp16_dir, tmp_path):
     _copy_tokenizer(default_fp16_dir, tmp_path)
     (tmp_path / "generation_config.json").write_text(json.dumps({"eos_token_id": [2, 0]}))

@@ -133,10 +133,13 @@ __device__ __forceinline__ float2 lane_scales(const uint8_t* region, int row, in
 }
 #endif
 
-// G query heads per kv head (1, 2 or 4). __maxnreg__ instead of __launch_bounds__(288, 1), under which ptxas held
-// the G = 4 kernel at 168 registers and spilled 108 bytes (it needs ~205: q and the accumulators of 4 heads).
+// G query heads per kv head (1, 2 or 4). 168 registers at most: the 9 warps of a CTA sit on the SM's 4
+// sub-partitions 3 / 2 / 2 / 2, and one sub-partition's 16K registers must hold 3 warps (3 * 32 * 168 = 16,128).
+// The G = 4 kernel wants ~205 (q and the accumulators of 4 heads) and spills; H200 call AN1 of 2026-12-05 ran it
+// under __maxnreg__(224): every launch failed with "too many resources requested for launch".
 template <int KF, int VF, int G>
-__global__ void __maxnreg__(224) paged_attention_stream_kernel(const QAttnParams p, const int stages) {
+__global__ void __launch_bounds__(kStreamThreads, 1) paged_attention_stream_kernel(const QAttnParams p,
+                                                                                    const int stages) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   constexpr int D = kStreamD;
   extern __shared__ __align__(128) unsigned char smem[];

@@ -11,7 +11,7 @@ from exl2_backend.runtime import GenerationParams
 from exl2_backend.sampling import SamplingParams
 from tests.helpers.gpu_engine import small_gpu_engine
 
-pytestmark = pytest.mark.cuda
+pytestmark = [pytest.mark.cuda, pytest.mark.timeout(150)]  # a stall fails with its stack (AN1 / AP1: no result in 90-100 s)
 
 VOCAB = 5_000
 SAMPLED = SamplingParams(temperature=0.8, top_k=50, top_p=0.9, min_p=0.02, repetition_penalty=1.1, seed=7)

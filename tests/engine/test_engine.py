@@ -15,6 +15,7 @@ from exl2_backend.model import LlamaModel
 from exl2_backend.runtime import Engine, GenerationParams, LoadSettings
 from exl2_backend.runtime.model_runner import ModelRunner
 from exl2_backend.sampling import SamplingParams
+from tests.helpers.nan_logits import check_nan_row_fails_only_its_sequence
 
 VOCAB = 300
 GREEDY = SamplingParams.greedy()
@@ -219,30 +220,9 @@ def test_nan_logits_fail_only_their_sequence(model, monkeypatch, sampling):
     """A row of NaN logits (a numerical fault) fails that sequence (finish "error", pages returned) instead of
     drawing a token from it (the reference sampler's zeroed row gave token 0, every step, silently); the other
     sequence of the batch decodes on."""
-    engine = make_engine(model)
-    total = engine.stats()["total_pages"]
-    params = GenerationParams(sampling=sampling, max_new_tokens=6)
-    for sid, seed in (("sick", 1), ("well", 2)):
-        engine.add_sequence(sid, prompt(12, seed), params)
-    engine.prefill(["sick", "well"])
-    real_run = engine.runner.run
-
-    def nan_in_row_0(*args, **kwargs):
-        logits = real_run(*args, **kwargs).clone()
-        logits[0, 5] = float("nan")
-        return logits
-
-    monkeypatch.setattr(engine.runner, "run", nan_in_row_0)
-    sick, well = engine.decode(["sick", "well"])
-    monkeypatch.setattr(engine.runner, "run", real_run)
-    assert sick.finish_reason == "error" and "NaN logits" in sick.error and not sick.token_ids
-    assert well.finish_reason is None and len(well.token_ids) == 1
-    while not engine.decode(["well"])[0].finish_reason:
-        pass
-    engine.release("sick")
-    engine.release("well")
-    engine.assert_no_leaks()
-    assert engine.stats()["free_pages"] == total
+    check_nan_row_fails_only_its_sequence(make_engine(model), monkeypatch,
+                                          GenerationParams(sampling=sampling, max_new_tokens=6),
+                                          {"sick": prompt(12, 1), "well": prompt(12, 2)})
 
 
 def test_limits_and_request_errors(model):

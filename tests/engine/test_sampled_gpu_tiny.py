@@ -10,6 +10,7 @@ import torch
 from exl2_backend.runtime import GenerationParams
 from exl2_backend.sampling import SamplingParams
 from tests.helpers.gpu_engine import small_gpu_engine
+from tests.helpers.nan_logits import check_nan_row_fails_only_its_sequence
 
 pytestmark = [pytest.mark.cuda, pytest.mark.timeout(150)]  # a stall fails with its stack (AN1 / AP1: no result in 90-100 s)
 
@@ -49,26 +50,6 @@ def test_seeded_sampling_repeats_its_tokens(engine):
 
 @pytest.mark.parametrize("sampling", [SamplingParams.greedy(), SAMPLED], ids=["greedy", "sampled"])
 def test_nan_logits_fail_only_their_sequence(engine, monkeypatch, sampling):
-    free = engine.pages.available
-    params = GenerationParams(sampling=sampling, max_new_tokens=6, ignore_eos=True)
-    for sid, seed in (("sick", 2), ("well", 3)):
-        engine.add_sequence(sid, _prompt(12, seed), params)
-    engine.prefill(["sick", "well"])
-    real_run = engine.runner.run
-
-    def nan_in_row_0(*args, **kwargs):
-        logits = real_run(*args, **kwargs).clone()  # [B, V] on the GPU
-        logits[0, 5] = float("nan")
-        return logits
-
-    monkeypatch.setattr(engine.runner, "run", nan_in_row_0)
-    sick, well = engine.decode(["sick", "well"])
-    monkeypatch.setattr(engine.runner, "run", real_run)
-    assert sick.finish_reason == "error" and "NaN logits" in sick.error and not sick.token_ids
-    assert well.finish_reason is None and len(well.token_ids) == 1
-    while not engine.decode(["well"])[0].finish_reason:
-        pass
-    engine.release("sick")
-    engine.release("well")
-    engine.assert_no_leaks()
-    assert engine.pages.available == free
+    check_nan_row_fails_only_its_sequence(engine, monkeypatch,
+                                          GenerationParams(sampling=sampling, max_new_tokens=6, ignore_eos=True),
+                                          {"sick": _prompt(12, 2), "well": _prompt(12, 3)})

@@ -28,17 +28,19 @@ def stage(name: str, fn, stall: float):
     return out
 
 
-def probe(vocab: int, stall: float) -> None:
+def probe(vocab: int, stall: float, device: str) -> None:
     import torch
 
-    from exl2_backend.runtime import GenerationParams
+    from exl2_backend.runtime import Engine, GenerationParams, LoadSettings
     from exl2_backend.sampling import SamplingParams
-    from tests.helpers.gpu_engine import small_gpu_engine
+    from tests.helpers.gpu_engine import write_small_model
 
-    print(f"vocab {vocab}", flush=True)
+    print(f"vocab {vocab}, torch threads {torch.get_num_threads()}", flush=True)
     with tempfile.TemporaryDirectory() as tmp:
-        engine = stage("write + load", lambda: small_gpu_engine(Path(tmp) / "m", vocab, 5, max_seq_len=256,
-                                                                max_batch_size=4), stall)
+        model_dir = stage("write (CPU)", lambda: write_small_model(Path(tmp) / "m", vocab, 5), stall)
+        engine = stage(f"load ({device})", lambda: Engine.load(LoadSettings(
+            model_dir=str(model_dir), device=device, max_seq_len=256, max_batch_size=4)), stall)
+        print(f"    runner {type(engine.runner).__name__}", flush=True)
         prompt = torch.randint(3, vocab, (19,), generator=torch.Generator().manual_seed(1)).tolist()
         for label, sampling in (("greedy", SamplingParams.greedy()), ("sampled", SamplingParams(temperature=0.8,
                                                                                                  seed=7))):
@@ -57,9 +59,10 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--vocab", type=int, nargs="+", default=[5000])
     ap.add_argument("--stall", type=float, default=45.0, help="seconds a stage may take before the stacks are dumped")
+    ap.add_argument("--device", default="cuda", help="cuda (graphs captured) or cpu (the reference path)")
     args = ap.parse_args()
     for v in args.vocab:
-        probe(v, args.stall)
+        probe(v, args.stall, args.device)
 
 
 if __name__ == "__main__":

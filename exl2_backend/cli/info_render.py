@@ -88,7 +88,6 @@ def render_plan(plan, error=None, console: Console | None = None) -> None:
         console.print(f"[red]does not fit:[/red] {error}")
 
 
-
 def render_missing(missing: list[str], console: Console | None = None, shown: int = 8) -> None:
     """The tensors a load needs and the directory lacks (nothing when complete)."""
     if not missing:

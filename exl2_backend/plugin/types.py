@@ -32,9 +32,9 @@ class SequenceRequest:
 
     max_new_tokens None means "until the context (max_seq_len) is full". A prompt plus max_new_tokens past the
     context is cut to what fits (finish_reason "length") when `cap_to_context` is true, and refused as
-    `prompt_too_long` when it is false (the OpenAI API's rule for an explicit max_tokens). Sampling: temperature 0 = greedy,
-    top_k 0 / top_p 1 / min_p 0 / penalties 1 and 0 = off; seed None = fresh entropy. Stop strings end the
-    sequence with the match removed from the text; stop_token_ids end it like EOS."""
+    `prompt_too_long` when it is false (the OpenAI API's rule for an explicit max_tokens). Sampling:
+    temperature 0 = greedy, top_k 0 / top_p 1 / min_p 0 / penalties 1 and 0 = off; seed None = fresh entropy.
+    Stop strings end the sequence with the match removed from the text; stop_token_ids end it like EOS."""
 
     seq_id: str
     prompt_ids: list[int] | None = None

@@ -70,15 +70,14 @@ class ConvertSettings:
 
 
 def resolve_device(name: str) -> torch.device:
-    """"auto" -> the GPU when torch sees one, else the CPU; an explicit "cuda" without a GPU is an error."""
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    """"auto" -> the GPU when torch sees one, else the CPU; a CUDA device that is not here is an error
+    (runtime.settings.require_device, as for a load), and so is a device the converter does not run on."""
+    from exl2_backend.runtime.settings import require_device
+
     try:
-        dev = torch.device(name)
+        dev = require_device(name)
     except RuntimeError:
         raise ConfigError(f"unknown device {name!r} (auto, cpu, cuda, cuda:N)", field="device") from None
-    if dev.type == "cuda" and not torch.cuda.is_available():
-        raise ConfigError("device cuda requested but torch sees no CUDA device", field="device")
     if dev.type not in ("cpu", "cuda"):
         raise ConfigError(f"device {name!r} is not supported by the converter (cpu or cuda)", field="device")
     return dev
@@ -232,7 +231,8 @@ def _load_measurement(path: str, cfg: ModelConfig, keys: list[str]) -> dict:
 def _weights_identity(in_dir: Path) -> list:
     """The source shards' names, sizes and modification times: a resumed job whose source weights changed
     starts again (it reused quantized layers of the old weights, silently)."""
-    return [(f.name, f.stat().st_size, f.stat().st_mtime_ns) for f in sorted(in_dir.glob("*.safetensors"))]
+    stats = [(f.name, f.stat()) for f in sorted(in_dir.glob("*.safetensors"))]
+    return [(name, st.st_size, st.st_mtime_ns) for name, st in stats]
 
 
 class _Checkpoint:

@@ -142,8 +142,8 @@ class Tokenizer:
             raise TokenizerError(f"invalid tokenizer.json: {exc} (file {path})") from exc
         config = _read_json(model_dir / "tokenizer_config.json")
         template: Any = None
-        if _present(model_dir / "chat_template.jinja"):
-            jinja = model_dir / "chat_template.jinja"
+        jinja = model_dir / "chat_template.jinja"
+        if _present(jinja):
             try:
                 template = jinja.read_text(encoding="utf-8")
             except (OSError, UnicodeDecodeError) as exc:

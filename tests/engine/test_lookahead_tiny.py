@@ -11,7 +11,8 @@ import torch
 from tests.helpers.gpu_engine import small_gpu_engine
 from tests.helpers.greedy_runs import run_greedy_batch
 
-pytestmark = [pytest.mark.cuda, pytest.mark.timeout(150)]  # a stall fails with its stack (AN1 / AP1: no result in 90-100 s)
+# a stall fails with its stack at 150 s (H200 calls AN1 / AP1: no result from these tests in 90-100 s)
+pytestmark = [pytest.mark.cuda, pytest.mark.timeout(150)]
 
 
 @pytest.fixture(scope="module")

@@ -12,7 +12,8 @@ from exl2_backend.sampling import SamplingParams
 from tests.helpers.gpu_engine import small_gpu_engine
 from tests.helpers.nan_logits import check_nan_row_fails_only_its_sequence
 
-pytestmark = [pytest.mark.cuda, pytest.mark.timeout(150)]  # a stall fails with its stack (AN1 / AP1: no result in 90-100 s)
+# a stall fails with its stack at 150 s (H200 calls AN1 / AP1: no result from these tests in 90-100 s)
+pytestmark = [pytest.mark.cuda, pytest.mark.timeout(150)]
 
 VOCAB = 5_000
 SAMPLED = SamplingParams(temperature=0.8, top_k=50, top_p=0.9, min_p=0.02, repetition_penalty=1.1, seed=7)

@@ -83,6 +83,8 @@ def describe_model(model_dir: str | Path) -> dict:
         for norm in ("input_layernorm", "post_attention_layernorm")]
     missing = [name for name in needed if not index.has(name)]
     missing += [f"{key} (q_weight or weight)" for key, d in linears.items() if d["format"] == "missing"]
+    if tied and not config.tie_word_embeddings:  # load_weights' rule: no head is only fine when it is tied
+        missing.append("lm_head (q_weight or weight; tie_word_embeddings is false)")
     tensor_bytes = sum(info.nbytes for info in index.infos())
     kv_per_token = 2 * config.num_hidden_layers * config.num_key_value_heads * config.head_dim * 2  # K+V, fp16
     h, v = config.hidden_size, config.vocab_size

@@ -184,10 +184,11 @@ def test_info_names_missing_tensors_and_exits_1(tmp_path, capsys):
     capsys.readouterr()
     (shard,) = d.glob("*.safetensors")  # one shard at this size
     tensors = {k: v for k, v in load_file(shard).items()
-               if not k.startswith("model.layers.1.mlp.up_proj.") and k != "model.norm.weight"}
+               if not k.startswith(("model.layers.1.mlp.up_proj.", "lm_head.")) and k != "model.norm.weight"}
     save_file(tensors, shard, metadata={"format": "pt"})
     assert main(["info", str(d), "--device", "cpu", "--json"]) == 1
     missing = json.loads(capsys.readouterr().out)["missing_tensors"]
-    assert missing == ["model.norm.weight", "model.layers.1.mlp.up_proj (q_weight or weight)"]
+    assert missing == ["model.norm.weight", "model.layers.1.mlp.up_proj (q_weight or weight)",
+                       "lm_head (q_weight or weight; tie_word_embeddings is false)"]
     assert main(["info", str(d), "--device", "cpu"]) == 1
     assert "will not load" in capsys.readouterr().out

@@ -1,5 +1,5 @@
-"""Greedy decode steps whose host I/O runs inside the captured graph (EXL2_BACKEND_GRAPH_IO=1; the decode
-lookahead's steps, runtime/lookahead.py).
+"""Greedy decode steps whose host I/O runs inside the captured graph (on by default, EXL2_BACKEND_GRAPH_IO=0 turns
+it off; the decode lookahead's steps, runtime/lookahead.py).
 
 A plain graph step is five stream operations: the staging upload, the lookahead's token copy, the graph (whose
 first nodes unpack the staging rows), the greedy sampler and the readback. H200 call AL2 of 2026-12-04 (8B at 1k):

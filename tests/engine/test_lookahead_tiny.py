@@ -22,7 +22,28 @@ def engine(tmp_path_factory):
     return eng
 
 
-def test_lookahead_tokens_identical_on_a_tiny_model(engine):
+def test_the_lookahead_takes_greedy_graphs_by_default(engine, monkeypatch):
+    monkeypatch.delenv("EXL2_BACKEND_GRAPH_IO", raising=False)
+    from exl2_backend.runtime.lookahead import DecodeLookahead
+
+    assert DecodeLookahead(engine, engine.runner).graphs is not None
+    monkeypatch.setenv("EXL2_BACKEND_GRAPH_IO", "0")
+    assert DecodeLookahead(engine, engine.runner).graphs is None
+
+
+@pytest.mark.parametrize("graph_io", [False, True], ids=["plain-graph-steps", "graph-io"])
+def test_lookahead_tokens_identical_on_a_tiny_model(engine, graph_io):
+    from exl2_backend.runtime.lookahead import DecodeLookahead
+
+    saved = engine.lookahead
+    engine.lookahead = DecodeLookahead(engine, engine.runner, graph_io=graph_io)
+    try:
+        _lookahead_tokens_identical(engine)
+    finally:
+        engine.lookahead = saved
+
+
+def _lookahead_tokens_identical(engine):
     g = torch.Generator().manual_seed(1)
     prompts = {sid: torch.randint(3, 39_000, (n,), generator=g).tolist() for sid, n in (("a", 7), ("b", 30),
                                                                                         ("c", 15))}

@@ -72,7 +72,7 @@ def sampling_probs(logits, params) -> torch.Tensor:
 
 def sample_tokens(logits, params, uniforms=None) -> torch.Tensor:
     """logits [B, V] f32, params list[SamplingParams], uniforms [B, V] f32 in (0, 1] (None: drawn from the
-    global torch RNG) -> int64 [B]."""
+    global torch RNG) -> int64 [B], NAN_ROW for a row holding a NaN."""
     b_, v = logits.shape
     probs = sampling_probs(logits, params)  # [B, V]
     if uniforms is None:
@@ -82,7 +82,17 @@ def sample_tokens(logits, params, uniforms=None) -> torch.Tensor:
     # use 2^-25, below every other value: a plausible token still wins, a negligible one does not.
     race = probs / expo.clamp_min(_MIN_EXP)
     race = torch.where(probs > 0, race, race.new_full((), -1.0))  # p = 0 never wins
-    return torch.argmax(race, dim=-1).to(torch.int64)  # greedy rows are one-hot, so they pick their argmax
+    tokens = torch.argmax(race, dim=-1).to(torch.int64)  # greedy rows are one-hot, so they pick their argmax
+    return _nan_rows_flagged(logits, tokens)
+
+
+NAN_ROW = -1  # the token of a row whose logits hold a NaN: a numerical fault, never a token to emit
+
+
+def _nan_rows_flagged(logits: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+    """tokens int64 [B] with NAN_ROW where the row of logits [B, V] holds a NaN (sampling from it would quietly
+    give the NaN's index or token 0; the engine fails such a sequence instead)."""
+    return torch.where(torch.isnan(logits).any(-1), NAN_ROW, tokens)
 
 
 def make_generator(seed: int | None, device="cpu") -> torch.Generator:
@@ -93,8 +103,9 @@ def make_generator(seed: int | None, device="cpu") -> torch.Generator:
 
 
 def greedy_tokens(logits: torch.Tensor) -> torch.Tensor:
-    """logits [B, V] -> int64 [B]: each row's argmax, ties to the lowest id, NaN the largest (torch.argmax)."""
-    return torch.argmax(logits.float(), dim=-1)
+    """logits [B, V] -> int64 [B]: each row's argmax, ties to the lowest id; NAN_ROW for a row holding a NaN."""
+    logits = logits.float()
+    return _nan_rows_flagged(logits, torch.argmax(logits, dim=-1))
 
 
 def make_uniforms(generators: list[torch.Generator], vocab: int) -> torch.Tensor:

@@ -356,12 +356,12 @@ class Engine:
                 t = argmax[j]
             elif q is None:
                 t = sample_for([s], logits[j : j + 1])[0]
-                if t == NAN_LOGITS:
-                    return self._emit_sampled(s, t)
             else:  # a sampled draft with its distribution: rejection sampling keeps the target's distribution
                 from exl2_backend.spec.rejection import accept_or_resample
 
                 t = accept_or_resample(s, logits[j : j + 1], draft[j], q)
+            if t == NAN_LOGITS:  # fails the sequence, this step's accepted tokens with it
+                return self._emit_sampled(s, t)
             s.num_computed += 1
             delta, reason = s.append_token(t)
             taken.append(t)

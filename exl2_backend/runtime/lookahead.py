@@ -143,7 +143,7 @@ class DecodeLookahead:
         events = []
         for s, t in zip(seqs, tokens):
             s.num_computed += 1
-            events.append(self.engine._emit(s, [t]))
+            events.append(self.engine._emit_sampled(s, t))  # a NaN row's token fails its sequence
         if any(s.finished for s in seqs):
             self.drop()
         return events

@@ -7,6 +7,7 @@ import torch
 
 from exl2_backend.ops.dispatch import greedy_tokens
 from exl2_backend.ops.reference import apply_penalties, make_uniforms, sample_tokens
+from exl2_backend.ops.reference_sampling import NAN_ROW
 
 
 def penalized_logits(seqs, logits: torch.Tensor) -> torch.Tensor:
@@ -22,14 +23,15 @@ def penalized_logits(seqs, logits: torch.Tensor) -> torch.Tensor:
     return logits
 
 
-NAN_LOGITS = -1  # sample_for's token for a row whose logits hold a NaN
+NAN_LOGITS = NAN_ROW  # the token greedy_tokens / sample_tokens give a row whose logits hold a NaN
 
 
 def sample_for(seqs, logits: torch.Tensor) -> list[int]:
     """logits f32 [B, V] (one row per sequence, V = the model's vocab_size) -> one token id per sequence, or
-    NAN_LOGITS for a row with a NaN logit: a numerical fault the caller fails that sequence for (tier 2). The
-    samplers would quietly draw a token from such a row (token 0 from the reference's zeroed row), a wrong answer
-    nobody sees. The check rides on the same device-to-host copy as the tokens."""
+    NAN_LOGITS for a row with a NaN logit: a numerical fault the caller fails that sequence for (tier 2). A
+    sampler would otherwise quietly draw a token from such a row (the NaN's index, or token 0), a wrong answer
+    nobody sees. Both samplers flag the row themselves (the kernel while it reads the row), so the check rides on
+    the tokens' device-to-host copy."""
     v = logits.shape[1]
     params = [s.params.sampling for s in seqs]
     logits = penalized_logits(seqs, logits)
@@ -40,4 +42,4 @@ def sample_for(seqs, logits: torch.Tensor) -> list[int]:
     if rows:
         uniforms = make_uniforms([seqs[i].generator for i in rows], v).to(logits.device)  # [b', V]
         tokens[rows] = sample_tokens(logits[rows], [params[i] for i in rows], uniforms)
-    return torch.where(torch.isnan(logits).any(-1), NAN_LOGITS, tokens).tolist()
+    return tokens.tolist()

@@ -225,6 +225,40 @@ def test_nan_logits_fail_only_their_sequence(model, monkeypatch, sampling):
                                           {"sick": prompt(12, 1), "well": prompt(12, 2)})
 
 
+@pytest.mark.parametrize("how", ["greedy", "sampled", "sampled-with-draft-probs"])
+def test_nan_logits_in_a_verify_fail_only_their_sequence(model, monkeypatch, how):
+    """A verify whose logits hold a NaN in the sick sequence's first row fails that sequence (finish
+    "error", pages returned) whichever way its rows are checked: greedy argmax, sampled, or rejection sampling
+    against the draft's probabilities (whose race over a NaN row gave token 0); the other sequence goes on."""
+    sampling = GREEDY if how == "greedy" else SamplingParams(temperature=0.8, seed=5)
+    engine = make_engine(model)
+    free = engine.pages.available
+    params = GenerationParams(sampling=sampling, max_new_tokens=12, ignore_eos=True)
+    for sid, seed in (("sick", 1), ("well", 2)):
+        engine.add_sequence(sid, prompt(12, seed), params)
+    engine.prefill(["sick", "well"])
+    real_run = engine.runner.run
+
+    def nan_in_sick_first_row(*args, **kwargs):
+        logits = real_run(*args, **kwargs).clone()  # [B, k + 1, V]
+        logits[0, 0, 7] = float("nan")  # sick, the row checked first (random drafts are rejected early)
+        return logits
+
+    drafts = {"sick": [3, 4, 5], "well": [6, 7, 8]}
+    probs = None
+    if how == "sampled-with-draft-probs":
+        probs = {sid: [torch.full((VOCAB,), 1.0 / VOCAB)] * 3 for sid in drafts}
+    monkeypatch.setattr(engine.runner, "run", nan_in_sick_first_row)
+    sick, well = engine.verify(["sick", "well"], drafts, probs)
+    monkeypatch.setattr(engine.runner, "run", real_run)
+    assert sick.finish_reason == "error" and "NaN logits" in sick.error and not sick.token_ids
+    assert well.finish_reason is None and 1 <= len(well.token_ids) <= 4
+    engine.release("sick")
+    engine.release("well")
+    engine.assert_no_leaks()
+    assert engine.pages.available == free
+
+
 def test_limits_and_request_errors(model):
     engine = make_engine(model, max_seq_len=64, cache_tokens=160, max_batch_size=3)  # 10 pages
     with pytest.raises(PromptTooLongError, match="max_seq_len=64") as e:

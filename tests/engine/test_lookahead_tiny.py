@@ -115,3 +115,50 @@ def test_lookahead_falls_back_when_a_greedy_graph_capture_fails(engine, monkeypa
     assert graphs.launches == 0 and graphs.failed is not None
     assert stats["graph_io_launches"] == 0 and "on purpose" in stats["graph_io_failed"]
     engine.assert_no_leaks()
+
+
+@pytest.mark.parametrize("graph_io", [False, True], ids=["plain-graph-steps", "graph-io"])
+def test_a_nan_in_one_sequence_fails_it_and_the_batch_goes_on(engine, graph_io):
+    """NaN values in one sequence's V cache page (a numerical fault inside the captured step) give that row NaN
+    logits; the sampler kernel flags the row (-1), so the lookahead fails that sequence (finish "error", pages
+    returned) instead of emitting and feeding back the NaN's index, and the other sequence decodes to its end."""
+    from exl2_backend.runtime import GenerationParams
+    from exl2_backend.runtime.lookahead import DecodeLookahead
+    from exl2_backend.sampling import SamplingParams
+
+    params = GenerationParams(sampling=SamplingParams.greedy(), max_new_tokens=12, ignore_eos=True)
+    saved, free0 = engine.lookahead, engine.pages.available
+    engine.lookahead = DecodeLookahead(engine, engine.runner, graph_io=graph_io)
+    page = None
+    try:
+        g = torch.Generator().manual_seed(4)
+        for sid in ("sick", "well"):
+            engine.add_sequence(sid, torch.randint(3, 39_000, (9,), generator=g).tolist(), params)
+            engine.prefill([sid])
+        events = {"sick": [], "well": []}
+        for ev in engine.decode(["sick", "well"]):  # the lookahead now has the next step in flight
+            events[ev.seq_id].append(ev)
+        page = engine.seqs["sick"].pages[0]
+        engine.cache.v[0][page].fill_(float("nan"))  # [page_size, kv_heads, head_dim], after the queued step
+        live = ["sick", "well"]
+        for _ in range(params.max_new_tokens):  # bounded: "well" finishes within its max_new_tokens
+            for ev in engine.decode(live):
+                events[ev.seq_id].append(ev)
+            live = [sid for sid in live if not engine.seqs[sid].finished]
+            if not live:
+                break
+        used = engine.lookahead.steps_ahead_used
+        launches = engine.lookahead.graphs.launches if graph_io else 0
+    finally:
+        engine.lookahead = saved
+        if page is not None:
+            engine.cache.v[0][page].zero_()  # the page is free again: no NaN left for the module's other tests
+    sick, well = events["sick"][-1], events["well"][-1]
+    assert sick.finish_reason == "error" and "NaN logits" in sick.error and not sick.token_ids
+    assert len([ev for ev in events["sick"] if ev.token_ids]) <= 2  # the step in flight, at most one more
+    assert well.finish_reason == "length" and sum(len(ev.token_ids) for ev in events["well"]) == 11
+    assert used > 0 and (launches > 0) == graph_io
+    for sid in ("sick", "well"):
+        engine.release(sid)
+    assert engine.pages.available == free0
+    engine.assert_no_leaks()

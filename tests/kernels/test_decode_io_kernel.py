@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from exl2_backend.errors import InvalidRequestError
+from exl2_backend.ops import reference
 from exl2_backend.ops.reference_decode_io import FROM_PREVIOUS, STAGE_FIELDS, decode_inputs
 from tests.helpers.tolerances import assert_exact
 
@@ -92,12 +93,14 @@ def test_greedy_tokens_to_host_equals_greedy_tokens(b, v):
     logits[0, 5] = logits[0, v - 1] = 100.0  # a tie across chunks: the lowest id
     if b > 2:
         logits[2, v // 2] = float("nan")
-    host = torch.full((b + 2,), -1, dtype=torch.int64).pin_memory()
+    host = torch.full((b + 2,), -7, dtype=torch.int64).pin_memory()
     mapped = io().MappedHost(host)
     io().greedy_tokens_to_host(logits, mapped.view(host[1 : b + 1]))
     torch.cuda.synchronize()
-    assert host[1 : b + 1].tolist() == cuda_layers.greedy_tokens(logits).tolist() == torch.argmax(logits, -1).tolist()
-    assert host[0].item() == -1 and host[b + 1].item() == -1  # nothing written past the view
+    want = reference.greedy_tokens(logits).tolist()  # argmax; -1 for the row holding a NaN
+    assert host[1 : b + 1].tolist() == cuda_layers.greedy_tokens(logits).tolist() == want
+    assert b <= 2 or want[2] == -1
+    assert host[0].item() == -7 and host[b + 1].item() == -7  # nothing written past the view
 
 
 def test_greedy_tokens_to_host_in_a_graph():

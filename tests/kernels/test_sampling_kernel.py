@@ -1,7 +1,7 @@
 """GPU sampler (csrc/layers/sampling.cu, ops/cuda_layers.sample_tokens) against reference.sample_tokens.
 
-Tolerance: exact token ids given the same uniforms. Greedy is exact by construction (ties -> lowest id, NaN is
-the largest, as torch.argmax). Sampled rows can only differ where two race scores p_i / E_i agree to
+Tolerance: exact token ids given the same uniforms. Greedy is exact by construction (ties -> lowest id, as
+torch.argmax; a row holding a NaN gives -1 in every mode, as the reference's NAN_ROW). Sampled rows can only differ where two race scores p_i / E_i agree to
 within a few ulps, because the kernel sums the softmax in a different order and evaluates exp/log correctly
 rounded (torch's fp32 exp/log may be 1 ulp off); for random inputs that happens about once per 10^6 draws,
 so these tests expect exact equality.
@@ -53,12 +53,30 @@ def test_greedy(v):
     assert got[0].item() == 5 and got[1].item() == v - 1 and got[2].item() == 0
 
 
-def test_greedy_nan_is_largest():
-    logits = torch.randn(2, 5000, device=DEV)
+def test_greedy_nan_rows_give_minus_one():
+    """A NaN anywhere in a greedy row (first or last chunk, several) gives -1; clean rows beside it their argmax."""
+    v = 5000
+    logits = torch.randn(4, v, device=DEV)
     logits[0, 3000] = float("nan")
     logits[1, 10] = logits[1, 4000] = float("nan")
-    got = cl().sample_tokens_tensor(logits, uniforms(2, 5000, 0), torch.zeros(2, device=DEV))
-    assert got.tolist() == torch.argmax(logits, -1).tolist() == [3000, 10]
+    logits[3, v - 1] = float("nan")  # the last, partial chunk
+    got = cl().sample_tokens_tensor(logits, uniforms(4, v, 0), torch.zeros(4, device=DEV))
+    assert got.tolist() == [-1, -1, torch.argmax(logits[2]).item(), -1]
+    assert got.tolist() == reference.greedy_tokens(logits).tolist()
+
+
+@pytest.mark.parametrize("v", [1000, 2049, 128256])
+def test_nan_rows_give_minus_one_in_every_mode(v):
+    """Greedy, temperature-only and filtered (probs) rows in one batch, each mode once with a NaN logit and once
+    without: the NaN rows give -1 (the reference's NAN_ROW), the others the reference's tokens."""
+    modes = [SamplingParams.greedy(), SamplingParams(temperature=0.9), SamplingParams(temperature=1.1, top_k=40,
+                                                                                       top_p=0.8, min_p=0.03)]
+    params = modes + modes
+    logits = torch.randn(len(params), v, device=DEV) * 2
+    for row in range(len(modes)):
+        logits[row, (row * 977) % v] = float("nan")
+    got = same_as_reference(logits, params, uniforms(len(params), v, 9), f"NaN rows V={v}")
+    assert got.tolist()[: len(modes)] == [-1] * len(modes) and min(got.tolist()[len(modes):]) >= 0
 
 
 @pytest.mark.parametrize("v", VOCABS)
@@ -166,7 +184,7 @@ def test_opcheck():
 @pytest.mark.parametrize("b", [1, 5, 70])
 def test_greedy_tokens_is_argmax(v, b):
     """greedy_tokens (the sampler kernel, every temperature 0, the logits as the unread uniforms) equals
-    torch.argmax: ties across chunks to the lowest id, all -inf rows to 0, NaN the largest; rows with a stride past
+    torch.argmax: ties across chunks to the lowest id, all -inf rows to 0, -1 for a row holding a NaN; rows with a stride past
     V (the model's logits[:, :vocab_size] slice), batches past the cached zero temperatures (70 > 64)."""
     wide = torch.randn(b, v + 40, device=DEV) * 4
     logits = wide[:, :v]
@@ -177,7 +195,7 @@ def test_greedy_tokens_is_argmax(v, b):
         logits[2, v // 2] = float("nan")
     got = cl().greedy_tokens(logits)
     assert got.dtype == torch.int64 and got.device == logits.device
-    assert_exact(got, torch.argmax(logits, -1))
+    assert_exact(got, torch.where(torch.isnan(logits).any(-1), -1, torch.argmax(logits, -1)))
     assert got[0].item() == 5
 
 

@@ -229,8 +229,9 @@ def test_race_with_u_equal_one():
 
 def test_greedy_tokens_dispatch_on_cpu():
     """ops.greedy_tokens (the engine's greedy sampling) on CPU tensors is the reference: torch.argmax, ties to the
-    lowest id, NaN the largest, fp16 logits compared in fp32."""
+    lowest id, -1 (NAN_ROW) for a row holding a NaN, fp16 logits compared in fp32."""
     from exl2_backend import ops
+    from exl2_backend.ops.reference_sampling import NAN_ROW
 
     logits = torch.randn(4, 1000)
     logits[0, 7] = logits[0, 900] = 50.0
@@ -238,6 +239,26 @@ def test_greedy_tokens_dispatch_on_cpu():
     logits[2, :] = -float("inf")
     got = ops.greedy_tokens(logits)
     assert got.dtype == torch.int64
-    assert got.tolist()[:3] == [7, 3, 0]
-    assert_exact(got, torch.argmax(logits, -1))
-    assert_exact(ops.greedy_tokens(logits.half()), torch.argmax(logits.half().float(), -1))
+    assert got.tolist()[:3] == [7, NAN_ROW, 0]
+    want = torch.argmax(logits, -1)
+    want[1] = NAN_ROW
+    assert_exact(got, want)
+    half = logits.half()
+    assert_exact(ops.greedy_tokens(half), torch.where(torch.isnan(half).any(-1), NAN_ROW,
+                                                      torch.argmax(half.float(), -1)))
+
+
+@pytest.mark.parametrize("params", [SamplingParams.greedy(), SamplingParams(temperature=0.7),
+                                    SamplingParams(temperature=1.2, top_k=20, top_p=0.9, min_p=0.05)],
+                         ids=["greedy", "temperature", "filtered"])
+def test_a_row_holding_a_nan_samples_nan_row(params):
+    """Whatever the sampling settings, a row with one NaN logit gives NAN_ROW (the engine fails that sequence);
+    the other rows sample as they would alone."""
+    from exl2_backend.ops.reference_sampling import NAN_ROW
+
+    logits = torch.randn(3, 700, generator=torch.Generator().manual_seed(4))
+    u = 1.0 - torch.rand(3, 700, generator=torch.Generator().manual_seed(5))
+    clean = reference.sample_tokens(logits, [params] * 3, u)
+    logits[1, 123] = float("nan")
+    got = reference.sample_tokens(logits, [params] * 3, u)
+    assert got.tolist() == [clean[0].item(), NAN_ROW, clean[2].item()]

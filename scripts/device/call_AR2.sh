@@ -1,0 +1,31 @@
+#!/usr/bin/env bash
+# Device call AR2 (session 27; ~450 s). Carry .whl and .dev/libexl2_kernels.so.gz built from the commit that runs.
+#  1. The sampler kernel now flags a row holding a NaN (-1, in every mode) while it reads it, so the greedy
+#     lookahead and greedy graphs (graph I/O, the default since AR1) fail that sequence instead of emitting and
+#     feeding back the NaN's index: the sampler and decode-io kernel tests, and the tiny-model engine tests (a NaN
+#     written into one sequence's V page mid-decode, both lookahead paths).
+#  2. Session 23's prepared AM2: which kernel should take fp16 pages at decode. The tensor-core one-pass kernel by
+#     CTAs per SM (2 / 3 / 4) against the CUDA-core one (EXL2_BACKEND_ATTN_FP16_MMA=0; 2 / 4 / 6 / 8 / 12) at 32k
+#     and 1k (scripts/attention_sweep.py), then bench fp16 at 1k and 32k of the default (its 1k row also shows
+#     the sampler's NaN flag costs nothing against AR1's 436.3 tok/s) and of the CUDA-core kernel at its best cell.
+export EXL2_CARRIED_LIBRARY=1
+source scripts/device/common.sh
+begin_call ar2
+gpu_tests_verbose engine 170 -n 4 --dist loadfile --timeout 160 tests/engine/test_lookahead_tiny.py \
+  tests/engine/test_sampled_gpu_tiny.py tests/kernels/test_sampling_kernel.py tests/kernels/test_decode_io_kernel.py
+echo "elapsed $(( $(date +%s) - T0 )) s"
+attention_sweep_32k mma fp16 2,3,4
+attention_sweep_32k cc fp16 2,4,6,8,12 EXL2_BACKEND_ATTN_FP16_MMA=0
+CC_CTAS=$(python3 -c "import json; r = json.load(open('$R/sweep_cc.json'))['results']['fp16']
+print(min(r, key=lambda c: r[c]['us']))" 2>/dev/null || echo 4)
+echo "CUDA-core kernel's best CTAs per SM at 32k: $CC_CTAS; elapsed $(( $(date +%s) - T0 )) s"
+for v in mma cc; do
+  fits 60 "sweep 1k $v" 480 || break
+  env $([ $v = cc ] && echo EXL2_BACKEND_ATTN_FP16_MMA=0) timeout 60 python3 scripts/attention_sweep.py \
+    --context 1024 --types fp16 --ctas 2,4,8 --json "$R/sweep1k_$v.json" > "$R/sweep1k_$v.txt" 2>&1
+  echo "== sweep 1k $v"; grep -E "ctas/SM|Error" "$R/sweep1k_$v.txt"
+done
+fits 90 "bench D" 560 && bench_8b D 90 1024,32768 fp16
+fits 90 "bench CC" 560 && bench_8b CC 90 1024,32768 fp16 EXL2_BACKEND_ATTN_FP16_MMA=0 \
+  EXL2_BACKEND_ATTN_CTAS_PER_SM=$CC_CTAS
+echo "total $(( $(date +%s) - T0 )) s"

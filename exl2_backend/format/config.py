@@ -72,11 +72,13 @@ class ModelConfig:
         if not d.is_dir():
             raise ModelDirectoryError("model directory does not exist", path=str(d))
         cfg_path = d / "config.json"
-        if not cfg_path.is_file():
+        if not cfg_path.exists() and not cfg_path.is_symlink():
             raise ModelDirectoryError("no config.json in the model directory", path=str(cfg_path))
         raw = _read_json(cfg_path)
         gen_path = d / "generation_config.json"
-        gen = _read_json(gen_path) if gen_path.is_file() else {}
+        # optional, but a directory or dead link in its place is an error (the tokenizer refuses it too), not a
+        # silently lost EOS id
+        gen = _read_json(gen_path) if gen_path.exists() or gen_path.is_symlink() else {}
         if not isinstance(gen, dict):
             raise ConfigError("generation_config.json must be a JSON object", path=str(gen_path))
         cfg = cls.from_dict(raw, path=str(cfg_path))
@@ -150,6 +152,8 @@ class ModelConfig:
 
 
 def _read_json(p: Path) -> Any:
+    if not p.is_file():
+        raise ConfigError(f"{p.name} is not a regular file", path=str(p))
     try:
         return json.loads(p.read_text(encoding="utf-8"))
     except (json.JSONDecodeError, UnicodeDecodeError) as e:

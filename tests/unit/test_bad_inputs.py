@@ -317,6 +317,22 @@ def test_config_values_that_break_rope_or_generation_config(model):
         ModelConfig.from_dir(model)
 
 
+@pytest.mark.parametrize("name", ["config.json", "generation_config.json"])
+@pytest.mark.parametrize("odd", ["directory", "dead link"])
+def test_a_config_file_that_is_not_a_regular_file_is_named(model, name, odd):
+    """A directory or dead link where config.json or generation_config.json belongs: a ConfigError naming it
+    (generation_config.json was taken as absent, its EOS ids silently lost, while the tokenizer refused it)."""
+    path = model / name
+    path.unlink(missing_ok=True)
+    if odd == "directory":
+        path.mkdir()
+    else:
+        path.symlink_to(model / "nowhere.json")
+    with pytest.raises(ConfigError, match=f"{name} is not a regular file") as e:
+        ModelConfig.from_dir(model)
+    assert e.value.path == str(path)
+
+
 def test_eos_outside_the_vocabulary_is_dropped_with_a_warning(model, caplog):
     vocab = json.loads((model / "config.json").read_text())["vocab_size"]
     (model / "generation_config.json").write_text(json.dumps({"eos_token_id": [1, vocab + 5]}))

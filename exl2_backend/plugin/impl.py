@@ -28,6 +28,7 @@ from exl2_backend.plugin.types import (
     StepBatch,
     Timings,
     Usage,
+    check_seq_ids,
 )
 
 log = logging.getLogger("exl2_backend.plugin")
@@ -318,9 +319,7 @@ class Exl2Handle(BackendHandle):
                     for ev in self._call(self.engine.verify, ids, drafts)]
 
     def release(self, seq_ids) -> list[Event]:
-        if not isinstance(seq_ids, (list, tuple)) or not all(isinstance(i, str) for i in seq_ids):
-            raise InvalidRequestError(f"seq_ids must be a list of sequence id strings, got {seq_ids!r}",
-                                      field="seq_ids")
+        check_seq_ids("seq_ids", seq_ids)
         with self._exclusive("exl2_release"):
             return self._release(seq_ids)
 

@@ -131,22 +131,25 @@ class StepBatch:
         """Raise InvalidRequestError (a host bug) for a batch of the wrong shape: ids that are not a list of
         strings (a bare string would be taken character by character), `new` entries that are not
         SequenceRequest, drafts that are not lists of integer token ids (100.9 or True are not ids)."""
-        def check_ids(name: str, ids) -> None:
-            if not isinstance(ids, (list, tuple)) or not all(isinstance(i, str) and i for i in ids):
-                raise InvalidRequestError(f"StepBatch.{name} must be a list of sequence id strings, got {ids!r}",
-                                          field=name)
-
-        check_ids("seq_ids", self.seq_ids)
+        check_seq_ids("StepBatch.seq_ids", self.seq_ids)
         if not isinstance(self.new, (list, tuple)) or not all(isinstance(r, SequenceRequest) for r in self.new):
             raise InvalidRequestError("StepBatch.new must be a list of SequenceRequest", field="new")
         if not isinstance(self.drafts, dict):
             raise InvalidRequestError(f"StepBatch.drafts must be a dict, got {type(self.drafts).__name__}",
                                       field="drafts")
-        check_ids("drafts", list(self.drafts))
+        check_seq_ids("StepBatch.drafts", list(self.drafts))
         for sid, draft in self.drafts.items():
             if not isinstance(draft, (list, tuple)) or not all(_is_int(t) for t in draft):
                 raise InvalidRequestError(f"drafts[{sid!r}] must be a list of integer token ids, got {draft!r}",
                                           field="drafts")
+
+
+def check_seq_ids(name: str, ids) -> None:
+    """InvalidRequestError (field: `name`'s last part) unless `ids` is a list or tuple of non-empty strings: a bare
+    string would be taken character by character, and no sequence has an empty id (SequenceRequest refuses it)."""
+    if not isinstance(ids, (list, tuple)) or not all(isinstance(i, str) and i for i in ids):
+        raise InvalidRequestError(f"{name} must be a list of non-empty sequence id strings, got {ids!r}",
+                                  field=name.rsplit(".", 1)[-1])
 
 
 # --- results -----------------------------------------------------------------------------------------------

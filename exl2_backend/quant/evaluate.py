@@ -153,6 +153,21 @@ def tokenize_eval_text(model_dir: str | Path, text: str | None = None, max_token
     return ids, bos
 
 
+_SHAPE_FIELDS = ("architecture", "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+                 "num_attention_heads", "num_key_value_heads")
+
+
+def _same_shape(config, reference, reference_dir: str) -> None:
+    """ConfigError naming the first field where the reference's shape differs from the model's: KL against
+    another model's distribution measures nothing about this one's quantization (a wrong --reference directory
+    would otherwise give a plausible-looking table)."""
+    for name in _SHAPE_FIELDS:
+        mine, theirs = getattr(config, name), getattr(reference, name)
+        if mine != theirs:
+            raise ConfigError(f"the reference is another model: {name} {theirs} where the evaluated model has "
+                              f"{mine}", field=name, path=reference_dir)
+
+
 def evaluate(model_dir: str | Path, reference_dir: str | Path, text: str | None = None,
              max_tokens: int | None = None, window: int = DEFAULT_WINDOW, device: str = "auto",
              progress: bool = False, cache_type: str = "fp16") -> EvalResult:
@@ -164,7 +179,10 @@ def evaluate(model_dir: str | Path, reference_dir: str | Path, text: str | None 
     from exl2_backend.runtime.settings import require_device
 
     dev = require_device(device)
-    limit = ModelConfig.from_dir(model_dir).max_position_embeddings
+    config = ModelConfig.from_dir(model_dir)
+    if Path(reference_dir).resolve() != Path(model_dir).resolve():
+        _same_shape(config, ModelConfig.from_dir(reference_dir), str(reference_dir))
+    limit = config.max_position_embeddings
     if window > limit:  # past the trained positions; its KV cache is sized by the window (1e8: 25 GB)
         raise ConfigError(f"window {window} exceeds the model's max_position_embeddings ({limit})", field="window")
     ids, bos = tokenize_eval_text(model_dir, text, max_tokens, reference_dir)

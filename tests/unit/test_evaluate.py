@@ -84,3 +84,24 @@ def test_cli_json(default_fp16_dir, fp16_model, tmp_path, capsys, monkeypatch):
     assert out["meta"]["text_tokens"] == 48 and out["windows"] == 2
     assert math.isfinite(out["perplexity"])
     assert len(loads) == 1  # same directory for model and reference: loaded once
+
+
+@pytest.mark.parametrize("field, value", [("num_hidden_layers", 7), ("hidden_size", 1024),
+                                          ("architecture", "Qwen2ForCausalLM")])
+def test_a_reference_of_another_shape_is_refused_before_loading(default_fp16_dir, tmp_path, field, value):
+    """KL against another model's distribution says nothing of this one's quantization: a reference whose config
+    differs in shape (same vocabulary or not) is a ConfigError naming the field, before either model loads."""
+    from exl2_backend.errors import ConfigError
+    from exl2_backend.quant.evaluate import evaluate
+
+    cfg = json.loads((default_fp16_dir / "config.json").read_text())
+    if field == "architecture":
+        cfg["architectures"] = [value]
+    else:
+        cfg[field] = value
+    other = tmp_path / "other"
+    other.mkdir()
+    (other / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ConfigError, match="the reference is another model") as e:
+        evaluate(default_fp16_dir, other, device="cpu")
+    assert e.value.field == field and e.value.path == str(other)

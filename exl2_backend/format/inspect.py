@@ -14,7 +14,14 @@ import torch
 from exl2_backend.errors import TensorShapeError
 from exl2_backend.format.config import ModelConfig
 from exl2_backend.format.qtensor import QTensor
-from exl2_backend.format.reader import ATTN_PROJS, MLP_PROJS, check_layer_count, iter_linear_keys, linear_shape
+from exl2_backend.format.reader import (
+    ATTN_PROJS,
+    MLP_PROJS,
+    check_layer_count,
+    iter_linear_keys,
+    linear_shape,
+    plain_tensor_names,
+)
 from exl2_backend.format.safetensors_io import ShardIndex
 
 
@@ -78,10 +85,7 @@ def describe_model(model_dir: str | Path) -> dict:
         dec_numel += numel
 
     # what a load needs and this directory lacks (the head may be tied; a layer's norms and linears may not)
-    needed = ["model.embed_tokens.weight", "model.norm.weight"] + [
-        f"model.layers.{i}.{norm}.weight" for i in range(config.num_hidden_layers)
-        for norm in ("input_layernorm", "post_attention_layernorm")]
-    missing = [name for name in needed if not index.has(name)]
+    missing = [name for name in plain_tensor_names(config) if not index.has(name)]
     missing += [f"{key} (q_weight or weight)" for key, d in linears.items() if d["format"] == "missing"]
     if tied and not config.tie_word_embeddings:  # load_weights' rule: no head is only fine when it is tied
         missing.append("lm_head (q_weight or weight; tie_word_embeddings is false)")

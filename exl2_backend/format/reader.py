@@ -74,6 +74,22 @@ def layer_linear_key(layer: int, proj: str) -> str:
     return f"model.layers.{layer}.{'self_attn' if proj in ATTN_PROJS else 'mlp'}.{proj}"
 
 
+EMBED_KEY = "model.embed_tokens.weight"
+FINAL_NORM_KEY = "model.norm.weight"
+
+
+def layer_norm_key(layer: int, norm: str) -> str:
+    """norm: "input_layernorm" or "post_attention_layernorm"."""
+    return f"model.layers.{layer}.{norm}.weight"
+
+
+def plain_tensor_names(config: ModelConfig) -> list[str]:
+    """The unquantized tensors load_weights reads besides the linears: the embedding, the final norm and every
+    layer's two norms (`info` lists those a directory lacks from this, so the two never disagree)."""
+    return [EMBED_KEY, FINAL_NORM_KEY] + [layer_norm_key(i, norm) for i in range(config.num_hidden_layers)
+                                          for norm in ("input_layernorm", "post_attention_layernorm")]
+
+
 def iter_linear_keys(config: ModelConfig, include_head: bool = True) -> Iterator[tuple[str, str]]:
     """(key, projection name) of every linear in module order; the head ("lm_head") last if asked."""
     for layer in range(config.num_hidden_layers):
@@ -166,16 +182,15 @@ def load_weights(model_dir: str | Path, config: ModelConfig) -> ModelWeights:
         h = config.hidden_size
         layers = []
         for layer in range(config.num_hidden_layers):
-            pre = f"model.layers.{layer}"
             lin = {proj: load_linear(index, layer_linear_key(layer, proj), proj, config)
                    for proj in ATTN_PROJS + MLP_PROJS}
             layers.append(LayerWeights(
-                input_layernorm=_float(index, f"{pre}.input_layernorm.weight", (h,)),
-                post_attention_layernorm=_float(index, f"{pre}.post_attention_layernorm.weight", (h,)),
+                input_layernorm=_float(index, layer_norm_key(layer, "input_layernorm"), (h,)),
+                post_attention_layernorm=_float(index, layer_norm_key(layer, "post_attention_layernorm"), (h,)),
                 **lin,
             ))
-        embed = _float(index, "model.embed_tokens.weight", (config.vocab_size, h))
-        norm = _float(index, "model.norm.weight", (h,))
+        embed = _float(index, EMBED_KEY, (config.vocab_size, h))
+        norm = _float(index, FINAL_NORM_KEY, (h,))
         if index.has("lm_head.q_weight") or index.has("lm_head.weight"):
             lm_head = load_linear(index, "lm_head", "lm_head", config)
         elif config.tie_word_embeddings:

@@ -2,9 +2,9 @@
 //
 // Semantics (ops/reference_sampling.py): temperature 0 -> argmax(logits), ties to the lowest id (NaN counts as
 // the largest, as torch.argmax). Otherwise p = softmax(logits / T) (or the given filtered probabilities) and
-// token = argmax p_i / max(-log(u_i), 2^-25), with p = 0 scoring -1 and ties to the lowest id. A row whose values
-// hold a NaN (its logits, or its probs where given) gives -1 in every mode: the engine fails that sequence (a
-// numerical fault) instead of emitting the NaN's index, which the greedy graphs would otherwise feed back unseen.
+// token = argmax p_i / max(-log(u_i), 2^-25), with p = 0 scoring -1 and ties to the lowest id. A row whose logits
+// hold a NaN gives -1 in every mode (probs given or not): the engine fails that sequence (a numerical fault)
+// instead of emitting the NaN's index, which the greedy graphs would otherwise feed back unseen.
 //
 // Grid (chunks of CHUNK tokens, B). Each CTA reduces its chunk to (local max, local sum of exp, best candidate
 // under the local normalization, which orders tokens like the global one), writes that partial, and the last
@@ -95,7 +95,7 @@ struct SampleArgs {
   const float* uniforms;
   int64_t us;
   const float* temperature;  // [B]
-  float4* partials;          // [B, nchunk]: (max, sum or NaN for a chunk holding a NaN, idx bits, score)
+  float4* partials;          // [B, nchunk]: (max, sum, idx bits or -1 for a chunk holding a NaN logit, score)
   int* counters;             // [B], zero on entry; reset to zero by the last CTA
   int64_t* out;              // [B]
   int V, nchunk;
@@ -115,14 +115,14 @@ __global__ void __launch_bounds__(THREADS) sample_kernel(const SampleArgs a) {
   const int base = chunk * CHUNK;
 
   float x[ITEMS];
+  bool has_nan = false;  // of the logits, in every mode (a filtered row's probs are read beside them)
 #pragma unroll
   for (int k = 0; k < ITEMS; ++k) {
     const int e = base + k * THREADS + tid;
-    x[k] = e < a.V ? (mode == 2 ? prow[e] : lrow[e]) : -INFINITY;
+    const float l = e < a.V ? lrow[e] : -INFINITY;
+    has_nan |= isnan(l);
+    x[k] = mode == 2 ? (e < a.V ? prow[e] : -INFINITY) : l;
   }
-  bool has_nan = false;
-#pragma unroll
-  for (int k = 0; k < ITEMS; ++k) has_nan |= isnan(x[k]);
   has_nan = __syncthreads_or(has_nan);
 
   float m = -INFINITY, s = 0.f;
@@ -169,7 +169,7 @@ __global__ void __launch_bounds__(THREADS) sample_kernel(const SampleArgs a) {
 
   if (tid == 0) {
     a.partials[(int64_t)b * a.nchunk + chunk] =
-        make_float4(mode == 0 ? best.v : m, has_nan ? NAN : s, __int_as_float(best.i), best.v);
+        make_float4(mode == 0 ? best.v : m, s, __int_as_float(has_nan ? -1 : best.i), best.v);
     __threadfence();
     is_last = atomicAdd(&a.counters[b], 1) == a.nchunk - 1;
   }
@@ -180,7 +180,7 @@ __global__ void __launch_bounds__(THREADS) sample_kernel(const SampleArgs a) {
   // ---- last CTA of row b: combine the chunk partials in a fixed order ----
   const float4* part = a.partials + (int64_t)b * a.nchunk;
   bool row_nan = false;
-  for (int c = tid; c < a.nchunk; c += THREADS) row_nan |= isnan(__ldcg(&part[c]).y);
+  for (int c = tid; c < a.nchunk; c += THREADS) row_nan |= __float_as_int(__ldcg(&part[c]).z) == -1;
   if (__syncthreads_or(row_nan)) {  // block-uniform: every thread leaves here
     if (tid == 0) {
       a.out[b] = -1;
@@ -232,7 +232,7 @@ EXL2_API int exl2_sample_tokens_chunks(int64_t vocab) {
 
 // logits/uniforms (and probs, nullable) [B, V] fp32 with row strides; temperature [B] fp32 (0 = greedy; with
 // probs given, rows with T > 0 race over probs); partials fp32 [B, nchunk, 4]; counters int32 [B] zeroed;
-// out int64 [B]: token ids, -1 for a row holding a NaN.
+// out int64 [B]: token ids, -1 for a row whose logits hold a NaN.
 EXL2_API int exl2_sample_tokens(const float* logits, int64_t logits_stride, const float* probs, int64_t probs_stride,
                                 const float* uniforms, int64_t uniforms_stride, const float* temperature,
                                 float* partials, int32_t* counters, int64_t* out, int64_t B, int64_t V,

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# Device call AR2 (session 27; ~450 s). Carry .whl and .dev/libexl2_kernels.so.gz built from the commit that runs.
-#  1. The sampler kernel now flags a row holding a NaN (-1, in every mode) while it reads it, so the greedy
+# Device call AR2 (prepared in session 27, not yet run: device loans paused; ~450 s). Carry .whl and
+# .dev/libexl2_kernels.so.gz built from the commit that runs.
+#  1. The sampler kernel now flags a row whose logits hold a NaN (-1, in every mode) while it reads it, so the greedy
 #     lookahead and greedy graphs (graph I/O, the default since AR1) fail that sequence instead of emitting and
 #     feeding back the NaN's index: the sampler and decode-io kernel tests, and the tiny-model engine tests (a NaN
 #     written into one sequence's V page mid-decode, both lookahead paths).

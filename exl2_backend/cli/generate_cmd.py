@@ -29,7 +29,8 @@ def add_parser(sub):
     src.add_argument("--chat", help="one user message, wrapped in the model's chat template")
     src.add_argument("--messages", help="JSON file (or '-') with a list of {role, content} chat messages")
     p.add_argument("--system", help="system message for --chat")
-    p.add_argument("--max-new-tokens", type=int, default=128)
+    p.add_argument("--max-new-tokens", "--max-tokens", dest="max_new_tokens", type=int, default=128,
+                   help="tokens to generate at most (--max-tokens: the OpenAI API's name for it)")
     p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     p.add_argument("--ignore-eos", action="store_true")
     add_sampling_args(p)

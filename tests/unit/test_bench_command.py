@@ -70,6 +70,15 @@ def test_generate_exits_nonzero_when_the_sequence_fails(small_dir, monkeypatch, 
     assert "NaN logits" in capsys.readouterr().err
 
 
+def test_generate_takes_max_tokens_for_max_new_tokens(small_dir, capsys):
+    """--max-tokens (the OpenAI API's name) is --max-new-tokens: the summary line counts that many tokens."""
+    from exl2_backend.cli.main import main
+
+    assert main(["generate", str(small_dir), "--device", "cpu", "--prompt", "hello", "--max-tokens", "4",
+                 "--ignore-eos"]) == 0
+    assert "[4 tokens, finish=length" in capsys.readouterr().err
+
+
 def test_bench_json_to_stdout_is_json_alone(small_dir, capsys):
     """`--json -`: the tables go to stderr, so stdout parses as the JSON document."""
     from exl2_backend.cli.main import main

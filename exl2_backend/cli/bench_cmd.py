@@ -180,9 +180,9 @@ def _print_budget(b: dict) -> None:
     from rich.table import Table
 
     gib = 1024**3
-    t = Table(title=f"KV cache per token and max context in {b['vram_bytes'] / gib:.1f} GiB "
+    t = Table(title=f"KV cache per token and the tokens that fit {b['vram_bytes'] / gib:.1f} GiB "
                     f"(weights {b['weights_bytes'] / gib:.2f} GiB, reserve {b['reserve_bytes'] / gib:.1f} GiB)")
-    for col in ("type", "K / V", "bytes/token", "vs fp16", "max context"):
+    for col in ("type", "K / V", "bytes/token", "vs fp16", "tokens that fit"):
         t.add_column(col, justify="right")
     for r in b["types"]:
         t.add_row(r["cache_type"], f"{r['k_format']} / {r['v_format']}", str(r["bytes_per_token"]),

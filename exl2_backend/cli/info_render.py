@@ -35,7 +35,8 @@ def render(info: dict, *, max_seq_len: int = 4096, console: Console | None = Non
         summary.add_row(k, v)
     console.print(summary)
     if info.get("kv_cache_types"):
-        render_cache_types(info["kv_cache_types"], info.get("kv_cache_budget", {}), console)
+        render_cache_types(info["kv_cache_types"], info.get("kv_cache_budget", {}), console,
+                           max_positions=info.get("max_position_embeddings"))
 
     layers = Table(title="bits per weight by layer")
     layers.add_column("layer", justify="right")
@@ -47,12 +48,17 @@ def render(info: dict, *, max_seq_len: int = 4096, console: Console | None = Non
     console.print(layers)
 
 
-def render_cache_types(rows: list[dict], budget: dict, console: Console) -> None:
-    """KV cache bytes per token of each cache type, and the context that fits the VRAM budget."""
+def render_cache_types(rows: list[dict], budget: dict, console: Console, max_positions: int | None = None) -> None:
+    """KV cache bytes per token of each cache type, and the cache tokens that fit the VRAM budget (the longest
+    context when one sequence holds them; past `max_positions` they serve several sequences, the caption says)."""
     ctx, vram, reserve = budget.get("context"), budget.get("vram_gb"), budget.get("reserve_gb")
-    t = Table(title=f"KV cache types (max context in {vram:g} GiB after weights and a {reserve:g} GiB reserve)"
+    t = Table(title=f"KV cache types (tokens that fit {vram:g} GiB after weights and a {reserve:g} GiB reserve)"
               if vram is not None else "KV cache types")
-    for col in ("type", "K / V", "bytes/token", "vs fp16", f"GiB at {ctx}" if ctx else None, "max context"):
+    fits = [r["max_context"] for r in rows if r.get("supported", True) and "max_context" in r]
+    if max_positions and fits and max(fits) > max_positions:
+        t.caption = (f"one sequence is held to the model's {max_positions:,} positions; the rest of the cache "
+                     f"serves other sequences")
+    for col in ("type", "K / V", "bytes/token", "vs fp16", f"GiB at {ctx}" if ctx else None, "tokens that fit"):
         if col:
             t.add_column(col, justify="right")
     for r in rows:

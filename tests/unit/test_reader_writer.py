@@ -192,3 +192,16 @@ def test_info_names_missing_tensors_and_exits_1(tmp_path, capsys):
                        "lm_head (q_weight or weight; tie_word_embeddings is false)"]
     assert main(["info", str(d), "--device", "cpu"]) == 1
     assert "will not load" in capsys.readouterr().out
+
+
+def test_info_says_when_the_tokens_that_fit_pass_the_positions(tmp_path, capsys):
+    """The cache types' table counts the tokens that fit the VRAM budget; where that passes the model's positions
+    (a tiny model in 24 GiB), a caption says one sequence is held to them, so it is not read as a context length."""
+    from exl2_backend.cli.main import main
+
+    cfg = tiny_config_dict()
+    d = write_tiny_exl2_model(tmp_path / "m", cfg, seed=0)
+    assert main(["info", str(d), "--device", "cpu"]) == 0
+    out = capsys.readouterr().out
+    assert "tokens that fit" in out
+    assert f"held to the model's {cfg['max_position_embeddings']:,} positions" in " ".join(out.split())

@@ -29,4 +29,8 @@ done
 fits 90 "bench D" 560 && bench_8b D 90 1024,32768 fp16
 fits 90 "bench CC" 560 && bench_8b CC 90 1024,32768 fp16 EXL2_BACKEND_ATTN_FP16_MMA=0 \
   EXL2_BACKEND_ATTN_CTAS_PER_SM=$CC_CTAS
+# the 1B shape with graph I/O (AE2 without it: 768.6 tok/s engine / 1,311.1 graph at 1k, its engine step host-bound)
+fits 60 "bench 1B" 575 && { timeout 60 python3 -m exl2_backend.cli.main bench --shape llama3-1b --bpw 4.0 \
+  --model-out /tmp/models/llama3-1b --contexts 1024 --cache-type fp16 --json "$R/bench_1b.json" > "$R/bench_1b.txt" 2>&1
+  echo "== bench 1B"; grep -E "^│ +[0-9]+ │" "$R/bench_1b.txt"; }
 echo "total $(( $(date +%s) - T0 )) s"

@@ -5,10 +5,11 @@
 #     lookahead and greedy graphs (graph I/O, the default since AR1) fail that sequence instead of emitting and
 #     feeding back the NaN's index: the sampler and decode-io kernel tests, and the tiny-model engine tests (a NaN
 #     written into one sequence's V page mid-decode, both lookahead paths).
-#  2. Session 23's prepared call_AM2.sh (folded in here, removed): which kernel should take fp16 pages at decode. The tensor-core one-pass kernel by
-#     CTAs per SM (2 / 3 / 4) against the CUDA-core one (EXL2_BACKEND_ATTN_FP16_MMA=0; 2 / 4 / 6 / 8 / 12) at 32k
-#     and 1k (scripts/attention_sweep.py), then bench fp16 at 1k and 32k of the default (its 1k row also shows
-#     the sampler's NaN flag costs nothing against AR1's 436.3 tok/s) and of the CUDA-core kernel at its best cell.
+#  2. Session 23's prepared call_AM2.sh (folded in here, removed): which kernel should take fp16 pages at decode.
+#     The tensor-core one-pass kernel by CTAs per SM (2 / 3 / 4) against the CUDA-core one
+#     (EXL2_BACKEND_ATTN_FP16_MMA=0; 2 / 4 / 6 / 8 / 12) at 32k and 1k (scripts/attention_sweep.py), then bench fp16
+#     at 1k and 32k of the default (its 1k row also shows the sampler's NaN flag costs nothing against AR1's 436.3
+#     tok/s) and of the CUDA-core kernel at its best cell.
 export EXL2_CARRIED_LIBRARY=1
 source scripts/device/common.sh
 begin_call ar2

@@ -33,6 +33,8 @@ def _int(name: str, value) -> int:
     return int(value)
 
 
+MAX_TOP_LOGPROBS = 20  # most likely alternatives reported per token at most (the OpenAI API's limit)
+
 # Valid ranges of the float sampling fields: (predicate, rule for the message). Shared with the plugin's
 # request validation so a host and the engine reject exactly the same values.
 SAMPLING_RANGES = {

@@ -57,6 +57,7 @@ CAPABILITIES = {
     "prefix_caching": True,
     "chunked_prefill": True,
     "multi_gpu": ["gpu_split", "autosplit", "tensor_parallel"],  # load settings of the same names
+    "logprobs": "raw",  # SequenceRequest.logprobs: log_softmax of the model's logits, up to 20 alternatives
     "threading": "single-engine-thread",
 }
 
@@ -171,7 +172,8 @@ class Exl2Handle(BackendHandle):
                 repetition_penalty=req.repetition_penalty, frequency_penalty=req.frequency_penalty,
                 presence_penalty=req.presence_penalty, seed=req.seed)
             params = GenerationParams(sampling=sampling, max_new_tokens=req.max_new_tokens, stop=list(req.stop),
-                                      stop_token_ids=list(req.stop_token_ids), ignore_eos=req.ignore_eos)
+                                      stop_token_ids=list(req.stop_token_ids), ignore_eos=req.ignore_eos,
+                                      logprobs=req.logprobs)
             self.engine.add_sequence(sid, ids, params)
         except PromptTooLongError as exc:
             raise AdmissionRejected(str(exc), reason="prompt_too_long", field="prompt", limit=exc.limit,
@@ -225,6 +227,10 @@ class Exl2Handle(BackendHandle):
                     Usage(prompt_tokens=int(ev.prompt_tokens), completion_tokens=int(ev.completion_tokens),
                           cached_tokens=int(ev.cached_tokens)),
                     accepted_drafts=accepted)
+        if ev.logprobs is not None:
+            from exl2_backend.runtime.logprobs import logprob_entries  # torch: imported once an engine runs
+
+            out.logprobs = logprob_entries(ev.logprobs, self.engine.tokenizer)
         if ev.finish_reason == "error":
             out.error = SequenceFailed(ev.error or "sequence failed", seq_id=sid)
         if ev.finish_reason is not None:

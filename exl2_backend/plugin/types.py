@@ -12,7 +12,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any, Literal
 
 from exl2_backend.errors import Exl2Error, InvalidRequestError
-from exl2_backend.sampling import SAMPLING_RANGES  # torch-free, like this module
+from exl2_backend.sampling import MAX_TOP_LOGPROBS, SAMPLING_RANGES  # torch-free, like this module
 
 FinishReason = Literal["stop", "length", "cancelled", "error"]
 FINISH_REASONS = ("stop", "length", "cancelled", "error")
@@ -54,6 +54,7 @@ class SequenceRequest:
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
     cap_to_context: bool = True
+    logprobs: int | None = None  # None: none; n in [0, 20]: each token's logprob and the n most likely (API 1.3)
 
     def validate(self) -> None:
         """Raise `AdmissionRejected(reason="invalid_request", field=...)` for a malformed request (cheap, no
@@ -92,6 +93,8 @@ class SequenceRequest:
             bad("stop", "must be a list of non-empty strings")
         if not isinstance(self.stop_token_ids, list) or not all(_is_int(t) and t >= 0 for t in self.stop_token_ids):
             bad("stop_token_ids", "must be a list of non-negative token ids")
+        if self.logprobs is not None and (not _is_int(self.logprobs) or not 0 <= self.logprobs <= MAX_TOP_LOGPROBS):
+            bad("logprobs", f"must be None or an integer in [0, {MAX_TOP_LOGPROBS}], got {self.logprobs!r}")
         for name in ("ignore_eos", "add_generation_prompt", "cap_to_context"):  # "no" is truthy: only real booleans
             if not isinstance(getattr(self, name), bool):
                 bad(name, f"must be true or false, got {getattr(self, name)!r}")
@@ -196,7 +199,8 @@ class Event:
     the sequence ends); finish_reason: None while running; usage: running totals (always set); timings:
     set on the final event; error: the `AdmissionRejected` / `SequenceFailed` when finish_reason is "error";
     prefill_remaining: prompt tokens still to run (prefill only); accepted_drafts: how many of this step's
-    host drafts were accepted (draft_verify only)."""
+    host drafts were accepted (draft_verify only); logprobs: one entry per token of token_ids when the request
+    asked (SequenceRequest.logprobs; runtime/logprobs.logprob_entries gives the keys), else None."""
 
     seq_id: str
     token_ids: list[int] = field(default_factory=list)
@@ -207,6 +211,7 @@ class Event:
     error: BackendError | None = None
     prefill_remaining: int = 0
     accepted_drafts: int | None = None
+    logprobs: list[dict] | None = None
 
     @property
     def finished(self) -> bool:

@@ -19,6 +19,7 @@ import torch
 from exl2_backend import ops
 from exl2_backend.cache import kv_bytes_per_token
 from exl2_backend.errors import CapacityError, InvalidRequestError, PromptTooLongError
+from exl2_backend.runtime.logprobs import TokenLogprob, token_logprobs
 from exl2_backend.runtime.lookahead import DecodeLookahead
 from exl2_backend.runtime.model_runner import ModelRunner
 from exl2_backend.runtime.pages import PageBudget
@@ -215,8 +216,9 @@ class Engine:
             out.append(seq)
         return out
 
-    def _emit(self, seq: Sequence, tokens: list[int]) -> StepEvent:
-        """Append sampled tokens (stopping at the first finish) and build the event."""
+    def _emit(self, seq: Sequence, tokens: list[int], logprobs: list | None = None) -> StepEvent:
+        """Append sampled tokens (stopping at the first finish) and build the event (with the tokens'
+        TokenLogprobs when the sequence asked for them)."""
         taken, text = [], ""
         for t in tokens:
             delta, reason = seq.append_token(t)
@@ -226,7 +228,17 @@ class Engine:
                 self._finish(seq, reason)
                 break
         self._tokens_generated += len(taken)
-        return seq.event(taken, text)
+        return seq.event(taken, text, logprobs)
+
+    @staticmethod
+    def _logprobs_for(seqs: list[Sequence], logits: torch.Tensor, tokens: list[int]) -> dict[int, TokenLogprob]:
+        """Row index -> TokenLogprob of the sampled token, for the rows (logits [B, V]) whose sequence asked
+        (GenerationParams.logprobs) and whose row was not a NaN row (that sequence fails)."""
+        rows = [i for i, (s, t) in enumerate(zip(seqs, tokens)) if s.params.logprobs is not None and t != NAN_LOGITS]
+        if not rows:
+            return {}
+        got = token_logprobs(logits[rows], [tokens[i] for i in rows], [seqs[i].params.logprobs for i in rows])
+        return dict(zip(rows, got))
 
     def prefill(self, seq_ids: list[str]) -> list[StepEvent]:
         """Run up to max_chunk_size more prompt tokens of each sequence. A sequence whose prompt completes
@@ -256,18 +268,19 @@ class Engine:
                 self.pages.cache_prefix(s)
             done = [i for i, s in enumerate(group) if not s.prefill_remaining]
             tokens = sample_for([group[i] for i in done], logits[done]) if done else []
+            lps = self._logprobs_for([group[i] for i in done], logits[done], tokens) if done else {}
         except Exception as exc:  # noqa: BLE001 - reported per sequence, pages returned
             return self._fail(group, exc)
-        first = dict(zip(done, tokens))
-        return [self._emit_sampled(s, first[i]) if i in first else s.event([], "") for i, s in enumerate(group)]
+        first = {i: (t, lps.get(r)) for r, (i, t) in enumerate(zip(done, tokens))}
+        return [self._emit_sampled(s, *first[i]) if i in first else s.event([], "") for i, s in enumerate(group)]
 
-    def _emit_sampled(self, s: Sequence, token: int) -> StepEvent:
+    def _emit_sampled(self, s: Sequence, token: int, logprob: TokenLogprob | None = None) -> StepEvent:
         """The sequence's event for a token from sample_for: NAN_LOGITS fails it (tier 2, pages returned)."""
         if token == NAN_LOGITS:
             log.error("exl2_backend: NaN logits for sequence %s; it fails", s.seq_id)
             self._finish(s, "error", "numerical fault: the model produced NaN logits for this sequence")
             return s.event([], "")
-        return self._emit(s, [token])
+        return self._emit(s, [token], None if logprob is None else [logprob])
 
     def decode(self, seq_ids: list[str], on_launched: Callable[[], None] | None = None) -> list[StepEvent]:
         """One new token for each sequence, batched (groups of at most max_batch_size). With speculation
@@ -337,16 +350,17 @@ class Engine:
                 return [self._accept(s, logits[b], drafts[s.seq_id], (draft_probs or {}).get(s.seq_id))
                         for b, s in enumerate(group)]
             tokens = sample_for(group, logits)
+            lps = self._logprobs_for(group, logits, tokens)
             for s in group:
                 s.num_computed += 1
-            return [self._emit_sampled(s, t) for s, t in zip(group, tokens)]
+            return [self._emit_sampled(s, t, lps.get(b)) for b, (s, t) in enumerate(zip(group, tokens))]
         except Exception as exc:  # noqa: BLE001 - reported per sequence, pages returned
             return self._fail(group, exc)
 
     def _accept(self, s: Sequence, logits: torch.Tensor, draft: list[int], probs=None) -> StepEvent:
         """logits [k+1, V]: row j predicts the token after draft[:j]. Sample row by row (penalty counts see
         the accepted tokens); stop at the first mismatch or finish."""
-        taken, text = [], ""
+        taken, text, lps = [], "", []
         # Greedy without penalties: each row's token is its argmax whatever was accepted before (one sync).
         greedy = s.params.sampling.temperature == 0 and s.prompt_counts is None
         argmax = ops.greedy_tokens(logits.float()).tolist() if greedy else None  # [k+1]
@@ -362,6 +376,8 @@ class Engine:
                 t = accept_or_resample(s, logits[j : j + 1], draft[j], q)
             if t == NAN_LOGITS:  # fails the sequence, this step's accepted tokens with it
                 return self._emit_sampled(s, t)
+            if s.params.logprobs is not None:
+                lps += token_logprobs(logits[j : j + 1], [t], [s.params.logprobs])
             s.num_computed += 1
             delta, reason = s.append_token(t)
             taken.append(t)
@@ -374,7 +390,7 @@ class Engine:
         self._tokens_generated += len(taken)
         if not s.finished:
             self.pages.shrink(s, s.num_computed)  # rejected drafts' KV lies past num_computed: drop its pages
-        return s.event(taken, text)
+        return s.event(taken, text, lps)
 
     # --- release and stats -------------------------------------------------------------------------------
 

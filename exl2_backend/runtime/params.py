@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from exl2_backend.errors import InvalidRequestError
+from exl2_backend.runtime.logprobs import MAX_TOP_LOGPROBS, TokenLogprob
 from exl2_backend.sampling import SamplingParams
 
 FinishReason = Literal["stop", "length", "cancelled", "error"]
@@ -23,6 +24,7 @@ class GenerationParams:
     stop: list[str] = field(default_factory=list)
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
+    logprobs: int | None = None  # None: none; n: each token's logprob and the n most likely (runtime/logprobs.py)
 
     def __post_init__(self):
         if self.max_new_tokens is not None and (not isinstance(self.max_new_tokens, int) or self.max_new_tokens < 1):
@@ -36,6 +38,10 @@ class GenerationParams:
         self.stop_token_ids = [int(t) for t in (self.stop_token_ids or [])]
         if any(t < 0 for t in self.stop_token_ids):
             raise InvalidRequestError("stop_token_ids must be non-negative token ids", field="stop_token_ids")
+        if self.logprobs is not None and (isinstance(self.logprobs, bool) or not isinstance(self.logprobs, int)
+                                          or not 0 <= self.logprobs <= MAX_TOP_LOGPROBS):
+            raise InvalidRequestError(f"logprobs must be None or an integer in [0, {MAX_TOP_LOGPROBS}] (the most "
+                                      f"likely alternatives per token), got {self.logprobs!r}", field="logprobs")
 
 
 @dataclass
@@ -55,6 +61,7 @@ class StepEvent:
     completion_tokens: int
     error: str | None = None
     cached_tokens: int = 0
+    logprobs: list[TokenLogprob] | None = None  # one per token of token_ids, when the request asked
 
     @property
     def finished(self) -> bool:

@@ -98,6 +98,8 @@ class Sequence:
         flush = getattr(self.stop_matcher, "flush", None)
         return text + (flush() if flush is not None else "")
 
-    def event(self, token_ids: list[int], text: str) -> StepEvent:
+    def event(self, token_ids: list[int], text: str, logprobs: list | None = None) -> StepEvent:
+        """logprobs: TokenLogprob per sampled token, when the request asked (cut to the tokens taken)."""
         return StepEvent(self.seq_id, token_ids, text, self.finish_reason, len(self.prompt_ids),
-                         len(self.output_ids), self.error, self.cached_tokens)
+                         len(self.output_ids), self.error, self.cached_tokens,
+                         None if self.params.logprobs is None else list(logprobs or [])[: len(token_ids)])

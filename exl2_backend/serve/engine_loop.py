@@ -110,7 +110,8 @@ def merge_events(events: list[Event]) -> Event:
     merged = Event(last.seq_id, [t for e in events for t in e.token_ids], "".join(e.text for e in events),
                    last.finish_reason, last.usage, last.timings, last.error, last.prefill_remaining,
                    None if all(e.accepted_drafts is None for e in events) else sum(e.accepted_drafts or 0
-                                                                                   for e in events))
+                                                                                   for e in events),
+                   None if all(e.logprobs is None for e in events) else [x for e in events for x in e.logprobs or ()])
     return merged
 
 

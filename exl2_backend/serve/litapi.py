@@ -13,8 +13,8 @@ unknown sampler fields and always reports finish_reason "stop" (§1.6).
 Wire format between the spec (API process) and predict (worker process): the spec puts a plain dict
 `{"op": "generate", "request": {...SequenceRequest fields...}}` or a control dict (`{"op": "cancel",
 "seq_id"}`, `{"op": "stats"}`, `{"op": "health"}`) on LitServe's request queue; predict yields plain dicts
-(strings, JSON lines): `{"text", "token_ids", "finish_reason"}` per step, plus "usage" and "timings" on the
-final one, or
+(strings, JSON lines): `{"text", "token_ids", "finish_reason"}` per step ("logprobs" too when the request
+asked), plus "usage" and "timings" on the final one, or
 `{"error": {"status", "message", "param", "code", "type", "retry_after"}}`.
 """
 
@@ -63,6 +63,8 @@ def _encode_event(ev) -> str:
     Usage and timings ride only on the final event: the spec reads them there, and per token they are
     work on the GIL the engine thread shares."""
     item = {"text": ev.text, "token_ids": ev.token_ids, "finish_reason": ev.finish_reason}
+    if ev.logprobs is not None:
+        item["logprobs"] = ev.logprobs
     if ev.finish_reason is not None:
         item["usage"] = ev.usage.to_dict()
         if ev.timings is not None:

@@ -309,12 +309,14 @@ class Exl2OpenAISpec(LitSpec):
         return await self._collect(watch, uid, sid, agen, first, model, chat)
 
     async def _collect(self, watch, uid, sid, agen, first, model, chat) -> Response:
-        parts, item = [], first
+        parts, item, lps = [], first, None
         try:
             while True:
                 if "error" in item:
                     return self._error_from_item(item, chat)
                 parts.append(item.get("text", ""))
+                if "logprobs" in item:
+                    lps = (lps or []) + item["logprobs"]
                 if item.get("finish_reason"):
                     break
                 item = await self._next(agen, watch)
@@ -331,11 +333,12 @@ class Exl2OpenAISpec(LitSpec):
             body = {"id": sid, "object": "chat.completion", "created": created, "model": model,
                     "system_fingerprint": None,
                     "choices": [{"index": 0, "message": {"role": "assistant", "content": text},
-                                 "logprobs": None, "finish_reason": reason}], "usage": usage}
+                                 "logprobs": _chat_logprobs(lps), "finish_reason": reason}], "usage": usage}
         else:
             body = {"id": sid, "object": "text_completion", "created": created, "model": model,
                     "system_fingerprint": None,
-                    "choices": [{"index": 0, "text": text, "logprobs": None, "finish_reason": reason}],
+                    "choices": [{"index": 0, "text": text, "logprobs": _completion_logprobs(lps, 0),
+                                 "finish_reason": reason}],
                     "usage": usage}
         return JSONResponse(body)
 
@@ -343,12 +346,15 @@ class Exl2OpenAISpec(LitSpec):
         created = int(time.time())
         obj = "chat.completion.chunk" if chat else "text_completion"
 
-        def chunk(text: str | None, finish: str | None, *, role: bool = False) -> str:
+        offset = 0  # characters of completion text sent so far (the legacy logprobs' text_offset)
+
+        def chunk(text: str | None, finish: str | None, *, role: bool = False, lps: list | None = None) -> str:
             if chat:
                 delta = {"role": "assistant", "content": ""} if role else ({} if text is None else {"content": text})
-                choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}
+                choice = {"index": 0, "delta": delta, "logprobs": _chat_logprobs(lps), "finish_reason": finish}
             else:
-                choice = {"index": 0, "text": text or "", "logprobs": None, "finish_reason": finish}
+                choice = {"index": 0, "text": text or "", "logprobs": _completion_logprobs(lps, offset),
+                          "finish_reason": finish}
             c = {"id": sid, "object": obj, "created": created, "model": model, "system_fingerprint": None,
                  "choices": [choice]}
             if include_usage:
@@ -368,8 +374,10 @@ class Exl2OpenAISpec(LitSpec):
                     completed = True
                     return
                 text, reason = item.get("text", ""), _finish(item) if item.get("finish_reason") else None
-                if text:
-                    yield chunk(text, None)
+                lps = item.get("logprobs")
+                if text or lps:  # tokens whose text is held back (a stop string may be forming) still report
+                    yield chunk(text, None, lps=lps)
+                    offset += len(text)
                 if reason:
                     yield chunk(None, reason)
                     if include_usage:
@@ -478,7 +486,35 @@ def _merge_items(a: dict, b: dict) -> dict:
     out = dict(b)  # b's finish_reason, usage and timings (only the last item carries them)
     out["text"] = a["text"] + b["text"]
     out["token_ids"] = list(a.get("token_ids") or ()) + list(b.get("token_ids") or ())
+    if "logprobs" in a or "logprobs" in b:
+        out["logprobs"] = list(a.get("logprobs") or ()) + list(b.get("logprobs") or ())
     return out
+
+
+def _chat_logprobs(entries: list[dict] | None) -> dict | None:
+    """Backend logprob entries (runtime/logprobs.logprob_entries) -> a chat choice's "logprobs" object."""
+    if entries is None:
+        return None
+
+    def one(e: dict) -> dict:
+        return {"token": e["token"], "logprob": e["logprob"], "bytes": e["bytes"]}
+
+    return {"content": [{**one(e), "top_logprobs": [one(t) for t in e["top_logprobs"]]} for e in entries],
+            "refusal": None}
+
+
+def _completion_logprobs(entries: list[dict] | None, offset: int) -> dict | None:
+    """Backend logprob entries -> a text completion choice's legacy "logprobs" object; text_offset counts the
+    tokens' own text from `offset` (the characters of completion text before them)."""
+    if entries is None:
+        return None
+    offsets = []
+    for e in entries:
+        offsets.append(offset)
+        offset += len(e["token"])
+    return {"tokens": [e["token"] for e in entries], "token_logprobs": [e["logprob"] for e in entries],
+            "top_logprobs": [{t["token"]: t["logprob"] for t in e["top_logprobs"]} for e in entries],
+            "text_offset": offsets}
 
 
 def _usage(item: dict) -> dict:

@@ -13,6 +13,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from exl2_backend.sampling import MAX_TOP_LOGPROBS
 from exl2_backend.text import unicode_problem
 
 # --- server settings (decision 10) ---------------------------------------------------------------------------
@@ -209,16 +210,22 @@ class _SamplingRequest(_Strict):
         keys = ("temperature", "top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty",
                 "repetition_penalty", "seed", "ignore_eos")
         out = {k: getattr(self, k) for k in keys}
-        out.update(stop=list(self.stop or []), stop_token_ids=list(self.stop_token_ids or []))
+        out.update(stop=list(self.stop or []), stop_token_ids=list(self.stop_token_ids or []),
+                   logprobs=self.logprob_count())
         return out
+
+    def logprob_count(self) -> int | None:
+        """Alternatives per token for SequenceRequest.logprobs (None: no logprobs)."""
+        return None
 
 
 class ChatCompletionRequest(_SamplingRequest):
     _chat_json_numbers = field_validator("max_completion_tokens", "top_logprobs", mode="before")(_json_number)
+    _chat_json_bools = field_validator("logprobs", mode="before")(_json_bool)
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = Field(default=None, ge=1)
     logprobs: bool | None = None
-    top_logprobs: int | None = None
+    top_logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
     tools: list[Any] | None = None
     tool_choice: str | dict | None = None
     parallel_tool_calls: bool | None = None
@@ -239,10 +246,20 @@ class ChatCompletionRequest(_SamplingRequest):
     prediction: dict | None = None
     web_search_options: dict | None = None
 
-    @field_validator("functions", "audio", "prediction", "web_search_options", "logprobs", "top_logprobs", "tools")
+    @field_validator("functions", "audio", "prediction", "web_search_options", "tools")
     @classmethod
     def _unsupported(cls, v, info):
         return _reject_if_set(v, info)
+
+    @field_validator("top_logprobs")
+    @classmethod
+    def _top_logprobs_needs_logprobs(cls, v, info):
+        if v is not None and not info.data.get("logprobs"):  # logprobs is validated first (field order)
+            raise ValueError("requires logprobs to be true")
+        return v
+
+    def logprob_count(self) -> int | None:
+        return (self.top_logprobs or 0) if self.logprobs else None
 
     @field_validator("function_call")
     @classmethod
@@ -279,7 +296,7 @@ class ChatCompletionRequest(_SamplingRequest):
 class CompletionRequest(_SamplingRequest):
     prompt: str | list[str] | list[int]
     echo: bool = False
-    logprobs: int | None = None
+    logprobs: int | None = Field(default=None, ge=0, le=5)  # the legacy API's limit
     suffix: str | None = None
     best_of: int | None = None
 
@@ -300,12 +317,15 @@ class CompletionRequest(_SamplingRequest):
         return v
 
     _completion_json_bools = field_validator("echo", mode="before")(_json_bool)
-    _completion_json_numbers = field_validator("best_of", mode="before")(_json_number)
+    _completion_json_numbers = field_validator("best_of", "logprobs", mode="before")(_json_number)
 
-    @field_validator("echo", "logprobs", "suffix")
+    @field_validator("echo", "suffix")
     @classmethod
     def _unsupported(cls, v, info):
         return _reject_if_set(v, info)
+
+    def logprob_count(self) -> int | None:
+        return self.logprobs
 
     @field_validator("best_of")
     @classmethod

@@ -143,3 +143,25 @@ def test_a_stale_handle_after_unload_raises_engine_unhealthy(default_model_dir):
     with pytest.raises(EngineUnhealthy):
         pm.hook.exl2_stats(handle=h)
     assert pm.hook.exl2_release(handle=h, seq_ids=["a"]) == []
+
+
+def test_logprobs_ride_on_the_events(backend):
+    """SequenceRequest.logprobs (hook API 1.3): every event's tokens come with one entry each (the keys of
+    runtime/logprobs.logprob_entries), n alternatives, greedy's token the most likely; without it, None."""
+    hook, h = backend
+    lp, no = hook.exl2_prefill(handle=h, batch=StepBatch(new=[_req("lp", 3, logprobs=2), _req("no", 2)]))
+    assert no.token_ids and no.logprobs is None
+    hook.exl2_release(handle=h, seq_ids=["no"])
+    events = [lp]
+    for _ in range(3):  # bounded: 3 tokens in all
+        if events[-1].finished:
+            break
+        events += hook.exl2_decode(handle=h, batch=StepBatch(seq_ids=["lp"]))
+    assert events[-1].finished
+    assert sum(len(e.logprobs) for e in events) == sum(len(e.token_ids) for e in events) == 3
+    for e in events:
+        for token_id, x in zip(e.token_ids, e.logprobs):
+            assert set(x) == {"token_id", "token", "logprob", "bytes", "top_logprobs"} and x["token_id"] == token_id
+            assert len(x["top_logprobs"]) == 2 and x["top_logprobs"][0]["token_id"] == token_id
+            assert x["bytes"] == list(x["token"].encode()) and x["logprob"] <= 0
+    _assert_idle(h)

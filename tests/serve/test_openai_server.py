@@ -130,6 +130,37 @@ def test_completions_streaming_and_not(client):
     assert ids.usage.prompt_tokens == 3 and ids.usage.completion_tokens == 2
 
 
+def test_logprobs_chat_and_completions(client):
+    """logprobs / top_logprobs (chat) and logprobs (completions): one entry per generated token (the EOS
+    included), the tokens' text making up the reply, alternatives most likely first; greedy picks the most likely token; streaming
+    reports the same entries as the plain response; no logprobs unless asked."""
+    r = client.chat.completions.create(model=MODEL, messages=FRANCE, max_tokens=8, temperature=0, logprobs=True,
+                                       top_logprobs=3)
+    content = r.choices[0].logprobs.content
+    assert len(content) == r.usage.completion_tokens
+    joined = "".join(e.token for e in content)  # the EOS that ended the reply counts as a token and has its entry
+    assert joined in (r.choices[0].message.content, r.choices[0].message.content + "<|im_end|>")
+    for e in content:
+        assert len(e.top_logprobs) == 3 and e.logprob <= 0 and e.bytes == list(e.token.encode())
+        assert (e.top_logprobs[0].token, e.top_logprobs[0].logprob) == (e.token, e.logprob)
+        assert [t.logprob for t in e.top_logprobs] == sorted((t.logprob for t in e.top_logprobs), reverse=True)
+    stream = client.chat.completions.create(model=MODEL, messages=FRANCE, max_tokens=8, temperature=0,
+                                            logprobs=True, top_logprobs=3, stream=True)
+    streamed = [e for c in stream if c.choices and c.choices[0].logprobs for e in c.choices[0].logprobs.content]
+    assert [(e.token, round(e.logprob, 4)) for e in streamed] == [(e.token, round(e.logprob, 4)) for e in content]
+    plain = client.chat.completions.create(model=MODEL, messages=FRANCE, max_tokens=2, temperature=0)
+    assert plain.choices[0].logprobs is None
+
+    c = client.completions.create(model=MODEL, prompt="The capital of France is", max_tokens=6, temperature=0,
+                                  logprobs=2)
+    lp = c.choices[0].logprobs
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == c.usage.completion_tokens
+    assert "".join(lp.tokens) == c.choices[0].text
+    assert lp.text_offset == [sum(len(t) for t in lp.tokens[:i]) for i in range(len(lp.tokens))]
+    assert all(1 <= len(top) <= 2 and max(top.values()) == pytest.approx(v) for top, v in
+               zip(lp.top_logprobs, lp.token_logprobs))
+
+
 def test_stop_strings(client):
     full = client.chat.completions.create(model=MODEL, messages=FRANCE, temperature=0, max_tokens=16)
     assert " Paris" in full.choices[0].message.content
@@ -182,6 +213,9 @@ def test_seed_and_sampler_fields(client):
     ({"messages": []}, "messages"),
     ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]}, "messages"),
     ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
+    ({"top_logprobs": 2}, "top_logprobs"),  # without logprobs: true, as the OpenAI API
+    ({"logprobs": True, "top_logprobs": 21}, "top_logprobs"),
+    ({"logprobs": "yes"}, "logprobs"),
 ])
 def test_bad_chat_request_names_the_field(http, patch, field):
     r = http.post("/v1/chat/completions", json={"model": MODEL, "messages": FRANCE, **patch})
@@ -193,6 +227,8 @@ def test_bad_chat_request_names_the_field(http, patch, field):
 def test_bad_completion_request_and_body(http, client):
     r = http.post("/v1/completions", json={"model": MODEL, "prompt": ["a", "b"]})
     assert r.status_code == 400 and r.json()["error"]["param"] == "prompt"
+    r = http.post("/v1/completions", json={"model": MODEL, "prompt": "a", "logprobs": 6})  # the legacy limit is 5
+    assert r.status_code == 400 and r.json()["error"]["param"] == "logprobs"
     r = http.post("/v1/completions", content=b"{not json", headers={"content-type": "application/json"})
     assert r.status_code == 400
     with pytest.raises(openai.BadRequestError) as ei:

@@ -84,6 +84,7 @@ def test_per_engine_hooks_ignore_foreign_handles():
     ("frequency_penalty", 3.0), ("presence_penalty", -3.0), ("max_new_tokens", 0), ("seed", -1),
     ("stop", [""]), ("stop_token_ids", [-2]),
     ("ignore_eos", "no"), ("add_generation_prompt", 1),  # only real booleans: "no" is truthy
+    ("logprobs", -1), ("logprobs", 21), ("logprobs", True), ("logprobs", 2.5),
 ])
 def test_request_validation_names_the_field(field, value):
     req = SequenceRequest("s", prompt="hi", **{field: value})

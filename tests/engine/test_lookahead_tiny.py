@@ -162,3 +162,29 @@ def test_a_nan_in_one_sequence_fails_it_and_the_batch_goes_on(engine, graph_io):
         engine.release(sid)
     assert engine.pages.available == free0
     engine.assert_no_leaks()
+
+
+def test_sequences_asking_for_logprobs_skip_the_lookahead(engine):
+    """A greedy sequence with logprobs needs each step's logits, which a lookahead step does not keep: it takes
+    the eager graph path (no lookahead step used), gets one entry per token (the most likely token, itself), and
+    the same tokens as plain graph decoding."""
+    from exl2_backend.runtime import GenerationParams
+    from exl2_backend.sampling import SamplingParams
+
+    ids = torch.randint(3, 39_000, (11,), generator=torch.Generator().manual_seed(5)).tolist()
+    want = run_greedy_batch(engine, {"a": ids}, {"a": 9}, lookahead=False)["a"]
+    used = engine.lookahead.steps_ahead_used
+    engine.add_sequence("a", ids, GenerationParams(sampling=SamplingParams.greedy(), max_new_tokens=9,
+                                                   ignore_eos=True, logprobs=2))
+    events = [engine.prefill(["a"])[0]]
+    for _ in range(9):  # bounded: 9 tokens in all
+        if events[-1].finished:
+            break
+        events += engine.decode(["a"])
+    tokens = [t for ev in events for t in ev.token_ids]
+    entries = [x for ev in events for x in ev.logprobs]
+    assert tokens == want and len(entries) == 9
+    assert all(x.token_id == t and x.top[0] == (t, x.logprob) and len(x.top) == 2 for x, t in zip(entries, tokens))
+    assert engine.lookahead.steps_ahead_used == used
+    engine.release("a")
+    engine.assert_no_leaks()

@@ -287,73 +287,93 @@ class Exl2OpenAISpec(LitSpec):
                                code=err.get("code"), type_=err.get("type"), retry_after=err.get("retry_after"))
 
     async def _run(self, request: Request, req, sid: str, seq: dict, *, chat: bool) -> Response:
-        uid = self._submit({"op": "generate", "request": seq})
-        agen = self._items(uid)
+        """Submit the request (n > 1: one engine sequence per choice, ids "<sid>.<i>", seeds seed + i so seeded
+        choices differ and repeat), wait for every choice's admission, then stream or collect. A choice refused
+        at admission fails the whole request (the others are cancelled)."""
+        seqs = [seq] if req.n == 1 else [_choice(seq, sid, i) for i in range(req.n)]
+        ids = [s["seq_id"] for s in seqs]
+        uids = [self._submit({"op": "generate", "request": s}) for s in seqs]
+        agens = [self._items(uid) for uid in uids]
         watch = _Watch(request)
+        firsts = []
         try:
-            first = await self._next(agen, watch)
+            for agen in agens:
+                firsts.append(await self._next(agen, watch))
         except _Disconnected:
-            self._cancel(sid)
-            self.response_buffer.pop(uid, None)
+            self._drop(uids, ids)
             return Response(status_code=499)
-        if first is None:
-            return _error_response(500, "the inference worker ended the request without a result")
-        if "error" in first:
-            self.response_buffer.pop(uid, None)
-            return self._error_from_item(first, chat)
+        bad = next((f for f in firsts if f is None or "error" in f), False)
+        if bad is not False:
+            self._drop(uids, ids)
+            if bad is None:
+                return _error_response(500, "the inference worker ended the request without a result")
+            return self._error_from_item(bad, chat)
         model = req.model or self.model_id
         if req.stream:
-            return StreamingResponse(self._sse(request, uid, sid, agen, first, model, chat, req.include_usage()),
+            return StreamingResponse(self._sse(uids, ids, sid, agens, firsts, model, chat, req.include_usage()),
                                      media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
-        return await self._collect(watch, uid, sid, agen, first, model, chat)
+        return await self._collect(watch, uids, ids, sid, agens, firsts, model, chat)
 
-    async def _collect(self, watch, uid, sid, agen, first, model, chat) -> Response:
-        parts, item, lps = [], first, None
+    def _drop(self, uids: list[str], ids: list[str]) -> None:
+        """Cancel a request's sequences (those already finished ignore it) and forget their buffers."""
+        for uid, seq_id in zip(uids, ids):
+            self._cancel(seq_id)
+            self.response_buffer.pop(uid, None)
+
+    async def _collect(self, watch, uids, ids, sid, agens, firsts, model, chat) -> Response:
+        choices, usage = [], {"prompt_tokens": 0, "completion_tokens": 0, "total_tokens": 0}
         try:
-            while True:
-                if "error" in item:
-                    return self._error_from_item(item, chat)
-                parts.append(item.get("text", ""))
-                if "logprobs" in item:
-                    lps = (lps or []) + item["logprobs"]
-                if item.get("finish_reason"):
-                    break
-                item = await self._next(agen, watch)
-                if item is None:
-                    return _error_response(500, "the inference worker ended the stream early")
+            for index, (agen, item) in enumerate(zip(agens, firsts)):  # later choices buffer meanwhile
+                parts, lps = [], None
+                while True:
+                    if "error" in item:
+                        self._drop(uids, ids)
+                        return self._error_from_item(item, chat)
+                    parts.append(item.get("text", ""))
+                    if "logprobs" in item:
+                        lps = (lps or []) + item["logprobs"]
+                    if item.get("finish_reason"):
+                        break
+                    item = await self._next(agen, watch)
+                    if item is None:
+                        self._drop(uids, ids)
+                        return _error_response(500, "the inference worker ended the stream early")
+                text, reason, u = "".join(parts), _finish(item), _usage(item)
+                usage = {"prompt_tokens": u["prompt_tokens"],  # the prompt once, as the OpenAI API counts it
+                         "completion_tokens": usage["completion_tokens"] + u["completion_tokens"]}
+                usage["total_tokens"] = usage["prompt_tokens"] + usage["completion_tokens"]
+                if chat:
+                    choices.append({"index": index, "message": {"role": "assistant", "content": text},
+                                    "logprobs": _chat_logprobs(lps), "finish_reason": reason})
+                else:
+                    choices.append({"index": index, "text": text, "logprobs": _completion_logprobs(lps, 0),
+                                    "finish_reason": reason})
         except _Disconnected:
-            self._cancel(sid)
+            self._drop(uids, ids)
             return Response(status_code=499)
         finally:
-            self.response_buffer.pop(uid, None)
-        text, usage, reason = "".join(parts), _usage(item), _finish(item)
-        created = int(time.time())
-        if chat:
-            body = {"id": sid, "object": "chat.completion", "created": created, "model": model,
-                    "system_fingerprint": None,
-                    "choices": [{"index": 0, "message": {"role": "assistant", "content": text},
-                                 "logprobs": _chat_logprobs(lps), "finish_reason": reason}], "usage": usage}
-        else:
-            body = {"id": sid, "object": "text_completion", "created": created, "model": model,
-                    "system_fingerprint": None,
-                    "choices": [{"index": 0, "text": text, "logprobs": _completion_logprobs(lps, 0),
-                                 "finish_reason": reason}],
-                    "usage": usage}
-        return JSONResponse(body)
+            for uid in uids:
+                self.response_buffer.pop(uid, None)
+        obj = "chat.completion" if chat else "text_completion"
+        return JSONResponse({"id": sid, "object": obj, "created": int(time.time()), "model": model,
+                             "system_fingerprint": None, "choices": choices, "usage": usage})
 
-    async def _sse(self, request, uid, sid, agen, first, model, chat, include_usage) -> AsyncIterator[str]:
+    async def _sse(self, uids, ids, sid, agens, firsts, model, chat, include_usage) -> AsyncIterator[str]:
+        """The choices' items as SSE chunks in arrival order (each chunk names its choice's index); the usage
+        chunk (when asked) and [DONE] after the last choice finished. A disconnect cancels this generator's task
+        (Starlette), and `finally` cancels every choice still running."""
         created = int(time.time())
         obj = "chat.completion.chunk" if chat else "text_completion"
+        offsets = [0] * len(agens)  # characters of completion text sent so far per choice (legacy text_offset)
 
-        offset = 0  # characters of completion text sent so far (the legacy logprobs' text_offset)
-
-        def chunk(text: str | None, finish: str | None, *, role: bool = False, lps: list | None = None) -> str:
+        def chunk(index: int, text: str | None, finish: str | None, *, role: bool = False,
+                  lps: list | None = None) -> str:
             if chat:
                 delta = {"role": "assistant", "content": ""} if role else ({} if text is None else {"content": text})
-                choice = {"index": 0, "delta": delta, "logprobs": _chat_logprobs(lps), "finish_reason": finish}
+                choice = {"index": index, "delta": delta, "logprobs": _chat_logprobs(lps), "finish_reason": finish}
             else:
-                choice = {"index": 0, "text": text or "", "logprobs": _completion_logprobs(lps, offset),
+                choice = {"index": index, "text": text or "", "logprobs": _completion_logprobs(lps, offsets[index]),
                           "finish_reason": finish}
             c = {"id": sid, "object": obj, "created": created, "model": model, "system_fingerprint": None,
                  "choices": [choice]}
@@ -361,42 +381,74 @@ class Exl2OpenAISpec(LitSpec):
                 c["usage"] = None
             return f"data: {json.dumps(c)}\n\n"
 
-        completed = False
+        def failure(err: dict) -> str:
+            return "data: " + json.dumps({"error": {"message": err.get("message"), "type": err.get("type"),
+                                                    "param": err.get("param"), "code": err.get("code")}}) + "\n\n"
+
+        merged: asyncio.Queue = asyncio.Queue()
+
+        async def pump(index: int, agen) -> None:  # one choice's items after its first, into `merged`
+            while True:
+                item = await self._next(agen, None)
+                await merged.put((index, item))
+                if item is None or "error" in item or item.get("finish_reason"):
+                    return
+
+        pumps: list[asyncio.Task] = []
+        done: set[int] = set()  # choices whose sequence ended (finished or failed)
         try:
             if chat:
-                yield chunk(None, None, role=True)
-            item = first
-            while True:
+                for index in range(len(agens)):
+                    yield chunk(index, None, None, role=True)
+            for index, first in enumerate(firsts):
+                await merged.put((index, first))
+            pumps = [asyncio.ensure_future(pump(i, agen)) for i, agen in enumerate(agens)
+                     if not firsts[i].get("finish_reason") and "error" not in firsts[i]]
+            usage = {"prompt_tokens": 0, "completion_tokens": 0, "total_tokens": 0}
+            while len(done) < len(agens):
+                index, item = await merged.get()
+                if item is None:
+                    yield failure({"message": "the inference worker ended the stream early", "type": "server_error"})
+                    return
                 if "error" in item:
-                    err = item["error"]
-                    yield "data: " + json.dumps({"error": {"message": err.get("message"), "type": err.get("type"),
-                                                           "param": err.get("param"), "code": err.get("code")}}) + "\n\n"
-                    completed = True
+                    done.add(index)
+                    yield failure(item["error"])
                     return
                 text, reason = item.get("text", ""), _finish(item) if item.get("finish_reason") else None
                 lps = item.get("logprobs")
                 if text or lps:  # tokens whose text is held back (a stop string may be forming) still report
-                    yield chunk(text, None, lps=lps)
-                    offset += len(text)
+                    yield chunk(index, text, None, lps=lps)
+                    offsets[index] += len(text)
                 if reason:
-                    yield chunk(None, reason)
-                    if include_usage:
-                        yield "data: " + json.dumps({"id": sid, "object": obj, "created": created, "model": model,
-                                                     "system_fingerprint": None, "choices": [],
-                                                     "usage": _usage(item)}) + "\n\n"
-                    yield "data: [DONE]\n\n"
-                    completed = True
-                    return
-                item = await self._next(agen, None)  # a disconnect cancels this task (see finally)
-                if item is None:
-                    yield "data: " + json.dumps({"error": {"message": "the inference worker ended the stream early",
-                                                           "type": "server_error"}}) + "\n\n"
-                    completed = True
-                    return
+                    yield chunk(index, None, reason)
+                    u = _usage(item)
+                    usage["prompt_tokens"] = u["prompt_tokens"]
+                    usage["completion_tokens"] += u["completion_tokens"]
+                    done.add(index)
+            if include_usage:
+                usage["total_tokens"] = usage["prompt_tokens"] + usage["completion_tokens"]
+                yield "data: " + json.dumps({"id": sid, "object": obj, "created": created, "model": model,
+                                             "system_fingerprint": None, "choices": [], "usage": usage}) + "\n\n"
+            yield "data: [DONE]\n\n"
         finally:
-            self.response_buffer.pop(uid, None)
-            if not completed:  # client went away (or the server is stopping): free the engine's pages now
-                self._cancel(sid)
+            for task in pumps:
+                task.cancel()
+            for uid in uids:
+                self.response_buffer.pop(uid, None)
+            # the client went away, the server is stopping, or an error ended the stream: free the pages of every
+            # choice still running now
+            for index, seq_id in enumerate(ids):
+                if index not in done:
+                    self._cancel(seq_id)
+
+
+def _choice(seq: dict, sid: str, index: int) -> dict:
+    """Choice `index` of an n > 1 request: its own engine sequence (prompt pages shared through the prefix
+    cache once the first has run), seeded seed + index when the request is seeded."""
+    out = dict(seq, seq_id=f"{sid}.{index}")
+    if seq.get("seed") is not None:
+        out["seed"] = (seq["seed"] + index) % (1 << 64)
+    return out
 
 
 # --- /metrics ------------------------------------------------------------------------------------------------

@@ -16,6 +16,8 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 from exl2_backend.sampling import MAX_TOP_LOGPROBS
 from exl2_backend.text import unicode_problem
 
+MAX_CHOICES = 16  # n: choices per request at most (each one engine sequence)
+
 # --- server settings (decision 10) ---------------------------------------------------------------------------
 
 
@@ -174,9 +176,9 @@ class _SamplingRequest(_Strict):
 
     @field_validator("n")
     @classmethod
-    def _n_is_one(cls, v: int) -> int:
-        if v != 1:
-            raise ValueError(f"only n=1 is supported (got n={v}); send separate requests for more choices")
+    def _n_in_range(cls, v: int) -> int:
+        if not 1 <= v <= MAX_CHOICES:
+            raise ValueError(f"must be in [1, {MAX_CHOICES}] (choices per request), got {v}")
         return v
 
     @field_validator("stop")

@@ -161,6 +161,58 @@ def test_logprobs_chat_and_completions(client):
                zip(lp.top_logprobs, lp.token_logprobs))
 
 
+def test_n_choices_streaming_and_not(client, http):
+    """n > 1: one engine sequence per choice (seeded seed + index, so choices differ and repeat), indexed
+    choices, the prompt counted once in usage; streaming interleaves the choices' chunks, each with its index,
+    and gives the same texts; every page comes back."""
+    before = metrics(http)
+    kw = {"model": MODEL, "messages": FRANCE, "max_tokens": 12, "temperature": 1.0, "seed": 5, "n": 3,
+          "logprobs": True}
+    r = client.chat.completions.create(**kw)
+    assert [c.index for c in r.choices] == [0, 1, 2]
+    texts = [c.message.content for c in r.choices]
+    assert len(set(texts)) > 1  # seeded: deterministic here, and three draws at T = 1 differ
+    assert r.usage.completion_tokens == sum(len(c.logprobs.content) for c in r.choices)
+    assert r.usage.prompt_tokens == client.chat.completions.create(**{**kw, "n": 1}).usage.prompt_tokens
+    assert [c.message.content for c in client.chat.completions.create(**kw).choices] == texts  # repeats
+    streamed = {0: "", 1: "", 2: ""}
+    finishes, usage = {}, None
+    for chunk in client.chat.completions.create(**kw, stream=True, stream_options={"include_usage": True}):
+        if chunk.usage is not None:
+            usage = chunk.usage
+        for c in chunk.choices:
+            streamed[c.index] += c.delta.content or ""
+            if c.finish_reason:
+                finishes[c.index] = c.finish_reason
+    assert [streamed[i] for i in range(3)] == texts and sorted(finishes) == [0, 1, 2]
+    assert usage.completion_tokens == r.usage.completion_tokens
+    c = client.completions.create(model=MODEL, prompt="The capital of France is", max_tokens=5, temperature=0, n=2)
+    assert [x.index for x in c.choices] == [0, 1] and c.choices[0].text == c.choices[1].text  # greedy: the same
+    wait_idle(http, before)
+
+
+def test_n_choices_stream_closed_early_frees_every_choice(server, http):
+    """A client that closes an n = 4 stream after a few chunks: all four sequences are cancelled, every page
+    comes back long before 4 x 300 tokens."""
+    before = metrics(http)
+    body = {"model": MODEL, "messages": FRANCE, "temperature": 0.8, "max_tokens": 300, "ignore_eos": True, "n": 4,
+            "stream": True}
+    with httpx.Client(base_url=server.base_url, timeout=60) as c, c.stream("POST", "/v1/chat/completions",
+                                                                          json=body) as r:
+        assert r.status_code == 200
+        seen = set()
+        for line in r.iter_lines():  # bounded: closed after the first content chunk of every choice
+            if line.startswith("data: {"):
+                choice = json.loads(line[6:])["choices"][0]
+                if choice["delta"].get("content"):
+                    seen.add(choice["index"])
+            if len(seen) == 4:
+                break
+    t0 = time.monotonic()
+    wait_idle(http, before)
+    assert time.monotonic() - t0 < 30
+
+
 def test_stop_strings(client):
     full = client.chat.completions.create(model=MODEL, messages=FRANCE, temperature=0, max_tokens=16)
     assert " Paris" in full.choices[0].message.content
@@ -197,7 +249,8 @@ def test_seed_and_sampler_fields(client):
     ({"frequency_penalty": -5}, "frequency_penalty"),
     ({"repetition_penalty": 0}, "repetition_penalty"),
     ({"max_tokens": 0}, "max_tokens"),
-    ({"n": 2}, "n"),
+    ({"n": 0}, "n"),
+    ({"n": 17}, "n"),
     ({"stop": ["a", "b", "c", "d", "e"]}, "stop"),
     ({"seed": "abc"}, "seed"),
     ({"stream": "yes please"}, "stream"),
@@ -232,8 +285,8 @@ def test_bad_completion_request_and_body(http, client):
     r = http.post("/v1/completions", content=b"{not json", headers={"content-type": "application/json"})
     assert r.status_code == 400
     with pytest.raises(openai.BadRequestError) as ei:
-        client.chat.completions.create(model=MODEL, messages=FRANCE, n=3)
-    assert "n=" in str(ei.value)
+        client.chat.completions.create(model=MODEL, messages=FRANCE, n=17)
+    assert "choices per request" in str(ei.value)
 
 
 def test_text_that_is_not_unicode_is_400_and_harms_nobody(http, client):

@@ -173,7 +173,7 @@ class Exl2Handle(BackendHandle):
                 presence_penalty=req.presence_penalty, seed=req.seed)
             params = GenerationParams(sampling=sampling, max_new_tokens=req.max_new_tokens, stop=list(req.stop),
                                       stop_token_ids=list(req.stop_token_ids), ignore_eos=req.ignore_eos,
-                                      logprobs=req.logprobs)
+                                      logprobs=req.logprobs, logit_bias=req.logit_bias)
             self.engine.add_sequence(sid, ids, params)
         except PromptTooLongError as exc:
             raise AdmissionRejected(str(exc), reason="prompt_too_long", field="prompt", limit=exc.limit,

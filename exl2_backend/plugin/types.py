@@ -55,6 +55,7 @@ class SequenceRequest:
     ignore_eos: bool = False
     cap_to_context: bool = True
     logprobs: int | None = None  # None: none; n in [0, 20]: each token's logprob and the n most likely (API 1.3)
+    logit_bias: dict[int, float] | None = None  # token id -> added to its logit, in [-100, 100] (API 1.3)
 
     def validate(self) -> None:
         """Raise `AdmissionRejected(reason="invalid_request", field=...)` for a malformed request (cheap, no
@@ -93,6 +94,12 @@ class SequenceRequest:
             bad("stop", "must be a list of non-empty strings")
         if not isinstance(self.stop_token_ids, list) or not all(_is_int(t) and t >= 0 for t in self.stop_token_ids):
             bad("stop_token_ids", "must be a list of non-negative token ids")
+        if self.logit_bias is not None and (
+                not isinstance(self.logit_bias, dict)
+                or not all(_is_int(k) and k >= 0 for k in self.logit_bias)
+                or not all(isinstance(v, (int, float)) and not isinstance(v, bool) and -100 <= v <= 100
+                           for v in self.logit_bias.values())):
+            bad("logit_bias", f"must map token ids (integers >= 0) to numbers in [-100, 100], got {self.logit_bias!r}")
         if self.logprobs is not None and (not _is_int(self.logprobs) or not 0 <= self.logprobs <= MAX_TOP_LOGPROBS):
             bad("logprobs", f"must be None or an integer in [0, {MAX_TOP_LOGPROBS}], got {self.logprobs!r}")
         for name in ("ignore_eos", "add_generation_prompt", "cap_to_context"):  # "no" is truthy: only real booleans

@@ -156,6 +156,10 @@ class Engine:
         if bad:
             raise InvalidRequestError(f"prompt token id {bad[0]} is outside the vocabulary [0, "
                                       f"{self.model.vocab_size})", field="prompt")
+        bad = [t for t in (params.logit_bias or ()) if t >= self.model.vocab_size]
+        if bad:
+            raise InvalidRequestError(f"logit_bias token id {bad[0]} is outside the vocabulary [0, "
+                                      f"{self.model.vocab_size})", field="logit_bias")
         bad = [t for t in params.stop_token_ids if not 0 <= t < self.model.vocab_size]
         if bad:  # it could never be sampled: a silent no-op otherwise
             raise InvalidRequestError(f"stop token id {bad[0]} is outside the vocabulary [0, "
@@ -362,7 +366,7 @@ class Engine:
         the accepted tokens); stop at the first mismatch or finish."""
         taken, text, lps = [], "", []
         # Greedy without penalties: each row's token is its argmax whatever was accepted before (one sync).
-        greedy = s.params.sampling.temperature == 0 and s.prompt_counts is None
+        greedy = s.plain_greedy
         argmax = ops.greedy_tokens(logits.float()).tolist() if greedy else None  # [k+1]
         for j in range(len(draft) + 1):
             q = probs[j] if probs is not None and j < len(draft) and s.params.sampling.temperature != 0 else None

@@ -79,7 +79,7 @@ class DecodeLookahead:
 
     def eligible(self, seqs) -> bool:
         return 0 < len(seqs) <= self.runner.buckets[-1] and all(
-            s.params.sampling.temperature == 0 and s.prompt_counts is None and s.params.logprobs is None
+            s.plain_greedy and s.params.logprobs is None
             for s in seqs)  # logprobs need the logits, which a lookahead step does not keep
 
     def drop(self) -> None:

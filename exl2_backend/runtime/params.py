@@ -25,6 +25,7 @@ class GenerationParams:
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
     logprobs: int | None = None  # None: none; n: each token's logprob and the n most likely (runtime/logprobs.py)
+    logit_bias: dict[int, float] | None = None  # token id -> added to its logit before sampling, in [-100, 100]
 
     def __post_init__(self):
         if self.max_new_tokens is not None and (not isinstance(self.max_new_tokens, int) or self.max_new_tokens < 1):
@@ -38,10 +39,32 @@ class GenerationParams:
         self.stop_token_ids = [int(t) for t in (self.stop_token_ids or [])]
         if any(t < 0 for t in self.stop_token_ids):
             raise InvalidRequestError("stop_token_ids must be non-negative token ids", field="stop_token_ids")
+        if self.logit_bias is not None:
+            self.logit_bias = _checked_bias(self.logit_bias)
         if self.logprobs is not None and (isinstance(self.logprobs, bool) or not isinstance(self.logprobs, int)
                                           or not 0 <= self.logprobs <= MAX_TOP_LOGPROBS):
             raise InvalidRequestError(f"logprobs must be None or an integer in [0, {MAX_TOP_LOGPROBS}] (the most "
                                       f"likely alternatives per token), got {self.logprobs!r}", field="logprobs")
+
+
+MAX_LOGIT_BIAS = 100.0  # the OpenAI API's range: +-100 bans or forces a token
+
+
+def _checked_bias(bias) -> dict[int, float] | None:
+    """{token id: bias} with ids >= 0 and finite biases in [-100, 100]; an empty mapping is None."""
+    if not isinstance(bias, dict):
+        raise InvalidRequestError(f"logit_bias must map token ids to numbers, got {type(bias).__name__}",
+                                  field="logit_bias")
+    out = {}
+    for key, value in bias.items():
+        if isinstance(key, bool) or not isinstance(key, int) or key < 0:
+            raise InvalidRequestError(f"logit_bias keys must be token ids (integers >= 0), got {key!r}",
+                                      field="logit_bias")
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not -MAX_LOGIT_BIAS <= value <= MAX_LOGIT_BIAS:
+            raise InvalidRequestError(f"logit_bias[{key}] must be a number in [-100, 100], got {value!r}",
+                                      field="logit_bias")
+        out[key] = float(value)
+    return out or None
 
 
 @dataclass

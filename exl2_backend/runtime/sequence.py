@@ -40,6 +40,16 @@ class Sequence:
             self.prompt_counts = torch.bincount(torch.tensor(self.prompt_ids, dtype=torch.long),
                                                 minlength=vocab_size)[:vocab_size].float()
             self.output_counts = torch.zeros(vocab_size)
+        self.logit_bias = None  # (ids int64 [n], biases f32 [n]) on the CPU
+        if params.logit_bias:
+            self.logit_bias = (torch.tensor(list(params.logit_bias), dtype=torch.int64),
+                               torch.tensor(list(params.logit_bias.values()), dtype=torch.float32))
+
+    @property
+    def plain_greedy(self) -> bool:
+        """Greedy on the raw logits: no penalty or logit bias can change which token is the argmax (the greedy
+        lookahead and greedy verification take the argmax of the logits as they come)."""
+        return self.params.sampling.temperature == 0 and self.prompt_counts is None and self.logit_bias is None
 
     # --- sizes ------------------------------------------------------------------------------------------
 

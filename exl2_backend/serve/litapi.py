@@ -122,6 +122,8 @@ class Exl2LitAPI(ls.LitAPI):
             return
         try:
             req = SequenceRequest(**x["request"])
+            if req.logit_bias:  # a transport that went through JSON turned the ids into strings
+                req.logit_bias = {int(k): v for k, v in req.logit_bias.items()}
             if req.max_new_tokens is None and self.serve_settings.default_max_tokens is not None:
                 req.max_new_tokens = self.serve_settings.default_max_tokens
             stream = loop.submit(req)

@@ -202,8 +202,18 @@ class _SamplingRequest(_Strict):
 
     @field_validator("logit_bias")
     @classmethod
-    def _unsupported_sampling(cls, v, info):
-        return _reject_if_set(v, info)
+    def _bias(cls, v):
+        """{"token id": bias} (JSON keys are strings) -> {id: bias}; ids >= 0, biases numbers in [-100, 100]."""
+        if not v:
+            return None
+        out = {}
+        for key, value in v.items():
+            if not (isinstance(key, str) and key.isdigit()):
+                raise ValueError(f"keys must be token ids (non-negative integers as strings), got {key!r}")
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not -100 <= value <= 100:
+                raise ValueError(f"the bias of token {key} must be a number in [-100, 100], got {value!r}")
+            out[int(key)] = float(value)
+        return out
 
     def include_usage(self) -> bool:
         return bool(self.stream_options and self.stream_options.include_usage)
@@ -213,7 +223,7 @@ class _SamplingRequest(_Strict):
                 "repetition_penalty", "seed", "ignore_eos")
         out = {k: getattr(self, k) for k in keys}
         out.update(stop=list(self.stop or []), stop_token_ids=list(self.stop_token_ids or []),
-                   logprobs=self.logprob_count())
+                   logprobs=self.logprob_count(), logit_bias=self.logit_bias)
         return out
 
     def logprob_count(self) -> int | None:

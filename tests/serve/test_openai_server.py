@@ -213,6 +213,23 @@ def test_n_choices_stream_closed_early_frees_every_choice(server, http):
     assert time.monotonic() - t0 < 30
 
 
+def test_logit_bias_forces_and_bans_tokens(client):
+    """logit_bias {"id": +100} makes every token that one, in chat and text completions, sampled or greedy; a
+    token forced in one request and banned (-100) in the next never appears there."""
+    def tokens(**kw) -> list[str]:
+        r = client.completions.create(model=MODEL, prompt="The capital of France is", max_tokens=3, logprobs=0, **kw)
+        return r.choices[0].logprobs.tokens
+
+    forced = tokens(temperature=0, logit_bias={"1000": 100})
+    assert len(forced) == 3 and len(set(forced)) == 1
+    assert tokens(temperature=0.9, seed=1, logit_bias={"1000": 100}) == forced
+    other = tokens(temperature=0, logit_bias={"1000": -100, "1001": 100})
+    assert len(set(other)) == 1 and other[0] != forced[0]
+    r = client.chat.completions.create(model=MODEL, messages=FRANCE, max_tokens=2, temperature=0, logprobs=True,
+                                       logit_bias={"1000": 100})
+    assert [e.token for e in r.choices[0].logprobs.content] == forced[:2]
+
+
 def test_stop_strings(client):
     full = client.chat.completions.create(model=MODEL, messages=FRANCE, temperature=0, max_tokens=16)
     assert " Paris" in full.choices[0].message.content
@@ -269,6 +286,10 @@ def test_seed_and_sampler_fields(client):
     ({"top_logprobs": 2}, "top_logprobs"),  # without logprobs: true, as the OpenAI API
     ({"logprobs": True, "top_logprobs": 21}, "top_logprobs"),
     ({"logprobs": "yes"}, "logprobs"),
+    ({"logit_bias": {"abc": 1}}, "logit_bias"),
+    ({"logit_bias": {"5": 101}}, "logit_bias"),
+    ({"logit_bias": {"5": "x"}}, "logit_bias"),
+    ({"logit_bias": {"999999": 1}}, "logit_bias"),  # outside the vocabulary: refused at admission
 ])
 def test_bad_chat_request_names_the_field(http, patch, field):
     r = http.post("/v1/chat/completions", json={"model": MODEL, "messages": FRANCE, **patch})

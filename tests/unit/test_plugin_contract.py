@@ -85,6 +85,7 @@ def test_per_engine_hooks_ignore_foreign_handles():
     ("stop", [""]), ("stop_token_ids", [-2]),
     ("ignore_eos", "no"), ("add_generation_prompt", 1),  # only real booleans: "no" is truthy
     ("logprobs", -1), ("logprobs", 21), ("logprobs", True), ("logprobs", 2.5),
+    ("logit_bias", {-1: 1.0}), ("logit_bias", {3: 200}), ("logit_bias", {"3": 1}), ("logit_bias", [3]),
 ])
 def test_request_validation_names_the_field(field, value):
     req = SequenceRequest("s", prompt="hi", **{field: value})

@@ -173,7 +173,8 @@ class Exl2Handle(BackendHandle):
                 presence_penalty=req.presence_penalty, seed=req.seed)
             params = GenerationParams(sampling=sampling, max_new_tokens=req.max_new_tokens, stop=list(req.stop),
                                       stop_token_ids=list(req.stop_token_ids), ignore_eos=req.ignore_eos,
-                                      logprobs=req.logprobs, logit_bias=req.logit_bias)
+                                      logprobs=req.logprobs, logit_bias=req.logit_bias,
+                                      prompt_logprobs=req.prompt_logprobs)
             self.engine.add_sequence(sid, ids, params)
         except PromptTooLongError as exc:
             raise AdmissionRejected(str(exc), reason="prompt_too_long", field="prompt", limit=exc.limit,
@@ -227,10 +228,13 @@ class Exl2Handle(BackendHandle):
                     Usage(prompt_tokens=int(ev.prompt_tokens), completion_tokens=int(ev.completion_tokens),
                           cached_tokens=int(ev.cached_tokens)),
                     accepted_drafts=accepted)
-        if ev.logprobs is not None:
+        if ev.logprobs is not None or ev.prompt_logprobs is not None:
             from exl2_backend.runtime.logprobs import logprob_entries  # torch: imported once an engine runs
 
-            out.logprobs = logprob_entries(ev.logprobs, self.engine.tokenizer)
+            if ev.logprobs is not None:
+                out.logprobs = logprob_entries(ev.logprobs, self.engine.tokenizer)
+            if ev.prompt_logprobs is not None:
+                out.prompt_logprobs = logprob_entries(ev.prompt_logprobs, self.engine.tokenizer)
         if ev.finish_reason == "error":
             out.error = SequenceFailed(ev.error or "sequence failed", seq_id=sid)
         if ev.finish_reason is not None:

@@ -56,6 +56,7 @@ class SequenceRequest:
     cap_to_context: bool = True
     logprobs: int | None = None  # None: none; n in [0, 20]: each token's logprob and the n most likely (API 1.3)
     logit_bias: dict[int, float] | None = None  # token id -> added to its logit, in [-100, 100] (API 1.3)
+    prompt_logprobs: int | None = None  # None: none; n in [0, 20]: each prompt token's logprob too (API 1.3)
 
     def validate(self) -> None:
         """Raise `AdmissionRejected(reason="invalid_request", field=...)` for a malformed request (cheap, no
@@ -100,8 +101,10 @@ class SequenceRequest:
                 or not all(isinstance(v, (int, float)) and not isinstance(v, bool) and -100 <= v <= 100
                            for v in self.logit_bias.values())):
             bad("logit_bias", f"must map token ids (integers >= 0) to numbers in [-100, 100], got {self.logit_bias!r}")
-        if self.logprobs is not None and (not _is_int(self.logprobs) or not 0 <= self.logprobs <= MAX_TOP_LOGPROBS):
-            bad("logprobs", f"must be None or an integer in [0, {MAX_TOP_LOGPROBS}], got {self.logprobs!r}")
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            if value is not None and (not _is_int(value) or not 0 <= value <= MAX_TOP_LOGPROBS):
+                bad(name, f"must be None or an integer in [0, {MAX_TOP_LOGPROBS}], got {value!r}")
         for name in ("ignore_eos", "add_generation_prompt", "cap_to_context"):  # "no" is truthy: only real booleans
             if not isinstance(getattr(self, name), bool):
                 bad(name, f"must be true or false, got {getattr(self, name)!r}")
@@ -207,7 +210,9 @@ class Event:
     set on the final event; error: the `AdmissionRejected` / `SequenceFailed` when finish_reason is "error";
     prefill_remaining: prompt tokens still to run (prefill only); accepted_drafts: how many of this step's
     host drafts were accepted (draft_verify only); logprobs: one entry per token of token_ids when the request
-    asked (SequenceRequest.logprobs; runtime/logprobs.logprob_entries gives the keys), else None."""
+    asked (SequenceRequest.logprobs; runtime/logprobs.logprob_entries gives the keys), else None;
+    prompt_logprobs: one entry per prompt token (the first's "logprob" and "top_logprobs" None) on the event
+    that completes the prompt, when the request asked (SequenceRequest.prompt_logprobs)."""
 
     seq_id: str
     token_ids: list[int] = field(default_factory=list)
@@ -219,6 +224,7 @@ class Event:
     prefill_remaining: int = 0
     accepted_drafts: int | None = None
     logprobs: list[dict] | None = None
+    prompt_logprobs: list[dict] | None = None
 
     @property
     def finished(self) -> bool:

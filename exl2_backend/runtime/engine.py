@@ -18,6 +18,7 @@ import torch
 
 from exl2_backend import ops
 from exl2_backend.cache import kv_bytes_per_token
+from exl2_backend.cache.prefix import NO_MATCH
 from exl2_backend.errors import CapacityError, InvalidRequestError, PromptTooLongError
 from exl2_backend.runtime.logprobs import TokenLogprob, token_logprobs
 from exl2_backend.runtime.lookahead import DecodeLookahead
@@ -30,6 +31,8 @@ from exl2_backend.runtime.settings import LoadSettings
 from exl2_backend.tokenizer import StopMatcher
 
 log = logging.getLogger("exl2_backend")
+
+PROMPT_LOGITS_BYTES = 64 << 20  # f32 logits one prompt-scoring chunk may hold (prompt_logprobs)
 
 
 def _notify(callback: Callable[[], None]) -> None:
@@ -172,7 +175,8 @@ class Engine:
         if self._num_active() >= self.settings.max_batch_size:
             raise CapacityError(f"{self._num_active()} sequences are running (max_batch_size="
                                 f"{self.settings.max_batch_size}); retry after one finishes")
-        match = self.pages.match(prompt)  # cached prefix pages (prefix caching)
+        # cached prefix pages (prefix caching); prompt logprobs need every prompt position computed
+        match = self.pages.match(prompt) if params.prompt_logprobs is None else NO_MATCH
         need = self.pages.admission_cost(match, max_total)
         if need > self.pages.available:
             raise CapacityError(f"KV cache full: this sequence needs {need * self.page_size} tokens of cache, "
@@ -251,22 +255,30 @@ class Engine:
         seqs = self._lookup(seq_ids, prefilled=False)
         chunk = self.settings.max_chunk_size
         events: dict[str, StepEvent] = {}
-        groups: dict[int, list[Sequence]] = {}  # equal chunk lengths share one forward
+        groups: dict[tuple[int, bool], list[Sequence]] = {}  # equal chunk lengths share one forward
+        # prompt logprobs take every position's logits: chunks held to PROMPT_LOGITS_BYTES of f32 logits
+        scored = max(1, PROMPT_LOGITS_BYTES // (4 * self.model.vocab_size))
         for s in seqs:
-            groups.setdefault(min(chunk, s.prefill_remaining), []).append(s)
-        for n, group in groups.items():
+            wants = s.params.prompt_logprobs is not None
+            groups.setdefault((min(chunk, s.prefill_remaining, scored if wants else chunk), wants), []).append(s)
+        for (n, wants), group in groups.items():
             per = max(1, min(self.settings.max_batch_size, self.settings.max_input_len // n))
             for i in range(0, len(group), per):
-                for ev in self._prefill_group(group[i : i + per], n):
+                for ev in self._prefill_group(group[i : i + per], n, wants):
                     events[ev.seq_id] = ev
         return [events[sid] for sid in seq_ids]
 
-    def _prefill_group(self, group: list[Sequence], n: int) -> list[StepEvent]:
+    def _prefill_group(self, group: list[Sequence], n: int, score_prompt: bool = False) -> list[StepEvent]:
         try:
             for s in group:
                 self.pages.grow(s, s.num_computed + n)
             logits = self.runner.run([s.prompt_ids[s.num_computed : s.num_computed + n] for s in group],
-                                     [s.num_computed for s in group], [s.pages for s in group])  # [B, V]
+                                     [s.num_computed for s in group], [s.pages for s in group],
+                                     "all" if score_prompt else "last")  # [B, V] or [B, n, V]
+            if score_prompt:
+                for b, s in enumerate(group):
+                    self._score_prompt(s, logits[b])
+                logits = logits[:, -1]  # [B, V]: the rows that sample
             for s in group:
                 s.num_computed += n
                 self.pages.cache_prefix(s)
@@ -276,7 +288,21 @@ class Engine:
         except Exception as exc:  # noqa: BLE001 - reported per sequence, pages returned
             return self._fail(group, exc)
         first = {i: (t, lps.get(r)) for r, (i, t) in enumerate(zip(done, tokens))}
-        return [self._emit_sampled(s, *first[i]) if i in first else s.event([], "") for i, s in enumerate(group)]
+        events = [self._emit_sampled(s, *first[i]) if i in first else s.event([], "") for i, s in enumerate(group)]
+        for ev, s in zip(events, group):
+            if s.prompt_entries is not None and not s.prefill_remaining:
+                ev.prompt_logprobs = s.prompt_entries
+        return events
+
+    @staticmethod
+    def _score_prompt(s: Sequence, logits: torch.Tensor) -> None:
+        """logits [n, V] of the chunk at prompt positions a..a+n-1 (a = s.num_computed): row r predicts prompt
+        token a+r+1, so the chunk scores the prompt tokens it predicts, up to the prompt's last one."""
+        a = s.num_computed
+        rows = min(logits.shape[0], len(s.prompt_ids) - 1 - a)
+        if rows > 0:
+            s.prompt_entries += token_logprobs(logits[:rows], s.prompt_ids[a + 1 : a + 1 + rows],
+                                               [s.params.prompt_logprobs] * rows)
 
     def _emit_sampled(self, s: Sequence, token: int, logprob: TokenLogprob | None = None) -> StepEvent:
         """The sequence's event for a token from sample_for: NAN_LOGITS fails it (tier 2, pages returned)."""

@@ -16,10 +16,11 @@ from exl2_backend.sampling import MAX_TOP_LOGPROBS  # noqa: F401  (re-exported f
 
 @dataclass(frozen=True)
 class TokenLogprob:
-    """One sampled token: its logprob, and the `n` most likely tokens of that step, most likely first."""
+    """One token: its logprob, and the `n` most likely tokens of that step, most likely first. A prompt's first
+    token has logprob None (nothing before it predicts it)."""
 
     token_id: int
-    logprob: float
+    logprob: float | None
     top: tuple[tuple[int, float], ...] = ()
 
 
@@ -43,14 +44,16 @@ def logprob_entries(logprobs: list[TokenLogprob], tokenizer) -> list[dict]:
     "logprob", "bytes", "top_logprobs": [{"token_id", "token", "logprob", "bytes"}, ...]}. "token" is the id
     decoded on its own (special tokens included; a token that holds part of a UTF-8 character shows U+FFFD),
     "bytes" that text's UTF-8 bytes. A logprob of -inf (a token the model rules out) becomes -9999.0, as the
-    OpenAI API reports it, so the entries stay valid JSON."""
+    OpenAI API reports it, so the entries stay valid JSON; a prompt's first token has "logprob" and
+    "top_logprobs" None."""
     cache: dict[int, str] = {}
 
-    def entry(token_id: int, logprob: float) -> dict:
+    def entry(token_id: int, logprob: float | None) -> dict:
         text = cache.get(token_id)
         if text is None:
             text = cache[token_id] = tokenizer.decode([token_id], skip_special_tokens=False)
-        return {"token_id": token_id, "token": text, "logprob": max(logprob, -9999.0),
+        return {"token_id": token_id, "token": text, "logprob": None if logprob is None else max(logprob, -9999.0),
                 "bytes": list(text.encode("utf-8", "surrogatepass"))}
 
-    return [{**entry(lp.token_id, lp.logprob), "top_logprobs": [entry(t, v) for t, v in lp.top]} for lp in logprobs]
+    return [{**entry(lp.token_id, lp.logprob),
+             "top_logprobs": None if lp.logprob is None else [entry(t, v) for t, v in lp.top]} for lp in logprobs]

@@ -26,6 +26,8 @@ class GenerationParams:
     ignore_eos: bool = False
     logprobs: int | None = None  # None: none; n: each token's logprob and the n most likely (runtime/logprobs.py)
     logit_bias: dict[int, float] | None = None  # token id -> added to its logit before sampling, in [-100, 100]
+    prompt_logprobs: int | None = None  # None: none; n: each prompt token's logprob (the first has none) and n
+    # alternatives, on the event that completes the prompt (its prefix is computed, not taken from the cache)
 
     def __post_init__(self):
         if self.max_new_tokens is not None and (not isinstance(self.max_new_tokens, int) or self.max_new_tokens < 1):
@@ -41,10 +43,12 @@ class GenerationParams:
             raise InvalidRequestError("stop_token_ids must be non-negative token ids", field="stop_token_ids")
         if self.logit_bias is not None:
             self.logit_bias = _checked_bias(self.logit_bias)
-        if self.logprobs is not None and (isinstance(self.logprobs, bool) or not isinstance(self.logprobs, int)
-                                          or not 0 <= self.logprobs <= MAX_TOP_LOGPROBS):
-            raise InvalidRequestError(f"logprobs must be None or an integer in [0, {MAX_TOP_LOGPROBS}] (the most "
-                                      f"likely alternatives per token), got {self.logprobs!r}", field="logprobs")
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int)
+                                      or not 0 <= value <= MAX_TOP_LOGPROBS):
+                raise InvalidRequestError(f"{name} must be None or an integer in [0, {MAX_TOP_LOGPROBS}] (the most "
+                                          f"likely alternatives per token), got {value!r}", field=name)
 
 
 MAX_LOGIT_BIAS = 100.0  # the OpenAI API's range: +-100 bans or forces a token
@@ -60,7 +64,8 @@ def _checked_bias(bias) -> dict[int, float] | None:
         if isinstance(key, bool) or not isinstance(key, int) or key < 0:
             raise InvalidRequestError(f"logit_bias keys must be token ids (integers >= 0), got {key!r}",
                                       field="logit_bias")
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or not -MAX_LOGIT_BIAS <= value <= MAX_LOGIT_BIAS:
+        if (isinstance(value, bool) or not isinstance(value, (int, float))
+                or not -MAX_LOGIT_BIAS <= value <= MAX_LOGIT_BIAS):
             raise InvalidRequestError(f"logit_bias[{key}] must be a number in [-100, 100], got {value!r}",
                                       field="logit_bias")
         out[key] = float(value)
@@ -85,6 +90,8 @@ class StepEvent:
     error: str | None = None
     cached_tokens: int = 0
     logprobs: list[TokenLogprob] | None = None  # one per token of token_ids, when the request asked
+    prompt_logprobs: list[TokenLogprob] | None = None  # one per prompt token (the first's logprob None), when
+    # asked, on the event that completes the prompt
 
     @property
     def finished(self) -> bool:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 
 from exl2_backend.ops.reference import make_generator
+from exl2_backend.runtime.logprobs import TokenLogprob
 from exl2_backend.runtime.params import GenerationParams, StepEvent
 
 
@@ -40,6 +41,10 @@ class Sequence:
             self.prompt_counts = torch.bincount(torch.tensor(self.prompt_ids, dtype=torch.long),
                                                 minlength=vocab_size)[:vocab_size].float()
             self.output_counts = torch.zeros(vocab_size)
+        # prompt logprobs so far (the first prompt token's is None: nothing predicts it), when asked
+        self.prompt_entries = None
+        if params.prompt_logprobs is not None:
+            self.prompt_entries = [TokenLogprob(self.prompt_ids[0], None)]
         self.logit_bias = None  # (ids int64 [n], biases f32 [n]) on the CPU
         if params.logit_bias:
             self.logit_bias = (torch.tensor(list(params.logit_bias), dtype=torch.int64),

@@ -111,7 +111,8 @@ def merge_events(events: list[Event]) -> Event:
                    last.finish_reason, last.usage, last.timings, last.error, last.prefill_remaining,
                    None if all(e.accepted_drafts is None for e in events) else sum(e.accepted_drafts or 0
                                                                                    for e in events),
-                   None if all(e.logprobs is None for e in events) else [x for e in events for x in e.logprobs or ()])
+                   None if all(e.logprobs is None for e in events) else [x for e in events for x in e.logprobs or ()],
+                   next((e.prompt_logprobs for e in events if e.prompt_logprobs is not None), None))
     return merged
 
 

@@ -65,6 +65,8 @@ def _encode_event(ev) -> str:
     item = {"text": ev.text, "token_ids": ev.token_ids, "finish_reason": ev.finish_reason}
     if ev.logprobs is not None:
         item["logprobs"] = ev.logprobs
+    if ev.prompt_logprobs is not None:
+        item["prompt_logprobs"] = ev.prompt_logprobs
     if ev.finish_reason is not None:
         item["usage"] = ev.usage.to_dict()
         if ev.timings is not None:

@@ -217,10 +217,16 @@ class Exl2OpenAISpec(LitSpec):
         if isinstance(req, Response):
             return req
         sid = f"cmpl-{uuid.uuid4().hex}"
-        prompt = {"prompt": req.prompt} if isinstance(req.prompt, str) else {"prompt_ids": list(req.prompt)}
+        text_prompt = isinstance(req.prompt, str)
+        prompt = {"prompt": req.prompt} if text_prompt else {"prompt_ids": list(req.prompt)}
         seq = dict(seq_id=sid, max_new_tokens=req.limit(), cap_to_context=req.limit() is None, **prompt,
                    **req.sampling_fields())
-        return await self._run(request, req, sid, seq, chat=False)
+        echo = None
+        if req.echo:  # the prompt's logprobs when asked; a token-id prompt's text from its tokens' entries
+            echo = _Echo(req.prompt if text_prompt else None, req.logprobs is not None)
+            if echo.logprobs or not text_prompt:
+                seq["prompt_logprobs"] = req.logprobs or 0
+        return await self._run(request, req, sid, seq, chat=False, echo=echo)
 
     async def list_models(self) -> Response:
         await self._learn_limits()
@@ -286,7 +292,7 @@ class Exl2OpenAISpec(LitSpec):
         return _error_response(int(err.get("status", 500)), err.get("message", "error"), param=param,
                                code=err.get("code"), type_=err.get("type"), retry_after=err.get("retry_after"))
 
-    async def _run(self, request: Request, req, sid: str, seq: dict, *, chat: bool) -> Response:
+    async def _run(self, request: Request, req, sid: str, seq: dict, *, chat: bool, echo=None) -> Response:
         """Submit the request (n > 1: one engine sequence per choice, ids "<sid>.<i>", seeds seed + i so seeded
         choices differ and repeat), wait for every choice's admission, then stream or collect. A choice refused
         at admission fails the whole request (the others are cancelled)."""
@@ -310,10 +316,10 @@ class Exl2OpenAISpec(LitSpec):
             return self._error_from_item(bad, chat)
         model = req.model or self.model_id
         if req.stream:
-            return StreamingResponse(self._sse(uids, ids, sid, agens, firsts, model, chat, req.include_usage()),
+            return StreamingResponse(self._sse(uids, ids, sid, agens, firsts, model, chat, req.include_usage(), echo),
                                      media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
-        return await self._collect(watch, uids, ids, sid, agens, firsts, model, chat)
+        return await self._collect(watch, uids, ids, sid, agens, firsts, model, chat, echo)
 
     def _drop(self, uids: list[str], ids: list[str]) -> None:
         """Cancel a request's sequences (those already finished ignore it) and forget their buffers."""
@@ -321,15 +327,16 @@ class Exl2OpenAISpec(LitSpec):
             self._cancel(seq_id)
             self.response_buffer.pop(uid, None)
 
-    async def _collect(self, watch, uids, ids, sid, agens, firsts, model, chat) -> Response:
+    async def _collect(self, watch, uids, ids, sid, agens, firsts, model, chat, echo=None) -> Response:
         choices, usage = [], {"prompt_tokens": 0, "completion_tokens": 0, "total_tokens": 0}
         try:
             for index, (agen, item) in enumerate(zip(agens, firsts)):  # later choices buffer meanwhile
-                parts, lps = [], None
+                parts, lps, prompt_lps = [], None, None
                 while True:
                     if "error" in item:
                         self._drop(uids, ids)
                         return self._error_from_item(item, chat)
+                    prompt_lps = item.get("prompt_logprobs", prompt_lps)
                     parts.append(item.get("text", ""))
                     if "logprobs" in item:
                         lps = (lps or []) + item["logprobs"]
@@ -347,6 +354,10 @@ class Exl2OpenAISpec(LitSpec):
                     choices.append({"index": index, "message": {"role": "assistant", "content": text},
                                     "logprobs": _chat_logprobs(lps), "finish_reason": reason})
                 else:
+                    if echo is not None:
+                        text = echo.text_of(prompt_lps) + text
+                        if echo.logprobs:
+                            lps = (prompt_lps or []) + (lps or [])
                     choices.append({"index": index, "text": text, "logprobs": _completion_logprobs(lps, 0),
                                     "finish_reason": reason})
         except _Disconnected:
@@ -359,13 +370,14 @@ class Exl2OpenAISpec(LitSpec):
         return JSONResponse({"id": sid, "object": obj, "created": int(time.time()), "model": model,
                              "system_fingerprint": None, "choices": choices, "usage": usage})
 
-    async def _sse(self, uids, ids, sid, agens, firsts, model, chat, include_usage) -> AsyncIterator[str]:
+    async def _sse(self, uids, ids, sid, agens, firsts, model, chat, include_usage, echo=None) -> AsyncIterator[str]:
         """The choices' items as SSE chunks in arrival order (each chunk names its choice's index); the usage
         chunk (when asked) and [DONE] after the last choice finished. A disconnect cancels this generator's task
         (Starlette), and `finally` cancels every choice still running."""
         created = int(time.time())
         obj = "chat.completion.chunk" if chat else "text_completion"
         offsets = [0] * len(agens)  # characters of completion text sent so far per choice (legacy text_offset)
+        echoed = [echo is None] * len(agens)  # whether each choice's prompt went out (echo)
 
         def chunk(index: int, text: str | None, finish: str | None, *, role: bool = False,
                   lps: list | None = None) -> str:
@@ -414,6 +426,11 @@ class Exl2OpenAISpec(LitSpec):
                     done.add(index)
                     yield failure(item["error"])
                     return
+                if not echoed[index] and ("prompt_logprobs" in item or not echo.needs_entries):
+                    echoed[index] = True  # the prompt first, with its logprobs when asked
+                    prompt_text = echo.text_of(item.get("prompt_logprobs"))
+                    yield chunk(index, prompt_text, None, lps=item.get("prompt_logprobs") if echo.logprobs else None)
+                    offsets[index] += len(prompt_text)
                 text, reason = item.get("text", ""), _finish(item) if item.get("finish_reason") else None
                 lps = item.get("logprobs")
                 if text or lps:  # tokens whose text is held back (a stop string may be forming) still report
@@ -440,6 +457,23 @@ class Exl2OpenAISpec(LitSpec):
             for index, seq_id in enumerate(ids):
                 if index not in done:
                     self._cancel(seq_id)
+
+
+class _Echo:
+    """A text completion's `echo`: the prompt goes out before the completion, its text given (a text prompt)
+    or made of its tokens' entries (a token-id prompt), with its logprobs when the request asked."""
+
+    def __init__(self, text: str | None, logprobs: bool):
+        self.text, self.logprobs = text, logprobs
+
+    @property
+    def needs_entries(self) -> bool:
+        return self.logprobs or self.text is None
+
+    def text_of(self, prompt_entries: list[dict] | None) -> str:
+        if self.text is not None:
+            return self.text
+        return "".join(e["token"] for e in prompt_entries or ())
 
 
 def _choice(seq: dict, sid: str, index: int) -> dict:
@@ -565,7 +599,8 @@ def _completion_logprobs(entries: list[dict] | None, offset: int) -> dict | None
         offsets.append(offset)
         offset += len(e["token"])
     return {"tokens": [e["token"] for e in entries], "token_logprobs": [e["logprob"] for e in entries],
-            "top_logprobs": [{t["token"]: t["logprob"] for t in e["top_logprobs"]} for e in entries],
+            "top_logprobs": [None if e["top_logprobs"] is None  # a prompt's first token (echo)
+                             else {t["token"]: t["logprob"] for t in e["top_logprobs"]} for e in entries],
             "text_offset": offsets}
 
 

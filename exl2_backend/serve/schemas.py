@@ -331,7 +331,7 @@ class CompletionRequest(_SamplingRequest):
     _completion_json_bools = field_validator("echo", mode="before")(_json_bool)
     _completion_json_numbers = field_validator("best_of", "logprobs", mode="before")(_json_number)
 
-    @field_validator("echo", "suffix")
+    @field_validator("suffix")
     @classmethod
     def _unsupported(cls, v, info):
         return _reject_if_set(v, info)

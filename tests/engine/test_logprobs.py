@@ -12,6 +12,7 @@ import torch
 
 from exl2_backend.errors import InvalidRequestError
 from exl2_backend.runtime import GenerationParams
+from exl2_backend.runtime.logprobs import TokenLogprob
 from exl2_backend.sampling import SamplingParams
 from tests.engine.test_engine import make_engine, prompt, tiny_model
 
@@ -106,3 +107,36 @@ def test_logprobs_off_zero_and_out_of_range(model):
         with pytest.raises(InvalidRequestError, match="logprobs must be") as e:
             GenerationParams(logprobs=bad)
         assert e.value.field == "logprobs"
+
+
+@pytest.mark.parametrize("chunk", [2048, 5], ids=["one-chunk", "chunked"])
+def test_prompt_logprobs_score_every_prompt_token(model, chunk):
+    """prompt_logprobs: one entry per prompt token (the first's logprob None), each later one log_softmax of the
+    logits at the position before it, with n alternatives; equal whether the prompt runs in one chunk or in
+    chunks of 5; a prefix in the prefix cache is computed again (its positions' logits are needed)."""
+    ids = prompt(37, 7)  # two full pages of 16 for the prefix cache
+    reference = make_engine(model)  # the whole prompt's logits in one forward: [P, V]
+    reference.add_sequence("r", ids, GenerationParams(sampling=GREEDY, max_new_tokens=1))
+    reference.pages.grow(reference.seqs["r"], len(ids))
+    full = reference.runner.run([ids], [0], [reference.seqs["r"].pages], "all")[0]
+    reference.release("r")
+
+    engine = make_engine(model, max_chunk_size=chunk)
+    runs = {}
+    for sid in ("warm", "p", "hit"):  # "warm" fills the prefix cache with this prompt's full pages first
+        engine.add_sequence(sid, ids, GenerationParams(sampling=GREEDY, max_new_tokens=2,
+                                                       prompt_logprobs=2 if sid == "p" else None))
+        runs[sid] = []
+        while not runs[sid] or not runs[sid][-1].token_ids:  # bounded: 37 / 5 chunks at most
+            runs[sid] += engine.prefill([sid])
+    assert engine.seqs["hit"].cached_tokens > 0 and engine.seqs["p"].cached_tokens == 0
+    events = runs["p"]
+    ev = events[-1]
+    assert [e.prompt_logprobs for e in events[:-1]] == [None] * (len(events) - 1)
+    entries = ev.prompt_logprobs
+    assert len(entries) == len(ids) and entries[0] == TokenLogprob(ids[0], None)
+    for j in range(1, len(ids)):
+        _check(entries[j], full[j - 1], ids[j], 2)
+    for sid in runs:
+        engine.release(sid)
+    engine.assert_no_leaks()

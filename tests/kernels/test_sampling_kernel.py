@@ -1,10 +1,10 @@
 """GPU sampler (csrc/layers/sampling.cu, ops/cuda_layers.sample_tokens) against reference.sample_tokens.
 
 Tolerance: exact token ids given the same uniforms. Greedy is exact by construction (ties -> lowest id, as
-torch.argmax; a row holding a NaN gives -1 in every mode, as the reference's NAN_ROW). Sampled rows can only differ where two race scores p_i / E_i agree to
-within a few ulps, because the kernel sums the softmax in a different order and evaluates exp/log correctly
-rounded (torch's fp32 exp/log may be 1 ulp off); for random inputs that happens about once per 10^6 draws,
-so these tests expect exact equality.
+torch.argmax; a row holding a NaN gives -1 in every mode, as the reference's NAN_ROW). Sampled rows can only
+differ where two race scores p_i / E_i agree to within a few ulps, because the kernel sums the softmax in a
+different order and evaluates exp/log correctly rounded (torch's fp32 exp/log may be 1 ulp off); for random
+inputs that happens about once per 10^6 draws, so these tests expect exact equality.
 """
 
 from __future__ import annotations
@@ -184,8 +184,9 @@ def test_opcheck():
 @pytest.mark.parametrize("b", [1, 5, 70])
 def test_greedy_tokens_is_argmax(v, b):
     """greedy_tokens (the sampler kernel, every temperature 0, the logits as the unread uniforms) equals
-    torch.argmax: ties across chunks to the lowest id, all -inf rows to 0, -1 for a row holding a NaN; rows with a stride past
-    V (the model's logits[:, :vocab_size] slice), batches past the cached zero temperatures (70 > 64)."""
+    torch.argmax: ties across chunks to the lowest id, all -inf rows to 0, -1 for a row holding a NaN; rows with a
+    stride past V (the model's logits[:, :vocab_size] slice), batches past the cached zero temperatures
+    (70 > 64)."""
     wide = torch.randn(b, v + 40, device=DEV) * 4
     logits = wide[:, :v]
     logits[0, 5] = logits[0, v - 1] = 100.0

@@ -146,11 +146,17 @@ def test_a_stale_handle_after_unload_raises_engine_unhealthy(default_model_dir):
 
 
 def test_logprobs_ride_on_the_events(backend):
-    """SequenceRequest.logprobs (hook API 1.3): every event's tokens come with one entry each (the keys of
-    runtime/logprobs.logprob_entries), n alternatives, greedy's token the most likely; without it, None."""
+    """SequenceRequest.logprobs / prompt_logprobs (hook API 1.3): every event's tokens come with one entry each
+    (the keys of runtime/logprobs.logprob_entries), n alternatives, greedy's token the most likely, and the
+    prompt's entries on the event that completes it; without them, None."""
     hook, h = backend
-    lp, no = hook.exl2_prefill(handle=h, batch=StepBatch(new=[_req("lp", 3, logprobs=2), _req("no", 2)]))
-    assert no.token_ids and no.logprobs is None
+    lp, no = hook.exl2_prefill(handle=h, batch=StepBatch(new=[_req("lp", 3, logprobs=2, prompt_logprobs=1),
+                                                               _req("no", 2)]))
+    assert no.token_ids and no.logprobs is None and no.prompt_logprobs is None
+    prompt = lp.prompt_logprobs  # one entry per prompt token, the first without a logprob
+    assert [x["token_id"] for x in prompt] == list(range(1, 8))
+    assert prompt[0]["logprob"] is None and prompt[0]["top_logprobs"] is None
+    assert all(x["logprob"] <= 0 and len(x["top_logprobs"]) == 1 for x in prompt[1:])
     hook.exl2_release(handle=h, seq_ids=["no"])
     events = [lp]
     for _ in range(3):  # bounded: 3 tokens in all

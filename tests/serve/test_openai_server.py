@@ -132,8 +132,8 @@ def test_completions_streaming_and_not(client):
 
 def test_logprobs_chat_and_completions(client):
     """logprobs / top_logprobs (chat) and logprobs (completions): one entry per generated token (the EOS
-    included), the tokens' text making up the reply, alternatives most likely first; greedy picks the most likely token; streaming
-    reports the same entries as the plain response; no logprobs unless asked."""
+    included), the tokens' text making up the reply, alternatives most likely first; greedy picks the most likely
+    token; streaming reports the same entries as the plain response; no logprobs unless asked."""
     r = client.chat.completions.create(model=MODEL, messages=FRANCE, max_tokens=8, temperature=0, logprobs=True,
                                        top_logprobs=3)
     content = r.choices[0].logprobs.content
@@ -228,6 +228,34 @@ def test_logit_bias_forces_and_bans_tokens(client):
     r = client.chat.completions.create(model=MODEL, messages=FRANCE, max_tokens=2, temperature=0, logprobs=True,
                                        logit_bias={"1000": 100})
     assert [e.token for e in r.choices[0].logprobs.content] == forced[:2]
+
+
+def test_echo_returns_the_prompt_and_its_logprobs(client, http):
+    """Text completions' echo: the prompt before the completion, streamed first too; with logprobs, every prompt
+    token's entry (the first one's logprob and alternatives null, as the legacy API) before the completion's,
+    the way lm-evaluation-harness scores a continuation (echo, logprobs=1, max_tokens=1)."""
+    prompt = "The capital of France is Paris"
+    r = client.completions.create(model=MODEL, prompt=prompt, max_tokens=1, temperature=0, echo=True, logprobs=1)
+    text, lp = r.choices[0].text, r.choices[0].logprobs
+    n_prompt = r.usage.prompt_tokens
+    assert text.startswith(prompt) and len(lp.tokens) == n_prompt + 1
+    assert "".join(lp.tokens) == text
+    assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+    assert all(v is not None and v <= 0 for v in lp.token_logprobs[1:])
+    assert all(len(top) == 1 for top in lp.top_logprobs[1:])
+    assert lp.text_offset == [sum(len(t) for t in lp.tokens[:i]) for i in range(len(lp.tokens))]
+    paris = lp.token_logprobs[n_prompt - 1]  # " Paris" after "The capital of France is"
+    assert -5 < paris < 0
+    plain = client.completions.create(model=MODEL, prompt=prompt, max_tokens=1, temperature=0, echo=True)
+    assert plain.choices[0].text == text and plain.choices[0].logprobs is None
+    streamed = "".join(c.choices[0].text for c in client.completions.create(
+        model=MODEL, prompt=prompt, max_tokens=1, temperature=0, echo=True, stream=True) if c.choices)
+    assert streamed == text
+    ids = http.post("/v1/completions", json={"model": MODEL, "prompt": [504, 3575, 282], "max_tokens": 2,
+                                             "temperature": 0, "echo": True}).json()
+    tail = http.post("/v1/completions", json={"model": MODEL, "prompt": [504, 3575, 282], "max_tokens": 2,
+                                              "temperature": 0}).json()["choices"][0]["text"]
+    assert ids["choices"][0]["text"].endswith(tail) and len(ids["choices"][0]["text"]) > len(tail)
 
 
 def test_stop_strings(client):

@@ -86,6 +86,7 @@ def test_per_engine_hooks_ignore_foreign_handles():
     ("ignore_eos", "no"), ("add_generation_prompt", 1),  # only real booleans: "no" is truthy
     ("logprobs", -1), ("logprobs", 21), ("logprobs", True), ("logprobs", 2.5),
     ("logit_bias", {-1: 1.0}), ("logit_bias", {3: 200}), ("logit_bias", {"3": 1}), ("logit_bias", [3]),
+    ("prompt_logprobs", -1), ("prompt_logprobs", 21), ("prompt_logprobs", False),
 ])
 def test_request_validation_names_the_field(field, value):
     req = SequenceRequest("s", prompt="hi", **{field: value})

@@ -4,7 +4,7 @@
 #  1. The sampler kernel now flags a row whose logits hold a NaN (-1, in every mode) while it reads it, so the greedy
 #     lookahead and greedy graphs (graph I/O, the default since AR1) fail that sequence instead of emitting and
 #     feeding back the NaN's index: the sampler and decode-io kernel tests, and the tiny-model engine tests (a NaN
-#     written into one sequence's V page mid-decode, both lookahead paths; logprobs on the GPU engine).
+#     written into one sequence's V page mid-decode, both lookahead paths; logprobs, prompt logprobs and logit bias on the GPU engine).
 #  2. Session 23's prepared call_AM2.sh (folded in here, removed): which kernel should take fp16 pages at decode.
 #     The tensor-core one-pass kernel by CTAs per SM (2 / 3 / 4) against the CUDA-core one
 #     (EXL2_BACKEND_ATTN_FP16_MMA=0; 2 / 4 / 6 / 8 / 12) at 32k and 1k (scripts/attention_sweep.py), then bench fp16

@@ -54,3 +54,27 @@ def test_nan_logits_fail_only_their_sequence(engine, monkeypatch, sampling):
     check_nan_row_fails_only_its_sequence(engine, monkeypatch,
                                           GenerationParams(sampling=sampling, max_new_tokens=6, ignore_eos=True),
                                           {"sick": _prompt(12, 2), "well": _prompt(12, 3)})
+
+
+def test_prompt_logprobs_on_the_gpu(engine):
+    """prompt_logprobs on the GPU: the prompt scored during its prefill equals log_softmax of one forward over
+    the whole prompt with every position's logits, within 1e-3 absolute."""
+    ids = _prompt(40, 9)
+    engine.add_sequence("ref", ids, GenerationParams(sampling=SamplingParams.greedy(), max_new_tokens=1))
+    engine.pages.grow(engine.seqs["ref"], len(ids))
+    full = torch.log_softmax(engine.runner.run([ids], [0], [engine.seqs["ref"].pages], "all")[0].float(), -1)
+    engine.release("ref")
+    engine.add_sequence("p", ids, GenerationParams(sampling=SamplingParams.greedy(), max_new_tokens=1,
+                                                   prompt_logprobs=3))
+    events = []
+    for _ in range(len(ids)):  # bounded: one chunk per call at worst
+        events += engine.prefill(["p"])
+        if events[-1].token_ids:
+            break
+    entries = events[-1].prompt_logprobs
+    assert len(entries) == len(ids) and entries[0].logprob is None
+    for j in range(1, len(ids)):
+        assert entries[j].token_id == ids[j] and len(entries[j].top) == 3
+        assert abs(entries[j].logprob - full[j - 1, ids[j]].item()) < 1e-3
+    engine.release("p")
+    engine.assert_no_leaks()

@@ -574,6 +574,8 @@ def _merge_items(a: dict, b: dict) -> dict:
     out["token_ids"] = list(a.get("token_ids") or ()) + list(b.get("token_ids") or ())
     if "logprobs" in a or "logprobs" in b:
         out["logprobs"] = list(a.get("logprobs") or ()) + list(b.get("logprobs") or ())
+    if "prompt_logprobs" in a:  # only the item that completed the prompt has them
+        out["prompt_logprobs"] = a["prompt_logprobs"]
     return out
 
 

@@ -34,6 +34,30 @@ def _int(name: str, value) -> int:
 
 
 MAX_TOP_LOGPROBS = 20  # most likely alternatives reported per token at most (the OpenAI API's limit)
+MAX_LOGIT_BIAS = 100.0  # the OpenAI API's range: +-100 bans or forces a token
+
+
+# The checks of the logprobs counts and logit_bias, shared by GenerationParams, the plugin's SequenceRequest and
+# the OpenAI schema so each refuses exactly the same values: None when fine, else the rule and the value.
+def logprobs_count_problem(value) -> str | None:
+    if value is None or (isinstance(value, int) and not isinstance(value, bool) and 0 <= value <= MAX_TOP_LOGPROBS):
+        return None
+    return f"must be None or an integer in [0, {MAX_TOP_LOGPROBS}] (the most likely alternatives per token), got " \
+           f"{value!r}"
+
+
+def logit_bias_problem(bias) -> str | None:
+    """bias: {token id: number} (ids integers >= 0, numbers finite in [-100, 100]) or None."""
+    if bias is None:
+        return None
+    if not isinstance(bias, dict):
+        return f"must map token ids to numbers, got {type(bias).__name__}"
+    for key, value in bias.items():
+        if isinstance(key, bool) or not isinstance(key, int) or key < 0:
+            return f"keys must be token ids (integers >= 0), got {key!r}"
+        if isinstance(value, bool) or not isinstance(value, Real) or not -MAX_LOGIT_BIAS <= value <= MAX_LOGIT_BIAS:
+            return f"the bias of token {key} must be a number in [-100, 100], got {value!r}"
+    return None
 
 # Valid ranges of the float sampling fields: (predicate, rule for the message). Shared with the plugin's
 # request validation so a host and the engine reject exactly the same values.

@@ -12,7 +12,11 @@ from dataclasses import asdict, dataclass, field
 from typing import Any, Literal
 
 from exl2_backend.errors import Exl2Error, InvalidRequestError
-from exl2_backend.sampling import MAX_TOP_LOGPROBS, SAMPLING_RANGES  # torch-free, like this module
+from exl2_backend.sampling import (  # torch-free, like this module
+    SAMPLING_RANGES,
+    logit_bias_problem,
+    logprobs_count_problem,
+)
 
 FinishReason = Literal["stop", "length", "cancelled", "error"]
 FINISH_REASONS = ("stop", "length", "cancelled", "error")
@@ -95,16 +99,11 @@ class SequenceRequest:
             bad("stop", "must be a list of non-empty strings")
         if not isinstance(self.stop_token_ids, list) or not all(_is_int(t) and t >= 0 for t in self.stop_token_ids):
             bad("stop_token_ids", "must be a list of non-negative token ids")
-        if self.logit_bias is not None and (
-                not isinstance(self.logit_bias, dict)
-                or not all(_is_int(k) and k >= 0 for k in self.logit_bias)
-                or not all(isinstance(v, (int, float)) and not isinstance(v, bool) and -100 <= v <= 100
-                           for v in self.logit_bias.values())):
-            bad("logit_bias", f"must map token ids (integers >= 0) to numbers in [-100, 100], got {self.logit_bias!r}")
-        for name in ("logprobs", "prompt_logprobs"):
-            value = getattr(self, name)
-            if value is not None and (not _is_int(value) or not 0 <= value <= MAX_TOP_LOGPROBS):
-                bad(name, f"must be None or an integer in [0, {MAX_TOP_LOGPROBS}], got {value!r}")
+        for name, problem in (("logprobs", logprobs_count_problem(self.logprobs)),
+                              ("prompt_logprobs", logprobs_count_problem(self.prompt_logprobs)),
+                              ("logit_bias", logit_bias_problem(self.logit_bias))):
+            if problem is not None:
+                bad(name, problem)
         for name in ("ignore_eos", "add_generation_prompt", "cap_to_context"):  # "no" is truthy: only real booleans
             if not isinstance(getattr(self, name), bool):
                 bad(name, f"must be true or false, got {getattr(self, name)!r}")

@@ -11,8 +11,6 @@ from dataclasses import dataclass
 
 import torch
 
-from exl2_backend.sampling import MAX_TOP_LOGPROBS  # noqa: F401  (re-exported for GenerationParams)
-
 
 @dataclass(frozen=True)
 class TokenLogprob:
@@ -26,7 +24,7 @@ class TokenLogprob:
 
 def token_logprobs(logits: torch.Tensor, tokens: list[int], top_n: list[int]) -> list[TokenLogprob]:
     """logits [R, V] (one row per sampled token), tokens [R] ids in [0, V), top_n [R] alternatives wanted per
-    row (0..MAX_TOP_LOGPROBS) -> one TokenLogprob per row. One device-to-host copy for all rows."""
+    row (0..sampling.MAX_TOP_LOGPROBS) -> one TokenLogprob per row. One device-to-host copy for all rows."""
     if not tokens:
         return []
     lp = torch.log_softmax(logits.float(), dim=-1)  # [R, V]

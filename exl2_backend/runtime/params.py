@@ -6,8 +6,8 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from exl2_backend.errors import InvalidRequestError
-from exl2_backend.runtime.logprobs import MAX_TOP_LOGPROBS, TokenLogprob
-from exl2_backend.sampling import SamplingParams
+from exl2_backend.runtime.logprobs import TokenLogprob
+from exl2_backend.sampling import SamplingParams, logit_bias_problem, logprobs_count_problem
 
 FinishReason = Literal["stop", "length", "cancelled", "error"]
 
@@ -41,35 +41,13 @@ class GenerationParams:
         self.stop_token_ids = [int(t) for t in (self.stop_token_ids or [])]
         if any(t < 0 for t in self.stop_token_ids):
             raise InvalidRequestError("stop_token_ids must be non-negative token ids", field="stop_token_ids")
-        if self.logit_bias is not None:
-            self.logit_bias = _checked_bias(self.logit_bias)
-        for name in ("logprobs", "prompt_logprobs"):
-            value = getattr(self, name)
-            if value is not None and (isinstance(value, bool) or not isinstance(value, int)
-                                      or not 0 <= value <= MAX_TOP_LOGPROBS):
-                raise InvalidRequestError(f"{name} must be None or an integer in [0, {MAX_TOP_LOGPROBS}] (the most "
-                                          f"likely alternatives per token), got {value!r}", field=name)
-
-
-MAX_LOGIT_BIAS = 100.0  # the OpenAI API's range: +-100 bans or forces a token
-
-
-def _checked_bias(bias) -> dict[int, float] | None:
-    """{token id: bias} with ids >= 0 and finite biases in [-100, 100]; an empty mapping is None."""
-    if not isinstance(bias, dict):
-        raise InvalidRequestError(f"logit_bias must map token ids to numbers, got {type(bias).__name__}",
-                                  field="logit_bias")
-    out = {}
-    for key, value in bias.items():
-        if isinstance(key, bool) or not isinstance(key, int) or key < 0:
-            raise InvalidRequestError(f"logit_bias keys must be token ids (integers >= 0), got {key!r}",
-                                      field="logit_bias")
-        if (isinstance(value, bool) or not isinstance(value, (int, float))
-                or not -MAX_LOGIT_BIAS <= value <= MAX_LOGIT_BIAS):
-            raise InvalidRequestError(f"logit_bias[{key}] must be a number in [-100, 100], got {value!r}",
-                                      field="logit_bias")
-        out[key] = float(value)
-    return out or None
+        for name, problem in (("logprobs", logprobs_count_problem(self.logprobs)),
+                              ("prompt_logprobs", logprobs_count_problem(self.prompt_logprobs)),
+                              ("logit_bias", logit_bias_problem(self.logit_bias))):
+            if problem is not None:
+                raise InvalidRequestError(f"{name} {problem}", field=name)
+        if self.logit_bias is not None:  # {id: float}; an empty mapping is no bias
+            self.logit_bias = {k: float(v) for k, v in self.logit_bias.items()} or None
 
 
 @dataclass

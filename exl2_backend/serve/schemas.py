@@ -13,7 +13,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from exl2_backend.sampling import MAX_TOP_LOGPROBS
+from exl2_backend.sampling import MAX_TOP_LOGPROBS, logit_bias_problem
 from exl2_backend.text import unicode_problem
 
 MAX_CHOICES = 16  # n: choices per request at most (each one engine sequence)
@@ -206,14 +206,14 @@ class _SamplingRequest(_Strict):
         """{"token id": bias} (JSON keys are strings) -> {id: bias}; ids >= 0, biases numbers in [-100, 100]."""
         if not v:
             return None
-        out = {}
-        for key, value in v.items():
-            if not (isinstance(key, str) and key.isdigit()):
-                raise ValueError(f"keys must be token ids (non-negative integers as strings), got {key!r}")
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or not -100 <= value <= 100:
-                raise ValueError(f"the bias of token {key} must be a number in [-100, 100], got {value!r}")
-            out[int(key)] = float(value)
-        return out
+        bad = next((key for key in v if not (isinstance(key, str) and key.isdigit())), None)
+        if bad is not None:
+            raise ValueError(f"keys must be token ids (non-negative integers as strings), got {bad!r}")
+        out = {int(key): value for key, value in v.items()}
+        problem = logit_bias_problem(out)  # the engine's rule for the values
+        if problem is not None:
+            raise ValueError(problem)
+        return {key: float(value) for key, value in out.items()}
 
     def include_usage(self) -> bool:
         return bool(self.stream_options and self.stream_options.include_usage)

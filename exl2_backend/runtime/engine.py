@@ -390,7 +390,7 @@ class Engine:
     def _accept(self, s: Sequence, logits: torch.Tensor, draft: list[int], probs=None) -> StepEvent:
         """logits [k+1, V]: row j predicts the token after draft[:j]. Sample row by row (penalty counts see
         the accepted tokens); stop at the first mismatch or finish."""
-        taken, text, lps = [], "", []
+        taken, text = [], ""
         # Greedy without penalties: each row's token is its argmax whatever was accepted before (one sync).
         greedy = s.plain_greedy
         argmax = ops.greedy_tokens(logits.float()).tolist() if greedy else None  # [k+1]
@@ -406,8 +406,6 @@ class Engine:
                 t = accept_or_resample(s, logits[j : j + 1], draft[j], q)
             if t == NAN_LOGITS:  # fails the sequence, this step's accepted tokens with it
                 return self._emit_sampled(s, t)
-            if s.params.logprobs is not None:
-                lps += token_logprobs(logits[j : j + 1], [t], [s.params.logprobs])
             s.num_computed += 1
             delta, reason = s.append_token(t)
             taken.append(t)
@@ -420,6 +418,9 @@ class Engine:
         self._tokens_generated += len(taken)
         if not s.finished:
             self.pages.shrink(s, s.num_computed)  # rejected drafts' KV lies past num_computed: drop its pages
+        lps = None  # row j gave taken[j]: the rows used, scored in one pass
+        if s.params.logprobs is not None:
+            lps = token_logprobs(logits[: len(taken)], taken, [s.params.logprobs] * len(taken))
         return s.event(taken, text, lps)
 
     # --- release and stats -------------------------------------------------------------------------------

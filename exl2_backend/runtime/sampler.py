@@ -12,8 +12,8 @@ from exl2_backend.ops.reference_sampling import NAN_ROW
 
 def penalized_logits(seqs, logits: torch.Tensor) -> torch.Tensor:
     """logits [B, V] -> f32 [B, V] with each sequence's repetition/frequency/presence penalties applied from
-    its prompt and output counts (objects with `params`, `prompt_counts`, `output_counts`), then its logit bias
-    added (`logit_bias`: ids and biases, or None). The input is never written (it may be a graph's output)."""
+    its prompt and output counts (objects with `params`, `prompt_counts`, `output_counts`, `logit_bias`), then
+    its logit bias added (`logit_bias`: ids and biases, or None). The input is never written (it may be a graph's output)."""
     v = logits.shape[1]
     logits = logits.float()
     if any(s.prompt_counts is not None for s in seqs):
@@ -21,10 +21,10 @@ def penalized_logits(seqs, logits: torch.Tensor) -> torch.Tensor:
         pc = torch.stack([zeros if s.prompt_counts is None else s.prompt_counts for s in seqs])  # [B, V]
         oc = torch.stack([zeros if s.output_counts is None else s.output_counts for s in seqs])
         logits = apply_penalties(logits, pc.to(logits.device), oc.to(logits.device), [s.params.sampling for s in seqs])
-    if any(getattr(s, "logit_bias", None) is not None for s in seqs):
+    if any(s.logit_bias is not None for s in seqs):
         bias = torch.zeros(logits.shape, dtype=torch.float32)  # [B, V], built on the host: one copy
         for i, s in enumerate(seqs):
-            if getattr(s, "logit_bias", None) is not None:
+            if s.logit_bias is not None:
                 ids, values = s.logit_bias
                 bias[i, ids] = values
         logits = logits + bias.to(logits.device, non_blocking=True)

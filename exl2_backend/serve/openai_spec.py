@@ -331,7 +331,7 @@ class Exl2OpenAISpec(LitSpec):
         choices, usage = [], {"prompt_tokens": 0, "completion_tokens": 0, "total_tokens": 0}
         try:
             for index, (agen, item) in enumerate(zip(agens, firsts)):  # later choices buffer meanwhile
-                parts, lps, prompt_lps = [], None, None
+                parts, lps, prompt_lps = [], None, None  # lps None: the request asked for no logprobs
                 while True:
                     if "error" in item:
                         self._drop(uids, ids)
@@ -339,7 +339,8 @@ class Exl2OpenAISpec(LitSpec):
                     prompt_lps = item.get("prompt_logprobs", prompt_lps)
                     parts.append(item.get("text", ""))
                     if "logprobs" in item:
-                        lps = (lps or []) + item["logprobs"]
+                        lps = lps if lps is not None else []
+                        lps.extend(item["logprobs"])  # in place: a long reply's items cost linear time
                     if item.get("finish_reason"):
                         break
                     item = await self._next(agen, watch)

@@ -46,6 +46,7 @@ class _Counts:
         self.params = seq.params
         self.prompt_counts = seq.prompt_counts
         self.output_counts = None if seq.output_counts is None else seq.output_counts.clone()
+        self.logit_bias = None  # the draft proposes without the target's bias; the target's check applies it
 
     def add(self, token: int) -> None:
         if self.output_counts is not None and token < self.output_counts.numel():

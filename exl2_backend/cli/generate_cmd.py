@@ -33,6 +33,12 @@ def add_parser(sub):
                    help="tokens to generate at most (--max-tokens: the OpenAI API's name for it)")
     p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     p.add_argument("--ignore-eos", action="store_true")
+    form = p.add_mutually_exclusive_group()  # constrained output (exl2_backend/grammar/)
+    form.add_argument("--json", action="store_true", help="the output is one JSON object")
+    form.add_argument("--json-schema", metavar="FILE", help="the output is JSON following the schema in FILE")
+    form.add_argument("--regex", help="the output matches this regular expression")
+    form.add_argument("--choice", action="append", help="the output is one of these strings (repeatable)")
+    form.add_argument("--lark", metavar="FILE", help="the output follows the Lark grammar in FILE")
     add_sampling_args(p)
     add_prefill_args(p)
     add_spec_args(p)
@@ -53,6 +59,23 @@ def _messages(args) -> list[dict] | None:
     if args.chat is not None:
         msgs = [{"role": "system", "content": args.system}] if args.system else []
         return msgs + [{"role": "user", "content": args.chat}]
+    return None
+
+
+def _grammar(args) -> dict | None:
+    """The --json / --json-schema / --regex / --choice / --lark constraint as GenerationParams.grammar."""
+    if args.json:
+        return {"type": "json_object"}
+    if args.regex is not None:
+        return {"type": "regex", "value": args.regex}
+    if args.choice:
+        return {"type": "choice", "value": args.choice}
+    for kind, path in (("json_schema", args.json_schema), ("lark", args.lark)):
+        if path is not None:
+            try:
+                return {"type": kind, "value": Path(path).read_text(encoding="utf-8")}
+            except (OSError, UnicodeDecodeError) as exc:
+                raise InvalidRequestError(f"--{kind.replace('_', '-')} {path}: {exc}", field="grammar") from None
     return None
 
 
@@ -78,7 +101,7 @@ def run(args) -> int:
             print("(no --prompt given; using 'The capital of France is')", file=sys.stderr)
         print(tok.decode(prompt_ids), end="", flush=True)
     params = GenerationParams(sampling=sampling_from_args(args), max_new_tokens=args.max_new_tokens,
-                              stop=args.stop, ignore_eos=args.ignore_eos)
+                              stop=args.stop, ignore_eos=args.ignore_eos, grammar=_grammar(args))
     t0 = time.perf_counter()
     t_first = None
     n = 0

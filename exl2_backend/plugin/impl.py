@@ -16,6 +16,7 @@ from pathlib import Path
 
 from exl2_backend._version import HOOK_API_VERSION, __version__
 from exl2_backend.errors import ConfigError, Exl2Error, InvalidRequestError
+from exl2_backend.grammar.spec import GRAMMAR_TYPES
 from exl2_backend.plugin.hookspecs import HOOK_NAMES, hookimpl
 from exl2_backend.plugin.types import (
     AdmissionRejected,
@@ -58,6 +59,7 @@ CAPABILITIES = {
     "chunked_prefill": True,
     "multi_gpu": ["gpu_split", "autosplit", "tensor_parallel"],  # load settings of the same names
     "logprobs": "raw",  # SequenceRequest.logprobs: log_softmax of the model's logits, up to 20 alternatives
+    "grammars": list(GRAMMAR_TYPES),  # SequenceRequest.grammar (API 1.4): constrained output
     "threading": "single-engine-thread",
 }
 
@@ -174,7 +176,7 @@ class Exl2Handle(BackendHandle):
             params = GenerationParams(sampling=sampling, max_new_tokens=req.max_new_tokens, stop=list(req.stop),
                                       stop_token_ids=list(req.stop_token_ids), ignore_eos=req.ignore_eos,
                                       logprobs=req.logprobs, logit_bias=req.logit_bias,
-                                      prompt_logprobs=req.prompt_logprobs)
+                                      prompt_logprobs=req.prompt_logprobs, grammar=req.grammar)
             self.engine.add_sequence(sid, ids, params)
         except PromptTooLongError as exc:
             raise AdmissionRejected(str(exc), reason="prompt_too_long", field="prompt", limit=exc.limit,

@@ -12,6 +12,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any, Literal
 
 from exl2_backend.errors import Exl2Error, InvalidRequestError
+from exl2_backend.grammar.spec import grammar_problem  # torch-free, like this module
 from exl2_backend.sampling import (  # torch-free, like this module
     SAMPLING_RANGES,
     logit_bias_problem,
@@ -61,6 +62,8 @@ class SequenceRequest:
     logprobs: int | None = None  # None: none; n in [0, 20]: each token's logprob and the n most likely (API 1.3)
     logit_bias: dict[int, float] | None = None  # token id -> added to its logit, in [-100, 100] (API 1.3)
     prompt_logprobs: int | None = None  # None: none; n in [0, 20]: each prompt token's logprob too (API 1.3)
+    grammar: dict | None = None  # {"type": json_object | json_schema | regex | lark | choice, "value": ...}: the
+    # output is constrained to it and ends when it is complete (API 1.4; exl2_backend/grammar/spec.py)
 
     def validate(self) -> None:
         """Raise `AdmissionRejected(reason="invalid_request", field=...)` for a malformed request (cheap, no
@@ -101,7 +104,8 @@ class SequenceRequest:
             bad("stop_token_ids", "must be a list of non-negative token ids")
         for name, problem in (("logprobs", logprobs_count_problem(self.logprobs)),
                               ("prompt_logprobs", logprobs_count_problem(self.prompt_logprobs)),
-                              ("logit_bias", logit_bias_problem(self.logit_bias))):
+                              ("logit_bias", logit_bias_problem(self.logit_bias)),
+                              ("grammar", grammar_problem(self.grammar))):
             if problem is not None:
                 bad(name, problem)
         for name in ("ignore_eos", "add_generation_prompt", "cap_to_context"):  # "no" is truthy: only real booleans

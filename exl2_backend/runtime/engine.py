@@ -86,6 +86,7 @@ class Engine:
         if tokenizer is not None:
             self.eos_ids |= set(getattr(tokenizer, "eos_token_ids", ()) or ())
         self.seqs: dict[str, Sequence] = {}
+        self._grammar_tokenizer = None  # built on the first request with a grammar
         self._tokens_generated = 0
         # greedy CUDA-graph decode keeps the next step in flight (runtime/lookahead.py); EXL2_BACKEND_LOOKAHEAD=0 off
         self.lookahead = None
@@ -167,6 +168,7 @@ class Engine:
         if bad:  # it could never be sampled: a silent no-op otherwise
             raise InvalidRequestError(f"stop token id {bad[0]} is outside the vocabulary [0, "
                                       f"{self.model.vocab_size})", field="stop_token_ids")
+        grammar = self._grammar_for(params.grammar) if params.grammar is not None else None
         if n >= self.max_seq_len:
             raise PromptTooLongError(f"prompt has {n} tokens but the engine was loaded with max_seq_len="
                                      f"{self.max_seq_len} (prompt + output); shorten the prompt or load with a "
@@ -184,15 +186,26 @@ class Engine:
         tok = self.tokenizer
         decoder = tok.incremental_decoder() if tok is not None else _NoDecoder()
         seq = Sequence(seq_id, prompt, params, max_total=max_total, vocab_size=self.model.vocab_size,
-                       eos_ids=self.eos_ids, decoder=decoder, stop_matcher=StopMatcher(params.stop))
+                       eos_ids=self.eos_ids, decoder=decoder, stop_matcher=StopMatcher(params.stop), grammar=grammar)
         seq.num_computed = seq.cached_tokens = self.pages.admit(seq, prompt, match, max_total)
         self.seqs[seq_id] = seq
+
+    def _grammar_for(self, spec: dict):
+        """A fresh SequenceGrammar of a request's grammar (exl2_backend/grammar/); the vocabulary's token bytes are
+        read once per engine. InvalidRequestError(field="grammar") when it does not compile."""
+        if self.tokenizer is None:
+            raise InvalidRequestError("a grammar needs the model's tokenizer; this engine has none", field="grammar")
+        if self._grammar_tokenizer is None:
+            from exl2_backend.grammar.matcher import GrammarTokenizer
+
+            self._grammar_tokenizer = GrammarTokenizer(self.tokenizer, self.model.vocab_size, self.eos_ids)
+        return self._grammar_tokenizer.matcher(spec)
 
     # --- exits -----------------------------------------------------------------------------------------
 
     def _finish(self, seq: Sequence, reason: str, error: str | None = None) -> None:
         seq.finish_reason = reason
-        seq.error = error
+        seq.error = error or seq.error  # append_token may have said why already
         if self.spec is not None:
             self.spec.forget(seq.seq_id)
         self.pages.release(seq, cache=reason != "error")  # a failed step may have left bad KV: do not cache it
@@ -307,8 +320,12 @@ class Engine:
     def _emit_sampled(self, s: Sequence, token: int, logprob: TokenLogprob | None = None) -> StepEvent:
         """The sequence's event for a token from sample_for: NAN_LOGITS fails it (tier 2, pages returned)."""
         if token == NAN_LOGITS:
-            log.error("exl2_backend: NaN logits for sequence %s; it fails", s.seq_id)
-            self._finish(s, "error", "numerical fault: the model produced NaN logits for this sequence")
+            if s.grammar is not None and s.grammar.allows_nothing():
+                message = f"the request's grammar allows no next token{': ' + s.grammar.error if s.grammar.error else ''}"
+            else:
+                message = "numerical fault: the model produced NaN logits for this sequence"
+            log.error("exl2_backend: sequence %s fails: %s", s.seq_id, message)
+            self._finish(s, "error", message)
             return s.event([], "")
         return self._emit(s, [token], None if logprob is None else [logprob])
 

@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from exl2_backend.errors import InvalidRequestError
+from exl2_backend.grammar.spec import grammar_problem
 from exl2_backend.runtime.logprobs import TokenLogprob
 from exl2_backend.sampling import SamplingParams, logit_bias_problem, logprobs_count_problem
 
@@ -28,6 +29,8 @@ class GenerationParams:
     logit_bias: dict[int, float] | None = None  # token id -> added to its logit before sampling, in [-100, 100]
     prompt_logprobs: int | None = None  # None: none; n: each prompt token's logprob (the first has none) and n
     # alternatives, on the event that completes the prompt (its prefix is computed, not taken from the cache)
+    grammar: dict | None = None  # {"type": json_object | json_schema | regex | lark | choice, "value": ...}: the
+    # output is constrained to it (exl2_backend/grammar/spec.py); it ends when the grammar is complete
 
     def __post_init__(self):
         if self.max_new_tokens is not None and (not isinstance(self.max_new_tokens, int) or self.max_new_tokens < 1):
@@ -43,7 +46,8 @@ class GenerationParams:
             raise InvalidRequestError("stop_token_ids must be non-negative token ids", field="stop_token_ids")
         for name, problem in (("logprobs", logprobs_count_problem(self.logprobs)),
                               ("prompt_logprobs", logprobs_count_problem(self.prompt_logprobs)),
-                              ("logit_bias", logit_bias_problem(self.logit_bias))):
+                              ("logit_bias", logit_bias_problem(self.logit_bias)),
+                              ("grammar", grammar_problem(self.grammar))):
             if problem is not None:
                 raise InvalidRequestError(f"{name} {problem}", field=name)
         if self.logit_bias is not None:  # {id: float}; an empty mapping is no bias

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import torch
 
+from exl2_backend.grammar.mask import apply_grammar_masks, grammar_masks
 from exl2_backend.ops.dispatch import greedy_tokens
 from exl2_backend.ops.reference import apply_penalties, make_uniforms, sample_tokens
 from exl2_backend.ops.reference_sampling import NAN_ROW
@@ -12,8 +13,10 @@ from exl2_backend.ops.reference_sampling import NAN_ROW
 
 def penalized_logits(seqs, logits: torch.Tensor) -> torch.Tensor:
     """logits [B, V] -> f32 [B, V] with each sequence's repetition/frequency/presence penalties applied from
-    its prompt and output counts (objects with `params`, `prompt_counts`, `output_counts`, `logit_bias`), then
-    its logit bias added (`logit_bias`: ids and biases, or None). The input is never written (it may be a graph's output)."""
+    its prompt and output counts (objects with `params`, `prompt_counts`, `output_counts`, `logit_bias`,
+    `grammar`), then its logit bias added (`logit_bias`: ids and biases, or None), then the tokens its grammar
+    forbids set to -inf (`grammar`: a SequenceGrammar or None; a row it allows nothing in becomes NaN, which the
+    samplers flag). The input is never written (it may be a graph's output)."""
     v = logits.shape[1]
     logits = logits.float()
     if any(s.prompt_counts is not None for s in seqs):
@@ -28,6 +31,11 @@ def penalized_logits(seqs, logits: torch.Tensor) -> torch.Tensor:
                 ids, values = s.logit_bias
                 bias[i, ids] = values
         logits = logits + bias.to(logits.device, non_blocking=True)
+    grammars = [s.grammar for s in seqs]
+    constrained = [g for g in grammars if g is not None]
+    if constrained:
+        masks = grammar_masks(grammars, constrained[0].owner.words, pin=logits.is_cuda)  # [B, W] on the host
+        logits = apply_grammar_masks(logits, masks)
     return logits
 
 

@@ -20,7 +20,7 @@ class Sequence:
     num_computed == len(tokens) - 1: the last sampled token is the next step's input."""
 
     def __init__(self, seq_id: str, prompt_ids: list[int], params: GenerationParams, *, max_total: int,
-                 vocab_size: int, eos_ids: set[int], decoder, stop_matcher):
+                 vocab_size: int, eos_ids: set[int], decoder, stop_matcher, grammar=None):
         self.seq_id = seq_id
         self.prompt_ids = list(prompt_ids)
         self.output_ids: list[int] = []
@@ -49,12 +49,14 @@ class Sequence:
         if params.logit_bias:
             self.logit_bias = (torch.tensor(list(params.logit_bias), dtype=torch.int64),
                                torch.tensor(list(params.logit_bias.values()), dtype=torch.float32))
+        self.grammar = grammar  # SequenceGrammar (exl2_backend/grammar/) when the output is constrained
 
     @property
     def plain_greedy(self) -> bool:
-        """Greedy on the raw logits: no penalty or logit bias can change which token is the argmax (the greedy
-        lookahead and greedy verification take the argmax of the logits as they come)."""
-        return self.params.sampling.temperature == 0 and self.prompt_counts is None and self.logit_bias is None
+        """Greedy on the raw logits: no penalty, logit bias or grammar can change which token is the argmax (the
+        greedy lookahead and greedy verification take the argmax of the logits as they come)."""
+        return (self.params.sampling.temperature == 0 and self.prompt_counts is None and self.logit_bias is None
+                and self.grammar is None)
 
     # --- sizes ------------------------------------------------------------------------------------------
 
@@ -97,9 +99,14 @@ class Sequence:
             self.output_counts[token] += 1
         if token in self.stop_ids:
             return self._flush(), "stop"
+        if self.grammar is not None and not self.grammar.consume(token):  # masked sampling never gets here
+            self.error = f"token {token} is outside the request's grammar: {self.grammar.error}"
+            return self._flush(), "error"
         emit, hit = self.stop_matcher.push(self.decoder.push(token))
         if hit:
             return emit, "stop"
+        if self.grammar is not None and self.grammar.stopped:  # complete, and nothing may follow (EOS aside)
+            return emit + self._flush(), "stop"
         if self.remaining_new_tokens <= 0:
             return emit + self._flush(), "length"
         return emit, None

@@ -14,6 +14,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from exl2_backend.sampling import MAX_TOP_LOGPROBS, logit_bias_problem
+from exl2_backend.serve.structured import ResponseFormat, StructuredOutputs, checked
 from exl2_backend.text import unicode_problem
 
 MAX_CHOICES = 16  # n: choices per request at most (each one engine sequence)
@@ -173,6 +174,28 @@ class _SamplingRequest(_Strict):
     store: bool | None = None
     service_tier: str | None = None
     logit_bias: dict | None = None
+    response_format: ResponseFormat | None = None  # json_object / json_schema: constrained output (serve/structured.py)
+    structured_outputs: StructuredOutputs | None = None  # vLLM's extension: json, json_object, regex, choice, grammar
+
+    @field_validator("response_format", "structured_outputs")
+    @classmethod
+    def _compiles(cls, v):
+        if v is not None:
+            checked(v.grammar() if isinstance(v, ResponseFormat) else v.as_grammar())
+        return v
+
+    @model_validator(mode="after")
+    def _one_constraint(self):
+        if self.structured_outputs is not None and self.response_format is not None \
+                and self.response_format.type != "text":
+            raise ValueError("give response_format or structured_outputs, not both")
+        return self
+
+    def grammar(self) -> dict | None:
+        """The engine's grammar (SequenceRequest.grammar) of the request's constraint, or None."""
+        if self.structured_outputs is not None:
+            return self.structured_outputs.as_grammar()
+        return self.response_format.grammar() if self.response_format is not None else None
 
     @field_validator("n")
     @classmethod
@@ -223,7 +246,7 @@ class _SamplingRequest(_Strict):
                 "repetition_penalty", "seed", "ignore_eos")
         out = {k: getattr(self, k) for k in keys}
         out.update(stop=list(self.stop or []), stop_token_ids=list(self.stop_token_ids or []),
-                   logprobs=self.logprob_count(), logit_bias=self.logit_bias)
+                   logprobs=self.logprob_count(), logit_bias=self.logit_bias, grammar=self.grammar())
         return out
 
     def logprob_count(self) -> int | None:
@@ -241,7 +264,6 @@ class ChatCompletionRequest(_SamplingRequest):
     tools: list[Any] | None = None
     tool_choice: str | dict | None = None
     parallel_tool_calls: bool | None = None
-    response_format: dict | None = None
     reasoning_effort: str | None = None
     modalities: list[str] | None = None
     # accepted and ignored (no effect on a local model)
@@ -285,13 +307,6 @@ class ChatCompletionRequest(_SamplingRequest):
     def _tool_choice(cls, v):
         if v not in (None, "none", "auto"):
             raise ValueError("tool_choice must be 'none' or 'auto': tools are not supported by this server")
-        return v
-
-    @field_validator("response_format")
-    @classmethod
-    def _response_format(cls, v):
-        if v is not None and v.get("type", "text") != "text":
-            raise ValueError(f"response_format type {v.get('type')!r} is not supported; only 'text'")
         return v
 
     @field_validator("modalities")

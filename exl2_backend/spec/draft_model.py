@@ -17,6 +17,7 @@ import time
 import torch
 
 from exl2_backend import ops
+from exl2_backend.grammar.mask import apply_grammar_masks, grammar_masks
 from exl2_backend.ops.reference import make_generator
 from exl2_backend.runtime.model_runner import ModelRunner
 from exl2_backend.runtime.pages import PageBudget
@@ -47,10 +48,15 @@ class _Counts:
         self.prompt_counts = seq.prompt_counts
         self.output_counts = None if seq.output_counts is None else seq.output_counts.clone()
         self.logit_bias = None  # the draft proposes without the target's bias; the target's check applies it
+        # the draft proposes inside the target's grammar (its own copy, ahead of the sequence): drafts the grammar
+        # forbids would only be rejected
+        self.grammar = None if seq.grammar is None else seq.grammar.fork()
 
     def add(self, token: int) -> None:
         if self.output_counts is not None and token < self.output_counts.numel():
             self.output_counts[token] += 1
+        if self.grammar is not None and not self.grammar.consume(token):
+            self.grammar = None  # a token outside it (a NaN row's): the rest of this proposal goes unconstrained
 
 
 class DraftModel:
@@ -183,6 +189,11 @@ class DraftModel:
             logits = self.runner.run([[t] for t in inputs], [p + j for p in starts], [st.pages for st in states])
             logits = self._logits_to_target_vocab(logits.float())  # [B, Vt]
             tokens = torch.argmax(logits, dim=-1)  # [B]; greedy rows
+            constrained = [i for i, c in enumerate(counts) if c.grammar is not None and i not in sampled]
+            if constrained:  # greedy rows with a grammar: the argmax of what it allows
+                grammars = [counts[i].grammar for i in constrained]
+                masks = grammar_masks(grammars, grammars[0].owner.words, pin=logits.is_cuda)  # [b', W]
+                tokens[constrained] = torch.argmax(apply_grammar_masks(logits[constrained], masks), dim=-1)
             q = None
             if sampled:
                 q = processed_probs([counts[i] for i in sampled], logits[sampled])  # [b', Vt]

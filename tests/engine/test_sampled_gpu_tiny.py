@@ -78,3 +78,19 @@ def test_prompt_logprobs_on_the_gpu(engine):
         assert abs(entries[j].logprob - full[j - 1, ids[j]].item()) < 1e-3
     engine.release("p")
     engine.assert_no_leaks()
+
+
+@pytest.mark.parametrize("sampling", [SamplingParams.greedy(), SAMPLED], ids=["greedy", "sampled"])
+def test_grammar_masks_on_the_gpu(engine, sampling):
+    """A grammar's masks applied to GPU logits (pinned host masks, copied and unpacked on the device): the random
+    model's output is one of the choices / matches the regex, and the sequence ends when the grammar does."""
+    import re
+
+    tok = engine.tokenizer
+    for grammar, conforms in (({"type": "choice", "value": ["alpha", "beta"]}, lambda t: t in ("alpha", "beta")),
+                              ({"type": "regex", "value": "[a-f]{3,6}"}, lambda t: re.fullmatch("[a-f]{3,6}", t))):
+        tokens = _generate(engine, "g", _prompt(9, 4), GenerationParams(sampling=sampling, max_new_tokens=16,
+                                                                        grammar=grammar))
+        text = tok.decode([t for t in tokens if t not in engine.eos_ids])
+        assert conforms(text), (grammar, text)
+    engine.assert_no_leaks()

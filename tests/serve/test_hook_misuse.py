@@ -171,3 +171,24 @@ def test_logprobs_ride_on_the_events(backend):
             assert len(x["top_logprobs"]) == 2 and x["top_logprobs"][0]["token_id"] == token_id
             assert x["bytes"] == list(x["token"].encode()) and x["logprob"] <= 0
     _assert_idle(h)
+
+
+def test_grammar_requests_through_the_hooks(backend):
+    """SequenceRequest.grammar (hook API 1.4): a choice grammar's output is one of its strings and ends when
+    complete (ignore_eos notwithstanding); in the same batch, a regex that does not compile is an invalid_request
+    event naming the field, and admits nothing."""
+    hook, h = backend
+    good = SequenceRequest("g", prompt_ids=list(range(1, 8)), temperature=0.0, max_new_tokens=20, ignore_eos=True,
+                           grammar={"type": "choice", "value": ["yes", "no"]})
+    bad = SequenceRequest("b", prompt_ids=list(range(1, 8)), grammar={"type": "regex", "value": "(unclosed"})
+    g, b = hook.exl2_prefill(handle=h, batch=StepBatch(new=[good, bad]))
+    assert b.finish_reason == "error" and b.error.reason == "invalid_request" and b.error.field == "grammar"
+    assert "regex" in str(b.error)
+    text, events = g.text, [g]
+    for _ in range(20):  # bounded: "yes" / "no" are a token or two
+        if events[-1].finished:
+            break
+        events += hook.exl2_decode(handle=h, batch=StepBatch(seq_ids=["g"]))
+        text += events[-1].text
+    assert events[-1].finish_reason == "stop" and text in ("yes", "no")
+    _assert_idle(h)

@@ -87,6 +87,8 @@ def test_per_engine_hooks_ignore_foreign_handles():
     ("logprobs", -1), ("logprobs", 21), ("logprobs", True), ("logprobs", 2.5),
     ("logit_bias", {-1: 1.0}), ("logit_bias", {3: 200}), ("logit_bias", {"3": 1}), ("logit_bias", [3]),
     ("prompt_logprobs", -1), ("prompt_logprobs", 21), ("prompt_logprobs", False),
+    ("grammar", "json"), ("grammar", {"type": "yaml"}), ("grammar", {"type": "regex"}),
+    ("grammar", {"type": "choice", "value": []}), ("grammar", {"type": "json_object", "schema": {}}),
 ])
 def test_request_validation_names_the_field(field, value):
     req = SequenceRequest("s", prompt="hi", **{field: value})

@@ -64,6 +64,8 @@ class SequenceRequest:
     prompt_logprobs: int | None = None  # None: none; n in [0, 20]: each prompt token's logprob too (API 1.3)
     grammar: dict | None = None  # {"type": json_object | json_schema | regex | lark | choice, "value": ...}: the
     # output is constrained to it and ends when it is complete (API 1.4; exl2_backend/grammar/spec.py)
+    tools: list[dict] | None = None  # OpenAI tool definitions rendered into the chat prompt with `messages` (API 1.4;
+    # tokenizer/tool_prompt.py); the reply's form is the host's grammar
 
     def validate(self) -> None:
         """Raise `AdmissionRejected(reason="invalid_request", field=...)` for a malformed request (cheap, no
@@ -86,6 +88,9 @@ class SequenceRequest:
         if self.messages is not None and (not isinstance(self.messages, list) or not self.messages
                                           or not all(isinstance(m, dict) and "role" in m for m in self.messages)):
             bad("messages", "must be a non-empty list of {'role': ..., 'content': ...} objects")
+        if self.tools is not None and (self.messages is None or not isinstance(self.tools, list) or not all(
+                isinstance(t, dict) and isinstance((t.get("function") or {}).get("name"), str) for t in self.tools)):
+            bad("tools", "must be a list of {'type': 'function', 'function': {'name': ...}} with chat messages")
         if self.max_new_tokens is not None and (not _is_int(self.max_new_tokens) or self.max_new_tokens < 1):
             bad("max_new_tokens", f"must be an integer >= 1 or None, got {self.max_new_tokens!r}")
         for name, (ok, rule) in SAMPLING_RANGES.items():

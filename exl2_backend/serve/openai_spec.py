@@ -36,6 +36,7 @@ from exl2_backend.serve.schemas import (
     first_error,
     lone_surrogate,
 )
+from exl2_backend.serve.tools import may_be_a_call, split_tool_calls
 
 log = logging.getLogger("exl2_backend.serve")
 
@@ -210,7 +211,9 @@ class Exl2OpenAISpec(LitSpec):
         sid = f"chatcmpl-{uuid.uuid4().hex}"
         seq = dict(seq_id=sid, messages=[m.as_template_message() for m in req.messages],
                    max_new_tokens=req.limit(), cap_to_context=req.limit() is None, **req.sampling_fields())
-        return await self._run(request, req, sid, seq, chat=True)
+        if req.tools:
+            seq["tools"] = req.tool_dicts()
+        return await self._run(request, req, sid, seq, chat=True, tools=req.calls_tools())
 
     async def completions(self, request: Request) -> Response:
         req = await self._parse(request, CompletionRequest)
@@ -292,10 +295,12 @@ class Exl2OpenAISpec(LitSpec):
         return _error_response(int(err.get("status", 500)), err.get("message", "error"), param=param,
                                code=err.get("code"), type_=err.get("type"), retry_after=err.get("retry_after"))
 
-    async def _run(self, request: Request, req, sid: str, seq: dict, *, chat: bool, echo=None) -> Response:
+    async def _run(self, request: Request, req, sid: str, seq: dict, *, chat: bool, echo=None,
+                   tools: bool = False) -> Response:
         """Submit the request (n > 1: one engine sequence per choice, ids "<sid>.<i>", seeds seed + i so seeded
         choices differ and repeat), wait for every choice's admission, then stream or collect. A choice refused
-        at admission fails the whole request (the others are cancelled)."""
+        at admission fails the whole request (the others are cancelled). tools: the replies may be tool calls
+        (serve/tools.py), read back into `tool_calls`."""
         seqs = [seq] if req.n == 1 else [_choice(seq, sid, i) for i in range(req.n)]
         ids = [s["seq_id"] for s in seqs]
         uids = [self._submit({"op": "generate", "request": s}) for s in seqs]
@@ -316,10 +321,11 @@ class Exl2OpenAISpec(LitSpec):
             return self._error_from_item(bad, chat)
         model = req.model or self.model_id
         if req.stream:
-            return StreamingResponse(self._sse(uids, ids, sid, agens, firsts, model, chat, req.include_usage(), echo),
+            return StreamingResponse(self._sse(uids, ids, sid, agens, firsts, model, chat, req.include_usage(), echo,
+                                               tools),
                                      media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
-        return await self._collect(watch, uids, ids, sid, agens, firsts, model, chat, echo)
+        return await self._collect(watch, uids, ids, sid, agens, firsts, model, chat, echo, tools)
 
     def _drop(self, uids: list[str], ids: list[str]) -> None:
         """Cancel a request's sequences (those already finished ignore it) and forget their buffers."""
@@ -327,7 +333,7 @@ class Exl2OpenAISpec(LitSpec):
             self._cancel(seq_id)
             self.response_buffer.pop(uid, None)
 
-    async def _collect(self, watch, uids, ids, sid, agens, firsts, model, chat, echo=None) -> Response:
+    async def _collect(self, watch, uids, ids, sid, agens, firsts, model, chat, echo=None, tools=False) -> Response:
         choices, usage = [], {"prompt_tokens": 0, "completion_tokens": 0, "total_tokens": 0}
         try:
             for index, (agen, item) in enumerate(zip(agens, firsts)):  # later choices buffer meanwhile
@@ -352,8 +358,13 @@ class Exl2OpenAISpec(LitSpec):
                          "completion_tokens": usage["completion_tokens"] + u["completion_tokens"]}
                 usage["total_tokens"] = usage["prompt_tokens"] + usage["completion_tokens"]
                 if chat:
-                    choices.append({"index": index, "message": {"role": "assistant", "content": text},
-                                    "logprobs": _chat_logprobs(lps), "finish_reason": reason})
+                    message = {"role": "assistant", "content": text}
+                    calls = split_tool_calls(text) if tools else (text, [])
+                    if calls[1]:
+                        message = {"role": "assistant", "content": calls[0], "tool_calls": calls[1]}
+                        reason = "tool_calls" if reason == "stop" else reason
+                    choices.append({"index": index, "message": message, "logprobs": _chat_logprobs(lps),
+                                    "finish_reason": reason})
                 else:
                     if echo is not None:
                         text = echo.text_of(prompt_lps) + text
@@ -371,14 +382,18 @@ class Exl2OpenAISpec(LitSpec):
         return JSONResponse({"id": sid, "object": obj, "created": int(time.time()), "model": model,
                              "system_fingerprint": None, "choices": choices, "usage": usage})
 
-    async def _sse(self, uids, ids, sid, agens, firsts, model, chat, include_usage, echo=None) -> AsyncIterator[str]:
+    async def _sse(self, uids, ids, sid, agens, firsts, model, chat, include_usage, echo=None,
+                   tools=False) -> AsyncIterator[str]:
         """The choices' items as SSE chunks in arrival order (each chunk names its choice's index); the usage
         chunk (when asked) and [DONE] after the last choice finished. A disconnect cancels this generator's task
-        (Starlette), and `finally` cancels every choice still running."""
+        (Starlette), and `finally` cancels every choice still running. With tools, a reply that starts like a
+        call is held until it ends, then sent as one `tool_calls` delta (or as text, if it holds no call)."""
         created = int(time.time())
         obj = "chat.completion.chunk" if chat else "text_completion"
         offsets = [0] * len(agens)  # characters of completion text sent so far per choice (legacy text_offset)
         echoed = [echo is None] * len(agens)  # whether each choice's prompt went out (echo)
+        held: list[list | None] = [None] * len(agens)  # tools: a reply held while it may be calls (text, logprobs)
+        started = [False] * len(agens)  # tools: whether the reply's first text arrived
 
         def chunk(index: int, text: str | None, finish: str | None, *, role: bool = False,
                   lps: list | None = None) -> str:
@@ -390,6 +405,14 @@ class Exl2OpenAISpec(LitSpec):
                           "finish_reason": finish}
             c = {"id": sid, "object": obj, "created": created, "model": model, "system_fingerprint": None,
                  "choices": [choice]}
+            if include_usage:
+                c["usage"] = None
+            return f"data: {json.dumps(c)}\n\n"
+
+        def calls_chunk(index: int, calls: list[dict]) -> str:
+            delta = {"content": None, "tool_calls": [dict(c, index=k) for k, c in enumerate(calls)]}
+            c = {"id": sid, "object": obj, "created": created, "model": model, "system_fingerprint": None,
+                 "choices": [{"index": index, "delta": delta, "logprobs": None, "finish_reason": None}]}
             if include_usage:
                 c["usage"] = None
             return f"data: {json.dumps(c)}\n\n"
@@ -434,6 +457,21 @@ class Exl2OpenAISpec(LitSpec):
                     offsets[index] += len(prompt_text)
                 text, reason = item.get("text", ""), _finish(item) if item.get("finish_reason") else None
                 lps = item.get("logprobs")
+                if tools and not started[index] and text:
+                    started[index] = True
+                    held[index] = [[], None] if may_be_a_call(text) else None
+                if held[index] is not None:  # may be calls: nothing goes out before the reply ends
+                    held[index][0].append(text)
+                    if lps is not None:
+                        held[index][1] = (held[index][1] or []) + lps
+                    text, lps = "", None
+                    if reason:
+                        content, calls = split_tool_calls("".join(held[index][0]))
+                        if calls:
+                            yield calls_chunk(index, calls)
+                            reason = "tool_calls" if reason == "stop" else reason
+                            content = None  # the text around the calls: none under the grammar
+                        text, lps = content or "", held[index][1]
                 if text or lps:  # tokens whose text is held back (a stop string may be forming) still report
                     yield chunk(index, text, None, lps=lps)
                     offsets[index] += len(text)

@@ -15,6 +15,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from exl2_backend.sampling import MAX_TOP_LOGPROBS, logit_bias_problem
 from exl2_backend.serve.structured import ResponseFormat, StructuredOutputs, checked
+from exl2_backend.serve.tools import MAX_TOOLS, NamedToolChoice, ToolCall, ToolChoice, ToolDef, tool_grammar
 from exl2_backend.text import unicode_problem
 
 MAX_CHOICES = 16  # n: choices per request at most (each one engine sequence)
@@ -105,8 +106,8 @@ class ChatMessage(BaseModel):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart] | None = None
     name: str | None = None
-    tool_calls: list[Any] | None = None
-    tool_call_id: str | None = None
+    tool_calls: list[ToolCall] | None = None  # an assistant's calls earlier in the conversation
+    tool_call_id: str | None = None  # a tool message: the call it answers
 
     @field_validator("content", mode="before")
     @classmethod
@@ -124,19 +125,26 @@ class ChatMessage(BaseModel):
             raise ValueError(f"a {self.role} message needs content")
         return self
 
-    @field_validator("tool_calls")
-    @classmethod
-    def _no_tool_calls(cls, v):
-        if v:
-            raise ValueError("tool calls are not supported by this server")
-        return v
+    @model_validator(mode="after")
+    def _tool_calls_from_the_assistant(self):
+        if self.tool_calls and self.role != "assistant":
+            raise ValueError(f"only an assistant message carries tool_calls, not a {self.role} message")
+        return self
 
     def as_template_message(self) -> dict:
+        """The message as chat templates take it (transformers' convention; tokenizer/tool_prompt.py)."""
         content = self.content
         if isinstance(content, list):
             content = "".join(p.text for p in content)
         role = "system" if self.role == "developer" else self.role
-        return {"role": role, "content": content or ""}
+        out = {"role": role, "content": content or ""}
+        if self.tool_calls:
+            out["tool_calls"] = [c.model_dump(exclude_none=True) for c in self.tool_calls]
+        if self.role == "tool" and self.tool_call_id is not None:
+            out["tool_call_id"] = self.tool_call_id
+        if self.role == "tool" and self.name is not None:
+            out["name"] = self.name
+        return out
 
 
 def _reject_if_set(value, info):
@@ -261,9 +269,9 @@ class ChatCompletionRequest(_SamplingRequest):
     max_completion_tokens: int | None = Field(default=None, ge=1)
     logprobs: bool | None = None
     top_logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
-    tools: list[Any] | None = None
-    tool_choice: str | dict | None = None
-    parallel_tool_calls: bool | None = None
+    tools: list[ToolDef] | None = Field(default=None, max_length=MAX_TOOLS)  # function calling (serve/tools.py)
+    tool_choice: ToolChoice | None = None  # default: "auto" with tools, "none" without
+    parallel_tool_calls: bool | None = None  # default true: a reply may hold several calls
     reasoning_effort: str | None = None
     modalities: list[str] | None = None
     # accepted and ignored (no effect on a local model)
@@ -280,10 +288,54 @@ class ChatCompletionRequest(_SamplingRequest):
     prediction: dict | None = None
     web_search_options: dict | None = None
 
-    @field_validator("functions", "audio", "prediction", "web_search_options", "tools")
+    _chat_json_bools_tools = field_validator("parallel_tool_calls", mode="before")(_json_bool)
+
+    @field_validator("functions", "audio", "prediction", "web_search_options")
     @classmethod
     def _unsupported(cls, v, info):
         return _reject_if_set(v, info)
+
+    @field_validator("tools")
+    @classmethod
+    def _tools(cls, v):
+        """Names unique; each function's parameters a JSON Schema that compiles (400 naming the function)."""
+        if not v:
+            return None
+        names = [t.function.name for t in v]
+        dup = next((n for n in names if names.count(n) > 1), None)
+        if dup is not None:
+            raise ValueError(f"function names must be unique; {dup!r} is defined twice")
+        for t in v:
+            if t.function.parameters is not None:
+                try:
+                    checked({"type": "json_schema", "value": t.function.parameters})
+                except ValueError as exc:
+                    raise ValueError(f"the parameters of function {t.function.name!r}: {exc}") from None
+        return v
+
+    @model_validator(mode="after")
+    def _tool_choice_needs_tools(self):
+        choice = self.tool_choice
+        if choice not in (None, "none", "auto") and not self.tools:
+            raise ValueError("tool_choice names a tool call but no tools are given")
+        if isinstance(choice, NamedToolChoice) and choice.function.name not in {t.function.name for t in self.tools}:
+            raise ValueError(f"tool_choice names function {choice.function.name!r}, which is not among the tools")
+        if self.calls_tools() and super().grammar() is not None:
+            raise ValueError("give tools or a response_format / structured_outputs constraint, not both")
+        return self
+
+    def calls_tools(self) -> bool:
+        """Whether the reply may be tool calls (tools given and tool_choice not "none")."""
+        return bool(self.tools) and self.tool_choice != "none"
+
+    def grammar(self) -> dict | None:
+        if self.calls_tools():
+            return tool_grammar(self.tools, self.tool_choice or "auto", self.parallel_tool_calls is not False)
+        return super().grammar()
+
+    def tool_dicts(self) -> list[dict] | None:
+        """The tool definitions for the chat template (SequenceRequest.tools), as the OpenAI API spells them."""
+        return [t.model_dump(exclude_none=True) for t in self.tools] if self.tools else None
 
     @field_validator("top_logprobs")
     @classmethod
@@ -300,13 +352,6 @@ class ChatCompletionRequest(_SamplingRequest):
     def _function_call(cls, v):
         if v not in (None, "none", "auto"):
             raise ValueError("function_call is not supported by this server")
-        return v
-
-    @field_validator("tool_choice")
-    @classmethod
-    def _tool_choice(cls, v):
-        if v not in (None, "none", "auto"):
-            raise ValueError("tool_choice must be 'none' or 'auto': tools are not supported by this server")
         return v
 
     @field_validator("modalities")

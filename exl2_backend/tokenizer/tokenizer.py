@@ -18,6 +18,7 @@ from exl2_backend.errors import PromptTooLongError, TokenizerError
 from exl2_backend.text import unicode_problem
 from exl2_backend.tokenizer.chat_template import render, select_template
 from exl2_backend.tokenizer.incremental import IncrementalDecoder
+from exl2_backend.tokenizer.tool_prompt import hermes_messages, template_messages, template_takes_tools
 
 _SPECIAL_NAMES = ("bos_token", "eos_token", "pad_token", "unk_token")
 # transformers' `clean_up_tokenization_spaces` rules, applied only when the config asks for them.
@@ -250,10 +251,19 @@ class Tokenizer:
 
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True, *,
                             template_name: str | None = None, **kwargs: Any) -> str:
-        """Render the chat template (transformers' `tokenize=False` output). Extra kwargs (tools, ...) reach it."""
+        """Render the chat template (transformers' `tokenize=False` output). Extra kwargs reach it. `tools` (OpenAI
+        tool definitions), assistant `tool_calls` and `tool` messages go to a template written for tools as they
+        are, and into a template that never mentions them in the Hermes convention (tokenizer/tool_prompt.py)."""
         source = select_template(self.chat_template_source, template_name)
         if source is None:
             raise TokenizerError(f"this model has no chat template (tokenizer_config.json in {self.source})")
+        tools = kwargs.pop("tools", None)
+        if template_takes_tools(source):
+            messages = template_messages(messages)
+            if tools is not None:
+                kwargs["tools"] = tools
+        elif tools or any(m.get("role") == "tool" or m.get("tool_calls") for m in messages):
+            messages = hermes_messages(messages, tools)
         return render(source, messages, add_generation_prompt=add_generation_prompt,
                       special_tokens=self.special_tokens, **kwargs)
 

@@ -311,7 +311,7 @@ def test_seed_and_sampler_fields(client):
     ({"frobnicate": True}, "frobnicate"),
     ({"messages": []}, "messages"),
     ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]}, "messages"),
-    ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
+    ({"tools": [{"type": "function", "function": {"name": "not a name"}}]}, "tools"),
     ({"top_logprobs": 2}, "top_logprobs"),  # without logprobs: true, as the OpenAI API
     ({"logprobs": True, "top_logprobs": 21}, "top_logprobs"),
     ({"logprobs": "yes"}, "logprobs"),

@@ -89,6 +89,8 @@ def test_per_engine_hooks_ignore_foreign_handles():
     ("prompt_logprobs", -1), ("prompt_logprobs", 21), ("prompt_logprobs", False),
     ("grammar", "json"), ("grammar", {"type": "yaml"}), ("grammar", {"type": "regex"}),
     ("grammar", {"type": "choice", "value": []}), ("grammar", {"type": "json_object", "schema": {}}),
+    ("tools", "get_weather"), ("tools", [{"type": "function"}]),
+    ("tools", [{"type": "function", "function": {"name": "f"}}]),  # tools go with chat messages, not a prompt
 ])
 def test_request_validation_names_the_field(field, value):
     req = SequenceRequest("s", prompt="hi", **{field: value})

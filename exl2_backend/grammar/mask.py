@@ -27,10 +27,20 @@ def apply_grammar_masks(logits: torch.Tensor, masks: torch.Tensor) -> torch.Tens
     whose mask allows nothing becomes NaN: both samplers flag a NaN row (NAN_ROW) instead of drawing from it, so
     the sequence fails with a message rather than emitting a token its grammar forbids."""
     v = logits.shape[1]
-    empty = ~masks.ne(0).any(dim=1)  # [B] on the host: rows nothing may be sampled from
+    empty = allows_nothing(masks, v)  # [B] on the host
     bits = (masks.to(logits.device, non_blocking=True).unsqueeze(-1) >> _BITS.to(logits.device)) & 1  # [B, W, 32]
     allowed = bits.reshape(masks.shape[0], -1)[:, :v].bool()  # [B, V] (tokens past W * 32 are none)
     logits = logits.masked_fill(~allowed, float("-inf"))
     if bool(empty.any()):
         logits[empty.to(logits.device)] = float("nan")
     return logits
+
+
+def allows_nothing(masks: torch.Tensor, v: int) -> torch.Tensor:
+    """masks int32 [B, W] -> bool [B]: rows that allow no id below `v` (ids past the logits' width, e.g. tokenizer
+    tokens the embedding lacks, do not count: an all -inf row would give greedy token 0)."""
+    full, rest = divmod(v, 32)
+    any_set = masks[:, :full].ne(0).any(dim=1)
+    if rest:
+        any_set |= (masks[:, full] & ((1 << rest) - 1)).ne(0)
+    return ~any_set

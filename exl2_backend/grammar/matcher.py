@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 
 from exl2_backend.errors import InvalidRequestError
-from exl2_backend.grammar.mask import mask_words
+from exl2_backend.grammar.mask import allows_nothing, mask_words
 from exl2_backend.grammar.spec import compile_grammar
 
 
@@ -27,6 +27,16 @@ class GrammarTokenizer:
         eos = sorted(eos_ids) or None
         self.llg = llguidance.LLTokenizer(backend.to_str(), n_vocab=n, eos_token=eos)
         self.words = mask_words(n)
+        self._bytes: dict[int, bytes] = {}
+
+    def token_bytes(self, token_id: int) -> bytes:
+        """The token's own bytes (a byte-level token may hold part of a UTF-8 character; a special token gives
+        its text); b"" for an id the tokenizer does not know."""
+        out = self._bytes.get(token_id)
+        if out is None:
+            known = 0 <= token_id < self.llg.vocab_size
+            out = self._bytes[token_id] = self.llg.decode_bytes([token_id]) if known else b""
+        return out
 
     def matcher(self, grammar: dict) -> SequenceGrammar:
         """A fresh state of `grammar` (a well-formed spec dict); InvalidRequestError(field="grammar") naming what
@@ -59,10 +69,11 @@ class SequenceGrammar:
         self._m.unsafe_compute_mask_ptr(row.data_ptr(), row.numel() * 4)
 
     def allows_nothing(self) -> bool:
-        """Whether no token may come next (an error state, or a complete grammar without an EOS token)."""
-        row = torch.empty(self.owner.words, dtype=torch.int32)
-        self.fill_mask(row)
-        return not bool(row.ne(0).any())
+        """Whether no token of the model may come next (an error state, a complete grammar without an EOS token,
+        or only tokenizer ids past the model's vocabulary)."""
+        row = torch.empty(1, self.owner.words, dtype=torch.int32)
+        self.fill_mask(row[0])
+        return bool(allows_nothing(row, self.owner.vocab_size)[0])
 
     def consume(self, token: int) -> bool:
         """Take a sampled token; False when the grammar does not allow it (then the state is an error)."""

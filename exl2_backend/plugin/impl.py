@@ -234,10 +234,11 @@ class Exl2Handle(BackendHandle):
         if ev.logprobs is not None or ev.prompt_logprobs is not None:
             from exl2_backend.runtime.logprobs import logprob_entries  # torch: imported once an engine runs
 
+            tok, token_bytes = self.engine.tokenizer, self.engine.vocabulary().token_bytes  # exact token bytes
             if ev.logprobs is not None:
-                out.logprobs = logprob_entries(ev.logprobs, self.engine.tokenizer)
+                out.logprobs = logprob_entries(ev.logprobs, tok, token_bytes)
             if ev.prompt_logprobs is not None:
-                out.prompt_logprobs = logprob_entries(ev.prompt_logprobs, self.engine.tokenizer)
+                out.prompt_logprobs = logprob_entries(ev.prompt_logprobs, tok, token_bytes)
         if ev.finish_reason == "error":
             out.error = SequenceFailed(ev.error or "sequence failed", seq_id=sid)
         if ev.finish_reason is not None:

@@ -37,11 +37,12 @@ def token_logprobs(logits: torch.Tensor, tokens: list[int], top_n: list[int]) ->
             for r, (t, c, n) in enumerate(zip(tokens, chosen, top_n))]
 
 
-def logprob_entries(logprobs: list[TokenLogprob], tokenizer) -> list[dict]:
+def logprob_entries(logprobs: list[TokenLogprob], tokenizer, token_bytes=None) -> list[dict]:
     """TokenLogprobs -> JSON-able entries (the hook API's Event.logprobs): per token {"token_id", "token",
     "logprob", "bytes", "top_logprobs": [{"token_id", "token", "logprob", "bytes"}, ...]}. "token" is the id
     decoded on its own (special tokens included; a token that holds part of a UTF-8 character shows U+FFFD),
-    "bytes" that text's UTF-8 bytes. A logprob of -inf (a token the model rules out) becomes -9999.0, as the
+    "bytes" the token's own bytes from `token_bytes(id)` (so the bytes of consecutive tokens join into the exact
+    text, as the OpenAI API means them), or that text's UTF-8 without it. A logprob of -inf (a token the model rules out) becomes -9999.0, as the
     OpenAI API reports it, so the entries stay valid JSON; a prompt's first token has "logprob" and
     "top_logprobs" None."""
     cache: dict[int, str] = {}
@@ -50,8 +51,9 @@ def logprob_entries(logprobs: list[TokenLogprob], tokenizer) -> list[dict]:
         text = cache.get(token_id)
         if text is None:
             text = cache[token_id] = tokenizer.decode([token_id], skip_special_tokens=False)
+        raw = token_bytes(token_id) if token_bytes is not None else text.encode("utf-8", "surrogatepass")
         return {"token_id": token_id, "token": text, "logprob": None if logprob is None else max(logprob, -9999.0),
-                "bytes": list(text.encode("utf-8", "surrogatepass"))}
+                "bytes": list(raw)}
 
     return [{**entry(lp.token_id, lp.logprob),
              "top_logprobs": None if lp.logprob is None else [entry(t, v) for t, v in lp.top]} for lp in logprobs]

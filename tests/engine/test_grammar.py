@@ -98,7 +98,7 @@ def test_greedy_token_is_the_argmax_over_what_the_grammar_allows(smol):
     grammar = {"type": "json_schema", "value": PERSON}
     _, tokens, _ = _generate(engine, _prompt(tok), GenerationParams(sampling=GREEDY, max_new_tokens=60,
                                                                     grammar=grammar))
-    gt = engine._grammar_tokenizer
+    gt = engine.vocabulary()
     text, _ = compile_grammar(grammar, gt.llg)
     v = model.vocab_size
     differs = 0

@@ -192,3 +192,21 @@ def test_grammar_requests_through_the_hooks(backend):
         text += events[-1].text
     assert events[-1].finish_reason == "stop" and text in ("yes", "no")
     _assert_idle(h)
+
+
+def test_logprob_bytes_are_each_tokens_own(backend):
+    """Event.logprobs "bytes": a byte-level token that holds part of a UTF-8 character carries those bytes (its
+    "token" text shows U+FFFD), so the prompt's entries join into the prompt's exact UTF-8."""
+    hook, h = backend
+    text = "日本 🙂 é"
+    tok = h.engine.tokenizer
+    ids = tok.encode(text, add_special_tokens=False)
+    req = SequenceRequest("u", prompt_ids=ids, temperature=0.0, max_new_tokens=1, prompt_logprobs=0)
+    ev = hook.exl2_prefill(handle=h, batch=StepBatch(new=[req]))[0]
+    entries = ev.prompt_logprobs
+    assert [e["token_id"] for e in entries] == ids
+    assert bytes(b for e in entries for b in e["bytes"]) == text.encode()
+    assert any("\ufffd" in e["token"] for e in entries)  # the case this is about: a character split over tokens
+    if not ev.finished:
+        hook.exl2_release(handle=h, seq_ids=["u"])
+    _assert_idle(h)

@@ -65,3 +65,12 @@ def test_a_row_allowing_nothing_is_flagged_by_the_samplers():
     assert greedy[0] == sampled[0] == NAN_ROW
     assert greedy[1] in (3, 39) and sampled[1] in (3, 39)
     assert int(logits[1, [3, 39]].argmax()) == [3, 39].index(int(greedy[1]))
+
+
+def test_allowed_ids_past_the_logits_width_do_not_count():
+    """A tokenizer may know ids the embedding lacks: a mask that allows only those allows nothing here (NaN row),
+    never an all -inf row from which greedy would take token 0."""
+    logits = torch.randn(2, 40)
+    masks = grammar_masks([_FixedGrammar({45}), _FixedGrammar({45, 39})], mask_words(64), pin=False)
+    masked = apply_grammar_masks(logits, masks)
+    assert masked[0].isnan().all() and masked[1, 39] == logits[1, 39] and masked[1, :39].isinf().all()

@@ -17,10 +17,10 @@ import time
 import torch
 
 from exl2_backend import ops
-from exl2_backend.grammar.mask import apply_grammar_masks, grammar_masks
 from exl2_backend.ops.reference import make_generator
 from exl2_backend.runtime.model_runner import ModelRunner
 from exl2_backend.runtime.pages import PageBudget
+from exl2_backend.runtime.sampler import penalized_logits
 from exl2_backend.spec.rejection import processed_probs, race
 
 log = logging.getLogger("exl2_backend")
@@ -41,16 +41,18 @@ class _DraftSeq:
 
 
 class _Counts:
-    """Penalty counts of a sequence extended by its drafts so far (what `penalized_logits` reads)."""
+    """A sequence's sampling state extended by its drafts so far (what `penalized_logits` reads): the draft
+    proposes from the distribution the target will check against, penalties, logit bias and grammar included (its
+    own copy of the grammar, ahead of the sequence), so fewer of its drafts are rejected. Verification stays exact
+    either way: a sampled draft's distribution goes with it to rejection sampling."""
 
     def __init__(self, seq):
         self.params = seq.params
         self.prompt_counts = seq.prompt_counts
         self.output_counts = None if seq.output_counts is None else seq.output_counts.clone()
-        self.logit_bias = None  # the draft proposes without the target's bias; the target's check applies it
-        # the draft proposes inside the target's grammar (its own copy, ahead of the sequence): drafts the grammar
-        # forbids would only be rejected
+        self.logit_bias = seq.logit_bias  # ids and biases (read only)
         self.grammar = None if seq.grammar is None else seq.grammar.fork()
+        self.plain_greedy = seq.plain_greedy
 
     def add(self, token: int) -> None:
         if self.output_counts is not None and token < self.output_counts.numel():
@@ -189,11 +191,9 @@ class DraftModel:
             logits = self.runner.run([[t] for t in inputs], [p + j for p in starts], [st.pages for st in states])
             logits = self._logits_to_target_vocab(logits.float())  # [B, Vt]
             tokens = torch.argmax(logits, dim=-1)  # [B]; greedy rows
-            constrained = [i for i, c in enumerate(counts) if c.grammar is not None and i not in sampled]
-            if constrained:  # greedy rows with a grammar: the argmax of what it allows
-                grammars = [counts[i].grammar for i in constrained]
-                masks = grammar_masks(grammars, grammars[0].owner.words, pin=logits.is_cuda)  # [b', W]
-                tokens[constrained] = torch.argmax(apply_grammar_masks(logits[constrained], masks), dim=-1)
+            shaped = [i for i, c in enumerate(counts) if not c.plain_greedy and i not in sampled]
+            if shaped:  # greedy rows with penalties, a bias or a grammar: the argmax the target's check takes
+                tokens[shaped] = torch.argmax(penalized_logits([counts[i] for i in shaped], logits[shaped]), dim=-1)
             q = None
             if sampled:
                 q = processed_probs([counts[i] for i in sampled], logits[sampled])  # [b', Vt]

@@ -45,3 +45,19 @@ def test_greedy_identical_on_smollm2(smol, default_fp16_dir, mode):
     assert together == plain
     st = e.stats()
     assert st["spec_accepted_tokens"] > 0 and st["spec_tokens_per_step"] > 1.0
+
+
+def test_the_draft_proposes_with_the_targets_bias(smol, default_fp16_dir):
+    """A greedy sequence with a logit bias that forces one token: the draft model proposes from the biased
+    distribution too, so every draft is that token and every draft is accepted (unbiased drafts would all be
+    rejected); the output is plain decoding's, the forced token throughout."""
+    model, tok, ids, prompts, _ = smol
+    forced = tok.encode(" yes", add_special_tokens=False)[0]
+    params = GenerationParams(sampling=SamplingParams.greedy(), max_new_tokens=12, ignore_eos=True,
+                              logit_bias={forced: 100.0})
+    plain = run(Engine(model, tok, LoadSettings(**SETTINGS)), ids[:1], prompts[:1], params)
+    e = Engine(model, tok, LoadSettings(**SETTINGS, draft_model=default_fp16_dir))
+    out = run(e, ids[:1], prompts[:1], params)
+    assert out == plain and set(out[ids[0]]) == {forced}
+    st = e.stats()
+    assert st["spec_proposed_tokens"] > 0 and st["spec_accepted_tokens"] == st["spec_proposed_tokens"]

@@ -334,7 +334,7 @@ class Exl2OpenAISpec(LitSpec):
             self.response_buffer.pop(uid, None)
 
     async def _collect(self, watch, uids, ids, sid, agens, firsts, model, chat, echo=None, tools=False) -> Response:
-        choices, usage = [], {"prompt_tokens": 0, "completion_tokens": 0, "total_tokens": 0}
+        choices, usage = [], _empty_usage()
         try:
             for index, (agen, item) in enumerate(zip(agens, firsts)):  # later choices buffer meanwhile
                 parts, lps, prompt_lps = [], None, None  # lps None: the request asked for no logprobs
@@ -353,10 +353,8 @@ class Exl2OpenAISpec(LitSpec):
                     if item is None:
                         self._drop(uids, ids)
                         return _error_response(500, "the inference worker ended the stream early")
-                text, reason, u = "".join(parts), _finish(item), _usage(item)
-                usage = {"prompt_tokens": u["prompt_tokens"],  # the prompt once, as the OpenAI API counts it
-                         "completion_tokens": usage["completion_tokens"] + u["completion_tokens"]}
-                usage["total_tokens"] = usage["prompt_tokens"] + usage["completion_tokens"]
+                text, reason = "".join(parts), _finish(item)
+                _add_usage(usage, item, index)
                 if chat:
                     message = {"role": "assistant", "content": text}
                     calls = split_tool_calls(text) if tools else (text, [])
@@ -440,7 +438,7 @@ class Exl2OpenAISpec(LitSpec):
                 await merged.put((index, first))
             pumps = [asyncio.ensure_future(pump(i, agen)) for i, agen in enumerate(agens)
                      if not firsts[i].get("finish_reason") and "error" not in firsts[i]]
-            usage = {"prompt_tokens": 0, "completion_tokens": 0, "total_tokens": 0}
+            usage = _empty_usage()
             while len(done) < len(agens):
                 index, item = await merged.get()
                 if item is None:
@@ -477,12 +475,9 @@ class Exl2OpenAISpec(LitSpec):
                     offsets[index] += len(text)
                 if reason:
                     yield chunk(index, None, reason)
-                    u = _usage(item)
-                    usage["prompt_tokens"] = u["prompt_tokens"]
-                    usage["completion_tokens"] += u["completion_tokens"]
+                    _add_usage(usage, item, index)
                     done.add(index)
             if include_usage:
-                usage["total_tokens"] = usage["prompt_tokens"] + usage["completion_tokens"]
                 yield "data: " + json.dumps({"id": sid, "object": obj, "created": created, "model": model,
                                              "system_fingerprint": None, "choices": [], "usage": usage}) + "\n\n"
             yield "data: [DONE]\n\n"
@@ -645,10 +640,20 @@ def _completion_logprobs(entries: list[dict] | None, offset: int) -> dict | None
             "text_offset": offsets}
 
 
-def _usage(item: dict) -> dict:
+def _empty_usage() -> dict:
+    return {"prompt_tokens": 0, "completion_tokens": 0, "total_tokens": 0,
+            "prompt_tokens_details": {"cached_tokens": 0}}
+
+
+def _add_usage(usage: dict, item: dict, index: int) -> None:
+    """Count a finished choice's final item into the response's usage: the prompt once (as the OpenAI API counts
+    it, with the prefix-cache hit of the first choice: later choices share its pages), completions summed."""
     u = item.get("usage") or {}
-    p, c = int(u.get("prompt_tokens", 0)), int(u.get("completion_tokens", 0))
-    return {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c}
+    usage["prompt_tokens"] = int(u.get("prompt_tokens", 0))
+    usage["completion_tokens"] += int(u.get("completion_tokens", 0))
+    usage["total_tokens"] = usage["prompt_tokens"] + usage["completion_tokens"]
+    if index == 0:
+        usage["prompt_tokens_details"] = {"cached_tokens": int(u.get("cached_tokens", 0))}
 
 
 def _finish(item: dict) -> str:

@@ -101,6 +101,20 @@ def test_chat_streaming_matches_non_streaming(client):
     assert all(c.usage is None for c in chunks[:-1])
 
 
+def test_usage_reports_the_prefix_cache_hit(client):
+    """usage.prompt_tokens_details.cached_tokens: a repeated long prompt's full KV pages (256 tokens here) come from
+    the prefix cache, counted in the response, streamed or not."""
+    story = "Once upon a time there was a small robot who lived in a lighthouse by the sea. " * 16
+    kw = {"model": MODEL, "messages": [{"role": "user", "content": story + "Who lived there?"}], "max_tokens": 2,
+          "temperature": 0}
+    first = client.chat.completions.create(**kw)
+    again = client.chat.completions.create(**kw)
+    assert first.usage.prompt_tokens == again.usage.prompt_tokens > 256
+    assert again.usage.prompt_tokens_details.cached_tokens == 256
+    chunks = list(client.chat.completions.create(**kw, stream=True, stream_options={"include_usage": True}))
+    assert chunks[-1].usage.prompt_tokens_details.cached_tokens == again.usage.prompt_tokens_details.cached_tokens
+
+
 def test_stream_without_include_usage_has_no_usage_chunk(http):
     body = {"model": MODEL, "messages": FRANCE, "temperature": 0, "max_tokens": 3, "stream": True}
     with http.stream("POST", "/v1/chat/completions", json=body) as r:

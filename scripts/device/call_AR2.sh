@@ -4,7 +4,8 @@
 #  1. The sampler kernel now flags a row whose logits hold a NaN (-1, in every mode) while it reads it, so the greedy
 #     lookahead and greedy graphs (graph I/O, the default since AR1) fail that sequence instead of emitting and
 #     feeding back the NaN's index: the sampler and decode-io kernel tests, and the tiny-model engine tests (a NaN
-#     written into one sequence's V page mid-decode, both lookahead paths; logprobs, prompt logprobs and logit bias on the GPU engine).
+#     written into one sequence's V page mid-decode, both lookahead paths; logprobs, prompt logprobs and logit bias on the GPU engine;
+#     session 28's grammar masks on GPU logits, alone and in the engine: .whl carries llguidance).
 #  2. Session 23's prepared call_AM2.sh (folded in here, removed): which kernel should take fp16 pages at decode.
 #     The tensor-core one-pass kernel by CTAs per SM (2 / 3 / 4) against the CUDA-core one
 #     (EXL2_BACKEND_ATTN_FP16_MMA=0; 2 / 4 / 6 / 8 / 12) at 32k and 1k (scripts/attention_sweep.py), then bench fp16
@@ -14,7 +15,8 @@ export EXL2_CARRIED_LIBRARY=1
 source scripts/device/common.sh
 begin_call ar2
 gpu_tests_verbose engine 170 -n 4 --dist loadfile --timeout 160 tests/engine/test_lookahead_tiny.py \
-  tests/engine/test_sampled_gpu_tiny.py tests/kernels/test_sampling_kernel.py tests/kernels/test_decode_io_kernel.py
+  tests/engine/test_sampled_gpu_tiny.py tests/kernels/test_sampling_kernel.py tests/kernels/test_decode_io_kernel.py \
+  tests/unit/test_grammar_mask.py
 echo "elapsed $(( $(date +%s) - T0 )) s"
 attention_sweep_32k mma fp16 2,3,4
 attention_sweep_32k cc fp16 2,4,6,8,12 EXL2_BACKEND_ATTN_FP16_MMA=0

@@ -20,6 +20,7 @@ import time
 import uuid
 from collections import deque
 from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
 from typing import Any
 
 from fastapi import HTTPException, Request, Response
@@ -213,23 +214,26 @@ class Exl2OpenAISpec(LitSpec):
                    max_new_tokens=req.limit(), cap_to_context=req.limit() is None, **req.sampling_fields())
         if req.tools:
             seq["tools"] = req.tool_dicts()
-        return await self._run(request, req, sid, seq, chat=True, tools=req.calls_tools())
+        return await self._run(request, req, sid, [seq], _Reply(chat=True, n=req.n, tools=req.calls_tools()))
 
     async def completions(self, request: Request) -> Response:
         req = await self._parse(request, CompletionRequest)
         if isinstance(req, Response):
             return req
         sid = f"cmpl-{uuid.uuid4().hex}"
-        text_prompt = isinstance(req.prompt, str)
-        prompt = {"prompt": req.prompt} if text_prompt else {"prompt_ids": list(req.prompt)}
-        seq = dict(seq_id=sid, max_new_tokens=req.limit(), cap_to_context=req.limit() is None, **prompt,
-                   **req.sampling_fields())
-        echo = None
-        if req.echo:  # the prompt's logprobs when asked; a token-id prompt's text from its tokens' entries
-            echo = _Echo(req.prompt if text_prompt else None, req.logprobs is not None)
-            if echo.logprobs or not text_prompt:
-                seq["prompt_logprobs"] = req.logprobs or 0
-        return await self._run(request, req, sid, seq, chat=False, echo=echo)
+        seqs, echoes = [], []
+        for prompt in req.prompts():
+            text_prompt = isinstance(prompt, str)
+            seq = dict(seq_id=sid, max_new_tokens=req.limit(), cap_to_context=req.limit() is None,
+                       **({"prompt": prompt} if text_prompt else {"prompt_ids": list(prompt)}), **req.sampling_fields())
+            echo = None
+            if req.echo:  # the prompt's logprobs when asked; a token-id prompt's text from its tokens' entries
+                echo = _Echo(prompt if text_prompt else None, req.logprobs is not None)
+                if echo.logprobs or not text_prompt:
+                    seq["prompt_logprobs"] = req.logprobs or 0
+            seqs.append(seq)
+            echoes += [echo] * req.n
+        return await self._run(request, req, sid, seqs, _Reply(chat=False, n=req.n, echoes=echoes))
 
     async def list_models(self) -> Response:
         await self._learn_limits()
@@ -295,13 +299,16 @@ class Exl2OpenAISpec(LitSpec):
         return _error_response(int(err.get("status", 500)), err.get("message", "error"), param=param,
                                code=err.get("code"), type_=err.get("type"), retry_after=err.get("retry_after"))
 
-    async def _run(self, request: Request, req, sid: str, seq: dict, *, chat: bool, echo=None,
-                   tools: bool = False) -> Response:
-        """Submit the request (n > 1: one engine sequence per choice, ids "<sid>.<i>", seeds seed + i so seeded
-        choices differ and repeat), wait for every choice's admission, then stream or collect. A choice refused
-        at admission fails the whole request (the others are cancelled). tools: the replies may be tool calls
-        (serve/tools.py), read back into `tool_calls`."""
-        seqs = [seq] if req.n == 1 else [_choice(seq, sid, i) for i in range(req.n)]
+    async def _run(self, request: Request, req, sid: str, prompts: list[dict], reply: _Reply) -> Response:
+        """Submit the request: one engine sequence per choice, `reply.n` per prompt (choice p * n + j of prompt p;
+        ids "<sid>.<index>" when there are several, seeds seed + j so seeded choices differ and repeat), wait for
+        every choice's admission, then stream or collect. A choice refused at admission fails the whole request
+        (the others are cancelled)."""
+        n = reply.n
+        seqs = prompts if len(prompts) * n == 1 else [_choice(seq, sid, p * n + j, j)
+                                                      for p, seq in enumerate(prompts) for j in range(n)]
+        if not reply.echoes:
+            reply.echoes = [None] * len(seqs)
         ids = [s["seq_id"] for s in seqs]
         uids = [self._submit({"op": "generate", "request": s}) for s in seqs]
         agens = [self._items(uid) for uid in uids]
@@ -318,14 +325,14 @@ class Exl2OpenAISpec(LitSpec):
             self._drop(uids, ids)
             if bad is None:
                 return _error_response(500, "the inference worker ended the request without a result")
-            return self._error_from_item(bad, chat)
+            return self._error_from_item(bad, reply.chat)
         model = req.model or self.model_id
         if req.stream:
-            return StreamingResponse(self._sse(uids, ids, sid, agens, firsts, model, chat, req.include_usage(), echo,
-                                               tools),
+            reply.include_usage = req.include_usage()
+            return StreamingResponse(self._sse(uids, ids, sid, agens, firsts, model, reply),
                                      media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
-        return await self._collect(watch, uids, ids, sid, agens, firsts, model, chat, echo, tools)
+        return await self._collect(watch, uids, ids, sid, agens, firsts, model, reply)
 
     def _drop(self, uids: list[str], ids: list[str]) -> None:
         """Cancel a request's sequences (those already finished ignore it) and forget their buffers."""
@@ -333,8 +340,8 @@ class Exl2OpenAISpec(LitSpec):
             self._cancel(seq_id)
             self.response_buffer.pop(uid, None)
 
-    async def _collect(self, watch, uids, ids, sid, agens, firsts, model, chat, echo=None, tools=False) -> Response:
-        choices, usage = [], _empty_usage()
+    async def _collect(self, watch, uids, ids, sid, agens, firsts, model, reply: _Reply) -> Response:
+        chat, choices, usage = reply.chat, [], _empty_usage()
         try:
             for index, (agen, item) in enumerate(zip(agens, firsts)):  # later choices buffer meanwhile
                 parts, lps, prompt_lps = [], None, None  # lps None: the request asked for no logprobs
@@ -354,16 +361,17 @@ class Exl2OpenAISpec(LitSpec):
                         self._drop(uids, ids)
                         return _error_response(500, "the inference worker ended the stream early")
                 text, reason = "".join(parts), _finish(item)
-                _add_usage(usage, item, index)
+                _add_usage(usage, item, first_of_prompt=index % reply.n == 0)
                 if chat:
                     message = {"role": "assistant", "content": text}
-                    calls = split_tool_calls(text) if tools else (text, [])
+                    calls = split_tool_calls(text) if reply.tools else (text, [])
                     if calls[1]:
                         message = {"role": "assistant", "content": calls[0], "tool_calls": calls[1]}
                         reason = "tool_calls" if reason == "stop" else reason
                     choices.append({"index": index, "message": message, "logprobs": _chat_logprobs(lps),
                                     "finish_reason": reason})
                 else:
+                    echo = reply.echoes[index]
                     if echo is not None:
                         text = echo.text_of(prompt_lps) + text
                         if echo.logprobs:
@@ -380,16 +388,16 @@ class Exl2OpenAISpec(LitSpec):
         return JSONResponse({"id": sid, "object": obj, "created": int(time.time()), "model": model,
                              "system_fingerprint": None, "choices": choices, "usage": usage})
 
-    async def _sse(self, uids, ids, sid, agens, firsts, model, chat, include_usage, echo=None,
-                   tools=False) -> AsyncIterator[str]:
+    async def _sse(self, uids, ids, sid, agens, firsts, model, reply: _Reply) -> AsyncIterator[str]:
         """The choices' items as SSE chunks in arrival order (each chunk names its choice's index); the usage
         chunk (when asked) and [DONE] after the last choice finished. A disconnect cancels this generator's task
         (Starlette), and `finally` cancels every choice still running. With tools, a reply that starts like a
         call is held until it ends, then sent as one `tool_calls` delta (or as text, if it holds no call)."""
+        chat, tools, include_usage, echoes = reply.chat, reply.tools, reply.include_usage, reply.echoes
         created = int(time.time())
         obj = "chat.completion.chunk" if chat else "text_completion"
         offsets = [0] * len(agens)  # characters of completion text sent so far per choice (legacy text_offset)
-        echoed = [echo is None] * len(agens)  # whether each choice's prompt went out (echo)
+        echoed = [e is None for e in echoes]  # whether each choice's prompt went out (echo)
         held: list[list | None] = [None] * len(agens)  # tools: a reply held while it may be calls (text, logprobs)
         started = [False] * len(agens)  # tools: whether the reply's first text arrived
 
@@ -448,6 +456,7 @@ class Exl2OpenAISpec(LitSpec):
                     done.add(index)
                     yield failure(item["error"])
                     return
+                echo = echoes[index]
                 if not echoed[index] and ("prompt_logprobs" in item or not echo.needs_entries):
                     echoed[index] = True  # the prompt first, with its logprobs when asked
                     prompt_text = echo.text_of(item.get("prompt_logprobs"))
@@ -475,7 +484,7 @@ class Exl2OpenAISpec(LitSpec):
                     offsets[index] += len(text)
                 if reason:
                     yield chunk(index, None, reason)
-                    _add_usage(usage, item, index)
+                    _add_usage(usage, item, first_of_prompt=index % reply.n == 0)
                     done.add(index)
             if include_usage:
                 yield "data: " + json.dumps({"id": sid, "object": obj, "created": created, "model": model,
@@ -491,6 +500,18 @@ class Exl2OpenAISpec(LitSpec):
             for index, seq_id in enumerate(ids):
                 if index not in done:
                     self._cancel(seq_id)
+
+
+@dataclass
+class _Reply:
+    """How a request's choices are answered: chat or text completion, choices per prompt, a text completion's
+    echo per choice, whether replies may be tool calls (serve/tools.py), and the streamed usage chunk."""
+
+    chat: bool
+    n: int = 1
+    echoes: list = field(default_factory=list)  # per choice: _Echo or None
+    tools: bool = False
+    include_usage: bool = False
 
 
 class _Echo:
@@ -510,12 +531,13 @@ class _Echo:
         return "".join(e["token"] for e in prompt_entries or ())
 
 
-def _choice(seq: dict, sid: str, index: int) -> dict:
-    """Choice `index` of an n > 1 request: its own engine sequence (prompt pages shared through the prefix
-    cache once the first has run), seeded seed + index when the request is seeded."""
+def _choice(seq: dict, sid: str, index: int, j: int) -> dict:
+    """Choice `index` of a request with several: its own engine sequence (prompt pages shared through the prefix
+    cache once the first has run), the `j`-th of its prompt, seeded seed + j when the request is seeded (so a
+    prompt's choices do not depend on where it sits in a batch)."""
     out = dict(seq, seq_id=f"{sid}.{index}")
     if seq.get("seed") is not None:
-        out["seed"] = (seq["seed"] + index) % (1 << 64)
+        out["seed"] = (seq["seed"] + j) % (1 << 64)
     return out
 
 
@@ -645,15 +667,15 @@ def _empty_usage() -> dict:
             "prompt_tokens_details": {"cached_tokens": 0}}
 
 
-def _add_usage(usage: dict, item: dict, index: int) -> None:
-    """Count a finished choice's final item into the response's usage: the prompt once (as the OpenAI API counts
-    it, with the prefix-cache hit of the first choice: later choices share its pages), completions summed."""
+def _add_usage(usage: dict, item: dict, *, first_of_prompt: bool) -> None:
+    """Count a finished choice's final item into the response's usage: each prompt once (as the OpenAI API counts
+    it, with the prefix-cache hit of its first choice: later choices share its pages), completions summed."""
     u = item.get("usage") or {}
-    usage["prompt_tokens"] = int(u.get("prompt_tokens", 0))
+    if first_of_prompt:
+        usage["prompt_tokens"] += int(u.get("prompt_tokens", 0))
+        usage["prompt_tokens_details"]["cached_tokens"] += int(u.get("cached_tokens", 0))
     usage["completion_tokens"] += int(u.get("completion_tokens", 0))
     usage["total_tokens"] = usage["prompt_tokens"] + usage["completion_tokens"]
-    if index == 0:
-        usage["prompt_tokens_details"] = {"cached_tokens": int(u.get("cached_tokens", 0))}
 
 
 def _finish(item: dict) -> str:

@@ -18,7 +18,8 @@ from exl2_backend.serve.structured import ResponseFormat, StructuredOutputs, che
 from exl2_backend.serve.tools import MAX_TOOLS, NamedToolChoice, ToolCall, ToolChoice, ToolDef, tool_grammar
 from exl2_backend.text import unicode_problem
 
-MAX_CHOICES = 16  # n: choices per request at most (each one engine sequence)
+MAX_CHOICES = 16  # n: choices per prompt at most (each one engine sequence)
+MAX_SEQUENCES = 64  # engine sequences one request may start (text completions: prompts x n)
 
 # --- server settings (decision 10) ---------------------------------------------------------------------------
 
@@ -366,7 +367,7 @@ class ChatCompletionRequest(_SamplingRequest):
 
 
 class CompletionRequest(_SamplingRequest):
-    prompt: str | list[str] | list[int]
+    prompt: str | list[str] | list[int] | list[list[int]]  # one prompt, or a batch of them (choices per prompt)
     echo: bool = False
     logprobs: int | None = Field(default=None, ge=0, le=5)  # the legacy API's limit
     suffix: str | None = None
@@ -374,19 +375,28 @@ class CompletionRequest(_SamplingRequest):
 
     @field_validator("prompt")
     @classmethod
-    def _one_prompt(cls, v):
-        if isinstance(v, list):
-            if not v:
-                raise ValueError("prompt must not be empty")
-            if all(isinstance(x, str) for x in v):
-                if len(v) != 1:
-                    raise ValueError(f"only one prompt per request is supported (got {len(v)})")
-                v = v[0]
-            elif not all(isinstance(x, int) and not isinstance(x, bool) and x >= 0 for x in v):
-                raise ValueError("a token-id prompt must be a list of non-negative integers")
-        if isinstance(v, str) and not v:
+    def _prompts(cls, v):
+        """A text, a token-id list, or a batch of either (a one-element text batch is that text)."""
+        if isinstance(v, list) and not v:
             raise ValueError("prompt must not be empty")
+        if isinstance(v, list) and all(isinstance(x, (str, list)) for x in v):
+            for x in v:
+                _check_one_prompt(x)
+            return v[0] if len(v) == 1 and isinstance(v[0], str) else v
+        _check_one_prompt(v)
         return v
+
+    def prompts(self) -> list[str | list[int]]:
+        """The request's prompts (choices are per prompt, `n` each)."""
+        batch = isinstance(self.prompt, list) and all(isinstance(x, (str, list)) for x in self.prompt)
+        return list(self.prompt) if batch else [self.prompt]
+
+    @model_validator(mode="after")
+    def _sequences_in_range(self):
+        count = len(self.prompts()) * self.n
+        if count > MAX_SEQUENCES:
+            raise ValueError(f"prompts x n must be at most {MAX_SEQUENCES} (sequences per request), got {count}")
+        return self
 
     _completion_json_bools = field_validator("echo", mode="before")(_json_bool)
     _completion_json_numbers = field_validator("best_of", "logprobs", mode="before")(_json_number)
@@ -408,6 +418,14 @@ class CompletionRequest(_SamplingRequest):
 
     def limit(self) -> int | None:
         return self.max_tokens
+
+
+def _check_one_prompt(p) -> None:
+    if isinstance(p, str):
+        if not p:
+            raise ValueError("prompt must not be empty")
+    elif not p or not all(isinstance(x, int) and not isinstance(x, bool) and x >= 0 for x in p):
+        raise ValueError("a token-id prompt must be a non-empty list of non-negative integers")
 
 
 # --- responses ----------------------------------------------------------------------------------------------

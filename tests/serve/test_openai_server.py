@@ -144,6 +144,26 @@ def test_completions_streaming_and_not(client):
     assert ids.usage.prompt_tokens == 3 and ids.usage.completion_tokens == 2
 
 
+def test_a_batch_of_prompts_gives_n_choices_each(client):
+    """A text completion's prompt may be a batch (texts or token-id lists): choice p * n + j is prompt p's j-th,
+    each as that prompt alone would give it; usage counts every prompt once; streamed choices match."""
+    prompts = ["The capital of France is", "1, 2, 3, 4,"]
+    kw = {"model": MODEL, "temperature": 0, "max_tokens": 4}
+    alone = [client.completions.create(prompt=p, **kw) for p in prompts]
+    r = client.completions.create(prompt=prompts, n=2, **kw)
+    assert [c.index for c in r.choices] == [0, 1, 2, 3]
+    assert [c.text for c in r.choices] == [alone[0].choices[0].text] * 2 + [alone[1].choices[0].text] * 2
+    assert r.usage.prompt_tokens == sum(a.usage.prompt_tokens for a in alone)
+    assert r.usage.completion_tokens == 2 * sum(a.usage.completion_tokens for a in alone)
+    texts = {}
+    for chunk in client.completions.create(prompt=prompts, stream=True, echo=True, **kw):
+        for c in chunk.choices:
+            texts[c.index] = texts.get(c.index, "") + c.text
+    assert texts == {i: prompts[i] + alone[i].choices[0].text for i in range(2)}
+    ids = client.completions.create(prompt=[[504, 3458, 282], [33, 30, 34]], **kw)
+    assert len(ids.choices) == 2 and ids.usage.prompt_tokens == 6
+
+
 def test_logprobs_chat_and_completions(client):
     """logprobs / top_logprobs (chat) and logprobs (completions): one entry per generated token (the EOS
     included), the tokens' text making up the reply, alternatives most likely first; greedy picks the most likely
@@ -342,8 +362,11 @@ def test_bad_chat_request_names_the_field(http, patch, field):
 
 
 def test_bad_completion_request_and_body(http, client):
-    r = http.post("/v1/completions", json={"model": MODEL, "prompt": ["a", "b"]})
-    assert r.status_code == 400 and r.json()["error"]["param"] == "prompt"
+    for prompt in (["a", 3], [[1, -2]], [[]], ["a", ""], []):
+        r = http.post("/v1/completions", json={"model": MODEL, "prompt": prompt})
+        assert r.status_code == 400 and r.json()["error"]["param"].startswith("prompt"), (prompt, r.text)
+    r = http.post("/v1/completions", json={"model": MODEL, "prompt": ["a"] * 33, "n": 2})
+    assert r.status_code == 400 and "sequences per request" in r.json()["error"]["message"]
     r = http.post("/v1/completions", json={"model": MODEL, "prompt": "a", "logprobs": 6})  # the legacy limit is 5
     assert r.status_code == 400 and r.json()["error"]["param"] == "logprobs"
     r = http.post("/v1/completions", content=b"{not json", headers={"content-type": "application/json"})

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 
 from exl2_backend.cache.kv_types import CACHE_TYPE_NAMES
 from exl2_backend.cli.common import (
@@ -39,6 +40,8 @@ def add_serve_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--model-id", default=None, help="name served at /v1/models (default: the directory name)")
     p.add_argument("--fast-queue", action="store_true", help="ZeroMQ transport between HTTP and engine processes")
     p.add_argument("--log-level", default="warning", choices=["debug", "info", "warning", "error"])
+    p.add_argument("--api-key", default=None,
+                   help="require 'Authorization: Bearer KEY' on /v1/* (default: $EXL2_BACKEND_API_KEY; none: open)")
     add_prefill_args(p)
     add_spec_args(p)
     add_multi_gpu_args(p)
@@ -47,13 +50,13 @@ def add_serve_parser(subparsers) -> argparse.ArgumentParser:
 
 
 def run_serve(args: argparse.Namespace) -> int:
-    from exl2_backend.serve.server import run_server
+    from exl2_backend.serve.server import API_KEY_ENV, run_server
 
     run_server(args.model_dir, host=args.host, port=args.port, cache_tokens=args.cache_tokens,
                max_concurrent=args.max_batch_size, max_seq_len=args.max_seq_len, device=args.device,
                max_chunk_size=args.max_chunk_size, max_queue=args.max_queue, model_id=args.model_id,
                log_level=args.log_level, fast_queue=args.fast_queue, cache_type=args.cache_type,
-               max_payload_mb=args.max_payload_mb,
+               max_payload_mb=args.max_payload_mb, api_key=args.api_key or os.environ.get(API_KEY_ENV) or None,
                **prefill_settings_from_args(args),
                **spec_settings_from_args(args), **multi_gpu_settings_from_args(args))
     return 0

@@ -58,6 +58,7 @@ class ServeSettings(BaseModel):
     backend: str | None = None  # pick one backend when several are installed
     fast_queue: bool = False  # LitServe's ZeroMQ transport between the API server and the worker
     publish_on_launch: bool = True  # publish step i's tokens once step i+1 is queued on the GPU (engine_loop.py)
+    api_key: str | None = Field(default=None, min_length=1, repr=False)  # /v1/* need "Authorization: Bearer <key>"
 
     def load_settings(self) -> dict:
         keys = ("model_dir", "model_id", "device", "max_seq_len", "cache_tokens", "max_batch_size", "max_chunk_size",

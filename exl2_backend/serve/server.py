@@ -81,7 +81,32 @@ def build_server(settings: ServeSettings | dict | None = None, **overrides):
         # fast_queue silently keeps the multiprocessing-Manager transport; the field it meant to set:
         config.transport_type = "zmq"
     _openai_shaped_http_errors(server.app)
+    if settings.api_key is not None:
+        _require_api_key(server.app, settings.api_key)
     return server
+
+
+API_KEY_ENV = "EXL2_BACKEND_API_KEY"  # the API key, where a command line would show it to other users
+
+
+def _require_api_key(app, key: str) -> None:
+    """/v1/* answer 401 (OpenAI's error shape, code invalid_api_key) unless the request carries
+    "Authorization: Bearer <key>"; /health and /metrics stay open (probes, scrapers)."""
+    import hmac
+
+    from fastapi.responses import JSONResponse
+
+    expected = f"Bearer {key}".encode()
+
+    @app.middleware("http")
+    async def check_api_key(request, call_next):
+        if request.url.path.startswith("/v1/"):
+            given = request.headers.get("authorization", "").encode()
+            if not hmac.compare_digest(given, expected):
+                error = {"message": "Incorrect or missing API key: send 'Authorization: Bearer <key>'",
+                         "type": "invalid_request_error", "param": None, "code": "invalid_api_key"}
+                return JSONResponse({"error": error}, status_code=401, headers={"WWW-Authenticate": "Bearer"})
+        return await call_next(request)
 
 
 def _openai_shaped_http_errors(app) -> None:
@@ -167,10 +192,12 @@ class ServerProcess:
         # the child imports the same exl2_backend as this process (a checkout that was never pip-installed too)
         root = str(Path(__file__).resolve().parents[2])
         env["PYTHONPATH"] = os.pathsep.join([root] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p])
+        if self.settings.api_key is not None:  # through the environment: a command line is readable by anyone
+            env[API_KEY_ENV] = self.settings.api_key
         with os.fdopen(fd, "w") as log:
             self.proc = subprocess.Popen(
                 [sys.executable, "-m", "exl2_backend.serve.server", "--settings-json",
-                 self.settings.model_dump_json()],
+                 self.settings.model_dump_json(exclude={"api_key"})],
                 stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
         deadline = time.monotonic() + self.startup_timeout
         while time.monotonic() < deadline:
@@ -220,7 +247,8 @@ def _main(argv: list[str] | None = None) -> None:
     p.add_argument("--settings-json", required=True, help="ServeSettings as JSON")
     args = p.parse_args(argv)
     signal.signal(signal.SIGINT, signal.default_int_handler)  # even if our parent ignored SIGINT (background job)
-    s = ServeSettings.model_validate(json.loads(args.settings_json))
+    s = ServeSettings.model_validate({"api_key": os.environ.get(API_KEY_ENV) or None,
+                                      **json.loads(args.settings_json)})
     if s.host not in _LITSERVE_HOSTS:
         raise SystemExit(f"host must be one of {_LITSERVE_HOSTS}")
     server = build_server(s)

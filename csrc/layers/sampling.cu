@@ -115,15 +115,17 @@ __global__ void __launch_bounds__(THREADS) sample_kernel(const SampleArgs a) {
   const int base = chunk * CHUNK;
 
   float x[ITEMS];
-  bool has_nan = false;  // of the logits, in every mode (a filtered row's probs are read beside them)
+  // a NaN or +inf logit (an fp16 overflow) faults the row, in every mode (a filtered row's probs are read beside
+  // its logits); -inf is a legitimate masked token
+  bool has_fault = false;
 #pragma unroll
   for (int k = 0; k < ITEMS; ++k) {
     const int e = base + k * THREADS + tid;
     const float l = e < a.V ? lrow[e] : -INFINITY;
-    has_nan |= isnan(l);
+    has_fault |= isnan(l) || l == INFINITY;
     x[k] = mode == 2 ? (e < a.V ? prow[e] : -INFINITY) : l;
   }
-  has_nan = __syncthreads_or(has_nan);
+  has_fault = __syncthreads_or(has_fault);
 
   float m = -INFINITY, s = 0.f;
   Cand best{-INFINITY, INT_MAX};
@@ -169,7 +171,7 @@ __global__ void __launch_bounds__(THREADS) sample_kernel(const SampleArgs a) {
 
   if (tid == 0) {
     a.partials[(int64_t)b * a.nchunk + chunk] =
-        make_float4(mode == 0 ? best.v : m, s, __int_as_float(has_nan ? -1 : best.i), best.v);
+        make_float4(mode == 0 ? best.v : m, s, __int_as_float(has_fault ? -1 : best.i), best.v);
     __threadfence();
     is_last = atomicAdd(&a.counters[b], 1) == a.nchunk - 1;
   }
@@ -179,9 +181,9 @@ __global__ void __launch_bounds__(THREADS) sample_kernel(const SampleArgs a) {
 
   // ---- last CTA of row b: combine the chunk partials in a fixed order ----
   const float4* part = a.partials + (int64_t)b * a.nchunk;
-  bool row_nan = false;
-  for (int c = tid; c < a.nchunk; c += THREADS) row_nan |= __float_as_int(__ldcg(&part[c]).z) == -1;
-  if (__syncthreads_or(row_nan)) {  // block-uniform: every thread leaves here
+  bool row_fault = false;
+  for (int c = tid; c < a.nchunk; c += THREADS) row_fault |= __float_as_int(__ldcg(&part[c]).z) == -1;
+  if (__syncthreads_or(row_fault)) {  // block-uniform: every thread leaves here
     if (tid == 0) {
       a.out[b] = -1;
       a.counters[b] = 0;

@@ -14,6 +14,7 @@ from exl2_backend.format.packing import unpack_columns, unpack_scales
 from exl2_backend.format.qtensor import QTensor
 from exl2_backend.ops.reference_sampling import (  # noqa: F401  (re-exported)
     apply_penalties,
+    faulty_rows,
     greedy_tokens,
     make_generator,
     make_uniforms,

@@ -72,7 +72,7 @@ def sampling_probs(logits, params) -> torch.Tensor:
 
 def sample_tokens(logits, params, uniforms=None) -> torch.Tensor:
     """logits [B, V] f32, params list[SamplingParams], uniforms [B, V] f32 in (0, 1] (None: drawn from the
-    global torch RNG) -> int64 [B], NAN_ROW for a row holding a NaN."""
+    global torch RNG) -> int64 [B], NAN_ROW for a row holding a NaN or +inf."""
     b_, v = logits.shape
     probs = sampling_probs(logits, params)  # [B, V]
     if uniforms is None:
@@ -86,13 +86,19 @@ def sample_tokens(logits, params, uniforms=None) -> torch.Tensor:
     return _nan_rows_flagged(logits, tokens)
 
 
-NAN_ROW = -1  # the token of a row whose logits hold a NaN: a numerical fault, never a token to emit
+NAN_ROW = -1  # the token of a row whose logits hold a NaN or +inf: a numerical fault, never a token to emit
+
+
+def faulty_rows(logits: torch.Tensor) -> torch.Tensor:
+    """logits [B, V] -> bool [B]: rows holding a NaN or +inf (an fp16 overflow). Sampling from one would quietly
+    give the NaN's index, the +inf's, or token 0 from a NaN softmax; the engine fails such a sequence instead.
+    -inf is a legitimate logit (a masked token)."""
+    return (torch.isnan(logits) | torch.isposinf(logits)).any(-1)
 
 
 def _nan_rows_flagged(logits: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
-    """tokens int64 [B] with NAN_ROW where the row of logits [B, V] holds a NaN (sampling from it would quietly
-    give the NaN's index or token 0; the engine fails such a sequence instead)."""
-    return torch.where(torch.isnan(logits).any(-1), NAN_ROW, tokens)
+    """tokens int64 [B] with NAN_ROW where the row of logits [B, V] is faulty (faulty_rows)."""
+    return torch.where(faulty_rows(logits), NAN_ROW, tokens)
 
 
 def make_generator(seed: int | None, device="cpu") -> torch.Generator:
@@ -103,7 +109,8 @@ def make_generator(seed: int | None, device="cpu") -> torch.Generator:
 
 
 def greedy_tokens(logits: torch.Tensor) -> torch.Tensor:
-    """logits [B, V] -> int64 [B]: each row's argmax, ties to the lowest id; NAN_ROW for a row holding a NaN."""
+    """logits [B, V] -> int64 [B]: each row's argmax, ties to the lowest id; NAN_ROW for a row holding a NaN or
+    +inf."""
     logits = logits.float()
     return _nan_rows_flagged(logits, torch.argmax(logits, dim=-1))
 

@@ -15,7 +15,7 @@ from __future__ import annotations
 import torch
 
 from exl2_backend.ops.reference import make_uniforms, sampling_probs
-from exl2_backend.ops.reference_sampling import NAN_ROW
+from exl2_backend.ops.reference_sampling import NAN_ROW, faulty_rows
 from exl2_backend.runtime.sampler import penalized_logits
 
 _MIN_EXP = 2.0**-25  # the reference sampler's floor of -log(u) (ops/reference_sampling.py)
@@ -37,11 +37,13 @@ def race(probs: torch.Tensor, generators: list[torch.Generator]) -> torch.Tensor
 
 def accept_or_resample(seq, logits: torch.Tensor, draft_token: int, q: torch.Tensor) -> int:
     """logits [1, V] of the target at the draft's position, q [V] the distribution `draft_token` was drawn
-    from -> the token to emit (== draft_token when accepted), or NAN_ROW where the logits hold a NaN (the
-    caller fails the sequence; the race would quietly give token 0). Uses seq.generator (reproducible per seed)."""
-    if bool(torch.isnan(logits).any()):
+    from -> the token to emit (== draft_token when accepted), or NAN_ROW where the logits, penalized and masked
+    by the sequence's grammar, are faulty (NaN or +inf, or a grammar that allows nothing: the caller fails the
+    sequence; the race would quietly give token 0). Uses seq.generator (reproducible per seed)."""
+    shaped = penalized_logits([seq], logits)  # [1, V]
+    if bool(faulty_rows(shaped).any()):
         return NAN_ROW
-    p = processed_probs([seq], logits)[0]  # [V]
+    p = sampling_probs(shaped, [seq.params.sampling])[0]  # [V]
     q = q.to(device=p.device, dtype=torch.float32)
     pd, qd = float(p[draft_token]), float(q[draft_token])
     if qd <= 0.0:  # not a draw from q (our drafters never do this): treat it as a deterministic proposal

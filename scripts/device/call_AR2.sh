@@ -5,7 +5,8 @@
 #     lookahead and greedy graphs (graph I/O, the default since AR1) fail that sequence instead of emitting and
 #     feeding back the NaN's index: the sampler and decode-io kernel tests, and the tiny-model engine tests (a NaN
 #     written into one sequence's V page mid-decode, both lookahead paths; logprobs, prompt logprobs and logit bias on the GPU engine;
-#     session 28's grammar masks on GPU logits, alone and in the engine: .whl carries llguidance).
+#     session 28's grammar masks on GPU logits, alone and in the engine: .whl carries llguidance; session 28 also
+#     flags +inf logits, an fp16 overflow, as NaN: test_faulty_rows_give_minus_one_in_every_mode[posinf]).
 #  2. Session 23's prepared call_AM2.sh (folded in here, removed): which kernel should take fp16 pages at decode.
 #     The tensor-core one-pass kernel by CTAs per SM (2 / 3 / 4) against the CUDA-core one
 #     (EXL2_BACKEND_ATTN_FP16_MMA=0; 2 / 4 / 6 / 8 / 12) at 32k and 1k (scripts/attention_sweep.py), then bench fp16

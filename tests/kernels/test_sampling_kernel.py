@@ -65,18 +65,22 @@ def test_greedy_nan_rows_give_minus_one():
     assert got.tolist() == reference.greedy_tokens(logits).tolist()
 
 
+@pytest.mark.parametrize("fault", [float("nan"), float("inf")], ids=["nan", "posinf"])
 @pytest.mark.parametrize("v", [1000, 2049, 128256])
-def test_nan_rows_give_minus_one_in_every_mode(v):
-    """Greedy, temperature-only and filtered (probs) rows in one batch, each mode once with a NaN logit and once
-    without: the NaN rows give -1 (the reference's NAN_ROW), the others the reference's tokens."""
+def test_faulty_rows_give_minus_one_in_every_mode(v, fault):
+    """Greedy, temperature-only and filtered (probs) rows in one batch, each mode once with a NaN (or +inf, an
+    fp16 overflow) logit and once without, plus a row with -inf logits (masked tokens, legitimate): the faulty rows
+    give -1 (the reference's NAN_ROW), the others the reference's tokens."""
     modes = [SamplingParams.greedy(), SamplingParams(temperature=0.9), SamplingParams(temperature=1.1, top_k=40,
                                                                                        top_p=0.8, min_p=0.03)]
-    params = modes + modes
+    params = modes + modes + [SamplingParams(temperature=0.9)]
     logits = torch.randn(len(params), v, device=DEV) * 2
     for row in range(len(modes)):
-        logits[row, (row * 977) % v] = float("nan")
-    got = same_as_reference(logits, params, uniforms(len(params), v, 9), f"NaN rows V={v}")
+        logits[row, (row * 977) % v] = fault
+    logits[-1, ::3] = -float("inf")
+    got = same_as_reference(logits, params, uniforms(len(params), v, 9), f"faulty rows V={v}")
     assert got.tolist()[: len(modes)] == [-1] * len(modes) and min(got.tolist()[len(modes):]) >= 0
+    assert got[-1].item() % 3 != 0
 
 
 @pytest.mark.parametrize("v", VOCABS)
@@ -194,9 +198,11 @@ def test_greedy_tokens_is_argmax(v, b):
         logits[1, :] = -float("inf")
     if b > 2:
         logits[2, v // 2] = float("nan")
+    if b > 3:
+        logits[3, v - 1] = float("inf")
     got = cl().greedy_tokens(logits)
     assert got.dtype == torch.int64 and got.device == logits.device
-    assert_exact(got, torch.where(torch.isnan(logits).any(-1), -1, torch.argmax(logits, -1)))
+    assert_exact(got, torch.where(reference.faulty_rows(logits), -1, torch.argmax(logits, -1)))
     assert got[0].item() == 5
 
 

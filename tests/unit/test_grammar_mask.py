@@ -74,3 +74,23 @@ def test_allowed_ids_past_the_logits_width_do_not_count():
     masks = grammar_masks([_FixedGrammar({45}), _FixedGrammar({45, 39})], mask_words(64), pin=False)
     masked = apply_grammar_masks(logits, masks)
     assert masked[0].isnan().all() and masked[1, 39] == logits[1, 39] and masked[1, :39].isinf().all()
+
+
+def test_rejection_sampling_refuses_a_row_its_grammar_empties():
+    """A sampled draft checked against a target row whose grammar allows nothing: NAN_ROW (the sequence fails), not
+    a race over a NaN distribution that quietly gives token 0."""
+    from types import SimpleNamespace
+
+    from exl2_backend.runtime.params import GenerationParams
+    from exl2_backend.spec.rejection import accept_or_resample
+
+    def seq(allowed):
+        grammar = _FixedGrammar(allowed)
+        grammar.owner = SimpleNamespace(words=mask_words(50))
+        return SimpleNamespace(params=GenerationParams(sampling=SamplingParams(temperature=1.0)), prompt_counts=None,
+                               output_counts=None, logit_bias=None, grammar=grammar,
+                               generator=torch.Generator().manual_seed(0))
+
+    logits, q = torch.randn(1, 50), torch.full((50,), 1 / 50)
+    assert accept_or_resample(seq(set()), logits, 3, q) == NAN_ROW
+    assert accept_or_resample(seq({7, 9}), logits, 3, q) in (7, 9)  # the draft (3) is outside: resampled inside

@@ -246,19 +246,23 @@ def test_greedy_tokens_dispatch_on_cpu():
     half = logits.half()
     assert_exact(ops.greedy_tokens(half), torch.where(torch.isnan(half).any(-1), NAN_ROW,
                                                       torch.argmax(half.float(), -1)))
+    logits[3, 5] = float("inf")  # an fp16 overflow faults the row too; -inf (row 2) is a legitimate masked token
+    assert ops.greedy_tokens(logits).tolist()[2:] == [0, NAN_ROW]
 
 
 @pytest.mark.parametrize("params", [SamplingParams.greedy(), SamplingParams(temperature=0.7),
                                     SamplingParams(temperature=1.2, top_k=20, top_p=0.9, min_p=0.05)],
                          ids=["greedy", "temperature", "filtered"])
-def test_a_row_holding_a_nan_samples_nan_row(params):
-    """Whatever the sampling settings, a row with one NaN logit gives NAN_ROW (the engine fails that sequence);
-    the other rows sample as they would alone."""
+@pytest.mark.parametrize("fault", [float("nan"), float("inf")], ids=["nan", "posinf"])
+def test_a_faulty_row_samples_nan_row(params, fault):
+    """Whatever the sampling settings, a row with one NaN or +inf logit gives NAN_ROW (the engine fails that
+    sequence; a +inf made the softmax NaN and the race quietly gave token 0); the other rows sample as they would
+    alone."""
     from exl2_backend.ops.reference_sampling import NAN_ROW
 
     logits = torch.randn(3, 700, generator=torch.Generator().manual_seed(4))
     u = 1.0 - torch.rand(3, 700, generator=torch.Generator().manual_seed(5))
     clean = reference.sample_tokens(logits, [params] * 3, u)
-    logits[1, 123] = float("nan")
+    logits[1, 123] = fault
     got = reference.sample_tokens(logits, [params] * 3, u)
     assert got.tolist() == [clean[0].item(), NAN_ROW, clean[2].item()]

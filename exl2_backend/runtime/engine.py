@@ -328,7 +328,7 @@ class Engine:
             if s.grammar is not None and s.grammar.allows_nothing():
                 message = f"the request's grammar allows no next token{': ' + s.grammar.error if s.grammar.error else ''}"
             else:
-                message = "numerical fault: the model produced NaN logits for this sequence"
+                message = "numerical fault: the model produced NaN logits (or +inf: an overflow) for this sequence"
             log.error("exl2_backend: sequence %s fails: %s", s.seq_id, message)
             self._finish(s, "error", message)
             return s.event([], "")

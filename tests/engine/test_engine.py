@@ -215,14 +215,15 @@ def test_pages_returned_on_finish_cancel_and_error(model, monkeypatch):
     assert engine.stats()["free_pages"] == total and engine.stats()["sequences"] == 0
 
 
+@pytest.mark.parametrize("fault", [float("nan"), float("inf")], ids=["nan", "posinf"])
 @pytest.mark.parametrize("sampling", [GREEDY, SamplingParams(temperature=0.8, seed=3)])
-def test_nan_logits_fail_only_their_sequence(model, monkeypatch, sampling):
-    """A row of NaN logits (a numerical fault) fails that sequence (finish "error", pages returned) instead of
-    drawing a token from it (the reference sampler's zeroed row gave token 0, every step, silently); the other
-    sequence of the batch decodes on."""
+def test_nan_logits_fail_only_their_sequence(model, monkeypatch, sampling, fault):
+    """A row of NaN (or +inf: an fp16 overflow) logits, a numerical fault, fails that sequence (finish "error",
+    pages returned) instead of drawing a token from it (the reference sampler's zeroed row gave token 0, every
+    step, silently; greedy took the +inf's index); the other sequence of the batch decodes on."""
     check_nan_row_fails_only_its_sequence(make_engine(model), monkeypatch,
                                           GenerationParams(sampling=sampling, max_new_tokens=6),
-                                          {"sick": prompt(12, 1), "well": prompt(12, 2)})
+                                          {"sick": prompt(12, 1), "well": prompt(12, 2)}, fault)
 
 
 @pytest.mark.parametrize("how", ["greedy", "sampled", "sampled-with-draft-probs"])

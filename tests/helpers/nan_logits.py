@@ -4,8 +4,10 @@ pages returned) and the other decode on. Shared by the engine's CPU test and its
 from __future__ import annotations
 
 
-def check_nan_row_fails_only_its_sequence(engine, monkeypatch, params, prompts: dict[str, list[int]]) -> None:
-    """prompts: {"sick": [...], "well": [...]}; `params` with room for a few tokens."""
+def check_nan_row_fails_only_its_sequence(engine, monkeypatch, params, prompts: dict[str, list[int]],
+                                          fault: float = float("nan")) -> None:
+    """prompts: {"sick": [...], "well": [...]}; `params` with room for a few tokens; `fault` the bad logit (NaN, or
+    +inf: an fp16 overflow)."""
     free = engine.pages.available
     for sid, ids in prompts.items():
         engine.add_sequence(sid, ids, params)
@@ -14,7 +16,7 @@ def check_nan_row_fails_only_its_sequence(engine, monkeypatch, params, prompts: 
 
     def nan_in_row_0(*args, **kwargs):
         logits = real_run(*args, **kwargs).clone()  # [B, V]
-        logits[0, 5] = float("nan")
+        logits[0, 5] = fault
         return logits
 
     monkeypatch.setattr(engine.runner, "run", nan_in_row_0)

@@ -29,6 +29,16 @@ from litserve.specs.base import LitSpec
 from litserve.utils import LitAPIStatus, ResponseBufferItem
 from pydantic import ValidationError
 
+from exl2_backend.serve.metrics import METRICS_CONTENT_TYPE, render_metrics
+from exl2_backend.serve.openai_items import (
+    add_usage,
+    chat_logprobs,
+    completion_logprobs,
+    empty_usage,
+    finish_reason,
+    merge_items,
+    mergeable,
+)
 from exl2_backend.serve.schemas import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -134,8 +144,8 @@ class Exl2OpenAISpec(LitSpec):
                                          "type": "server_error"}}
                         return
                     item = json.loads(data) if isinstance(data, (str, bytes)) else data
-                    if merged is not None and _mergeable(merged, item):
-                        merged = _merge_items(merged, item)
+                    if merged is not None and mergeable(merged, item):
+                        merged = merge_items(merged, item)
                         continue
                     if merged is not None:
                         yield merged
@@ -341,7 +351,7 @@ class Exl2OpenAISpec(LitSpec):
             self.response_buffer.pop(uid, None)
 
     async def _collect(self, watch, uids, ids, sid, agens, firsts, model, reply: _Reply) -> Response:
-        chat, choices, usage = reply.chat, [], _empty_usage()
+        chat, choices, usage = reply.chat, [], empty_usage()
         try:
             for index, (agen, item) in enumerate(zip(agens, firsts)):  # later choices buffer meanwhile
                 parts, lps, prompt_lps = [], None, None  # lps None: the request asked for no logprobs
@@ -360,15 +370,15 @@ class Exl2OpenAISpec(LitSpec):
                     if item is None:
                         self._drop(uids, ids)
                         return _error_response(500, "the inference worker ended the stream early")
-                text, reason = "".join(parts), _finish(item)
-                _add_usage(usage, item, first_of_prompt=index % reply.n == 0)
+                text, reason = "".join(parts), finish_reason(item)
+                add_usage(usage, item, first_of_prompt=index % reply.n == 0)
                 if chat:
                     message = {"role": "assistant", "content": text}
                     calls = split_tool_calls(text) if reply.tools else (text, [])
                     if calls[1]:
                         message = {"role": "assistant", "content": calls[0], "tool_calls": calls[1]}
                         reason = "tool_calls" if reason == "stop" else reason
-                    choices.append({"index": index, "message": message, "logprobs": _chat_logprobs(lps),
+                    choices.append({"index": index, "message": message, "logprobs": chat_logprobs(lps),
                                     "finish_reason": reason})
                 else:
                     echo = reply.echoes[index]
@@ -376,7 +386,7 @@ class Exl2OpenAISpec(LitSpec):
                         text = echo.text_of(prompt_lps) + text
                         if echo.logprobs:
                             lps = (prompt_lps or []) + (lps or [])
-                    choices.append({"index": index, "text": text, "logprobs": _completion_logprobs(lps, 0),
+                    choices.append({"index": index, "text": text, "logprobs": completion_logprobs(lps, 0),
                                     "finish_reason": reason})
         except _Disconnected:
             self._drop(uids, ids)
@@ -405,9 +415,9 @@ class Exl2OpenAISpec(LitSpec):
                   lps: list | None = None) -> str:
             if chat:
                 delta = {"role": "assistant", "content": ""} if role else ({} if text is None else {"content": text})
-                choice = {"index": index, "delta": delta, "logprobs": _chat_logprobs(lps), "finish_reason": finish}
+                choice = {"index": index, "delta": delta, "logprobs": chat_logprobs(lps), "finish_reason": finish}
             else:
-                choice = {"index": index, "text": text or "", "logprobs": _completion_logprobs(lps, offsets[index]),
+                choice = {"index": index, "text": text or "", "logprobs": completion_logprobs(lps, offsets[index]),
                           "finish_reason": finish}
             c = {"id": sid, "object": obj, "created": created, "model": model, "system_fingerprint": None,
                  "choices": [choice]}
@@ -446,7 +456,7 @@ class Exl2OpenAISpec(LitSpec):
                 await merged.put((index, first))
             pumps = [asyncio.ensure_future(pump(i, agen)) for i, agen in enumerate(agens)
                      if not firsts[i].get("finish_reason") and "error" not in firsts[i]]
-            usage = _empty_usage()
+            usage = empty_usage()
             while len(done) < len(agens):
                 index, item = await merged.get()
                 if item is None:
@@ -462,7 +472,7 @@ class Exl2OpenAISpec(LitSpec):
                     prompt_text = echo.text_of(item.get("prompt_logprobs"))
                     yield chunk(index, prompt_text, None, lps=item.get("prompt_logprobs") if echo.logprobs else None)
                     offsets[index] += len(prompt_text)
-                text, reason = item.get("text", ""), _finish(item) if item.get("finish_reason") else None
+                text, reason = item.get("text", ""), finish_reason(item) if item.get("finish_reason") else None
                 lps = item.get("logprobs")
                 if tools and not started[index] and text:
                     started[index] = True
@@ -484,7 +494,7 @@ class Exl2OpenAISpec(LitSpec):
                     offsets[index] += len(text)
                 if reason:
                     yield chunk(index, None, reason)
-                    _add_usage(usage, item, first_of_prompt=index % reply.n == 0)
+                    add_usage(usage, item, first_of_prompt=index % reply.n == 0)
                     done.add(index)
             if include_usage:
                 yield "data: " + json.dumps({"id": sid, "object": obj, "created": created, "model": model,
@@ -539,145 +549,3 @@ def _choice(seq: dict, sid: str, index: int, j: int) -> dict:
     if seq.get("seed") is not None:
         out["seed"] = (seq["seed"] + j) % (1 << 64)
     return out
-
-
-# --- /metrics ------------------------------------------------------------------------------------------------
-
-METRICS_CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
-
-
-def render_metrics(stats: dict, model_id: str) -> str:
-    """EngineLoop.stats() (from the worker) -> Prometheus text exposition format."""
-    from prometheus_client import CollectorRegistry, generate_latest
-    from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
-
-    backend = stats.get("backend") or {}
-
-    class _Collector:
-        def collect(self):
-            def gauge(name, doc, value):
-                g = GaugeMetricFamily(f"exl2_backend_{name}", doc, labels=["model"])
-                g.add_metric([model_id], float(value or 0))
-                return g
-
-            def counter(name, doc, values: dict, label: str):
-                c = CounterMetricFamily(f"exl2_backend_{name}", doc, labels=["model", label])
-                for key, value in sorted(values.items()):
-                    c.add_metric([model_id, str(key)], float(value))
-                return c
-
-            yield gauge("healthy", "1 while the engine serves requests", 1 if stats.get("healthy") else 0)
-            yield gauge("queue_length", "requests waiting for admission", stats.get("queue_length"))
-            yield gauge("active_sequences", "sequences in the running batch", stats.get("active_sequences"))
-            yield gauge("max_batch_size", "most sequences that run together", stats.get("max_batch_size"))
-            yield gauge("tokens_per_second", "generated tokens per second over the last 10 s",
-                        stats.get("tokens_per_second"))
-            yield gauge("kv_pages_total", "KV cache pages", backend.get("total_pages"))
-            yield gauge("kv_pages_free", "KV cache pages not held by any sequence", backend.get("free_pages"))
-            yield gauge("kv_pages_reserved", "free pages promised to running sequences", backend.get("reserved_pages"))
-            yield gauge("kv_free_tokens", "KV cache tokens neither held nor reserved", backend.get("free_tokens"))
-            yield gauge("kv_page_size", "tokens per KV page", backend.get("page_size"))
-            yield gauge("max_seq_len", "context length (prompt + completion)", backend.get("max_seq_len"))
-            yield gauge("prefix_cache_pages", "KV pages indexed by the prefix cache (held or evictable)",
-                        backend.get("prefix_cached_pages"))
-            yield gauge("prefix_cache_evictable_pages", "cached KV pages no sequence holds (reusable, or free space)",
-                        backend.get("prefix_evictable_pages"))
-            yield gauge("prefix_cache_hit_rate", "share of admitted prompt tokens whose KV came from the prefix cache",
-                        backend.get("prefix_hit_rate"))
-            for key, doc in (("hit_tokens", "prompt tokens reused from the prefix cache"),
-                             ("lookup_tokens", "prompt tokens looked up in the prefix cache"),
-                             ("evictions", "cached KV pages evicted to make room")):
-                c = CounterMetricFamily(f"exl2_backend_prefix_cache_{key}", doc, labels=["model"])
-                c.add_metric([model_id], float(backend.get(f"prefix_{key}") or 0))
-                yield c
-            if backend.get("spec_mode"):  # speculative decoding (exl2_backend/spec/)
-                yield gauge("spec_acceptance_rate", "accepted / proposed draft tokens",
-                            backend.get("spec_acceptance_rate"))
-                yield gauge("spec_mean_accepted_length", "accepted draft tokens per verify step that drafted",
-                            backend.get("spec_mean_accepted_length"))
-                yield gauge("spec_tokens_per_step", "tokens per sequence per speculative step",
-                            backend.get("spec_tokens_per_step"))
-                for key, doc in (("spec_proposed_tokens", "draft tokens proposed"),
-                                 ("spec_accepted_tokens", "draft tokens accepted")):
-                    c = CounterMetricFamily(f"exl2_backend_{key}", doc, labels=["model"])
-                    c.add_metric([model_id], float(backend.get(key) or 0))
-                    yield c
-            yield counter("requests", "finished requests by outcome", stats.get("requests") or {}, "outcome")
-            yield counter("rejected", "requests refused by reason", stats.get("rejected") or {}, "reason")
-            yield counter("steps", "engine steps by kind", stats.get("steps") or {}, "kind")
-            yield counter("step_seconds", "seconds spent in engine steps by kind", stats.get("step_seconds") or {},
-                          "kind")
-            pt = CounterMetricFamily("exl2_backend_prompt_tokens", "prompt tokens admitted", labels=["model"])
-            pt.add_metric([model_id], float(stats.get("prompt_tokens_total") or 0))
-            yield pt
-            gt = CounterMetricFamily("exl2_backend_generation_tokens", "tokens generated", labels=["model"])
-            gt.add_metric([model_id], float(stats.get("generation_tokens_total") or 0))
-            yield gt
-
-    registry = CollectorRegistry(auto_describe=False)
-    registry.register(_Collector())
-    return generate_latest(registry).decode()
-
-
-def _mergeable(a: dict, b: dict) -> bool:
-    """Two token items of one stream that can travel as one (neither is an error, `a` is not the last)."""
-    return "text" in a and "text" in b and not a.get("finish_reason") and "error" not in a and "error" not in b
-
-
-def _merge_items(a: dict, b: dict) -> dict:
-    out = dict(b)  # b's finish_reason, usage and timings (only the last item carries them)
-    out["text"] = a["text"] + b["text"]
-    out["token_ids"] = list(a.get("token_ids") or ()) + list(b.get("token_ids") or ())
-    if "logprobs" in a or "logprobs" in b:
-        out["logprobs"] = list(a.get("logprobs") or ()) + list(b.get("logprobs") or ())
-    if "prompt_logprobs" in a:  # only the item that completed the prompt has them
-        out["prompt_logprobs"] = a["prompt_logprobs"]
-    return out
-
-
-def _chat_logprobs(entries: list[dict] | None) -> dict | None:
-    """Backend logprob entries (runtime/logprobs.logprob_entries) -> a chat choice's "logprobs" object."""
-    if entries is None:
-        return None
-
-    def one(e: dict) -> dict:
-        return {"token": e["token"], "logprob": e["logprob"], "bytes": e["bytes"]}
-
-    return {"content": [{**one(e), "top_logprobs": [one(t) for t in e["top_logprobs"]]} for e in entries],
-            "refusal": None}
-
-
-def _completion_logprobs(entries: list[dict] | None, offset: int) -> dict | None:
-    """Backend logprob entries -> a text completion choice's legacy "logprobs" object; text_offset counts the
-    tokens' own text from `offset` (the characters of completion text before them)."""
-    if entries is None:
-        return None
-    offsets = []
-    for e in entries:
-        offsets.append(offset)
-        offset += len(e["token"])
-    return {"tokens": [e["token"] for e in entries], "token_logprobs": [e["logprob"] for e in entries],
-            "top_logprobs": [None if e["top_logprobs"] is None  # a prompt's first token (echo)
-                             else {t["token"]: t["logprob"] for t in e["top_logprobs"]} for e in entries],
-            "text_offset": offsets}
-
-
-def _empty_usage() -> dict:
-    return {"prompt_tokens": 0, "completion_tokens": 0, "total_tokens": 0,
-            "prompt_tokens_details": {"cached_tokens": 0}}
-
-
-def _add_usage(usage: dict, item: dict, *, first_of_prompt: bool) -> None:
-    """Count a finished choice's final item into the response's usage: each prompt once (as the OpenAI API counts
-    it, with the prefix-cache hit of its first choice: later choices share its pages), completions summed."""
-    u = item.get("usage") or {}
-    if first_of_prompt:
-        usage["prompt_tokens"] += int(u.get("prompt_tokens", 0))
-        usage["prompt_tokens_details"]["cached_tokens"] += int(u.get("cached_tokens", 0))
-    usage["completion_tokens"] += int(u.get("completion_tokens", 0))
-    usage["total_tokens"] = usage["prompt_tokens"] + usage["completion_tokens"]
-
-
-def _finish(item: dict) -> str:
-    reason = item.get("finish_reason") or "stop"
-    return reason if reason in ("stop", "length") else "stop"

@@ -12,7 +12,7 @@ import torch
 from exl2_backend.plugin.manager import new_plugin_manager
 from exl2_backend.plugin.types import SequenceRequest, StepBatch
 from exl2_backend.serve.engine_loop import EngineLoop
-from exl2_backend.serve.openai_spec import render_metrics
+from exl2_backend.serve.metrics import render_metrics
 from tests.helpers.synth import tiny_config_dict, write_tiny_exl2_model
 
 LOAD = {"device": "cpu", "max_seq_len": 256, "cache_tokens": 2048, "page_size": 16, "max_batch_size": 8}

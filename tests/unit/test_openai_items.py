@@ -1,10 +1,10 @@
-"""How the OpenAI spec merges token items that reached it together (serve/openai_spec._merge_items) and writes
+"""How the OpenAI spec merges token items that reached it together (serve/openai_spec.merge_items) and writes
 logprob entries in the chat and legacy shapes: no entry is lost or reordered, the prompt's entries survive a
 merge, a prompt's first token has null logprobs."""
 
 from __future__ import annotations
 
-from exl2_backend.serve.openai_spec import _chat_logprobs, _completion_logprobs, _merge_items, _mergeable
+from exl2_backend.serve.openai_items import chat_logprobs, completion_logprobs, merge_items, mergeable
 
 
 def _entry(token: str, logprob, top=()):
@@ -20,8 +20,8 @@ def test_merged_items_keep_every_entry_and_the_prompts():
          "prompt_logprobs": prompt}
     b = {"text": " blue", "token_ids": [2], "finish_reason": "length", "logprobs": [_entry(" blue", -0.25)],
          "usage": {"prompt_tokens": 2, "completion_tokens": 2}}
-    assert _mergeable(a, b)
-    m = _merge_items(a, b)
+    assert mergeable(a, b)
+    m = merge_items(a, b)
     assert m["text"] == " is blue" and m["token_ids"] == [1, 2] and m["finish_reason"] == "length"
     assert [e["token"] for e in m["logprobs"]] == [" is", " blue"] and m["prompt_logprobs"] == prompt
     assert m["usage"] == b["usage"]
@@ -29,12 +29,12 @@ def test_merged_items_keep_every_entry_and_the_prompts():
 
 def test_legacy_and_chat_shapes():
     entries = [_entry("The", None), _entry(" sea", -2.0, [(" sky", -1.0), (" sea", -2.0)])]
-    legacy = _completion_logprobs(entries, 3)
+    legacy = completion_logprobs(entries, 3)
     assert legacy == {"tokens": ["The", " sea"], "token_logprobs": [None, -2.0],
                       "top_logprobs": [None, {" sky": -1.0, " sea": -2.0}], "text_offset": [3, 6]}
-    chat = _chat_logprobs(entries[1:])
+    chat = chat_logprobs(entries[1:])
     assert chat["refusal"] is None
     assert chat["content"] == [{"token": " sea", "logprob": -2.0, "bytes": list(b" sea"),
                                 "top_logprobs": [{"token": " sky", "logprob": -1.0, "bytes": list(b" sky")},
                                                  {"token": " sea", "logprob": -2.0, "bytes": list(b" sea")}]}]
-    assert _chat_logprobs(None) is None and _completion_logprobs(None, 0) is None
+    assert chat_logprobs(None) is None and completion_logprobs(None, 0) is None

@@ -174,7 +174,8 @@ class Exl2Handle(BackendHandle):
                 temperature=req.temperature, top_k=req.top_k, top_p=req.top_p, min_p=req.min_p,
                 repetition_penalty=req.repetition_penalty, frequency_penalty=req.frequency_penalty,
                 presence_penalty=req.presence_penalty, seed=req.seed)
-            params = GenerationParams(sampling=sampling, max_new_tokens=req.max_new_tokens, stop=list(req.stop),
+            params = GenerationParams(sampling=sampling, max_new_tokens=req.max_new_tokens,
+                                      min_new_tokens=req.min_new_tokens, stop=list(req.stop),
                                       stop_token_ids=list(req.stop_token_ids), ignore_eos=req.ignore_eos,
                                       logprobs=req.logprobs, logit_bias=req.logit_bias,
                                       prompt_logprobs=req.prompt_logprobs, grammar=req.grammar)

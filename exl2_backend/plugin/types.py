@@ -47,6 +47,7 @@ class SequenceRequest:
     messages: list[dict] | None = None
     add_generation_prompt: bool = True
     max_new_tokens: int | None = 256
+    min_new_tokens: int = 0  # EOS and stop_token_ids are not sampled before this many tokens (API 1.4)
     temperature: float = 1.0
     top_k: int = 0
     top_p: float = 1.0
@@ -93,6 +94,10 @@ class SequenceRequest:
             bad("tools", "must be a list of {'type': 'function', 'function': {'name': ...}} with chat messages")
         if self.max_new_tokens is not None and (not _is_int(self.max_new_tokens) or self.max_new_tokens < 1):
             bad("max_new_tokens", f"must be an integer >= 1 or None, got {self.max_new_tokens!r}")
+        if not _is_int(self.min_new_tokens) or self.min_new_tokens < 0:
+            bad("min_new_tokens", f"must be an integer >= 0, got {self.min_new_tokens!r}")
+        if self.max_new_tokens is not None and self.min_new_tokens > self.max_new_tokens:
+            bad("min_new_tokens", f"is {self.min_new_tokens}, more than max_new_tokens ({self.max_new_tokens})")
         for name, (ok, rule) in SAMPLING_RANGES.items():
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):

@@ -22,6 +22,7 @@ class GenerationParams:
 
     sampling: SamplingParams = field(default_factory=SamplingParams)
     max_new_tokens: int | None = 256
+    min_new_tokens: int = 0  # EOS and stop_token_ids cannot be sampled before this many tokens (stop strings can)
     stop: list[str] = field(default_factory=list)
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
@@ -36,6 +37,12 @@ class GenerationParams:
         if self.max_new_tokens is not None and (not isinstance(self.max_new_tokens, int) or self.max_new_tokens < 1):
             raise InvalidRequestError(f"max_new_tokens must be a positive integer or None, got {self.max_new_tokens!r}",
                                       field="max_new_tokens")
+        if isinstance(self.min_new_tokens, bool) or not isinstance(self.min_new_tokens, int) or self.min_new_tokens < 0:
+            raise InvalidRequestError(f"min_new_tokens must be an integer >= 0, got {self.min_new_tokens!r}",
+                                      field="min_new_tokens")
+        if self.max_new_tokens is not None and self.min_new_tokens > self.max_new_tokens:
+            raise InvalidRequestError(f"min_new_tokens ({self.min_new_tokens}) is more than max_new_tokens "
+                                      f"({self.max_new_tokens})", field="min_new_tokens")
         if isinstance(self.stop, str):
             self.stop = [self.stop]
         self.stop = list(self.stop or [])

@@ -14,8 +14,8 @@ from exl2_backend.ops.reference_sampling import NAN_ROW
 def penalized_logits(seqs, logits: torch.Tensor) -> torch.Tensor:
     """logits [B, V] -> f32 [B, V] with each sequence's repetition/frequency/presence penalties applied from
     its prompt and output counts (objects with `params`, `prompt_counts`, `output_counts`, `logit_bias`,
-    `grammar`), then its logit bias added (`logit_bias`: ids and biases, or None), then the tokens its grammar
-    forbids set to -inf (`grammar`: a SequenceGrammar or None; a row it allows nothing in becomes NaN, which the
+    `grammar`, `banned`), then its logit bias added (`logit_bias`: ids and biases, or None), its banned ids (EOS
+    before min_new_tokens) and the tokens its grammar forbids set to -inf (`grammar`: a SequenceGrammar or None; a row it allows nothing in becomes NaN, which the
     samplers flag). The input is never written (it may be a graph's output)."""
     v = logits.shape[1]
     logits = logits.float()
@@ -31,6 +31,13 @@ def penalized_logits(seqs, logits: torch.Tensor) -> torch.Tensor:
                 ids, values = s.logit_bias
                 bias[i, ids] = values
         logits = logits + bias.to(logits.device, non_blocking=True)
+    banned = [s.banned for s in seqs]
+    if any(b is not None for b in banned):
+        ban = torch.zeros(logits.shape, dtype=torch.bool)  # [B, V] on the host: one copy
+        for i, ids in enumerate(banned):
+            if ids is not None:
+                ban[i, [t for t in ids if t < v]] = True
+        logits = logits.masked_fill(ban.to(logits.device, non_blocking=True), float("-inf"))
     grammars = [s.grammar for s in seqs]
     constrained = [g for g in grammars if g is not None]
     if constrained:

@@ -13,6 +13,13 @@ def _needs_penalties(sp) -> bool:
     return sp.repetition_penalty != 1.0 or sp.frequency_penalty != 0.0 or sp.presence_penalty != 0.0
 
 
+def banned_stops(seq, generated: int) -> list[int] | None:
+    """seq's EOS and stop token ids while `generated` < its min_new_tokens, else None."""
+    if generated < seq.params.min_new_tokens and seq.stop_ids:
+        return sorted(seq.stop_ids)
+    return None
+
+
 class Sequence:
     """One request inside the engine.
 
@@ -56,7 +63,12 @@ class Sequence:
         """Greedy on the raw logits: no penalty, logit bias or grammar can change which token is the argmax (the
         greedy lookahead and greedy verification take the argmax of the logits as they come)."""
         return (self.params.sampling.temperature == 0 and self.prompt_counts is None and self.logit_bias is None
-                and self.grammar is None)
+                and self.grammar is None and self.banned is None)
+
+    @property
+    def banned(self) -> list[int] | None:
+        """Token ids that may not be sampled now: EOS and the stop tokens while fewer than min_new_tokens are out."""
+        return banned_stops(self, len(self.output_ids))
 
     # --- sizes ------------------------------------------------------------------------------------------
 

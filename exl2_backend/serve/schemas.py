@@ -160,11 +160,13 @@ class _SamplingRequest(_Strict):
     """Fields shared by chat and text completions."""
 
     _json_numbers = field_validator("max_tokens", "temperature", "top_p", "top_k", "min_p", "presence_penalty",
-                                    "frequency_penalty", "repetition_penalty", "n", "seed", mode="before")(_json_number)
+                                    "frequency_penalty", "repetition_penalty", "n", "seed", "min_tokens",
+                                    mode="before")(_json_number)
     _json_bools = field_validator("stream", "ignore_eos", mode="before")(_json_bool)
 
     model: str | None = None
     max_tokens: int | None = Field(default=None, ge=1)
+    min_tokens: int = Field(default=0, ge=0)  # vLLM's extension: no EOS / stop_token_ids before this many tokens
     temperature: float = Field(default=1.0, ge=0)
     top_p: float = Field(default=1.0, gt=0, le=1)
     top_k: int = Field(default=0, ge=0)
@@ -193,6 +195,16 @@ class _SamplingRequest(_Strict):
         if v is not None:
             checked(v.grammar() if isinstance(v, ResponseFormat) else v.as_grammar())
         return v
+
+    @model_validator(mode="after")
+    def _min_within_max(self):
+        limit = self.limit()
+        if limit is not None and self.min_tokens > limit:
+            raise ValueError(f"min_tokens ({self.min_tokens}) must not exceed the completion's token limit ({limit})")
+        return self
+
+    def limit(self) -> int | None:  # the completion's token limit; each request type names its own field
+        return self.max_tokens
 
     @model_validator(mode="after")
     def _one_constraint(self):
@@ -256,6 +268,7 @@ class _SamplingRequest(_Strict):
                 "repetition_penalty", "seed", "ignore_eos")
         out = {k: getattr(self, k) for k in keys}
         out.update(stop=list(self.stop or []), stop_token_ids=list(self.stop_token_ids or []),
+                   min_new_tokens=self.min_tokens,
                    logprobs=self.logprob_count(), logit_bias=self.logit_bias, grammar=self.grammar())
         return out
 

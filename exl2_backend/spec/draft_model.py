@@ -21,6 +21,7 @@ from exl2_backend.ops.reference import make_generator
 from exl2_backend.runtime.model_runner import ModelRunner
 from exl2_backend.runtime.pages import PageBudget
 from exl2_backend.runtime.sampler import penalized_logits
+from exl2_backend.runtime.sequence import banned_stops
 from exl2_backend.spec.rejection import processed_probs, race
 
 log = logging.getLogger("exl2_backend")
@@ -53,8 +54,14 @@ class _Counts:
         self.logit_bias = seq.logit_bias  # ids and biases (read only)
         self.grammar = None if seq.grammar is None else seq.grammar.fork()
         self.plain_greedy = seq.plain_greedy
+        self._seq, self._generated = seq, len(seq.output_ids)  # tokens out, the drafts so far included
+
+    @property
+    def banned(self) -> list[int] | None:
+        return banned_stops(self._seq, self._generated)
 
     def add(self, token: int) -> None:
+        self._generated += 1
         if self.output_counts is not None and token < self.output_counts.numel():
             self.output_counts[token] += 1
         if self.grammar is not None and not self.grammar.consume(token):

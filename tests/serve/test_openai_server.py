@@ -115,6 +115,18 @@ def test_usage_reports_the_prefix_cache_hit(client):
     assert chunks[-1].usage.prompt_tokens_details.cached_tokens == again.usage.prompt_tokens_details.cached_tokens
 
 
+def test_min_tokens_holds_the_end_back(client, http):
+    """min_tokens (vLLM's extension): a reply that would end at once runs to min_tokens; min_tokens past max_tokens
+    is a 400 naming it."""
+    kw = {"model": MODEL, "messages": [{"role": "user", "content": "Say only: hi"}], "temperature": 0}
+    short = client.chat.completions.create(**kw, max_tokens=40)
+    assert short.choices[0].finish_reason == "stop" and short.usage.completion_tokens < 12
+    held = client.chat.completions.create(**kw, max_tokens=12, extra_body={"min_tokens": 12})
+    assert held.choices[0].finish_reason == "length" and held.usage.completion_tokens == 12
+    r = http.post("/v1/chat/completions", json={**kw, "max_tokens": 4, "min_tokens": 5})
+    assert r.status_code == 400 and "min_tokens" in r.json()["error"]["message"]
+
+
 def test_stream_without_include_usage_has_no_usage_chunk(http):
     body = {"model": MODEL, "messages": FRANCE, "temperature": 0, "max_tokens": 3, "stream": True}
     with http.stream("POST", "/v1/chat/completions", json=body) as r:

@@ -61,3 +61,17 @@ def test_the_draft_proposes_with_the_targets_bias(smol, default_fp16_dir):
     assert out == plain and set(out[ids[0]]) == {forced}
     st = e.stats()
     assert st["spec_proposed_tokens"] > 0 and st["spec_accepted_tokens"] == st["spec_proposed_tokens"]
+
+
+@pytest.mark.parametrize("mode", ["ngram", "draft_model"])
+def test_min_new_tokens_under_speculation(smol, default_fp16_dir, mode):
+    """EOS forced by a +100 bias but banned for the first 6 tokens: speculative decoding gives plain decoding's
+    output, 6 tokens then EOS (the draft model proposes under the same ban)."""
+    model, tok, ids, prompts, _ = smol
+    eos = 2  # <|im_end|>
+    params = GenerationParams(sampling=SamplingParams.greedy(), max_new_tokens=12, min_new_tokens=6,
+                              logit_bias={eos: 100.0})
+    plain = run(Engine(model, tok, LoadSettings(**SETTINGS)), ids[:1], prompts[:1], params)
+    kw = {"ngram": True} if mode == "ngram" else {"draft_model": default_fp16_dir}
+    out = run(Engine(model, tok, LoadSettings(**SETTINGS, **kw)), ids[:1], prompts[:1], params)
+    assert out == plain and len(out[ids[0]]) == 7 and out[ids[0]][-1] == eos and eos not in out[ids[0]][:-1]

@@ -133,8 +133,10 @@ class Exl2Handle(BackendHandle):
                 return [int(t) for t in req.prompt_ids]
             if req.prompt is not None:
                 return tok.encode(req.prompt, limit=limit)
-            tools = {} if req.tools is None else {"tools": req.tools}
-            return tok.encode_chat(req.messages, req.add_generation_prompt, limit=limit, **tools)
+            extra = {} if req.tools is None else {"tools": req.tools}
+            if req.continue_final_message:
+                extra["continue_final_message"] = True
+            return tok.encode_chat(req.messages, req.add_generation_prompt, limit=limit, **extra)
         except PromptTooLongError as exc:  # sure to be too long: refused before tokenizing (engine thread)
             raise AdmissionRejected(
                 f"{exc}; this model is served with a context of max_seq_len={limit + 1} tokens (prompt + "

@@ -46,6 +46,7 @@ class SequenceRequest:
     prompt: str | None = None
     messages: list[dict] | None = None
     add_generation_prompt: bool = True
+    continue_final_message: bool = False  # the prompt ends inside the last message: the model continues it (1.4)
     max_new_tokens: int | None = 256
     min_new_tokens: int = 0  # EOS and stop_token_ids are not sampled before this many tokens (API 1.4)
     temperature: float = 1.0
@@ -118,9 +119,12 @@ class SequenceRequest:
                               ("grammar", grammar_problem(self.grammar))):
             if problem is not None:
                 bad(name, problem)
-        for name in ("ignore_eos", "add_generation_prompt", "cap_to_context"):  # "no" is truthy: only real booleans
-            if not isinstance(getattr(self, name), bool):
+        for name in ("ignore_eos", "add_generation_prompt", "cap_to_context", "continue_final_message"):
+            if not isinstance(getattr(self, name), bool):  # "no" is truthy: only real booleans
                 bad(name, f"must be true or false, got {getattr(self, name)!r}")
+        if self.continue_final_message and (self.messages is None or self.add_generation_prompt):
+            bad("continue_final_message", "continues the last chat message: needs messages and "
+                                          "add_generation_prompt false")
 
 
 def _is_int(x: Any) -> bool:

@@ -224,6 +224,9 @@ class Exl2OpenAISpec(LitSpec):
                    max_new_tokens=req.limit(), cap_to_context=req.limit() is None, **req.sampling_fields())
         if req.tools:
             seq["tools"] = req.tool_dicts()
+        if not req.add_generation_prompt or req.continue_final_message:
+            seq.update(add_generation_prompt=req.add_generation_prompt,
+                       continue_final_message=req.continue_final_message)
         return await self._run(request, req, sid, [seq], _Reply(chat=True, n=req.n, tools=req.calls_tools()))
 
     async def completions(self, request: Request) -> Response:

@@ -287,6 +287,8 @@ class ChatCompletionRequest(_SamplingRequest):
     tools: list[ToolDef] | None = Field(default=None, max_length=MAX_TOOLS)  # function calling (serve/tools.py)
     tool_choice: ToolChoice | None = None  # default: "auto" with tools, "none" without
     parallel_tool_calls: bool | None = None  # default true: a reply may hold several calls
+    add_generation_prompt: bool = True  # vLLM's extensions: false with continue_final_message true continues the
+    continue_final_message: bool = False  # last message (e.g. an assistant reply begun by the client)
     reasoning_effort: str | None = None
     modalities: list[str] | None = None
     # accepted and ignored (no effect on a local model)
@@ -303,7 +305,15 @@ class ChatCompletionRequest(_SamplingRequest):
     prediction: dict | None = None
     web_search_options: dict | None = None
 
-    _chat_json_bools_tools = field_validator("parallel_tool_calls", mode="before")(_json_bool)
+    _chat_json_bools_tools = field_validator("parallel_tool_calls", "add_generation_prompt", "continue_final_message",
+                                             mode="before")(_json_bool)
+
+    @model_validator(mode="after")
+    def _continue_or_start(self):
+        if self.continue_final_message and self.add_generation_prompt:
+            raise ValueError("continue_final_message needs add_generation_prompt false (one continues the last "
+                             "message, the other starts a new one)")
+        return self
 
     @field_validator("functions", "audio", "prediction", "web_search_options")
     @classmethod

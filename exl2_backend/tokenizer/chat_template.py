@@ -73,6 +73,19 @@ def select_template(value: Any, name: str | None = None) -> str | None:
     raise TokenizerError(f"chat_template must be a string or a list of named templates, got {type(value).__name__}")
 
 
+def cut_after_final_content(text: str, messages: list[dict]) -> str:
+    """A rendered chat cut right after the last message's content (transformers' continue_final_message rule: the
+    content as given, else stripped, found from the end). TokenizerError when the template does not show it."""
+    content = messages[-1].get("content") if messages else None
+    if isinstance(content, list):
+        content = "".join(p.get("text", "") for p in content if isinstance(p, dict))
+    for needle in (content, (content or "").strip()):
+        if needle and (at := text.rfind(needle)) >= 0:
+            return text[: at + len(needle)]
+    raise TokenizerError("continue_final_message: the last message has no content to continue, or the chat "
+                         "template does not show it as given")
+
+
 def render(source: str, messages: list[dict], *, add_generation_prompt: bool, special_tokens: dict[str, str | None],
            **kwargs: Any) -> str:
     """Render `source` for `messages`; every failure (including `raise_exception`) is a `TokenizerError`."""

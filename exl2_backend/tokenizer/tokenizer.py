@@ -16,7 +16,7 @@ from tokenizers import Tokenizer as _HFTokenizer
 
 from exl2_backend.errors import PromptTooLongError, TokenizerError
 from exl2_backend.text import unicode_problem
-from exl2_backend.tokenizer.chat_template import render, select_template
+from exl2_backend.tokenizer.chat_template import cut_after_final_content, render, select_template
 from exl2_backend.tokenizer.incremental import IncrementalDecoder
 from exl2_backend.tokenizer.tool_prompt import hermes_messages, template_messages, template_takes_tools
 
@@ -250,10 +250,20 @@ class Tokenizer:
         return self.chat_template_source is not None
 
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True, *,
-                            template_name: str | None = None, **kwargs: Any) -> str:
+                            template_name: str | None = None, continue_final_message: bool = False,
+                            **kwargs: Any) -> str:
         """Render the chat template (transformers' `tokenize=False` output). Extra kwargs reach it. `tools` (OpenAI
         tool definitions), assistant `tool_calls` and `tool` messages go to a template written for tools as they
-        are, and into a template that never mentions them in the Hermes convention (tokenizer/tool_prompt.py)."""
+        are, and into a template that never mentions them in the Hermes convention (tokenizer/tool_prompt.py).
+
+        continue_final_message: the text ends where the last message's content ends (its end-of-turn cut), so the
+        model continues that message, e.g. an assistant reply the caller began ("prefill")."""
+        if continue_final_message:
+            if add_generation_prompt:
+                raise TokenizerError("continue_final_message continues the last message; it cannot go with "
+                                     "add_generation_prompt, which starts a new one")
+            text = self.apply_chat_template(messages, False, template_name=template_name, **kwargs)
+            return cut_after_final_content(text, messages)
         source = select_template(self.chat_template_source, template_name)
         if source is None:
             raise TokenizerError(f"this model has no chat template (tokenizer_config.json in {self.source})")

@@ -115,6 +115,21 @@ def test_usage_reports_the_prefix_cache_hit(client):
     assert chunks[-1].usage.prompt_tokens_details.cached_tokens == again.usage.prompt_tokens_details.cached_tokens
 
 
+def test_continue_final_message_continues_the_assistants_reply(client, http):
+    """vLLM's add_generation_prompt / continue_final_message: the prompt ends inside the assistant message the client
+    began, so the reply continues it (prompt tokens: the rendering cut after that text, its end-of-turn dropped)."""
+    begun = [{"role": "user", "content": "What is the capital of France?"},
+             {"role": "assistant", "content": "The capital of France is"}]
+    kw = {"model": MODEL, "messages": begun, "temperature": 0, "max_tokens": 4}
+    r = client.chat.completions.create(**kw, extra_body={"add_generation_prompt": False,
+                                                         "continue_final_message": True})
+    assert "Paris" in r.choices[0].message.content
+    new_turn = client.chat.completions.create(**kw)  # the default: a new assistant turn after the begun one
+    assert new_turn.usage.prompt_tokens > r.usage.prompt_tokens
+    bad = http.post("/v1/chat/completions", json={**kw, "continue_final_message": True})
+    assert bad.status_code == 400 and "add_generation_prompt" in bad.json()["error"]["message"]
+
+
 def test_min_tokens_holds_the_end_back(client, http):
     """min_tokens (vLLM's extension): a reply that would end at once runs to min_tokens; min_tokens past max_tokens
     is a 400 naming it."""

@@ -90,6 +90,7 @@ def test_per_engine_hooks_ignore_foreign_handles():
     ("grammar", "json"), ("grammar", {"type": "yaml"}), ("grammar", {"type": "regex"}),
     ("grammar", {"type": "choice", "value": []}), ("grammar", {"type": "json_object", "schema": {}}),
     ("tools", "get_weather"), ("tools", [{"type": "function"}]),
+    ("continue_final_message", True), ("continue_final_message", "yes"),  # True: a prompt, not messages
     ("min_new_tokens", -1), ("min_new_tokens", 300), ("min_new_tokens", True),  # 300 > max_new_tokens (256)
     ("tools", [{"type": "function", "function": {"name": "f"}}]),  # tools go with chat messages, not a prompt
 ])

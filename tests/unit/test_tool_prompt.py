@@ -108,3 +108,18 @@ def test_tool_grammars_admit_exactly_their_replies(vocab):
     bad_args = '<tool_call>\n{"name": "get_weather", "arguments": {"town": "Oslo"}}\n</tool_call>'
     assert not _accepts(tool_grammar(tools, "required", True), bad_args, gt, tok)
     assert tool_grammar(tools, "none", True) is None
+
+
+def test_continue_final_message_cuts_after_the_last_content(default_model_dir):
+    from exl2_backend.errors import TokenizerError
+
+    tok = Tokenizer.from_dir(default_model_dir)
+    begun = [{"role": "user", "content": "Name a color."}, {"role": "assistant", "content": "The color is"}]
+    text = tok.apply_chat_template(begun, False, continue_final_message=True)
+    assert text.endswith("<|im_start|>assistant\nThe color is")
+    assert tok.apply_chat_template(begun, False).startswith(text)  # the same rendering, cut
+    with pytest.raises(TokenizerError, match="add_generation_prompt"):
+        tok.apply_chat_template(begun, True, continue_final_message=True)
+    with pytest.raises(TokenizerError, match="no content"):
+        tok.apply_chat_template(begun[:1] + [{"role": "assistant", "content": ""}], False,
+                                continue_final_message=True)

@@ -104,8 +104,8 @@ class Exl2Handle(BackendHandle):
     def free_tokens(self) -> int:
         return int(self.engine.free_tokens())
 
-    def tokenize(self, text: str) -> list[int]:
-        return self.engine.tokenizer.encode(text)
+    def tokenize(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return self.engine.tokenizer.encode(text, add_special_tokens=add_special_tokens)
 
     def detokenize(self, token_ids: list[int]) -> str:
         return self.engine.tokenizer.decode(list(token_ids))
@@ -122,7 +122,7 @@ class Exl2Handle(BackendHandle):
 
     # --- admission -------------------------------------------------------------------------------------
 
-    def _prompt_ids(self, req: SequenceRequest) -> list[int]:
+    def prompt_ids(self, req: SequenceRequest) -> list[int]:
         from exl2_backend.errors import PromptTooLongError
 
         tok = self.engine.tokenizer
@@ -157,7 +157,7 @@ class Exl2Handle(BackendHandle):
         if sid in self._seqs:
             raise AdmissionRejected(f"seq_id {sid!r} is already live; release it first", reason="duplicate_id",
                                     field="seq_id", seq_id=sid)
-        ids = self._prompt_ids(req)
+        ids = self.prompt_ids(req)
         limit = self.limits.max_seq_len
         if len(ids) >= limit:
             raise AdmissionRejected(

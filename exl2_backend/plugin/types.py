@@ -278,7 +278,13 @@ class BackendHandle:
     def free_tokens(self) -> int:  # pragma: no cover - interface
         raise NotImplementedError
 
-    def tokenize(self, text: str) -> list[int]:  # pragma: no cover - interface
+    def tokenize(self, text: str, add_special_tokens: bool = True) -> list[int]:  # pragma: no cover - interface
+        """Ids of a text; with add_special_tokens, the model's BOS rule applies (as for a `prompt` request)."""
+        raise NotImplementedError
+
+    def prompt_ids(self, req: SequenceRequest) -> list[int]:  # pragma: no cover - interface
+        """The ids a request's prompt gets at admission (prompt_ids, prompt, or messages with the chat template,
+        tools and continue_final_message); AdmissionRejected as admission would refuse it (API 1.4)."""
         raise NotImplementedError
 
     def detokenize(self, token_ids: list[int]) -> str:  # pragma: no cover - interface

@@ -140,6 +140,7 @@ class EngineLoop:
         self._cv = threading.Condition()
         self._waiting: collections.deque[_Job] = collections.deque()
         self._cancels: set[str] = set()
+        self._calls: collections.deque = collections.deque()  # (fn, future, asyncio loop): run between steps
         self._early_cancels: dict[str, float] = {}  # cancels that arrived before their request (id -> time)
         self._active: dict[str, _Job] = {}  # engine thread only
         self._blocked = False  # engine thread: the head of the queue did not fit; wait for a finish
@@ -199,6 +200,18 @@ class EngineLoop:
             self._cv.notify_all()
         return stream
 
+    def call(self, fn) -> asyncio.Future:
+        """Run fn(handle) on the engine thread between steps (a handle serves one thread at a time): tokenizer
+        questions. Call from an asyncio loop; its result, or its exception, arrives in the returned future."""
+        aio = asyncio.get_running_loop()
+        fut = aio.create_future()
+        with self._cv:
+            if not self.healthy:
+                raise LoopUnhealthy(f"the engine is not serving: {self._fatal or 'stopped'}")
+            self._calls.append((fn, fut, aio))
+            self._cv.notify_all()
+        return fut
+
     def cancel(self, seq_id: str) -> None:
         """Thread-safe: the sequence ends as "cancelled" and its pages are released at the next step."""
         with self._cv:
@@ -236,7 +249,7 @@ class EngineLoop:
     # --- engine thread -----------------------------------------------------------------------------------
 
     def _has_work(self) -> bool:
-        return bool(self._cancels or self._active or (self._waiting and not self._blocked))
+        return bool(self._cancels or self._calls or self._active or (self._waiting and not self._blocked))
 
     def _run(self) -> None:
         try:
@@ -253,6 +266,8 @@ class EngineLoop:
                     if self._stop:
                         break
                     cancels, self._cancels = self._cancels, set()
+                    calls, self._calls = self._calls, collections.deque()
+                self._run_calls(calls)
                 try:
                     self._step(cancels)
                 except EngineUnhealthy as exc:
@@ -264,6 +279,14 @@ class EngineLoop:
                     break
         finally:
             self._shutdown()
+
+    def _run_calls(self, calls) -> None:
+        for fn, fut, aio in calls:
+            try:
+                result, error = fn(self.handle), None
+            except Exception as exc:  # noqa: BLE001 - the caller's to handle
+                result, error = None, exc
+            _resolve_soon(aio, fut, result, error)
 
     def _flush(self) -> None:
         """Publish the events held for the next launch (engine thread; also the decode's on_launched)."""
@@ -447,7 +470,10 @@ class EngineLoop:
         with self._cv:
             waiting = list(self._waiting)
             self._waiting.clear()
+            calls, self._calls = self._calls, collections.deque()
         err = LoopUnhealthy("the server is shutting down; the request did not finish")
+        for _, fut, aio in calls:
+            _resolve_soon(aio, fut, None, err)
 
         def ended(sid: str) -> Event:
             return Event(sid, finish_reason="error", error=err)
@@ -462,6 +488,19 @@ class EngineLoop:
             items += [(self._active[sid].sink, ended(sid)) for sid in ids]
             self._active.clear()
         self._deliver(items)
+
+
+def _resolve_soon(aio: asyncio.AbstractEventLoop, fut: asyncio.Future, result, error) -> None:
+    """Settle an asyncio future from the engine thread (ignored when its caller gave up or its loop closed)."""
+
+    def settle() -> None:
+        if not fut.done():
+            fut.set_exception(error) if error is not None else fut.set_result(result)
+
+    try:
+        aio.call_soon_threadsafe(settle)
+    except RuntimeError:  # that asyncio loop is closed
+        pass
 
 
 def _put_all(batch: list[tuple[Stream, Event]]) -> None:

@@ -26,6 +26,7 @@ from typing import Any
 
 import litserve as ls
 
+from exl2_backend.errors import Exl2Error
 from exl2_backend.plugin.types import AdmissionRejected, EngineUnhealthy, SequenceFailed, SequenceRequest
 from exl2_backend.serve.engine_loop import EngineLoop, LoopUnhealthy, QueueFull, merge_events
 from exl2_backend.serve.schemas import ServeSettings
@@ -74,6 +75,35 @@ def _encode_event(ev) -> str:
     return json.dumps(item, separators=(",", ":")) + "\n"
 
 
+async def _tokenizer_op(loop, op: str, x: dict) -> dict:
+    """/tokenize and /detokenize, answered on the engine thread between steps (EngineLoop.call)."""
+    try:
+        if op == "tokenize":
+            req = SequenceRequest(**x["request"])
+            req.validate()
+            add_special = x.get("add_special_tokens", True)
+
+            def tokenize(h):
+                ids = h.tokenize(req.prompt, add_special) if req.prompt is not None else h.prompt_ids(req)
+                return {"tokens": ids, "count": len(ids), "max_model_len": h.limits.max_seq_len}
+
+            return await loop.call(tokenize)
+        tokens = list(x["tokens"])
+
+        def detokenize(h):
+            bad = next((t for t in tokens if not 0 <= t < h.limits.vocab_size), None)
+            if bad is not None:
+                return error_dict(400, f"token id {bad} is outside the vocabulary [0, {h.limits.vocab_size})",
+                                  param="tokens")
+            return {"prompt": h.detokenize(tokens)}
+
+        return await loop.call(detokenize)
+    except (AdmissionRejected, LoopUnhealthy) as exc:
+        return error_from_backend(exc)
+    except Exl2Error as exc:  # the tokenizer or chat template refused the text
+        return error_dict(400, str(exc), param="messages" if op == "tokenize" else "tokens")
+
+
 class Exl2LitAPI(ls.LitAPI):
     """One worker = one engine. Construct with a ServeSettings (or dict); nothing heavy happens before setup."""
 
@@ -118,6 +148,9 @@ class Exl2LitAPI(ls.LitAPI):
             return
         if op == "health":
             yield {"healthy": loop.healthy, "fatal_error": loop.fatal_error}
+            return
+        if op in ("tokenize", "detokenize"):
+            yield await _tokenizer_op(loop, op, x)
             return
         if op != "generate":
             yield error_dict(400, f"unknown operation {op!r}")

@@ -42,8 +42,10 @@ from exl2_backend.serve.openai_items import (
 from exl2_backend.serve.schemas import (
     ChatCompletionRequest,
     CompletionRequest,
+    DetokenizeRequest,
     ModelCard,
     ModelList,
+    TokenizeRequest,
     first_error,
     lone_surrogate,
 )
@@ -104,6 +106,8 @@ class Exl2OpenAISpec(LitSpec):
         self.add_endpoint("/v1/models", self.list_models, ["GET"])
         self.add_endpoint("/v1/models/{model_name:path}", self.get_model, ["GET"])
         self.add_endpoint("/metrics", self.metrics, ["GET"])
+        self.add_endpoint("/tokenize", self.tokenize, ["POST"])
+        self.add_endpoint("/detokenize", self.detokenize, ["POST"])
 
     def decode_request(self, request, context_kwargs=None):
         return request
@@ -247,6 +251,31 @@ class Exl2OpenAISpec(LitSpec):
             seqs.append(seq)
             echoes += [echo] * req.n
         return await self._run(request, req, sid, seqs, _Reply(chat=False, n=req.n, echoes=echoes))
+
+    async def tokenize(self, request: Request) -> Response:
+        """vLLM's /tokenize: {"tokens", "count", "max_model_len"} of a text or of chat messages."""
+        req = await self._parse(request, TokenizeRequest)
+        if isinstance(req, Response):
+            return req
+        payload = {"op": "tokenize", "request": {"seq_id": "tokenize", **req.sequence_fields()},
+                   "add_special_tokens": req.add_special_tokens}
+        return await self._tokenizer_answer(payload, chat=req.messages is not None)
+
+    async def detokenize(self, request: Request) -> Response:
+        """vLLM's /detokenize: {"prompt"} of token ids."""
+        req = await self._parse(request, DetokenizeRequest)
+        if isinstance(req, Response):
+            return req
+        return await self._tokenizer_answer({"op": "detokenize", "tokens": req.tokens}, chat=False)
+
+    async def _tokenizer_answer(self, payload: dict, chat: bool) -> Response:
+        try:
+            item = await self.query_worker(payload, timeout=60.0)
+        except Exception as exc:  # noqa: BLE001 - the worker did not answer
+            return _error_response(503, f"the inference worker did not answer: {type(exc).__name__}")
+        if "error" in item:
+            return self._error_from_item(item, chat)
+        return JSONResponse(item)
 
     async def list_models(self) -> Response:
         await self._learn_limits()

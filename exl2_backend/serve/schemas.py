@@ -444,6 +444,53 @@ class CompletionRequest(_SamplingRequest):
         return self.max_tokens
 
 
+class TokenizeRequest(_Strict):
+    """POST /tokenize (vLLM's route): a text (with the model's BOS rule unless add_special_tokens is false) or chat
+    messages as a chat completion would render them."""
+
+    _json_bools = field_validator("add_special_tokens", "add_generation_prompt", "continue_final_message",
+                                  mode="before")(_json_bool)
+
+    model: str | None = None
+    prompt: str | None = Field(default=None, min_length=1)
+    messages: list[ChatMessage] | None = Field(default=None, min_length=1)
+    add_special_tokens: bool = True
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    tools: list[ToolDef] | None = Field(default=None, max_length=MAX_TOOLS)
+
+    @model_validator(mode="after")
+    def _one_source(self):
+        if (self.prompt is None) == (self.messages is None):
+            raise ValueError("give exactly one of prompt and messages")
+        if self.continue_final_message and self.add_generation_prompt:
+            raise ValueError("continue_final_message needs add_generation_prompt false")
+        return self
+
+    def sequence_fields(self) -> dict:
+        """SequenceRequest fields of the same prompt."""
+        if self.prompt is not None:
+            return {"prompt": self.prompt}
+        out = {"messages": [m.as_template_message() for m in self.messages],
+               "add_generation_prompt": self.add_generation_prompt,
+               "continue_final_message": self.continue_final_message}
+        if self.tools:
+            out["tools"] = [t.model_dump(exclude_none=True) for t in self.tools]
+        return out
+
+
+class DetokenizeRequest(_Strict):
+    model: str | None = None
+    tokens: list[int] = Field(min_length=1)
+
+    @field_validator("tokens", mode="before")
+    @classmethod
+    def _ids(cls, v):
+        if not isinstance(v, list) or not all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in v):
+            raise ValueError("must be a list of token ids (integers >= 0)")
+        return v
+
+
 def _check_one_prompt(p) -> None:
     if isinstance(p, str):
         if not p:

@@ -90,7 +90,7 @@ API_KEY_ENV = "EXL2_BACKEND_API_KEY"  # the API key, where a command line would 
 
 
 def _require_api_key(app, key: str) -> None:
-    """/v1/* answer 401 (OpenAI's error shape, code invalid_api_key) unless the request carries
+    """/v1/*, /tokenize and /detokenize answer 401 (OpenAI's error shape, code invalid_api_key) unless the request carries
     "Authorization: Bearer <key>"; /health and /metrics stay open (probes, scrapers)."""
     import hmac
 
@@ -100,7 +100,7 @@ def _require_api_key(app, key: str) -> None:
 
     @app.middleware("http")
     async def check_api_key(request, call_next):
-        if request.url.path.startswith("/v1/"):
+        if request.url.path.startswith(("/v1/", "/tokenize", "/detokenize")):
             given = request.headers.get("authorization", "").encode()
             if not hmac.compare_digest(given, expected):
                 error = {"message": "Incorrect or missing API key: send 'Authorization: Bearer <key>'",

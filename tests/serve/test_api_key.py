@@ -34,6 +34,9 @@ def test_v1_needs_the_key_and_probes_do_not(keyed_server):
             assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key", r.text
         r = http.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi"}]})
         assert r.status_code == 401
+        assert http.post("/tokenize", json={"prompt": "hi"}).status_code == 401
+        r = http.post("/tokenize", json={"prompt": "hi"}, headers={"Authorization": f"Bearer {KEY}"})
+        assert r.status_code == 200 and r.json()["count"] > 0
     with pytest.raises(openai.AuthenticationError):
         openai.OpenAI(base_url=base + "/v1", api_key="wrong", max_retries=0).models.list()
     client = openai.OpenAI(base_url=base + "/v1", api_key=KEY, max_retries=0, timeout=120)

@@ -222,3 +222,34 @@ def test_requests_open_at_shutdown_end_with_an_error_not_a_stop(backend):
         assert handle.stats()["free_pages"] == PAGES  # released at shutdown
     finally:
         loop.stop()
+
+
+def test_calls_run_on_the_engine_thread_between_steps(backend):
+    """EngineLoop.call: a tokenizer question answered on the engine thread while a generation runs (which goes on
+    undisturbed); an exception reaches the caller; after stop, a call is refused."""
+    import threading
+
+    from exl2_backend.serve.engine_loop import LoopUnhealthy
+
+    pm, handle = backend
+    loop = EngineLoop(pm.hook, handle, max_batch_size=8, max_queue=8, queue_timeout_s=120).start()
+
+    async def main():
+        task = asyncio.ensure_future(_drain(loop.submit(_req("g", handle, 20))))
+        ids, thread = await loop.call(lambda h: (h.tokenize("Once upon a time"), threading.current_thread().name))
+        with pytest.raises(ZeroDivisionError):
+            await loop.call(lambda h: 1 / 0)
+        return ids, thread, await task
+
+    try:
+        ids, thread, events = asyncio.run(main())
+        assert ids == handle.tokenize("Once upon a time") and thread == "exl2-engine"
+        assert events[-1].finish_reason == "length" and events[-1].usage.completion_tokens == 20
+    finally:
+        loop.stop()
+
+    async def after_stop():
+        with pytest.raises(LoopUnhealthy):
+            loop.call(lambda h: None)
+
+    asyncio.run(after_stop())

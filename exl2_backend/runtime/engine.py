@@ -191,12 +191,12 @@ class Engine:
         self.seqs[seq_id] = seq
 
     def vocabulary(self):
-        """The vocabulary's token bytes as llguidance reads them (grammar/matcher.GrammarTokenizer), built on first
+        """The vocabulary's token bytes as llguidance reads them (grammar/vocabulary.Vocabulary), built on first
         use (~0.2 s for 49k tokens): grammars and the exact bytes of logprob tokens. None without a tokenizer."""
         if self._vocabulary is None and self.tokenizer is not None:
-            from exl2_backend.grammar.matcher import GrammarTokenizer
+            from exl2_backend.grammar.vocabulary import Vocabulary
 
-            self._vocabulary = GrammarTokenizer(self.tokenizer, self.model.vocab_size, self.eos_ids)
+            self._vocabulary = Vocabulary(self.tokenizer, self.model.vocab_size, self.eos_ids)
         return self._vocabulary
 
     def _grammar_for(self, spec: dict):

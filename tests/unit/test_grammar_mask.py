@@ -88,7 +88,7 @@ def test_rejection_sampling_refuses_a_row_its_grammar_empties():
         grammar = _FixedGrammar(allowed)
         grammar.owner = SimpleNamespace(words=mask_words(50))
         return SimpleNamespace(params=GenerationParams(sampling=SamplingParams(temperature=1.0)), prompt_counts=None,
-                               output_counts=None, logit_bias=None, grammar=grammar,
+                               output_counts=None, logit_bias=None, grammar=grammar, banned=None,
                                generator=torch.Generator().manual_seed(0))
 
     logits, q = torch.randn(1, 50), torch.full((50,), 1 / 50)

@@ -83,10 +83,10 @@ def _accepts(grammar: dict, text: str, gt, tok) -> bool:
 
 @pytest.fixture(scope="module")
 def vocab(default_model_dir):
-    from exl2_backend.grammar.matcher import GrammarTokenizer
+    from exl2_backend.grammar.vocabulary import Vocabulary
 
     tok = Tokenizer.from_dir(default_model_dir)
-    return GrammarTokenizer(tok, 49152, {2}), tok
+    return Vocabulary(tok, 49152, {2}), tok
 
 
 def test_tool_grammars_admit_exactly_their_replies(vocab):

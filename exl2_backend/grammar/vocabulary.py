@@ -18,8 +18,11 @@ class Vocabulary:
 
         self.vocab_size = vocab_size
         backend = tokenizer.backend  # tokenizers.Tokenizer: llguidance reads its JSON form
-        n = max(vocab_size, backend.get_vocab_size(with_added_tokens=True))
-        eos = sorted(eos_ids) or None
+        known = backend.get_vocab_size(with_added_tokens=True)
+        n = max(vocab_size, known)
+        # EOS ids the tokenizer does not know (a config's id in a padded embedding) are never allowed anyway;
+        # llguidance refuses them
+        eos = sorted(e for e in eos_ids if 0 <= e < known) or None
         self.llg = llguidance.LLTokenizer(backend.to_str(), n_vocab=n, eos_token=eos)
         self.words = mask_words(n)
         self._bytes: dict[int, bytes] = {}

@@ -124,6 +124,7 @@ class Exl2Handle(BackendHandle):
 
     def prompt_ids(self, req: SequenceRequest) -> list[int]:
         from exl2_backend.errors import PromptTooLongError
+        from exl2_backend.tokenizer.fim import infill_ids
 
         tok = self.engine.tokenizer
         limit = self.limits.max_seq_len - 1  # the longest prompt that leaves room for one token
@@ -131,6 +132,8 @@ class Exl2Handle(BackendHandle):
         try:
             if req.prompt_ids is not None:
                 return [int(t) for t in req.prompt_ids]
+            if req.prompt is not None and req.suffix is not None:
+                return infill_ids(tok, req.prompt, req.suffix, limit=limit)
             if req.prompt is not None:
                 return tok.encode(req.prompt, limit=limit)
             extra = {} if req.tools is None else {"tools": req.tools}
@@ -237,7 +240,8 @@ class Exl2Handle(BackendHandle):
         if ev.logprobs is not None or ev.prompt_logprobs is not None:
             from exl2_backend.runtime.logprobs import logprob_entries  # torch: imported once an engine runs
 
-            tok, token_bytes = self.engine.tokenizer, self.engine.vocabulary().token_bytes  # exact token bytes
+            vocabulary = self.engine.vocabulary()  # exact token bytes, when llguidance reads this tokenizer
+            tok, token_bytes = self.engine.tokenizer, vocabulary.token_bytes if vocabulary is not None else None
             if ev.logprobs is not None:
                 out.logprobs = logprob_entries(ev.logprobs, tok, token_bytes)
             if ev.prompt_logprobs is not None:

@@ -66,6 +66,7 @@ class SequenceRequest:
     prompt_logprobs: int | None = None  # None: none; n in [0, 20]: each prompt token's logprob too (API 1.3)
     grammar: dict | None = None  # {"type": json_object | json_schema | regex | lark | choice, "value": ...}: the
     # output is constrained to it and ends when it is complete (API 1.4; exl2_backend/grammar/spec.py)
+    suffix: str | None = None  # with `prompt`: the text after the gap; the model fills in the middle (API 1.4)
     tools: list[dict] | None = None  # OpenAI tool definitions rendered into the chat prompt with `messages` (API 1.4;
     # tokenizer/tool_prompt.py); the reply's form is the host's grammar
 
@@ -90,6 +91,8 @@ class SequenceRequest:
         if self.messages is not None and (not isinstance(self.messages, list) or not self.messages
                                           or not all(isinstance(m, dict) and "role" in m for m in self.messages)):
             bad("messages", "must be a non-empty list of {'role': ..., 'content': ...} objects")
+        if self.suffix is not None and (not isinstance(self.suffix, str) or self.prompt is None):
+            bad("suffix", "must be a string, given with a text prompt (the text after the gap to fill in)")
         if self.tools is not None and (self.messages is None or not isinstance(self.tools, list) or not all(
                 isinstance(t, dict) and isinstance((t.get("function") or {}).get("name"), str) for t in self.tools)):
             bad("tools", "must be a list of {'type': 'function', 'function': {'name': ...}} with chat messages")

@@ -87,6 +87,7 @@ class Engine:
             self.eos_ids |= set(getattr(tokenizer, "eos_token_ids", ()) or ())
         self.seqs: dict[str, Sequence] = {}
         self._vocabulary = None  # token bytes for grammars and logprobs, built on first use
+        self._vocabulary_error: str | None = None  # why llguidance could not read the tokenizer
         self._tokens_generated = 0
         # greedy CUDA-graph decode keeps the next step in flight (runtime/lookahead.py); EXL2_BACKEND_LOOKAHEAD=0 off
         self.lookahead = None
@@ -192,11 +193,18 @@ class Engine:
 
     def vocabulary(self):
         """The vocabulary's token bytes as llguidance reads them (grammar/vocabulary.Vocabulary), built on first
-        use (~0.2 s for 49k tokens): grammars and the exact bytes of logprob tokens. None without a tokenizer."""
-        if self._vocabulary is None and self.tokenizer is not None:
+        use (~0.3 s for 49k tokens): grammars and the exact bytes of logprob tokens. None without a tokenizer, or
+        when llguidance cannot read this one (logged once; grammars are then refused, logprob bytes come from the
+        tokens' text)."""
+        if self._vocabulary is None and self.tokenizer is not None and self._vocabulary_error is None:
             from exl2_backend.grammar.vocabulary import Vocabulary
 
-            self._vocabulary = Vocabulary(self.tokenizer, self.model.vocab_size, self.eos_ids)
+            try:
+                self._vocabulary = Vocabulary(self.tokenizer, self.model.vocab_size, self.eos_ids)
+            except Exception as exc:  # noqa: BLE001 - the model still serves everything else
+                self._vocabulary_error = f"{type(exc).__name__}: {exc}"
+                log.warning("exl2_backend: llguidance cannot read this tokenizer (%s); grammars are unavailable",
+                            self._vocabulary_error)
         return self._vocabulary
 
     def _grammar_for(self, spec: dict):
@@ -204,7 +212,11 @@ class Engine:
         "grammar") when it does not compile or the engine has no tokenizer."""
         if self.tokenizer is None:
             raise InvalidRequestError("a grammar needs the model's tokenizer; this engine has none", field="grammar")
-        return self.vocabulary().matcher(spec)
+        vocabulary = self.vocabulary()
+        if vocabulary is None:
+            raise InvalidRequestError(f"grammars are unavailable for this model's tokenizer ({self._vocabulary_error})",
+                                      field="grammar")
+        return vocabulary.matcher(spec)
 
     # --- exits -----------------------------------------------------------------------------------------
 

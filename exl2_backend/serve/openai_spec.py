@@ -243,6 +243,8 @@ class Exl2OpenAISpec(LitSpec):
             text_prompt = isinstance(prompt, str)
             seq = dict(seq_id=sid, max_new_tokens=req.limit(), cap_to_context=req.limit() is None,
                        **({"prompt": prompt} if text_prompt else {"prompt_ids": list(prompt)}), **req.sampling_fields())
+            if req.suffix is not None:
+                seq["suffix"] = req.suffix
             echo = None
             if req.echo:  # the prompt's logprobs when asked; a token-id prompt's text from its tokens' entries
                 echo = _Echo(prompt if text_prompt else None, req.logprobs is not None)

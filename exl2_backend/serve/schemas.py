@@ -394,7 +394,7 @@ class CompletionRequest(_SamplingRequest):
     prompt: str | list[str] | list[int] | list[list[int]]  # one prompt, or a batch of them (choices per prompt)
     echo: bool = False
     logprobs: int | None = Field(default=None, ge=0, le=5)  # the legacy API's limit
-    suffix: str | None = None
+    suffix: str | None = None  # fill in the middle (code models with FIM tokens; tokenizer/fim.py)
     best_of: int | None = None
 
     @field_validator("prompt")
@@ -425,10 +425,11 @@ class CompletionRequest(_SamplingRequest):
     _completion_json_bools = field_validator("echo", mode="before")(_json_bool)
     _completion_json_numbers = field_validator("best_of", "logprobs", mode="before")(_json_number)
 
-    @field_validator("suffix")
-    @classmethod
-    def _unsupported(cls, v, info):
-        return _reject_if_set(v, info)
+    @model_validator(mode="after")
+    def _suffix_with_text(self):
+        if self.suffix is not None and not all(isinstance(p, str) for p in self.prompts()):
+            raise ValueError("suffix goes with text prompts (the text before the gap), not token ids")
+        return self
 
     def logprob_count(self) -> int | None:
         return self.logprobs

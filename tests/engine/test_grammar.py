@@ -218,3 +218,23 @@ def test_engine_without_tokenizer_refuses_a_grammar():
     with pytest.raises(InvalidRequestError, match="tokenizer"):
         engine.add_sequence("t", [1, 2, 3], GenerationParams(grammar={"type": "json_object"}))
     engine.assert_no_leaks()
+
+
+def test_a_tokenizer_llguidance_cannot_read_refuses_grammars_only(smol, monkeypatch):
+    """Where llguidance cannot read the tokenizer, the engine still serves: a grammar is refused naming why, and
+    logprobs carry the tokens' text bytes."""
+    import exl2_backend.grammar.vocabulary as vocabulary
+
+    model, tok, _ = smol
+
+    def unreadable(*args, **kwargs):
+        raise ValueError("unsupported tokenizer")
+
+    monkeypatch.setattr(vocabulary.Vocabulary, "__init__", unreadable)
+    engine = Engine(model, tok, LoadSettings(**SETTINGS))
+    assert engine.vocabulary() is None
+    with pytest.raises(InvalidRequestError, match="unsupported tokenizer") as ei:
+        engine.add_sequence("g", _prompt(tok), GenerationParams(grammar={"type": "json_object"}))
+    assert ei.value.field == "grammar"
+    text, tokens, last = _generate(engine, _prompt(tok), GenerationParams(sampling=GREEDY, max_new_tokens=3))
+    assert len(tokens) == 3 and last.finish_reason == "length"

@@ -392,6 +392,10 @@ def test_bad_completion_request_and_body(http, client):
     for prompt in (["a", 3], [[1, -2]], [[]], ["a", ""], []):
         r = http.post("/v1/completions", json={"model": MODEL, "prompt": prompt})
         assert r.status_code == 400 and r.json()["error"]["param"].startswith("prompt"), (prompt, r.text)
+    r = http.post("/v1/completions", json={"model": MODEL, "prompt": "def f():", "suffix": "\n"})
+    assert r.status_code == 400 and "fill-in-the-middle" in r.json()["error"]["message"]  # SmolLM2 has no FIM tokens
+    r = http.post("/v1/completions", json={"model": MODEL, "prompt": [1, 2], "suffix": "\n"})
+    assert r.status_code == 400 and "suffix" in r.json()["error"]["message"]
     r = http.post("/v1/completions", json={"model": MODEL, "prompt": ["a"] * 33, "n": 2})
     assert r.status_code == 400 and "sequences per request" in r.json()["error"]["message"]
     r = http.post("/v1/completions", json={"model": MODEL, "prompt": "a", "logprobs": 6})  # the legacy limit is 5

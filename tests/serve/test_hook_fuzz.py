@@ -49,10 +49,11 @@ def _request(rng: random.Random, sid: str) -> tuple[SequenceRequest, object]:
     return SequenceRequest(sid, **source, **kw), check
 
 
-def test_random_schedules_keep_every_invariant(default_model_dir):
+@pytest.mark.parametrize("speculation", [{}, {"ngram": True}], ids=["plain", "ngram"])
+def test_random_schedules_keep_every_invariant(default_model_dir, speculation):
     pm = new_plugin_manager(builtin_fallback=True)
     hook = pm.hook
-    h = hook.exl2_load(settings={"model_dir": str(default_model_dir), **SETTINGS})
+    h = hook.exl2_load(settings={"model_dir": str(default_model_dir), **SETTINGS, **speculation})
     rng = random.Random(20261205)
     live: dict[str, dict] = {}  # sid -> {"req", "check", "text", "tokens", "prefilling"}
     ended: set[str] = set()

@@ -49,7 +49,7 @@ from exl2_backend.serve.schemas import (
     first_error,
     lone_surrogate,
 )
-from exl2_backend.serve.tools import may_be_a_call, split_tool_calls
+from exl2_backend.serve.tools import ToolCallStream, may_be_a_call, split_tool_calls
 
 log = logging.getLogger("exl2_backend.serve")
 
@@ -436,13 +436,14 @@ class Exl2OpenAISpec(LitSpec):
         """The choices' items as SSE chunks in arrival order (each chunk names its choice's index); the usage
         chunk (when asked) and [DONE] after the last choice finished. A disconnect cancels this generator's task
         (Starlette), and `finally` cancels every choice still running. With tools, a reply that starts like a
-        call is held until it ends, then sent as one `tool_calls` delta (or as text, if it holds no call)."""
+        call streams as `tool_calls` deltas: each call's id and name once its head is written, then its arguments
+        text as it comes (serve/tools.ToolCallStream); logprobs ride on content chunks only."""
         chat, tools, include_usage, echoes = reply.chat, reply.tools, reply.include_usage, reply.echoes
         created = int(time.time())
         obj = "chat.completion.chunk" if chat else "text_completion"
         offsets = [0] * len(agens)  # characters of completion text sent so far per choice (legacy text_offset)
         echoed = [e is None for e in echoes]  # whether each choice's prompt went out (echo)
-        held: list[list | None] = [None] * len(agens)  # tools: a reply held while it may be calls (text, logprobs)
+        calls: list[ToolCallStream | None] = [None] * len(agens)  # tools: the replies that are calls
         started = [False] * len(agens)  # tools: whether the reply's first text arrived
 
         def chunk(index: int, text: str | None, finish: str | None, *, role: bool = False,
@@ -459,8 +460,8 @@ class Exl2OpenAISpec(LitSpec):
                 c["usage"] = None
             return f"data: {json.dumps(c)}\n\n"
 
-        def calls_chunk(index: int, calls: list[dict]) -> str:
-            delta = {"content": None, "tool_calls": [dict(c, index=k) for k, c in enumerate(calls)]}
+        def calls_chunk(index: int, deltas: list[dict]) -> str:
+            delta = {"content": None, "tool_calls": deltas}
             c = {"id": sid, "object": obj, "created": created, "model": model, "system_fingerprint": None,
                  "choices": [{"index": index, "delta": delta, "logprobs": None, "finish_reason": None}]}
             if include_usage:
@@ -510,19 +511,14 @@ class Exl2OpenAISpec(LitSpec):
                 lps = item.get("logprobs")
                 if tools and not started[index] and text:
                     started[index] = True
-                    held[index] = [[], None] if may_be_a_call(text) else None
-                if held[index] is not None:  # may be calls: nothing goes out before the reply ends
-                    held[index][0].append(text)
-                    if lps is not None:
-                        held[index][1] = (held[index][1] or []) + lps
+                    calls[index] = ToolCallStream() if may_be_a_call(text) else None
+                if calls[index] is not None:  # a reply of calls: tool_calls deltas instead of content
+                    deltas = calls[index].feed(text)
+                    if deltas:
+                        yield calls_chunk(index, deltas)
                     text, lps = "", None
-                    if reason:
-                        content, calls = split_tool_calls("".join(held[index][0]))
-                        if calls:
-                            yield calls_chunk(index, calls)
-                            reason = "tool_calls" if reason == "stop" else reason
-                            content = None  # the text around the calls: none under the grammar
-                        text, lps = content or "", held[index][1]
+                    if reason == "stop" and calls[index].calls:
+                        reason = "tool_calls"
                 if text or lps:  # tokens whose text is held back (a stop string may be forming) still report
                     yield chunk(index, text, None, lps=lps)
                     offsets[index] += len(text)

@@ -102,6 +102,20 @@ def tool_grammar(tools: list[ToolDef], choice: ToolChoice, parallel: bool) -> di
 
 
 _CALL = re.compile(re.escape(TOOL_CALL_OPEN) + r"(.*?)" + re.escape(TOOL_CALL_CLOSE), re.DOTALL)
+# a call's head as the grammar writes it (compact JSON: no raw newline inside, names [A-Za-z0-9_-])
+_HEAD = re.compile(re.escape(TOOL_CALL_OPEN) + r'\{"name": "([A-Za-z0-9_-]+)", "arguments": ')
+
+
+def _call_id() -> str:
+    return f"call_{uuid.uuid4().hex[:24]}"
+
+
+def _arguments_text(body: str, obj: dict) -> str:
+    """The arguments as the model wrote them (what streaming sent), else re-serialized."""
+    head = f'{{"name": {json.dumps(obj["name"])}, "arguments": '
+    if body.startswith(head) and body.endswith("}"):
+        return body[len(head) : -1]
+    return json.dumps(obj.get("arguments", {}), ensure_ascii=False)
 
 
 def split_tool_calls(text: str) -> tuple[str | None, list[dict]]:
@@ -115,13 +129,48 @@ def split_tool_calls(text: str) -> tuple[str | None, list[dict]]:
             return text, []
         if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
             return text, []
-        calls.append({"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
-                      "function": {"name": obj["name"],
-                                   "arguments": json.dumps(obj.get("arguments", {}), ensure_ascii=False)}})
+        calls.append({"id": _call_id(), "type": "function",
+                      "function": {"name": obj["name"], "arguments": _arguments_text(match.group(1), obj)}})
     if not calls:
         return text, []
     rest = _CALL.sub("", text).strip()
     return rest or None, calls
+
+
+class ToolCallStream:
+    """A reply of calls read as it streams, turned into OpenAI `tool_calls` deltas: a call's id, type and name once
+    its head is complete, then its arguments text as it arrives. Sound for the grammar's replies: compact JSON has
+    no raw newline, so the first one after the arguments begins the call's end ("}\n</tool_call>"); the last
+    character seen is held back, since it may be the wrapper's closing brace."""
+
+    def __init__(self):
+        self.buf = ""  # text not yet sent
+        self.calls = 0  # calls begun
+        self.in_args = False
+
+    def feed(self, text: str) -> list[dict]:
+        self.buf += text
+        deltas = []
+        while True:
+            if not self.in_args:
+                m = _HEAD.search(self.buf)
+                if m is None:
+                    return deltas
+                deltas.append({"index": self.calls, "id": _call_id(), "type": "function",
+                               "function": {"name": m.group(1), "arguments": ""}})
+                self.calls += 1
+                self.in_args, self.buf = True, self.buf[m.end():]
+                continue
+            end = self.buf.find("\n")
+            if end < 0:  # all but the last character, which may close the call's object
+                chunk, self.buf = self.buf[:-1], self.buf[-1:]
+                if chunk:
+                    deltas.append({"index": self.calls - 1, "function": {"arguments": chunk}})
+                return deltas
+            chunk = self.buf[: end - 1]  # the arguments end before the call object's closing brace
+            if chunk:
+                deltas.append({"index": self.calls - 1, "function": {"arguments": chunk}})
+            self.in_args, self.buf = False, self.buf[end:]
 
 
 def may_be_a_call(text: str) -> bool:

@@ -48,13 +48,22 @@ def test_forced_calls_follow_the_schema(client, choice):
 
 
 def test_streamed_calls_equal_the_collected_ones(client):
-    kw = {"model": MODEL, "messages": ASK, "tools": [WEATHER], "temperature": 0, "max_tokens": 80,
-          "tool_choice": {"type": "function", "function": {"name": "get_weather"}}}
-    whole = client.chat.completions.create(**kw).choices[0].message.tool_calls[0]
+    """Streaming sends each call's id and name first, then its arguments in pieces as they are generated; put
+    together as a client does, they equal the non-streamed call, and no content goes out."""
+    kw = {"model": MODEL, "messages": ASK, "tools": [WEATHER, TIME], "temperature": 0, "max_tokens": 120,
+          "tool_choice": "required", "parallel_tool_calls": False}  # several calls: test_tool_prompt.py
+    whole = client.chat.completions.create(**kw).choices[0].message.tool_calls
     chunks = list(client.chat.completions.create(stream=True, **kw))
     deltas = [tc for c in chunks if c.choices for tc in (c.choices[0].delta.tool_calls or [])]
-    assert len(deltas) == 1 and deltas[0].function.name == "get_weather"
-    assert json.loads(deltas[0].function.arguments) == json.loads(whole.function.arguments)
+    calls: dict[int, dict] = {}
+    for d in deltas:
+        call = calls.setdefault(d.index, {"id": d.id, "name": d.function.name, "arguments": ""})
+        assert d.id is None or d.id == call["id"]  # the id and name come once, with the call's first delta
+        call["arguments"] += d.function.arguments or ""
+    assert len(deltas) > len(calls)  # the arguments came in pieces
+    assert [(c["name"], c["arguments"]) for c in calls.values()] == \
+        [(w.function.name, w.function.arguments) for w in whole]
+    assert all(c["id"].startswith("call_") for c in calls.values())
     assert [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason] == ["tool_calls"]
     assert not any(c.choices[0].delta.content for c in chunks if c.choices)
 

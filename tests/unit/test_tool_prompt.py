@@ -123,3 +123,27 @@ def test_continue_final_message_cuts_after_the_last_content(default_model_dir):
     with pytest.raises(TokenizerError, match="no content"):
         tok.apply_chat_template(begun[:1] + [{"role": "assistant", "content": ""}], False,
                                 continue_final_message=True)
+
+
+def test_streamed_call_deltas_add_up_to_the_parsed_calls():
+    """ToolCallStream over a reply of two calls cut at random places (200 ways): each call's first delta has its
+    index, id, type and name; its arguments, put together, are the text split_tool_calls reads, byte for byte."""
+    import random
+
+    from exl2_backend.serve.tools import ToolCallStream
+
+    reply = ('<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo \\u00e9}", "n": {"a": [1, 2]}}}\n'
+             '</tool_call>\n<tool_call>\n{"name": "ping", "arguments": {}}\n</tool_call>')
+    want = [(c["function"]["name"], c["function"]["arguments"]) for c in split_tool_calls(reply)[1]]
+    assert want[0][1] == '{"city": "Oslo \\u00e9}", "n": {"a": [1, 2]}}' and want[1] == ("ping", "{}")
+    for trial in range(200):
+        rng = random.Random(trial)
+        cuts = sorted(rng.sample(range(1, len(reply)), rng.randint(0, 30)))
+        stream, calls = ToolCallStream(), {}
+        for a, b in zip([0, *cuts], [*cuts, len(reply)]):
+            for d in stream.feed(reply[a:b]):
+                if d["index"] not in calls:
+                    assert d["type"] == "function" and d["id"].startswith("call_")
+                    calls[d["index"]] = [d["function"]["name"], ""]
+                calls[d["index"]][1] += d["function"]["arguments"]
+        assert [tuple(c) for c in calls.values()] == want and stream.calls == 2

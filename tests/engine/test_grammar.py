@@ -223,7 +223,7 @@ def test_engine_without_tokenizer_refuses_a_grammar():
 def test_a_tokenizer_llguidance_cannot_read_refuses_grammars_only(smol, monkeypatch):
     """Where llguidance cannot read the tokenizer, the engine still serves: a grammar is refused naming why, and
     logprobs carry the tokens' text bytes."""
-    import exl2_backend.grammar.vocabulary as vocabulary
+    from exl2_backend.grammar import vocabulary
 
     model, tok, _ = smol
 
@@ -236,5 +236,5 @@ def test_a_tokenizer_llguidance_cannot_read_refuses_grammars_only(smol, monkeypa
     with pytest.raises(InvalidRequestError, match="unsupported tokenizer") as ei:
         engine.add_sequence("g", _prompt(tok), GenerationParams(grammar={"type": "json_object"}))
     assert ei.value.field == "grammar"
-    text, tokens, last = _generate(engine, _prompt(tok), GenerationParams(sampling=GREEDY, max_new_tokens=3))
+    _, tokens, last = _generate(engine, _prompt(tok), GenerationParams(sampling=GREEDY, max_new_tokens=3))
     assert len(tokens) == 3 and last.finish_reason == "length"

@@ -6,7 +6,8 @@ server: a 400 naming the prompt)."""
 from __future__ import annotations
 
 import pytest
-from tokenizers import AddedToken, Tokenizer as HFTokenizer
+from tokenizers import AddedToken
+from tokenizers import Tokenizer as HFTokenizer
 
 from exl2_backend.errors import TokenizerError
 from exl2_backend.format.random_model import write_byte_tokenizer

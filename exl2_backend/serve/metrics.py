@@ -4,6 +4,51 @@ from __future__ import annotations
 
 METRICS_CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
+# (metric name, help, key): gauges of the loop's stats, then of the backend's (engine) stats
+LOOP_GAUGES = (
+    ("queue_length", "requests waiting for admission", "queue_length"),
+    ("active_sequences", "sequences in the running batch", "active_sequences"),
+    ("max_batch_size", "most sequences that run together", "max_batch_size"),
+    ("tokens_per_second", "generated tokens per second over the last 10 s", "tokens_per_second"),
+)
+BACKEND_GAUGES = (
+    ("kv_pages_total", "KV cache pages", "total_pages"),
+    ("kv_pages_free", "KV cache pages not held by any sequence", "free_pages"),
+    ("kv_pages_reserved", "free pages promised to running sequences", "reserved_pages"),
+    ("kv_free_tokens", "KV cache tokens neither held nor reserved", "free_tokens"),
+    ("kv_page_size", "tokens per KV page", "page_size"),
+    ("max_seq_len", "context length (prompt + completion)", "max_seq_len"),
+    ("prefix_cache_pages", "KV pages indexed by the prefix cache (held or evictable)", "prefix_cached_pages"),
+    ("prefix_cache_evictable_pages", "cached KV pages no sequence holds (reusable, or free space)",
+     "prefix_evictable_pages"),
+    ("prefix_cache_hit_rate", "share of admitted prompt tokens whose KV came from the prefix cache",
+     "prefix_hit_rate"),
+)
+BACKEND_TOTALS = (
+    ("prefix_cache_hit_tokens", "prompt tokens reused from the prefix cache", "prefix_hit_tokens"),
+    ("prefix_cache_lookup_tokens", "prompt tokens looked up in the prefix cache", "prefix_lookup_tokens"),
+    ("prefix_cache_evictions", "cached KV pages evicted to make room", "prefix_evictions"),
+)
+SPEC_GAUGES = (  # speculative decoding (exl2_backend/spec/), when configured
+    ("spec_acceptance_rate", "accepted / proposed draft tokens", "spec_acceptance_rate"),
+    ("spec_mean_accepted_length", "accepted draft tokens per verify step that drafted", "spec_mean_accepted_length"),
+    ("spec_tokens_per_step", "tokens per sequence per speculative step", "spec_tokens_per_step"),
+)
+SPEC_TOTALS = (
+    ("spec_proposed_tokens", "draft tokens proposed", "spec_proposed_tokens"),
+    ("spec_accepted_tokens", "draft tokens accepted", "spec_accepted_tokens"),
+)
+LOOP_COUNTERS = (  # (name, help, key, label): counters with one sample per label value
+    ("requests", "finished requests by outcome", "requests", "outcome"),
+    ("rejected", "requests refused by reason", "rejected", "reason"),
+    ("steps", "engine steps by kind", "steps", "kind"),
+    ("step_seconds", "seconds spent in engine steps by kind", "step_seconds", "kind"),
+)
+LOOP_TOTALS = (
+    ("prompt_tokens", "prompt tokens admitted", "prompt_tokens_total"),
+    ("generation_tokens", "tokens generated", "generation_tokens_total"),
+)
+
 
 def render_metrics(stats: dict, model_id: str) -> str:
     """EngineLoop.stats() (from the worker) -> Prometheus text exposition format."""
@@ -12,66 +57,28 @@ def render_metrics(stats: dict, model_id: str) -> str:
 
     backend = stats.get("backend") or {}
 
+    def one(kind, name: str, doc: str, value):
+        m = kind(f"exl2_backend_{name}", doc, labels=["model"])
+        m.add_metric([model_id], float(value or 0))
+        return m
+
+    def by_label(name: str, doc: str, values: dict, label: str):
+        c = CounterMetricFamily(f"exl2_backend_{name}", doc, labels=["model", label])
+        for key, value in sorted(values.items()):
+            c.add_metric([model_id, str(key)], float(value))
+        return c
+
     class _Collector:
         def collect(self):
-            def gauge(name, doc, value):
-                g = GaugeMetricFamily(f"exl2_backend_{name}", doc, labels=["model"])
-                g.add_metric([model_id], float(value or 0))
-                return g
-
-            def counter(name, doc, values: dict, label: str):
-                c = CounterMetricFamily(f"exl2_backend_{name}", doc, labels=["model", label])
-                for key, value in sorted(values.items()):
-                    c.add_metric([model_id, str(key)], float(value))
-                return c
-
-            yield gauge("healthy", "1 while the engine serves requests", 1 if stats.get("healthy") else 0)
-            yield gauge("queue_length", "requests waiting for admission", stats.get("queue_length"))
-            yield gauge("active_sequences", "sequences in the running batch", stats.get("active_sequences"))
-            yield gauge("max_batch_size", "most sequences that run together", stats.get("max_batch_size"))
-            yield gauge("tokens_per_second", "generated tokens per second over the last 10 s",
-                        stats.get("tokens_per_second"))
-            yield gauge("kv_pages_total", "KV cache pages", backend.get("total_pages"))
-            yield gauge("kv_pages_free", "KV cache pages not held by any sequence", backend.get("free_pages"))
-            yield gauge("kv_pages_reserved", "free pages promised to running sequences", backend.get("reserved_pages"))
-            yield gauge("kv_free_tokens", "KV cache tokens neither held nor reserved", backend.get("free_tokens"))
-            yield gauge("kv_page_size", "tokens per KV page", backend.get("page_size"))
-            yield gauge("max_seq_len", "context length (prompt + completion)", backend.get("max_seq_len"))
-            yield gauge("prefix_cache_pages", "KV pages indexed by the prefix cache (held or evictable)",
-                        backend.get("prefix_cached_pages"))
-            yield gauge("prefix_cache_evictable_pages", "cached KV pages no sequence holds (reusable, or free space)",
-                        backend.get("prefix_evictable_pages"))
-            yield gauge("prefix_cache_hit_rate", "share of admitted prompt tokens whose KV came from the prefix cache",
-                        backend.get("prefix_hit_rate"))
-            for key, doc in (("hit_tokens", "prompt tokens reused from the prefix cache"),
-                             ("lookup_tokens", "prompt tokens looked up in the prefix cache"),
-                             ("evictions", "cached KV pages evicted to make room")):
-                c = CounterMetricFamily(f"exl2_backend_prefix_cache_{key}", doc, labels=["model"])
-                c.add_metric([model_id], float(backend.get(f"prefix_{key}") or 0))
-                yield c
-            if backend.get("spec_mode"):  # speculative decoding (exl2_backend/spec/)
-                yield gauge("spec_acceptance_rate", "accepted / proposed draft tokens",
-                            backend.get("spec_acceptance_rate"))
-                yield gauge("spec_mean_accepted_length", "accepted draft tokens per verify step that drafted",
-                            backend.get("spec_mean_accepted_length"))
-                yield gauge("spec_tokens_per_step", "tokens per sequence per speculative step",
-                            backend.get("spec_tokens_per_step"))
-                for key, doc in (("spec_proposed_tokens", "draft tokens proposed"),
-                                 ("spec_accepted_tokens", "draft tokens accepted")):
-                    c = CounterMetricFamily(f"exl2_backend_{key}", doc, labels=["model"])
-                    c.add_metric([model_id], float(backend.get(key) or 0))
-                    yield c
-            yield counter("requests", "finished requests by outcome", stats.get("requests") or {}, "outcome")
-            yield counter("rejected", "requests refused by reason", stats.get("rejected") or {}, "reason")
-            yield counter("steps", "engine steps by kind", stats.get("steps") or {}, "kind")
-            yield counter("step_seconds", "seconds spent in engine steps by kind", stats.get("step_seconds") or {},
-                          "kind")
-            pt = CounterMetricFamily("exl2_backend_prompt_tokens", "prompt tokens admitted", labels=["model"])
-            pt.add_metric([model_id], float(stats.get("prompt_tokens_total") or 0))
-            yield pt
-            gt = CounterMetricFamily("exl2_backend_generation_tokens", "tokens generated", labels=["model"])
-            gt.add_metric([model_id], float(stats.get("generation_tokens_total") or 0))
-            yield gt
+            yield one(GaugeMetricFamily, "healthy", "1 while the engine serves requests", 1 if stats.get("healthy") else 0)
+            yield from (one(GaugeMetricFamily, n, d, stats.get(k)) for n, d, k in LOOP_GAUGES)
+            yield from (one(GaugeMetricFamily, n, d, backend.get(k)) for n, d, k in BACKEND_GAUGES)
+            yield from (one(CounterMetricFamily, n, d, backend.get(k)) for n, d, k in BACKEND_TOTALS)
+            if backend.get("spec_mode"):
+                yield from (one(GaugeMetricFamily, n, d, backend.get(k)) for n, d, k in SPEC_GAUGES)
+                yield from (one(CounterMetricFamily, n, d, backend.get(k)) for n, d, k in SPEC_TOTALS)
+            yield from (by_label(n, d, stats.get(k) or {}, label) for n, d, k, label in LOOP_COUNTERS)
+            yield from (one(CounterMetricFamily, n, d, stats.get(k)) for n, d, k in LOOP_TOTALS)
 
     registry = CollectorRegistry(auto_describe=False)
     registry.register(_Collector())

@@ -7,6 +7,7 @@
 #     written into one sequence's V page mid-decode, both lookahead paths; logprobs, prompt logprobs and logit bias on the GPU engine;
 #     session 28's grammar masks on GPU logits, alone and in the engine: .whl carries llguidance; session 28 also
 #     flags +inf logits, an fp16 overflow, as NaN: test_faulty_rows_give_minus_one_in_every_mode[posinf]).
+#  3. Last, if time is left (session 28): scripts/grammar_bench.py on the random 8B, per-token cost of a grammar.
 #  2. Session 23's prepared call_AM2.sh (folded in here, removed): which kernel should take fp16 pages at decode.
 #     The tensor-core one-pass kernel by CTAs per SM (2 / 3 / 4) against the CUDA-core one
 #     (EXL2_BACKEND_ATTN_FP16_MMA=0; 2 / 4 / 6 / 8 / 12) at 32k and 1k (scripts/attention_sweep.py), then bench fp16
@@ -37,4 +38,8 @@ fits 90 "bench CC" 560 && bench_8b CC 90 1024,32768 fp16 EXL2_BACKEND_ATTN_FP16_
 fits 60 "bench 1B" 575 && { timeout 60 python3 -m exl2_backend.cli.main bench --shape llama3-1b --bpw 4.0 \
   --model-out /tmp/models/llama3-1b --contexts 1024 --cache-type fp16 --json "$R/bench_1b.json" > "$R/bench_1b.txt" 2>&1
   echo "== bench 1B"; grep -E "^│ +[0-9]+ │" "$R/bench_1b.txt"; }
+# session 28: what a grammar costs per token on the 8B (plain lookahead / eager sampling / eager + masks)
+fits 60 "grammar bench" 575 && [ -d /tmp/models/llama3-8b ] && { timeout 60 python3 scripts/grammar_bench.py \
+  /tmp/models/llama3-8b --tokens 128 --json "$R/grammar_bench.json" > "$R/grammar_bench.txt" 2>&1
+  echo "== grammar bench"; tail -4 "$R/grammar_bench.txt"; }
 echo "total $(( $(date +%s) - T0 )) s"

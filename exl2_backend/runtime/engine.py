@@ -338,7 +338,8 @@ class Engine:
         """The sequence's event for a token from sample_for: NAN_LOGITS fails it (tier 2, pages returned)."""
         if token == NAN_LOGITS:
             if s.grammar is not None and s.grammar.allows_nothing():
-                message = f"the request's grammar allows no next token{': ' + s.grammar.error if s.grammar.error else ''}"
+                why = f": {s.grammar.error}" if s.grammar.error else ""
+                message = f"the request's grammar allows no next token{why}"
             else:
                 message = "numerical fault: the model produced NaN logits (or +inf: an overflow) for this sequence"
             log.error("exl2_backend: sequence %s fails: %s", s.seq_id, message)

@@ -42,9 +42,9 @@ def logprob_entries(logprobs: list[TokenLogprob], tokenizer, token_bytes=None) -
     "logprob", "bytes", "top_logprobs": [{"token_id", "token", "logprob", "bytes"}, ...]}. "token" is the id
     decoded on its own (special tokens included; a token that holds part of a UTF-8 character shows U+FFFD),
     "bytes" the token's own bytes from `token_bytes(id)` (so the bytes of consecutive tokens join into the exact
-    text, as the OpenAI API means them), or that text's UTF-8 without it. A logprob of -inf (a token the model rules out) becomes -9999.0, as the
-    OpenAI API reports it, so the entries stay valid JSON; a prompt's first token has "logprob" and
-    "top_logprobs" None."""
+    text, as the OpenAI API means them), or that text's UTF-8 without it. A logprob of -inf (a token the model
+    rules out) becomes -9999.0, as the OpenAI API reports it, so the entries stay valid JSON; a prompt's first
+    token has "logprob" and "top_logprobs" None."""
     cache: dict[int, str] = {}
 
     def entry(token_id: int, logprob: float | None) -> dict:

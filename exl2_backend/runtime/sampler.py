@@ -14,9 +14,10 @@ from exl2_backend.ops.reference_sampling import NAN_ROW
 def penalized_logits(seqs, logits: torch.Tensor) -> torch.Tensor:
     """logits [B, V] -> f32 [B, V] with each sequence's repetition/frequency/presence penalties applied from
     its prompt and output counts (objects with `params`, `prompt_counts`, `output_counts`, `logit_bias`,
-    `grammar`, `banned`), then its logit bias added (`logit_bias`: ids and biases, or None), its banned ids (EOS
-    before min_new_tokens) and the tokens its grammar forbids set to -inf (`grammar`: a SequenceGrammar or None; a row it allows nothing in becomes NaN, which the
-    samplers flag). The input is never written (it may be a graph's output)."""
+    `grammar`, `banned`), then its logit bias added (`logit_bias`: ids and biases, or None), then its banned ids
+    (EOS before min_new_tokens) and the tokens its grammar forbids set to -inf (`grammar`: a SequenceGrammar or
+    None; a row it allows nothing in becomes NaN, which the samplers flag). The input is never written (it may be
+    a graph's output)."""
     v = logits.shape[1]
     logits = logits.float()
     if any(s.prompt_counts is not None for s in seqs):

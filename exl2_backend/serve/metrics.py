@@ -70,7 +70,8 @@ def render_metrics(stats: dict, model_id: str) -> str:
 
     class _Collector:
         def collect(self):
-            yield one(GaugeMetricFamily, "healthy", "1 while the engine serves requests", 1 if stats.get("healthy") else 0)
+            healthy = 1 if stats.get("healthy") else 0
+            yield one(GaugeMetricFamily, "healthy", "1 while the engine serves requests", healthy)
             yield from (one(GaugeMetricFamily, n, d, stats.get(k)) for n, d, k in LOOP_GAUGES)
             yield from (one(GaugeMetricFamily, n, d, backend.get(k)) for n, d, k in BACKEND_GAUGES)
             yield from (one(CounterMetricFamily, n, d, backend.get(k)) for n, d, k in BACKEND_TOTALS)

@@ -90,8 +90,8 @@ API_KEY_ENV = "EXL2_BACKEND_API_KEY"  # the API key, where a command line would 
 
 
 def _require_api_key(app, key: str) -> None:
-    """/v1/*, /tokenize and /detokenize answer 401 (OpenAI's error shape, code invalid_api_key) unless the request carries
-    "Authorization: Bearer <key>"; /health and /metrics stay open (probes, scrapers)."""
+    """/v1/*, /tokenize and /detokenize answer 401 (OpenAI's error shape, code invalid_api_key) unless the request
+    carries "Authorization: Bearer <key>"; /health and /metrics stay open (probes, scrapers)."""
     import hmac
 
     from fastapi.responses import JSONResponse

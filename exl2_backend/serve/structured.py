@@ -60,7 +60,8 @@ class StructuredOutputs(BaseModel):
 
     @model_validator(mode="after")
     def _exactly_one(self):
-        given = [n for n in ("json", "json_object", "regex", "choice", "grammar") if self._value(n) not in (None, False)]
+        names = ("json", "json_object", "regex", "choice", "grammar")
+        given = [n for n in names if self._value(n) not in (None, False)]
         if len(given) != 1:
             raise ValueError(f"give exactly one of json, json_object, regex, choice, grammar (got {given or 'none'})")
         return self

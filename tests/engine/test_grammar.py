@@ -72,8 +72,11 @@ def _generate(engine, ids, params, sid="g"):
     return text, tokens, events[0]
 
 
+SAMPLED = SamplingParams(temperature=0.7, top_k=20, seed=5)
+
+
 @pytest.mark.parametrize("name", list(GRAMMARS))
-@pytest.mark.parametrize("sampling", [GREEDY, SamplingParams(temperature=0.7, top_k=20, seed=5)], ids=["greedy", "sampled"])
+@pytest.mark.parametrize("sampling", [GREEDY, SAMPLED], ids=["greedy", "sampled"])
 def test_output_conforms_and_ends_when_complete(smol, name, sampling):
     _, tok, engine = smol
     grammar, conforms = GRAMMARS[name]
@@ -202,8 +205,9 @@ def test_grammar_that_does_not_compile_is_refused_and_leaks_nothing(smol, gramma
 
 
 @pytest.mark.parametrize("grammar", [
-    {"type": "xml"}, {"type": "json_object", "value": 3}, {"type": "regex", "value": ""}, {"type": "choice", "value": []},
-    {"type": "choice", "value": ["a", 3]}, {"type": "json_schema", "value": 5}, "json", {"type": "regex", "pattern": "x"},
+    {"type": "xml"}, {"type": "json_object", "value": 3}, {"type": "regex", "value": ""},
+    {"type": "choice", "value": []}, {"type": "choice", "value": ["a", 3]}, {"type": "json_schema", "value": 5}, "json",
+    {"type": "regex", "pattern": "x"},
 ])
 def test_malformed_grammar_is_refused_by_the_params(grammar):
     with pytest.raises(InvalidRequestError) as ei:

@@ -23,8 +23,9 @@ def test_each_constraint_shapes_the_printed_answer(default_model_dir, tmp_path, 
     from exl2_backend.cli.main import main
 
     schema = tmp_path / "person.json"
-    schema.write_text(json.dumps({"type": "object", "properties": {"name": {"type": "string"}, "age": {"type": "integer"}},
-                                  "required": ["name", "age"], "additionalProperties": False}))
+    properties = {"name": {"type": "string"}, "age": {"type": "integer"}}
+    schema.write_text(json.dumps({"type": "object", "properties": properties, "required": ["name", "age"],
+                                  "additionalProperties": False}))
     lark = tmp_path / "g.lark"
     lark.write_text('start: "Age: " /[0-9]{1,3}/')
     assert main(["generate", str(default_model_dir), *ASK, "--json-schema", str(schema)]) == 0

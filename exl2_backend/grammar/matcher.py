@@ -41,6 +41,11 @@ class SequenceGrammar:
         self.fill_mask(row[0])
         return bool(allows_nothing(row, self.owner.vocab_size)[0])
 
+    def valid_prefix(self, tokens: list[int]) -> int:
+        """How many of `tokens` the grammar would take from here, without taking them (a filter for drafts; the
+        masks may still refuse a non-canonical spelling among them)."""
+        return self._m.validate_tokens(list(tokens))
+
     def consume(self, token: int) -> bool:
         """Take a sampled token; False when the grammar does not allow it (then the state is an error)."""
         return self._m.consume_token(token)

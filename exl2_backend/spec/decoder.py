@@ -115,6 +115,8 @@ class SpecDecoder:
             for s in group:
                 if budgets[s.seq_id] > 0:
                     d = self.seqs[s.seq_id].index.propose(s.tokens, budgets[s.seq_id])
+                    if d and s.grammar is not None:  # cut where the grammar refuses: the rest would be rejected
+                        d = d[: s.grammar.valid_prefix(d)]
                     if d:
                         drafts[s.seq_id] = d
         if self.draft is not None:

@@ -53,6 +53,25 @@ def _memory_plan(args, model_dir):
     return plan, None
 
 
+def _prompting(model_dir) -> dict:
+    """How requests reach this model: whether it has a chat template, whether that template renders tools itself
+    (else tools go in the Hermes form), and its fill-in-the-middle markers (the completions API's suffix)."""
+    from exl2_backend.errors import Exl2Error
+    from exl2_backend.tokenizer import Tokenizer
+    from exl2_backend.tokenizer.fim import fim_marker_ids
+    from exl2_backend.tokenizer.tool_prompt import template_takes_tools
+
+    try:
+        tok = Tokenizer.from_dir(model_dir)
+    except Exl2Error as exc:
+        return {"error": str(exc)}
+    source = tok.chat_template_source if isinstance(tok.chat_template_source, str) else None
+    markers = fim_marker_ids(tok)
+    return {"chat_template": tok.has_chat_template,
+            "tools": "template" if source and template_takes_tools(source) else "hermes",
+            "fill_in_the_middle": None if markers is None else [tok.id_to_token(i) for i in markers]}
+
+
 def run(args) -> int:
     from exl2_backend.cache.budget import GIB, cache_type_table
     from exl2_backend.format.inspect import describe_model
@@ -69,6 +88,7 @@ def run(args) -> int:
         weights_bytes=info["memory"]["weights_bytes"], vram_bytes=int(args.vram_gb * GIB),
         reserve_bytes=int(args.reserve_gb * GIB), context=args.max_seq_len)
     info["kv_cache_budget"] = {"vram_gb": args.vram_gb, "reserve_gb": args.reserve_gb, "context": args.max_seq_len}
+    info["prompting"] = _prompting(model_dir)
     ok = plan_error is None and not info["missing_tensors"]
     if args.json:
         print(json.dumps(info, indent=2, default=str))

@@ -31,6 +31,13 @@ def render(info: dict, *, max_seq_len: int = 4096, console: Console | None = Non
         ("KV cache (fp16)", f"{kv} bytes/token; {kv * max_seq_len / GB:.3f} GiB at {max_seq_len} tokens"),
         ("estimated total", f"{(mem['weights_bytes'] + kv * max_seq_len) / GB:.3f} GiB at {max_seq_len} tokens"),
     ]
+    prompting = info.get("prompting") or {}
+    if "chat_template" in prompting:
+        fim = prompting["fill_in_the_middle"]
+        parts = ("template" if prompting["chat_template"] else "no template",
+                 "the template" if prompting["tools"] == "template" else "Hermes form",
+                 " ".join(fim) if fim else "no")
+        rows.append(("chat / tools / fill-in-middle", " / ".join(parts)))
     for k, v in rows:
         summary.add_row(k, v)
     console.print(summary)

@@ -72,3 +72,15 @@ def test_suffix_through_the_hooks(fim_model):
             bad.validate()
     finally:
         pm.hook.exl2_unload(handle=h)
+
+
+def test_info_reports_how_requests_reach_the_model(fim_model, default_model_dir, capsys):
+    """`info --json`: chat template, where tools go, and the fill-in-the-middle markers (None without them)."""
+    import json
+
+    from exl2_backend.cli.main import main
+
+    for directory, markers in ((fim_model, MARKERS), (default_model_dir, None)):
+        main(["info", str(directory), "--json", "--device", "cpu"])
+        prompting = json.loads(capsys.readouterr().out)["prompting"]
+        assert prompting == {"chat_template": True, "tools": "hermes", "fill_in_the_middle": markers}

@@ -215,8 +215,8 @@ def main() -> int:
 
     print(f"\n{props.name}, {sms} SMs, measured read bandwidth (torch.sum, 2 GiB fp16): {bw:.0f} GB/s")
     print("\npaged decode attention, GQA 32/8, D=128, page 256 (GB/s = K+V bytes / time; graph replay)")
-    print(f"{'ctx':>6} {'B':>3} {'Tq':>3} {'KV MB':>7} | {'ours us':>8} {'GB/s':>6} {'%read':>6} | {'best':>6} {'f/cps':>6}"
-          f" | {'eager us':>8} | {'SDPA us':>8} {'GB/s':>6} {'x ours':>6} | max err")
+    print(f"{'ctx':>6} {'B':>3} {'Tq':>3} {'KV MB':>7} | {'ours us':>8} {'GB/s':>6} {'%read':>6} | "
+          f"{'best':>6} {'f/cps':>6} | {'eager us':>8} | {'SDPA us':>8} {'GB/s':>6} {'x ours':>6} | max err")
     for r in result["attention"]:
         sd = r.get("sdpa_us")
         sdpa = f"{sd:8.1f} {r['sdpa_gbs']:6.0f} {sd / r['ours_us']:6.2f}" if sd else f"{'-':>8} {'-':>6} {'-':>6}"

@@ -121,7 +121,8 @@ def main() -> None:
             results[name][f"min{min_n}_max{max_n}_k{k}"] = r
             sp = r.get("expected_speedup")
             print(f"{name:14s} min_n {min_n} max_n {max_n} k {k:2d}: {r['tokens_per_step']:.2f} tokens/step, "
-                  f"accept {r['acceptance_rate']:.0%}" + (f", expected x{sp:.2f} at the 8B's verify cost" if sp else ""))
+                  f"accept {r['acceptance_rate']:.0%}"
+                  + (f", expected x{sp:.2f} at the 8B's verify cost" if sp else ""))
     if args.json:
         Path(args.json).write_text(json.dumps(results, indent=1))
 

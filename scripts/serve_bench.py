@@ -85,7 +85,8 @@ def direct(model_dir: str, device: str, max_tokens: int, max_batch: int, reps: i
 
 
 def _progress(name: str, r: dict) -> None:
-    extra = "".join(f", {c['streams']} streams {c['aggregate_tokens_per_s']:.1f} tok/s" for c in r.get("concurrent", []))
+    extra = "".join(f", {c['streams']} streams {c['aggregate_tokens_per_s']:.1f} tok/s"
+                    for c in r.get("concurrent", []))
     print(f"[{name}] TTFT {r['ttft_ms']:.1f} ms, decode {r['decode_tokens_per_s']:.1f} tok/s{extra}",
           file=sys.stderr, flush=True)
 

@@ -167,8 +167,10 @@ def step_costs(shape, dev: torch.device, context: int, iters: int, ks=KS, kernel
             runner.run(toks, [pos], [seq.pages], "all")  # capture (first time) and upload
             out["verify_ms"][k] = replay_ms(runner._verify_graphs[(1, k + 1)], dev, iters)
             out["verify_ratio"][k] = out["verify_ms"][k] / out["decode_ms"]
-            out["eager_verify_ms"][k] = wall_ms(lambda toks=toks: ModelRunner.run(runner.inner, toks, [pos], [seq.pages], "all"),
-                                                dev, max(iters // 4, 3))
+            def eager(toks=toks):
+                return ModelRunner.run(runner.inner, toks, [pos], [seq.pages], "all")
+
+            out["eager_verify_ms"][k] = wall_ms(eager, dev, max(iters // 4, 3))
         if kernels:  # where a verify step's extra time goes, kernel by kernel
             from profile_decode import kernel_table  # scripts/ is sys.path[0] when run as a script
 

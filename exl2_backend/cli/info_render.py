@@ -14,7 +14,8 @@ def render(info: dict, *, max_seq_len: int = 4096, console: Console | None = Non
     summary = Table(title=f"{info['model_dir']}", show_header=False)
     rows = [
         ("architecture", info["architecture"]),
-        ("layers / hidden / intermediate", f"{info['num_layers']} / {info['hidden_size']} / {info['intermediate_size']}"),
+        ("layers / hidden / intermediate",
+         f"{info['num_layers']} / {info['hidden_size']} / {info['intermediate_size']}"),
         ("heads (q / kv) × head_dim",
          f"{info['num_attention_heads']} / {info['num_key_value_heads']} × {info['head_dim']}"),
         ("vocab", str(info["vocab_size"])),

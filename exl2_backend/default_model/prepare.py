@@ -4,8 +4,8 @@ GPTQ at 5.0 bpw with the shipped measurement `exl2_backend/data/smollm2_measurem
 Layout under `platformdirs.user_cache_dir("exl2_backend")` (or `$EXL2_BACKEND_CACHE_DIR`):
 `default/fp16/` and `default/exl2/`, each with a `stamp.json` naming the recipe it was built with (and a hash of
 the code that wrote it). A directory counts as ready only when its stamp matches, so a changed recipe or
-quantizer rebuilds and a half-written build (no stamp) is never used. Builds run under an exclusive file lock and land via atomic rename, so concurrent pytest
-workers wait for the first one instead of corrupting the cache.
+quantizer rebuilds and a half-written build (no stamp) is never used. Builds run under an exclusive file lock and
+land via atomic rename, so concurrent pytest workers wait for the first one instead of corrupting the cache.
 """
 
 from __future__ import annotations

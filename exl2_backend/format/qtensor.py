@@ -122,8 +122,8 @@ def parse_groups(q_groups: torch.Tensor, qrows_total: int, *, key: str = "?", pa
             )
         if seen_order and b > seen_order[-1]:
             raise UnsupportedBitWidthError(
-                f"group {g}: bit width {b} after {seen_order[-1]}; widths must be non-increasing", path=path, tensor=name
-            )
+                f"group {g}: bit width {b} after {seen_order[-1]}; widths must be non-increasing", path=path,
+                tensor=name)
         if not seen_order or seen_order[-1] != b:
             seen_order.append(b)
         end = offsets[g + 1] if g + 1 < len(offsets) else qrows_total
@@ -207,5 +207,5 @@ def validate_qtensor(qt: QTensor, *, in_features: int | None = None) -> None:
         raise TensorShapeError("is not a permutation of 0..K-1", path=path, tensor=f"{key}.q_invperm")
     if qt.bias is not None and (qt.bias.dim() != 1 or qt.bias.numel() != np_ or qt.bias.dtype != torch.float16):
         raise TensorShapeError(
-            f"shape {tuple(qt.bias.shape)} dtype {qt.bias.dtype}, expected fp16 ({np_},)", path=path, tensor=f"{key}.bias"
-        )
+            f"shape {tuple(qt.bias.shape)} dtype {qt.bias.dtype}, expected fp16 ({np_},)", path=path,
+            tensor=f"{key}.bias")

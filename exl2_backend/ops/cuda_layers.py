@@ -408,7 +408,8 @@ def _(x, weight, eps):
 
 
 @_op("add_rms_norm")
-def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
+                 eps: float) -> tuple[torch.Tensor, torch.Tensor]:
     """-> (rms_norm(x + residual), x + residual), the sum rounded to x.dtype first (as the reference)."""
     _check("add_rms_norm", "x", x)
     _check("add_rms_norm", "residual", residual, dtypes=(x.dtype,), device=x.device)

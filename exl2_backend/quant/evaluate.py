@@ -95,7 +95,8 @@ def evaluate_models(model, reference, ids: list[int], window: int = DEFAULT_WIND
         raise InvalidRequestError("the evaluation text needs at least 2 tokens", field="text")
     t0 = time.perf_counter()
     run_m = _Runner(model, window, cache_type)
-    run_r = _Runner(reference, window, reference_cache_type)  # own cache even when `reference is model` (then KL ~ 0 checks the path)
+    # its own cache even when `reference is model` (then KL ~ 0 checks the path)
+    run_r = _Runner(reference, window, reference_cache_type)
     nll_m = nll_r = kl_sum = 0.0
     kl_max = 0.0
     agree = hit_m = hit_r = n = 0

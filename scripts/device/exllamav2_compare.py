@@ -166,15 +166,17 @@ def exllamav2_speed(model_dir: Path, context: int, decode_tokens: int, prefill_t
             mode = "sdpa" if sdpa else "no_sdpa"
             out["modes"][mode] = {"decode_tok_s": statistics.median(rates), "decode_runs": rates,
                                   "prefill_tok_s": statistics.median(prefill[1:]), "prefill_runs": prefill}
-            _log(f"exllamav2 {mode}, {cache_type} cache: decode {out['modes'][mode]['decode_tok_s']:.1f} tok/s at {context} context, "
-                 f"prefill {out['modes'][mode]['prefill_tok_s']:.0f} tok/s")
+            got = out["modes"][mode]
+            _log(f"exllamav2 {mode}, {cache_type} cache: decode {got['decode_tok_s']:.1f} tok/s at {context} context, "
+                 f"prefill {got['prefill_tok_s']:.0f} tok/s")
     model.unload()
     del model, cache
     torch.cuda.empty_cache()
     return out
 
 
-def ours_speed(model_dir: Path, context: int, decode_tokens: int, prefill_tokens: int, cache_type: str = "fp16") -> dict:
+def ours_speed(model_dir: Path, context: int, decode_tokens: int, prefill_tokens: int,
+               cache_type: str = "fp16") -> dict:
     from exl2_backend.bench.decode import run_bench
 
     r = run_bench(model_dir, contexts=(context,), decode_tokens=decode_tokens, prefill_tokens=prefill_tokens,

@@ -178,7 +178,8 @@ def test_max_input_len_bounds_every_forward(model):
     ids = [f"m{i}" for i in range(4)]
     got = run(engine, ids, prompts, GenerationParams(sampling=GREEDY, max_new_tokens=3))
     assert max(rec.tokens_per_forward) <= 24
-    ref = run(make_engine(model, prefix_caching=False), ids, prompts, GenerationParams(sampling=GREEDY, max_new_tokens=3))
+    ref = run(make_engine(model, prefix_caching=False), ids, prompts,
+              GenerationParams(sampling=GREEDY, max_new_tokens=3))
     assert got == ref
 
 

@@ -40,8 +40,10 @@ def _random_stage(b: int, w: int, seed: int, previous_rows: bool) -> torch.Tenso
 
 def _outputs(b: int, w: int, wide: int = 0):
     tables = torch.full((b, w + wide), -7, dtype=torch.int32, device=DEV)[:, :w]  # row stride past W
-    return (torch.full((b, 1), -7, dtype=torch.int64, device=DEV), torch.full((b, 1), -7, dtype=torch.int64, device=DEV),
-            torch.full((b,), -7, dtype=torch.int32, device=DEV), torch.full((b,), -7, dtype=torch.int64, device=DEV),
+    def junk(shape, dtype):
+        return torch.full(shape, -7, dtype=dtype, device=DEV)
+
+    return (junk((b, 1), torch.int64), junk((b, 1), torch.int64), junk((b,), torch.int32), junk((b,), torch.int64),
             tables)
 
 

@@ -45,8 +45,9 @@ def test_one_pass_variants_have_their_codes_and_cta_targets(monkeypatch, online,
     assert cuda_kvquant.quant_attention_ctas("int8", "int8") == ctas
 
 
-@pytest.mark.parametrize("pair,code,ctas", [(("int8", "int8"), 3, 2), (("int4", "int4"), 2, 3),
-                                           (("e4m3", "e4m3"), 3, 2), (("int8", "int4"), 3, 2), (("int4", "int8"), 1, 4)])
+@pytest.mark.parametrize("pair,code,ctas", [
+    (("int8", "int8"), 3, 2), (("int4", "int4"), 2, 3), (("e4m3", "e4m3"), 3, 2), (("int8", "int4"), 3, 2),
+    (("int4", "int8"), 1, 4)])
 def test_each_cache_format_takes_its_measured_variant_by_default(monkeypatch, pair, code, ctas):
     """ATTN_MMA_ONLINE "auto": one pass with two key steps for fp16, fp8, q8 and q6 pages, one step for q4; a pair
     no cache type uses keeps the two-pass kernel. (CTA targets of the register kernels: code pages run the staged

@@ -4,8 +4,9 @@ the real SmolLM2 default model (FP16 and EXL2).
 Tolerances (all fp32 on CPU, both sides reading the same fp16 weights):
 - tiny models: max |ours - transformers| < 1e-4 on every logit (only summation order differs);
 - SmolLM2 FP16: max |ours - transformers| < 2e-3 * max |transformers logits|;
-- SmolLM2 EXL2 (the converter's 5.0 bpw GPTQ default): our EXL2 logits within 2e-3 * logit scale of transformers on the dequantized weights; vs FP16 on an English
-  paragraph: top-1 agreement >= 0.7, EXL2's top-1 in FP16's top-5 >= 0.95, mean KL < 0.2 nats.
+- SmolLM2 EXL2 (the converter's 5.0 bpw GPTQ default): our EXL2 logits within 2e-3 * logit scale of transformers
+  on the dequantized weights; vs FP16 on an English paragraph: top-1 agreement >= 0.7, EXL2's top-1 in FP16's
+  top-5 >= 0.95, mean KL < 0.2 nats.
 """
 
 from __future__ import annotations
@@ -40,8 +41,8 @@ def _tiny_dir(tmp_path, kind: str):
         Qwen2ForCausalLM,
     )
 
-    common = {"vocab_size": 300, "hidden_size": 64, "intermediate_size": 160, "num_hidden_layers": 2, "num_attention_heads": 4,
-                  "num_key_value_heads": 2, "max_position_embeddings": 512, "rms_norm_eps": 1e-5}
+    common = {"vocab_size": 300, "hidden_size": 64, "intermediate_size": 160, "num_hidden_layers": 2,
+              "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 512, "rms_norm_eps": 1e-5}
     if kind == "llama3":
         rope = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
                 "high_freq_factor": 4.0, "original_max_position_embeddings": 64}

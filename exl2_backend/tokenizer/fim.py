@@ -26,7 +26,7 @@ def fim_marker_ids(tokenizer) -> tuple[int, int, int] | None:
 
 def infill_ids(tokenizer, prefix: str, suffix: str, *, limit: int | None = None) -> list[int]:
     """[BOS when the model wants one] P prefix S suffix M: the prompt whose continuation is the middle.
-    TokenizerError for a model without the markers; `limit` as in Tokenizer.encode (for the two texts together)."""
+    TokenizerError for a model without the markers; `limit` as in Tokenizer.encode, for each text."""
     markers = fim_marker_ids(tokenizer)
     if markers is None:
         raise TokenizerError("this model has no fill-in-the-middle tokens (none of "
@@ -34,8 +34,4 @@ def infill_ids(tokenizer, prefix: str, suffix: str, *, limit: int | None = None)
     p, s, m = markers
     head = tokenizer.encode(prefix, add_special_tokens=False, limit=limit)
     tail = tokenizer.encode(suffix, add_special_tokens=False, limit=limit)
-    ids = [p, *head, s, *tail, m]
-    bos = tokenizer.bos_token_id
-    if tokenizer.add_bos_token and bos is not None:
-        ids.insert(0, bos)
-    return ids
+    return tokenizer.with_bos([p, *head, s, *tail, m])

@@ -283,6 +283,11 @@ class Tokenizer:
         model wants one and the rendering does not already start with it. `limit` as in encode."""
         ids = self.encode(self.apply_chat_template(messages, add_generation_prompt, **kwargs), add_special_tokens=False,
                           limit=limit)
+        return self.with_bos(ids)
+
+    def with_bos(self, ids: list[int]) -> list[int]:
+        """`ids` (built without special tokens) with BOS in front when the model wants one (its config, else its
+        post-processor) and they do not start with it already."""
         wants_bos = self.add_bos_token is True or (self.add_bos_token is None and self._post_adds_bos)
         if wants_bos and self.bos_token_id is not None and (not ids or ids[0] != self.bos_token_id):
             ids.insert(0, self.bos_token_id)

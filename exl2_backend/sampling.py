@@ -46,6 +46,15 @@ def logprobs_count_problem(value) -> str | None:
            f"{value!r}"
 
 
+def min_new_tokens_problem(min_new, max_new) -> str | None:
+    """min_new: an integer >= 0, at most max_new (an integer, or None: up to the context)."""
+    if isinstance(min_new, bool) or not isinstance(min_new, int) or min_new < 0:
+        return f"must be an integer >= 0, got {min_new!r}"
+    if isinstance(max_new, int) and min_new > max_new:
+        return f"({min_new}) must not exceed max_new_tokens ({max_new})"
+    return None
+
+
 def logit_bias_problem(bias) -> str | None:
     """bias: {token id: number} (ids integers >= 0, numbers finite in [-100, 100]) or None."""
     if bias is None:

@@ -17,6 +17,7 @@ from exl2_backend.sampling import (  # torch-free, like this module
     SAMPLING_RANGES,
     logit_bias_problem,
     logprobs_count_problem,
+    min_new_tokens_problem,
 )
 
 FinishReason = Literal["stop", "length", "cancelled", "error"]
@@ -98,10 +99,6 @@ class SequenceRequest:
             bad("tools", "must be a list of {'type': 'function', 'function': {'name': ...}} with chat messages")
         if self.max_new_tokens is not None and (not _is_int(self.max_new_tokens) or self.max_new_tokens < 1):
             bad("max_new_tokens", f"must be an integer >= 1 or None, got {self.max_new_tokens!r}")
-        if not _is_int(self.min_new_tokens) or self.min_new_tokens < 0:
-            bad("min_new_tokens", f"must be an integer >= 0, got {self.min_new_tokens!r}")
-        if self.max_new_tokens is not None and self.min_new_tokens > self.max_new_tokens:
-            bad("min_new_tokens", f"is {self.min_new_tokens}, more than max_new_tokens ({self.max_new_tokens})")
         for name, (ok, rule) in SAMPLING_RANGES.items():
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
@@ -116,7 +113,8 @@ class SequenceRequest:
             bad("stop", "must be a list of non-empty strings")
         if not isinstance(self.stop_token_ids, list) or not all(_is_int(t) and t >= 0 for t in self.stop_token_ids):
             bad("stop_token_ids", "must be a list of non-negative token ids")
-        for name, problem in (("logprobs", logprobs_count_problem(self.logprobs)),
+        for name, problem in (("min_new_tokens", min_new_tokens_problem(self.min_new_tokens, self.max_new_tokens)),
+                              ("logprobs", logprobs_count_problem(self.logprobs)),
                               ("prompt_logprobs", logprobs_count_problem(self.prompt_logprobs)),
                               ("logit_bias", logit_bias_problem(self.logit_bias)),
                               ("grammar", grammar_problem(self.grammar))):

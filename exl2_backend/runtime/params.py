@@ -8,7 +8,12 @@ from typing import Literal
 from exl2_backend.errors import InvalidRequestError
 from exl2_backend.grammar.spec import grammar_problem
 from exl2_backend.runtime.logprobs import TokenLogprob
-from exl2_backend.sampling import SamplingParams, logit_bias_problem, logprobs_count_problem
+from exl2_backend.sampling import (
+    SamplingParams,
+    logit_bias_problem,
+    logprobs_count_problem,
+    min_new_tokens_problem,
+)
 
 FinishReason = Literal["stop", "length", "cancelled", "error"]
 
@@ -37,12 +42,6 @@ class GenerationParams:
         if self.max_new_tokens is not None and (not isinstance(self.max_new_tokens, int) or self.max_new_tokens < 1):
             raise InvalidRequestError(f"max_new_tokens must be a positive integer or None, got {self.max_new_tokens!r}",
                                       field="max_new_tokens")
-        if isinstance(self.min_new_tokens, bool) or not isinstance(self.min_new_tokens, int) or self.min_new_tokens < 0:
-            raise InvalidRequestError(f"min_new_tokens must be an integer >= 0, got {self.min_new_tokens!r}",
-                                      field="min_new_tokens")
-        if self.max_new_tokens is not None and self.min_new_tokens > self.max_new_tokens:
-            raise InvalidRequestError(f"min_new_tokens ({self.min_new_tokens}) is more than max_new_tokens "
-                                      f"({self.max_new_tokens})", field="min_new_tokens")
         if isinstance(self.stop, str):
             self.stop = [self.stop]
         self.stop = list(self.stop or [])
@@ -51,7 +50,8 @@ class GenerationParams:
         self.stop_token_ids = [int(t) for t in (self.stop_token_ids or [])]
         if any(t < 0 for t in self.stop_token_ids):
             raise InvalidRequestError("stop_token_ids must be non-negative token ids", field="stop_token_ids")
-        for name, problem in (("logprobs", logprobs_count_problem(self.logprobs)),
+        for name, problem in (("min_new_tokens", min_new_tokens_problem(self.min_new_tokens, self.max_new_tokens)),
+                              ("logprobs", logprobs_count_problem(self.logprobs)),
                               ("prompt_logprobs", logprobs_count_problem(self.prompt_logprobs)),
                               ("logit_bias", logit_bias_problem(self.logit_bias)),
                               ("grammar", grammar_problem(self.grammar))):

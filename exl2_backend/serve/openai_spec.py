@@ -224,13 +224,8 @@ class Exl2OpenAISpec(LitSpec):
         if isinstance(req, Response):
             return req
         sid = f"chatcmpl-{uuid.uuid4().hex}"
-        seq = dict(seq_id=sid, messages=[m.as_template_message() for m in req.messages],
-                   max_new_tokens=req.limit(), cap_to_context=req.limit() is None, **req.sampling_fields())
-        if req.tools:
-            seq["tools"] = req.tool_dicts()
-        if not req.add_generation_prompt or req.continue_final_message:
-            seq.update(add_generation_prompt=req.add_generation_prompt,
-                       continue_final_message=req.continue_final_message)
+        seq = dict(seq_id=sid, **req.prompt_fields(), max_new_tokens=req.limit(), cap_to_context=req.limit() is None,
+                   **req.sampling_fields())
         return await self._run(request, req, sid, [seq], _Reply(chat=True, n=req.n, tools=req.calls_tools()))
 
     async def completions(self, request: Request) -> Response:
@@ -454,16 +449,15 @@ class Exl2OpenAISpec(LitSpec):
             else:
                 choice = {"index": index, "text": text or "", "logprobs": completion_logprobs(lps, offsets[index]),
                           "finish_reason": finish}
-            c = {"id": sid, "object": obj, "created": created, "model": model, "system_fingerprint": None,
-                 "choices": [choice]}
-            if include_usage:
-                c["usage"] = None
-            return f"data: {json.dumps(c)}\n\n"
+            return event(choice)
 
         def calls_chunk(index: int, deltas: list[dict]) -> str:
             delta = {"content": None, "tool_calls": deltas}
+            return event({"index": index, "delta": delta, "logprobs": None, "finish_reason": None})
+
+        def event(choice: dict) -> str:  # one choice's chunk as an SSE event
             c = {"id": sid, "object": obj, "created": created, "model": model, "system_fingerprint": None,
-                 "choices": [{"index": index, "delta": delta, "logprobs": None, "finish_reason": None}]}
+                 "choices": [choice]}
             if include_usage:
                 c["usage"] = None
             return f"data: {json.dumps(c)}\n\n"

@@ -149,6 +149,23 @@ class ChatMessage(BaseModel):
         return out
 
 
+def chat_prompt_fields(messages: list[ChatMessage], tools: list[ToolDef] | None, add_generation_prompt: bool,
+                       continue_final_message: bool) -> dict:
+    """The SequenceRequest fields of a chat prompt (what the backend renders with the chat template); the same for
+    a chat completion and for /tokenize, so the two count the same ids."""
+    out = {"messages": [m.as_template_message() for m in messages], "add_generation_prompt": add_generation_prompt,
+           "continue_final_message": continue_final_message}
+    if tools:
+        out["tools"] = [t.model_dump(exclude_none=True) for t in tools]
+    return out
+
+
+def check_continue(add_generation_prompt: bool, continue_final_message: bool) -> None:
+    if continue_final_message and add_generation_prompt:
+        raise ValueError("continue_final_message needs add_generation_prompt false (one continues the last message, "
+                         "the other starts a new one)")
+
+
 def _reject_if_set(value, info):
     """Fields the OpenAI API defines but a local single-choice server cannot honour: 400 naming the field."""
     if value:
@@ -310,10 +327,12 @@ class ChatCompletionRequest(_SamplingRequest):
 
     @model_validator(mode="after")
     def _continue_or_start(self):
-        if self.continue_final_message and self.add_generation_prompt:
-            raise ValueError("continue_final_message needs add_generation_prompt false (one continues the last "
-                             "message, the other starts a new one)")
+        check_continue(self.add_generation_prompt, self.continue_final_message)
         return self
+
+    def prompt_fields(self) -> dict:
+        """SequenceRequest fields of this chat's prompt."""
+        return chat_prompt_fields(self.messages, self.tools, self.add_generation_prompt, self.continue_final_message)
 
     @field_validator("functions", "audio", "prediction", "web_search_options")
     @classmethod
@@ -357,10 +376,6 @@ class ChatCompletionRequest(_SamplingRequest):
         if self.calls_tools():
             return tool_grammar(self.tools, self.tool_choice or "auto", self.parallel_tool_calls is not False)
         return super().grammar()
-
-    def tool_dicts(self) -> list[dict] | None:
-        """The tool definitions for the chat template (SequenceRequest.tools), as the OpenAI API spells them."""
-        return [t.model_dump(exclude_none=True) for t in self.tools] if self.tools else None
 
     @field_validator("top_logprobs")
     @classmethod
@@ -464,20 +479,14 @@ class TokenizeRequest(_Strict):
     def _one_source(self):
         if (self.prompt is None) == (self.messages is None):
             raise ValueError("give exactly one of prompt and messages")
-        if self.continue_final_message and self.add_generation_prompt:
-            raise ValueError("continue_final_message needs add_generation_prompt false")
+        check_continue(self.add_generation_prompt, self.continue_final_message)
         return self
 
     def sequence_fields(self) -> dict:
         """SequenceRequest fields of the same prompt."""
         if self.prompt is not None:
             return {"prompt": self.prompt}
-        out = {"messages": [m.as_template_message() for m in self.messages],
-               "add_generation_prompt": self.add_generation_prompt,
-               "continue_final_message": self.continue_final_message}
-        if self.tools:
-            out["tools"] = [t.model_dump(exclude_none=True) for t in self.tools]
-        return out
+        return chat_prompt_fields(self.messages, self.tools, self.add_generation_prompt, self.continue_final_message)
 
 
 class DetokenizeRequest(_Strict):

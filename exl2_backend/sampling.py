@@ -68,6 +68,20 @@ def logit_bias_problem(bias) -> str | None:
             return f"the bias of token {key} must be a number in [-100, 100], got {value!r}"
     return None
 
+def generation_field_problem(request) -> tuple[str, str] | None:
+    """The first of a request's generation fields (min_new_tokens, logprobs, prompt_logprobs, logit_bias, grammar)
+    that breaks its rule, as (field, rule and value), or None. GenerationParams and the plugin's SequenceRequest
+    share it, so the engine and a host refuse exactly the same values."""
+    from exl2_backend.grammar.spec import grammar_problem  # torch-free too
+
+    checks = (("min_new_tokens", min_new_tokens_problem(request.min_new_tokens, request.max_new_tokens)),
+              ("logprobs", logprobs_count_problem(request.logprobs)),
+              ("prompt_logprobs", logprobs_count_problem(request.prompt_logprobs)),
+              ("logit_bias", logit_bias_problem(request.logit_bias)),
+              ("grammar", grammar_problem(request.grammar)))
+    return next(((name, problem) for name, problem in checks if problem is not None), None)
+
+
 # Valid ranges of the float sampling fields: (predicate, rule for the message). Shared with the plugin's
 # request validation so a host and the engine reject exactly the same values.
 SAMPLING_RANGES = {

@@ -12,13 +12,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any, Literal
 
 from exl2_backend.errors import Exl2Error, InvalidRequestError
-from exl2_backend.grammar.spec import grammar_problem  # torch-free, like this module
-from exl2_backend.sampling import (  # torch-free, like this module
-    SAMPLING_RANGES,
-    logit_bias_problem,
-    logprobs_count_problem,
-    min_new_tokens_problem,
-)
+from exl2_backend.sampling import SAMPLING_RANGES, generation_field_problem  # torch-free, like this module
 
 FinishReason = Literal["stop", "length", "cancelled", "error"]
 FINISH_REASONS = ("stop", "length", "cancelled", "error")
@@ -113,13 +107,9 @@ class SequenceRequest:
             bad("stop", "must be a list of non-empty strings")
         if not isinstance(self.stop_token_ids, list) or not all(_is_int(t) and t >= 0 for t in self.stop_token_ids):
             bad("stop_token_ids", "must be a list of non-negative token ids")
-        for name, problem in (("min_new_tokens", min_new_tokens_problem(self.min_new_tokens, self.max_new_tokens)),
-                              ("logprobs", logprobs_count_problem(self.logprobs)),
-                              ("prompt_logprobs", logprobs_count_problem(self.prompt_logprobs)),
-                              ("logit_bias", logit_bias_problem(self.logit_bias)),
-                              ("grammar", grammar_problem(self.grammar))):
-            if problem is not None:
-                bad(name, problem)
+        problem = generation_field_problem(self)
+        if problem is not None:
+            bad(*problem)
         for name in ("ignore_eos", "add_generation_prompt", "cap_to_context", "continue_final_message"):
             if not isinstance(getattr(self, name), bool):  # "no" is truthy: only real booleans
                 bad(name, f"must be true or false, got {getattr(self, name)!r}")

@@ -6,14 +6,8 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from exl2_backend.errors import InvalidRequestError
-from exl2_backend.grammar.spec import grammar_problem
 from exl2_backend.runtime.logprobs import TokenLogprob
-from exl2_backend.sampling import (
-    SamplingParams,
-    logit_bias_problem,
-    logprobs_count_problem,
-    min_new_tokens_problem,
-)
+from exl2_backend.sampling import SamplingParams, generation_field_problem
 
 FinishReason = Literal["stop", "length", "cancelled", "error"]
 
@@ -50,13 +44,9 @@ class GenerationParams:
         self.stop_token_ids = [int(t) for t in (self.stop_token_ids or [])]
         if any(t < 0 for t in self.stop_token_ids):
             raise InvalidRequestError("stop_token_ids must be non-negative token ids", field="stop_token_ids")
-        for name, problem in (("min_new_tokens", min_new_tokens_problem(self.min_new_tokens, self.max_new_tokens)),
-                              ("logprobs", logprobs_count_problem(self.logprobs)),
-                              ("prompt_logprobs", logprobs_count_problem(self.prompt_logprobs)),
-                              ("logit_bias", logit_bias_problem(self.logit_bias)),
-                              ("grammar", grammar_problem(self.grammar))):
-            if problem is not None:
-                raise InvalidRequestError(f"{name} {problem}", field=name)
+        problem = generation_field_problem(self)
+        if problem is not None:
+            raise InvalidRequestError(f"{problem[0]} {problem[1]}", field=problem[0])
         if self.logit_bias is not None:  # {id: float}; an empty mapping is no bias
             self.logit_bias = {k: float(v) for k, v in self.logit_bias.items()} or None
 

@@ -36,7 +36,8 @@ def render(info: dict, *, max_seq_len: int = 4096, console: Console | None = Non
     if "chat_template" in prompting:
         fim = prompting["fill_in_the_middle"]
         parts = ("template" if prompting["chat_template"] else "no template",
-                 "the template" if prompting["tools"] == "template" else "Hermes form",
+                 ("the template" if prompting["tools"] == "template" else "Hermes form")
+                 + f", calls read as {prompting.get('tool_call_format', 'hermes')}",
                  " ".join(fim) if fim else "no")
         rows.append(("chat / tools / fill-in-middle", " / ".join(parts)))
     for k, v in rows:

@@ -14,6 +14,7 @@ from exl2_backend.cli.common import (
     prefill_settings_from_args,
     spec_settings_from_args,
 )
+from exl2_backend.tokenizer.tool_formats import TOOL_CALL_FORMATS
 
 
 def add_serve_parser(subparsers) -> argparse.ArgumentParser:
@@ -42,6 +43,10 @@ def add_serve_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--log-level", default="warning", choices=["debug", "info", "warning", "error"])
     p.add_argument("--api-key", default=None,
                    help="require 'Authorization: Bearer KEY' on /v1/* (default: $EXL2_BACKEND_API_KEY; none: open)")
+    p.add_argument("--tool-call-format", default="auto", choices=["auto", *TOOL_CALL_FORMATS],
+                   help="how the model writes tool calls: auto (default: the convention its chat template asks "
+                        "for), hermes (<tool_call> blocks), llama3_json ({\"name\", \"parameters\"}), mistral "
+                        "([TOOL_CALLS] list)")
     add_prefill_args(p)
     add_spec_args(p)
     add_multi_gpu_args(p)
@@ -57,6 +62,7 @@ def run_serve(args: argparse.Namespace) -> int:
                max_chunk_size=args.max_chunk_size, max_queue=args.max_queue, model_id=args.model_id,
                log_level=args.log_level, fast_queue=args.fast_queue, cache_type=args.cache_type,
                max_payload_mb=args.max_payload_mb, api_key=args.api_key or os.environ.get(API_KEY_ENV) or None,
+               tool_call_format=args.tool_call_format,
                **prefill_settings_from_args(args),
                **spec_settings_from_args(args), **multi_gpu_settings_from_args(args))
     return 0

@@ -113,6 +113,9 @@ class Exl2Handle(BackendHandle):
     def render_chat(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
         return self.engine.tokenizer.apply_chat_template(messages, add_generation_prompt)
 
+    def tool_call_format(self, name: str = "auto") -> dict:
+        return self.engine.tokenizer.tool_call_format(name).to_dict()
+
     def tokenize_chat(self, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:
         return self.engine.tokenizer.encode_chat(messages, add_generation_prompt)
 

@@ -281,6 +281,12 @@ class BackendHandle:
     def detokenize(self, token_ids: list[int]) -> str:  # pragma: no cover - interface
         raise NotImplementedError
 
+    def tool_call_format(self, name: str = "auto") -> dict:
+        """How the model writes tool calls: {"name": "hermes" | "llama3_json" | "mistral", "marker_id": the id
+        of the token that begins calls, or None}; "auto" detects it from the chat template, another name is used
+        as given (API 1.5; tokenizer/tool_formats.py). A backend that does not say: the Hermes convention."""
+        return {"name": "hermes" if name == "auto" else name, "marker_id": None}
+
     def render_chat(self, messages: list[dict], add_generation_prompt: bool = True) -> str:  # pragma: no cover
         raise NotImplementedError
 

@@ -12,7 +12,8 @@ unknown sampler fields and always reports finish_reason "stop" (§1.6).
 
 Wire format between the spec (API process) and predict (worker process): the spec puts a plain dict
 `{"op": "generate", "request": {...SequenceRequest fields...}}` or a control dict (`{"op": "cancel",
-"seq_id"}`, `{"op": "stats"}`, `{"op": "health"}`) on LitServe's request queue; predict yields plain dicts
+"seq_id"}`, `{"op": "stats"}`, `{"op": "health"}`, `{"op": "model_info"}`, `{"op": "tokenize" | "detokenize", ...}`)
+on LitServe's request queue; predict yields plain dicts
 (strings, JSON lines): `{"text", "token_ids", "finish_reason"}` per step ("logprobs" too when the request
 asked), plus "usage" and "timings" on the final one, or
 `{"error": {"status", "message", "param", "code", "type", "retry_after"}}`.
@@ -152,6 +153,9 @@ class Exl2LitAPI(ls.LitAPI):
         if op in ("tokenize", "detokenize"):
             yield await _tokenizer_op(loop, op, x)
             return
+        if op == "model_info":
+            yield await self._model_info()
+            return
         if op != "generate":
             yield error_dict(400, f"unknown operation {op!r}")
             return
@@ -183,6 +187,19 @@ class Exl2LitAPI(ls.LitAPI):
         finally:
             if not done:
                 stream.cancel()
+
+    async def _model_info(self) -> dict:
+        """What the API process needs of the model: its context and how it writes tool calls (the serve setting,
+        or the convention its chat template asks for)."""
+        name = self.serve_settings.tool_call_format
+
+        def info(h):
+            return {"max_seq_len": h.limits.max_seq_len, "tool_call_format": h.tool_call_format(name)}
+
+        try:
+            return await self._engine_loop.call(info)
+        except (AdmissionRejected, LoopUnhealthy) as exc:
+            return error_from_backend(exc)
 
     async def encode_response(self, output):
         async for item in output:

@@ -50,6 +50,7 @@ from exl2_backend.serve.schemas import (
     lone_surrogate,
 )
 from exl2_backend.serve.tools import ToolCallStream, may_be_a_call, split_tool_calls
+from exl2_backend.tokenizer.tool_formats import HERMES, ToolCallFormat, format_from_dict
 
 log = logging.getLogger("exl2_backend.serve")
 
@@ -90,6 +91,7 @@ class Exl2OpenAISpec(LitSpec):
         self.api_path = "/v1/chat/completions"
         self.model_id = "default"
         self._max_model_len: int | None = None
+        self._tool_format: ToolCallFormat | None = None  # the model's tool-call convention, asked once
 
     @property
     def stream(self) -> bool:
@@ -224,9 +226,17 @@ class Exl2OpenAISpec(LitSpec):
         if isinstance(req, Response):
             return req
         sid = f"chatcmpl-{uuid.uuid4().hex}"
+        fmt = HERMES
+        if req.calls_tools():
+            fmt = await self._learn_tool_format()
+            if fmt is None:
+                return _error_response(503, "the inference worker did not say how the model writes tool calls",
+                                       retry_after=1.0)
+            req.use_tool_format(fmt)
         seq = dict(seq_id=sid, **req.prompt_fields(), max_new_tokens=req.limit(), cap_to_context=req.limit() is None,
                    **req.sampling_fields())
-        return await self._run(request, req, sid, [seq], _Reply(chat=True, n=req.n, tools=req.calls_tools()))
+        return await self._run(request, req, sid, [seq],
+                               _Reply(chat=True, n=req.n, tools=req.calls_tools(), tool_format=fmt))
 
     async def completions(self, request: Request) -> Response:
         req = await self._parse(request, CompletionRequest)
@@ -321,6 +331,20 @@ class Exl2OpenAISpec(LitSpec):
     def _card(self) -> ModelCard:
         return ModelCard(id=self.model_id, max_model_len=self._max_model_len)
 
+    async def _learn_tool_format(self) -> ToolCallFormat | None:
+        """How the model writes tool calls (the worker's model_info, asked once); None if it did not answer."""
+        if self._tool_format is None:
+            try:
+                info = await self.query_worker({"op": "model_info"}, timeout=60.0)
+            except Exception as exc:  # noqa: BLE001 - the request gets a 503
+                log.warning("exl2_backend: no model_info from the worker: %s", exc)
+                return None
+            if "error" in info:
+                return None
+            self._tool_format = format_from_dict(info.get("tool_call_format"))
+            self._max_model_len = self._max_model_len or info.get("max_seq_len")
+        return self._tool_format
+
     async def _learn_limits(self) -> None:
         if self._max_model_len is None:
             try:
@@ -403,7 +427,7 @@ class Exl2OpenAISpec(LitSpec):
                 add_usage(usage, item, first_of_prompt=index % reply.n == 0)
                 if chat:
                     message = {"role": "assistant", "content": text}
-                    calls = split_tool_calls(text) if reply.tools else (text, [])
+                    calls = split_tool_calls(text, reply.tool_format) if reply.tools else (text, [])
                     if calls[1]:
                         message = {"role": "assistant", "content": calls[0], "tool_calls": calls[1]}
                         reason = "tool_calls" if reason == "stop" else reason
@@ -440,6 +464,8 @@ class Exl2OpenAISpec(LitSpec):
         echoed = [e is None for e in echoes]  # whether each choice's prompt went out (echo)
         calls: list[ToolCallStream | None] = [None] * len(agens)  # tools: the replies that are calls
         started = [False] * len(agens)  # tools: whether the reply's first text arrived
+        held = [""] * len(agens)  # tools: leading whitespace not yet sent
+        fmt = reply.tool_format
 
         def chunk(index: int, text: str | None, finish: str | None, *, role: bool = False,
                   lps: list | None = None) -> str:
@@ -503,9 +529,13 @@ class Exl2OpenAISpec(LitSpec):
                     offsets[index] += len(prompt_text)
                 text, reason = item.get("text", ""), finish_reason(item) if item.get("finish_reason") else None
                 lps = item.get("logprobs")
-                if tools and not started[index] and text:
-                    started[index] = True
-                    calls[index] = ToolCallStream() if may_be_a_call(text) else None
+                if tools and not started[index]:  # whitespace first: held until the reply shows what it is
+                    text, held[index] = held[index] + text, ""
+                    if text.strip():
+                        started[index] = True
+                        calls[index] = ToolCallStream(fmt) if may_be_a_call(text, fmt) else None
+                    elif not reason:
+                        held[index], text = text, ""
                 if calls[index] is not None:  # a reply of calls: tool_calls deltas instead of content
                     deltas = calls[index].feed(text)
                     if deltas:
@@ -545,6 +575,7 @@ class _Reply:
     n: int = 1
     echoes: list = field(default_factory=list)  # per choice: _Echo or None
     tools: bool = False
+    tool_format: ToolCallFormat = HERMES  # the model's convention for calls (tokenizer/tool_formats.py)
     include_usage: bool = False
 
 

@@ -11,12 +11,13 @@ from __future__ import annotations
 import time
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError, field_validator, model_validator
 
 from exl2_backend.sampling import MAX_TOP_LOGPROBS, logit_bias_problem
 from exl2_backend.serve.structured import ResponseFormat, StructuredOutputs, checked
 from exl2_backend.serve.tools import MAX_TOOLS, NamedToolChoice, ToolCall, ToolChoice, ToolDef, tool_grammar
 from exl2_backend.text import unicode_problem
+from exl2_backend.tokenizer.tool_formats import HERMES, ToolCallFormat
 
 MAX_CHOICES = 16  # n: choices per prompt at most (each one engine sequence)
 MAX_SEQUENCES = 64  # engine sequences one request may start (text completions: prompts x n)
@@ -59,6 +60,8 @@ class ServeSettings(BaseModel):
     fast_queue: bool = False  # LitServe's ZeroMQ transport between the API server and the worker
     publish_on_launch: bool = True  # publish step i's tokens once step i+1 is queued on the GPU (engine_loop.py)
     api_key: str | None = Field(default=None, min_length=1, repr=False)  # /v1/* need "Authorization: Bearer <key>"
+    # how the model writes tool calls (tokenizer/tool_formats.py); auto: the convention its chat template asks for
+    tool_call_format: Literal["auto", "hermes", "llama3_json", "mistral"] = "auto"
 
     def load_settings(self) -> dict:
         keys = ("model_dir", "model_id", "device", "max_seq_len", "cache_tokens", "max_batch_size", "max_chunk_size",
@@ -298,6 +301,7 @@ class ChatCompletionRequest(_SamplingRequest):
     _chat_json_numbers = field_validator("max_completion_tokens", "top_logprobs", mode="before")(_json_number)
     _chat_json_bools = field_validator("logprobs", mode="before")(_json_bool)
     messages: list[ChatMessage] = Field(min_length=1)
+    _tool_format: ToolCallFormat = PrivateAttr(default=HERMES)
     max_completion_tokens: int | None = Field(default=None, ge=1)
     logprobs: bool | None = None
     top_logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
@@ -372,9 +376,14 @@ class ChatCompletionRequest(_SamplingRequest):
         """Whether the reply may be tool calls (tools given and tool_choice not "none")."""
         return bool(self.tools) and self.tool_choice != "none"
 
+    def use_tool_format(self, fmt: ToolCallFormat) -> None:
+        """The model's convention for calls (the server learns it from the worker), which grammar() follows."""
+        self._tool_format = fmt
+
     def grammar(self) -> dict | None:
         if self.calls_tools():
-            return tool_grammar(self.tools, self.tool_choice or "auto", self.parallel_tool_calls is not False)
+            return tool_grammar(self.tools, self.tool_choice or "auto", self.parallel_tool_calls is not False,
+                                self._tool_format)
         return super().grammar()
 
     @field_validator("top_logprobs")

@@ -1,10 +1,12 @@
 """Function calling in the OpenAI chat API: the `tools` / `tool_choice` / `parallel_tool_calls` fields, the grammar
 that holds the model's reply to them, and the reply read back into `tool_calls`.
 
-Calls are written in the Hermes convention (tokenizer/tool_prompt.py): `<tool_call>\\n{"name": ..., "arguments":
-{...}}\\n</tool_call>`, one block per call. The grammar (exl2_backend/grammar/, llguidance Lark with embedded JSON
-Schemas) makes every call name a defined function with arguments that follow its `parameters` schema:
-- "auto" (the default with tools): free text, or one or more calls; a text reply may not start with "<";
+Calls are written in the model's own convention (tokenizer/tool_formats.py: Hermes `<tool_call>` blocks, Llama 3's
+`{"name", "parameters"}` objects, Mistral's `[TOOL_CALLS]` list). The grammar (exl2_backend/grammar/, llguidance
+Lark with embedded JSON Schemas) makes every call name a defined function with arguments that follow its
+`parameters` schema:
+- "auto" (the default with tools): free text, or one or more calls; a text reply may not start (after any
+  whitespace) with the character that begins a call ("<", "{" or "[");
 - "required": one or more calls; a named function: exactly one call of it;
 - "none": no grammar, the reply is text (the tools are still in the prompt, as the OpenAI API does);
 - parallel_tool_calls false: at most one call."""
@@ -13,13 +15,12 @@ from __future__ import annotations
 
 import json
 import re
-import uuid
 from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
 from exl2_backend.grammar.spec import JSON_OPTIONS
-from exl2_backend.tokenizer.tool_prompt import TOOL_CALL_CLOSE, TOOL_CALL_OPEN
+from exl2_backend.tokenizer.tool_formats import HERMES, ToolCallFormat
 
 MAX_TOOLS = 128  # the OpenAI API's limit
 
@@ -72,107 +73,214 @@ class ToolCall(BaseModel):
     function: _CalledFunction
 
 
-def _call_schema(fn: FunctionDef) -> dict:
-    """One call's JSON: {"name": <this function>, "arguments": <its parameters>}, nothing else."""
+def _call_schema(fn: FunctionDef, args_key: str) -> dict:
+    """One call's JSON: {"name": <this function>, <args_key>: <its parameters>}, nothing else."""
     params = fn.parameters if fn.parameters is not None else {"type": "object", "properties": {},
                                                               "additionalProperties": False}
-    return {"type": "object", "properties": {"name": {"const": fn.name}, "arguments": params},
-            "required": ["name", "arguments"], "additionalProperties": False}
+    return {"type": "object", "properties": {"name": {"const": fn.name}, args_key: params},
+            "required": ["name", args_key], "additionalProperties": False}
 
 
-def tool_grammar(tools: list[ToolDef], choice: ToolChoice, parallel: bool) -> dict | None:
-    """The engine grammar (SequenceRequest.grammar) for a reply to `tools` under `choice`, or None ("none")."""
+def _literal(text: str) -> str:
+    return json.dumps(text)  # a Lark string literal (JSON escapes are Lark's)
+
+
+def tool_grammar(tools: list[ToolDef], choice: ToolChoice, parallel: bool,
+                 fmt: ToolCallFormat = HERMES) -> dict | None:
+    """The engine grammar (SequenceRequest.grammar) for a reply to `tools` under `choice` in the model's call
+    convention `fmt`, or None ("none")."""
     if choice == "none":
         return None
     functions = [t.function for t in tools]
     if isinstance(choice, NamedToolChoice):
         functions = [f for f in functions if f.name == choice.function.name]
-    schemas = [_call_schema(f) for f in functions]
+    schemas = [_call_schema(f, fmt.args_key) for f in functions]
     body = dict(schemas[0] if len(schemas) == 1 else {"anyOf": schemas}, **{"x-guidance": JSON_OPTIONS})
-    calls = "call" if isinstance(choice, NamedToolChoice) or not parallel else 'call ("\\n" call)*'
-    start = "calls" if choice != "auto" else "TEXT | calls"
-    lark = "\n".join([
-        f"start: {start}",
-        f"calls: {calls}",
-        f"call: {json.dumps(TOOL_CALL_OPEN)} body {json.dumps(TOOL_CALL_CLOSE)}",
-        f"body: %json {json.dumps(body)}",
-        'TEXT: /[^<](.|\\n)*/',  # a text reply: anything that does not start like a call
-    ])
-    return {"type": "lark", "value": lark}
+    one = isinstance(choice, NamedToolChoice) or not parallel
+    rules = [f"start: {'calls' if choice != 'auto' else 'TEXT | calls'}"]
+    marker = None
+    if fmt.marker_id is not None:
+        marker = f"<[{fmt.marker_id}]>"  # the special token itself (text cannot spell it)
+    elif fmt.marker_required:
+        marker = _literal(fmt.marker)
+    head = [] if marker is None else [marker if fmt.marker_required else "marker?"]
+    if marker is not None and not fmt.marker_required:
+        rules.append(f"marker: {marker}")
+    if marker is not None and fmt.list_open:
+        head.append('" "?')  # a SentencePiece model's "▁[" after the marker
+    seq = ["call"] if one else ["call", f"({_literal(fmt.separator)} call)*"]
+    parts = head + ([_literal(fmt.list_open)] if fmt.list_open else []) + seq + (
+        [_literal(fmt.list_close)] if fmt.list_close else [])
+    rules.append("calls: " + " ".join(parts))
+    call = ([_literal(fmt.call_open)] if fmt.call_open else []) + ["body"] + (
+        [_literal(fmt.call_close)] if fmt.call_close else [])
+    rules.append("call: " + " ".join(call))
+    rules.append(f"body: %json {json.dumps(body)}")
+    # a text reply: anything that does not start (after whitespace) like a call
+    rules.append(f"TEXT: /\\s*[^\\s{re.escape(fmt.text_excludes)}](.|\\n)*/")
+    return {"type": "lark", "value": "\n".join(rules)}
 
 
-_CALL = re.compile(re.escape(TOOL_CALL_OPEN) + r"(.*?)" + re.escape(TOOL_CALL_CLOSE), re.DOTALL)
-# a call's head as the grammar writes it (compact JSON: no raw newline inside, names [A-Za-z0-9_-])
-_HEAD = re.compile(re.escape(TOOL_CALL_OPEN) + r'\{"name": "([A-Za-z0-9_-]+)", "arguments": ')
+def _head(fmt: ToolCallFormat) -> re.Pattern:
+    """A call object's head as the grammar writes it (compact JSON, names [A-Za-z0-9_-])."""
+    return re.compile(r'\{"name": "([A-Za-z0-9_-]+)", "' + re.escape(fmt.args_key) + '": ')
 
 
-def _call_id() -> str:
-    return f"call_{uuid.uuid4().hex[:24]}"
-
-
-def _arguments_text(body: str, obj: dict) -> str:
+def _arguments_text(body: str, obj: dict, fmt: ToolCallFormat) -> str:
     """The arguments as the model wrote them (what streaming sent), else re-serialized."""
-    head = f'{{"name": {json.dumps(obj["name"])}, "arguments": '
+    head = f'{{"name": {json.dumps(obj["name"])}, "{fmt.args_key}": '
     if body.startswith(head) and body.endswith("}"):
         return body[len(head) : -1]
-    return json.dumps(obj.get("arguments", {}), ensure_ascii=False)
+    return json.dumps(obj.get(fmt.args_key, {}), ensure_ascii=False)
 
 
-def split_tool_calls(text: str) -> tuple[str | None, list[dict]]:
-    """A reply -> (its text outside the calls or None, the OpenAI `tool_calls`). A reply whose calls do not parse
-    (cut by max_tokens) is returned whole as text with no calls."""
+def _skip(text: str, pos: int, literal: str) -> int | None:
+    """pos past whitespace, `literal` (stripped; "" matches) and whitespace, or None where it is not there."""
+    pos = _past_space(text, pos)
+    literal = literal.strip()
+    if not text.startswith(literal, pos):
+        return None
+    return _past_space(text, pos + len(literal))
+
+
+def _past_space(text: str, pos: int) -> int:
+    while pos < len(text) and text[pos].isspace():
+        pos += 1
+    return pos
+
+
+_DECODER = json.JSONDecoder()
+
+
+def _parse_calls(text: str, fmt: ToolCallFormat) -> list[tuple[dict, str]] | None:
+    """The reply's call objects with their source text, or None where it is not calls in `fmt` throughout
+    (whitespace between the parts is allowed)."""
+    pos = 0
+    if fmt.marker:
+        after = _skip(text, 0, fmt.marker)  # the marker's text, when it was not a special token (skipped)
+        pos = after if after is not None else 0
+    if fmt.list_open and (pos := _skip(text, pos, fmt.list_open)) is None:
+        return None
     calls = []
-    for match in _CALL.finditer(text):
+    while True:
+        pos = _skip(text, pos, fmt.call_open)
+        if pos is None:
+            return None
         try:
-            obj = json.loads(match.group(1))
+            obj, end = _DECODER.raw_decode(text, pos)
         except json.JSONDecodeError:
-            return text, []
-        if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
-            return text, []
-        calls.append({"id": _call_id(), "type": "function",
-                      "function": {"name": obj["name"], "arguments": _arguments_text(match.group(1), obj)}})
-    if not calls:
+            return None
+        if not (isinstance(obj, dict) and isinstance(obj.get("name"), str) and fmt.args_key in obj):
+            return None
+        calls.append((obj, text[pos:end]))
+        if (pos := _skip(text, end, fmt.call_close)) is None:
+            return None
+        if fmt.list_close:
+            closed = _skip(text, pos, fmt.list_close)
+            if closed is not None and not text[closed:].strip():
+                return calls
+        elif not text[pos:].strip():
+            return calls
+        if (pos := _skip(text, pos, fmt.separator)) is None:
+            return None
+
+
+def split_tool_calls(text: str, fmt: ToolCallFormat = HERMES) -> tuple[str | None, list[dict]]:
+    """A reply -> (its text or None, the OpenAI `tool_calls`). A reply that is not calls throughout, or whose calls
+    do not parse (cut by max_tokens), is returned whole as text with no calls."""
+    if not may_be_a_call(text, fmt):
         return text, []
-    rest = _CALL.sub("", text).strip()
-    return rest or None, calls
+    parsed = _parse_calls(text, fmt)
+    if not parsed:
+        return text, []
+    return None, [{"id": fmt.new_call_id(), "type": "function",
+                   "function": {"name": obj["name"], "arguments": _arguments_text(src, obj, fmt)}}
+                  for obj, src in parsed]
+
+
+class _ValueEnd:
+    """Where a JSON value ends, found from its text given piece by piece (strings and escapes respected)."""
+
+    def __init__(self):
+        self.depth = 0
+        self.started = self.scalar = self.in_string = self.escaped = False
+
+    def feed(self, text: str) -> int | None:
+        """The index in `text` just past the value's end, or None while it goes on."""
+        for i, ch in enumerate(text):
+            if self.in_string:
+                if self.escaped:
+                    self.escaped = False
+                elif ch == "\\":
+                    self.escaped = True
+                elif ch == '"':
+                    self.in_string = False
+                    if self.depth == 0:
+                        return i + 1
+            elif not self.started:
+                if ch.isspace():
+                    continue
+                self.started = True
+                if ch == '"':
+                    self.in_string = True
+                elif ch in "{[":
+                    self.depth = 1
+                else:
+                    self.scalar = True
+            elif self.scalar:
+                if ch in ",}] \t\r\n":
+                    return i
+            elif ch == '"':
+                self.in_string = True
+            elif ch in "{[":
+                self.depth += 1
+            elif ch in "}]":
+                self.depth -= 1
+                if self.depth == 0:
+                    return i + 1
+        return None
 
 
 class ToolCallStream:
     """A reply of calls read as it streams, turned into OpenAI `tool_calls` deltas: a call's id, type and name once
-    its head is complete, then its arguments text as it arrives. Sound for the grammar's replies: compact JSON has
-    no raw newline, so the first one after the arguments begins the call's end ("}\n</tool_call>"); the last
-    character seen is held back, since it may be the wrapper's closing brace."""
+    its head (`{"name": ..., "arguments": `) is complete, then its arguments text as it arrives, up to the end of
+    the arguments' JSON value (found by _ValueEnd, so nothing is held back)."""
 
-    def __init__(self):
-        self.buf = ""  # text not yet sent
+    def __init__(self, fmt: ToolCallFormat = HERMES):
+        self.fmt = fmt
+        self.head = _head(fmt)
+        self.buf = ""  # text not yet read
         self.calls = 0  # calls begun
-        self.in_args = False
+        self.value: _ValueEnd | None = None  # the current call's arguments, while they stream
 
     def feed(self, text: str) -> list[dict]:
         self.buf += text
         deltas = []
         while True:
-            if not self.in_args:
-                m = _HEAD.search(self.buf)
+            if self.value is None:
+                m = self.head.search(self.buf)
                 if m is None:
                     return deltas
-                deltas.append({"index": self.calls, "id": _call_id(), "type": "function",
+                deltas.append({"index": self.calls, "id": self.fmt.new_call_id(), "type": "function",
                                "function": {"name": m.group(1), "arguments": ""}})
                 self.calls += 1
-                self.in_args, self.buf = True, self.buf[m.end():]
+                self.value, self.buf = _ValueEnd(), self.buf[m.end():]
                 continue
-            end = self.buf.find("\n")
-            if end < 0:  # all but the last character, which may close the call's object
-                chunk, self.buf = self.buf[:-1], self.buf[-1:]
-                if chunk:
-                    deltas.append({"index": self.calls - 1, "function": {"arguments": chunk}})
-                return deltas
-            chunk = self.buf[: end - 1]  # the arguments end before the call object's closing brace
+            end = self.value.feed(self.buf)
+            chunk = self.buf if end is None else self.buf[:end]
             if chunk:
                 deltas.append({"index": self.calls - 1, "function": {"arguments": chunk}})
-            self.in_args, self.buf = False, self.buf[end:]
+            if end is None:
+                self.buf = ""
+                return deltas
+            self.value, self.buf = None, self.buf[end:]
 
 
-def may_be_a_call(text: str) -> bool:
-    """Whether a reply that begins with `text` may hold calls (a grammar-held text reply never starts with "<")."""
-    return text[:1] == "<"
+def may_be_a_call(text: str, fmt: ToolCallFormat = HERMES) -> bool:
+    """Whether a reply that begins with `text` (not only whitespace) may hold calls: a grammar-held text reply
+    never starts, after whitespace, with the character calls begin with (the marker, a special token, is not in
+    the text)."""
+    text = text.lstrip()
+    if fmt.marker and text.startswith(fmt.marker):
+        return True
+    return text[:1] == fmt.text_excludes

@@ -18,6 +18,7 @@ from exl2_backend.errors import PromptTooLongError, TokenizerError
 from exl2_backend.text import unicode_problem
 from exl2_backend.tokenizer.chat_template import cut_after_final_content, render, select_template
 from exl2_backend.tokenizer.incremental import IncrementalDecoder
+from exl2_backend.tokenizer.tool_formats import ToolCallFormat, detect_format_name, tool_call_format
 from exl2_backend.tokenizer.tool_prompt import hermes_messages, template_messages, template_takes_tools
 
 _SPECIAL_NAMES = ("bos_token", "eos_token", "pad_token", "unk_token")
@@ -264,18 +265,38 @@ class Tokenizer:
                                      "add_generation_prompt, which starts a new one")
             text = self.apply_chat_template(messages, False, template_name=template_name, **kwargs)
             return cut_after_final_content(text, messages)
-        source = select_template(self.chat_template_source, template_name)
+        tools = kwargs.pop("tools", None)
+        source = self._template(template_name, tools is not None)
         if source is None:
             raise TokenizerError(f"this model has no chat template (tokenizer_config.json in {self.source})")
-        tools = kwargs.pop("tools", None)
         if template_takes_tools(source):
-            messages = template_messages(messages)
+            messages = template_messages(messages, nine_char_ids=detect_format_name(source) == "mistral")
             if tools is not None:
                 kwargs["tools"] = tools
         elif tools or any(m.get("role") == "tool" or m.get("tool_calls") for m in messages):
             messages = hermes_messages(messages, tools)
         return render(source, messages, add_generation_prompt=add_generation_prompt,
                       special_tokens=self.special_tokens, **kwargs)
+
+    def _template(self, name: str | None, with_tools: bool) -> str | None:
+        """The template text; with tools and no name, the one called "tool_use" where the model has one (as
+        transformers picks it)."""
+        value = self.chat_template_source
+        if name is None and with_tools and isinstance(value, list) and any(
+                isinstance(t, dict) and t.get("name") == "tool_use" for t in value):
+            name = "tool_use"
+        return select_template(value, name)
+
+    def tool_call_format(self, name: str = "auto") -> ToolCallFormat:
+        """How this model writes tool calls (tokenizer/tool_formats.py): `name`, or with "auto" the convention
+        its chat template asks for; the marker token's id where the vocabulary has it."""
+        if name == "auto":
+            try:
+                name = detect_format_name(self._template(None, True))
+            except TokenizerError:  # a malformed template list: no tools through it either
+                name = "hermes"
+        fmt = tool_call_format(name)
+        return tool_call_format(name, self.token_to_id(fmt.marker)) if fmt.marker else fmt
 
     def encode_chat(self, messages: list[dict], add_generation_prompt: bool = True, *, limit: int | None = None,
                     **kwargs: Any) -> list[int]:

@@ -13,6 +13,8 @@ from __future__ import annotations
 import json
 from typing import Any
 
+from exl2_backend.tokenizer.tool_formats import mistral_call_id, template_takes_tools  # noqa: F401 - re-exported
+
 TOOL_CALL_OPEN = "<tool_call>\n"
 TOOL_CALL_CLOSE = "\n</tool_call>"
 
@@ -31,11 +33,6 @@ For each function call, return a json object with function name and arguments wi
 </tool_call>"""
 
 
-def template_takes_tools(source: str) -> bool:
-    """Whether a chat template renders tools itself (it reads the `tools` variable or messages' `tool_calls`)."""
-    return "tools" in source or "tool_calls" in source
-
-
 def call_text(name: str, arguments: Any) -> str:
     """One call in the Hermes convention (arguments: an object, or its JSON text)."""
     if isinstance(arguments, str):
@@ -46,14 +43,20 @@ def call_text(name: str, arguments: Any) -> str:
     return TOOL_CALL_OPEN + json.dumps({"name": name, "arguments": arguments}, ensure_ascii=False) + TOOL_CALL_CLOSE
 
 
-def template_messages(messages: list[dict]) -> list[dict]:
+def template_messages(messages: list[dict], nine_char_ids: bool = False) -> list[dict]:
     """Messages for a template that takes tools: each call's arguments as an object (templates write them with
-    `tojson`; a JSON string would come out quoted twice)."""
+    `tojson`; a JSON string would come out quoted twice). nine_char_ids: call ids (and the results' tool_call_id)
+    as Mistral templates demand them, 9 letters and digits (tool_formats.mistral_call_id)."""
     out = []
     for m in messages:
         calls = m.get("tool_calls")
         if calls:
-            m = dict(m, tool_calls=[_with_object_arguments(c) for c in calls])
+            calls = [_with_object_arguments(c) for c in calls]
+            if nine_char_ids:
+                calls = [dict(c, id=mistral_call_id(c.get("id"))) for c in calls]
+            m = dict(m, tool_calls=calls)
+        if nine_char_ids and m.get("role") == "tool" and "tool_call_id" in m:
+            m = dict(m, tool_call_id=mistral_call_id(m["tool_call_id"]))
         out.append(m)
     return out
 

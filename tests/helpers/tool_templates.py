@@ -1,0 +1,54 @@
+"""Chat templates in the tool-calling conventions of Llama 3.x and Mistral, written for the tests (the shapes that
+tokenizer/tool_formats.detect_format_name reads: Llama's "parameters" key and ipython environment, Mistral's
+[TOOL_CALLS] list and its 9-character call ids), and a tokenizer that has their marker tokens."""
+
+from __future__ import annotations
+
+LLAMA3_TEMPLATE = (
+    "{{ bos_token }}{% if tools %}system: Environment: ipython\n{% endif %}"
+    "{% for m in messages %}"
+    "{% if m.role == 'user' and tools and loop.last %}user: Given the following functions, respond with a JSON for "
+    "a function call, in the format {\"name\": function name, \"parameters\": dictionary of argument name and its "
+    "value}.\n{% for t in tools %}{{ t | tojson }}\n{% endfor %}{{ m.content }}\n"
+    "{% elif m.tool_calls %}assistant: {% for c in m.tool_calls %}"
+    "{{ '{\"name\": \"' + c.function.name + '\", \"parameters\": ' }}{{ c.function.arguments | tojson }}}"
+    "{% endfor %}\n"
+    "{% elif m.role == 'tool' %}ipython: {{ m.content }}\n"
+    "{% else %}{{ m.role }}: {{ m.content }}\n{% endif %}{% endfor %}"
+    "{% if add_generation_prompt %}assistant: {% endif %}")
+
+MISTRAL_TEMPLATE = (
+    "{{ bos_token }}{% for m in messages %}"
+    "{% if m.role == 'user' %}{% if tools and loop.last %}[AVAILABLE_TOOLS]{{ tools | tojson }}[/AVAILABLE_TOOLS]"
+    "{% endif %}[INST]{{ m.content }}[/INST]"
+    "{% elif m.tool_calls %}[TOOL_CALLS][{% for c in m.tool_calls %}"
+    "{% if c.id is not defined or c.id | length != 9 %}"
+    "{{ raise_exception('Tool call IDs should be alphanumeric strings with length 9!') }}{% endif %}"
+    "{{ {'name': c.function.name, 'arguments': c.function.arguments, 'id': c.id} | tojson }}"
+    "{% if not loop.last %}, {% endif %}{% endfor %}]{{ eos_token }}"
+    "{% elif m.role == 'tool' %}[TOOL_RESULTS]{{ {'content': m.content, 'call_id': m.tool_call_id} | tojson }}"
+    "[/TOOL_RESULTS]"
+    "{% else %}{{ m.content }}{% endif %}{% endfor %}")
+
+MARKERS = ["<|python_tag|>", "[TOOL_CALLS]"]
+
+
+def add_marker_tokens(directory) -> dict[str, int]:
+    """Adds the two marker tokens (special) to a model directory's tokenizer.json; their ids."""
+    from tokenizers import AddedToken
+    from tokenizers import Tokenizer as HFTokenizer
+
+    path = str(directory / "tokenizer.json")
+    tok = HFTokenizer.from_file(path)
+    tok.add_special_tokens([AddedToken(m, special=True) for m in MARKERS])
+    tok.save(path)
+    return {m: tok.token_to_id(m) for m in MARKERS}
+
+
+def set_chat_template(directory, template: str) -> None:
+    import json
+
+    path = directory / "tokenizer_config.json"
+    config = json.loads(path.read_text())
+    config["chat_template"] = template
+    path.write_text(json.dumps(config, indent=2))

@@ -152,50 +152,53 @@ def _past_space(text: str, pos: int) -> int:
 _DECODER = json.JSONDecoder()
 
 
-def _parse_calls(text: str, fmt: ToolCallFormat) -> list[tuple[dict, str]] | None:
-    """The reply's call objects with their source text, or None where it is not calls in `fmt` throughout
-    (whitespace between the parts is allowed)."""
-    pos = 0
+def _parse_calls(text: str, fmt: ToolCallFormat) -> tuple[list[tuple[dict, str]], int]:
+    """The reply's call objects in `fmt` with their source text, read from the start for as long as the reply
+    follows the format (whitespace between the parts is allowed), and where reading stopped (len(text): the whole
+    reply is calls)."""
+    pos, calls = 0, []
     if fmt.marker:
         after = _skip(text, 0, fmt.marker)  # the marker's text, when it was not a special token (skipped)
         pos = after if after is not None else 0
     if fmt.list_open and (pos := _skip(text, pos, fmt.list_open)) is None:
-        return None
-    calls = []
+        return calls, 0
     while True:
-        pos = _skip(text, pos, fmt.call_open)
-        if pos is None:
-            return None
+        start = _skip(text, pos, fmt.call_open)
+        if start is None:
+            return calls, pos
         try:
-            obj, end = _DECODER.raw_decode(text, pos)
+            obj, end = _DECODER.raw_decode(text, start)
         except json.JSONDecodeError:
-            return None
+            return calls, pos
         if not (isinstance(obj, dict) and isinstance(obj.get("name"), str) and fmt.args_key in obj):
-            return None
-        calls.append((obj, text[pos:end]))
-        if (pos := _skip(text, end, fmt.call_close)) is None:
-            return None
+            return calls, pos
+        if (after := _skip(text, end, fmt.call_close)) is None:
+            return calls, pos
+        calls.append((obj, text[start:end]))
+        pos = after
         if fmt.list_close:
             closed = _skip(text, pos, fmt.list_close)
             if closed is not None and not text[closed:].strip():
-                return calls
+                return calls, len(text)
         elif not text[pos:].strip():
-            return calls
-        if (pos := _skip(text, pos, fmt.separator)) is None:
-            return None
+            return calls, len(text)
+        if (after := _skip(text, pos, fmt.separator)) is None:
+            return calls, pos
+        pos = after
 
 
 def split_tool_calls(text: str, fmt: ToolCallFormat = HERMES) -> tuple[str | None, list[dict]]:
-    """A reply -> (its text or None, the OpenAI `tool_calls`). A reply that is not calls throughout, or whose calls
-    do not parse (cut by max_tokens), is returned whole as text with no calls."""
+    """A reply -> (its text that is not calls, or None; the OpenAI `tool_calls`). A reply cut inside a call (by
+    max_tokens) gives the calls before it, the cut text as text; a reply whose first call does not parse is
+    returned whole as text with no calls."""
     if not may_be_a_call(text, fmt):
         return text, []
-    parsed = _parse_calls(text, fmt)
+    parsed, stop = _parse_calls(text, fmt)
     if not parsed:
         return text, []
-    return None, [{"id": fmt.new_call_id(), "type": "function",
-                   "function": {"name": obj["name"], "arguments": _arguments_text(src, obj, fmt)}}
-                  for obj, src in parsed]
+    calls = [{"id": fmt.new_call_id(), "type": "function",
+              "function": {"name": obj["name"], "arguments": _arguments_text(src, obj, fmt)}} for obj, src in parsed]
+    return text[stop:].strip() or None, calls
 
 
 class _ValueEnd:

@@ -83,4 +83,5 @@ def test_info_reports_how_requests_reach_the_model(fim_model, default_model_dir,
     for directory, markers in ((fim_model, MARKERS), (default_model_dir, None)):
         main(["info", str(directory), "--json", "--device", "cpu"])
         prompting = json.loads(capsys.readouterr().out)["prompting"]
-        assert prompting == {"chat_template": True, "tools": "hermes", "fill_in_the_middle": markers}
+        assert prompting == {"chat_template": True, "tools": "hermes", "tool_call_format": "hermes",
+                             "fill_in_the_middle": markers}

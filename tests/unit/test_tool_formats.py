@@ -164,12 +164,23 @@ def test_replies_read_back_whole_and_streamed(fmt, reply):
 
 @pytest.mark.parametrize("fmt, text", [
     (LLAMA3_JSON, "It is cold."), (LLAMA3_JSON, '{"name": "ping", "parameters": {}'),  # cut by max_tokens
-    (LLAMA3_JSON, '{"name": "ping", "parameters": {}} trailing'), (LLAMA3_JSON, '{"name": 3, "parameters": {}}'),
-    (MISTRAL, '[{"name": "ping", "arguments": {}}'), (MISTRAL, "[1, 2]"), (MISTRAL, "Plain text."),
+    (LLAMA3_JSON, '{"name": 3, "parameters": {}}'), (MISTRAL, "[1, 2]"), (MISTRAL, "Plain text."),
     (HERMES, '<tool_call>\n{"name": "ping", "argum'), (HERMES, "plain"),
 ])
 def test_what_is_not_calls_stays_text(fmt, text):
     assert split_tool_calls(text, fmt) == (text, [])
+
+
+@pytest.mark.parametrize("fmt, text, rest", [
+    (LLAMA3_JSON, '{"name": "ping", "parameters": {}}; {"name": "pi', '{"name": "pi'),  # the second call cut
+    (LLAMA3_JSON, '{"name": "ping", "parameters": {}} trailing', "trailing"),
+    (MISTRAL, '[{"name": "ping", "arguments": {}}, {"na', '{"na'),
+    (MISTRAL, '[{"name": "ping", "arguments": {}}', None),
+    (HERMES, '<tool_call>\n{"name": "ping", "arguments": {}}\n</tool_call>\n<tool_call>\n{"', '<tool_call>\n{"'),
+])
+def test_a_reply_cut_after_a_call_keeps_the_calls_before_the_cut(fmt, text, rest):
+    content, calls = split_tool_calls(text, fmt)
+    assert [c["function"]["name"] for c in calls] == ["ping"] and content == rest
 
 
 def test_mistral_marker_text_and_ids():

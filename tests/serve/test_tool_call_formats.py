@@ -1,0 +1,123 @@
+"""Tool calls in the model's own convention, end to end on a small random model (CPU) whose tokenizer has the
+<|python_tag|> and [TOOL_CALLS] tokens:
+- Llama 3.x ("llama3_json"), detected from its chat template, through the real server on 127.0.0.1 and the real
+  openai client: forced calls are `{"name", "parameters"}` objects read back into tool_calls, streamed and not, and
+  the call with its result renders into the next turn;
+- Mistral ("mistral") through the hooks: the grammar the handle's tool_call_format asks for makes the reply the
+  [TOOL_CALLS] token and a list, which reads back into calls with 9-character ids.
+The random weights say nothing about quality; the grammar decides every token of a forced call here (one function,
+its one argument an enum), so the replies are known."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from tests.helpers.tool_templates import LLAMA3_TEMPLATE, MISTRAL_TEMPLATE, add_marker_tokens, set_chat_template
+
+pytestmark = [pytest.mark.integration, pytest.mark.slow]
+
+VOCAB = 300
+WEATHER = {"type": "function", "function": {"name": "get_weather", "description": "The weather in a city",
+                                            "parameters": {"type": "object", "properties": {
+                                                "city": {"enum": ["Oslo", "Rome"]}}, "required": ["city"],
+                                                "additionalProperties": False}}}
+ASK = [{"role": "user", "content": "Weather in Oslo?"}]
+
+
+def _model(directory, template: str):
+    from tests.helpers.synth import tiny_config_dict, write_tiny_exl2_model
+
+    # with its byte-level tokenizer (a prompt is a token per byte: a longer context)
+    write_tiny_exl2_model(directory, tiny_config_dict(vocab_size=VOCAB, max_position_embeddings=2048), seed=5)
+    assert max(add_marker_tokens(directory).values()) < VOCAB
+    set_chat_template(directory, template)
+    return directory
+
+
+@pytest.fixture(scope="module")
+def llama_server(tmp_path_factory):
+    from exl2_backend.serve.server import ServerProcess
+
+    directory = _model(tmp_path_factory.mktemp("llama3") / "m", LLAMA3_TEMPLATE)
+    settings = {"model_dir": str(directory), "device": "cpu", "max_seq_len": 2048, "cache_tokens": 8192,
+                "max_batch_size": 4, "log_level": "warning"}
+    with ServerProcess(settings, startup_timeout=600) as srv:
+        yield srv
+
+
+@pytest.fixture(scope="module")
+def llama_client(llama_server):
+    from openai import OpenAI
+
+    return OpenAI(base_url=llama_server.base_url + "/v1", api_key="unused", max_retries=0, timeout=300)
+
+
+def test_llama3_calls_through_the_server(llama_client):
+    kw = {"model": llama_client.models.list().data[0].id, "messages": ASK, "tools": [WEATHER],
+          "tool_choice": "required", "parallel_tool_calls": False, "temperature": 0, "max_tokens": 80}
+    r = llama_client.chat.completions.create(**kw)
+    choice = r.choices[0]
+    assert choice.finish_reason == "tool_calls" and choice.message.content is None
+    (call,) = choice.message.tool_calls
+    assert call.function.name == "get_weather" and json.loads(call.function.arguments)["city"] in ("Oslo", "Rome")
+    assert call.id.startswith("call_")
+    # the same streamed: id and name first, then the arguments in pieces that add up to the same text
+    deltas = [d for c in llama_client.chat.completions.create(stream=True, **kw) if c.choices
+              for d in (c.choices[0].delta.tool_calls or [])]
+    assert deltas[0].function.name == "get_weather" and deltas[0].id.startswith("call_") and len(deltas) > 2
+    assert "".join(d.function.arguments or "" for d in deltas) == call.function.arguments
+    # the call and its result go back through the Llama template: the next turn is answered
+    history = ASK + [{"role": "assistant", "content": None, "tool_calls": [call.model_dump()]},
+                     {"role": "tool", "tool_call_id": call.id, "content": "-3C"},
+                     {"role": "user", "content": "And in Rome?"}]
+    again = llama_client.chat.completions.create(**dict(kw, messages=history))
+    assert again.choices[0].message.tool_calls[0].function.name == "get_weather"
+
+
+def test_llama3_auto_reads_a_json_reply_as_a_call(llama_client):
+    """"auto": the reply is text or calls; if it starts with "{" it is a call (the grammar holds it to one)."""
+    r = llama_client.chat.completions.create(model=llama_client.models.list().data[0].id, messages=ASK,
+                                             tools=[WEATHER], temperature=0, max_tokens=60)
+    msg = r.choices[0].message
+    if msg.tool_calls:
+        assert r.choices[0].finish_reason == "tool_calls" and msg.tool_calls[0].function.name == "get_weather"
+    else:
+        assert not msg.content.lstrip().startswith("{")
+
+
+def test_mistral_calls_through_the_hooks(tmp_path):
+    from exl2_backend.plugin.manager import new_plugin_manager
+    from exl2_backend.plugin.types import SequenceRequest, StepBatch
+    from exl2_backend.serve.tools import ToolDef, split_tool_calls, tool_grammar
+    from exl2_backend.tokenizer.tool_formats import format_from_dict
+
+    directory = _model(tmp_path / "m", MISTRAL_TEMPLATE)
+    pm = new_plugin_manager(builtin_fallback=True)
+    h = pm.hook.exl2_load(settings={"model_dir": str(directory), "device": "cpu", "max_seq_len": 2048})
+    try:
+        fmt = format_from_dict(h.tool_call_format())
+        assert fmt.name == "mistral" and fmt.marker_id == h.engine.tokenizer.token_to_id("[TOOL_CALLS]")
+        assert h.tool_call_format("hermes") == {"name": "hermes", "marker_id": None}
+        grammar = tool_grammar([ToolDef.model_validate(WEATHER)], "required", False, fmt)
+        # an earlier call with an OpenAI-style id renders (the template demands 9 characters)
+        earlier = {"id": "call_4d1f", "type": "function",
+                   "function": {"name": "get_weather", "arguments": '{"city": "Rome"}'}}
+        messages = ASK + [{"role": "assistant", "content": "", "tool_calls": [earlier]},
+                          {"role": "tool", "tool_call_id": "call_4d1f", "content": "20C"},
+                          {"role": "user", "content": "And Oslo?"}]
+        req = SequenceRequest("m", messages=messages, tools=[WEATHER], grammar=grammar, temperature=0.0,
+                              max_new_tokens=80)
+        events = pm.hook.exl2_prefill(handle=h, batch=StepBatch(new=[req]))
+        for _ in range(80):  # bounded: the call is ~45 tokens of this byte-level vocabulary
+            if events[-1].finished:
+                break
+            events += pm.hook.exl2_decode(handle=h, batch=StepBatch(seq_ids=["m"]))
+        ids = [t for e in events for t in e.token_ids]
+        assert ids[0] == fmt.marker_id and events[-1].finish_reason == "stop"
+        content, calls = split_tool_calls("".join(e.text for e in events), fmt)
+        assert content is None and calls[0]["function"]["name"] == "get_weather"
+        assert len(calls[0]["id"]) == 9 and calls[0]["id"].isalnum()
+    finally:
+        pm.hook.exl2_unload(handle=h)

@@ -104,8 +104,14 @@ class Exl2Handle(BackendHandle):
     def free_tokens(self) -> int:
         return int(self.engine.free_tokens())
 
-    def tokenize(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        return self.engine.tokenizer.encode(text, add_special_tokens=add_special_tokens)
+    def tokenize(self, text: str, add_special_tokens: bool = True, *, limit: int | None = None) -> list[int]:
+        from exl2_backend.errors import PromptTooLongError
+
+        try:
+            return self.engine.tokenizer.encode(text, add_special_tokens=add_special_tokens, limit=limit)
+        except PromptTooLongError as exc:  # a huge text costs the engine thread nothing
+            raise AdmissionRejected(str(exc), reason="prompt_too_long", field="prompt", limit=limit,
+                                    length=exc.length) from exc
 
     def detokenize(self, token_ids: list[int]) -> str:
         return self.engine.tokenizer.decode(list(token_ids))

@@ -269,8 +269,10 @@ class BackendHandle:
     def free_tokens(self) -> int:  # pragma: no cover - interface
         raise NotImplementedError
 
-    def tokenize(self, text: str, add_special_tokens: bool = True) -> list[int]:  # pragma: no cover - interface
-        """Ids of a text; with add_special_tokens, the model's BOS rule applies (as for a `prompt` request)."""
+    def tokenize(self, text: str, add_special_tokens: bool = True, *,
+                 limit: int | None = None) -> list[int]:  # pragma: no cover - interface
+        """Ids of a text; with add_special_tokens, the model's BOS rule applies (as for a `prompt` request).
+        limit (1.5): AdmissionRejected "prompt_too_long", without tokenizing, for a text sure to have more tokens."""
         raise NotImplementedError
 
     def prompt_ids(self, req: SequenceRequest) -> list[int]:  # pragma: no cover - interface

@@ -85,7 +85,10 @@ async def _tokenizer_op(loop, op: str, x: dict) -> dict:
             add_special = x.get("add_special_tokens", True)
 
             def tokenize(h):
-                ids = h.tokenize(req.prompt, add_special) if req.prompt is not None else h.prompt_ids(req)
+                if req.prompt is None:
+                    ids = h.prompt_ids(req)
+                else:  # a text sure to be longer than the context is refused before it is tokenized
+                    ids = h.tokenize(req.prompt, add_special, limit=h.limits.max_seq_len)
                 return {"tokens": ids, "count": len(ids), "max_model_len": h.limits.max_seq_len}
 
             return await loop.call(tokenize)

@@ -44,3 +44,12 @@ def test_bad_bodies_are_400_naming_the_field(http, path, body, field):
     r = http.post(path, json=body)
     assert r.status_code == 400, r.text
     assert r.json()["error"]["param"].split(".")[0] == field, r.json()
+
+
+@pytest.mark.parametrize("add_special_tokens", [True, False])
+def test_a_text_sure_to_exceed_the_context_is_refused_untokenized(http, add_special_tokens):
+    """1.5 MB of text against a 512-token context: a 400 naming the limit, answered without tokenizing it (the
+    engine thread is not held for seconds), with or without special tokens."""
+    r = http.post("/tokenize", json={"prompt": "word " * 300_000, "add_special_tokens": add_special_tokens})
+    assert r.status_code == 400 and r.json()["error"]["code"] == "context_length_exceeded", r.text
+    assert "512" in r.json()["error"]["message"] and r.json()["error"]["param"] == "prompt"

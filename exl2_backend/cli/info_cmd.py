@@ -55,8 +55,8 @@ def _memory_plan(args, model_dir):
 
 def _prompting(model_dir) -> dict:
     """How requests reach this model: whether it has a chat template, whether that template renders tools itself
-    (else tools go in the Hermes form), the convention its tool calls are read in, and its fill-in-the-middle
-    markers (the completions API's suffix)."""
+    (else tools go in the Hermes form), the convention its tool calls are read in, whether it thinks in <think>
+    tags (returned apart as reasoning_content), and its fill-in-the-middle markers (the completions API's suffix)."""
     from exl2_backend.errors import Exl2Error
     from exl2_backend.tokenizer import Tokenizer
     from exl2_backend.tokenizer.fim import fim_marker_ids
@@ -71,6 +71,7 @@ def _prompting(model_dir) -> dict:
     return {"chat_template": tok.has_chat_template,
             "tools": "template" if source and template_takes_tools(source) else "hermes",
             "tool_call_format": tok.tool_call_format().name,
+            "reasoning": tok.reasoning_tags() is not None,
             "fill_in_the_middle": None if markers is None else [tok.id_to_token(i) for i in markers]}
 
 

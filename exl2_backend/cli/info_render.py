@@ -37,7 +37,8 @@ def render(info: dict, *, max_seq_len: int = 4096, console: Console | None = Non
         fim = prompting["fill_in_the_middle"]
         parts = ("template" if prompting["chat_template"] else "no template",
                  ("the template" if prompting["tools"] == "template" else "Hermes form")
-                 + f", calls read as {prompting.get('tool_call_format', 'hermes')}",
+                 + f", calls read as {prompting.get('tool_call_format', 'hermes')}"
+                 + (", <think> apart" if prompting.get("reasoning") else ""),
                  " ".join(fim) if fim else "no")
         rows.append(("chat / tools / fill-in-middle", " / ".join(parts)))
     for k, v in rows:

@@ -47,6 +47,9 @@ def add_serve_parser(subparsers) -> argparse.ArgumentParser:
                    help="how the model writes tool calls: auto (default: the convention its chat template asks "
                         "for), hermes (<tool_call> blocks), llama3_json ({\"name\", \"parameters\"}), mistral "
                         "([TOOL_CALLS] list)")
+    p.add_argument("--reasoning-parser", default="auto", choices=["auto", "think", "none"],
+                   help="a reasoning model's <think> block returned apart as reasoning_content: auto (default: where "
+                        "the chat template says the model reasons), think (always), none (the reply as generated)")
     add_prefill_args(p)
     add_spec_args(p)
     add_multi_gpu_args(p)
@@ -62,7 +65,7 @@ def run_serve(args: argparse.Namespace) -> int:
                max_chunk_size=args.max_chunk_size, max_queue=args.max_queue, model_id=args.model_id,
                log_level=args.log_level, fast_queue=args.fast_queue, cache_type=args.cache_type,
                max_payload_mb=args.max_payload_mb, api_key=args.api_key or os.environ.get(API_KEY_ENV) or None,
-               tool_call_format=args.tool_call_format,
+               tool_call_format=args.tool_call_format, reasoning_parser=args.reasoning_parser,
                **prefill_settings_from_args(args),
                **spec_settings_from_args(args), **multi_gpu_settings_from_args(args))
     return 0

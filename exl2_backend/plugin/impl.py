@@ -122,6 +122,10 @@ class Exl2Handle(BackendHandle):
     def tool_call_format(self, name: str = "auto") -> dict:
         return self.engine.tokenizer.tool_call_format(name).to_dict()
 
+    def reasoning_tags(self, mode: str = "auto") -> dict | None:
+        tags = self.engine.tokenizer.reasoning_tags(mode)
+        return None if tags is None else tags.to_dict()
+
     def tokenize_chat(self, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:
         return self.engine.tokenizer.encode_chat(messages, add_generation_prompt)
 

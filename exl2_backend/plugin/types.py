@@ -289,6 +289,12 @@ class BackendHandle:
         as given (API 1.5; tokenizer/tool_formats.py). A backend that does not say: the Hermes convention."""
         return {"name": "hermes" if name == "auto" else name, "marker_id": None}
 
+    def reasoning_tags(self, mode: str = "auto") -> dict | None:
+        """The tags a reasoning model thinks inside: {"open": "<think>", "close": "</think>", "prompt_opens": whether
+        the chat's generation prompt already opened the block}, or None (not a reasoning model, or mode "none");
+        "auto" reads the chat template, "think" asks for the tags anyway (API 1.5; tokenizer/reasoning.py)."""
+        return None
+
     def render_chat(self, messages: list[dict], add_generation_prompt: bool = True) -> str:  # pragma: no cover
         raise NotImplementedError
 

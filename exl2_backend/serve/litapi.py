@@ -192,12 +192,13 @@ class Exl2LitAPI(ls.LitAPI):
                 stream.cancel()
 
     async def _model_info(self) -> dict:
-        """What the API process needs of the model: its context and how it writes tool calls (the serve setting,
-        or the convention its chat template asks for)."""
-        name = self.serve_settings.tool_call_format
+        """What the API process needs of the model: its context, how it writes tool calls and whether it reasons
+        in tags (the serve settings, or what its chat template says)."""
+        name, reasoning = self.serve_settings.tool_call_format, self.serve_settings.reasoning_parser
 
         def info(h):
-            return {"max_seq_len": h.limits.max_seq_len, "tool_call_format": h.tool_call_format(name)}
+            return {"max_seq_len": h.limits.max_seq_len, "tool_call_format": h.tool_call_format(name),
+                    "reasoning": h.reasoning_tags(reasoning)}
 
         try:
             return await self._engine_loop.call(info)

@@ -50,6 +50,7 @@ from exl2_backend.serve.schemas import (
     lone_surrogate,
 )
 from exl2_backend.serve.tools import ToolCallStream, may_be_a_call, split_tool_calls
+from exl2_backend.tokenizer.reasoning import ReasoningSplitter, ReasoningTags, split_reasoning
 from exl2_backend.tokenizer.tool_formats import HERMES, ToolCallFormat, format_from_dict
 
 log = logging.getLogger("exl2_backend.serve")
@@ -91,7 +92,7 @@ class Exl2OpenAISpec(LitSpec):
         self.api_path = "/v1/chat/completions"
         self.model_id = "default"
         self._max_model_len: int | None = None
-        self._tool_format: ToolCallFormat | None = None  # the model's tool-call convention, asked once
+        self._model_info: dict | None = None  # the worker's model_info (tool calls, reasoning), asked once
 
     @property
     def stream(self) -> bool:
@@ -226,17 +227,19 @@ class Exl2OpenAISpec(LitSpec):
         if isinstance(req, Response):
             return req
         sid = f"chatcmpl-{uuid.uuid4().hex}"
-        fmt = HERMES
+        info = await self._learn_model_info()
+        if info is None:
+            return _error_response(503, "the inference worker did not describe the model", retry_after=1.0)
+        fmt = format_from_dict(info.get("tool_call_format"))
         if req.calls_tools():
-            fmt = await self._learn_tool_format()
-            if fmt is None:
-                return _error_response(503, "the inference worker did not say how the model writes tool calls",
-                                       retry_after=1.0)
             req.use_tool_format(fmt)
+        tags = ReasoningTags.from_dict(info.get("reasoning"))
+        reply = _Reply(chat=True, n=req.n, tools=req.calls_tools(), tool_format=fmt, reasoning=tags,
+                       inside_reasoning=tags is not None and req.reply_inside_reasoning(tags),
+                       include_reasoning=req.include_reasoning)
         seq = dict(seq_id=sid, **req.prompt_fields(), max_new_tokens=req.limit(), cap_to_context=req.limit() is None,
                    **req.sampling_fields())
-        return await self._run(request, req, sid, [seq],
-                               _Reply(chat=True, n=req.n, tools=req.calls_tools(), tool_format=fmt))
+        return await self._run(request, req, sid, [seq], reply)
 
     async def completions(self, request: Request) -> Response:
         req = await self._parse(request, CompletionRequest)
@@ -331,9 +334,10 @@ class Exl2OpenAISpec(LitSpec):
     def _card(self) -> ModelCard:
         return ModelCard(id=self.model_id, max_model_len=self._max_model_len)
 
-    async def _learn_tool_format(self) -> ToolCallFormat | None:
-        """How the model writes tool calls (the worker's model_info, asked once); None if it did not answer."""
-        if self._tool_format is None:
+    async def _learn_model_info(self) -> dict | None:
+        """The worker's model_info (how the model writes tool calls, whether it reasons in tags), asked once; None
+        if it did not answer."""
+        if self._model_info is None:
             try:
                 info = await self.query_worker({"op": "model_info"}, timeout=60.0)
             except Exception as exc:  # noqa: BLE001 - the request gets a 503
@@ -341,9 +345,9 @@ class Exl2OpenAISpec(LitSpec):
                 return None
             if "error" in info:
                 return None
-            self._tool_format = format_from_dict(info.get("tool_call_format"))
+            self._model_info = info
             self._max_model_len = self._max_model_len or info.get("max_seq_len")
-        return self._tool_format
+        return self._model_info
 
     async def _learn_limits(self) -> None:
         if self._max_model_len is None:
@@ -426,11 +430,16 @@ class Exl2OpenAISpec(LitSpec):
                 text, reason = "".join(parts), finish_reason(item)
                 add_usage(usage, item, first_of_prompt=index % reply.n == 0)
                 if chat:
+                    reasoning = None
+                    if reply.reasoning is not None:
+                        reasoning, text = split_reasoning(text, reply.reasoning, reply.inside_reasoning)
                     message = {"role": "assistant", "content": text}
-                    calls = split_tool_calls(text, reply.tool_format) if reply.tools else (text, [])
+                    calls = split_tool_calls(text, reply.tool_format) if reply.tools and text else (text, [])
                     if calls[1]:
                         message = {"role": "assistant", "content": calls[0], "tool_calls": calls[1]}
                         reason = "tool_calls" if reason == "stop" else reason
+                    if reply.reasoning is not None and reply.include_reasoning:
+                        message["reasoning_content"] = reasoning
                     choices.append({"index": index, "message": message, "logprobs": chat_logprobs(lps),
                                     "finish_reason": reason})
                 else:
@@ -466,11 +475,15 @@ class Exl2OpenAISpec(LitSpec):
         started = [False] * len(agens)  # tools: whether the reply's first text arrived
         held = [""] * len(agens)  # tools: leading whitespace not yet sent
         fmt = reply.tool_format
+        thinking = [ReasoningSplitter(reply.reasoning, reply.inside_reasoning) if reply.reasoning is not None
+                    else None for _ in agens]  # a reasoning model's replies: thinking and answer apart
 
         def chunk(index: int, text: str | None, finish: str | None, *, role: bool = False,
-                  lps: list | None = None) -> str:
+                  lps: list | None = None, reasoning: bool = False) -> str:
             if chat:
                 delta = {"role": "assistant", "content": ""} if role else ({} if text is None else {"content": text})
+                if reasoning:
+                    delta = {"reasoning_content": text}
                 choice = {"index": index, "delta": delta, "logprobs": chat_logprobs(lps), "finish_reason": finish}
             else:
                 choice = {"index": index, "text": text or "", "logprobs": completion_logprobs(lps, offsets[index]),
@@ -529,6 +542,10 @@ class Exl2OpenAISpec(LitSpec):
                     offsets[index] += len(prompt_text)
                 text, reason = item.get("text", ""), finish_reason(item) if item.get("finish_reason") else None
                 lps = item.get("logprobs")
+                if thinking[index] is not None:
+                    thought, text = thinking[index].feed(text, final=reason is not None)
+                    if thought and reply.include_reasoning:  # logprobs ride on the answer's chunks
+                        yield chunk(index, thought, None, reasoning=True)
                 if tools and not started[index]:  # whitespace first: held until the reply shows what it is
                     text, held[index] = held[index] + text, ""
                     if text.strip():
@@ -576,6 +593,9 @@ class _Reply:
     echoes: list = field(default_factory=list)  # per choice: _Echo or None
     tools: bool = False
     tool_format: ToolCallFormat = HERMES  # the model's convention for calls (tokenizer/tool_formats.py)
+    reasoning: ReasoningTags | None = None  # a reasoning model's tags: its thinking goes apart (tokenizer/reasoning.py)
+    inside_reasoning: bool = False  # the reply begins inside the thinking block
+    include_reasoning: bool = True  # false: the thinking is dropped
     include_usage: bool = False
 
 

@@ -17,6 +17,7 @@ from exl2_backend.sampling import MAX_TOP_LOGPROBS, logit_bias_problem
 from exl2_backend.serve.structured import ResponseFormat, StructuredOutputs, checked
 from exl2_backend.serve.tools import MAX_TOOLS, NamedToolChoice, ToolCall, ToolChoice, ToolDef, tool_grammar
 from exl2_backend.text import unicode_problem
+from exl2_backend.tokenizer.reasoning import ReasoningTags, continues_inside
 from exl2_backend.tokenizer.tool_formats import HERMES, ToolCallFormat
 
 MAX_CHOICES = 16  # n: choices per prompt at most (each one engine sequence)
@@ -62,6 +63,9 @@ class ServeSettings(BaseModel):
     api_key: str | None = Field(default=None, min_length=1, repr=False)  # /v1/* need "Authorization: Bearer <key>"
     # how the model writes tool calls (tokenizer/tool_formats.py); auto: the convention its chat template asks for
     tool_call_format: Literal["auto", "hermes", "llama3_json", "mistral"] = "auto"
+    # a reasoning model's <think> block returned apart as reasoning_content (tokenizer/reasoning.py): auto where the
+    # chat template says the model reasons, think always, none never (the reply's text as generated)
+    reasoning_parser: Literal["auto", "think", "none"] = "auto"
 
     def load_settings(self) -> dict:
         keys = ("model_dir", "model_id", "device", "max_seq_len", "cache_tokens", "max_batch_size", "max_chunk_size",
@@ -310,6 +314,7 @@ class ChatCompletionRequest(_SamplingRequest):
     parallel_tool_calls: bool | None = None  # default true: a reply may hold several calls
     add_generation_prompt: bool = True  # vLLM's extensions: false with continue_final_message true continues the
     continue_final_message: bool = False  # last message (e.g. an assistant reply begun by the client)
+    include_reasoning: bool = True  # a reasoning model's thinking returned as reasoning_content (false: dropped)
     reasoning_effort: str | None = None
     modalities: list[str] | None = None
     # accepted and ignored (no effect on a local model)
@@ -375,6 +380,12 @@ class ChatCompletionRequest(_SamplingRequest):
     def calls_tools(self) -> bool:
         """Whether the reply may be tool calls (tools given and tool_choice not "none")."""
         return bool(self.tools) and self.tool_choice != "none"
+
+    def reply_inside_reasoning(self, tags: ReasoningTags) -> bool:
+        """Whether the reply begins inside the model's thinking block."""
+        if self.continue_final_message:
+            return continues_inside(tags, self.messages[-1].as_template_message()["content"])
+        return tags.prompt_opens
 
     def use_tool_format(self, fmt: ToolCallFormat) -> None:
         """The model's convention for calls (the server learns it from the worker), which grammar() follows."""

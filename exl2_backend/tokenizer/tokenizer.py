@@ -18,6 +18,7 @@ from exl2_backend.errors import PromptTooLongError, TokenizerError
 from exl2_backend.text import unicode_problem
 from exl2_backend.tokenizer.chat_template import cut_after_final_content, render, select_template
 from exl2_backend.tokenizer.incremental import IncrementalDecoder
+from exl2_backend.tokenizer.reasoning import THINK_CLOSE, THINK_OPEN, ReasoningTags, template_reasons
 from exl2_backend.tokenizer.tool_formats import ToolCallFormat, detect_format_name, tool_call_format
 from exl2_backend.tokenizer.tool_prompt import hermes_messages, template_messages, template_takes_tools
 
@@ -122,8 +123,10 @@ class Tokenizer:
         self.add_bos_token: bool | None = config.get("add_bos_token")
         self.clean_up_tokenization_spaces = bool(config.get("clean_up_tokenization_spaces", False))
         self.chat_template_source = chat_template if chat_template is not None else config.get("chat_template")
+        # skipped when decoding output; reasoning tags never are: replies are split on them (tokenizer/reasoning.py)
+        kept = {self.token_to_id(THINK_OPEN), self.token_to_id(THINK_CLOSE)}
         self.special_ids: frozenset[int] = frozenset(
-            i for i, t in self._tok.get_added_tokens_decoder().items() if t.special)
+            i for i, t in self._tok.get_added_tokens_decoder().items() if t.special and i not in kept)
         # Does the post-processor (e.g. Llama's TemplateProcessing) already put BOS in front?
         probe = self._tok.encode("", add_special_tokens=True).ids
         self._post_adds_bos = bool(probe) and probe[0] == self.bos_token_id
@@ -297,6 +300,27 @@ class Tokenizer:
                 name = "hermes"
         fmt = tool_call_format(name)
         return tool_call_format(name, self.token_to_id(fmt.marker)) if fmt.marker else fmt
+
+    def reasoning_tags(self, mode: str = "auto") -> ReasoningTags | None:
+        """The tags a reasoning reply thinks inside (tokenizer/reasoning.py), or None: with "auto" where the chat
+        template handles them and the closing tag is one token, with "think" always, with "none" never. Whether
+        the generation prompt opens the block is read from a rendered probe chat."""
+        if mode == "none":
+            return None
+        if mode == "auto" and not (template_reasons(self._template_or_none()) and self.token_to_id(THINK_CLOSE)
+                                   is not None):
+            return None
+        try:
+            probe = self.apply_chat_template([{"role": "user", "content": "Hi."}], True)
+        except (TokenizerError, TypeError, ValueError):  # no template, or one that wants other messages
+            probe = ""
+        return ReasoningTags(prompt_opens=probe.rstrip().endswith(THINK_OPEN))
+
+    def _template_or_none(self) -> str | None:
+        try:
+            return self._template(None, False)
+        except TokenizerError:
+            return None
 
     def encode_chat(self, messages: list[dict], add_generation_prompt: bool = True, *, limit: int | None = None,
                     **kwargs: Any) -> list[int]:

@@ -52,3 +52,24 @@ def set_chat_template(directory, template: str) -> None:
     config = json.loads(path.read_text())
     config["chat_template"] = template
     path.write_text(json.dumps(config, indent=2))
+
+
+# a reasoning model's template in the DeepSeek-R1-distill style (written for the tests): earlier answers lose their
+# thinking, and the generation prompt opens the block
+REASONING_TEMPLATE = (
+    "{{ bos_token }}{% for m in messages %}{% if m.role == 'assistant' %}"
+    "assistant: {{ (m.content or '').split('</think>')[-1] }}\n"
+    "{% else %}{{ m.role }}: {{ m.content }}\n{% endif %}{% endfor %}"
+    "{% if add_generation_prompt %}assistant: <think>\n{% endif %}")
+
+
+def add_reasoning_tokens(directory) -> dict[str, int]:
+    """Adds <think> and </think> as ordinary (non-special) added tokens, as the R1 distills have them."""
+    from tokenizers import AddedToken
+    from tokenizers import Tokenizer as HFTokenizer
+
+    path = str(directory / "tokenizer.json")
+    tok = HFTokenizer.from_file(path)
+    tok.add_tokens([AddedToken(t, special=False) for t in ("<think>", "</think>")])
+    tok.save(path)
+    return {t: tok.token_to_id(t) for t in ("<think>", "</think>")}

@@ -1,0 +1,101 @@
+"""Reasoning replies: a model trained to think first (DeepSeek-R1 distills of Llama and Qwen2, QwQ, ...) writes
+`<think> ... </think>` before its answer. The OpenAI-style servers return the thinking apart, as the message's
+`reasoning_content`, and only the answer as `content`.
+
+Whether a model does this is read from its chat template (it mentions the closing tag, usually to drop the thinking
+from earlier turns) and its vocabulary (the tag is one token). Some templates open the block themselves at the end
+of the generation prompt, so the reply starts inside it; `ReasoningSplitter` is told so.
+
+The tags stay in the decoded text even where a tokenizer marks them special (tokenizer.py keeps their ids out of
+the skipped set): the reply is split on them here, and a client that reads the raw text sees them too."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+THINK_OPEN, THINK_CLOSE = "<think>", "</think>"
+
+
+@dataclass(frozen=True)
+class ReasoningTags:
+    open: str = THINK_OPEN
+    close: str = THINK_CLOSE
+    prompt_opens: bool = False  # the generation prompt ends with `open`: the reply begins inside the block
+
+    def to_dict(self) -> dict:
+        return {"open": self.open, "close": self.close, "prompt_opens": self.prompt_opens}
+
+    @classmethod
+    def from_dict(cls, d: dict | None) -> ReasoningTags | None:
+        return None if not d else cls(d["open"], d["close"], bool(d.get("prompt_opens")))
+
+
+def template_reasons(source: str | None) -> bool:
+    """Whether a chat template is a reasoning model's (it handles the closing tag)."""
+    return bool(source) and THINK_CLOSE in source
+
+
+class ReasoningSplitter:
+    """A reply's text, fed in pieces, split into (reasoning, content) deltas: what is inside the tags goes to
+    reasoning, the rest to content; the tags themselves and the whitespace right after each are dropped. A piece
+    that may be the start of a tag is held until the next one shows what it is; `feed(..., final=True)` releases
+    everything. Feeding a whole reply at once gives the same texts as feeding it piece by piece."""
+
+    def __init__(self, tags: ReasoningTags, inside: bool | None = None):
+        """inside: whether the reply begins inside the block (default: the generation prompt opens it)."""
+        self.tags = tags
+        self.state = "reasoning" if (tags.prompt_opens if inside is None else inside) else "start"
+        self.buf = ""
+        self.trim = True  # drop whitespace at the start of the current part
+
+    def feed(self, text: str, final: bool = False) -> tuple[str, str]:
+        self.buf += text
+        reasoning, content = [], []
+        while True:
+            if self.trim:
+                self.buf = self.buf.lstrip()
+                if not self.buf:
+                    return "".join(reasoning), "".join(content)
+                self.trim = False
+            if self.state == "start":  # the reply's first characters: the opening tag, or the answer
+                if self.buf.startswith(self.tags.open):
+                    self.buf, self.state, self.trim = self.buf[len(self.tags.open):], "reasoning", True
+                    continue
+                if self.tags.open.startswith(self.buf) and not final:
+                    break  # may still become the tag
+                self.state = "content"
+            if self.state == "content":
+                content.append(self.buf)
+                self.buf = ""
+                break
+            end = self.buf.find(self.tags.close)
+            if end >= 0:
+                reasoning.append(self.buf[:end])
+                self.buf, self.state, self.trim = self.buf[end + len(self.tags.close):], "content", True
+                continue
+            keep = 0 if final else _partial_suffix(self.buf, self.tags.close)
+            reasoning.append(self.buf[: len(self.buf) - keep])
+            self.buf = self.buf[len(self.buf) - keep:]
+            break
+        return "".join(reasoning), "".join(content)
+
+
+def split_reasoning(text: str, tags: ReasoningTags, inside: bool | None = None) -> tuple[str | None, str | None]:
+    """A whole reply -> (reasoning or None, content or None)."""
+    reasoning, content = ReasoningSplitter(tags, inside).feed(text, final=True)
+    return reasoning or None, content or None
+
+
+def continues_inside(tags: ReasoningTags, begun: str) -> bool:
+    """Whether a reply that continues an assistant message begun with `begun` (continue_final_message) is inside
+    the block: the message opened it and did not close it."""
+    opened = begun.rfind(tags.open)
+    return opened >= 0 and tags.close not in begun[opened:]
+
+
+def _partial_suffix(text: str, tag: str) -> int:
+    """Length of the longest end of `text` that is a proper beginning of `tag` (held back: it may be the tag)."""
+    for n in range(min(len(tag) - 1, len(text)), 0, -1):
+        if text.endswith(tag[:n]):
+            return n
+    return 0

@@ -1,0 +1,78 @@
+"""Reasoning replies (tokenizer/reasoning.py): the <think> block split from the answer, whole and fed in pieces cut
+at random places (the same texts), a reply begun inside the block or cut before it closes, tags split across
+pieces, and which models the tokenizer calls reasoning ones (template and vocabulary), tags kept in decoded text."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from exl2_backend.tokenizer import Tokenizer
+from exl2_backend.tokenizer.reasoning import ReasoningSplitter, ReasoningTags, continues_inside, split_reasoning
+from tests.helpers.tool_templates import REASONING_TEMPLATE, add_reasoning_tokens, set_chat_template
+
+OPENED = ReasoningTags(prompt_opens=True)
+CLOSED = ReasoningTags(prompt_opens=False)
+
+
+@pytest.mark.parametrize("tags, text, want", [
+    (CLOSED, "<think>\nLet me see. 2+2=4.\n</think>\n\nIt is 4.", ("Let me see. 2+2=4.\n", "It is 4.")),
+    (OPENED, "Let me see.</think>It is 4.", ("Let me see.", "It is 4.")),
+    (OPENED, "Still thinking when max_tokens came", ("Still thinking when max_tokens came", None)),
+    (CLOSED, "No thinking, an answer < and </thi", (None, "No thinking, an answer < and </thi")),
+    (CLOSED, "  <think>a</think>", ("a", None)),
+    (OPENED, "a < b </thinking is not a tag</think> c", ("a < b </thinking is not a tag", "c")),
+    (CLOSED, "<thin", (None, "<thin")),  # a cut opening tag is text
+])
+def test_whole_and_streamed_splits_agree(tags, text, want):
+    assert split_reasoning(text, tags) == want
+    for trial in range(100):
+        rng = random.Random(trial)
+        cuts = sorted(rng.sample(range(1, len(text)), min(5, len(text) - 1)))
+        splitter, parts = ReasoningSplitter(tags), ([], [])
+        pieces = [text[a:b] for a, b in zip([0, *cuts], [*cuts, len(text)])]
+        for i, piece in enumerate(pieces):
+            r, c = splitter.feed(piece, final=i == len(pieces) - 1)
+            parts[0].append(r)
+            parts[1].append(c)
+        got = ("".join(parts[0]) or None, "".join(parts[1]) or None)
+        assert got == want, cuts
+
+
+def test_a_held_piece_that_may_be_a_tag():
+    splitter = ReasoningSplitter(OPENED)
+    assert splitter.feed("x </th") == ("x ", "")  # "</th" may be the closing tag: held
+    assert splitter.feed("ink>y") == ("", "y")
+    assert ReasoningSplitter(OPENED, inside=False).feed("plain", final=True) == ("", "plain")
+
+
+def test_continuing_a_begun_message():
+    assert continues_inside(CLOSED, "<think>I was thinking")
+    assert not continues_inside(CLOSED, "<think>done</think>The answer")
+    assert not continues_inside(CLOSED, "The answer")
+
+
+def test_which_models_reason(tmp_path, default_model_dir):
+    from exl2_backend.format.random_model import write_byte_tokenizer
+
+    assert Tokenizer.from_dir(default_model_dir).reasoning_tags() is None
+    assert Tokenizer.from_dir(default_model_dir).reasoning_tags("think") == ReasoningTags(prompt_opens=False)
+    write_byte_tokenizer(tmp_path, 298)
+    set_chat_template(tmp_path, REASONING_TEMPLATE)
+    assert Tokenizer.from_dir(tmp_path).reasoning_tags() is None  # "</think>" is not a token of this vocabulary
+    ids = add_reasoning_tokens(tmp_path)
+    tok = Tokenizer.from_dir(tmp_path)
+    assert tok.reasoning_tags() == OPENED and tok.reasoning_tags("none") is None
+    # the tags stay in decoded output, even where a tokenizer marks them special
+    from tokenizers import AddedToken
+    from tokenizers import Tokenizer as HFTokenizer
+
+    hf = HFTokenizer.from_file(str(tmp_path / "tokenizer.json"))
+    hf.add_special_tokens([AddedToken("</think>", special=True)])
+    hf.save(str(tmp_path / "tokenizer.json"))
+    tok = Tokenizer.from_dir(tmp_path)
+    assert ids["</think>"] not in tok.special_ids
+    decoder = tok.incremental_decoder()
+    text = "".join(decoder.push(i) for i in tok.encode("a</think>b", add_special_tokens=False)) + decoder.flush()
+    assert text == "a</think>b"

@@ -8,12 +8,17 @@ A grammar is a dict `{"type": T, "value": V}`:
 - `lark`: a Lark grammar (llguidance's dialect), `start` the whole output;
 - `choice`: a non-empty list of strings, the output exactly one of them.
 
+An optional `"reasoning": {"open": "<think>", "close": "</think>", "inside": bool}` (hook API 1.5) lets a reasoning
+model think first: free text up to the closing tag (a special token; opened by the model unless `inside`, where
+the prompt already did, and optional then), up to 4 whitespace characters, and then the output the grammar describes.
+
 Torch-free, so the plugin's types can check a request without the engine (llguidance is a small pure-Rust
 extension with no dependencies)."""
 
 from __future__ import annotations
 
 import json
+import re
 from typing import Any
 
 GRAMMAR_TYPES = ("json_object", "json_schema", "regex", "lark", "choice")
@@ -28,8 +33,12 @@ def grammar_problem(grammar: Any) -> str | None:
     `compile_grammar`'s check), else the rule it breaks."""
     if grammar is None:
         return None
-    if not isinstance(grammar, dict) or set(grammar) - {"type", "value"}:
+    if not isinstance(grammar, dict) or set(grammar) - {"type", "value", "reasoning"}:
         return f"must be {{'type': one of {list(GRAMMAR_TYPES)}, 'value': ...}}, got {_short(grammar)}"
+    tags = grammar.get("reasoning")
+    if tags is not None and not (isinstance(tags, dict) and set(tags) == {"open", "close", "inside"}
+                                 and _tag(tags["open"]) and _tag(tags["close"]) and isinstance(tags["inside"], bool)):
+        return f"reasoning must be {{'open': '<...>', 'close': '<...>', 'inside': bool}}, got {_short(tags)}"
     kind, value = grammar.get("type"), grammar.get("value")
     if kind not in GRAMMAR_TYPES:
         return f"type must be one of {list(GRAMMAR_TYPES)}, got {kind!r}"
@@ -48,6 +57,28 @@ def grammar_problem(grammar: Any) -> str | None:
 def llguidance_grammar(grammar: dict) -> str:
     """A well-formed grammar (grammar_problem is None) -> llguidance's grammar text. Raises ValueError for a
     json_schema that is not valid JSON text; whether the result compiles is checked by `compile_grammar`."""
+    text = _output_grammar(grammar)
+    tags = grammar.get("reasoning")
+    return text if tags is None else _after_reasoning(text, tags)
+
+
+def _after_reasoning(text: str, tags: dict) -> str:
+    """The grammar `text` behind a reasoning block: a top-level grammar whose first part is the thinking (free text
+    that ends at the closing tag, a special token text cannot spell) and whose second is `text`."""
+    inner = json.loads(text)["grammars"][0] if text.lstrip().startswith("{") else {"lark_grammar": text}
+    think = f"/(.|\\n)*/ {tags['close']}"
+    head = think if tags["inside"] else f"({tags['open']} {think})?"
+    # a few whitespace characters after the block (models write two newlines); unbounded, a model may pad forever
+    lark = f"start: {head} /[ \\t\\r\\n]{{0,4}}/ @answer"
+    return json.dumps({"grammars": [{"name": "reasoned", "lark_grammar": lark}, dict(inner, name="answer")]})
+
+
+def _tag(value: Any) -> bool:
+    """A tag llguidance can name as a special token: <...>, no whitespace or brackets inside."""
+    return isinstance(value, str) and re.fullmatch(r"<[^<>\s]+>", value) is not None
+
+
+def _output_grammar(grammar: dict) -> str:
     import llguidance
 
     kind, value = grammar["type"], grammar.get("value")

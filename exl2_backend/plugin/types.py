@@ -60,7 +60,8 @@ class SequenceRequest:
     logit_bias: dict[int, float] | None = None  # token id -> added to its logit, in [-100, 100] (API 1.3)
     prompt_logprobs: int | None = None  # None: none; n in [0, 20]: each prompt token's logprob too (API 1.3)
     grammar: dict | None = None  # {"type": json_object | json_schema | regex | lark | choice, "value": ...}: the
-    # output is constrained to it and ends when it is complete (API 1.4; exl2_backend/grammar/spec.py)
+    # output is constrained to it and ends when it is complete (API 1.4; exl2_backend/grammar/spec.py; 1.5: an
+    # optional "reasoning" {"open", "close", "inside"} lets a reasoning model think before the constrained output)
     suffix: str | None = None  # with `prompt`: the text after the gap; the model fills in the middle (API 1.4)
     tools: list[dict] | None = None  # OpenAI tool definitions rendered into the chat prompt with `messages` (API 1.4;
     # tokenizer/tool_prompt.py); the reply's form is the host's grammar

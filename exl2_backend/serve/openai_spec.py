@@ -239,6 +239,9 @@ class Exl2OpenAISpec(LitSpec):
                        include_reasoning=req.include_reasoning)
         seq = dict(seq_id=sid, **req.prompt_fields(), max_new_tokens=req.limit(), cap_to_context=req.limit() is None,
                    **req.sampling_fields())
+        if tags is not None and seq.get("grammar") and tags.grammar_field(reply.inside_reasoning):
+            # a reasoning model thinks first; the constraint holds its answer
+            seq["grammar"] = dict(seq["grammar"], reasoning=tags.grammar_field(reply.inside_reasoning))
         return await self._run(request, req, sid, [seq], reply)
 
     async def completions(self, request: Request) -> Response:

@@ -21,13 +21,19 @@ class ReasoningTags:
     open: str = THINK_OPEN
     close: str = THINK_CLOSE
     prompt_opens: bool = False  # the generation prompt ends with `open`: the reply begins inside the block
+    added: bool = False  # both tags are added tokens, which grammars can name (grammar/spec.py "reasoning")
 
     def to_dict(self) -> dict:
-        return {"open": self.open, "close": self.close, "prompt_opens": self.prompt_opens}
+        return {"open": self.open, "close": self.close, "prompt_opens": self.prompt_opens, "added": self.added}
 
     @classmethod
     def from_dict(cls, d: dict | None) -> ReasoningTags | None:
-        return None if not d else cls(d["open"], d["close"], bool(d.get("prompt_opens")))
+        return None if not d else cls(d["open"], d["close"], bool(d.get("prompt_opens")), bool(d.get("added")))
+
+    def grammar_field(self, inside: bool) -> dict | None:
+        """A grammar's "reasoning" field (grammar/spec.py): the model thinks, then the output is constrained; None
+        where the tags are not tokens a grammar can name (then the grammar holds the reply from its start)."""
+        return {"open": self.open, "close": self.close, "inside": inside} if self.added else None
 
 
 def template_reasons(source: str | None) -> bool:

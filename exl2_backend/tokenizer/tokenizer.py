@@ -314,7 +314,9 @@ class Tokenizer:
             probe = self.apply_chat_template([{"role": "user", "content": "Hi."}], True)
         except (TokenizerError, TypeError, ValueError):  # no template, or one that wants other messages
             probe = ""
-        return ReasoningTags(prompt_opens=probe.rstrip().endswith(THINK_OPEN))
+        added = self._tok.get_added_tokens_decoder()
+        ids = (self.token_to_id(THINK_OPEN), self.token_to_id(THINK_CLOSE))
+        return ReasoningTags(prompt_opens=probe.rstrip().endswith(THINK_OPEN), added=all(i in added for i in ids))
 
     def _template_or_none(self) -> str | None:
         try:

@@ -1,12 +1,9 @@
 """A reasoning model through the real server (LitServe on 127.0.0.1, the real openai client): a small random model
-(CPU) whose template opens a <think> block at the generation prompt, detected as a reasoning model. A Lark
-constraint (vLLM's structured_outputs) fixes the reply's shape, thinking then </think> then the answer, so the
-split is known: the thinking comes back as `reasoning_content`, the answer as `content`, streamed as
-`reasoning_content` deltas then content deltas; include_reasoning false drops the thinking."""
+(CPU) whose template opens a <think> block at the generation prompt, detected as a reasoning model. Logit biases
+make the random model's replies known: thinking comes back as `reasoning_content` (streamed as its deltas),
+include_reasoning false drops it, and a JSON response format holds the answer after the thinking."""
 
 from __future__ import annotations
-
-import re
 
 import pytest
 
@@ -36,32 +33,51 @@ def client(tmp_path_factory):
         yield OpenAI(base_url=srv.base_url + "/v1", api_key="unused", max_retries=0, timeout=300)
 
 
-def _ask(client, **kw):
+def _token(client, text: str) -> int:
+    import httpx
+
+    root = str(client.base_url).rstrip("/").removesuffix("/v1")  # /tokenize is not under /v1
+    (token,) = httpx.post(root + "/tokenize", json={"prompt": text, "add_special_tokens": False}).json()["tokens"]
+    return token
+
+
+def _think_in_as(client, **kw):
+    """A reply cut while it thinks: a +100 bias makes this random model write "a" six times."""
     model = client.models.list().data[0].id
-    return client.chat.completions.create(model=model, messages=ASK, temperature=0, max_tokens=40,
-                                          extra_body={"structured_outputs": SHAPE, **kw.pop("extra", {})}, **kw)
+    return client.chat.completions.create(model=model, messages=ASK, temperature=0, max_tokens=6,
+                                          logit_bias={str(_token(client, "a")): 100}, **kw)
 
 
 def test_thinking_comes_back_apart(client):
-    msg = _ask(client).choices[0].message
-    assert re.fullmatch("[a-z]{4} [a-z]{4}", msg.reasoning_content) and re.fullmatch("[a-z]{3}", msg.content)
-    # streamed: the thinking in reasoning_content deltas first, then the answer; the same texts
-    chunks = [c.choices[0].delta for c in _ask(client, stream=True) if c.choices]
-    thought = "".join(getattr(d, "reasoning_content", None) or "" for d in chunks)
-    answer = "".join(d.content or "" for d in chunks)
-    assert (thought, answer) == (msg.reasoning_content, msg.content)
-    firsts = [i for i, d in enumerate(chunks) if d.content]
-    assert all(not getattr(d, "reasoning_content", None) for d in chunks[firsts[0]:])
-    dropped = _ask(client, extra={"include_reasoning": False}).choices[0].message
-    assert dropped.content == msg.content and getattr(dropped, "reasoning_content", None) is None
+    r = _think_in_as(client)
+    msg = r.choices[0].message
+    assert (msg.reasoning_content, msg.content, r.choices[0].finish_reason) == ("aaaaaa", None, "length")
+    chunks = [c.choices[0].delta for c in _think_in_as(client, stream=True) if c.choices]
+    assert "".join(getattr(d, "reasoning_content", None) or "" for d in chunks) == "aaaaaa"
+    assert not any(d.content for d in chunks)
+    dropped = _think_in_as(client, extra_body={"include_reasoning": False}).choices[0].message
+    assert getattr(dropped, "reasoning_content", None) is None and dropped.content is None
 
 
 def test_an_earlier_answer_goes_back_without_its_thinking(client):
-    """The template drops the thinking of earlier turns; the request is answered in the same shape."""
-    first = _ask(client).choices[0].message
-    history = ASK + [{"role": "assistant", "content": f"<think>{first.reasoning_content}</think>{first.content}"},
-                     {"role": "user", "content": "And then?"}]
+    """The template drops the thinking of earlier turns (the request renders and is answered)."""
     model = client.models.list().data[0].id
-    again = client.chat.completions.create(model=model, messages=history, temperature=0, max_tokens=40,
-                                           extra_body={"structured_outputs": SHAPE})
-    assert re.fullmatch("[a-z]{3}", again.choices[0].message.content)
+    history = ASK + [{"role": "assistant", "content": "<think>aaaa</think>Because."},
+                     {"role": "user", "content": "And then?"}]
+    again = client.chat.completions.create(model=model, messages=history, temperature=0, max_tokens=3,
+                                           logit_bias={str(_token(client, "a")): 100})
+    assert again.choices[0].message.reasoning_content == "aaa"
+
+
+def test_a_json_answer_after_the_thinking(client):
+    """response_format json_schema on a reasoning model: the constraint holds the answer, after the thinking (a
+    +100 bias on </think> makes this random model close the block at once; the schema then fixes the answer)."""
+    model = client.models.list().data[0].id
+    schema = {"type": "object", "properties": {"ok": {"const": True}}, "required": ["ok"],
+              "additionalProperties": False}
+    r = client.chat.completions.create(model=model, messages=ASK, temperature=0, max_tokens=40,
+                                       logit_bias={str(_token(client, "</think>")): 100},
+                                       response_format={"type": "json_schema",
+                                                        "json_schema": {"name": "r", "schema": schema}})
+    msg = r.choices[0].message
+    assert msg.content == '{"ok": true}' and msg.reasoning_content is None and r.choices[0].finish_reason == "stop"

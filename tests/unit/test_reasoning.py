@@ -63,7 +63,7 @@ def test_which_models_reason(tmp_path, default_model_dir):
     assert Tokenizer.from_dir(tmp_path).reasoning_tags() is None  # "</think>" is not a token of this vocabulary
     ids = add_reasoning_tokens(tmp_path)
     tok = Tokenizer.from_dir(tmp_path)
-    assert tok.reasoning_tags() == OPENED and tok.reasoning_tags("none") is None
+    assert tok.reasoning_tags() == ReasoningTags(prompt_opens=True, added=True) and tok.reasoning_tags("none") is None
     # the tags stay in decoded output, even where a tokenizer marks them special
     from tokenizers import AddedToken
     from tokenizers import Tokenizer as HFTokenizer
@@ -76,3 +76,35 @@ def test_which_models_reason(tmp_path, default_model_dir):
     decoder = tok.incremental_decoder()
     text = "".join(decoder.push(i) for i in tok.encode("a</think>b", add_special_tokens=False)) + decoder.flush()
     assert text == "a</think>b"
+
+
+def test_a_grammar_behind_the_thinking(tmp_path):
+    """grammar/spec.py "reasoning": free text up to </think> (a token text cannot spell), then the constraint; with
+    inside false the block is the model's to open, or to skip."""
+    import llguidance
+
+    from exl2_backend.format.random_model import write_byte_tokenizer
+    from exl2_backend.grammar.spec import compile_grammar, grammar_problem
+    from exl2_backend.grammar.vocabulary import Vocabulary
+
+    write_byte_tokenizer(tmp_path, 298)
+    ids = add_reasoning_tokens(tmp_path)
+    tok = Tokenizer.from_dir(tmp_path)
+    gt = Vocabulary(tok, 300, {tok.eos_token_id})
+    schema = {"type": "json_schema", "value": {"type": "object", "properties": {"a": {"type": "integer"}},
+                                                "required": ["a"]}}
+
+    def accepts(inside: bool, *parts) -> bool:
+        spec = dict(schema, reasoning={"open": "<think>", "close": "</think>", "inside": inside})
+        assert grammar_problem(spec) is None
+        matcher = llguidance.LLMatcher(gt.llg, compile_grammar(spec, gt.llg)[0])
+        toks = [t for p in parts for t in ([ids[p]] if p in ids else tok.encode(p, add_special_tokens=False))]
+        return matcher.validate_tokens(toks) == len(toks) and matcher.consume_tokens(toks) and matcher.is_accepting()
+
+    assert accepts(True, "So a is 3.\n", "</think>", '\n\n{"a": 3}') and accepts(True, "</think>", '{"a": 3}')
+    assert not accepts(True, '{"a": 3}')  # still thinking: the block was never closed
+    assert not accepts(True, "x", "</think>", "not json")
+    assert accepts(False, '{"a": 3}') and accepts(False, "<think>", "hm", "</think>", '{"a": 3}')
+    assert not accepts(False, "hm", "</think>", '{"a": 3}')
+    bad = dict(schema, reasoning={"open": "<think>", "close": "think", "inside": True})
+    assert "reasoning must be" in grammar_problem(bad)

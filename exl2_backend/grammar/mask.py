@@ -12,6 +12,11 @@ def mask_words(vocab_size: int) -> int:
     return (vocab_size + 31) // 32
 
 
+def word_bit(b: int) -> int:
+    """Bit b of an int32 mask word, as a Python int in int32's range (bit 31 is the sign)."""
+    return (1 << b) - (1 << 32) if b == 31 else 1 << b
+
+
 def grammar_masks(grammars: list, words: int, pin: bool) -> torch.Tensor:
     """One bitmask row per entry of `grammars` (a SequenceGrammar, or None for an unconstrained row, all ones):
     int32 [B, words] on the CPU (pinned when `pin`, for an asynchronous copy to the GPU)."""

@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 
 from exl2_backend.errors import InvalidRequestError
-from exl2_backend.grammar.mask import allows_nothing
+from exl2_backend.grammar.mask import allows_nothing, word_bit
 
 
 class SequenceGrammar:
@@ -33,6 +33,22 @@ class SequenceGrammar:
         grammar that admits nothing more writes all zeros: nothing may be sampled."""
         assert row.dtype == torch.int32 and row.device.type == "cpu" and row.is_contiguous()
         self._m.unsafe_compute_mask_ptr(row.data_ptr(), row.numel() * 4)
+        self._drop_untakeable_specials(row)
+
+    def _drop_untakeable_specials(self, row: torch.Tensor) -> None:
+        """Clear the bits of special tokens the grammar would not take. llguidance's mask can offer an added token
+        whose text the grammar forces (Qwen2.5's <tool_call> where a grammar spells "<tool_call>") although
+        consuming it fails; sampled, it would fail the sequence. Rare bits, checked one by one."""
+        hits = row & self.owner.special_words  # [W]
+        if not bool(hits.any()):
+            return
+        for word in hits.nonzero().flatten().tolist():
+            bits = int(hits[word]) & 0xFFFFFFFF
+            while bits:
+                b = (bits & -bits).bit_length() - 1
+                bits &= bits - 1
+                if self._m.validate_tokens([word * 32 + b]) != 1:
+                    row[word] &= ~word_bit(b)
 
     def allows_nothing(self) -> bool:
         """Whether no token of the model may come next (an error state, a complete grammar without an EOS token,

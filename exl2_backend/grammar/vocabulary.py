@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import torch
+
 from exl2_backend.errors import InvalidRequestError
-from exl2_backend.grammar.mask import mask_words
+from exl2_backend.grammar.mask import mask_words, word_bit
 from exl2_backend.grammar.matcher import SequenceGrammar
 from exl2_backend.grammar.spec import compile_grammar
 
@@ -26,6 +28,12 @@ class Vocabulary:
         self.llg = llguidance.LLTokenizer(backend.to_str(), n_vocab=n, eos_token=eos)
         self.words = mask_words(n)
         self._bytes: dict[int, bytes] = {}
+        # tokens llguidance takes as special (the tokenizer's specials and every added <...> token) besides EOS:
+        # a mask may offer one whose text a grammar forces although taking it fails (SequenceGrammar.fill_mask)
+        self.special_ids = [i for i in range(known) if self.llg.is_special_token(i) and i not in (eos or ())]
+        self.special_words = torch.zeros(self.words, dtype=torch.int32)  # [W] their bits
+        for i in self.special_ids:
+            self.special_words[i // 32] |= word_bit(i % 32)
 
     def token_bytes(self, token_id: int) -> bytes:
         """The token's own bytes (a byte-level token may hold part of a UTF-8 character; a special token gives

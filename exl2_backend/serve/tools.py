@@ -112,13 +112,23 @@ def tool_grammar(tools: list[ToolDef], choice: ToolChoice, parallel: bool,
     parts = head + ([_literal(fmt.list_open)] if fmt.list_open else []) + seq + (
         [_literal(fmt.list_close)] if fmt.list_close else [])
     rules.append("calls: " + " ".join(parts))
-    call = ([_literal(fmt.call_open)] if fmt.call_open else []) + ["body"] + (
-        [_literal(fmt.call_close)] if fmt.call_close else [])
-    rules.append("call: " + " ".join(call))
+    rules.append("call: " + " ".join(_pieces(fmt.call_open, fmt, 0) + ["body"] + _pieces(fmt.call_close, fmt, 1)))
     rules.append(f"body: %json {json.dumps(body)}")
     # a text reply: anything that does not start (after whitespace) like a call
     rules.append(f"TEXT: /\\s*[^\\s{re.escape(fmt.text_excludes)}](.|\\n)*/")
     return {"type": "lark", "value": "\n".join(rules)}
+
+
+def _pieces(text: str, fmt: ToolCallFormat, which: int) -> list[str]:
+    """Grammar items that spell `text` (a call's open or close): its tag as the token where the vocabulary has one
+    (the model's own token; llguidance would not let the tag's text match it), the rest as literals."""
+    if not text:
+        return []
+    if fmt.tag_ids is None:
+        return [_literal(text)]
+    tag, token = fmt.tags[which], f"<[{fmt.tag_ids[which]}]>"
+    head, _, tail = text.partition(tag)
+    return ([_literal(head)] if head else []) + [token] + ([_literal(tail)] if tail else [])
 
 
 def _head(fmt: ToolCallFormat) -> re.Pattern:

@@ -19,7 +19,7 @@ from exl2_backend.text import unicode_problem
 from exl2_backend.tokenizer.chat_template import cut_after_final_content, render, select_template
 from exl2_backend.tokenizer.incremental import IncrementalDecoder
 from exl2_backend.tokenizer.reasoning import THINK_CLOSE, THINK_OPEN, ReasoningTags, template_reasons
-from exl2_backend.tokenizer.tool_formats import ToolCallFormat, detect_format_name, tool_call_format
+from exl2_backend.tokenizer.tool_formats import HERMES, ToolCallFormat, detect_format_name, tool_call_format
 from exl2_backend.tokenizer.tool_prompt import hermes_messages, template_messages, template_takes_tools
 
 _SPECIAL_NAMES = ("bos_token", "eos_token", "pad_token", "unk_token")
@@ -123,8 +123,9 @@ class Tokenizer:
         self.add_bos_token: bool | None = config.get("add_bos_token")
         self.clean_up_tokenization_spaces = bool(config.get("clean_up_tokenization_spaces", False))
         self.chat_template_source = chat_template if chat_template is not None else config.get("chat_template")
-        # skipped when decoding output; reasoning tags never are: replies are split on them (tokenizer/reasoning.py)
-        kept = {self.token_to_id(THINK_OPEN), self.token_to_id(THINK_CLOSE)}
+        # skipped when decoding output; reasoning and tool-call tags never are: replies are split on them
+        # (tokenizer/reasoning.py, serve/tools.py)
+        kept = {self.token_to_id(t) for t in (THINK_OPEN, THINK_CLOSE, *HERMES.tags)}
         self.special_ids: frozenset[int] = frozenset(
             i for i, t in self._tok.get_added_tokens_decoder().items() if t.special and i not in kept)
         # Does the post-processor (e.g. Llama's TemplateProcessing) already put BOS in front?
@@ -299,7 +300,12 @@ class Tokenizer:
             except TokenizerError:  # a malformed template list: no tools through it either
                 name = "hermes"
         fmt = tool_call_format(name)
-        return tool_call_format(name, self.token_to_id(fmt.marker)) if fmt.marker else fmt
+        added = self._tok.get_added_tokens_decoder()
+        marker = self.token_to_id(fmt.marker) if fmt.marker else None
+        # tags that are added tokens: grammars name them as tokens (llguidance takes an added <...> token as
+        # special, so the tag's text spelled in a grammar would not match the model's token)
+        tags = [self.token_to_id(t) for t in fmt.tags] if fmt.tags else []
+        return tool_call_format(name, marker, tags if tags and all(i in added for i in tags) else None)
 
     def reasoning_tags(self, mode: str = "auto") -> ReasoningTags | None:
         """The tags a reasoning reply thinks inside (tokenizer/reasoning.py), or None: with "auto" where the chat

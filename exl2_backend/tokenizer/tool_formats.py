@@ -35,10 +35,12 @@ class ToolCallFormat:
     marker_id: int | None = None  # its id when the vocabulary has it as one token
     marker_required: bool = False
     text_excludes: str = ""  # a text reply in "auto" may not start with this character (it begins a call)
+    tags: tuple[str, str] | None = None  # the tags call_open / call_close begin / end with (Hermes' <tool_call>)
+    tag_ids: tuple[int, int] | None = None  # their ids where the vocabulary has them as added tokens
 
     def to_dict(self) -> dict:
-        """What crosses the worker -> API process boundary: the name and the marker's id."""
-        return {"name": self.name, "marker_id": self.marker_id}
+        """What crosses the worker -> API process boundary: the name and the ids of its tokens."""
+        return {"name": self.name, "marker_id": self.marker_id, "tag_ids": self.tag_ids}
 
     def new_call_id(self) -> str:
         """A call id as the model's template accepts it."""
@@ -47,26 +49,32 @@ class ToolCallFormat:
         return f"call_{secrets.token_hex(12)}"
 
 
-HERMES = ToolCallFormat("hermes", "arguments", "<tool_call>\n", "\n</tool_call>", "\n", text_excludes="<")
+HERMES = ToolCallFormat("hermes", "arguments", "<tool_call>\n", "\n</tool_call>", "\n", text_excludes="<",
+                        tags=("<tool_call>", "</tool_call>"))
 LLAMA3_JSON = ToolCallFormat("llama3_json", "parameters", "", "", "; ", marker="<|python_tag|>", text_excludes="{")
 MISTRAL = ToolCallFormat("mistral", "arguments", "", "", ", ", list_open="[", list_close="]", marker="[TOOL_CALLS]",
                          marker_required=True, text_excludes="[")
 _BY_NAME = {f.name: f for f in (HERMES, LLAMA3_JSON, MISTRAL)}
 
 
-def tool_call_format(name: str, marker_id: int | None = None) -> ToolCallFormat:
-    """The format of that name (ValueError naming the known ones), with the marker's token id."""
+def tool_call_format(name: str, marker_id: int | None = None,
+                     tag_ids: tuple[int, int] | list[int] | None = None) -> ToolCallFormat:
+    """The format of that name (ValueError naming the known ones), with the ids of its marker and tags."""
     fmt = _BY_NAME.get(name)
     if fmt is None:
         raise ValueError(f"unknown tool call format {name!r}; known: {', '.join(TOOL_CALL_FORMATS)}")
-    return replace(fmt, marker_id=marker_id) if fmt.marker is not None else fmt
+    if fmt.marker is not None:
+        fmt = replace(fmt, marker_id=marker_id)
+    if fmt.tags is not None and tag_ids is not None:
+        fmt = replace(fmt, tag_ids=(int(tag_ids[0]), int(tag_ids[1])))
+    return fmt
 
 
 def format_from_dict(d: dict | None) -> ToolCallFormat:
     """ToolCallFormat.to_dict's inverse; the Hermes convention for None (a worker that did not say)."""
     if not d:
         return HERMES
-    return tool_call_format(d["name"], d.get("marker_id"))
+    return tool_call_format(d["name"], d.get("marker_id"), d.get("tag_ids"))
 
 
 def template_takes_tools(source: str) -> bool:

@@ -213,3 +213,55 @@ def test_histories_render_in_each_convention(default_model_dir):
     assert text.index("[AVAILABLE_TOOLS]") > text.index("[TOOL_RESULTS]")  # the tools go before the last question
     assert json.loads(text.split("[TOOL_CALLS]")[1].split("</s>")[0].split("[TOOL_RESULTS]")[0]
                       .rsplit("]", 1)[0] + "]")[0]["arguments"] == {"city": "Oslo"}
+
+
+def _walk(gt, tok, grammar: dict, prefer_high: bool = True) -> list[int]:
+    """Take, at each step, the highest (or lowest) id the mask allows, as a model that favours added tokens would;
+    every token taken must be one the grammar takes (a mask offering a token it refuses failed the sequence)."""
+    import torch
+
+    m, out = gt.matcher(grammar), []
+    for _ in range(120):  # bounded: the calls here are under 60 tokens
+        if m.stopped:
+            return out
+        row = torch.zeros(gt.words, dtype=torch.int32)
+        m.fill_mask(row)
+        allowed = [i for i in range(gt.vocab_size) if (int(row[i // 32]) >> (i % 32)) & 1]
+        token = max(allowed) if prefer_high else min(allowed)
+        assert m.consume(token), (tok.decode(out), token, m.error[:200])
+        out.append(token)
+    raise AssertionError("the grammar did not end")
+
+
+def test_hermes_tags_that_are_added_tokens(tmp_path):
+    """A Qwen2.5-style vocabulary has <tool_call> / </tool_call> as added (non-special) tokens. llguidance takes
+    them as special tokens, and its mask offered the token where a grammar spells "<tool_call>" although taking it
+    failed. The format names the tags as tokens, and masks never offer a special token the grammar refuses."""
+    from tokenizers import AddedToken
+    from tokenizers import Tokenizer as HFTokenizer
+
+    from exl2_backend.format.random_model import write_byte_tokenizer
+    from exl2_backend.grammar.vocabulary import Vocabulary
+
+    write_byte_tokenizer(tmp_path, VOCAB - 2)
+    hf = HFTokenizer.from_file(str(tmp_path / "tokenizer.json"))
+    hf.add_tokens([AddedToken(t, special=False) for t in ("<tool_call>", "</tool_call>")])
+    hf.save(str(tmp_path / "tokenizer.json"))
+    tok = Tokenizer.from_dir(tmp_path)
+    gt = Vocabulary(tok, VOCAB, {tok.eos_token_id})
+    fmt = tok.tool_call_format()
+    ids = (tok.token_to_id("<tool_call>"), tok.token_to_id("</tool_call>"))
+    assert fmt.name == "hermes" and fmt.tag_ids == ids and format_from_dict(fmt.to_dict()) == fmt
+    walked = _walk(gt, tok, tool_grammar(TOOLS[1:], "required", False, fmt))
+    assert walked[0] == ids[0] and walked[-1] == ids[1]  # the model's own tokens
+    text = tok.incremental_decoder()
+    reply = "".join(text.push(t) for t in walked) + text.flush()  # the tags stay in the decoded text
+    assert split_tool_calls(reply, fmt)[1][0]["function"]["name"] == "ping"
+    # spelled as text, the tag cannot be written at all (llguidance offers only the token, and refuses it): the
+    # mask is now empty, so the sequence fails with the grammar's message instead of taking a refused token
+    import torch
+
+    m = gt.matcher(tool_grammar(TOOLS[1:], "required", False, HERMES))
+    row = torch.zeros(gt.words, dtype=torch.int32)
+    m.fill_mask(row)
+    assert not row.any() and m.allows_nothing()

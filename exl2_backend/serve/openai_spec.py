@@ -1,7 +1,8 @@
 """`Exl2OpenAISpec`: our OpenAI-compatible surface on LitServe (runs in the API server process).
 
-Routes: POST /v1/chat/completions, POST /v1/completions, GET /v1/models[/{id}], GET /metrics (Prometheus
-text). LitServe's own GET /health calls `Exl2LitAPI.health`, which asks the worker through `query_worker`.
+Routes: POST /v1/chat/completions, POST /v1/completions, POST /v1/responses (serve/responses_api.py), GET
+/v1/models[/{id}], POST /tokenize and /detokenize, GET /metrics (Prometheus text). LitServe's own GET /health
+calls `Exl2LitAPI.health`, which asks the worker through `query_worker`.
 
 Each completion gets one id (`chatcmpl-…` / `cmpl-…`) that is also the engine's sequence id, so a client
 disconnect can be turned into a `cancel` for exactly that sequence. Requests are validated here (400 naming
@@ -39,6 +40,14 @@ from exl2_backend.serve.openai_items import (
     merge_items,
     mergeable,
 )
+from exl2_backend.serve.responses_api import (
+    RequestFieldError,
+    ResponsesRequest,
+    new_id,
+    response_from_chat,
+    responses_param,
+)
+from exl2_backend.serve.responses_stream import response_events
 from exl2_backend.serve.schemas import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -106,6 +115,7 @@ class Exl2OpenAISpec(LitSpec):
             self.model_id = served_model_id(settings)
         self.add_endpoint("/v1/chat/completions", self.chat_completions, ["POST"])
         self.add_endpoint("/v1/completions", self.completions, ["POST"])
+        self.add_endpoint("/v1/responses", self.responses, ["POST"])
         self.add_endpoint("/v1/models", self.list_models, ["GET"])
         self.add_endpoint("/v1/models/{model_name:path}", self.get_model, ["GET"])
         self.add_endpoint("/metrics", self.metrics, ["GET"])
@@ -226,6 +236,49 @@ class Exl2OpenAISpec(LitSpec):
         req = await self._parse(request, ChatCompletionRequest)
         if isinstance(req, Response):
             return req
+        return await self._chat(request, req)
+
+    async def responses(self, request: Request) -> Response:
+        """POST /v1/responses: run as a chat completion, answered in the Responses API's shapes
+        (serve/responses_api.py; streamed events: serve/responses_stream.py)."""
+        body = await self._body(request)
+        if isinstance(body, Response):
+            return body
+        bad_text = lone_surrogate(body)
+        if bad_text is not None:
+            return _error_response(400, bad_text[1], param=bad_text[0])
+        try:
+            rreq = ResponsesRequest.model_validate(body)
+            chat_body = rreq.chat_body()
+        except ValidationError as exc:
+            param, message = first_error(exc)
+            return _error_response(400, message, param=param)
+        except RequestFieldError as exc:  # what has no chat translation
+            return _error_response(400, str(exc), param=exc.param)
+        try:
+            req = ChatCompletionRequest.model_validate(chat_body)
+        except ValidationError as exc:
+            param, message = first_error(exc)
+            named = responses_param(param)
+            return _error_response(400, message.replace(param, named, 1), param=named)
+        bad = self._check_model(req.model)
+        if bad is not None:
+            return bad
+        skeleton = rreq.skeleton(new_id("resp"), req.model or self.model_id)
+        resp = await self._chat(request, req)
+        if isinstance(resp, StreamingResponse):
+            return StreamingResponse(response_events(resp.body_iterator, skeleton), media_type="text/event-stream",
+                                     headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        if resp.status_code == 499:
+            return resp
+        data = json.loads(resp.body)
+        if resp.status_code != 200:
+            data["error"]["param"] = responses_param(data["error"].get("param"))
+            retry = resp.headers.get("Retry-After")
+            return JSONResponse(data, status_code=resp.status_code, headers={"Retry-After": retry} if retry else None)
+        return JSONResponse(response_from_chat(data, skeleton))
+
+    async def _chat(self, request: Request, req: ChatCompletionRequest) -> Response:
         sid = f"chatcmpl-{uuid.uuid4().hex}"
         info = await self._learn_model_info()
         if info is None:

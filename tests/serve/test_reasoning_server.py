@@ -81,3 +81,14 @@ def test_a_json_answer_after_the_thinking(client):
                                                         "json_schema": {"name": "r", "schema": schema}})
     msg = r.choices[0].message
     assert msg.content == '{"ok": true}' and msg.reasoning_content is None and r.choices[0].finish_reason == "stop"
+
+
+def test_thinking_as_a_reasoning_item_in_the_responses_api(client):
+    model = client.models.list().data[0].id
+    bias = {"logit_bias": {str(_token(client, "a")): 100}}  # the chat extension, through extra_body
+    r = client.responses.create(model=model, input="Why?", max_output_tokens=6, temperature=0, extra_body=bias)
+    assert [o.type for o in r.output] == ["reasoning"] and r.output[0].content[0].text == "aaaaaa"
+    events = list(client.responses.create(model=model, input="Why?", max_output_tokens=6, temperature=0,
+                                          extra_body=bias, stream=True))
+    assert "".join(e.delta for e in events if e.type == "response.reasoning_text.delta") == "aaaaaa"
+    assert events[-1].type == "response.incomplete"

@@ -1,0 +1,105 @@
+"""OpenAI's Responses API (POST /v1/responses) through the real server (LitServe + the default model on CPU,
+127.0.0.1) and the real openai client: text replies equal the chat completion of the same conversation, streamed
+events add up to the same output, max_output_tokens marks the response incomplete, function calls come back as
+function_call items and go back in as input items, text.format constrains the answer, and what this stateless
+server cannot do is a 400 naming the field."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+pytestmark = [pytest.mark.integration, pytest.mark.slow]
+
+MODEL = "SmolLM2-135M-Instruct-exl2"
+WEATHER = {"type": "function", "name": "get_weather", "description": "The current weather in a city",
+           "parameters": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 30}},
+                          "required": ["city"], "additionalProperties": False}}
+
+
+def test_a_reply_equals_the_chat_completion(client):
+    r = client.responses.create(model=MODEL, instructions="Answer briefly.", input="What is the capital of France?",
+                                temperature=0, max_output_tokens=24)
+    chat = client.chat.completions.create(model=MODEL, temperature=0, max_tokens=24, messages=[
+        {"role": "system", "content": "Answer briefly."},
+        {"role": "user", "content": "What is the capital of France?"}])
+    assert r.object == "response" and r.id.startswith("resp_") and r.model == MODEL
+    assert [o.type for o in r.output] == ["message"] and r.output_text == chat.choices[0].message.content
+    assert r.usage.input_tokens == chat.usage.prompt_tokens and r.usage.output_tokens == chat.usage.completion_tokens
+    assert r.status == ("incomplete" if chat.choices[0].finish_reason == "length" else "completed")
+    assert r.store is False and r.instructions == "Answer briefly."
+
+
+def test_streamed_events_add_up_to_the_response(client):
+    kw = {"model": MODEL, "input": [{"role": "user", "content": "Name three colors."}], "temperature": 0,
+          "max_output_tokens": 20}
+    whole = client.responses.create(**kw)
+    events = list(client.responses.create(stream=True, **kw))
+    kinds = [e.type for e in events]
+    assert kinds[:2] == ["response.created", "response.in_progress"]
+    assert kinds[-1] in ("response.completed", "response.incomplete")
+    assert [e.sequence_number for e in events] == list(range(len(events)))
+    assert "".join(e.delta for e in events if e.type == "response.output_text.delta") == whole.output_text
+    done = next(e for e in events if e.type == "response.output_text.done")
+    final = events[-1].response
+    assert done.text == whole.output_text == final.output_text
+    assert final.usage.output_tokens == whole.usage.output_tokens and final.status == whole.status
+    order = [k for k in kinds if k.startswith(("response.output_item", "response.content_part"))]
+    assert order == ["response.output_item.added", "response.content_part.added", "response.content_part.done",
+                     "response.output_item.done"]
+
+
+def test_max_output_tokens_leaves_it_incomplete(client):
+    for stream in (False, True):
+        r = client.responses.create(model=MODEL, input="Tell me a long story.", max_output_tokens=5, stream=stream)
+        r = list(r)[-1].response if stream else r
+        assert r.status == "incomplete" and r.incomplete_details.reason == "max_output_tokens"
+        assert r.output[0].status == "incomplete" and r.usage.output_tokens == 5
+
+
+def test_function_calls_out_and_back_in(client):
+    first = client.responses.create(model=MODEL, input="What is the weather like in Paris?", tools=[WEATHER],
+                                    tool_choice="required", parallel_tool_calls=False, temperature=0,
+                                    max_output_tokens=60)
+    (call,) = [o for o in first.output if o.type == "function_call"]
+    assert call.name == "get_weather" and set(json.loads(call.arguments)) == {"city"} and call.call_id
+    streamed = list(client.responses.create(stream=True, model=MODEL, input="What is the weather like in Paris?",
+                                            tools=[WEATHER], tool_choice="required", parallel_tool_calls=False,
+                                            temperature=0, max_output_tokens=60))
+    args = "".join(e.delta for e in streamed if e.type == "response.function_call_arguments.delta")
+    assert args == call.arguments == next(e.arguments for e in streamed
+                                          if e.type == "response.function_call_arguments.done")
+    second = client.responses.create(model=MODEL, temperature=0, max_output_tokens=20, tools=[WEATHER], input=[
+        {"role": "user", "content": "What is the weather like in Paris?"},
+        {"type": "function_call", "call_id": call.call_id, "name": call.name, "arguments": call.arguments},
+        {"type": "function_call_output", "call_id": call.call_id, "output": "Sunny, 21C"}], tool_choice="none")
+    assert second.output_text and second.output[0].type == "message"
+
+
+def test_text_format_holds_the_answer(client):
+    schema = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 20},
+                                               "age": {"type": "integer"}},
+              "required": ["name", "age"], "additionalProperties": False}
+    r = client.responses.create(model=MODEL, input="Make up a person.", temperature=0, max_output_tokens=60,
+                                text={"format": {"type": "json_schema", "name": "person", "schema": schema}})
+    person = json.loads(r.output_text)
+    assert set(person) == {"name", "age"} and isinstance(person["age"], int)
+
+
+@pytest.mark.parametrize("patch, param", [
+    ({"previous_response_id": "resp_1"}, "previous_response_id"),
+    ({"tools": [{"type": "web_search"}]}, "tools.0.type"),
+    ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]}, "input.0.content.0.type"),
+    ({"input": [{"type": "function_call", "name": "f", "arguments": "{}"}]}, "input.0.call_id"),
+    ({"text": {"format": {"type": "xml"}}}, "text.format.type"),
+    ({"max_output_tokens": 0}, "max_output_tokens"),
+    ({"temperature": -1}, "temperature"),
+    ({"frobnicate": 1}, "frobnicate"),
+    ({"truncation": "auto"}, "truncation"),
+    ({"input": "x" * 3000}, "input"),  # longer than the served context (512)
+])
+def test_what_cannot_be_done_is_400_naming_the_field(http, patch, param):
+    r = http.post("/v1/responses", json={"model": MODEL, "input": "Hi", **patch})
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["param"] == param, r.json()

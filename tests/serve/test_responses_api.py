@@ -103,3 +103,26 @@ def test_what_cannot_be_done_is_400_naming_the_field(http, patch, param):
     r = http.post("/v1/responses", json={"model": MODEL, "input": "Hi", **patch})
     assert r.status_code == 400, r.text
     assert r.json()["error"]["param"] == param, r.json()
+
+
+def test_a_stream_closed_early_frees_its_sequence(server, http):
+    """A client that leaves a Responses stream after a few deltas: the sequence is cancelled and its pages come
+    back, far short of its 400 tokens."""
+    import httpx
+
+    from tests.serve.test_openai_server import metrics, wait_idle
+
+    before = metrics(http)
+    body = {"model": MODEL, "input": "Tell me a long story.", "temperature": 0.8, "max_output_tokens": 400,
+            "ignore_eos": True, "stream": True}
+    with httpx.Client(base_url=server.base_url, timeout=60) as c, c.stream("POST", "/v1/responses", json=body) as r:
+        assert r.status_code == 200
+        deltas = 0
+        for line in r.iter_lines():  # bounded: closed after three text deltas
+            deltas += line.startswith("event: response.output_text.delta")
+            if deltas == 3:
+                break
+    after = wait_idle(http, before)
+    generated = (after["exl2_backend_generation_tokens_total"]
+                 - before.get("exl2_backend_generation_tokens_total", 0))
+    assert generated < 200, f"{generated} tokens: the sequence ran on after the client left"

@@ -241,18 +241,11 @@ class Exl2OpenAISpec(LitSpec):
     async def responses(self, request: Request) -> Response:
         """POST /v1/responses: run as a chat completion, answered in the Responses API's shapes
         (serve/responses_api.py; streamed events: serve/responses_stream.py)."""
-        body = await self._body(request)
-        if isinstance(body, Response):
-            return body
-        bad_text = lone_surrogate(body)
-        if bad_text is not None:
-            return _error_response(400, bad_text[1], param=bad_text[0])
+        rreq = await self._parse(request, ResponsesRequest)
+        if isinstance(rreq, Response):
+            return rreq
         try:
-            rreq = ResponsesRequest.model_validate(body)
             chat_body = rreq.chat_body()
-        except ValidationError as exc:
-            param, message = first_error(exc)
-            return _error_response(400, message, param=param)
         except RequestFieldError as exc:  # what has no chat translation
             return _error_response(400, str(exc), param=exc.param)
         try:
@@ -261,9 +254,6 @@ class Exl2OpenAISpec(LitSpec):
             param, message = first_error(exc)
             named = responses_param(param)
             return _error_response(400, message.replace(param, named, 1), param=named)
-        bad = self._check_model(req.model)
-        if bad is not None:
-            return bad
         skeleton = rreq.skeleton(new_id("resp"), req.model or self.model_id)
         resp = await self._chat(request, req)
         if isinstance(resp, StreamingResponse):

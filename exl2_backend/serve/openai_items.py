@@ -49,10 +49,10 @@ def completion_logprobs(entries: list[dict] | None, offset: int) -> dict | None:
 
 def empty_usage() -> dict:
     return {"prompt_tokens": 0, "completion_tokens": 0, "total_tokens": 0,
-            "prompt_tokens_details": {"cached_tokens": 0}}
+            "prompt_tokens_details": {"cached_tokens": 0}, "completion_tokens_details": {"reasoning_tokens": 0}}
 
 
-def add_usage(usage: dict, item: dict, *, first_of_prompt: bool) -> None:
+def add_usage(usage: dict, item: dict, *, first_of_prompt: bool, reasoning_tokens: int = 0) -> None:
     """Count a finished choice's final item into the response's usage: each prompt once (as the OpenAI API counts
     it, with the prefix-cache hit of its first choice: later choices share its pages), completions summed."""
     u = item.get("usage") or {}
@@ -60,6 +60,7 @@ def add_usage(usage: dict, item: dict, *, first_of_prompt: bool) -> None:
         usage["prompt_tokens"] += int(u.get("prompt_tokens", 0))
         usage["prompt_tokens_details"]["cached_tokens"] += int(u.get("cached_tokens", 0))
     usage["completion_tokens"] += int(u.get("completion_tokens", 0))
+    usage["completion_tokens_details"]["reasoning_tokens"] += reasoning_tokens  # a reasoning model's thinking
     usage["total_tokens"] = usage["prompt_tokens"] + usage["completion_tokens"]
 
 

@@ -457,13 +457,14 @@ class Exl2OpenAISpec(LitSpec):
         chat, choices, usage = reply.chat, [], empty_usage()
         try:
             for index, (agen, item) in enumerate(zip(agens, firsts)):  # later choices buffer meanwhile
-                parts, lps, prompt_lps = [], None, None  # lps None: the request asked for no logprobs
+                parts, lps, prompt_lps, tokens = [], None, None, []  # lps None: the request asked for no logprobs
                 while True:
                     if "error" in item:
                         self._drop(uids, ids)
                         return self._error_from_item(item, chat)
                     prompt_lps = item.get("prompt_logprobs", prompt_lps)
                     parts.append(item.get("text", ""))
+                    tokens += item.get("token_ids") or ()
                     if "logprobs" in item:
                         lps = lps if lps is not None else []
                         lps.extend(item["logprobs"])  # in place: a long reply's items cost linear time
@@ -474,7 +475,8 @@ class Exl2OpenAISpec(LitSpec):
                         self._drop(uids, ids)
                         return _error_response(500, "the inference worker ended the stream early")
                 text, reason = "".join(parts), finish_reason(item)
-                add_usage(usage, item, first_of_prompt=index % reply.n == 0)
+                add_usage(usage, item, first_of_prompt=index % reply.n == 0,
+                          reasoning_tokens=reply.reasoning_tokens(tokens))
                 if chat:
                     reasoning = None
                     if reply.reasoning is not None:
@@ -520,6 +522,7 @@ class Exl2OpenAISpec(LitSpec):
         calls: list[ToolCallStream | None] = [None] * len(agens)  # tools: the replies that are calls
         started = [False] * len(agens)  # tools: whether the reply's first text arrived
         held = [""] * len(agens)  # tools: leading whitespace not yet sent
+        tokens: list[list[int]] = [[] for _ in agens]  # a reasoning model's replies: their tokens (usage)
         fmt = reply.tool_format
         thinking = [ReasoningSplitter(reply.reasoning, reply.inside_reasoning) if reply.reasoning is not None
                     else None for _ in agens]  # a reasoning model's replies: thinking and answer apart
@@ -588,6 +591,8 @@ class Exl2OpenAISpec(LitSpec):
                     offsets[index] += len(prompt_text)
                 text, reason = item.get("text", ""), finish_reason(item) if item.get("finish_reason") else None
                 lps = item.get("logprobs")
+                if reply.reasoning is not None:
+                    tokens[index] += item.get("token_ids") or ()
                 if thinking[index] is not None:
                     thought, text = thinking[index].feed(text, final=reason is not None)
                     if thought and reply.include_reasoning:  # logprobs ride on the answer's chunks
@@ -611,7 +616,8 @@ class Exl2OpenAISpec(LitSpec):
                     offsets[index] += len(text)
                 if reason:
                     yield chunk(index, None, reason)
-                    add_usage(usage, item, first_of_prompt=index % reply.n == 0)
+                    add_usage(usage, item, first_of_prompt=index % reply.n == 0,
+                              reasoning_tokens=reply.reasoning_tokens(tokens[index]))
                     done.add(index)
             if include_usage:
                 yield "data: " + json.dumps({"id": sid, "object": obj, "created": created, "model": model,
@@ -642,6 +648,10 @@ class _Reply:
     reasoning: ReasoningTags | None = None  # a reasoning model's tags: its thinking goes apart (tokenizer/reasoning.py)
     inside_reasoning: bool = False  # the reply begins inside the thinking block
     include_reasoning: bool = True  # false: the thinking is dropped
+
+    def reasoning_tokens(self, ids: list[int]) -> int:
+        """How many of a reply's tokens were thinking (usage.completion_tokens_details)."""
+        return 0 if self.reasoning is None else self.reasoning.token_count(ids, self.inside_reasoning)
     include_usage: bool = False
 
 

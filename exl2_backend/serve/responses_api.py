@@ -287,5 +287,6 @@ def responses_usage(usage: dict | None) -> dict | None:
         return None
     cached = (usage.get("prompt_tokens_details") or {}).get("cached_tokens", 0)
     return {"input_tokens": usage["prompt_tokens"], "input_tokens_details": {"cached_tokens": cached},
-            "output_tokens": usage["completion_tokens"], "output_tokens_details": {"reasoning_tokens": 0},
+            "output_tokens": usage["completion_tokens"],
+            "output_tokens_details": (usage.get("completion_tokens_details") or {"reasoning_tokens": 0}),
             "total_tokens": usage["total_tokens"]}

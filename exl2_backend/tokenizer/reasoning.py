@@ -22,13 +22,26 @@ class ReasoningTags:
     close: str = THINK_CLOSE
     prompt_opens: bool = False  # the generation prompt ends with `open`: the reply begins inside the block
     added: bool = False  # both tags are added tokens, which grammars can name (grammar/spec.py "reasoning")
+    open_id: int | None = None  # the tags' ids where each is one token (usage's reasoning_tokens count)
+    close_id: int | None = None
 
     def to_dict(self) -> dict:
-        return {"open": self.open, "close": self.close, "prompt_opens": self.prompt_opens, "added": self.added}
+        return {"open": self.open, "close": self.close, "prompt_opens": self.prompt_opens, "added": self.added,
+                "open_id": self.open_id, "close_id": self.close_id}
 
     @classmethod
     def from_dict(cls, d: dict | None) -> ReasoningTags | None:
-        return None if not d else cls(d["open"], d["close"], bool(d.get("prompt_opens")), bool(d.get("added")))
+        return None if not d else cls(d["open"], d["close"], bool(d.get("prompt_opens")), bool(d.get("added")),
+                                      d.get("open_id"), d.get("close_id"))
+
+    def token_count(self, ids: list[int], inside: bool) -> int:
+        """How many of a reply's tokens `ids` are thinking (the closing tag included): up to the closing tag's
+        token; all of them when the block never closed (a reply begun inside it, or opening it)."""
+        if self.close_id is not None and self.close_id in ids:
+            return ids.index(self.close_id) + 1
+        if inside or (ids and self.open_id is not None and ids[0] == self.open_id):
+            return len(ids)
+        return 0
 
     def grammar_field(self, inside: bool) -> dict | None:
         """A grammar's "reasoning" field (grammar/spec.py): the model thinks, then the output is constrained; None

@@ -322,7 +322,8 @@ class Tokenizer:
             probe = ""
         added = self._tok.get_added_tokens_decoder()
         ids = (self.token_to_id(THINK_OPEN), self.token_to_id(THINK_CLOSE))
-        return ReasoningTags(prompt_opens=probe.rstrip().endswith(THINK_OPEN), added=all(i in added for i in ids))
+        return ReasoningTags(prompt_opens=probe.rstrip().endswith(THINK_OPEN), added=all(i in added for i in ids),
+                             open_id=ids[0], close_id=ids[1])
 
     def _template_or_none(self) -> str | None:
         try:

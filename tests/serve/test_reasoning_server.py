@@ -52,6 +52,7 @@ def test_thinking_comes_back_apart(client):
     r = _think_in_as(client)
     msg = r.choices[0].message
     assert (msg.reasoning_content, msg.content, r.choices[0].finish_reason) == ("aaaaaa", None, "length")
+    assert r.usage.completion_tokens_details.reasoning_tokens == 6  # every token was thinking
     chunks = [c.choices[0].delta for c in _think_in_as(client, stream=True) if c.choices]
     assert "".join(getattr(d, "reasoning_content", None) or "" for d in chunks) == "aaaaaa"
     assert not any(d.content for d in chunks)
@@ -81,6 +82,7 @@ def test_a_json_answer_after_the_thinking(client):
                                                         "json_schema": {"name": "r", "schema": schema}})
     msg = r.choices[0].message
     assert msg.content == '{"ok": true}' and msg.reasoning_content is None and r.choices[0].finish_reason == "stop"
+    assert r.usage.completion_tokens_details.reasoning_tokens == 1  # the closing tag
 
 
 def test_thinking_as_a_reasoning_item_in_the_responses_api(client):
@@ -88,7 +90,9 @@ def test_thinking_as_a_reasoning_item_in_the_responses_api(client):
     bias = {"logit_bias": {str(_token(client, "a")): 100}}  # the chat extension, through extra_body
     r = client.responses.create(model=model, input="Why?", max_output_tokens=6, temperature=0, extra_body=bias)
     assert [o.type for o in r.output] == ["reasoning"] and r.output[0].content[0].text == "aaaaaa"
+    assert r.usage.output_tokens_details.reasoning_tokens == 6
     events = list(client.responses.create(model=model, input="Why?", max_output_tokens=6, temperature=0,
                                           extra_body=bias, stream=True))
     assert "".join(e.delta for e in events if e.type == "response.reasoning_text.delta") == "aaaaaa"
     assert events[-1].type == "response.incomplete"
+    assert events[-1].response.usage.output_tokens_details.reasoning_tokens == 6

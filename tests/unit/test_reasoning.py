@@ -47,6 +47,13 @@ def test_a_held_piece_that_may_be_a_tag():
     assert ReasoningSplitter(OPENED, inside=False).feed("plain", final=True) == ("", "plain")
 
 
+def test_thinking_tokens_are_counted():
+    tags = ReasoningTags(open_id=7, close_id=8)
+    assert tags.token_count([1, 2, 8, 3], inside=True) == 3  # up to the closing tag, itself included
+    assert tags.token_count([1, 2, 3], inside=True) == 3  # cut while thinking
+    assert tags.token_count([7, 1, 2], inside=False) == 3 and tags.token_count([1, 2], inside=False) == 0
+
+
 def test_continuing_a_begun_message():
     assert continues_inside(CLOSED, "<think>I was thinking")
     assert not continues_inside(CLOSED, "<think>done</think>The answer")
@@ -63,7 +70,9 @@ def test_which_models_reason(tmp_path, default_model_dir):
     assert Tokenizer.from_dir(tmp_path).reasoning_tags() is None  # "</think>" is not a token of this vocabulary
     ids = add_reasoning_tokens(tmp_path)
     tok = Tokenizer.from_dir(tmp_path)
-    assert tok.reasoning_tags() == ReasoningTags(prompt_opens=True, added=True) and tok.reasoning_tags("none") is None
+    assert tok.reasoning_tags() == ReasoningTags(prompt_opens=True, added=True, open_id=ids["<think>"],
+                                                 close_id=ids["</think>"])
+    assert tok.reasoning_tags("none") is None
     # the tags stay in decoded output, even where a tokenizer marks them special
     from tokenizers import AddedToken
     from tokenizers import Tokenizer as HFTokenizer

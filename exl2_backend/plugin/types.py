@@ -286,9 +286,10 @@ class BackendHandle:
 
     def tool_call_format(self, name: str = "auto") -> dict:
         """How the model writes tool calls: {"name": "hermes" | "llama3_json" | "mistral", "marker_id": the id
-        of the token that begins calls, or None}; "auto" detects it from the chat template, another name is used
+        of the token that begins calls, or None, "tag_ids": the ids of Hermes' <tool_call> / </tool_call> where
+        they are added tokens, or None}; "auto" detects it from the chat template, another name is used
         as given (API 1.5; tokenizer/tool_formats.py). A backend that does not say: the Hermes convention."""
-        return {"name": "hermes" if name == "auto" else name, "marker_id": None}
+        return {"name": "hermes" if name == "auto" else name, "marker_id": None, "tag_ids": None}
 
     def reasoning_tags(self, mode: str = "auto") -> dict | None:
         """The tags a reasoning model thinks inside: {"open": "<think>", "close": "</think>", "prompt_opens": whether

@@ -99,7 +99,7 @@ def test_mistral_calls_through_the_hooks(tmp_path):
     try:
         fmt = format_from_dict(h.tool_call_format())
         assert fmt.name == "mistral" and fmt.marker_id == h.engine.tokenizer.token_to_id("[TOOL_CALLS]")
-        assert h.tool_call_format("hermes") == {"name": "hermes", "marker_id": None}
+        assert h.tool_call_format("hermes") == {"name": "hermes", "marker_id": None, "tag_ids": None}
         grammar = tool_grammar([ToolDef.model_validate(WEATHER)], "required", False, fmt)
         # an earlier call with an OpenAI-style id renders (the template demands 9 characters)
         earlier = {"id": "call_4d1f", "type": "function",

@@ -60,7 +60,7 @@ def _prompting(model_dir) -> dict:
     from exl2_backend.errors import Exl2Error
     from exl2_backend.tokenizer import Tokenizer
     from exl2_backend.tokenizer.fim import fim_marker_ids
-    from exl2_backend.tokenizer.tool_prompt import template_takes_tools
+    from exl2_backend.tokenizer.tool_formats import template_takes_tools
 
     try:
         tok = Tokenizer.from_dir(model_dir)

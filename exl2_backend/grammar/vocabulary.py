@@ -30,9 +30,8 @@ class Vocabulary:
         self._bytes: dict[int, bytes] = {}
         # tokens llguidance takes as special (the tokenizer's specials and every added <...> token) besides EOS:
         # a mask may offer one whose text a grammar forces although taking it fails (SequenceGrammar.fill_mask)
-        self.special_ids = [i for i in range(known) if self.llg.is_special_token(i) and i not in (eos or ())]
         self.special_words = torch.zeros(self.words, dtype=torch.int32)  # [W] their bits
-        for i in self.special_ids:
+        for i in (i for i in range(known) if self.llg.is_special_token(i) and i not in (eos or ())):
             self.special_words[i // 32] |= word_bit(i % 32)
 
     def token_bytes(self, token_id: int) -> bytes:

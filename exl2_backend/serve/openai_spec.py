@@ -65,6 +65,7 @@ from exl2_backend.tokenizer.tool_formats import HERMES, ToolCallFormat, format_f
 log = logging.getLogger("exl2_backend.serve")
 
 DISCONNECT_POLL_S = 0.5
+_SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}  # no proxy buffering of a stream
 
 
 class _Disconnected(Exception):
@@ -258,7 +259,7 @@ class Exl2OpenAISpec(LitSpec):
         resp = await self._chat(request, req)
         if isinstance(resp, StreamingResponse):
             return StreamingResponse(response_events(resp.body_iterator, skeleton), media_type="text/event-stream",
-                                     headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+                                     headers=_SSE_HEADERS)
         if resp.status_code == 499:
             return resp
         data = json.loads(resp.body)
@@ -282,9 +283,10 @@ class Exl2OpenAISpec(LitSpec):
                        include_reasoning=req.include_reasoning)
         seq = dict(seq_id=sid, **req.prompt_fields(), max_new_tokens=req.limit(), cap_to_context=req.limit() is None,
                    **req.sampling_fields())
-        if tags is not None and seq.get("grammar") and tags.grammar_field(reply.inside_reasoning):
-            # a reasoning model thinks first; the constraint holds its answer
-            seq["grammar"] = dict(seq["grammar"], reasoning=tags.grammar_field(reply.inside_reasoning))
+        # a reasoning model thinks first; a constraint holds its answer
+        thinking = tags.grammar_field(reply.inside_reasoning) if tags is not None else None
+        if thinking is not None and seq.get("grammar"):
+            seq["grammar"] = dict(seq["grammar"], reasoning=thinking)
         return await self._run(request, req, sid, [seq], reply)
 
     async def completions(self, request: Request) -> Response:
@@ -443,8 +445,7 @@ class Exl2OpenAISpec(LitSpec):
         if req.stream:
             reply.include_usage = req.include_usage()
             return StreamingResponse(self._sse(uids, ids, sid, agens, firsts, model, reply),
-                                     media_type="text/event-stream",
-                                     headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+                                     media_type="text/event-stream", headers=_SSE_HEADERS)
         return await self._collect(watch, uids, ids, sid, agens, firsts, model, reply)
 
     def _drop(self, uids: list[str], ids: list[str]) -> None:
@@ -464,7 +465,8 @@ class Exl2OpenAISpec(LitSpec):
                         return self._error_from_item(item, chat)
                     prompt_lps = item.get("prompt_logprobs", prompt_lps)
                     parts.append(item.get("text", ""))
-                    tokens += item.get("token_ids") or ()
+                    if reply.reasoning is not None:  # usage's reasoning_tokens
+                        tokens += item.get("token_ids") or ()
                     if "logprobs" in item:
                         lps = lps if lps is not None else []
                         lps.extend(item["logprobs"])  # in place: a long reply's items cost linear time

@@ -32,12 +32,13 @@ class _Item:
         self.text = ""  # reasoning or message text, or a call's arguments
         self.logprobs: list = []
 
-    def done(self, status: str = "completed") -> dict:
+    def as_item(self, status: str) -> dict:
+        """The output item as it stands."""
         if self.kind == "reasoning":
-            return reasoning_item(self.id, self.text)
+            return reasoning_item(self.id, self.text, status)
         if self.kind == "message":
             return message_item(self.id, self.text, status, self.logprobs)
-        return function_call_item(self.id, self.call_id, self.name, self.text)
+        return function_call_item(self.id, self.call_id, self.name, self.text, status)
 
 
 class ResponseEvents:
@@ -64,10 +65,10 @@ class ResponseEvents:
         out = self._close()
         prefix = {"reasoning": "rs", "message": "msg", "function_call": "fc"}[kind]
         self.item = item = _Item(kind, len(self.output), new_id(prefix), **extra)
-        added = {"reasoning": lambda: reasoning_item(item.id, "", "in_progress"),
-                 "message": lambda: dict(message_item(item.id, "", "in_progress"), content=[]),
-                 "function_call": lambda: function_call_item(item.id, item.call_id, item.name, "", "in_progress")}
-        out.append(self.event("response.output_item.added", output_index=item.index, item=added[kind]()))
+        added = item.as_item("in_progress")
+        if kind == "message":
+            added["content"] = []  # its part is added next
+        out.append(self.event("response.output_item.added", output_index=item.index, item=added))
         if kind != "function_call":
             part = output_text("") if kind == "message" else {"type": "reasoning_text", "text": ""}
             out.append(self.event("response.content_part.added", item_id=item.id, output_index=item.index,
@@ -91,7 +92,7 @@ class ResponseEvents:
                                   part=output_text(item.text, item.logprobs), **where))
         else:
             out.append(self.event("response.function_call_arguments.done", arguments=item.text, **where))
-        done = item.done(status)
+        done = item.as_item(status if item.kind == "message" else "completed")  # only a message is cut short
         self.output.append(done)
         out.append(self.event("response.output_item.done", output_index=item.index, item=done))
         return out

@@ -11,7 +11,7 @@ the skipped set): the reply is split on them here, and a client that reads the r
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 
 THINK_OPEN, THINK_CLOSE = "<think>", "</think>"
 
@@ -26,13 +26,11 @@ class ReasoningTags:
     close_id: int | None = None
 
     def to_dict(self) -> dict:
-        return {"open": self.open, "close": self.close, "prompt_opens": self.prompt_opens, "added": self.added,
-                "open_id": self.open_id, "close_id": self.close_id}
+        return asdict(self)
 
     @classmethod
     def from_dict(cls, d: dict | None) -> ReasoningTags | None:
-        return None if not d else cls(d["open"], d["close"], bool(d.get("prompt_opens")), bool(d.get("added")),
-                                      d.get("open_id"), d.get("close_id"))
+        return None if not d else cls(**d)
 
     def token_count(self, ids: list[int], inside: bool) -> int:
         """How many of a reply's tokens `ids` are thinking (the closing tag included): up to the closing tag's

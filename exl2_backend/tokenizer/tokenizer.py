@@ -19,8 +19,14 @@ from exl2_backend.text import unicode_problem
 from exl2_backend.tokenizer.chat_template import cut_after_final_content, render, select_template
 from exl2_backend.tokenizer.incremental import IncrementalDecoder
 from exl2_backend.tokenizer.reasoning import THINK_CLOSE, THINK_OPEN, ReasoningTags, template_reasons
-from exl2_backend.tokenizer.tool_formats import HERMES, ToolCallFormat, detect_format_name, tool_call_format
-from exl2_backend.tokenizer.tool_prompt import hermes_messages, template_messages, template_takes_tools
+from exl2_backend.tokenizer.tool_formats import (
+    HERMES,
+    ToolCallFormat,
+    detect_format_name,
+    template_takes_tools,
+    tool_call_format,
+)
+from exl2_backend.tokenizer.tool_prompt import hermes_messages, template_messages
 
 _SPECIAL_NAMES = ("bos_token", "eos_token", "pad_token", "unk_token")
 # transformers' `clean_up_tokenization_spaces` rules, applied only when the config asks for them.
@@ -295,10 +301,7 @@ class Tokenizer:
         """How this model writes tool calls (tokenizer/tool_formats.py): `name`, or with "auto" the convention
         its chat template asks for; the marker token's id where the vocabulary has it."""
         if name == "auto":
-            try:
-                name = detect_format_name(self._template(None, True))
-            except TokenizerError:  # a malformed template list: no tools through it either
-                name = "hermes"
+            name = detect_format_name(self._template_or_none(with_tools=True))
         fmt = tool_call_format(name)
         added = self._tok.get_added_tokens_decoder()
         marker = self.token_to_id(fmt.marker) if fmt.marker else None
@@ -313,7 +316,7 @@ class Tokenizer:
         the generation prompt opens the block is read from a rendered probe chat."""
         if mode == "none":
             return None
-        if mode == "auto" and not (template_reasons(self._template_or_none()) and self.token_to_id(THINK_CLOSE)
+        if mode == "auto" and not (template_reasons(self._template_or_none(False)) and self.token_to_id(THINK_CLOSE)
                                    is not None):
             return None
         try:
@@ -325,9 +328,10 @@ class Tokenizer:
         return ReasoningTags(prompt_opens=probe.rstrip().endswith(THINK_OPEN), added=all(i in added for i in ids),
                              open_id=ids[0], close_id=ids[1])
 
-    def _template_or_none(self) -> str | None:
+    def _template_or_none(self, with_tools: bool) -> str | None:
+        """_template(None, with_tools), None for a malformed template list (which renders nothing either)."""
         try:
-            return self._template(None, False)
+            return self._template(None, with_tools)
         except TokenizerError:
             return None
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from exl2_backend.tokenizer.tool_formats import mistral_call_id, template_takes_tools  # noqa: F401 - re-exported
+from exl2_backend.tokenizer.tool_formats import mistral_call_id
 
 TOOL_CALL_OPEN = "<tool_call>\n"
 TOOL_CALL_CLOSE = "\n</tool_call>"

@@ -94,6 +94,19 @@ def greedy_tokens(logits):
     return _pick("greedy_tokens", logits)(logits)
 
 
+def sample_tokens(logits, params, uniforms):
+    """logits [B, V] f32, params list[SamplingParams], uniforms [B, V] f32 in (0, 1] on the logits' device ->
+    int64 [B] on that device; on the GPU the sampler kernel (after filtered_probs' sort for top-k/p and min-p
+    rows), with no host sync."""
+    return _pick("sample_tokens", logits)(logits, params, uniforms)
+
+
+def apply_penalties(logits, prompt_counts, output_counts, params):
+    """logits [B, V] f32, counts [B, V] on the logits' device -> penalized f32 [B, V]; on the GPU without a host
+    sync (its parameters go through pinned memory)."""
+    return _pick("apply_penalties", logits)(logits, prompt_counts, output_counts, params)
+
+
 def kv_cache_write(k, v, k_cache, v_cache, slots):
     return _pick("kv_cache_write", k)(k, v, k_cache, v_cache, slots)
 

@@ -115,8 +115,13 @@ def greedy_tokens(logits: torch.Tensor) -> torch.Tensor:
     return _nan_rows_flagged(logits, torch.argmax(logits, dim=-1))
 
 
-def make_uniforms(generators: list[torch.Generator], vocab: int) -> torch.Tensor:
+def make_uniforms(generators: list[torch.Generator], vocab: int, pin: bool = False) -> torch.Tensor:
     """One row of `vocab` uniforms in (0, 1] per generator (advancing it) -> f32 [B, V] on the generators'
-    device. 1 - rand maps torch's [0, 1) grid exactly onto (0, 1]."""
-    rows = [1.0 - torch.rand(vocab, generator=g, device=g.device, dtype=torch.float32) for g in generators]
-    return torch.stack(rows) if rows else torch.empty(0, vocab)
+    device (CPU generators: in pinned memory when `pin`, for a copy to the GPU that does not wait for it).
+    1 - rand maps torch's [0, 1) grid exactly onto (0, 1]; -u + 1 is the same IEEE operation."""
+    device = generators[0].device if generators else torch.device("cpu")
+    out = torch.empty((len(generators), vocab), dtype=torch.float32, device=device,
+                      pin_memory=pin and device.type == "cpu")  # [B, V]
+    for row, g in zip(out, generators):
+        torch.rand(vocab, generator=g, out=row)
+    return out.neg_().add_(1.0)

@@ -89,7 +89,7 @@ class Engine:
         self._vocabulary = None  # token bytes for grammars and logprobs, built on first use
         self._vocabulary_error: str | None = None  # why llguidance could not read the tokenizer
         self._tokens_generated = 0
-        # greedy CUDA-graph decode keeps the next step in flight (runtime/lookahead.py); EXL2_BACKEND_LOOKAHEAD=0 off
+        # CUDA-graph decode keeps the next step in flight (runtime/lookahead.py); EXL2_BACKEND_LOOKAHEAD=0 off
         self.lookahead = None
         if os.environ.get("EXL2_BACKEND_LOOKAHEAD", "1") != "0" and DecodeLookahead.supports(self.runner):
             self.lookahead = DecodeLookahead(self, self.runner)
@@ -380,6 +380,8 @@ class Engine:
         positions is rolled back. draft_probs[seq_id][j] (optional, [V] f32): the distribution draft j was
         sampled from; such a draft is accepted by rejection sampling instead (spec/rejection.py)."""
         seqs = self._lookup(seq_ids, prefilled=True)
+        if self.lookahead is not None:
+            self.lookahead.drop()  # undoes a queued step's generator draws before this step samples
         clipped = {}
         for s in seqs:
             d = [int(t) for t in drafts.get(s.seq_id, [])]
@@ -492,6 +494,7 @@ class Engine:
             "prefill_scratch_bytes": self.prefill_scratch_bytes(),
             "lookahead_steps_used": self.lookahead.steps_ahead_used if self.lookahead is not None else 0,
             "lookahead_steps_dropped": self.lookahead.steps_ahead_dropped if self.lookahead is not None else 0,
+            "lookahead_sampled_steps": self.lookahead.sampled_steps if self.lookahead is not None else 0,
             **self._graph_io_stats(),
         }
 

@@ -1,24 +1,28 @@
-"""Decode lookahead: keep the next greedy step on the GPU while Python handles this one.
+"""Decode lookahead: keep the next decode step on the GPU while Python handles this one.
 
-At batch 1 a decode step is ~3.6 ms of GPU work (8B shape) and ~0.5 ms of Python (upload, sampling readback,
+At batch 1 a decode step is ~2.3 ms of GPU work (8B shape) and ~0.5 ms of Python (upload, sampling readback,
 detokenization, stop strings, events). Run one after the other, the GPU idles for the Python part. Here a
 `decode` call enqueues the step *after* the one it returns before reading that one's tokens back: the next
-step's input token is the argmax still on the device, copied into the graph's staging row on the stream.
+step's input token is the sampled token still on the device, copied into the graph's staging row on the stream.
 The next call finds that step already running and only enqueues the one after it.
 
-Exactness: the lookahead step is the step plain decoding would run next, on the same graph and inputs, so
-tokens are identical. It is used only when that holds: a CUDA-graph runner, every sequence greedy without
-penalties (sampled rows would draw uniforms from their generators early), at least two tokens left. A queued
-step is used only if the next call names the very same Sequence objects in the same order, each exactly one
-token further; otherwise it is dropped. Dropping is safe: its only side effect is the K/V of position p+1 of
-its sequences, in pages they own (grown within their admission reservation) and rewritten with the same
-values by the step that plain decoding runs; pages freed meanwhile are reused only by work queued later
-on the same stream.
+Exactness: the lookahead step is the step plain decoding would run next, on the same graph and inputs, and it
+samples through the very function eager decoding samples with (sampler.sample_on_device, which never waits for
+the device), so tokens are identical. It is used only when that holds: a CUDA-graph runner, every sequence
+free of what depends on the token still in flight (penalty counts, a grammar's state, logprobs, EOS banned by
+min_tokens), at least two tokens left. Sampled rows draw their uniforms from their own generators one step early;
+a dropped step restores their states, so the next draw is the one plain decoding makes. A queued step is used
+only if the next call names the very same Sequence objects in the same order, each exactly one token further;
+otherwise it is dropped. Dropping is safe: its side effects are the K/V of position p+1 of its sequences, in
+pages they own (grown within their admission reservation) and rewritten with the same values by the step that
+plain decoding runs (pages freed meanwhile are reused only by work queued later on the same stream), and the
+generator draws it undoes.
 
-By default (EXL2_BACKEND_GRAPH_IO=0 turns it off) a step is one launch of a greedy graph whose host I/O runs inside
-it (runtime/greedy_graphs.py): the lookahead step's input token is read from the previous launch's output by the
-graph itself. H200 call AN1 (2026-12-05, 8B at 1k): the engine step 2,249.7 us against 2,269.5 without it, the idle
-time per step 1.9 us against 37.2.
+By default (EXL2_BACKEND_GRAPH_IO=0 turns it off) a plain greedy step is one launch of a greedy graph whose host
+I/O runs inside it (runtime/greedy_graphs.py): the lookahead step's input token is read from the previous launch's
+output by the graph itself. H200 call AN1 (2026-12-05, 8B at 1k): the engine step 2,249.7 us against 2,269.5
+without it, the idle time per step 1.9 us against 37.2. Sampled and biased batches take the plain graph steps
+with the sampler after the replay.
 """
 
 from __future__ import annotations
@@ -29,27 +33,35 @@ from dataclasses import dataclass
 
 import torch
 
-from exl2_backend.ops.dispatch import greedy_tokens
 from exl2_backend.ops.reference_decode_io import FROM_PREVIOUS
 from exl2_backend.runtime.cuda_graphs import CudaGraphRunner
+from exl2_backend.runtime.sampler import sample_on_device
 
 log = logging.getLogger("exl2_backend")
 
 
 @dataclass
 class _Flight:
-    """One enqueued decode step: its sequences, the greedy tokens on the device and their host copy."""
+    """One enqueued decode step: its sequences, the sampled tokens on the device and their host copy."""
 
     seqs: tuple  # the Sequence objects, in batch order
     expect: tuple[int, ...]  # each sequence's num_tokens when the step's result is consumed
-    tokens_dev: torch.Tensor | None  # int64 [B] argmax tokens on the device (None: a greedy graph's launch)
+    tokens_dev: torch.Tensor | None  # int64 [B] sampled tokens on the device (None: a greedy graph's launch)
     host: torch.Tensor  # pinned int64 [B]
     ready: torch.cuda.Event  # recorded after the copy to `host`
     launch: int = -1  # a greedy graph's launch number (GreedyGraphs.launches before it)
+    rng: tuple = ()  # (generator, its state before this step drew) per sampled row: restored if the step is dropped
+
+
+def _in_flight_safe(s) -> bool:
+    """Whether a step of sequence s may be sampled before the step before it is read back: nothing its sampling
+    reads changes with that token (penalty counts, a grammar's state, logprobs, EOS banned until min_tokens; a
+    logit bias and the sampling parameters are fixed)."""
+    return (s.params.logprobs is None and s.prompt_counts is None and s.grammar is None and s.banned is None)
 
 
 class DecodeLookahead:
-    """Greedy decode with one step in flight ahead (see the module docstring)."""
+    """Decode with one step in flight ahead (see the module docstring)."""
 
     def __init__(self, engine, runner: CudaGraphRunner, graph_io: bool | None = None):
         self.engine = engine
@@ -72,21 +84,25 @@ class DecodeLookahead:
         self._ahead: _Flight | None = None
         self.steps_ahead_used = 0  # stats: lookahead steps consumed / dropped
         self.steps_ahead_dropped = 0
+        self.sampled_steps = 0  # stats: steps with a sampled row (plain graph steps)
 
     @staticmethod
     def supports(runner) -> bool:
         return type(runner) is CudaGraphRunner
 
     def eligible(self, seqs) -> bool:
-        return 0 < len(seqs) <= self.runner.buckets[-1] and all(
-            s.plain_greedy and s.params.logprobs is None
-            for s in seqs)  # logprobs need the logits, which a lookahead step does not keep
+        return 0 < len(seqs) <= self.runner.buckets[-1] and all(_in_flight_safe(s) for s in seqs)
 
     def drop(self) -> None:
-        """Forget the queued step (its GPU work completes harmlessly)."""
+        """Forget the queued step (its GPU work completes harmlessly; its generator draws are undone)."""
         if self._ahead is not None:
-            self.steps_ahead_dropped += 1
+            self._discard(self._ahead)
         self._ahead = None
+
+    def _discard(self, flight: _Flight) -> None:
+        for g, state in flight.rng:
+            g.set_state(state)
+        self.steps_ahead_dropped += 1
 
     def _enqueue(self, seqs: tuple, prev: _Flight | None) -> _Flight:
         """Queue the decode step at position num_tokens - 1 of each sequence, its inputs their last tokens; or,
@@ -103,7 +119,8 @@ class DecodeLookahead:
         if prev is not None:
             on_graph = prev.tokens_dev is None
         else:
-            on_graph = self.graphs is not None and self.graphs.ready(bucket)
+            on_graph = (self.graphs is not None and self.graphs.ready(bucket)
+                        and all(s.plain_greedy for s in seqs))  # the graph takes the raw argmax
         if on_graph:
             n = self.graphs.launches
             if prev is not None and prev.launch != n - 1:  # the graph reads the last launch's tokens
@@ -118,16 +135,19 @@ class DecodeLookahead:
             r._stage_dev[:b, 0].copy_(prev.tokens_dev)  # stream-ordered after the staging upload
         r._graphs[bucket].replay()
         r.replays += 1
-        tok = greedy_tokens(r._outputs[bucket][:b])  # [B]: sample_for's greedy rule (first maximum)
+        sampled = [s.generator for s in seqs if s.params.sampling.temperature != 0]
+        rng = tuple((g, g.get_state()) for g in sampled)
+        tok = sample_on_device(list(seqs), r._outputs[bucket][:b])  # [B], as eager decoding samples
+        self.sampled_steps += bool(sampled)
         host = self._host[self._flip][:b]
         self._flip ^= 1
         host.copy_(tok, non_blocking=True)
         ready = torch.cuda.Event()
         ready.record()
-        return _Flight(seqs, expect, tok, host, ready)
+        return _Flight(seqs, expect, tok, host, ready, rng=rng)
 
     def decode(self, seqs: list) -> list:
-        """One greedy token per sequence (StepEvents, as Engine.decode)."""
+        """One token per sequence (StepEvents, as Engine.decode)."""
         key = tuple(seqs)
         ahead, self._ahead = self._ahead, None
         if ahead is not None and ahead.seqs == key and ahead.expect == tuple(s.num_tokens for s in seqs):
@@ -135,7 +155,7 @@ class DecodeLookahead:
             self.steps_ahead_used += 1
         else:
             if ahead is not None:
-                self.steps_ahead_dropped += 1
+                self._discard(ahead)  # before the fresh step draws from the same generators
             flight = self._enqueue(key, None)
         if all(s.remaining_new_tokens >= 2 for s in seqs):
             self._ahead = self._enqueue(key, flight)

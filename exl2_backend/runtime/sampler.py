@@ -1,14 +1,32 @@
 """Batch sampling over per-sequence state: penalties from the sequences' counts, uniforms from their own
-seeded generators (so a sequence's samples never depend on which others share its batch)."""
+seeded generators (so a sequence's samples never depend on which others share its batch). On the GPU nothing
+here waits for the device: host-built rows go through pinned memory, so the decode lookahead can queue a sampled
+step behind the one in flight (runtime/lookahead.py); only sample_for's readback waits."""
 
 from __future__ import annotations
 
 import torch
 
 from exl2_backend.grammar.mask import apply_grammar_masks, grammar_masks
-from exl2_backend.ops.dispatch import greedy_tokens
-from exl2_backend.ops.reference import apply_penalties, make_uniforms, sample_tokens
+from exl2_backend.ops.dispatch import apply_penalties, greedy_tokens, sample_tokens
+from exl2_backend.ops.reference import make_uniforms
 from exl2_backend.ops.reference_sampling import NAN_ROW
+
+
+def _to(host: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A CPU tensor built for `device` (pinned when that is a GPU) -> on `device`, without a host sync."""
+    return host.to(device, non_blocking=True) if device.type == "cuda" else host.to(device)
+
+
+def _host(shape, dtype, device: torch.device, fill=0) -> torch.Tensor:
+    """A CPU tensor to fill and then copy to `device` with _to (pinned for a GPU)."""
+    return torch.full(shape, fill, dtype=dtype, pin_memory=device.type == "cuda")
+
+
+def _rows_on(rows: list[int], device: torch.device) -> torch.Tensor:
+    """int64 [n] row indices on `device`, copied without a host sync."""
+    host = torch.tensor(rows, dtype=torch.int64)
+    return _to(host.pin_memory() if device.type == "cuda" else host, device)
 
 
 def penalized_logits(seqs, logits: torch.Tensor) -> torch.Tensor:
@@ -18,27 +36,30 @@ def penalized_logits(seqs, logits: torch.Tensor) -> torch.Tensor:
     (EOS before min_new_tokens) and the tokens its grammar forbids set to -inf (`grammar`: a SequenceGrammar or
     None; a row it allows nothing in becomes NaN, which the samplers flag). The input is never written (it may be
     a graph's output)."""
-    v = logits.shape[1]
+    v, dev = logits.shape[1], logits.device
     logits = logits.float()
     if any(s.prompt_counts is not None for s in seqs):
-        zeros = torch.zeros(v)
-        pc = torch.stack([zeros if s.prompt_counts is None else s.prompt_counts for s in seqs])  # [B, V]
-        oc = torch.stack([zeros if s.output_counts is None else s.output_counts for s in seqs])
-        logits = apply_penalties(logits, pc.to(logits.device), oc.to(logits.device), [s.params.sampling for s in seqs])
+        pc, oc = _host((len(seqs), v), torch.float32, dev), _host((len(seqs), v), torch.float32, dev)  # [B, V]
+        for i, s in enumerate(seqs):
+            if s.prompt_counts is not None:
+                pc[i] = s.prompt_counts
+            if s.output_counts is not None:
+                oc[i] = s.output_counts
+        logits = apply_penalties(logits, _to(pc, dev), _to(oc, dev), [s.params.sampling for s in seqs])
     if any(s.logit_bias is not None for s in seqs):
-        bias = torch.zeros(logits.shape, dtype=torch.float32)  # [B, V], built on the host: one copy
+        bias = _host(logits.shape, torch.float32, dev)  # [B, V], built on the host: one copy
         for i, s in enumerate(seqs):
             if s.logit_bias is not None:
                 ids, values = s.logit_bias
                 bias[i, ids] = values
-        logits = logits + bias.to(logits.device, non_blocking=True)
+        logits = logits + _to(bias, dev)
     banned = [s.banned for s in seqs]
     if any(b is not None for b in banned):
-        ban = torch.zeros(logits.shape, dtype=torch.bool)  # [B, V] on the host: one copy
+        ban = _host(logits.shape, torch.bool, dev, False)  # [B, V] on the host: one copy
         for i, ids in enumerate(banned):
             if ids is not None:
                 ban[i, [t for t in ids if t < v]] = True
-        logits = logits.masked_fill(ban.to(logits.device, non_blocking=True), float("-inf"))
+        logits = logits.masked_fill(_to(ban, dev), float("-inf"))
     grammars = [s.grammar for s in seqs]
     constrained = [g for g in grammars if g is not None]
     if constrained:
@@ -50,13 +71,12 @@ def penalized_logits(seqs, logits: torch.Tensor) -> torch.Tensor:
 NAN_LOGITS = NAN_ROW  # the token greedy_tokens / sample_tokens give a row whose logits hold a NaN
 
 
-def sample_for(seqs, logits: torch.Tensor) -> list[int]:
-    """logits f32 [B, V] (one row per sequence, V = the model's vocab_size) -> one token id per sequence, or
-    NAN_LOGITS for a row with a NaN logit: a numerical fault the caller fails that sequence for (tier 2). A
-    sampler would otherwise quietly draw a token from such a row (the NaN's index, or token 0), a wrong answer
-    nobody sees. Both samplers flag the row themselves (the kernel while it reads the row), so the check rides on
-    the tokens' device-to-host copy."""
-    v = logits.shape[1]
+def sample_on_device(seqs, logits: torch.Tensor) -> torch.Tensor:
+    """logits f32 [B, V] (one row per sequence, V = the model's vocab_size) -> int64 [B] on the logits' device:
+    one token id per sequence, or NAN_LOGITS for a row with a NaN logit. Both samplers flag such a row themselves
+    (the kernel while it reads the row). Nothing here waits for the GPU, so the decode lookahead queues its
+    sampled steps through this very function: its tokens equal eager sampling's."""
+    v, dev = logits.shape[1], logits.device
     params = [s.params.sampling for s in seqs]
     logits = penalized_logits(seqs, logits)
     # Greedy rows are the argmax (ties -> lowest id, as sample_tokens), drawing no uniforms so their
@@ -64,6 +84,15 @@ def sample_for(seqs, logits: torch.Tensor) -> list[int]:
     tokens = greedy_tokens(logits)  # [B]
     rows = [i for i, p in enumerate(params) if p.temperature != 0]
     if rows:
-        uniforms = make_uniforms([seqs[i].generator for i in rows], v).to(logits.device)  # [b', V]
-        tokens[rows] = sample_tokens(logits[rows], [params[i] for i in rows], uniforms)
-    return tokens.tolist()
+        idx = _rows_on(rows, dev)  # [b']
+        uniforms = _to(make_uniforms([seqs[i].generator for i in rows], v, pin=dev.type == "cuda"), dev)  # [b', V]
+        picked = sample_tokens(logits.index_select(0, idx), [params[i] for i in rows], uniforms)
+        tokens = tokens.index_copy(0, idx, picked)
+    return tokens
+
+
+def sample_for(seqs, logits: torch.Tensor) -> list[int]:
+    """sample_on_device's tokens as a list: a sampler would otherwise quietly draw a token from a NaN row (the
+    NaN's index, or token 0), a wrong answer nobody sees; NAN_LOGITS asks the caller to fail that sequence
+    (tier 2). The check rides on the tokens' device-to-host copy."""
+    return sample_on_device(seqs, logits).tolist()

@@ -40,7 +40,7 @@ def test_lookahead_survives_release_between_steps(engine):
     prompts = {"x": tok.encode("Water boils at"), "y": tok.encode("The largest planet is")}
     lengths = {"x": 30, "y": 30}
 
-    def drop_y(step, eng, live):
+    def drop_y(step, eng, live, out):
         if step == 5 and "y" in live:
             eng.release("y")  # a queued step for the pair is dropped; x goes on alone
             return [s for s in live if s != "y"]

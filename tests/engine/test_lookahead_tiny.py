@@ -190,13 +190,15 @@ def test_sequences_asking_for_logprobs_skip_the_lookahead(engine):
     engine.assert_no_leaks()
 
 
-def test_a_biased_greedy_sequence_skips_the_lookahead(engine):
-    """logit_bias changes which token is the argmax, so the lookahead (raw argmax on the device) must not run
-    such a sequence: +100 on one token gives that token at every step, and no lookahead step is used."""
+def test_a_biased_greedy_sequence_takes_the_plain_graph_steps(engine):
+    """logit_bias changes which token is the argmax, so the greedy graphs (raw argmax on the device) must not run
+    such a sequence; the lookahead runs it on plain graph steps with the bias applied by the eager sampler: +100
+    on one token gives that token at every step, and lookahead steps are used."""
     from exl2_backend.runtime import GenerationParams
     from exl2_backend.sampling import SamplingParams
 
     used = engine.lookahead.steps_ahead_used
+    launches = engine.stats()["graph_io_launches"]
     engine.add_sequence("b", [5, 6, 7, 8], GenerationParams(sampling=SamplingParams.greedy(), max_new_tokens=6,
                                                             ignore_eos=True, logit_bias={1234: 100}))
     tokens = engine.prefill(["b"])[0].token_ids
@@ -204,6 +206,7 @@ def test_a_biased_greedy_sequence_skips_the_lookahead(engine):
         if engine.seqs["b"].finished:
             break
         tokens += engine.decode(["b"])[0].token_ids
-    assert tokens == [1234] * 6 and engine.lookahead.steps_ahead_used == used
+    assert tokens == [1234] * 6 and engine.lookahead.steps_ahead_used > used
+    assert engine.stats()["graph_io_launches"] == launches
     engine.release("b")
     engine.assert_no_leaks()

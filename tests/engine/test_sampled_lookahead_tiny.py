@@ -1,0 +1,111 @@
+"""The decode lookahead with sampled sequences on a tiny random EXL2 model on the GPU (runtime/lookahead.py): a
+step is sampled one step early through the eager path's own sampler, so seeded tokens equal eager decoding's,
+batched with greedy, biased and filtered (top-k / top-p / min-p) rows, across dropped steps (a release, a batch
+that changes, a verify step, min_tokens' eager steps), whose generator draws are undone. No KV page leaks."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from exl2_backend.runtime import GenerationParams
+from exl2_backend.sampling import SamplingParams
+from tests.helpers.gpu_engine import small_gpu_engine
+from tests.helpers.greedy_runs import run_batch
+
+pytestmark = [pytest.mark.cuda, pytest.mark.timeout(150)]
+
+VOCAB = 40_000
+
+
+@pytest.fixture(scope="module")
+def engine(tmp_path_factory):
+    eng = small_gpu_engine(tmp_path_factory.mktemp("sampled_lookahead") / "m", VOCAB, 11, max_seq_len=512,
+                           max_batch_size=4)
+    assert eng.lookahead is not None
+    return eng
+
+
+def _prompts(seed: int, lengths: dict[str, int]) -> dict[str, list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    return {sid: torch.randint(3, VOCAB - 1000, (n,), generator=g).tolist() for sid, n in lengths.items()}
+
+
+def _params(n: int, **sampling) -> GenerationParams:
+    bias = sampling.pop("logit_bias", None)
+    min_new = sampling.pop("min_new_tokens", 0)
+    return GenerationParams(sampling=SamplingParams(**sampling), max_new_tokens=n, ignore_eos=min_new == 0,
+                            logit_bias=bias, min_new_tokens=min_new)
+
+
+def _same_with_and_without(engine, prompts, params, schedule=None) -> dict[str, list[int]]:
+    free0 = engine.pages.available
+    want = run_batch(engine, prompts, params, lookahead=False, schedule=schedule)
+    stats0 = engine.stats()
+    got = run_batch(engine, prompts, params, lookahead=True, schedule=schedule)
+    stats1 = engine.stats()
+    assert got == want
+    assert stats1["lookahead_steps_used"] > stats0["lookahead_steps_used"]
+    assert stats1["lookahead_sampled_steps"] > stats0["lookahead_sampled_steps"]
+    assert engine.pages.available == free0
+    engine.assert_no_leaks()
+    return stats1
+
+
+def test_sampled_lookahead_tokens_equal_eager_sampling(engine):
+    prompts = _prompts(1, {"t": 7, "f": 30, "g": 15, "b": 11})
+    params = {
+        "t": _params(40, temperature=0.8, seed=1),  # temperature only: the sampler kernel alone
+        "f": _params(25, temperature=1.0, top_k=50, top_p=0.9, seed=2),  # the sort-based filter first
+        "g": _params(33, temperature=0.0, logit_bias={1234: 4.0}),  # greedy with a bias: plain graph steps
+        "b": _params(30, temperature=0.7, min_p=0.05, seed=3, logit_bias={77: 3.0, 99: -100.0}),
+    }
+    got = run_batch(engine, prompts, params, lookahead=True)
+    assert all(len(got[sid]) == params[sid].max_new_tokens for sid in prompts)
+    assert 99 not in got["b"]
+    _same_with_and_without(engine, prompts, params)
+    alone = {"t": prompts["t"]}
+    _same_with_and_without(engine, alone, {"t": params["t"]})
+
+
+def test_dropped_sampled_steps_give_back_their_draws(engine):
+    """A release, and a batch that leaves a sequence out for a step and takes it back: each drops the queued step,
+    whose draws are undone, so the next draw is the one eager decoding makes."""
+    prompts = _prompts(2, {"x": 9, "y": 21, "z": 4})
+    params = {sid: _params(30, temperature=0.9, top_p=0.95, seed=10 + i) for i, sid in enumerate(prompts)}
+
+    def churn(step, eng, live, out):
+        if step == 5 and "y" in live:
+            eng.release("y")
+            return [s for s in live if s != "y"]
+        if step in (8, 9) and "z" in live:  # x alone for two steps, then the pair again
+            return [s for s in live if s != "z"] if step == 8 else live
+        return live
+
+    stats0 = engine.stats()
+    _same_with_and_without(engine, prompts, params, schedule=churn)
+    assert engine.stats()["lookahead_steps_dropped"] > stats0["lookahead_steps_dropped"]
+
+
+def test_a_verify_step_after_sampled_lookahead_steps(engine):
+    """Engine.verify (the draft_verify hook) samples from the same generators: the queued step is dropped and its
+    draws undone first, so verify and the steps after it equal the same calls without the lookahead."""
+    prompts = _prompts(3, {"v": 12})
+    params = {"v": _params(28, temperature=0.8, seed=5)}
+
+    def verify_at_4(step, eng, live, out):
+        if step == 4 and "v" in live:
+            ev = eng.verify(["v"], {"v": out["v"][-3:]})[0]  # drafts: a few tokens it sampled before
+            out["v"] += ev.token_ids
+        return [s for s in live if not eng.seqs[s].finished]
+
+    _same_with_and_without(engine, prompts, params, schedule=verify_at_4)
+
+
+def test_min_tokens_steps_run_eager_then_the_lookahead_takes_over(engine):
+    """While min_tokens bans EOS a step's sampling depends on the tokens out so far, so those steps run eagerly;
+    afterwards the lookahead samples them. The tokens equal eager decoding throughout."""
+    prompts = _prompts(4, {"m": 10, "n": 6})
+    params = {"m": _params(24, temperature=0.9, seed=8, min_new_tokens=6),
+              "n": _params(24, temperature=0.6, top_k=20, seed=9, min_new_tokens=3)}
+    _same_with_and_without(engine, prompts, params)

@@ -8,15 +8,15 @@ The next call finds that step already running and only enqueues the one after it
 
 Exactness: the lookahead step is the step plain decoding would run next, on the same graph and inputs, and it
 samples through the very function eager decoding samples with (sampler.sample_on_device, which never waits for
-the device), so tokens are identical. It is used only when that holds: a CUDA-graph runner, every sequence
-free of what depends on the token still in flight (penalty counts, a grammar's state, logprobs, EOS banned by
-min_tokens), at least two tokens left. Sampled rows draw their uniforms from their own generators one step early;
-a dropped step restores their states, so the next draw is the one plain decoding makes. A queued step is used
-only if the next call names the very same Sequence objects in the same order, each exactly one token further;
-otherwise it is dropped. Dropping is safe: its side effects are the K/V of position p+1 of its sequences, in
-pages they own (grown within their admission reservation) and rewritten with the same values by the step that
-plain decoding runs (pages freed meanwhile are reused only by work queued later on the same stream), and the
-generator draws it undoes.
+the device), so tokens are identical. It is used only when that holds: a CUDA-graph runner, every sequence free
+of what depends on the token still in flight (a grammar's state, logprobs, EOS banned by min_tokens; penalty
+counts add it on the device), at least two tokens left. Sampled rows draw their uniforms from their own
+generators one step early; a dropped step restores their states, so the next draw is the one plain decoding
+makes. A queued step is used only if the next call names the very same Sequence objects in the same order, each
+exactly one token further; otherwise it is dropped. Dropping is safe: its side effects are the K/V of position
+p+1 of its sequences, in pages they own (grown within their admission reservation) and rewritten with the same
+values by the step that plain decoding runs (pages freed meanwhile are reused only by work queued later on the
+same stream), and the generator draws it undoes.
 
 By default (EXL2_BACKEND_GRAPH_IO=0 turns it off) a plain greedy step is one launch of a greedy graph whose host
 I/O runs inside it (runtime/greedy_graphs.py): the lookahead step's input token is read from the previous launch's
@@ -55,9 +55,10 @@ class _Flight:
 
 def _in_flight_safe(s) -> bool:
     """Whether a step of sequence s may be sampled before the step before it is read back: nothing its sampling
-    reads changes with that token (penalty counts, a grammar's state, logprobs, EOS banned until min_tokens; a
-    logit bias and the sampling parameters are fixed)."""
-    return (s.params.logprobs is None and s.prompt_counts is None and s.grammar is None and s.banned is None)
+    reads changes with that token in a way the device cannot follow (a grammar's state, logprobs, EOS banned until
+    min_tokens). A logit bias and the sampling parameters are fixed; penalty counts take the token in flight on
+    the device (sampler.penalized_logits' `pending`)."""
+    return s.params.logprobs is None and s.grammar is None and s.banned is None
 
 
 class DecodeLookahead:
@@ -137,7 +138,8 @@ class DecodeLookahead:
         r.replays += 1
         sampled = [s.generator for s in seqs if s.params.sampling.temperature != 0]
         rng = tuple((g, g.get_state()) for g in sampled)
-        tok = sample_on_device(list(seqs), r._outputs[bucket][:b])  # [B], as eager decoding samples
+        # [B], as eager decoding samples; prev's tokens are not yet in the host's penalty counts
+        tok = sample_on_device(list(seqs), r._outputs[bucket][:b], None if prev is None else prev.tokens_dev)
         self.sampled_steps += bool(sampled)
         host = self._host[self._flip][:b]
         self._flip ^= 1

@@ -29,13 +29,14 @@ def _rows_on(rows: list[int], device: torch.device) -> torch.Tensor:
     return _to(host.pin_memory() if device.type == "cuda" else host, device)
 
 
-def penalized_logits(seqs, logits: torch.Tensor) -> torch.Tensor:
+def penalized_logits(seqs, logits: torch.Tensor, pending: torch.Tensor | None = None) -> torch.Tensor:
     """logits [B, V] -> f32 [B, V] with each sequence's repetition/frequency/presence penalties applied from
     its prompt and output counts (objects with `params`, `prompt_counts`, `output_counts`, `logit_bias`,
     `grammar`, `banned`), then its logit bias added (`logit_bias`: ids and biases, or None), then its banned ids
     (EOS before min_new_tokens) and the tokens its grammar forbids set to -inf (`grammar`: a SequenceGrammar or
     None; a row it allows nothing in becomes NaN, which the samplers flag). The input is never written (it may be
-    a graph's output)."""
+    a graph's output). pending: int64 [B] on the logits' device, each row's token sampled but not yet appended
+    (the decode lookahead's step in flight), counted as one more output token (-1, a NaN row's, counts nothing)."""
     v, dev = logits.shape[1], logits.device
     logits = logits.float()
     if any(s.prompt_counts is not None for s in seqs):
@@ -45,7 +46,10 @@ def penalized_logits(seqs, logits: torch.Tensor) -> torch.Tensor:
                 pc[i] = s.prompt_counts
             if s.output_counts is not None:
                 oc[i] = s.output_counts
-        logits = apply_penalties(logits, _to(pc, dev), _to(oc, dev), [s.params.sampling for s in seqs])
+        oc = _to(oc, dev)
+        if pending is not None:  # [B]: one more count at each row's token in flight
+            oc[torch.arange(len(seqs), device=dev), pending.clamp_min(0)] += (pending >= 0).float()
+        logits = apply_penalties(logits, _to(pc, dev), oc, [s.params.sampling for s in seqs])
     if any(s.logit_bias is not None for s in seqs):
         bias = _host(logits.shape, torch.float32, dev)  # [B, V], built on the host: one copy
         for i, s in enumerate(seqs):
@@ -71,14 +75,14 @@ def penalized_logits(seqs, logits: torch.Tensor) -> torch.Tensor:
 NAN_LOGITS = NAN_ROW  # the token greedy_tokens / sample_tokens give a row whose logits hold a NaN
 
 
-def sample_on_device(seqs, logits: torch.Tensor) -> torch.Tensor:
+def sample_on_device(seqs, logits: torch.Tensor, pending: torch.Tensor | None = None) -> torch.Tensor:
     """logits f32 [B, V] (one row per sequence, V = the model's vocab_size) -> int64 [B] on the logits' device:
     one token id per sequence, or NAN_LOGITS for a row with a NaN logit. Both samplers flag such a row themselves
     (the kernel while it reads the row). Nothing here waits for the GPU, so the decode lookahead queues its
-    sampled steps through this very function: its tokens equal eager sampling's."""
+    sampled steps through this very function: its tokens equal eager sampling's (`pending`: penalized_logits')."""
     v, dev = logits.shape[1], logits.device
     params = [s.params.sampling for s in seqs]
-    logits = penalized_logits(seqs, logits)
+    logits = penalized_logits(seqs, logits, pending)
     # Greedy rows are the argmax (ties -> lowest id, as sample_tokens), drawing no uniforms so their
     # generators stay untouched; only the sampled rows go through the full sampler.
     tokens = greedy_tokens(logits)  # [B]

@@ -109,3 +109,13 @@ def test_min_tokens_steps_run_eager_then_the_lookahead_takes_over(engine):
     params = {"m": _params(24, temperature=0.9, seed=8, min_new_tokens=6),
               "n": _params(24, temperature=0.6, top_k=20, seed=9, min_new_tokens=3)}
     _same_with_and_without(engine, prompts, params)
+
+
+def test_penalized_sequences_take_the_lookahead(engine):
+    """Penalty counts read every token out, the one in flight included: the queued step adds it on the device, so
+    repetition / frequency / presence penalties (sampled and greedy) give eager decoding's tokens."""
+    prompts = _prompts(5, {"r": 8, "q": 14, "s": 5})
+    params = {"r": _params(30, temperature=0.8, repetition_penalty=1.3, seed=12),
+              "q": _params(26, temperature=0.0, frequency_penalty=0.7, presence_penalty=0.4),
+              "s": _params(22, temperature=1.1, top_k=40, repetition_penalty=1.2, frequency_penalty=0.3, seed=13)}
+    _same_with_and_without(engine, prompts, params)

@@ -5,6 +5,14 @@ from __future__ import annotations
 import torch
 
 _BITS = torch.arange(32, dtype=torch.int32)  # [32]
+_bits_on: dict[torch.device, torch.Tensor] = {}  # _BITS per device: a fresh copy would wait for the device
+
+
+def _bits(device: torch.device) -> torch.Tensor:
+    bits = _bits_on.get(device)
+    if bits is None:
+        bits = _bits_on[device] = _BITS.to(device)
+    return bits
 
 
 def mask_words(vocab_size: int) -> int:
@@ -33,7 +41,7 @@ def apply_grammar_masks(logits: torch.Tensor, masks: torch.Tensor) -> torch.Tens
     the sequence fails with a message rather than emitting a token its grammar forbids."""
     v = logits.shape[1]
     empty = allows_nothing(masks, v)  # [B] on the host
-    bits = (masks.to(logits.device, non_blocking=True).unsqueeze(-1) >> _BITS.to(logits.device)) & 1  # [B, W, 32]
+    bits = (masks.to(logits.device, non_blocking=True).unsqueeze(-1) >> _bits(logits.device)) & 1  # [B, W, 32]
     allowed = bits.reshape(masks.shape[0], -1)[:, :v].bool()  # [B, V] (tokens past W * 32 are none)
     logits = logits.masked_fill(~allowed, float("-inf"))
     if bool(empty.any()):

@@ -117,7 +117,8 @@ def greedy_tokens(logits: torch.Tensor) -> torch.Tensor:
 
 def make_uniforms(generators: list[torch.Generator], vocab: int, pin: bool = False) -> torch.Tensor:
     """One row of `vocab` uniforms in (0, 1] per generator (advancing it) -> f32 [B, V] on the generators'
-    device (CPU generators: in pinned memory when `pin`, for a copy to the GPU that does not wait for it).
+    device (a GPU generator's: one kernel a row; CPU generators' in pinned memory when `pin`, for a copy to the
+    GPU that does not wait for it).
     1 - rand maps torch's [0, 1) grid exactly onto (0, 1]; -u + 1 is the same IEEE operation."""
     device = generators[0].device if generators else torch.device("cpu")
     out = torch.empty((len(generators), vocab), dtype=torch.float32, device=device,

@@ -187,7 +187,8 @@ class Engine:
         tok = self.tokenizer
         decoder = tok.incremental_decoder() if tok is not None else _NoDecoder()
         seq = Sequence(seq_id, prompt, params, max_total=max_total, vocab_size=self.model.vocab_size,
-                       eos_ids=self.eos_ids, decoder=decoder, stop_matcher=StopMatcher(params.stop), grammar=grammar)
+                       eos_ids=self.eos_ids, decoder=decoder, stop_matcher=StopMatcher(params.stop), grammar=grammar,
+                       device=self.device)
         seq.num_computed = seq.cached_tokens = self.pages.admit(seq, prompt, match, max_total)
         self.seqs[seq_id] = seq
 

@@ -48,7 +48,7 @@ def accept_or_resample(seq, logits: torch.Tensor, draft_token: int, q: torch.Ten
     pd, qd = float(p[draft_token]), float(q[draft_token])
     if qd <= 0.0:  # not a draw from q (our drafters never do this): treat it as a deterministic proposal
         return int(race(p[None, :], [seq.generator])[0])
-    u = 1.0 - float(torch.rand(1, generator=seq.generator))  # (0, 1]
+    u = 1.0 - float(torch.rand(1, generator=seq.generator, device=seq.generator.device))  # (0, 1]
     if u * qd <= pd:  # accept with probability min(1, p(d) / q(d))
         return int(draft_token)
     residual = (p - q).clamp_min(0.0)  # [V]; residual[d] = 0 after a rejection

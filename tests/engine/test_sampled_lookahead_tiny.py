@@ -119,3 +119,31 @@ def test_penalized_sequences_take_the_lookahead(engine):
               "q": _params(26, temperature=0.0, frequency_penalty=0.7, presence_penalty=0.4),
               "s": _params(22, temperature=1.1, top_k=40, repetition_penalty=1.2, frequency_penalty=0.3, seed=13)}
     _same_with_and_without(engine, prompts, params)
+
+
+def test_sampling_on_the_gpu_never_waits_for_it(engine):
+    """sample_on_device with sampled, filtered, penalized and biased rows and a pending token per row runs under
+    torch's sync debug mode set to "error": no operation in it waits for the device (which would stall the queued
+    step behind the one in flight). The sequences' generators live on the GPU."""
+    from exl2_backend.runtime.sampler import sample_on_device
+
+    prompts = _prompts(6, {"u": 5, "w": 7})
+    params = {"u": _params(4, temperature=0.8, top_p=0.9, repetition_penalty=1.2, seed=1, logit_bias={5: 2.0}),
+              "w": _params(4, temperature=0.0, frequency_penalty=0.5)}
+    for sid in prompts:
+        engine.add_sequence(sid, prompts[sid], params[sid])
+    seqs = [engine.seqs[sid] for sid in prompts]
+    assert all(s.generator.device.type == "cuda" for s in seqs)
+    logits = torch.randn(2, engine.model.vocab_size, device=engine.device)
+    pending = torch.tensor([3, 4], device=engine.device)
+    sample_on_device(seqs, logits, pending)  # warm: pinned blocks, the sampler's buffers
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        tokens = sample_on_device(seqs, logits, pending)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert tokens.shape == (2,) and tokens.device.type == "cuda"
+    for sid in prompts:
+        engine.release(sid)
+    engine.assert_no_leaks()

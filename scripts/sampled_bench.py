@@ -1,7 +1,7 @@
 """What sampling costs per token on the GPU, with and without the decode lookahead: one sequence decoded greedy and
 sampled (temperature only, and with top-k / top-p), each with the lookahead on and off, in one process on one
 model directory (e.g. the random 8B that `bench --shape llama3-8b --model-out` writes). `reference` is the eager
-path with the reference's torch-op sampler on the GPU (what eager sampling ran before session 30).
+path with the reference's torch-op sampler on the GPU and CPU generators (eager sampling before session 30).
 
     python scripts/sampled_bench.py /tmp/models/llama3-8b --tokens 128 --json out.json
 
@@ -42,16 +42,17 @@ def _decode_ms(engine, prompt: list[int], params, sid: str) -> float:
 @contextmanager
 def _variant(engine, lookahead: bool, reference: bool):
     from exl2_backend.ops import reference as ref
-    from exl2_backend.runtime import sampler
+    from exl2_backend.runtime import sampler, sequence
 
-    saved, saved_sampler = engine.lookahead, sampler.sample_tokens
+    saved, saved_sampler, saved_generator = engine.lookahead, sampler.sample_tokens, sequence.make_generator
     engine.lookahead = saved if lookahead else None
-    if reference:
+    if reference:  # the torch-op sampler on the GPU, uniforms from CPU generators
         sampler.sample_tokens = ref.sample_tokens
+        sequence.make_generator = lambda seed, device="cpu": saved_generator(seed, "cpu")
     try:
         yield
     finally:
-        engine.lookahead, sampler.sample_tokens = saved, saved_sampler
+        engine.lookahead, sampler.sample_tokens, sequence.make_generator = saved, saved_sampler, saved_generator
 
 
 def main(argv=None) -> int:

@@ -9,8 +9,8 @@ The next call finds that step already running and only enqueues the one after it
 Exactness: the lookahead step is the step plain decoding would run next, on the same graph and inputs, and it
 samples through the very function eager decoding samples with (sampler.sample_on_device, which never waits for
 the device), so tokens are identical. It is used only when that holds: a CUDA-graph runner, every sequence free
-of what depends on the token still in flight (a grammar's state, logprobs, EOS banned by min_tokens; penalty
-counts add it on the device), at least two tokens left. Sampled rows draw their uniforms from their own
+of what depends on the token still in flight (a grammar's state, logprobs; penalty counts add it on the device,
+min_tokens' ban counts it), at least two tokens left. Sampled rows draw their uniforms from their own
 generators one step early; a dropped step restores their states, so the next draw is the one plain decoding
 makes. A queued step is used only if the next call names the very same Sequence objects in the same order, each
 exactly one token further; otherwise it is dropped. Dropping is safe: its side effects are the K/V of position
@@ -55,10 +55,10 @@ class _Flight:
 
 def _in_flight_safe(s) -> bool:
     """Whether a step of sequence s may be sampled before the step before it is read back: nothing its sampling
-    reads changes with that token in a way the device cannot follow (a grammar's state, logprobs, EOS banned until
-    min_tokens). A logit bias and the sampling parameters are fixed; penalty counts take the token in flight on
-    the device (sampler.penalized_logits' `pending`)."""
-    return s.params.logprobs is None and s.grammar is None and s.banned is None
+    reads changes with that token in a way the device cannot follow (a grammar's state, logprobs). A logit bias and
+    the sampling parameters are fixed; penalty counts take the token in flight on the device, and min_tokens' ban
+    counts it as out (sampler.penalized_logits' `pending`)."""
+    return s.params.logprobs is None and s.grammar is None
 
 
 class DecodeLookahead:

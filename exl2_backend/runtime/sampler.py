@@ -36,7 +36,8 @@ def penalized_logits(seqs, logits: torch.Tensor, pending: torch.Tensor | None = 
     (EOS before min_new_tokens) and the tokens its grammar forbids set to -inf (`grammar`: a SequenceGrammar or
     None; a row it allows nothing in becomes NaN, which the samplers flag). The input is never written (it may be
     a graph's output). pending: int64 [B] on the logits' device, each row's token sampled but not yet appended
-    (the decode lookahead's step in flight), counted as one more output token (-1, a NaN row's, counts nothing)."""
+    (the decode lookahead's step in flight), counted as one more output token (-1, a NaN row's, counts nothing)
+    by the penalties and by min_tokens' ban (`banned_after`)."""
     v, dev = logits.shape[1], logits.device
     logits = logits.float()
     if any(s.prompt_counts is not None for s in seqs):
@@ -57,7 +58,7 @@ def penalized_logits(seqs, logits: torch.Tensor, pending: torch.Tensor | None = 
                 ids, values = s.logit_bias
                 bias[i, ids] = values
         logits = logits + _to(bias, dev)
-    banned = [s.banned for s in seqs]
+    banned = [s.banned for s in seqs] if pending is None else [s.banned_after(1) for s in seqs]
     if any(b is not None for b in banned):
         ban = _host(logits.shape, torch.bool, dev, False)  # [B, V] on the host: one copy
         for i, ids in enumerate(banned):

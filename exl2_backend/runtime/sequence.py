@@ -72,6 +72,10 @@ class Sequence:
         """Token ids that may not be sampled now: EOS and the stop tokens while fewer than min_new_tokens are out."""
         return banned_stops(self, len(self.output_ids))
 
+    def banned_after(self, pending: int) -> list[int] | None:
+        """`banned` once `pending` more tokens are out (the decode lookahead's step in flight)."""
+        return banned_stops(self, len(self.output_ids) + pending)
+
     # --- sizes ------------------------------------------------------------------------------------------
 
     @property

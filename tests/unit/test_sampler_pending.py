@@ -1,6 +1,6 @@
 """runtime/sampler.py's `pending` tokens (the decode lookahead's step in flight, not yet appended on the host): the
-penalties see them exactly as if appended, a -1 (a NaN row's) counts nothing, and rows without penalties are
-untouched; sample_on_device gives the tokens sample_for lists."""
+penalties and min_tokens' ban see them exactly as if appended, a -1 (a NaN row's) counts nothing, and rows without
+penalties are untouched; sample_on_device gives the tokens sample_for lists."""
 
 from __future__ import annotations
 
@@ -20,7 +20,7 @@ def _seq(sampling: SamplingParams, prompt: list[int], out: list[int], seed: int 
         pc = torch.bincount(torch.tensor(prompt), minlength=V).float()
         oc = torch.bincount(torch.tensor(out, dtype=torch.long), minlength=V).float()
     return SimpleNamespace(params=SimpleNamespace(sampling=sampling), prompt_counts=pc, output_counts=oc,
-                           logit_bias=None, grammar=None, banned=None,
+                           logit_bias=None, grammar=None, banned=None, banned_after=lambda n: None,
                            generator=torch.Generator().manual_seed(seed))
 
 
@@ -44,3 +44,20 @@ def test_sample_on_device_lists_as_sample_for():
     b = sample_for([_seq(p, [1], [], seed=i) for i, p in enumerate(params)], logits)
     assert a.dtype == torch.int64 and a.tolist() == b
     assert b[1] == int(torch.argmax(logits[1]))
+
+
+def test_min_tokens_ban_counts_the_pending_token():
+    """A real Sequence with min_new_tokens=3: with one token out and one in flight EOS is still banned, with two out
+    and one in flight it no longer is (banned_after)."""
+    from exl2_backend.runtime import GenerationParams
+    from exl2_backend.runtime.sequence import Sequence
+
+    params = GenerationParams(sampling=SamplingParams(temperature=0.9), max_new_tokens=10, min_new_tokens=3)
+    seq = Sequence("s", [1, 2], params, max_total=12, vocab_size=V, eos_ids={0}, decoder=None, stop_matcher=None)
+    logits = torch.zeros(1, V)
+    seq.output_ids = [5]
+    assert seq.banned == [0] and seq.banned_after(1) == [0]
+    assert penalized_logits([seq], logits, torch.tensor([6]))[0, 0] == float("-inf")
+    seq.output_ids = [5, 6]
+    assert seq.banned == [0] and seq.banned_after(1) is None
+    assert torch.equal(penalized_logits([seq], logits, torch.tensor([7])), logits)

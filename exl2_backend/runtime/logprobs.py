@@ -3,7 +3,7 @@
 They are of the model's own distribution: log_softmax of the raw logits, before penalties, temperature and
 the top-k / top-p / min-p filters (vLLM's default, "raw logprobs"), so a token's logprob does not depend on how
 it was drawn. Computed only for sequences that ask (GenerationParams.logprobs), from the logits rows the
-sampler read; such sequences take the eager sampling path (the greedy lookahead keeps no logits)."""
+sampler read, in eager steps and in the decode lookahead's (logprob_tensors there, read back with the tokens)."""
 
 from __future__ import annotations
 
@@ -22,19 +22,32 @@ class TokenLogprob:
     top: tuple[tuple[int, float], ...] = ()
 
 
+def logprob_tensors(logits: torch.Tensor, ids: torch.Tensor, k: int):
+    """logits [R, V], ids int64 [R] on the logits' device (every id in [0, V)), k alternatives -> (the ids'
+    logprobs f32 [R], the k best logprobs [R, k] most likely first, their ids int64 [R, k]), on the device without a
+    host sync: log_softmax of the raw logits."""
+    lp = torch.log_softmax(logits.float(), dim=-1)  # [R, V]
+    chosen = lp.gather(-1, ids[:, None])[:, 0]  # [R]
+    k = min(k, lp.shape[-1])
+    top_vals, top_ids = lp.topk(k, dim=-1) if k else (lp[:, :0], ids[:, None][:, :0])  # [R, k]
+    return chosen, top_vals, top_ids
+
+
+def entries_from(tokens: list[int], chosen: list[float], top_vals: list[list[float]], top_ids: list[list[int]],
+                 top_n: list[int]) -> list[TokenLogprob]:
+    """logprob_tensors' results as host lists -> one TokenLogprob per row, top_n[r] alternatives each."""
+    return [TokenLogprob(t, c, tuple(zip(top_ids[r][:n], top_vals[r][:n])))
+            for r, (t, c, n) in enumerate(zip(tokens, chosen, top_n))]
+
+
 def token_logprobs(logits: torch.Tensor, tokens: list[int], top_n: list[int]) -> list[TokenLogprob]:
     """logits [R, V] (one row per sampled token), tokens [R] ids in [0, V), top_n [R] alternatives wanted per
     row (0..sampling.MAX_TOP_LOGPROBS) -> one TokenLogprob per row. One device-to-host copy for all rows."""
     if not tokens:
         return []
-    lp = torch.log_softmax(logits.float(), dim=-1)  # [R, V]
-    ids = torch.tensor(tokens, dtype=torch.int64, device=lp.device)[:, None]
-    chosen = lp.gather(-1, ids)[:, 0].tolist()  # [R]
-    k = min(max(top_n), lp.shape[-1])
-    top_vals, top_ids = lp.topk(k, dim=-1) if k else (lp[:, :0], ids[:, :0])  # [R, k], most likely first
-    top_vals, top_ids = top_vals.tolist(), top_ids.tolist()
-    return [TokenLogprob(t, c, tuple(zip(top_ids[r][:n], top_vals[r][:n])))
-            for r, (t, c, n) in enumerate(zip(tokens, chosen, top_n))]
+    ids = torch.tensor(tokens, dtype=torch.int64, device=logits.device)
+    chosen, top_vals, top_ids = logprob_tensors(logits, ids, max(top_n))
+    return entries_from(tokens, chosen.tolist(), top_vals.tolist(), top_ids.tolist(), top_n)
 
 
 def logprob_entries(logprobs: list[TokenLogprob], tokenizer, token_bytes=None) -> list[dict]:

@@ -9,14 +9,14 @@ The next call finds that step already running and only enqueues the one after it
 Exactness: the lookahead step is the step plain decoding would run next, on the same graph and inputs, and it
 samples through the very function eager decoding samples with (sampler.sample_on_device, which never waits for
 the device), so tokens are identical. It is used only when that holds: a CUDA-graph runner, every sequence free
-of what depends on the token still in flight (a grammar's state, logprobs; penalty counts add it on the device,
-min_tokens' ban counts it), at least two tokens left. Sampled rows draw their uniforms from their own
-generators one step early; a dropped step restores their states, so the next draw is the one plain decoding
-makes. A queued step is used only if the next call names the very same Sequence objects in the same order, each
-exactly one token further; otherwise it is dropped. Dropping is safe: its side effects are the K/V of position
-p+1 of its sequences, in pages they own (grown within their admission reservation) and rewritten with the same
-values by the step that plain decoding runs (pages freed meanwhile are reused only by work queued later on the
-same stream), and the generator draws it undoes.
+of what depends on the token still in flight in a way the device cannot follow (a grammar's state; penalty
+counts add it on the device, min_tokens' ban counts it, logprobs are computed there), at least two tokens left.
+Sampled rows draw their uniforms from their own generators one step early; a dropped step restores their states,
+so the next draw is the one plain decoding makes. A queued step is used only if the next call names the very same
+Sequence objects in the same order, each exactly one token further; otherwise it is dropped. Dropping is safe:
+its side effects are the K/V of position p+1 of its sequences, in pages they own (grown within their admission
+reservation) and rewritten with the same values by the step that plain decoding runs (pages freed meanwhile are
+reused only by work queued later on the same stream), and the generator draws it undoes.
 
 By default (EXL2_BACKEND_GRAPH_IO=0 turns it off) a plain greedy step is one launch of a greedy graph whose host
 I/O runs inside it (runtime/greedy_graphs.py): the lookahead step's input token is read from the previous launch's
@@ -35,7 +35,8 @@ import torch
 
 from exl2_backend.ops.reference_decode_io import FROM_PREVIOUS
 from exl2_backend.runtime.cuda_graphs import CudaGraphRunner
-from exl2_backend.runtime.sampler import sample_on_device
+from exl2_backend.runtime.logprobs import entries_from, logprob_tensors
+from exl2_backend.runtime.sampler import NAN_LOGITS, rows_on, sample_on_device
 
 log = logging.getLogger("exl2_backend")
 
@@ -51,14 +52,20 @@ class _Flight:
     ready: torch.cuda.Event  # recorded after the copy to `host`
     launch: int = -1  # a greedy graph's launch number (GreedyGraphs.launches before it)
     rng: tuple = ()  # (generator, its state before this step drew) per sampled row: restored if the step is dropped
+    logprobs: tuple | None = None  # (rows asking, pinned chosen [R], top values [R, k], top ids [R, k])
 
 
 def _in_flight_safe(s) -> bool:
     """Whether a step of sequence s may be sampled before the step before it is read back: nothing its sampling
-    reads changes with that token in a way the device cannot follow (a grammar's state, logprobs). A logit bias and
-    the sampling parameters are fixed; penalty counts take the token in flight on the device, and min_tokens' ban
-    counts it as out (sampler.penalized_logits' `pending`)."""
-    return s.params.logprobs is None and s.grammar is None
+    reads changes with that token in a way the device cannot follow (a grammar's state). A logit bias and the
+    sampling parameters are fixed; penalty counts take the token in flight on the device, and min_tokens' ban counts
+    it as out (sampler.penalized_logits' `pending`). Logprobs are computed on the device with the token."""
+    return s.grammar is None
+
+
+def _greedy_graph_ok(s) -> bool:
+    """Whether the greedy graphs (raw argmax, no logits kept) give sequence s's token and all it asks for."""
+    return s.plain_greedy and s.params.logprobs is None
 
 
 class DecodeLookahead:
@@ -121,7 +128,7 @@ class DecodeLookahead:
             on_graph = prev.tokens_dev is None
         else:
             on_graph = (self.graphs is not None and self.graphs.ready(bucket)
-                        and all(s.plain_greedy for s in seqs))  # the graph takes the raw argmax
+                        and all(_greedy_graph_ok(s) for s in seqs))
         if on_graph:
             n = self.graphs.launches
             if prev is not None and prev.launch != n - 1:  # the graph reads the last launch's tokens
@@ -139,14 +146,31 @@ class DecodeLookahead:
         sampled = [s.generator for s in seqs if s.params.sampling.temperature != 0]
         rng = tuple((g, g.get_state()) for g in sampled)
         # [B], as eager decoding samples; prev's tokens are not yet in the host's penalty counts
-        tok = sample_on_device(list(seqs), r._outputs[bucket][:b], None if prev is None else prev.tokens_dev)
+        logits = r._outputs[bucket][:b]  # [B, V]
+        tok = sample_on_device(list(seqs), logits, None if prev is None else prev.tokens_dev)
         self.sampled_steps += bool(sampled)
         host = self._host[self._flip][:b]
         self._flip ^= 1
         host.copy_(tok, non_blocking=True)
+        lps = self._logprobs(seqs, logits, tok)
         ready = torch.cuda.Event()
         ready.record()
-        return _Flight(seqs, expect, tok, host, ready, rng=rng)
+        return _Flight(seqs, expect, tok, host, ready, rng=rng, logprobs=lps)
+
+    @staticmethod
+    def _logprobs(seqs: tuple, logits: torch.Tensor, tok: torch.Tensor) -> tuple | None:
+        """The logprobs of the rows asking for them (Engine._logprobs_for's, computed the same way on the same
+        rows), copied into pinned memory behind the tokens: (rows, chosen [R], top values [R, k], top ids [R, k])."""
+        rows = [i for i, s in enumerate(seqs) if s.params.logprobs is not None]
+        if not rows:
+            return None
+        idx = rows_on(rows, logits.device)
+        ids = tok.index_select(0, idx).clamp_min(0)  # a NaN row's -1: its entry is never read (the sequence fails)
+        out = logprob_tensors(logits.index_select(0, idx), ids, max(seqs[i].params.logprobs for i in rows))
+        pinned = tuple(torch.empty(t.shape, dtype=t.dtype, pin_memory=True) for t in out)
+        for h, t in zip(pinned, out):
+            h.copy_(t, non_blocking=True)
+        return (rows, *pinned)
 
     def decode(self, seqs: list) -> list:
         """One token per sequence (StepEvents, as Engine.decode)."""
@@ -163,10 +187,16 @@ class DecodeLookahead:
             self._ahead = self._enqueue(key, flight)
         flight.ready.synchronize()
         tokens = flight.host.tolist()
+        lps = {}
+        if flight.logprobs is not None:
+            rows, chosen, top_vals, top_ids = flight.logprobs
+            got = entries_from([tokens[i] for i in rows], chosen.tolist(), top_vals.tolist(), top_ids.tolist(),
+                               [seqs[i].params.logprobs for i in rows])
+            lps = {i: lp for i, lp in zip(rows, got) if tokens[i] != NAN_LOGITS}
         events = []
-        for s, t in zip(seqs, tokens):
+        for i, (s, t) in enumerate(zip(seqs, tokens)):
             s.num_computed += 1
-            events.append(self.engine._emit_sampled(s, t))  # a NaN row's token fails its sequence
+            events.append(self.engine._emit_sampled(s, t, lps.get(i)))  # a NaN row's token fails its sequence
         if any(s.finished for s in seqs):
             self.drop()
         return events

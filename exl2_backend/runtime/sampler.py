@@ -23,7 +23,7 @@ def _host(shape, dtype, device: torch.device, fill=0) -> torch.Tensor:
     return torch.full(shape, fill, dtype=dtype, pin_memory=device.type == "cuda")
 
 
-def _rows_on(rows: list[int], device: torch.device) -> torch.Tensor:
+def rows_on(rows: list[int], device: torch.device) -> torch.Tensor:
     """int64 [n] row indices on `device`, copied without a host sync."""
     host = torch.tensor(rows, dtype=torch.int64)
     return _to(host.pin_memory() if device.type == "cuda" else host, device)
@@ -89,7 +89,7 @@ def sample_on_device(seqs, logits: torch.Tensor, pending: torch.Tensor | None = 
     tokens = greedy_tokens(logits)  # [B]
     rows = [i for i, p in enumerate(params) if p.temperature != 0]
     if rows:
-        idx = _rows_on(rows, dev)  # [b']
+        idx = rows_on(rows, dev)  # [b']
         uniforms = _to(make_uniforms([seqs[i].generator for i in rows], v, pin=dev.type == "cuda"), dev)  # [b', V]
         picked = sample_tokens(logits.index_select(0, idx), [params[i] for i in rows], uniforms)
         tokens = tokens.index_copy(0, idx, picked)

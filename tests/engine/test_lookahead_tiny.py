@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from tests.helpers.gpu_engine import small_gpu_engine
-from tests.helpers.greedy_runs import run_greedy_batch
+from tests.helpers.greedy_runs import run_batch, run_greedy_batch
 
 # a stall fails with its stack at 150 s (H200 calls AN1 / AP1: no result from these tests in 90-100 s)
 pytestmark = [pytest.mark.cuda, pytest.mark.timeout(150)]
@@ -164,29 +164,24 @@ def test_a_nan_in_one_sequence_fails_it_and_the_batch_goes_on(engine, graph_io):
     engine.assert_no_leaks()
 
 
-def test_sequences_asking_for_logprobs_skip_the_lookahead(engine):
-    """A greedy sequence with logprobs needs each step's logits, which a lookahead step does not keep: it takes
-    the eager graph path (no lookahead step used), gets one entry per token (the most likely token, itself), and
-    the same tokens as plain graph decoding."""
+def test_sequences_asking_for_logprobs_take_the_lookahead(engine):
+    """A greedy sequence with logprobs takes plain graph steps (the greedy graphs keep no logits) with its logprobs
+    computed on the device behind the token: one entry per token (the most likely token, itself), the same tokens
+    and entries as eager decoding, and lookahead steps used."""
     from exl2_backend.runtime import GenerationParams
     from exl2_backend.sampling import SamplingParams
 
     ids = torch.randint(3, 39_000, (11,), generator=torch.Generator().manual_seed(5)).tolist()
-    want = run_greedy_batch(engine, {"a": ids}, {"a": 9}, lookahead=False)["a"]
-    used = engine.lookahead.steps_ahead_used
-    engine.add_sequence("a", ids, GenerationParams(sampling=SamplingParams.greedy(), max_new_tokens=9,
-                                                   ignore_eos=True, logprobs=2))
-    events = [engine.prefill(["a"])[0]]
-    for _ in range(9):  # bounded: 9 tokens in all
-        if events[-1].finished:
-            break
-        events += engine.decode(["a"])
-    tokens = [t for ev in events for t in ev.token_ids]
-    entries = [x for ev in events for x in ev.logprobs]
-    assert tokens == want and len(entries) == 9
-    assert all(x.token_id == t and x.top[0] == (t, x.logprob) and len(x.top) == 2 for x, t in zip(entries, tokens))
-    assert engine.lookahead.steps_ahead_used == used
-    engine.release("a")
+    params = {"a": GenerationParams(sampling=SamplingParams.greedy(), max_new_tokens=9, ignore_eos=True,
+                                    logprobs=2)}
+    want_lp, got_lp = {}, {}
+    want = run_batch(engine, {"a": ids}, params, lookahead=False, logprobs=want_lp)
+    used, launches = engine.lookahead.steps_ahead_used, engine.stats()["graph_io_launches"]
+    got = run_batch(engine, {"a": ids}, params, lookahead=True, logprobs=got_lp)
+    assert got == want and got_lp == want_lp and len(got_lp["a"]) == 8  # the prefill's token has its own
+    assert all(x.token_id == t and x.top[0] == (t, x.logprob) and len(x.top) == 2
+               for x, t in zip(got_lp["a"], got["a"][1:]))
+    assert engine.lookahead.steps_ahead_used > used and engine.stats()["graph_io_launches"] == launches
     engine.assert_no_leaks()
 
 

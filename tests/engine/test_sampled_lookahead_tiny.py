@@ -1,7 +1,8 @@
 """The decode lookahead with sampled sequences on a tiny random EXL2 model on the GPU (runtime/lookahead.py): a
 step is sampled one step early through the eager path's own sampler, so seeded tokens equal eager decoding's,
-batched with greedy, biased, penalized, min_tokens and filtered (top-k / top-p / min-p) rows, across dropped
-steps (a release, a batch that changes, a verify step), whose generator draws are undone. No KV page leaks."""
+batched with greedy, biased, penalized, min_tokens, logprobs and filtered (top-k / top-p / min-p) rows, across
+dropped steps (a release, a batch that changes, a verify step), whose generator draws are undone. No KV page
+leaks."""
 
 from __future__ import annotations
 
@@ -146,4 +147,23 @@ def test_sampling_on_the_gpu_never_waits_for_it(engine):
     assert tokens.shape == (2,) and tokens.device.type == "cuda"
     for sid in prompts:
         engine.release(sid)
+    engine.assert_no_leaks()
+
+
+def test_logprobs_of_sampled_and_greedy_rows_in_the_lookahead(engine):
+    """Logprobs (raw log_softmax, the token's and the best alternatives') computed on the device behind the queued
+    step's tokens equal eager decoding's entries, for sampled and greedy rows in one batch."""
+    prompts = _prompts(7, {"k": 9, "l": 13})
+    params = {"k": GenerationParams(sampling=SamplingParams(temperature=0.9, top_p=0.95, seed=21), max_new_tokens=20,
+                                    ignore_eos=True, logprobs=3),
+              "l": GenerationParams(sampling=SamplingParams.greedy(), max_new_tokens=16, ignore_eos=True,
+                                    logprobs=0)}
+    want_lp, got_lp = {}, {}
+    want = run_batch(engine, prompts, params, lookahead=False, logprobs=want_lp)
+    used = engine.lookahead.steps_ahead_used
+    got = run_batch(engine, prompts, params, lookahead=True, logprobs=got_lp)
+    assert got == want and got_lp == want_lp
+    assert [len(got_lp[sid]) for sid in ("k", "l")] == [19, 15]
+    assert all(len(x.top) == 3 for x in got_lp["k"]) and all(x.top == () for x in got_lp["l"])
+    assert engine.lookahead.steps_ahead_used > used
     engine.assert_no_leaks()

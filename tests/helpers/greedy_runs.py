@@ -8,10 +8,11 @@ from exl2_backend.sampling import SamplingParams
 
 
 def run_batch(engine, prompts: dict[str, list[int]], params: dict[str, GenerationParams], *, lookahead: bool,
-              schedule=None) -> dict[str, list[int]]:
+              schedule=None, logprobs: dict | None = None) -> dict[str, list[int]]:
     """Decode the prompts as one batch; schedule(step, engine, live, out) may release sequences (or verify
     drafts, adding their tokens to out[sid]) between steps and returns the sequences to decode. -> the tokens of
-    each sequence (its prefill's first token included); every sequence is released."""
+    each sequence (its prefill's first token included); every sequence is released. `logprobs`, when given,
+    receives each sequence's TokenLogprob entries of its decode steps."""
     saved = engine.lookahead
     engine.lookahead = saved if lookahead else None
     try:
@@ -29,6 +30,8 @@ def run_batch(engine, prompts: dict[str, list[int]], params: dict[str, Generatio
                     break
             for ev in engine.decode(live):
                 out[ev.seq_id] += ev.token_ids
+                if logprobs is not None and ev.logprobs is not None:
+                    logprobs.setdefault(ev.seq_id, []).extend(ev.logprobs)
             live = [sid for sid in live if not engine.seqs[sid].finished]
             step += 1
         for sid in prompts:

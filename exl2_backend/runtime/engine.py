@@ -496,6 +496,7 @@ class Engine:
             "lookahead_steps_used": self.lookahead.steps_ahead_used if self.lookahead is not None else 0,
             "lookahead_steps_dropped": self.lookahead.steps_ahead_dropped if self.lookahead is not None else 0,
             "lookahead_sampled_steps": self.lookahead.sampled_steps if self.lookahead is not None else 0,
+            "lookahead_deferred_steps": self.lookahead.deferred_steps if self.lookahead is not None else 0,
             **self._graph_io_stats(),
         }
 

@@ -8,15 +8,17 @@ The next call finds that step already running and only enqueues the one after it
 
 Exactness: the lookahead step is the step plain decoding would run next, on the same graph and inputs, and it
 samples through the very function eager decoding samples with (sampler.sample_on_device, which never waits for
-the device), so tokens are identical. It is used only when that holds: a CUDA-graph runner, every sequence free
-of what depends on the token still in flight in a way the device cannot follow (a grammar's state; penalty
-counts add it on the device, min_tokens' ban counts it, logprobs are computed there), at least two tokens left.
-Sampled rows draw their uniforms from their own generators one step early; a dropped step restores their states,
-so the next draw is the one plain decoding makes. A queued step is used only if the next call names the very same
-Sequence objects in the same order, each exactly one token further; otherwise it is dropped. Dropping is safe:
-its side effects are the K/V of position p+1 of its sequences, in pages they own (grown within their admission
-reservation) and rewritten with the same values by the step that plain decoding runs (pages freed meanwhile are
-reused only by work queued later on the same stream), and the generator draws it undoes.
+the device), so tokens are identical. It samples when queued if nothing its sampling reads changes with the token
+still in flight in a way the device cannot follow (penalty counts add it on the device, min_tokens' ban counts it,
+logprobs are computed there). A grammar's mask needs its matcher to have consumed that token on the host: a batch
+holding a constrained sequence queues only the forward (its logits copied aside) and samples when the step is
+consumed, which still overlaps the forward with the host's work on the token before. Sampled rows of a step sampled
+when queued draw their uniforms one step early; a dropped step restores their generators' states, so the next
+draw is the one plain decoding makes. A queued step is used only if the next call names the very same Sequence
+objects in the same order, each exactly one token further, with at least two tokens left; otherwise it is dropped.
+Dropping is safe: its side effects are the K/V of position p+1 of its sequences, in pages they own (grown within
+their admission reservation) and rewritten with the same values by the step that plain decoding runs (pages freed
+meanwhile are reused only by work queued later on the same stream), and the generator draws it undoes.
 
 By default (EXL2_BACKEND_GRAPH_IO=0 turns it off) a plain greedy step is one launch of a greedy graph whose host
 I/O runs inside it (runtime/greedy_graphs.py): the lookahead step's input token is read from the previous launch's
@@ -47,19 +49,21 @@ class _Flight:
 
     seqs: tuple  # the Sequence objects, in batch order
     expect: tuple[int, ...]  # each sequence's num_tokens when the step's result is consumed
-    tokens_dev: torch.Tensor | None  # int64 [B] sampled tokens on the device (None: a greedy graph's launch)
-    host: torch.Tensor  # pinned int64 [B]
-    ready: torch.cuda.Event  # recorded after the copy to `host`
+    tokens_dev: torch.Tensor | None = None  # int64 [B] sampled tokens on the device (None: a greedy graph's launch)
+    host: torch.Tensor | None = None  # pinned int64 [B]
+    ready: torch.cuda.Event | None = None  # recorded after the copy to `host`
     launch: int = -1  # a greedy graph's launch number (GreedyGraphs.launches before it)
     rng: tuple = ()  # (generator, its state before this step drew) per sampled row: restored if the step is dropped
     logprobs: tuple | None = None  # (rows asking, pinned chosen [R], top values [R, k], top ids [R, k])
+    logits: torch.Tensor | None = None  # f32 [B, V], a deferred step's own copy: sampled when it is consumed
 
 
 def _in_flight_safe(s) -> bool:
     """Whether a step of sequence s may be sampled before the step before it is read back: nothing its sampling
-    reads changes with that token in a way the device cannot follow (a grammar's state). A logit bias and the
-    sampling parameters are fixed; penalty counts take the token in flight on the device, and min_tokens' ban counts
-    it as out (sampler.penalized_logits' `pending`). Logprobs are computed on the device with the token."""
+    reads changes with that token in a way the device cannot follow. A logit bias and the sampling parameters are
+    fixed; penalty counts take the token in flight on the device, and min_tokens' ban counts it as out
+    (sampler.penalized_logits' `pending`); logprobs are computed on the device with the token. A grammar's mask
+    needs its matcher to have consumed that token on the host: such a batch's steps are deferred."""
     return s.grammar is None
 
 
@@ -93,13 +97,14 @@ class DecodeLookahead:
         self.steps_ahead_used = 0  # stats: lookahead steps consumed / dropped
         self.steps_ahead_dropped = 0
         self.sampled_steps = 0  # stats: steps with a sampled row (plain graph steps)
+        self.deferred_steps = 0  # stats: steps sampled when consumed (a grammar's batch)
 
     @staticmethod
     def supports(runner) -> bool:
         return type(runner) is CudaGraphRunner
 
     def eligible(self, seqs) -> bool:
-        return 0 < len(seqs) <= self.runner.buckets[-1] and all(_in_flight_safe(s) for s in seqs)
+        return 0 < len(seqs) <= self.runner.buckets[-1]
 
     def drop(self) -> None:
         """Forget the queued step (its GPU work completes harmlessly; its generator draws are undone)."""
@@ -125,7 +130,7 @@ class DecodeLookahead:
         # a step after `prev` takes prev's path (its token is where that path left it); a fresh one the greedy
         # graphs when they are on and capture
         if prev is not None:
-            on_graph = prev.tokens_dev is None
+            on_graph = prev.launch >= 0
         else:
             on_graph = (self.graphs is not None and self.graphs.ready(bucket)
                         and all(_greedy_graph_ok(s) for s in seqs))
@@ -143,19 +148,30 @@ class DecodeLookahead:
             r._stage_dev[:b, 0].copy_(prev.tokens_dev)  # stream-ordered after the staging upload
         r._graphs[bucket].replay()
         r.replays += 1
-        sampled = [s.generator for s in seqs if s.params.sampling.temperature != 0]
-        rng = tuple((g, g.get_state()) for g in sampled)
-        # [B], as eager decoding samples; prev's tokens are not yet in the host's penalty counts
         logits = r._outputs[bucket][:b]  # [B, V]
-        tok = sample_on_device(list(seqs), logits, None if prev is None else prev.tokens_dev)
+        flight = _Flight(seqs, expect)
+        if all(_in_flight_safe(s) for s in seqs):  # prev's tokens are not yet in the host's counts: pending
+            self._sample(flight, logits, None if prev is None else prev.tokens_dev)
+        else:  # sampled when consumed; a copy, since a 1-token prefill chunk may replay this graph meanwhile
+            flight.logits = logits.clone()
+            self.deferred_steps += 1
+        return flight
+
+    def _sample(self, flight: _Flight, logits: torch.Tensor, pending: torch.Tensor | None) -> None:
+        """Sample `flight` from its logits [B, V] as eager decoding does, its tokens copied to pinned memory behind
+        the sampler (and its logprobs), with the generators' states before the draw kept for a drop."""
+        seqs, b = flight.seqs, len(flight.seqs)
+        sampled = [s.generator for s in seqs if s.params.sampling.temperature != 0]
+        flight.rng = tuple((g, g.get_state()) for g in sampled)
+        flight.tokens_dev = sample_on_device(list(seqs), logits, pending)  # [B]
         self.sampled_steps += bool(sampled)
-        host = self._host[self._flip][:b]
+        flight.host = self._host[self._flip][:b]
         self._flip ^= 1
-        host.copy_(tok, non_blocking=True)
-        lps = self._logprobs(seqs, logits, tok)
-        ready = torch.cuda.Event()
-        ready.record()
-        return _Flight(seqs, expect, tok, host, ready, rng=rng, logprobs=lps)
+        flight.host.copy_(flight.tokens_dev, non_blocking=True)
+        flight.logprobs = self._logprobs(seqs, logits, flight.tokens_dev)
+        flight.ready = torch.cuda.Event()
+        flight.ready.record()
+        flight.logits = None
 
     @staticmethod
     def _logprobs(seqs: tuple, logits: torch.Tensor, tok: torch.Tensor) -> tuple | None:
@@ -183,6 +199,8 @@ class DecodeLookahead:
             if ahead is not None:
                 self._discard(ahead)  # before the fresh step draws from the same generators
             flight = self._enqueue(key, None)
+        if flight.logits is not None:  # deferred: the host's state (grammar matchers) is current now
+            self._sample(flight, flight.logits, None)
         if all(s.remaining_new_tokens >= 2 for s in seqs):
             self._ahead = self._enqueue(key, flight)
         flight.ready.synchronize()

@@ -2,7 +2,8 @@
 # Device call AT1 (session 30; carry .whl and .dev/libexl2_kernels.so.gz; ~420 s):
 #  1. GPU tests: the decode lookahead with sampled sequences (tests/engine/test_sampled_lookahead_tiny.py: seeded
 #     tokens and logprobs equal eager sampling with greedy, biased, penalized, min_tokens, top-k / top-p / min-p rows,
-#     across releases, batch changes and a verify step; sampling never waits for the device), the lookahead and eager
+#     across releases, batch changes and a verify step; grammar batches deferred; sampling never waits for the
+#     device), the lookahead and eager
 #     sampling tiny-model tests (eager sampling now runs the sampler kernel, uniforms from GPU generators), the
 #     sampler kernel's tests, and session 28's speculative decoding on small random models
 #     (tests/spec/test_spec_gpu_tiny.py, never run on a GPU).

@@ -1,8 +1,8 @@
 """The decode lookahead with sampled sequences on a tiny random EXL2 model on the GPU (runtime/lookahead.py): a
 step is sampled one step early through the eager path's own sampler, so seeded tokens equal eager decoding's,
 batched with greedy, biased, penalized, min_tokens, logprobs and filtered (top-k / top-p / min-p) rows, across
-dropped steps (a release, a batch that changes, a verify step), whose generator draws are undone. No KV page
-leaks."""
+dropped steps (a release, a batch that changes, a verify step), whose generator draws are undone; a constrained
+batch's steps sampled when consumed. No KV page leaks."""
 
 from __future__ import annotations
 
@@ -166,4 +166,26 @@ def test_logprobs_of_sampled_and_greedy_rows_in_the_lookahead(engine):
     assert [len(got_lp[sid]) for sid in ("k", "l")] == [19, 15]
     assert all(len(x.top) == 3 for x in got_lp["k"]) and all(x.top == () for x in got_lp["l"])
     assert engine.lookahead.steps_ahead_used > used
+    engine.assert_no_leaks()
+
+
+def test_constrained_batches_defer_their_sampling(engine):
+    """A grammar's mask needs the token before it consumed on the host: a batch holding a constrained sequence
+    queues the next forward and samples it when consumed. Tokens equal eager decoding's, greedy and sampled,
+    beside an unconstrained row; the constrained replies match their grammars."""
+    import re
+
+    permissive = {"type": "regex", "value": "[a-z]+( [a-z]+)*"}
+    prompts = _prompts(8, {"c": 9, "d": 6, "e": 12})
+    params = {"c": GenerationParams(sampling=SamplingParams(temperature=0.9, seed=31), max_new_tokens=20,
+                                    grammar=permissive),
+              "d": GenerationParams(sampling=SamplingParams.greedy(), max_new_tokens=18, grammar=permissive),
+              "e": _params(22, temperature=0.8, seed=32)}
+    stats0 = engine.stats()
+    stats1 = _same_with_and_without(engine, prompts, params)
+    assert stats1["lookahead_deferred_steps"] > stats0["lookahead_deferred_steps"]
+    got = run_batch(engine, prompts, params, lookahead=True)
+    for sid in ("c", "d"):
+        text = engine.tokenizer.decode([t for t in got[sid] if t not in engine.eos_ids])
+        assert re.fullmatch(permissive["value"], text), (sid, text)
     engine.assert_no_leaks()

@@ -1,7 +1,8 @@
-"""What sampling costs per token on the GPU, with and without the decode lookahead: one sequence decoded greedy and
-sampled (temperature only, and with top-k / top-p), each with the lookahead on and off, in one process on one
-model directory (e.g. the random 8B that `bench --shape llama3-8b --model-out` writes). `reference` is the eager
-path with the reference's torch-op sampler on the GPU and CPU generators (eager sampling before session 30).
+"""What sampling costs per token on the GPU, with and without the decode lookahead: one sequence decoded greedy,
+sampled (temperature only, and with top-k / top-p) and greedy under a grammar, each with the lookahead on and off,
+in one process on one model directory (e.g. the random 8B that `bench --shape llama3-8b --model-out` writes).
+`reference` is the eager path with the reference's torch-op sampler on the GPU and CPU generators (eager sampling
+before session 30).
 
     python scripts/sampled_bench.py /tmp/models/llama3-8b --tokens 128 --json out.json
 
@@ -16,6 +17,9 @@ import time
 from contextlib import contextmanager
 
 import torch
+
+# any run of lowercase words: constrains every step without ending early (as scripts/grammar_bench.py)
+PERMISSIVE = {"type": "regex", "value": "[a-z]+( [a-z]+)*"}
 
 
 def _sync(engine) -> None:
@@ -71,13 +75,16 @@ def main(argv=None) -> int:
     prompt = torch.randint(300, 5000, (32,), generator=torch.Generator().manual_seed(0)).tolist()
     samplings = {"greedy": SamplingParams.greedy(), "temp": SamplingParams(temperature=0.8, seed=1),
                  "topp": SamplingParams(temperature=0.8, top_k=50, top_p=0.9, seed=1)}
-    variants = {f"{s}_{mode}": (samplings[s], mode) for s in samplings for mode in ("lookahead", "eager")}
-    variants["temp_reference"] = (samplings["temp"], "reference")
-    variants["topp_reference"] = (samplings["topp"], "reference")
+    variants = {f"{s}_{mode}": (samplings[s], mode, None) for s in samplings for mode in ("lookahead", "eager")}
+    variants["temp_reference"] = (samplings["temp"], "reference", None)
+    variants["topp_reference"] = (samplings["topp"], "reference", None)
+    for mode in ("lookahead", "eager"):  # a grammar's batch: sampled when each step is consumed
+        variants[f"grammar_{mode}"] = (samplings["greedy"], mode, PERMISSIVE)
+    engine.vocabulary()  # built at load in a server (exl2_load)
     runs: dict[str, list[float]] = {name: [] for name in variants}
     for round_ in range(2):
-        for name, (sampling, mode) in variants.items():
-            params = GenerationParams(sampling=sampling, max_new_tokens=args.tokens, ignore_eos=True)
+        for name, (sampling, mode, grammar) in variants.items():
+            params = GenerationParams(sampling=sampling, max_new_tokens=args.tokens, ignore_eos=True, grammar=grammar)
             with _variant(engine, lookahead=mode == "lookahead", reference=mode == "reference"):
                 runs[name].append(_decode_ms(engine, prompt, params, f"{name}{round_}"))
     best = {name: min(ms) for name, ms in runs.items()}
@@ -85,7 +92,8 @@ def main(argv=None) -> int:
     for name, ms in best.items():
         print(f"{name:18s} {ms:7.3f} ms/token  ({1000 / ms:7.1f} tok/s)  x{ms / base:.3f}  runs {runs[name]}")
     stats = engine.stats()
-    print(f"lookahead steps used {stats['lookahead_steps_used']}, sampled {stats['lookahead_sampled_steps']}")
+    print(f"lookahead steps used {stats['lookahead_steps_used']}, sampled {stats['lookahead_sampled_steps']}, "
+          f"deferred {stats['lookahead_deferred_steps']}")
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"ms_per_token": best, "runs": runs, "tokens": args.tokens, "device": str(engine.device),

@@ -28,6 +28,10 @@ BACKEND_TOTALS = (
     ("prefix_cache_hit_tokens", "prompt tokens reused from the prefix cache", "prefix_hit_tokens"),
     ("prefix_cache_lookup_tokens", "prompt tokens looked up in the prefix cache", "prefix_lookup_tokens"),
     ("prefix_cache_evictions", "cached KV pages evicted to make room", "prefix_evictions"),
+    ("decode_lookahead_steps", "decode steps queued behind the one in flight and used (GPU engines)",
+     "lookahead_steps_used"),
+    ("decode_lookahead_dropped_steps", "decode steps queued ahead and dropped: the batch changed before them",
+     "lookahead_steps_dropped"),
 )
 SPEC_GAUGES = (  # speculative decoding (exl2_backend/spec/), when configured
     ("spec_acceptance_rate", "accepted / proposed draft tokens", "spec_acceptance_rate"),

@@ -546,7 +546,8 @@ def test_metrics_exposition(http):
     text = http.get("/metrics").text
     for name in ("exl2_backend_queue_length", "exl2_backend_active_sequences", "exl2_backend_kv_pages_free",
                  "exl2_backend_kv_pages_total", "exl2_backend_tokens_per_second", "exl2_backend_healthy",
-                 "exl2_backend_generation_tokens_total", "exl2_backend_requests_total"):
+                 "exl2_backend_generation_tokens_total", "exl2_backend_requests_total",
+                 "exl2_backend_decode_lookahead_steps_total"):
         assert f"\n{name}" in text or text.startswith(name) or f"# TYPE {name}" in text, name
     m = metrics(http)
     assert m["exl2_backend_healthy"] == 1 and m["exl2_backend_kv_pages_total"] > 0

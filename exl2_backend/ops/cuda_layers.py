@@ -873,25 +873,37 @@ def needs_filter(params, vocab: int) -> bool:
 
 
 def filtered_probs(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
-                   min_p: torch.Tensor) -> torch.Tensor:
+                   min_p: torch.Tensor, filters: frozenset = frozenset(("top_k", "top_p", "min_p"))) -> torch.Tensor:
     """reference_sampling.sampling_probs for the sampled rows, from [B] device parameter tensors: the same torch
-    ops in the same order, so the same bits on the same device. Greedy rows are left to the kernel."""
+    ops in the same order, so the same bits on the same device. Greedy rows are left to the kernel. A filter
+    left out of `filters` (no row of the batch uses it; active_filters) is skipped: it would leave every row as
+    it is, so the bits do not change, and each costs ~4 passes over [B, V] (a 128k vocabulary)."""
     b, v = logits.shape
     temp, top_k, top_p, min_p = (t.reshape(b, 1) for t in (temperature, top_k, top_p, min_p))
     greedy = temp == 0
     probs = torch.softmax(logits.float() / torch.where(greedy, 1.0, temp), dim=-1)  # [B, V]
     sp, idx = torch.sort(probs, dim=-1, descending=True, stable=True)
-    rank = torch.arange(v, device=logits.device)[None, :]
 
     def keep(mask, active):
         kept = torch.where(mask, sp, 0.0)
         return torch.where(active, kept / kept.sum(-1, keepdim=True), sp)
 
-    sp = keep(rank < top_k, top_k < v)
-    before = torch.cat((sp.new_zeros(b, 1), torch.cumsum(sp, -1)[:, :-1]), dim=-1)
-    sp = keep(before < top_p, top_p < 1.0)
-    sp = keep(sp >= min_p * sp[:, :1], min_p > 0.0)
+    if "top_k" in filters:
+        sp = keep(torch.arange(v, device=logits.device)[None, :] < top_k, top_k < v)  # rank < k
+    if "top_p" in filters:
+        before = torch.cat((sp.new_zeros(b, 1), torch.cumsum(sp, -1)[:, :-1]), dim=-1)
+        sp = keep(before < top_p, top_p < 1.0)
+    if "min_p" in filters:
+        sp = keep(sp >= min_p * sp[:, :1], min_p > 0.0)
     return torch.zeros_like(sp).scatter_(-1, idx, sp)
+
+
+def active_filters(params, vocab: int) -> frozenset:
+    """The filters (top_k, top_p, min_p) some sampled row of the batch uses (host-side parameters)."""
+    sampled = [p for p in params if p.temperature != 0]
+    return frozenset(name for name, on in (("top_k", any(0 < p.top_k < vocab for p in sampled)),
+                                           ("top_p", any(p.top_p < 1.0 for p in sampled)),
+                                           ("min_p", any(p.min_p > 0.0 for p in sampled))) if on)
 
 
 def sample_tokens(logits: torch.Tensor, params, uniforms: torch.Tensor | None = None) -> torch.Tensor:
@@ -908,7 +920,8 @@ def sample_tokens(logits: torch.Tensor, params, uniforms: torch.Tensor | None = 
     pt = sampling_param_tensors(params, v, logits.device)
     probs = None
     if needs_filter(params, v):
-        probs = filtered_probs(logits, pt["temperature"], pt["top_k"], pt["top_p"], pt["min_p"])
+        probs = filtered_probs(logits, pt["temperature"], pt["top_k"], pt["top_p"], pt["min_p"],
+                               active_filters(params, v))
     return direct.sample_tokens_tensor(logits, uniforms, pt["temperature"], probs)
 
 

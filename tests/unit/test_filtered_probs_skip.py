@@ -1,0 +1,40 @@
+"""ops.cuda_layers.filtered_probs skips the filters no sampled row of the batch uses (active_filters): the same
+bits as running them all, for batches mixing top-k, top-p, min-p, plain temperature and greedy rows. Pure torch
+ops, so this runs on the CPU; the GPU sampler tests compare the kernel path with the reference."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from exl2_backend.ops.cuda_layers import active_filters, filtered_probs, sampling_param_tensors
+from exl2_backend.sampling import SamplingParams
+
+V = 300
+ROWS = {
+    "temp": SamplingParams(temperature=0.8),
+    "greedy_top_p": SamplingParams(temperature=0.0, top_p=0.5),  # a greedy row's filter is never active
+    "top_k": SamplingParams(temperature=1.0, top_k=20),
+    "top_p": SamplingParams(temperature=0.7, top_p=0.9),
+    "min_p": SamplingParams(temperature=1.2, min_p=0.05),
+    "all": SamplingParams(temperature=0.9, top_k=50, top_p=0.8, min_p=0.02),
+}
+
+
+@pytest.mark.parametrize("names", [("temp", "top_p"), ("top_k", "greedy_top_p"), ("min_p", "temp", "top_k"),
+                                   ("all",), ("top_p", "min_p", "greedy_top_p", "temp")])
+def test_skipped_filters_leave_the_bits(names):
+    params = [ROWS[n] for n in names]
+    logits = torch.randn(len(params), V, generator=torch.Generator().manual_seed(len(names))) * 3
+    pt = sampling_param_tensors(params, V, "cpu")
+    args = (logits, pt["temperature"], pt["top_k"], pt["top_p"], pt["min_p"])
+    active = active_filters(params, V)
+    assert active < frozenset(("top_k", "top_p", "min_p")) or names == ("all",)
+    sampled = [i for i, p in enumerate(params) if p.temperature != 0]  # greedy rows' probs: the kernel ignores them
+    assert torch.equal(filtered_probs(*args, active)[sampled], filtered_probs(*args)[sampled])
+
+
+def test_active_filters_reads_sampled_rows_only():
+    assert active_filters([ROWS["greedy_top_p"], ROWS["temp"]], V) == frozenset()
+    assert active_filters([ROWS["top_k"], ROWS["min_p"]], V) == {"top_k", "min_p"}
+    assert active_filters([SamplingParams(temperature=1.0, top_k=V)], V) == frozenset()  # k >= V keeps all

@@ -18,7 +18,7 @@ from contextlib import contextmanager
 
 import torch
 
-# any run of lowercase words: constrains every step without ending early (as scripts/grammar_bench.py)
+# any run of lowercase words: constrains every step without ending early
 PERMISSIVE = {"type": "regex", "value": "[a-z]+( [a-z]+)*"}
 
 

@@ -3,7 +3,7 @@
     python scripts/serve_bench.py [MODEL_DIR | --shape llama3-8b --bpw 4.0] --device cuda \
         --streams 1,8,32 --max-tokens 256 [--json PATH]
 
-One run measures, on the same model and prompt (greedy, ignore_eos):
+One run measures, on the same model and prompt (greedy unless --temperature, ignore_eos):
 - direct engine: the Engine in this process (`generate_stream`): TTFT = add + prefill to the first token;
   decode tokens/s = (tokens - 1) / (first -> last token). Median of `--reps` runs after a warm-up.
 - direct hooks: the same through the plugin hooks (prefill/decode in a plain loop, no server): what the hook
@@ -38,7 +38,8 @@ def _free() -> None:
         torch.cuda.empty_cache()
 
 
-def direct(model_dir: str, device: str, max_tokens: int, max_batch: int, reps: int) -> tuple[dict, dict]:
+def direct(model_dir: str, device: str, max_tokens: int, max_batch: int, reps: int,
+           temperature: float = 0.0) -> tuple[dict, dict]:
     """(engine, hooks) figures from one load: the Engine's step API through `generate_stream`, then the same
     prefill/decode through pm.hook in a plain loop (the hook layer without any server)."""
     from exl2_backend.plugin.manager import get_plugin_manager
@@ -52,7 +53,8 @@ def direct(model_dir: str, device: str, max_tokens: int, max_batch: int, reps: i
                                          "max_batch_size": max_batch})
     engine = handle.engine
     prompt = engine.tokenizer.encode_chat(CHAT)
-    params = GenerationParams(sampling=SamplingParams.greedy(), max_new_tokens=max_tokens, ignore_eos=True)
+    params = GenerationParams(sampling=SamplingParams(temperature=temperature), max_new_tokens=max_tokens,
+                              ignore_eos=True)
     eng = []
     for _ in range(reps + 1):  # the first run warms up
         t0 = time.perf_counter()
@@ -65,7 +67,7 @@ def direct(model_dir: str, device: str, max_tokens: int, max_batch: int, reps: i
         eng.append({"ttft_ms": (first - t0) * 1e3, "decode_tokens_per_s": (n - 1) / (end - first), "tokens": n})
     hooks = []
     for i in range(reps + 1):
-        req = SequenceRequest(f"bench-{i}", messages=CHAT, max_new_tokens=max_tokens, temperature=0.0,
+        req = SequenceRequest(f"bench-{i}", messages=CHAT, max_new_tokens=max_tokens, temperature=temperature,
                               ignore_eos=True)
         t0 = time.perf_counter()
         events = pm.hook.exl2_prefill(handle=handle, batch=StepBatch(new=[req]))
@@ -98,7 +100,7 @@ def _summary(runs: list[dict]) -> dict:
 
 
 def server(model_dir: str, device: str, max_tokens: int, streams: list[int], reps: int, settings: dict,
-           concurrent: bool = True) -> dict:
+           concurrent: bool = True, temperature: float = 0.0) -> dict:
     import httpx
 
     from exl2_backend.serve.server import ServerProcess
@@ -110,8 +112,8 @@ def server(model_dir: str, device: str, max_tokens: int, streams: list[int], rep
         concurrent_streams(srv.base_url, model, min(8, max(streams)), 16)  # warm-up (graphs, allocator, HTTP)
         # and the timed request itself once, as the direct runs do: on the H200 (2026-12-01) the first request
         # of a new prompt length took 67 ms to its first token, the next ones 13 ms
-        stream_chat(srv.base_url, model, max_tokens)
-        singles = [stream_chat(srv.base_url, model, max_tokens) for _ in range(reps)]
+        stream_chat(srv.base_url, model, max_tokens, temperature=temperature)
+        singles = [stream_chat(srv.base_url, model, max_tokens, temperature=temperature) for _ in range(reps)]
         return {
             "settings": cfg,
             "ttft_ms": statistics.median(r.ttft_s for r in singles) * 1e3,
@@ -119,8 +121,8 @@ def server(model_dir: str, device: str, max_tokens: int, streams: list[int], rep
             "single_streams": [{"ttft_ms": r.ttft_s * 1e3, "decode_tokens_per_s": r.decode_tokens_per_s,
                                 "tokens": r.tokens} for r in singles],
             "round_trip_max_tokens_1_ms": time_to_first_token(srv.base_url, model) * 1e3,
-            "concurrent": [concurrent_streams(srv.base_url, model, n, max_tokens) for n in streams] if concurrent
-            else [],
+            "concurrent": [concurrent_streams(srv.base_url, model, n, max_tokens, temperature=temperature)
+                           for n in streams] if concurrent else [],
         }
 
 
@@ -134,6 +136,7 @@ def main() -> None:
     ap.add_argument("--streams", default="1,8,32")
     ap.add_argument("--max-tokens", type=int, default=256)
     ap.add_argument("--reps", type=int, default=3, help="timed single-stream runs (median)")
+    ap.add_argument("--temperature", type=float, default=0.0, help="0: greedy (the default); else sampled")
     ap.add_argument("--fast-queue", action="store_true", help="serve with LitServe's ZeroMQ transport")
     ap.add_argument("--compare", action="append", default=[], metavar="SETTING=VALUE",
                     help="also measure single streams on a server with this ServeSettings override, e.g. "
@@ -158,20 +161,21 @@ def main() -> None:
     max_batch = max(streams)
     t0 = time.perf_counter()
     result = {"model_dir": model_dir, "device": args.device, "max_tokens": args.max_tokens, "streams": streams,
-              "torch": torch.__version__,
+              "temperature": args.temperature, "torch": torch.__version__,
               "gpu": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None}
     result["direct_engine"], result["direct_hooks"] = direct(model_dir, args.device, args.max_tokens, max_batch,
-                                                             args.reps)
+                                                             args.reps, args.temperature)
     _progress("direct engine", result["direct_engine"])
     _progress("direct hooks", result["direct_hooks"])
     result["server"] = server(model_dir, args.device, args.max_tokens, streams, args.reps,
-                              {"fast_queue": True} if args.fast_queue else {})
+                              {"fast_queue": True} if args.fast_queue else {}, temperature=args.temperature)
     _progress("server", result["server"])
     result["compare"] = {}
     for item in args.compare:
         key, _, value = item.partition("=")
         parsed = json.loads(value) if value.lower() in ("true", "false", "null") or value[:1].isdigit() else value
-        r = server(model_dir, args.device, args.max_tokens, streams, args.reps, {key: parsed}, concurrent=False)
+        r = server(model_dir, args.device, args.max_tokens, streams, args.reps, {key: parsed}, concurrent=False,
+                   temperature=args.temperature)
         result["compare"][item] = {k: r[k] for k in ("ttft_ms", "decode_tokens_per_s", "single_streams")}
     d, h, s = result["direct_engine"], result["direct_hooks"], result["server"]
     result["overhead"] = {

@@ -32,9 +32,10 @@ class StreamResult:
 
 
 def stream_chat(base_url: str, model: str, max_tokens: int, *, timeout: float = 600.0,
-                client: httpx.Client | None = None) -> StreamResult:
-    """One streaming chat completion (greedy, ignore_eos); token count from `stream_options.include_usage`."""
-    body = {"model": model, "messages": CHAT, "max_tokens": max_tokens, "temperature": 0, "stream": True,
+                client: httpx.Client | None = None, temperature: float = 0.0) -> StreamResult:
+    """One streaming chat completion (greedy unless `temperature`, ignore_eos); token count from
+    `stream_options.include_usage`."""
+    body = {"model": model, "messages": CHAT, "max_tokens": max_tokens, "temperature": temperature, "stream": True,
             "ignore_eos": True, "stream_options": {"include_usage": True}}
     own = client is None
     client = client or httpx.Client(base_url=base_url, timeout=timeout)
@@ -74,7 +75,8 @@ def time_to_first_token(base_url: str, model: str, reps: int = 5) -> float:
     return sorted(times)[len(times) // 2]
 
 
-def concurrent_streams(base_url: str, model: str, n: int, max_tokens: int, ttft_s: float | None = None) -> dict:
+def concurrent_streams(base_url: str, model: str, n: int, max_tokens: int, ttft_s: float | None = None,
+                       temperature: float = 0.0) -> dict:
     """n streams started together; aggregate tokens/s over the wall time, mean TTFT and per-stream decode rates
     (first -> last token). `ttft_s` is accepted for compatibility and unused."""
     results: list[StreamResult | Exception] = [None] * n  # type: ignore[list-item]
@@ -84,7 +86,7 @@ def concurrent_streams(base_url: str, model: str, n: int, max_tokens: int, ttft_
         try:
             with httpx.Client(base_url=base_url, timeout=600.0) as client:  # connect outside the timed part
                 start.wait(60)
-                results[i] = stream_chat(base_url, model, max_tokens, client=client)
+                results[i] = stream_chat(base_url, model, max_tokens, client=client, temperature=temperature)
         except Exception as exc:  # noqa: BLE001 - reported in the summary
             results[i] = exc
 

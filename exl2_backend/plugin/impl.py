@@ -149,7 +149,9 @@ class Exl2Handle(BackendHandle):
                 return infill_ids(tok, req.prompt, req.suffix, limit=limit)
             if req.prompt is not None:
                 return tok.encode(req.prompt, limit=limit)
-            extra = {} if req.tools is None else {"tools": req.tools}
+            extra = dict(req.chat_template_kwargs or {})  # validated: no name the renderer sets itself
+            if req.tools is not None:
+                extra["tools"] = req.tools
             if req.continue_final_message:
                 extra["continue_final_message"] = True
             return tok.encode_chat(req.messages, req.add_generation_prompt, limit=limit, **extra)

@@ -65,6 +65,8 @@ class SequenceRequest:
     suffix: str | None = None  # with `prompt`: the text after the gap; the model fills in the middle (API 1.4)
     tools: list[dict] | None = None  # OpenAI tool definitions rendered into the chat prompt with `messages` (API 1.4;
     # tokenizer/tool_prompt.py); the reply's form is the host's grammar
+    chat_template_kwargs: dict[str, Any] | None = None  # extra variables of the chat template, e.g. a Llama 3.1
+    # template's date_string or a reasoning template's enable_thinking (API 1.6; vLLM's request field)
 
     def validate(self) -> None:
         """Raise `AdmissionRejected(reason="invalid_request", field=...)` for a malformed request (cheap, no
@@ -114,9 +116,37 @@ class SequenceRequest:
         for name in ("ignore_eos", "add_generation_prompt", "cap_to_context", "continue_final_message"):
             if not isinstance(getattr(self, name), bool):  # "no" is truthy: only real booleans
                 bad(name, f"must be true or false, got {getattr(self, name)!r}")
+        problem = template_kwargs_problem(self.chat_template_kwargs, self.messages is not None)
+        if problem is not None:
+            bad("chat_template_kwargs", problem)
         if self.continue_final_message and (self.messages is None or self.add_generation_prompt):
             bad("continue_final_message", "continues the last chat message: needs messages and "
                                           "add_generation_prompt false")
+
+
+# variables the renderer sets itself (tokenizer/chat_template.render, Tokenizer.apply_chat_template)
+RESERVED_TEMPLATE_VARIABLES = frozenset(("messages", "add_generation_prompt", "tools", "continue_final_message",
+                                         "template_name", "bos_token", "eos_token", "unk_token", "pad_token"))
+MAX_TEMPLATE_KWARGS = 32
+
+
+def template_kwargs_problem(kwargs: Any, has_messages: bool) -> str | None:
+    """Why `chat_template_kwargs` is refused, or None: a mapping of at most MAX_TEMPLATE_KWARGS names (identifiers,
+    none of RESERVED_TEMPLATE_VARIABLES) for a request with chat messages."""
+    if kwargs is None:
+        return None
+    if not isinstance(kwargs, dict):
+        return f"must be an object of template variables, got {type(kwargs).__name__}"
+    if kwargs and not has_messages:
+        return "applies to chat messages only"
+    if len(kwargs) > MAX_TEMPLATE_KWARGS:
+        return f"at most {MAX_TEMPLATE_KWARGS} variables, got {len(kwargs)}"
+    for name in kwargs:
+        if not isinstance(name, str) or not name.isidentifier():
+            return f"variable names must be identifiers, got {name!r}"
+        if name in RESERVED_TEMPLATE_VARIABLES:
+            return f"{name!r} is set by the server (use the request's own field)"
+    return None
 
 
 def _is_int(x: Any) -> bool:

@@ -281,7 +281,16 @@ class Exl2OpenAISpec(LitSpec):
         reply = _Reply(chat=True, n=req.n, tools=req.calls_tools(), tool_format=fmt, reasoning=tags,
                        inside_reasoning=tags is not None and req.reply_inside_reasoning(tags),
                        include_reasoning=req.include_reasoning)
-        seq = dict(seq_id=sid, **req.prompt_fields(), max_new_tokens=req.limit(), cap_to_context=req.limit() is None,
+        fields = req.prompt_fields()
+        if tags is not None and tags.prompt_opens:
+            # where the reply begins (inside the thinking block or not) is learned once, from the template without
+            # variables; one that changes the prompt's end would leave thinking and answer unsplit or mixed up
+            if req.chat_template_kwargs:
+                return _error_response(400, "chat_template_kwargs: this model's chat template opens the thinking "
+                                            "block itself; template variables are not supported for it",
+                                       param="chat_template_kwargs")
+            fields.pop("chat_template_kwargs", None)  # reasoning_effort alone: not passed to such a template
+        seq = dict(seq_id=sid, **fields, max_new_tokens=req.limit(), cap_to_context=req.limit() is None,
                    **req.sampling_fields())
         # a reasoning model thinks first; a constraint holds its answer
         thinking = tags.grammar_field(reply.inside_reasoning) if tags is not None else None

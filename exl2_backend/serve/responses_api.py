@@ -43,7 +43,7 @@ class ResponsesRequest(BaseModel):
     tool_choice: str | dict | None = None
     parallel_tool_calls: bool | None = None
     text: dict | None = None  # {"format": {"type": "text" | "json_object" | "json_schema", ...}, "verbosity"}
-    reasoning: dict | None = None  # {"effort", "summary"}: accepted; a reasoning model thinks as it was trained
+    reasoning: dict | None = None  # {"effort", "summary"}: effort goes to the chat template as reasoning_effort
     stream: bool = False
     store: bool | None = None  # accepted; nothing is stored (the response says store false)
     metadata: dict[str, str] | None = None  # echoed back
@@ -109,6 +109,9 @@ class ResponsesRequest(BaseModel):
             body["response_format"] = _response_format(fmt)
         if self.wants_logprobs():
             body["logprobs"], body["top_logprobs"] = True, self.top_logprobs or 0
+        effort = (self.reasoning or {}).get("effort")
+        if effort is not None:  # a template variable, for templates that read it
+            body["reasoning_effort"] = effort
         if self.stream:
             body["stream_options"] = {"include_usage": True}  # response.completed carries the usage
         return body

@@ -157,14 +157,26 @@ class ChatMessage(BaseModel):
 
 
 def chat_prompt_fields(messages: list[ChatMessage], tools: list[ToolDef] | None, add_generation_prompt: bool,
-                       continue_final_message: bool) -> dict:
+                       continue_final_message: bool, template_kwargs: dict | None = None) -> dict:
     """The SequenceRequest fields of a chat prompt (what the backend renders with the chat template); the same for
     a chat completion and for /tokenize, so the two count the same ids."""
     out = {"messages": [m.as_template_message() for m in messages], "add_generation_prompt": add_generation_prompt,
            "continue_final_message": continue_final_message}
     if tools:
         out["tools"] = [t.model_dump(exclude_none=True) for t in tools]
+    if template_kwargs:
+        out["chat_template_kwargs"] = dict(template_kwargs)
     return out
+
+
+def _template_kwargs(v):
+    """chat_template_kwargs as the hook API takes them (plugin.types.template_kwargs_problem)."""
+    from exl2_backend.plugin.types import template_kwargs_problem
+
+    problem = template_kwargs_problem(v, has_messages=True)
+    if problem is not None:
+        raise ValueError(problem)
+    return v
 
 
 def check_continue(add_generation_prompt: bool, continue_final_message: bool) -> None:
@@ -315,7 +327,9 @@ class ChatCompletionRequest(_SamplingRequest):
     add_generation_prompt: bool = True  # vLLM's extensions: false with continue_final_message true continues the
     continue_final_message: bool = False  # last message (e.g. an assistant reply begun by the client)
     include_reasoning: bool = True  # a reasoning model's thinking returned as reasoning_content (false: dropped)
-    reasoning_effort: str | None = None
+    reasoning_effort: str | None = None  # a template variable too (templates that read it, as gpt-oss's do)
+    chat_template_kwargs: dict[str, Any] | None = None  # vLLM's: extra variables of the chat template
+    _chat_template_kwargs = field_validator("chat_template_kwargs")(_template_kwargs)
     modalities: list[str] | None = None
     # accepted and ignored (no effect on a local model)
     prompt_cache_key: str | None = None
@@ -341,7 +355,11 @@ class ChatCompletionRequest(_SamplingRequest):
 
     def prompt_fields(self) -> dict:
         """SequenceRequest fields of this chat's prompt."""
-        return chat_prompt_fields(self.messages, self.tools, self.add_generation_prompt, self.continue_final_message)
+        kwargs = dict(self.chat_template_kwargs or {})
+        if self.reasoning_effort is not None:
+            kwargs.setdefault("reasoning_effort", self.reasoning_effort)
+        return chat_prompt_fields(self.messages, self.tools, self.add_generation_prompt, self.continue_final_message,
+                                  kwargs)
 
     @field_validator("functions", "audio", "prediction", "web_search_options")
     @classmethod
@@ -494,6 +512,8 @@ class TokenizeRequest(_Strict):
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     tools: list[ToolDef] | None = Field(default=None, max_length=MAX_TOOLS)
+    chat_template_kwargs: dict[str, Any] | None = None
+    _chat_template_kwargs = field_validator("chat_template_kwargs")(_template_kwargs)
 
     @model_validator(mode="after")
     def _one_source(self):
@@ -506,7 +526,8 @@ class TokenizeRequest(_Strict):
         """SequenceRequest fields of the same prompt."""
         if self.prompt is not None:
             return {"prompt": self.prompt}
-        return chat_prompt_fields(self.messages, self.tools, self.add_generation_prompt, self.continue_final_message)
+        return chat_prompt_fields(self.messages, self.tools, self.add_generation_prompt, self.continue_final_message,
+                                  self.chat_template_kwargs)
 
 
 class DetokenizeRequest(_Strict):

@@ -93,6 +93,8 @@ def test_per_engine_hooks_ignore_foreign_handles():
     ("continue_final_message", True), ("continue_final_message", "yes"),  # True: a prompt, not messages
     ("min_new_tokens", -1), ("min_new_tokens", 300), ("min_new_tokens", True),  # 300 > max_new_tokens (256)
     ("tools", [{"type": "function", "function": {"name": "f"}}]),  # tools go with chat messages, not a prompt
+    ("chat_template_kwargs", {"date_string": "x"}),  # chat messages only, not a prompt
+    ("chat_template_kwargs", ["date_string"]),
 ])
 def test_request_validation_names_the_field(field, value):
     req = SequenceRequest("s", prompt="hi", **{field: value})
@@ -100,6 +102,17 @@ def test_request_validation_names_the_field(field, value):
         req.validate()
     assert ei.value.field == field and ei.value.reason == "invalid_request" and ei.value.tier == 1
     assert field in str(ei.value)
+
+
+@pytest.mark.parametrize("kwargs", [{"messages": []}, {"tools": []}, {"eos_token": ""}, {"a b": 1},
+                                    {f"v{i}": i for i in range(33)}])
+def test_chat_template_kwargs_names_the_renderer_sets_are_refused(kwargs):
+    req = SequenceRequest("s", messages=[{"role": "user", "content": "hi"}], chat_template_kwargs=kwargs)
+    with pytest.raises(AdmissionRejected) as ei:
+        req.validate()
+    assert ei.value.field == "chat_template_kwargs"
+    SequenceRequest("s", messages=[{"role": "user", "content": "hi"}],
+                    chat_template_kwargs={"date_string": "26 Jul 2024", "enable_thinking": False}).validate()
 
 
 def test_request_needs_exactly_one_prompt_form():

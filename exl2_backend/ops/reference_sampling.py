@@ -52,20 +52,26 @@ def sampling_probs(logits, params) -> torch.Tensor:
     greedy = temp == 0  # [B, 1]
 
     probs = torch.softmax(logits.float() / torch.where(greedy, 1.0, temp), dim=-1)  # [B, V]
-    sp, idx = torch.sort(probs, dim=-1, descending=True, stable=True)  # equal p -> lower id first
-    rank = torch.arange(v, device=dev)[None, :]  # [1, V]
+    # a filter no row uses leaves every row as it is: skipping it (and with none, the sort) keeps the bits
+    on = [any(f(p) for p in params) for f in (lambda p: 0 < p.top_k < v, lambda p: p.top_p < 1.0,
+                                              lambda p: p.min_p > 0.0)]
+    out = probs
+    if any(on):
+        sp, idx = torch.sort(probs, dim=-1, descending=True, stable=True)  # equal p -> lower id first
 
-    def keep(mask, active):  # zero the dropped tokens and renormalize, only on rows where the filter is on
-        kept = torch.where(mask, sp, 0.0)
-        return torch.where(active, kept / kept.sum(-1, keepdim=True), sp)
+        def keep(mask, active):  # zero the dropped tokens and renormalize, only on rows where the filter is on
+            kept = torch.where(mask, sp, 0.0)
+            return torch.where(active, kept / kept.sum(-1, keepdim=True), sp)
 
-    sp = keep(rank < top_k, top_k < v)
-    # mass ranked strictly above each token; it is 0 < top_p for the top token, which therefore always stays
-    before = torch.cat((sp.new_zeros(b_, 1), torch.cumsum(sp, -1)[:, :-1]), dim=-1)
-    sp = keep(before < top_p, top_p < 1.0)
-    sp = keep(sp >= min_p * sp[:, :1], min_p > 0.0)
-
-    out = torch.zeros_like(sp).scatter_(-1, idx, sp)
+        if on[0]:
+            sp = keep(torch.arange(v, device=dev)[None, :] < top_k, top_k < v)  # rank < k
+        if on[1]:
+            # mass ranked strictly above each token; it is 0 < top_p for the top token, which therefore always stays
+            before = torch.cat((sp.new_zeros(b_, 1), torch.cumsum(sp, -1)[:, :-1]), dim=-1)
+            sp = keep(before < top_p, top_p < 1.0)
+        if on[2]:
+            sp = keep(sp >= min_p * sp[:, :1], min_p > 0.0)
+        out = torch.zeros_like(sp).scatter_(-1, idx, sp)
     one_hot = torch.zeros_like(out).scatter_(-1, torch.argmax(logits.float(), -1, keepdim=True), 1.0)
     return torch.where(greedy, one_hot, out)
 

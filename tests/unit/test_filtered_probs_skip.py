@@ -38,3 +38,17 @@ def test_active_filters_reads_sampled_rows_only():
     assert active_filters([ROWS["greedy_top_p"], ROWS["temp"]], V) == frozenset()
     assert active_filters([ROWS["top_k"], ROWS["min_p"]], V) == {"top_k", "min_p"}
     assert active_filters([SamplingParams(temperature=1.0, top_k=V)], V) == frozenset()  # k >= V keeps all
+
+
+@pytest.mark.parametrize("names", [("temp",), ("temp", "greedy_top_p"), ("top_p", "temp"), ("all", "min_p")])
+def test_the_reference_skips_them_too(names):
+    """reference_sampling.sampling_probs skips the same filters (and the sort when none is on): its sampled rows
+    equal the all-filters computation bit for bit."""
+    from exl2_backend.ops.reference_sampling import sampling_probs
+
+    params = [ROWS[n] for n in names]
+    logits = torch.randn(len(params), V, generator=torch.Generator().manual_seed(7)) * 2
+    pt = sampling_param_tensors(params, V, "cpu")
+    full = filtered_probs(logits, pt["temperature"], pt["top_k"], pt["top_p"], pt["min_p"])
+    sampled = [i for i, p in enumerate(params) if p.temperature != 0]
+    assert torch.equal(sampling_probs(logits, params)[sampled], full[sampled])

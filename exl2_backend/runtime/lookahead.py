@@ -58,7 +58,7 @@ class _Flight:
     logits: torch.Tensor | None = None  # f32 [B, V], a deferred step's own copy: sampled when it is consumed
 
 
-def _in_flight_safe(s) -> bool:
+def _sampled_when_queued(s) -> bool:
     """Whether a step of sequence s may be sampled before the step before it is read back: nothing its sampling
     reads changes with that token in a way the device cannot follow. A logit bias and the sampling parameters are
     fixed; penalty counts take the token in flight on the device, and min_tokens' ban counts it as out
@@ -119,7 +119,7 @@ class DecodeLookahead:
 
     def _enqueue(self, seqs: tuple, prev: _Flight | None) -> _Flight:
         """Queue the decode step at position num_tokens - 1 of each sequence, its inputs their last tokens; or,
-        after `prev` (the flight at that position), the next one, its inputs prev's argmax still on the device."""
+        after `prev` (the flight at that position), the next one, its inputs prev's tokens still on the device."""
         r, b = self.runner, len(seqs)
         offset = 0 if prev is None else 1
         starts = [s.num_tokens - 1 + offset for s in seqs]
@@ -150,7 +150,7 @@ class DecodeLookahead:
         r.replays += 1
         logits = r._outputs[bucket][:b]  # [B, V]
         flight = _Flight(seqs, expect)
-        if all(_in_flight_safe(s) for s in seqs):  # prev's tokens are not yet in the host's counts: pending
+        if all(_sampled_when_queued(s) for s in seqs):  # prev's tokens are not yet in the host's counts: pending
             self._sample(flight, logits, None if prev is None else prev.tokens_dev)
         else:  # sampled when consumed; a copy, since a 1-token prefill chunk may replay this graph meanwhile
             flight.logits = logits.clone()

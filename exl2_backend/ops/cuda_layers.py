@@ -31,7 +31,9 @@ import torch
 
 from exl2_backend.errors import InvalidRequestError
 from exl2_backend.ops import library, reference
+from exl2_backend.ops.host_copy import to_device
 from exl2_backend.ops.library import F32, I32, I64, PTR, STREAM
+from exl2_backend.ops.reference_sampling import active_filters
 
 log = logging.getLogger("exl2_backend")
 
@@ -849,27 +851,16 @@ def zero_temperatures(device: torch.device, b: int) -> torch.Tensor:
     return zeros[:b]
 
 
-def _to_device(rows: list, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """Host values -> device tensor through pinned memory, without waiting for the device."""
-    host = torch.tensor(rows, dtype=dtype)
-    return host.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else host.to(device)
-
-
 def sampling_param_tensors(params, vocab: int, device) -> dict[str, torch.Tensor]:
     """Per-row parameters as [B] device tensors (temperature, top_k with 0/out-of-range -> vocab, top_p, min_p,
     repetition/frequency/presence penalties), copied without a host sync."""
     rows = [[p.temperature, p.top_k if 0 < p.top_k < vocab else vocab, p.top_p, p.min_p, p.repetition_penalty,
              p.frequency_penalty, p.presence_penalty] for p in params]
-    t = _to_device(rows, torch.float32, torch.device(device)).reshape(len(params), 7)
+    t = to_device(rows, torch.float32, torch.device(device)).reshape(len(params), 7)
     names = ("temperature", "top_k", "top_p", "min_p", "repetition_penalty", "frequency_penalty", "presence_penalty")
     out = {n: t[:, i] for i, n in enumerate(names)}
     out["top_k"] = out["top_k"].long()  # exact: vocab < 2^24
     return out
-
-
-def needs_filter(params, vocab: int) -> bool:
-    """True when some sampled row uses top-k, top-p or min-p (the sort-based filtered_probs path)."""
-    return any(p.temperature != 0 and (0 < p.top_k < vocab or p.top_p < 1.0 or p.min_p > 0.0) for p in params)
 
 
 def filtered_probs(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
@@ -898,14 +889,6 @@ def filtered_probs(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch
     return torch.zeros_like(sp).scatter_(-1, idx, sp)
 
 
-def active_filters(params, vocab: int) -> frozenset:
-    """The filters (top_k, top_p, min_p) some sampled row of the batch uses (host-side parameters)."""
-    sampled = [p for p in params if p.temperature != 0]
-    return frozenset(name for name, on in (("top_k", any(0 < p.top_k < vocab for p in sampled)),
-                                           ("top_p", any(p.top_p < 1.0 for p in sampled)),
-                                           ("min_p", any(p.min_p > 0.0 for p in sampled))) if on)
-
-
 def sample_tokens(logits: torch.Tensor, params, uniforms: torch.Tensor | None = None) -> torch.Tensor:
     """reference.sample_tokens on the GPU: logits [B, V] f32, params list[SamplingParams], uniforms [B, V] f32 in
     (0, 1] (None: drawn from the global torch RNG) -> int64 [B] on the device, no host sync. Greedy and
@@ -919,9 +902,9 @@ def sample_tokens(logits: torch.Tensor, params, uniforms: torch.Tensor | None = 
     uniforms = uniforms.to(device=logits.device, dtype=torch.float32)
     pt = sampling_param_tensors(params, v, logits.device)
     probs = None
-    if needs_filter(params, v):
-        probs = filtered_probs(logits, pt["temperature"], pt["top_k"], pt["top_p"], pt["min_p"],
-                               active_filters(params, v))
+    filters = active_filters(params, v)
+    if filters:  # the sort-based path
+        probs = filtered_probs(logits, pt["temperature"], pt["top_k"], pt["top_p"], pt["min_p"], filters)
     return direct.sample_tokens_tensor(logits, uniforms, pt["temperature"], probs)
 
 
@@ -950,7 +933,6 @@ __all__ = [
     "filtered_probs",
     "greedy_tokens",
     "kv_cache_write",
-    "needs_filter",
     "paged_attention",
     "rms_norm",
     "rope_kv_write",

@@ -36,6 +36,16 @@ def apply_penalties(logits, prompt_counts, output_counts, params) -> torch.Tenso
     return out - (fp * oc + pp * (oc > 0).float())
 
 
+def active_filters(params, vocab: int) -> frozenset:
+    """The filters (top_k, top_p, min_p) some sampled row of the batch uses (host-side parameters). A filter no
+    sampled row uses leaves every row as it is, so both samplers skip it (and the reference its sort when none is
+    on): the same bits. Greedy rows' filters do not count: their distribution is the argmax's one-hot."""
+    sampled = [p for p in params if p.temperature != 0]
+    return frozenset(name for name, on in (("top_k", any(0 < p.top_k < vocab for p in sampled)),
+                                           ("top_p", any(p.top_p < 1.0 for p in sampled)),
+                                           ("min_p", any(p.min_p > 0.0 for p in sampled))) if on)
+
+
 def sampling_probs(logits, params) -> torch.Tensor:
     """logits [B, V] f32 (penalties applied) -> f32 [B, V], the exact distribution `sample_tokens` draws from
     (a one-hot at the argmax for greedy rows). A filter that is off leaves its row untouched (no renorm)."""
@@ -52,24 +62,22 @@ def sampling_probs(logits, params) -> torch.Tensor:
     greedy = temp == 0  # [B, 1]
 
     probs = torch.softmax(logits.float() / torch.where(greedy, 1.0, temp), dim=-1)  # [B, V]
-    # a filter no row uses leaves every row as it is: skipping it (and with none, the sort) keeps the bits
-    on = [any(f(p) for p in params) for f in (lambda p: 0 < p.top_k < v, lambda p: p.top_p < 1.0,
-                                              lambda p: p.min_p > 0.0)]
+    on = active_filters(params, v)  # the others leave every row as it is
     out = probs
-    if any(on):
+    if on:
         sp, idx = torch.sort(probs, dim=-1, descending=True, stable=True)  # equal p -> lower id first
 
         def keep(mask, active):  # zero the dropped tokens and renormalize, only on rows where the filter is on
             kept = torch.where(mask, sp, 0.0)
             return torch.where(active, kept / kept.sum(-1, keepdim=True), sp)
 
-        if on[0]:
+        if "top_k" in on:
             sp = keep(torch.arange(v, device=dev)[None, :] < top_k, top_k < v)  # rank < k
-        if on[1]:
+        if "top_p" in on:
             # mass ranked strictly above each token; it is 0 < top_p for the top token, which therefore always stays
             before = torch.cat((sp.new_zeros(b_, 1), torch.cumsum(sp, -1)[:, :-1]), dim=-1)
             sp = keep(before < top_p, top_p < 1.0)
-        if on[2]:
+        if "min_p" in on:
             sp = keep(sp >= min_p * sp[:, :1], min_p > 0.0)
         out = torch.zeros_like(sp).scatter_(-1, idx, sp)
     one_hot = torch.zeros_like(out).scatter_(-1, torch.argmax(logits.float(), -1, keepdim=True), 1.0)

@@ -23,8 +23,8 @@ meanwhile are reused only by work queued later on the same stream), and the gene
 By default (EXL2_BACKEND_GRAPH_IO=0 turns it off) a plain greedy step is one launch of a greedy graph whose host
 I/O runs inside it (runtime/greedy_graphs.py): the lookahead step's input token is read from the previous launch's
 output by the graph itself. H200 call AN1 (2026-12-05, 8B at 1k): the engine step 2,249.7 us against 2,269.5
-without it, the idle time per step 1.9 us against 37.2. Sampled and biased batches take the plain graph steps
-with the sampler after the replay.
+without it, the idle time per step 1.9 us against 37.2. Every other batch takes the plain graph steps with the
+sampler after the replay.
 """
 
 from __future__ import annotations
@@ -35,10 +35,11 @@ from dataclasses import dataclass
 
 import torch
 
+from exl2_backend.ops.host_copy import to_device
 from exl2_backend.ops.reference_decode_io import FROM_PREVIOUS
 from exl2_backend.runtime.cuda_graphs import CudaGraphRunner
 from exl2_backend.runtime.logprobs import entries_from, logprob_tensors
-from exl2_backend.runtime.sampler import NAN_LOGITS, rows_on, sample_on_device
+from exl2_backend.runtime.sampler import NAN_LOGITS, sample_on_device
 
 log = logging.getLogger("exl2_backend")
 
@@ -180,7 +181,7 @@ class DecodeLookahead:
         rows = [i for i, s in enumerate(seqs) if s.params.logprobs is not None]
         if not rows:
             return None
-        idx = rows_on(rows, logits.device)
+        idx = to_device(rows, torch.int64, logits.device)
         ids = tok.index_select(0, idx).clamp_min(0)  # a NaN row's -1: its entry is never read (the sequence fails)
         out = logprob_tensors(logits.index_select(0, idx), ids, max(seqs[i].params.logprobs for i in rows))
         pinned = tuple(torch.empty(t.shape, dtype=t.dtype, pin_memory=True) for t in out)

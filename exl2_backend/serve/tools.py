@@ -2,11 +2,11 @@
 that holds the model's reply to them, and the reply read back into `tool_calls`.
 
 Calls are written in the model's own convention (tokenizer/tool_formats.py: Hermes `<tool_call>` blocks, Llama 3's
-`{"name", "parameters"}` objects, Mistral's `[TOOL_CALLS]` list). The grammar (exl2_backend/grammar/, llguidance
-Lark with embedded JSON Schemas) makes every call name a defined function with arguments that follow its
-`parameters` schema:
+`{"name", "parameters"}` objects, Mistral's `[TOOL_CALLS]` list, Mistral v11+'s `[TOOL_CALLS]name[ARGS]{...}`). The
+grammar (exl2_backend/grammar/, llguidance Lark with embedded JSON Schemas) makes every call name a defined function
+with arguments that follow its `parameters` schema:
 - "auto" (the default with tools): free text, or one or more calls; a text reply may not start (after any
-  whitespace) with the character that begins a call ("<", "{" or "[");
+  whitespace) with the character that begins a call ("<", "{" or "["; Mistral v11+'s calls begin with a token);
 - "required": one or more calls; a named function: exactly one call of it;
 - "none": no grammar, the reply is text (the tools are still in the prompt, as the OpenAI API does);
 - parallel_tool_calls false: at most one call."""
@@ -94,6 +94,8 @@ def tool_grammar(tools: list[ToolDef], choice: ToolChoice, parallel: bool,
     functions = [t.function for t in tools]
     if isinstance(choice, NamedToolChoice):
         functions = [f for f in functions if f.name == choice.function.name]
+    if fmt.args_marker is not None:
+        return _named_calls_grammar(functions, choice, parallel, fmt)
     schemas = [_call_schema(f, fmt.args_key) for f in functions]
     body = dict(schemas[0] if len(schemas) == 1 else {"anyOf": schemas}, **{"x-guidance": JSON_OPTIONS})
     one = isinstance(choice, NamedToolChoice) or not parallel
@@ -119,6 +121,25 @@ def tool_grammar(tools: list[ToolDef], choice: ToolChoice, parallel: bool,
     return {"type": "lark", "value": "\n".join(rules)}
 
 
+def _named_calls_grammar(functions: list[FunctionDef], choice: ToolChoice, parallel: bool,
+                         fmt: ToolCallFormat) -> dict:
+    """Mistral v11+'s calls: each the marker, a defined function's name, [ARGS] and arguments that follow that
+    function's schema, calls one after another; [CALL_ID] is left out (the ids are ours). The markers are the
+    vocabulary's tokens where it has them."""
+    one = isinstance(choice, NamedToolChoice) or not parallel
+    marker, args = (f"<[{i}]>" if i is not None else _literal(t)
+                    for i, t in ((fmt.marker_id, fmt.marker), (fmt.args_marker_id, fmt.args_marker)))
+    rules = [f"start: {'calls' if choice != 'auto' else 'TEXT | calls'}", f"calls: call{'' if one else '+'}",
+             f"call: {marker} ({' | '.join(f'fn{i}' for i in range(len(functions)))})"]
+    for i, fn in enumerate(functions):
+        params = fn.parameters if fn.parameters is not None else {"type": "object", "properties": {},
+                                                                  "additionalProperties": False}
+        rules.append(f"fn{i}: {_literal(fn.name)} {args} args{i}")
+        rules.append(f"args{i}: %json {json.dumps(dict(params, **{'x-guidance': JSON_OPTIONS}))}")
+    rules.append("TEXT: /\\s*\\S(.|\\n)*/")  # a text reply (a call begins with the marker token)
+    return {"type": "lark", "value": "\n".join(rules)}
+
+
 def _pieces(text: str, fmt: ToolCallFormat, which: int) -> list[str]:
     """Grammar items that spell `text` (a call's open or close): its tag as the token where the vocabulary has one
     (the model's own token; llguidance would not let the tag's text match it), the rest as literals."""
@@ -132,12 +153,18 @@ def _pieces(text: str, fmt: ToolCallFormat, which: int) -> list[str]:
 
 
 def _head(fmt: ToolCallFormat) -> re.Pattern:
-    """A call object's head as the grammar writes it (compact JSON, names [A-Za-z0-9_-])."""
+    """A call's head as the grammar writes it, up to its arguments' value: the call object's (compact JSON, names
+    [A-Za-z0-9_-]), or Mistral v11+'s marker, name, optional [CALL_ID] and id, and [ARGS]."""
+    if fmt.args_marker is not None:
+        return re.compile(re.escape(fmt.marker) + r"\s*([A-Za-z0-9_-]+)(?:\[CALL_ID\][A-Za-z0-9]*)?"
+                          + re.escape(fmt.args_marker) + r"\s*")
     return re.compile(r'\{"name": "([A-Za-z0-9_-]+)", "' + re.escape(fmt.args_key) + '": ')
 
 
 def _arguments_text(body: str, obj: dict, fmt: ToolCallFormat) -> str:
     """The arguments as the model wrote them (what streaming sent), else re-serialized."""
+    if fmt.args_marker is not None:  # the source is the arguments' own text
+        return body
     head = f'{{"name": {json.dumps(obj["name"])}, "{fmt.args_key}": '
     if body.startswith(head) and body.endswith("}"):
         return body[len(head) : -1]
@@ -166,6 +193,8 @@ def _parse_calls(text: str, fmt: ToolCallFormat) -> tuple[list[tuple[dict, str]]
     """The reply's call objects in `fmt` with their source text, read from the start for as long as the reply
     follows the format (whitespace between the parts is allowed), and where reading stopped (len(text): the whole
     reply is calls)."""
+    if fmt.args_marker is not None:
+        return _parse_named_calls(text, fmt)
     pos, calls = 0, []
     if fmt.marker:
         after = _skip(text, 0, fmt.marker)  # the marker's text, when it was not a special token (skipped)
@@ -195,6 +224,24 @@ def _parse_calls(text: str, fmt: ToolCallFormat) -> tuple[list[tuple[dict, str]]
         if (after := _skip(text, pos, fmt.separator)) is None:
             return calls, pos
         pos = after
+
+
+def _parse_named_calls(text: str, fmt: ToolCallFormat) -> tuple[list[tuple[dict, str]], int]:
+    """_parse_calls for Mistral v11+: each call the head (_head) and an arguments object, with the arguments'
+    text as the source."""
+    head, pos, calls = _head(fmt), 0, []
+    while (m := head.match(text, _past_space(text, pos))) is not None:
+        try:
+            args, end = _DECODER.raw_decode(text, m.end())
+        except json.JSONDecodeError:
+            break
+        if not isinstance(args, dict):
+            break
+        calls.append(({"name": m.group(1), fmt.args_key: args}, text[m.end():end]))
+        pos = end
+        if not text[pos:].strip():
+            return calls, len(text)
+    return calls, pos
 
 
 def split_tool_calls(text: str, fmt: ToolCallFormat = HERMES) -> tuple[str | None, list[dict]]:

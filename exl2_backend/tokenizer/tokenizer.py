@@ -21,6 +21,7 @@ from exl2_backend.tokenizer.incremental import IncrementalDecoder
 from exl2_backend.tokenizer.reasoning import THINK_CLOSE, THINK_OPEN, ReasoningTags, template_reasons
 from exl2_backend.tokenizer.tool_formats import (
     HERMES,
+    MISTRAL_V11_TOKENS,
     ToolCallFormat,
     detect_format_name,
     template_takes_tools,
@@ -132,6 +133,8 @@ class Tokenizer:
         # skipped when decoding output; reasoning and tool-call tags never are: replies are split on them
         # (tokenizer/reasoning.py, serve/tools.py)
         kept = {self.token_to_id(t) for t in (THINK_OPEN, THINK_CLOSE, *HERMES.tags)}
+        if self.token_to_id("[ARGS]") is not None:  # a Mistral v11+ vocabulary: calls are read from these tokens
+            kept |= {self.token_to_id(t) for t in MISTRAL_V11_TOKENS}
         self.special_ids: frozenset[int] = frozenset(
             i for i, t in self._tok.get_added_tokens_decoder().items() if t.special and i not in kept)
         # Does the post-processor (e.g. Llama's TemplateProcessing) already put BOS in front?
@@ -280,7 +283,8 @@ class Tokenizer:
         if source is None:
             raise TokenizerError(f"this model has no chat template (tokenizer_config.json in {self.source})")
         if template_takes_tools(source):
-            messages = template_messages(messages, nine_char_ids=detect_format_name(source) == "mistral")
+            messages = template_messages(messages,
+                                         nine_char_ids=detect_format_name(source) in ("mistral", "mistral_v11"))
             if tools is not None:
                 kwargs["tools"] = tools
         elif tools or any(m.get("role") == "tool" or m.get("tool_calls") for m in messages):
@@ -308,7 +312,8 @@ class Tokenizer:
         # tags that are added tokens: grammars name them as tokens (llguidance takes an added <...> token as
         # special, so the tag's text spelled in a grammar would not match the model's token)
         tags = [self.token_to_id(t) for t in fmt.tags] if fmt.tags else []
-        return tool_call_format(name, marker, tags if tags and all(i in added for i in tags) else None)
+        args = self.token_to_id(fmt.args_marker) if fmt.args_marker else None
+        return tool_call_format(name, marker, tags if tags and all(i in added for i in tags) else None, args)
 
     def reasoning_tags(self, mode: str = "auto") -> ReasoningTags | None:
         """The tags a reasoning reply thinks inside (tokenizer/reasoning.py), or None: with "auto" where the chat

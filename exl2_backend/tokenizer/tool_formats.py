@@ -7,8 +7,12 @@ A template that renders tools also tells the model how to answer them; the reply
   `<tool_call>\\n{"name": ..., "arguments": {...}}\\n</tool_call>`, one block per call, blocks on separate lines;
 - "llama3_json" (Llama 3.1 / 3.2 / 3.3 with custom tools): `{"name": ..., "parameters": {...}}`, optionally after
   the `<|python_tag|>` token, several calls separated by "; " (vLLM's reading);
-- "mistral" (Mistral 7B v0.3, Nemo, Small): the `[TOOL_CALLS]` token, then a JSON list of
-  `{"name": ..., "arguments": {...}}`. Its templates insist on call ids of 9 letters and digits."""
+- "mistral" (Mistral 7B v0.3, Nemo, Small 22B / 24B 2501): the `[TOOL_CALLS]` token, then a JSON list of
+  `{"name": ..., "arguments": {...}}`. Its templates insist on call ids of 9 letters and digits;
+- "mistral_v11" (mistral-common's tokenizers v11 and later: Mistral Small 3.1 / 3.2, Magistral, Devstral): each call
+  is the `[TOOL_CALLS]` token, the function's name, the `[ARGS]` token and the arguments' JSON object, calls one
+  after another (v11 may put `[CALL_ID]` and an id before `[ARGS]`; grammars leave it out, the reader takes it). The
+  three tokens stay in the decoded text (tokenizer.Tokenizer.special_ids), so the reply reads back."""
 
 from __future__ import annotations
 
@@ -17,7 +21,8 @@ import secrets
 import string
 from dataclasses import dataclass, replace
 
-TOOL_CALL_FORMATS = ("hermes", "llama3_json", "mistral")
+TOOL_CALL_FORMATS = ("hermes", "llama3_json", "mistral", "mistral_v11")
+MISTRAL_V11_TOKENS = ("[TOOL_CALLS]", "[ARGS]", "[CALL_ID]")  # the tokens of a v11+ call, kept in decoded text
 
 _ID_ALPHABET = string.ascii_letters + string.digits
 
@@ -37,14 +42,17 @@ class ToolCallFormat:
     text_excludes: str = ""  # a text reply in "auto" may not start with this character (it begins a call)
     tags: tuple[str, str] | None = None  # the tags call_open / call_close begin / end with (Hermes' <tool_call>)
     tag_ids: tuple[int, int] | None = None  # their ids where the vocabulary has them as added tokens
+    args_marker: str | None = None  # "mistral_v11": a call is marker, name, this token, arguments (no call object)
+    args_marker_id: int | None = None  # its id when the vocabulary has it as one token
 
     def to_dict(self) -> dict:
         """What crosses the worker -> API process boundary: the name and the ids of its tokens."""
-        return {"name": self.name, "marker_id": self.marker_id, "tag_ids": self.tag_ids}
+        return {"name": self.name, "marker_id": self.marker_id, "tag_ids": self.tag_ids,
+                "args_marker_id": self.args_marker_id}
 
     def new_call_id(self) -> str:
         """A call id as the model's template accepts it."""
-        if self.name == "mistral":
+        if self.name in ("mistral", "mistral_v11"):
             return "".join(secrets.choice(_ID_ALPHABET) for _ in range(9))
         return f"call_{secrets.token_hex(12)}"
 
@@ -54,12 +62,14 @@ HERMES = ToolCallFormat("hermes", "arguments", "<tool_call>\n", "\n</tool_call>"
 LLAMA3_JSON = ToolCallFormat("llama3_json", "parameters", "", "", "; ", marker="<|python_tag|>", text_excludes="{")
 MISTRAL = ToolCallFormat("mistral", "arguments", "", "", ", ", list_open="[", list_close="]", marker="[TOOL_CALLS]",
                          marker_required=True, text_excludes="[")
-_BY_NAME = {f.name: f for f in (HERMES, LLAMA3_JSON, MISTRAL)}
+MISTRAL_V11 = ToolCallFormat("mistral_v11", "arguments", "", "", "", marker="[TOOL_CALLS]", marker_required=True,
+                             args_marker="[ARGS]")
+_BY_NAME = {f.name: f for f in (HERMES, LLAMA3_JSON, MISTRAL, MISTRAL_V11)}
 
 
-def tool_call_format(name: str, marker_id: int | None = None,
-                     tag_ids: tuple[int, int] | list[int] | None = None) -> ToolCallFormat:
-    """The format of that name (ValueError naming the known ones), with the ids of its marker and tags."""
+def tool_call_format(name: str, marker_id: int | None = None, tag_ids: tuple[int, int] | list[int] | None = None,
+                     args_marker_id: int | None = None) -> ToolCallFormat:
+    """The format of that name (ValueError naming the known ones), with the ids of its marker, tags and [ARGS]."""
     fmt = _BY_NAME.get(name)
     if fmt is None:
         raise ValueError(f"unknown tool call format {name!r}; known: {', '.join(TOOL_CALL_FORMATS)}")
@@ -67,6 +77,8 @@ def tool_call_format(name: str, marker_id: int | None = None,
         fmt = replace(fmt, marker_id=marker_id)
     if fmt.tags is not None and tag_ids is not None:
         fmt = replace(fmt, tag_ids=(int(tag_ids[0]), int(tag_ids[1])))
+    if fmt.args_marker is not None:
+        fmt = replace(fmt, args_marker_id=args_marker_id)
     return fmt
 
 
@@ -74,7 +86,7 @@ def format_from_dict(d: dict | None) -> ToolCallFormat:
     """ToolCallFormat.to_dict's inverse; the Hermes convention for None (a worker that did not say)."""
     if not d:
         return HERMES
-    return tool_call_format(d["name"], d.get("marker_id"), d.get("tag_ids"))
+    return tool_call_format(d["name"], d.get("marker_id"), d.get("tag_ids"), d.get("args_marker_id"))
 
 
 def template_takes_tools(source: str) -> bool:
@@ -87,8 +99,8 @@ def detect_format_name(source: str | None) -> str:
     which get the Hermes rendering, tokenizer/tool_prompt.py)."""
     if not source or not template_takes_tools(source):
         return "hermes"
-    if "[TOOL_CALLS]" in source:
-        return "mistral"
+    if "[TOOL_CALLS]" in source:  # v11+ templates write the name, then [ARGS] and the arguments
+        return "mistral_v11" if "[ARGS]" in source else "mistral"
     if "<tool_call>" in source:
         return "hermes"
     # Llama 3.x: "Respond in the format {"name": function name, "parameters": dictionary ...}", calls rendered

@@ -1,6 +1,7 @@
 """Chat templates in the tool-calling conventions of Llama 3.x and Mistral, written for the tests (the shapes that
 tokenizer/tool_formats.detect_format_name reads: Llama's "parameters" key and ipython environment, Mistral's
-[TOOL_CALLS] list and its 9-character call ids), and a tokenizer that has their marker tokens."""
+[TOOL_CALLS] list and its 9-character call ids, Mistral v11's [TOOL_CALLS]name[ARGS]{...}), and a tokenizer that has
+their marker tokens."""
 
 from __future__ import annotations
 
@@ -30,19 +31,36 @@ MISTRAL_TEMPLATE = (
     "[/TOOL_RESULTS]"
     "{% else %}{{ m.content }}{% endif %}{% endfor %}")
 
+# mistral-common's v11 convention (Mistral Small 3.1+, Devstral): each call is [TOOL_CALLS], the name, [CALL_ID] and
+# the id, [ARGS] and the arguments (v13+ leave the id out)
+MISTRAL_V11_TEMPLATE = (
+    "{{ bos_token }}{% for m in messages %}"
+    "{% if m.role == 'system' %}[SYSTEM_PROMPT]{{ m.content }}[/SYSTEM_PROMPT]"
+    "{% elif m.role == 'user' %}{% if tools and loop.last %}[AVAILABLE_TOOLS]{{ tools | tojson }}[/AVAILABLE_TOOLS]"
+    "{% endif %}[INST]{{ m.content }}[/INST]"
+    "{% elif m.tool_calls %}{{ m.content or '' }}{% for c in m.tool_calls %}"
+    "{% if c.id is not defined or c.id | length != 9 %}"
+    "{{ raise_exception('Tool call IDs should be alphanumeric strings with length 9!') }}{% endif %}"
+    "[TOOL_CALLS]{{ c.function.name }}[CALL_ID]{{ c.id }}[ARGS]{{ c.function.arguments | tojson }}"
+    "{% endfor %}{{ eos_token }}"
+    "{% elif m.role == 'tool' %}[TOOL_RESULTS]{{ m.tool_call_id }}[TOOL_CONTENT]{{ m.content }}[/TOOL_RESULTS]"
+    "{% else %}{{ m.content }}{{ eos_token }}{% endif %}{% endfor %}")
+V11_MARKERS = ["[TOOL_CALLS]", "[ARGS]", "[CALL_ID]"]
+
 MARKERS = ["<|python_tag|>", "[TOOL_CALLS]"]
 
 
-def add_marker_tokens(directory) -> dict[str, int]:
-    """Adds the two marker tokens (special) to a model directory's tokenizer.json; their ids."""
+def add_marker_tokens(directory, markers: list[str] = MARKERS) -> dict[str, int]:
+    """Adds marker tokens (special; by default <|python_tag|> and [TOOL_CALLS]) to a model directory's
+    tokenizer.json; their ids."""
     from tokenizers import AddedToken
     from tokenizers import Tokenizer as HFTokenizer
 
     path = str(directory / "tokenizer.json")
     tok = HFTokenizer.from_file(path)
-    tok.add_special_tokens([AddedToken(m, special=True) for m in MARKERS])
+    tok.add_special_tokens([AddedToken(m, special=True) for m in markers])
     tok.save(path)
-    return {m: tok.token_to_id(m) for m in MARKERS}
+    return {m: tok.token_to_id(m) for m in markers}
 
 
 def set_chat_template(directory, template: str) -> None:

@@ -4,7 +4,8 @@
   openai client: forced calls are `{"name", "parameters"}` objects read back into tool_calls, streamed and not, and
   the call with its result renders into the next turn;
 - Mistral ("mistral") through the hooks: the grammar the handle's tool_call_format asks for makes the reply the
-  [TOOL_CALLS] token and a list, which reads back into calls with 9-character ids.
+  [TOOL_CALLS] token and a list, which reads back into calls with 9-character ids;
+- Mistral v11+ ("mistral_v11") through the hooks: [TOOL_CALLS]name[ARGS]{...}, the tokens kept in the event text.
 The random weights say nothing about quality; the grammar decides every token of a forced call here (one function,
 its one argument an enum), so the replies are known."""
 
@@ -14,7 +15,14 @@ import json
 
 import pytest
 
-from tests.helpers.tool_templates import LLAMA3_TEMPLATE, MISTRAL_TEMPLATE, add_marker_tokens, set_chat_template
+from tests.helpers.tool_templates import (
+    LLAMA3_TEMPLATE,
+    MISTRAL_TEMPLATE,
+    MISTRAL_V11_TEMPLATE,
+    V11_MARKERS,
+    add_marker_tokens,
+    set_chat_template,
+)
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
@@ -26,12 +34,12 @@ WEATHER = {"type": "function", "function": {"name": "get_weather", "description"
 ASK = [{"role": "user", "content": "Weather in Oslo?"}]
 
 
-def _model(directory, template: str):
+def _model(directory, template: str, markers=None):
     from tests.helpers.synth import tiny_config_dict, write_tiny_exl2_model
 
     # with its byte-level tokenizer (a prompt is a token per byte: a longer context)
     write_tiny_exl2_model(directory, tiny_config_dict(vocab_size=VOCAB, max_position_embeddings=2048), seed=5)
-    assert max(add_marker_tokens(directory).values()) < VOCAB
+    assert max(add_marker_tokens(directory, *([markers] if markers else [])).values()) < VOCAB
     set_chat_template(directory, template)
     return directory
 
@@ -99,7 +107,8 @@ def test_mistral_calls_through_the_hooks(tmp_path):
     try:
         fmt = format_from_dict(h.tool_call_format())
         assert fmt.name == "mistral" and fmt.marker_id == h.engine.tokenizer.token_to_id("[TOOL_CALLS]")
-        assert h.tool_call_format("hermes") == {"name": "hermes", "marker_id": None, "tag_ids": None}
+        assert h.tool_call_format("hermes") == {"name": "hermes", "marker_id": None, "tag_ids": None,
+                                                "args_marker_id": None}
         grammar = tool_grammar([ToolDef.model_validate(WEATHER)], "required", False, fmt)
         # an earlier call with an OpenAI-style id renders (the template demands 9 characters)
         earlier = {"id": "call_4d1f", "type": "function",
@@ -119,5 +128,45 @@ def test_mistral_calls_through_the_hooks(tmp_path):
         content, calls = split_tool_calls("".join(e.text for e in events), fmt)
         assert content is None and calls[0]["function"]["name"] == "get_weather"
         assert len(calls[0]["id"]) == 9 and calls[0]["id"].isalnum()
+    finally:
+        pm.hook.exl2_unload(handle=h)
+
+
+def test_mistral_v11_calls_through_the_hooks(tmp_path):
+    """Two forced calls in the v11 convention: each [TOOL_CALLS], the name, [ARGS] and the arguments; the event text
+    keeps the three tokens, so it reads back into calls; an earlier call renders with its id shortened."""
+    from exl2_backend.plugin.manager import new_plugin_manager
+    from exl2_backend.plugin.types import SequenceRequest, StepBatch
+    from exl2_backend.serve.tools import ToolDef, split_tool_calls, tool_grammar
+    from exl2_backend.tokenizer.tool_formats import format_from_dict
+
+    directory = _model(tmp_path / "m", MISTRAL_V11_TEMPLATE, V11_MARKERS)
+    pm = new_plugin_manager(builtin_fallback=True)
+    h = pm.hook.exl2_load(settings={"model_dir": str(directory), "device": "cpu", "max_seq_len": 2048})
+    try:
+        tok = h.engine.tokenizer
+        fmt = format_from_dict(h.tool_call_format())
+        assert fmt.name == "mistral_v11" and fmt.args_marker_id == tok.token_to_id("[ARGS]")
+        grammar = tool_grammar([ToolDef.model_validate(WEATHER)], "required", True, fmt)
+        earlier = {"id": "call_4d1f", "type": "function",
+                   "function": {"name": "get_weather", "arguments": '{"city": "Rome"}'}}
+        messages = ASK + [{"role": "assistant", "content": "", "tool_calls": [earlier]},
+                          {"role": "tool", "tool_call_id": "call_4d1f", "content": "20C"},
+                          {"role": "user", "content": "And Oslo?"}]
+        req = SequenceRequest("m", messages=messages, tools=[WEATHER], grammar=grammar, temperature=0.0,
+                              max_new_tokens=60)
+        events = pm.hook.exl2_prefill(handle=h, batch=StepBatch(new=[req]))
+        for _ in range(60):  # bounded: a call is ~30 tokens of this byte-level vocabulary
+            if events[-1].finished:
+                break
+            events += pm.hook.exl2_decode(handle=h, batch=StepBatch(seq_ids=["m"]))
+        ids = [t for e in events for t in e.token_ids]
+        text = "".join(e.text for e in events)
+        assert ids[0] == fmt.marker_id and text.startswith("[TOOL_CALLS]get_weather[ARGS]{")
+        content, calls = split_tool_calls(text, fmt)
+        assert calls and all(c["function"]["name"] == "get_weather" and len(c["id"]) == 9 for c in calls)
+        assert all(json.loads(c["function"]["arguments"])["city"] in ("Oslo", "Rome") for c in calls)
+        # max_new_tokens may cut a later call: the calls before the cut stay calls
+        assert content is None or events[-1].finish_reason == "length"
     finally:
         pm.hook.exl2_unload(handle=h)

@@ -16,12 +16,20 @@ from exl2_backend.tokenizer.tool_formats import (
     HERMES,
     LLAMA3_JSON,
     MISTRAL,
+    MISTRAL_V11,
     detect_format_name,
     format_from_dict,
     mistral_call_id,
     tool_call_format,
 )
-from tests.helpers.tool_templates import LLAMA3_TEMPLATE, MISTRAL_TEMPLATE, add_marker_tokens, set_chat_template
+from tests.helpers.tool_templates import (
+    LLAMA3_TEMPLATE,
+    MISTRAL_TEMPLATE,
+    MISTRAL_V11_TEMPLATE,
+    V11_MARKERS,
+    add_marker_tokens,
+    set_chat_template,
+)
 
 WEATHER = {"type": "function", "function": {"name": "get_weather", "parameters": {
     "type": "object", "properties": {"city": {"enum": ["Oslo", "Rome"]}}, "required": ["city"],
@@ -54,6 +62,7 @@ def test_the_template_says_which_convention(default_model_dir):
     assert detect_format_name(Tokenizer.from_dir(default_model_dir).chat_template_source) == "hermes"  # no tools
     assert detect_format_name(LLAMA3_TEMPLATE) == "llama3_json"
     assert detect_format_name(MISTRAL_TEMPLATE) == "mistral"
+    assert detect_format_name(MISTRAL_V11_TEMPLATE) == "mistral_v11"
     assert detect_format_name("{% for t in tools %}<tool_call>{% endfor %}") == "hermes"
     assert detect_format_name("{{ tools | tojson }}") == "hermes"  # tools, no known convention: the fallback
 
@@ -74,7 +83,7 @@ def test_the_tokenizer_gives_the_format_with_its_marker(marked):
     finally:
         set_chat_template(directory, "{{ messages }}")
     assert format_from_dict(fmt.to_dict()) == fmt and format_from_dict(None) == HERMES
-    with pytest.raises(ValueError, match="known: hermes, llama3_json, mistral"):
+    with pytest.raises(ValueError, match="known: hermes, llama3_json, mistral, mistral_v11"):
         tool_call_format("xml")
 
 
@@ -138,7 +147,9 @@ def test_mistral_grammar_admits_exactly_its_replies(vocab, marked):
                   '{"name": "ping", "parameters": {}}')),
     (MISTRAL, (' [{"name": "get_weather", "arguments": {"city": "Oslo", "n": {"a": "}]"}}}, '
               '{"name": "ping", "arguments": {}}]')),
-], ids=["hermes", "llama3_json", "mistral"])
+    (MISTRAL_V11, ('[TOOL_CALLS]get_weather[ARGS]{"city": "Oslo", "n": {"a": "}]"}}'
+                  '[TOOL_CALLS]ping[CALL_ID]a1B2c3D4e[ARGS]{}')),
+], ids=["hermes", "llama3_json", "mistral", "mistral_v11"])
 def test_replies_read_back_whole_and_streamed(fmt, reply):
     """split_tool_calls reads both calls (the arguments as the model wrote them); ToolCallStream over the reply cut
     at 100 random places gives each call's id and name first and arguments that add up to the same text."""
@@ -146,7 +157,8 @@ def test_replies_read_back_whole_and_streamed(fmt, reply):
     assert content is None
     want = [(c["function"]["name"], c["function"]["arguments"]) for c in calls]
     assert want == [("get_weather", '{"city": "Oslo", "n": {"a": "}]"}}'), ("ping", "{}")]
-    id_ok = (lambda i: len(i) == 9 and i.isalnum()) if fmt is MISTRAL else (lambda i: i.startswith("call_"))
+    id_ok = (lambda i: len(i) == 9 and i.isalnum()) if fmt.name.startswith("mistral") else (
+        lambda i: i.startswith("call_"))
     assert all(id_ok(c["id"]) for c in calls) and len({c["id"] for c in calls}) == 2
     for trial in range(100):
         rng = random.Random(trial)
@@ -166,6 +178,8 @@ def test_replies_read_back_whole_and_streamed(fmt, reply):
     (LLAMA3_JSON, "It is cold."), (LLAMA3_JSON, '{"name": "ping", "parameters": {}'),  # cut by max_tokens
     (LLAMA3_JSON, '{"name": 3, "parameters": {}}'), (MISTRAL, "[1, 2]"), (MISTRAL, "Plain text."),
     (HERMES, '<tool_call>\n{"name": "ping", "argum'), (HERMES, "plain"),
+    (MISTRAL_V11, "[TOOL_CALLS]ping[ARGS]{"), (MISTRAL_V11, "ping[ARGS]{}"), (MISTRAL_V11, "Plain text."),
+    (MISTRAL_V11, "[TOOL_CALLS]ping[ARGS][1]"),
 ])
 def test_what_is_not_calls_stays_text(fmt, text):
     assert split_tool_calls(text, fmt) == (text, [])
@@ -177,6 +191,7 @@ def test_what_is_not_calls_stays_text(fmt, text):
     (MISTRAL, '[{"name": "ping", "arguments": {}}, {"na', '{"na'),
     (MISTRAL, '[{"name": "ping", "arguments": {}}', None),
     (HERMES, '<tool_call>\n{"name": "ping", "arguments": {}}\n</tool_call>\n<tool_call>\n{"', '<tool_call>\n{"'),
+    (MISTRAL_V11, '[TOOL_CALLS]ping[ARGS]{}[TOOL_CALLS]get_we', "[TOOL_CALLS]get_we"),
 ])
 def test_a_reply_cut_after_a_call_keeps_the_calls_before_the_cut(fmt, text, rest):
     content, calls = split_tool_calls(text, fmt)
@@ -265,3 +280,77 @@ def test_hermes_tags_that_are_added_tokens(tmp_path):
     row = torch.zeros(gt.words, dtype=torch.int32)
     m.fill_mask(row)
     assert not row.any() and m.allows_nothing()
+
+
+@pytest.fixture(scope="module")
+def v11_vocab(tmp_path_factory):
+    """A byte-level tokenizer with Mistral v11's [TOOL_CALLS], [ARGS] and [CALL_ID] as special tokens: (Vocabulary,
+    Tokenizer, their ids)."""
+    from exl2_backend.format.random_model import write_byte_tokenizer
+    from exl2_backend.grammar.vocabulary import Vocabulary
+
+    directory = tmp_path_factory.mktemp("v11")
+    write_byte_tokenizer(directory, VOCAB - 3)
+    ids = add_marker_tokens(directory, V11_MARKERS)
+    set_chat_template(directory, MISTRAL_V11_TEMPLATE)
+    tok = Tokenizer.from_dir(directory)
+    return Vocabulary(tok, VOCAB, {tok.eos_token_id}), tok, ids
+
+
+def test_mistral_v11_format_from_the_tokenizer(v11_vocab):
+    _, tok, ids = v11_vocab
+    fmt = tok.tool_call_format()
+    assert fmt.name == "mistral_v11" and fmt.marker_id == ids["[TOOL_CALLS]"] and fmt.args_marker_id == ids["[ARGS]"]
+    assert format_from_dict(fmt.to_dict()) == fmt
+    # the call tokens stay in the decoded text (other special tokens do not): the reply reads back from it
+    decoder = tok.incremental_decoder()
+    reply = [ids["[TOOL_CALLS]"], *tok.encode("ping", add_special_tokens=False), ids["[ARGS]"],
+             *tok.encode("{}", add_special_tokens=False), tok.eos_token_id]
+    text = "".join(decoder.push(t) for t in reply) + decoder.flush()
+    assert text == "[TOOL_CALLS]ping[ARGS]{}"
+    assert split_tool_calls(text, fmt)[1][0]["function"] == {"name": "ping", "arguments": "{}"}
+
+
+def test_mistral_v11_grammar_admits_exactly_its_replies(v11_vocab):
+    import llguidance
+
+    gt, tok, ids = v11_vocab
+    fmt = tok.tool_call_format()
+
+    def accepts(grammar, parts) -> bool:  # parts: token names (markers) and text
+        seq = [t for p in parts for t in ([ids[p]] if p in ids else tok.encode(p, add_special_tokens=False))]
+        matcher = llguidance.LLMatcher(gt.llg, compile_grammar(grammar, gt.llg)[0])
+        return matcher.validate_tokens(seq) == len(seq) and matcher.consume_tokens(seq) and matcher.is_accepting()
+
+    tc, args = "[TOOL_CALLS]", "[ARGS]"
+    w, p = [tc, "get_weather", args, '{"city": "Rome"}'], [tc, "ping", args, "{}"]
+    required = tool_grammar(TOOLS, "required", True, fmt)
+    assert accepts(required, w) and accepts(required, w + p) and accepts(required, p + p)
+    assert not accepts(required, ["get_weather", args, '{"city": "Rome"}'])  # the marker is required
+    assert not accepts(required, [tc, "get_weather", args, '{"city": "Paris"}'])  # the schema holds
+    assert not accepts(required, [tc, "get_time", args, "{}"])  # defined functions only
+    assert not accepts(required, [tc, "ping", "[CALL_ID]", "a1B2c3D4e", args, "{}"])  # ids are ours
+    assert not accepts(tool_grammar(TOOLS, "required", False, fmt), w + p)
+    auto = tool_grammar(TOOLS, "auto", True, fmt)
+    assert accepts(auto, ["It is warm."]) and accepts(auto, p) and not accepts(auto, ["It is warm.", *p])
+    named = NamedToolChoice.model_validate({"type": "function", "function": {"name": "ping"}})
+    assert accepts(tool_grammar(TOOLS, named, True, fmt), p) and not accepts(tool_grammar(TOOLS, named, True, fmt), w)
+    # the walk a model favouring high ids takes is a valid call, and reads back
+    walked = _walk(gt, tok, tool_grammar(TOOLS[1:], "required", False, fmt))
+    decoder = tok.incremental_decoder()
+    text = "".join(decoder.push(t) for t in walked) + decoder.flush()
+    assert walked[0] == ids[tc] and split_tool_calls(text, fmt)[1][0]["function"]["name"] == "ping"
+
+
+def test_mistral_v11_history_renders_with_nine_character_ids(v11_vocab):
+    _, tok, _ = v11_vocab
+    call = {"id": "call_8f2b6c1d9e", "type": "function", "function": {"name": "get_weather",
+                                                                       "arguments": '{"city": "Oslo"}'}}
+    history = [{"role": "user", "content": "Weather in Oslo?"},
+               {"role": "assistant", "content": "", "tool_calls": [call]},
+               {"role": "tool", "tool_call_id": "call_8f2b6c1d9e", "content": "-3C"},
+               {"role": "user", "content": "And tomorrow?"}]
+    text = tok.apply_chat_template(history, tools=[WEATHER])
+    short = mistral_call_id("call_8f2b6c1d9e")
+    assert f'[TOOL_CALLS]get_weather[CALL_ID]{short}[ARGS]{{"city": "Oslo"}}' in text
+    assert f"[TOOL_RESULTS]{short}[TOOL_CONTENT]-3C" in text

@@ -1,6 +1,7 @@
 """`Exl2OpenAISpec`: our OpenAI-compatible surface on LitServe (runs in the API server process).
 
-Routes: POST /v1/chat/completions, POST /v1/completions, POST /v1/responses (serve/responses_api.py), GET
+Routes: POST /v1/chat/completions, POST /v1/completions, POST /v1/responses (serve/responses_api.py; GET / DELETE
+/v1/responses/{id} and GET /v1/responses/{id}/input_items read stored ones, serve/response_store.py), GET
 /v1/models[/{id}], POST /tokenize and /detokenize, GET /metrics (Prometheus text). LitServe's own GET /health
 calls `Exl2LitAPI.health`, which asks the worker through `query_worker`.
 
@@ -40,6 +41,7 @@ from exl2_backend.serve.openai_items import (
     merge_items,
     mergeable,
 )
+from exl2_backend.serve.response_store import ResponseStore, input_items, item_page
 from exl2_backend.serve.responses_api import (
     RequestFieldError,
     ResponsesRequest,
@@ -96,6 +98,11 @@ def _error_response(status: int, message: str, *, param: str | None = None, code
                         status_code=status, headers=headers)
 
 
+def _no_response(response_id: str) -> JSONResponse:
+    return _error_response(404, f"no stored response {response_id!r} (not stored, deleted, or dropped as least "
+                           "recently used)", param="response_id", code="not_found")
+
+
 class Exl2OpenAISpec(LitSpec):
     def __init__(self):
         super().__init__()
@@ -103,6 +110,7 @@ class Exl2OpenAISpec(LitSpec):
         self.model_id = "default"
         self._max_model_len: int | None = None
         self._model_info: dict | None = None  # the worker's model_info (tool calls, reasoning), asked once
+        self.response_store = ResponseStore()  # the Responses API's stored responses (serve/response_store.py)
 
     @property
     def stream(self) -> bool:
@@ -117,6 +125,9 @@ class Exl2OpenAISpec(LitSpec):
         self.add_endpoint("/v1/chat/completions", self.chat_completions, ["POST"])
         self.add_endpoint("/v1/completions", self.completions, ["POST"])
         self.add_endpoint("/v1/responses", self.responses, ["POST"])
+        self.add_endpoint("/v1/responses/{response_id}", self.get_response, ["GET"])
+        self.add_endpoint("/v1/responses/{response_id}", self.delete_response, ["DELETE"])
+        self.add_endpoint("/v1/responses/{response_id}/input_items", self.response_input_items, ["GET"])
         self.add_endpoint("/v1/models", self.list_models, ["GET"])
         self.add_endpoint("/v1/models/{model_name:path}", self.get_model, ["GET"])
         self.add_endpoint("/metrics", self.metrics, ["GET"])
@@ -245,8 +256,18 @@ class Exl2OpenAISpec(LitSpec):
         rreq = await self._parse(request, ResponsesRequest)
         if isinstance(rreq, Response):
             return rreq
+        history: list[dict] = []
+        if rreq.previous_response_id is not None:
+            previous = self.response_store.get(rreq.previous_response_id)
+            if previous is None:
+                return _error_response(400, f"previous response {rreq.previous_response_id!r} not found (stored "
+                                       "responses are kept in memory, the least recently used dropped past "
+                                       f"{self.response_store.capacity})", param="previous_response_id",
+                                       code="previous_response_not_found")
+            history = previous.conversation
         try:
-            chat_body = rreq.chat_body()
+            own = input_items(rreq.input)
+            chat_body = rreq.chat_body(history + own)
         except RequestFieldError as exc:  # what has no chat translation
             return _error_response(400, str(exc), param=exc.param)
         try:
@@ -255,11 +276,17 @@ class Exl2OpenAISpec(LitSpec):
             param, message = first_error(exc)
             named = responses_param(param)
             return _error_response(400, message.replace(param, named, 1), param=named)
-        skeleton = rreq.skeleton(new_id("resp"), req.model or self.model_id)
+        store = rreq.store is not False and self.response_store.capacity > 0
+        skeleton = rreq.skeleton(new_id("resp"), req.model or self.model_id, store)
+
+        def keep(response: dict) -> None:
+            if store:
+                self.response_store.put(response, own, history)
+
         resp = await self._chat(request, req)
         if isinstance(resp, StreamingResponse):
-            return StreamingResponse(response_events(resp.body_iterator, skeleton), media_type="text/event-stream",
-                                     headers=_SSE_HEADERS)
+            return StreamingResponse(response_events(resp.body_iterator, skeleton, keep),
+                                     media_type="text/event-stream", headers=_SSE_HEADERS)
         if resp.status_code == 499:
             return resp
         data = json.loads(resp.body)
@@ -267,7 +294,32 @@ class Exl2OpenAISpec(LitSpec):
             data["error"]["param"] = responses_param(data["error"].get("param"))
             retry = resp.headers.get("Retry-After")
             return JSONResponse(data, status_code=resp.status_code, headers={"Retry-After": retry} if retry else None)
-        return JSONResponse(response_from_chat(data, skeleton))
+        response = response_from_chat(data, skeleton)
+        keep(response)
+        return JSONResponse(response)
+
+    async def get_response(self, response_id: str) -> Response:
+        entry = self.response_store.get(response_id)
+        return JSONResponse(entry.response) if entry is not None else _no_response(response_id)
+
+    async def delete_response(self, response_id: str) -> Response:
+        if not self.response_store.delete(response_id):
+            return _no_response(response_id)
+        return JSONResponse({"id": response_id, "object": "response.deleted", "deleted": True})
+
+    async def response_input_items(self, response_id: str, order: str = "desc", limit: int = 20,
+                                   after: str | None = None) -> Response:
+        entry = self.response_store.get(response_id)
+        if entry is None:
+            return _no_response(response_id)
+        if order not in ("asc", "desc"):
+            return _error_response(400, f"order: must be asc or desc (got {order!r})", param="order")
+        if not 1 <= limit <= 100:
+            return _error_response(400, f"limit: must be 1..100 (got {limit})", param="limit")
+        try:
+            return JSONResponse(item_page(entry.input_items, order=order, limit=limit, after=after))
+        except ValueError as exc:
+            return _error_response(400, str(exc), param="after")
 
     async def _chat(self, request: Request, req: ChatCompletionRequest) -> Response:
         sid = f"chatcmpl-{uuid.uuid4().hex}"

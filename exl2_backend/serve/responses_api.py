@@ -4,8 +4,10 @@ exactly as a chat completion, and its result translated back into a `response` o
 (reasoning, message, function_call). Streaming translates the chat chunks into Responses events
 (serve/responses_stream.py).
 
-Stateless: nothing is stored, so `previous_response_id` and `conversation` are refused (send the whole conversation
-as `input`, function calls and their outputs included); `store` is accepted and answered false."""
+Responses are stored unless `store` is false (serve/response_store.py: in memory, bounded), so `previous_response_id`
+continues a conversation (its input and output items come before the new input; its instructions do not carry
+over), and GET / DELETE /v1/responses/{id} and GET /v1/responses/{id}/input_items read them. `conversation` (the
+Conversations API) is refused: send the whole conversation as `input`, or chain responses."""
 
 from __future__ import annotations
 
@@ -45,7 +47,7 @@ class ResponsesRequest(BaseModel):
     text: dict | None = None  # {"format": {"type": "text" | "json_object" | "json_schema", ...}, "verbosity"}
     reasoning: dict | None = None  # {"effort", "summary"}: effort goes to the chat template as reasoning_effort
     stream: bool = False
-    store: bool | None = None  # accepted; nothing is stored (the response says store false)
+    store: bool | None = None  # None: stored, as the OpenAI API does (serve/response_store.py)
     metadata: dict[str, str] | None = None  # echoed back
     user: str | None = None
     safety_identifier: str | None = None
@@ -70,11 +72,12 @@ class ResponsesRequest(BaseModel):
     ignore_eos: bool | None = None
     include_reasoning: bool | None = None
 
-    @field_validator("previous_response_id", "conversation")
+    @field_validator("conversation")
     @classmethod
-    def _stateless(cls, v):
+    def _no_conversations(cls, v):
         if v is not None:
-            raise ValueError("this server stores no responses or conversations; send the whole conversation as input")
+            raise ValueError("this server keeps no conversations; send the whole conversation as input, or continue "
+                             "a stored response with previous_response_id")
         return v
 
     @field_validator("include")
@@ -88,11 +91,12 @@ class ResponsesRequest(BaseModel):
     def wants_logprobs(self) -> bool:
         return "message.output_text.logprobs" in (self.include or ()) or bool(self.top_logprobs)
 
-    def chat_body(self) -> dict:
-        """The chat completions request this one runs as; RequestFieldError("<param>: <why>") for what has no
-        translation (the param named as in this API)."""
-        body: dict[str, Any] = {"messages": input_messages(self.instructions, self.input), "n": 1,
-                                "stream": self.stream}
+    def chat_body(self, items: list[dict] | None = None) -> dict:
+        """The chat completions request this one runs as, over `items` (the previous response's conversation and
+        this input; default: this input); RequestFieldError("<param>: <why>") for what has no translation (the
+        param named as in this API)."""
+        body: dict[str, Any] = {"messages": input_messages(self.instructions, self.input if items is None else items),
+                                "n": 1, "stream": self.stream}
         if self.model is not None:
             body["model"] = self.model
         if self.max_output_tokens is not None:
@@ -116,7 +120,7 @@ class ResponsesRequest(BaseModel):
             body["stream_options"] = {"include_usage": True}  # response.completed carries the usage
         return body
 
-    def skeleton(self, rid: str, model: str) -> dict:
+    def skeleton(self, rid: str, model: str, store: bool = False) -> dict:
         """The response object before its output: what a `response.created` event carries."""
         return {"id": rid, "object": "response", "created_at": int(time.time()), "model": model,
                 "status": "in_progress", "output": [], "error": None, "incomplete_details": None,
@@ -125,8 +129,8 @@ class ResponsesRequest(BaseModel):
                 "parallel_tool_calls": self.parallel_tool_calls is not False,
                 "temperature": self.temperature, "top_p": self.top_p, "tools": self.tools or [],
                 "tool_choice": self.tool_choice or "auto", "text": self.text or {"format": {"type": "text"}},
-                "reasoning": self.reasoning, "store": False, "truncation": "disabled", "usage": None,
-                "user": self.user}
+                "reasoning": self.reasoning, "store": store, "truncation": "disabled", "usage": None,
+                "user": self.user, "previous_response_id": self.previous_response_id}
 
 
 _PASSED = ("temperature", "top_p", "parallel_tool_calls", "top_k", "min_p", "repetition_penalty", "presence_penalty",

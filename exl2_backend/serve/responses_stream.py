@@ -10,7 +10,7 @@ the `error` event and response.failed."""
 from __future__ import annotations
 
 import json
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 
 from exl2_backend.serve.responses_api import (
     finished,
@@ -51,6 +51,7 @@ class ResponseEvents:
         self.item: _Item | None = None
         self.finish: str | None = None
         self.usage: dict | None = None
+        self.final: dict | None = None  # the completed (or incomplete) response, once the stream ended
 
     def event(self, kind: str, **fields) -> str:
         data = {"type": kind, "sequence_number": self.seq, **fields}
@@ -136,7 +137,7 @@ class ResponseEvents:
     def end(self) -> list[str]:
         incomplete = self.finish == "length"
         out = self._close("incomplete" if incomplete else "completed")
-        response = finished(self.skeleton, self.output, self.usage, incomplete)
+        response = self.final = finished(self.skeleton, self.output, self.usage, incomplete)
         return out + [self.event("response.incomplete" if incomplete else "response.completed", response=response)]
 
     def fail(self, error: dict) -> list[str]:
@@ -148,9 +149,11 @@ class ResponseEvents:
                       self.event("response.failed", response=response)]
 
 
-async def response_events(chat_sse: AsyncIterator, skeleton: dict) -> AsyncIterator[str]:
-    """The chat stream's SSE text (the chat route's body iterator) -> Responses events. Closing this generator
-    closes the chat stream, whose own cleanup cancels the sequence (a client that went away)."""
+async def response_events(chat_sse: AsyncIterator, skeleton: dict,
+                          on_done: Callable[[dict], None] | None = None) -> AsyncIterator[str]:
+    """The chat stream's SSE text (the chat route's body iterator) -> Responses events; `on_done` gets the final
+    response of a stream that completed (or stopped at max_output_tokens). Closing this generator closes the chat
+    stream, whose own cleanup cancels the sequence (a client that went away)."""
     events = ResponseEvents(skeleton)
     buf = ""
     try:
@@ -164,7 +167,10 @@ async def response_events(chat_sse: AsyncIterator, skeleton: dict) -> AsyncItera
                     continue
                 data = block[len("data: "):]
                 if data == "[DONE]":
-                    for e in events.end():
+                    ended = events.end()
+                    if on_done is not None:
+                        on_done(events.final)
+                    for e in ended:
                         yield e
                     return
                 chunk = json.loads(data)

@@ -1,8 +1,9 @@
 """OpenAI's Responses API (POST /v1/responses) through the real server (LitServe + the default model on CPU,
 127.0.0.1) and the real openai client: text replies equal the chat completion of the same conversation, streamed
 events add up to the same output, max_output_tokens marks the response incomplete, function calls come back as
-function_call items and go back in as input items, text.format constrains the answer, and what this stateless
-server cannot do is a 400 naming the field."""
+function_call items and go back in as input items, text.format constrains the answer, stored responses continue
+through previous_response_id (and are read, listed and deleted), and what this server cannot do is a 400 naming the
+field."""
 
 from __future__ import annotations
 
@@ -28,7 +29,7 @@ def test_a_reply_equals_the_chat_completion(client):
     assert [o.type for o in r.output] == ["message"] and r.output_text == chat.choices[0].message.content
     assert r.usage.input_tokens == chat.usage.prompt_tokens and r.usage.output_tokens == chat.usage.completion_tokens
     assert r.status == ("incomplete" if chat.choices[0].finish_reason == "length" else "completed")
-    assert r.store is False and r.instructions == "Answer briefly."
+    assert r.store is True and r.instructions == "Answer briefly." and r.previous_response_id is None
 
 
 def test_streamed_events_add_up_to_the_response(client):
@@ -88,7 +89,8 @@ def test_text_format_holds_the_answer(client):
 
 
 @pytest.mark.parametrize("patch, param", [
-    ({"previous_response_id": "resp_1"}, "previous_response_id"),
+    ({"previous_response_id": "resp_1"}, "previous_response_id"),  # never stored
+    ({"conversation": "conv_1"}, "conversation"),
     ({"tools": [{"type": "web_search"}]}, "tools.0.type"),
     ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]}, "input.0.content.0.type"),
     ({"input": [{"type": "function_call", "name": "f", "arguments": "{}"}]}, "input.0.call_id"),
@@ -126,3 +128,72 @@ def test_a_stream_closed_early_frees_its_sequence(server, http):
     generated = (after["exl2_backend_generation_tokens_total"]
                  - before.get("exl2_backend_generation_tokens_total", 0))
     assert generated < 200, f"{generated} tokens: the sequence ran on after the client left"
+
+
+def test_previous_response_id_continues_the_conversation(client):
+    """A chained response answers as the chat completion of the whole conversation would: the previous input and
+    output before the new input, the new instructions only (the old ones do not carry over)."""
+    first = client.responses.create(model=MODEL, instructions="Be terse.", input="My name is Ada. Say hello.",
+                                    temperature=0, max_output_tokens=16)
+    second = client.responses.create(model=MODEL, previous_response_id=first.id, instructions="Answer briefly.",
+                                     input="What is my name?", temperature=0, max_output_tokens=16)
+    chat = client.chat.completions.create(model=MODEL, temperature=0, max_tokens=16, messages=[
+        {"role": "system", "content": "Answer briefly."}, {"role": "user", "content": "My name is Ada. Say hello."},
+        {"role": "assistant", "content": first.output_text}, {"role": "user", "content": "What is my name?"}])
+    assert second.output_text == chat.choices[0].message.content
+    assert second.usage.input_tokens == chat.usage.prompt_tokens and second.previous_response_id == first.id
+    # streamed, the same; and the streamed response is stored too
+    events = list(client.responses.create(stream=True, model=MODEL, previous_response_id=first.id,
+                                          instructions="Answer briefly.", input="What is my name?", temperature=0,
+                                          max_output_tokens=16))
+    final = events[-1].response
+    assert final.output_text == second.output_text
+    assert client.responses.retrieve(final.id).output_text == final.output_text
+
+
+def test_a_function_call_answered_through_previous_response_id(client):
+    """The call stays in the stored conversation: only its output goes in the next request."""
+    first = client.responses.create(model=MODEL, input="What is the weather like in Paris?", tools=[WEATHER],
+                                    tool_choice="required", parallel_tool_calls=False, temperature=0,
+                                    max_output_tokens=60)
+    (call,) = [o for o in first.output if o.type == "function_call"]
+    output = {"type": "function_call_output", "call_id": call.call_id, "output": "Sunny, 21C"}
+    chained = client.responses.create(model=MODEL, previous_response_id=first.id, input=[output], tools=[WEATHER],
+                                      tool_choice="none", temperature=0, max_output_tokens=20)
+    whole = client.responses.create(model=MODEL, tools=[WEATHER], tool_choice="none", temperature=0,
+                                    max_output_tokens=20, input=[
+                                        {"role": "user", "content": "What is the weather like in Paris?"},
+                                        {"type": "function_call", "call_id": call.call_id, "name": call.name,
+                                         "arguments": call.arguments}, output])
+    assert chained.output_text == whole.output_text and chained.usage.input_tokens == whole.usage.input_tokens
+
+
+def test_stored_responses_are_read_listed_and_deleted(client, http):
+    import openai
+
+    r = client.responses.create(model=MODEL, input=[{"role": "user", "content": "Hi."},
+                                                    {"role": "assistant", "content": "Hello!"},
+                                                    {"role": "user", "content": "Name a fruit."}],
+                                temperature=0, max_output_tokens=8)
+    got = client.responses.retrieve(r.id)
+    assert got.id == r.id and got.output_text == r.output_text and got.store is True
+    items = client.responses.input_items.list(r.id)  # newest first, each with an id
+    assert [i.content[0].text for i in items.data] == ["Name a fruit.", "Hello!", "Hi."]
+    assert all(i.id.startswith("msg_") for i in items.data)
+    page = http.get(f"/v1/responses/{r.id}/input_items", params={"order": "asc", "limit": 2}).json()
+    assert [i["content"][0]["text"] for i in page["data"]] == ["Hi.", "Hello!"] and page["has_more"] is True
+    rest = http.get(f"/v1/responses/{r.id}/input_items", params={"order": "asc", "after": page["last_id"]}).json()
+    assert [i["content"][0]["text"] for i in rest["data"]] == ["Name a fruit."] and rest["has_more"] is False
+    bad = http.get(f"/v1/responses/{r.id}/input_items", params={"limit": 0})
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "limit"
+    deleted = client.responses.delete(r.id)
+    assert deleted is None or getattr(deleted, "deleted", True)
+    with pytest.raises(openai.NotFoundError):
+        client.responses.retrieve(r.id)
+    gone = http.post("/v1/responses", json={"model": MODEL, "input": "Hi", "previous_response_id": r.id})
+    assert gone.status_code == 400 and gone.json()["error"]["param"] == "previous_response_id"
+    assert http.delete(f"/v1/responses/{r.id}").status_code == 404
+    unstored = client.responses.create(model=MODEL, input="Hi.", store=False, max_output_tokens=4)
+    assert unstored.store is False
+    with pytest.raises(openai.NotFoundError):
+        client.responses.retrieve(unstored.id)

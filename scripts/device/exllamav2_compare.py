@@ -193,9 +193,12 @@ def text_ids(model_dir: Path, tokens: int) -> list[int]:
     return ([bos] if bos is not None else []) + ids
 
 
-def random_ids(tokens: int) -> list[int]:
-    """`tokens` reproducible random ids below 128000 (random-weight models)."""
-    return torch.randint(0, 128000, (tokens,), generator=torch.Generator().manual_seed(1)).tolist()
+def random_ids(tokens: int, model_dir: Path | None = None) -> list[int]:
+    """`tokens` reproducible random ids below 128000 and below the vocabulary of `model_dir` (random-weight models)."""
+    vocab = 128000
+    if model_dir is not None:
+        vocab = min(vocab, json.loads((model_dir / "config.json").read_text())["vocab_size"])
+    return torch.randint(0, vocab, (tokens,), generator=torch.Generator().manual_seed(1)).tolist()
 
 
 def _write(out: Path, name: str, result: dict) -> None:
@@ -236,7 +239,7 @@ def main() -> int:
 
     if args.compat_only:  # (a) on one directory, e.g. the converter's output
         d = Path(args.compat_only)
-        result["compat"] = compat(d, random_ids(args.tokens) if args.random_ids else text_ids(d, args.tokens))
+        result["compat"] = compat(d, random_ids(args.tokens, d) if args.random_ids else text_ids(d, args.tokens))
         _write(Path(args.out), "exllamav2_compat.json", result)
         return 0
 

@@ -33,7 +33,7 @@ from exl2_backend.errors import InvalidRequestError
 from exl2_backend.ops import library, reference
 from exl2_backend.ops.host_copy import to_device
 from exl2_backend.ops.library import F32, I32, I64, PTR, STREAM
-from exl2_backend.ops.reference_sampling import active_filters, descending_sort, top_k_bound
+from exl2_backend.ops.reference_sampling import active_filters, descending_sort
 
 log = logging.getLogger("exl2_backend")
 
@@ -870,7 +870,7 @@ def filtered_probs(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch
     ops in the same order, so the same bits on the same device. Greedy rows are left to the kernel. A filter
     left out of `filters` (no row of the batch uses it; active_filters) is skipped: it would leave every row as
     it is, so the bits do not change, and each costs ~4 passes over [B, V] (a 128k vocabulary). `k_bound`
-    (top_k_bound of the host-side parameters) stops the sort at that rank, as the reference does."""
+    (top_k_bound of the host-side parameters) stops the sort at that rank where descending_sort does (the CPU)."""
     b, v = logits.shape
     temp, top_k, top_p, min_p = (t.reshape(b, 1) for t in (temperature, top_k, top_p, min_p))
     greedy = temp == 0
@@ -906,8 +906,7 @@ def sample_tokens(logits: torch.Tensor, params, uniforms: torch.Tensor | None = 
     probs = None
     filters = active_filters(params, v)
     if filters:  # the sort-based path
-        probs = filtered_probs(logits, pt["temperature"], pt["top_k"], pt["top_p"], pt["min_p"], filters,
-                               top_k_bound(params, v))
+        probs = filtered_probs(logits, pt["temperature"], pt["top_k"], pt["top_p"], pt["min_p"], filters)
     return direct.sample_tokens_tensor(logits, uniforms, pt["temperature"], probs)
 
 

@@ -74,7 +74,7 @@ def _after_reasoning(text: str, tags: dict) -> str:
 
 
 def _tag(value: Any) -> bool:
-    """A tag llguidance can name as a special token: <...>, no whitespace or brackets inside."""
+    """A tag llguidance can name as a special token: <...> (no whitespace or brackets inside), or <[id]>."""
     return isinstance(value, str) and re.fullmatch(r"<[^<>\s]+>", value) is not None
 
 

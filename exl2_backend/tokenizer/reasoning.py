@@ -1,19 +1,22 @@
 """Reasoning replies: a model trained to think first (DeepSeek-R1 distills of Llama and Qwen2, QwQ, ...) writes
-`<think> ... </think>` before its answer. The OpenAI-style servers return the thinking apart, as the message's
-`reasoning_content`, and only the answer as `content`.
+`<think> ... </think>` before its answer; Magistral (mistral-common v13+) writes `[THINK] ... [/THINK]`. The
+OpenAI-style servers return the thinking apart, as the message's `reasoning_content`, and only the answer as
+`content`.
 
-Whether a model does this is read from its chat template (it mentions the closing tag, usually to drop the thinking
-from earlier turns) and its vocabulary (the tag is one token). Some templates open the block themselves at the end
-of the generation prompt, so the reply starts inside it; `ReasoningSplitter` is told so.
+Whether a model does this, and with which tags, is read from its chat template (it mentions the closing tag,
+usually to drop the thinking from earlier turns) and its vocabulary (the tag is one token). Some templates open the
+block themselves at the end of the generation prompt, so the reply starts inside it; `ReasoningSplitter` is told so.
 
 The tags stay in the decoded text even where a tokenizer marks them special (tokenizer.py keeps their ids out of
 the skipped set): the reply is split on them here, and a client that reads the raw text sees them too."""
 
 from __future__ import annotations
 
+import re
 from dataclasses import asdict, dataclass
 
 THINK_OPEN, THINK_CLOSE = "<think>", "</think>"
+TAG_PAIRS = ((THINK_OPEN, THINK_CLOSE), ("[THINK]", "[/THINK]"))  # the conventions known, the first the default
 
 
 @dataclass(frozen=True)
@@ -43,13 +46,26 @@ class ReasoningTags:
 
     def grammar_field(self, inside: bool) -> dict | None:
         """A grammar's "reasoning" field (grammar/spec.py): the model thinks, then the output is constrained; None
-        where the tags are not tokens a grammar can name (then the grammar holds the reply from its start)."""
-        return {"open": self.open, "close": self.close, "inside": inside} if self.added else None
+        where the tags are not tokens a grammar can name (then the grammar holds the reply from its start). A tag
+        not spelled <...> ([THINK]) is named by its id, <[id]>."""
+        if not self.added:
+            return None
+        return {"open": _token_name(self.open, self.open_id), "close": _token_name(self.close, self.close_id),
+                "inside": inside}
+
+
+def _token_name(tag: str, token_id: int | None) -> str:
+    return tag if re.fullmatch(r"<[^<>\s\[\]]+>", tag) or token_id is None else f"<[{token_id}]>"
+
+
+def template_tags(source: str | None) -> tuple[str, str] | None:
+    """The tags a reasoning model's chat template handles (it mentions the closing one), or None."""
+    return next((pair for pair in TAG_PAIRS if source and pair[1] in source), None)
 
 
 def template_reasons(source: str | None) -> bool:
-    """Whether a chat template is a reasoning model's (it handles the closing tag)."""
-    return bool(source) and THINK_CLOSE in source
+    """Whether a chat template is a reasoning model's (it handles a known closing tag)."""
+    return template_tags(source) is not None
 
 
 class ReasoningSplitter:

@@ -18,7 +18,7 @@ from exl2_backend.errors import PromptTooLongError, TokenizerError
 from exl2_backend.text import unicode_problem
 from exl2_backend.tokenizer.chat_template import cut_after_final_content, render, select_template
 from exl2_backend.tokenizer.incremental import IncrementalDecoder
-from exl2_backend.tokenizer.reasoning import THINK_CLOSE, THINK_OPEN, ReasoningTags, template_reasons
+from exl2_backend.tokenizer.reasoning import TAG_PAIRS, ReasoningTags, template_tags
 from exl2_backend.tokenizer.tool_formats import (
     HERMES,
     MISTRAL_V11_TOKENS,
@@ -132,7 +132,7 @@ class Tokenizer:
         self.chat_template_source = chat_template if chat_template is not None else config.get("chat_template")
         # skipped when decoding output; reasoning and tool-call tags never are: replies are split on them
         # (tokenizer/reasoning.py, serve/tools.py)
-        kept = {self.token_to_id(t) for t in (THINK_OPEN, THINK_CLOSE, *HERMES.tags)}
+        kept = {self.token_to_id(t) for t in (*(tag for pair in TAG_PAIRS for tag in pair), *HERMES.tags)}
         if self.token_to_id("[ARGS]") is not None:  # a Mistral v11+ vocabulary: calls are read from these tokens
             kept |= {self.token_to_id(t) for t in MISTRAL_V11_TOKENS}
         self.special_ids: frozenset[int] = frozenset(
@@ -321,17 +321,20 @@ class Tokenizer:
         the generation prompt opens the block is read from a rendered probe chat."""
         if mode == "none":
             return None
-        if mode == "auto" and not (template_reasons(self._template_or_none(False)) and self.token_to_id(THINK_CLOSE)
-                                   is not None):
-            return None
+        pair = template_tags(self._template_or_none(False))  # the template's tags, where its closing one is a token
+        if pair is None or self.token_to_id(pair[1]) is None:
+            if mode == "auto":
+                return None
+            # "think": the first convention this vocabulary has as a token, else <think> as text
+            pair = next((p for p in TAG_PAIRS if self.token_to_id(p[1]) is not None), TAG_PAIRS[0])
         try:
             probe = self.apply_chat_template([{"role": "user", "content": "Hi."}], True)
         except (TokenizerError, TypeError, ValueError):  # no template, or one that wants other messages
             probe = ""
         added = self._tok.get_added_tokens_decoder()
-        ids = (self.token_to_id(THINK_OPEN), self.token_to_id(THINK_CLOSE))
-        return ReasoningTags(prompt_opens=probe.rstrip().endswith(THINK_OPEN), added=all(i in added for i in ids),
-                             open_id=ids[0], close_id=ids[1])
+        ids = (self.token_to_id(pair[0]), self.token_to_id(pair[1]))
+        return ReasoningTags(open=pair[0], close=pair[1], prompt_opens=probe.rstrip().endswith(pair[0]),
+                             added=all(i in added for i in ids), open_id=ids[0], close_id=ids[1])
 
     def _template_or_none(self, with_tools: bool) -> str | None:
         """_template(None, with_tools), None for a malformed template list (which renders nothing either)."""

@@ -91,3 +91,11 @@ def add_reasoning_tokens(directory) -> dict[str, int]:
     tok.add_tokens([AddedToken(t, special=False) for t in ("<think>", "</think>")])
     tok.save(path)
     return {t: tok.token_to_id(t) for t in ("<think>", "</think>")}
+
+
+# a Magistral-style reasoning template (written for the tests): [THINK] ... [/THINK] special tokens, the system prompt
+# asks for them, earlier answers lose their thinking, and the generation prompt does not open the block
+MAGISTRAL_TEMPLATE = (
+    "{{ bos_token }}[SYSTEM_PROMPT]First draft your thinking inside [THINK]...[/THINK].[/SYSTEM_PROMPT]"
+    "{% for m in messages %}{% if m.role == 'assistant' %}{{ (m.content or '').split('[/THINK]')[-1] }}"
+    "{{ eos_token }}{% else %}[INST]{{ m.content }}[/INST]{% endif %}{% endfor %}")

@@ -96,3 +96,37 @@ def test_thinking_as_a_reasoning_item_in_the_responses_api(client):
     assert "".join(e.delta for e in events if e.type == "response.reasoning_text.delta") == "aaaaaa"
     assert events[-1].type == "response.incomplete"
     assert events[-1].response.usage.output_tokens_details.reasoning_tokens == 6
+
+
+def test_magistral_thinking_through_the_hooks(tmp_path):
+    """Magistral's [THINK] / [/THINK] special tokens through the hooks: the handle names them as the reasoning tags,
+    a grammar behind the thinking names them by id, and the reply's text (the tags kept) splits into thinking and
+    answer."""
+    from exl2_backend.plugin.manager import new_plugin_manager
+    from exl2_backend.plugin.types import SequenceRequest, StepBatch
+    from exl2_backend.tokenizer.reasoning import ReasoningTags, split_reasoning
+    from tests.helpers.synth import tiny_config_dict, write_tiny_exl2_model
+    from tests.helpers.tool_templates import MAGISTRAL_TEMPLATE, add_marker_tokens
+
+    directory = tmp_path / "m"
+    write_tiny_exl2_model(directory, tiny_config_dict(vocab_size=300), seed=7)
+    ids = add_marker_tokens(directory, ["[THINK]", "[/THINK]"])
+    set_chat_template(directory, MAGISTRAL_TEMPLATE)
+    pm = new_plugin_manager(builtin_fallback=True)
+    h = pm.hook.exl2_load(settings={"model_dir": str(directory), "device": "cpu", "max_seq_len": 512})
+    try:
+        tags = ReasoningTags.from_dict(h.reasoning_tags())
+        assert (tags.open, tags.close, tags.prompt_opens) == ("[THINK]", "[/THINK]", False)
+        grammar = {"type": "lark", "value": f"start: <[{ids['[THINK]']}]> /[a-z]{{4}}/ <[{ids['[/THINK]']}]> "
+                                            "/[a-z]{3}/"}
+        req = SequenceRequest("m", messages=ASK, grammar=grammar, temperature=0.0, max_new_tokens=20)
+        events = pm.hook.exl2_prefill(handle=h, batch=StepBatch(new=[req]))
+        for _ in range(20):  # bounded: the reply is at most 9 tokens of this byte-level vocabulary
+            if events[-1].finished:
+                break
+            events += pm.hook.exl2_decode(handle=h, batch=StepBatch(seq_ids=["m"]))
+        text = "".join(e.text for e in events)
+        thinking, answer = split_reasoning(text, tags)
+        assert text.startswith("[THINK]") and len(thinking) == 4 and len(answer) == 3, text
+    finally:
+        pm.hook.exl2_unload(handle=h)

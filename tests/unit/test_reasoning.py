@@ -1,6 +1,7 @@
 """Reasoning replies (tokenizer/reasoning.py): the <think> block split from the answer, whole and fed in pieces cut
 at random places (the same texts), a reply begun inside the block or cut before it closes, tags split across
-pieces, and which models the tokenizer calls reasoning ones (template and vocabulary), tags kept in decoded text."""
+pieces, and which models the tokenizer calls reasoning ones (template and vocabulary), tags kept in decoded text;
+Magistral's [THINK] ... [/THINK] special tokens the same way, named by id in grammars."""
 
 from __future__ import annotations
 
@@ -10,7 +11,13 @@ import pytest
 
 from exl2_backend.tokenizer import Tokenizer
 from exl2_backend.tokenizer.reasoning import ReasoningSplitter, ReasoningTags, continues_inside, split_reasoning
-from tests.helpers.tool_templates import REASONING_TEMPLATE, add_reasoning_tokens, set_chat_template
+from tests.helpers.tool_templates import (
+    MAGISTRAL_TEMPLATE,
+    REASONING_TEMPLATE,
+    add_marker_tokens,
+    add_reasoning_tokens,
+    set_chat_template,
+)
 
 OPENED = ReasoningTags(prompt_opens=True)
 CLOSED = ReasoningTags(prompt_opens=False)
@@ -117,3 +124,48 @@ def test_a_grammar_behind_the_thinking(tmp_path):
     assert not accepts(False, "hm", "</think>", '{"a": 3}')
     bad = dict(schema, reasoning={"open": "<think>", "close": "think", "inside": True})
     assert "reasoning must be" in grammar_problem(bad)
+
+
+def test_magistral_thinks_in_its_own_tokens(tmp_path):
+    """A template that handles [/THINK] and a vocabulary with [THINK] / [/THINK] as special tokens: those are the
+    tags, kept in decoded text, split the same way, and named by id in a grammar's reasoning field."""
+    import llguidance
+
+    from exl2_backend.format.random_model import write_byte_tokenizer
+    from exl2_backend.grammar.spec import compile_grammar, grammar_problem
+    from exl2_backend.grammar.vocabulary import Vocabulary
+
+    write_byte_tokenizer(tmp_path, 298)
+    set_chat_template(tmp_path, MAGISTRAL_TEMPLATE)
+    assert Tokenizer.from_dir(tmp_path).reasoning_tags() is None  # "[/THINK]" is not a token yet
+    ids = add_marker_tokens(tmp_path, ["[THINK]", "[/THINK]"])
+    tok = Tokenizer.from_dir(tmp_path)
+    tags = tok.reasoning_tags()
+    assert tags == ReasoningTags(open="[THINK]", close="[/THINK]", prompt_opens=False, added=True,
+                                 open_id=ids["[THINK]"], close_id=ids["[/THINK]"])
+    assert tok.reasoning_tags("think") == tags and tok.reasoning_tags("none") is None
+    reply = [ids["[THINK]"], *tok.encode("2+2 is 4.", add_special_tokens=False), ids["[/THINK]"],
+             *tok.encode("It is 4.", add_special_tokens=False)]
+    decoder = tok.incremental_decoder()
+    text = "".join(decoder.push(i) for i in reply) + decoder.flush()
+    assert text == "[THINK]2+2 is 4.[/THINK]It is 4."
+    assert split_reasoning(text, tags) == ("2+2 is 4.", "It is 4.")
+    assert tags.token_count(reply, inside=False) == reply.index(ids["[/THINK]"]) + 1
+    field = tags.grammar_field(inside=False)
+    assert field == {"open": f"<[{ids['[THINK]']}]>", "close": f"<[{ids['[/THINK]']}]>", "inside": False}
+    spec = {"type": "json_schema", "value": {"type": "object", "properties": {"a": {"type": "integer"}},
+                                             "required": ["a"]}, "reasoning": field}
+    assert grammar_problem(spec) is None
+    gt = Vocabulary(tok, 300, {tok.eos_token_id})
+
+    def accepts(*parts) -> bool:
+        matcher = llguidance.LLMatcher(gt.llg, compile_grammar(spec, gt.llg)[0])
+        toks = [t for p in parts for t in ([ids[p]] if p in ids else tok.encode(p, add_special_tokens=False))]
+        return matcher.validate_tokens(toks) == len(toks) and matcher.consume_tokens(toks) and matcher.is_accepting()
+
+    assert accepts("[THINK]", "a is 3", "[/THINK]", '{"a": 3}') and accepts('{"a": 3}')
+    assert not accepts("[THINK]", "a is 3", "[/THINK]", "no json")
+    # "think" on a template that names no tags takes the convention the vocabulary has as tokens
+    set_chat_template(tmp_path, "{{ messages }}")
+    assert Tokenizer.from_dir(tmp_path).reasoning_tags() is None
+    assert Tokenizer.from_dir(tmp_path).reasoning_tags("think").close == "[/THINK]"

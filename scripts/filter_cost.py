@@ -2,7 +2,8 @@
 argv[1]): the softmax, the full stable sort, the bounded sort's top-k over 64-bit keys (which the CPU takes,
 reference_sampling.descending_sort) and torch's fp32 top-k, and filtered_probs for top-k, top-p and both. Prints
 one line per piece, in microseconds (median of 50 after 5 warm-up calls; host launch time included, as eager
-sampling pays it). H100, 2026-12-05: softmax 41.5, sort 91.2, key top-k 297.8, fp32 top-k 112.6."""
+sampling pays it). H100, 2026-12-05: softmax 41.5, sort 91.2, key top-k 297.8, fp32 top-k 112.6. --profile adds
+each filtered_probs' kernels by GPU time (torch.profiler)."""
 
 from __future__ import annotations
 
@@ -51,7 +52,27 @@ def main() -> int:
         pt = sampling_param_tensors(params, v, "cuda")
         args = (logits, pt["temperature"], pt["top_k"], pt["top_p"], pt["min_p"], active_filters(params, v))
         print(f"filtered_probs {name:22s} {timed(lambda a=args: filtered_probs(*a)):8.1f} us")
+        if "--profile" in sys.argv:
+            kernel_table(lambda a=args: filtered_probs(*a))
     return 0
+
+
+def kernel_table(fn, reps: int = 20) -> None:
+    """The GPU kernels of `fn` by device time per call (torch.profiler), the longest first."""
+    from torch.profiler import ProfilerActivity, profile
+
+    fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(reps):
+            fn()
+        torch.cuda.synchronize()
+    rows = sorted(((e.key, e.device_time_total / reps, e.count // reps) for e in prof.key_averages()
+                   if e.device_time_total > 0), key=lambda r: -r[1])
+    total = sum(r[1] for r in rows)
+    print(f"    GPU time per call {total:.1f} us")
+    for key, us, n in rows[:12]:
+        print(f"    {us:8.1f} us  x{n}  {key[:110]}")
 
 
 if __name__ == "__main__":

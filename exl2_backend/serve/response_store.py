@@ -3,19 +3,22 @@
 
 A response is stored unless its request said `store: false` (the OpenAI API's default is to store), once it has
 completed or stopped at max_output_tokens; a failed or abandoned one is not. The store lives in the API process
-(the server runs one), in memory, bounded: past `capacity` responses the least recently used goes. Each entry keeps
-its request's own input items (with ids) and the whole conversation up to and including its output, so a chain of
-`previous_response_id`s continues without walking back (entries share their item objects)."""
+(the server runs one), in memory, bounded: past `capacity` responses, or past `max_bytes` of their own input and
+output (as JSON), the least recently used goes. Each entry keeps its request's own input items (with ids) and the
+whole conversation up to and including its output, so a chain of `previous_response_id`s continues without walking
+back (entries share their item objects; an evicted response's items live on in its descendants' conversations)."""
 
 from __future__ import annotations
 
 import copy
+import json
 from collections import OrderedDict
 from dataclasses import dataclass
 
 from exl2_backend.serve.responses_api import new_id
 
 STORED_RESPONSES = 1024  # responses kept; each holds its conversation's items (shared with its ancestors)
+STORED_BYTES = 256 * 2**20  # their own input and output, as JSON text
 
 _ITEM_ID_PREFIX = {"message": "msg", "function_call": "fc", "function_call_output": "fco", "reasoning": "rs"}
 
@@ -25,6 +28,7 @@ class StoredResponse:
     response: dict  # the response object as it was returned (store true)
     input_items: list[dict]  # the request's own input items, each with an id
     conversation: list[dict]  # every item up to and including this response's output: the next turn's history
+    size: int  # bytes of its own input items and response as JSON (what the store's byte bound counts)
 
 
 def input_items(items: str | list[dict]) -> list[dict]:
@@ -47,8 +51,9 @@ def input_items(items: str | list[dict]) -> list[dict]:
 class ResponseStore:
     """Responses by id, least recently used first out past `capacity`."""
 
-    def __init__(self, capacity: int = STORED_RESPONSES):
-        self.capacity = capacity
+    def __init__(self, capacity: int = STORED_RESPONSES, max_bytes: int = STORED_BYTES):
+        self.capacity, self.max_bytes = capacity, max_bytes
+        self.bytes = 0
         self._entries: OrderedDict[str, StoredResponse] = OrderedDict()
 
     def __len__(self) -> int:
@@ -65,14 +70,22 @@ class ResponseStore:
         before them (the previous response's, or [])."""
         if self.capacity <= 0:
             return
+        size = len(json.dumps(response, default=str)) + len(json.dumps(own_input, default=str))
+        if size > self.max_bytes:
+            return  # larger than the whole store: not kept
+        self.delete(response["id"])
         conversation = history + own_input + list(response.get("output") or ())
-        self._entries[response["id"]] = StoredResponse(response, own_input, conversation)
-        self._entries.move_to_end(response["id"])
-        while len(self._entries) > self.capacity:
-            self._entries.popitem(last=False)
+        self._entries[response["id"]] = StoredResponse(response, own_input, conversation, size)
+        self.bytes += size
+        while len(self._entries) > self.capacity or self.bytes > self.max_bytes:
+            _, dropped = self._entries.popitem(last=False)
+            self.bytes -= dropped.size
 
     def delete(self, response_id: str) -> bool:
-        return self._entries.pop(response_id, None) is not None
+        entry = self._entries.pop(response_id, None)
+        if entry is not None:
+            self.bytes -= entry.size
+        return entry is not None
 
 
 def item_page(items: list[dict], *, order: str = "desc", limit: int = 20, after: str | None = None) -> dict:

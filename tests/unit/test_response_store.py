@@ -1,5 +1,5 @@
-"""The Responses API's store (serve/response_store.py): least recently used out past its capacity, a chain's
-conversation built from its parent's, input items with ids, and their list pages."""
+"""The Responses API's store (serve/response_store.py): least recently used out past its capacity or its bytes, a
+chain's conversation built from its parent's, input items with ids, and their list pages."""
 
 from __future__ import annotations
 
@@ -24,6 +24,19 @@ def test_least_recently_used_goes_past_capacity():
     off = ResponseStore(capacity=0)
     off.put(_response("x", "x"), input_items("x"), [])
     assert len(off) == 0
+
+
+def test_the_byte_bound():
+    store = ResponseStore(capacity=100, max_bytes=2000)
+    for n in range(10):
+        store.put(_response(f"r{n}", "x" * 300), input_items("y" * 100), [])
+    assert 0 < store.bytes <= 2000 and store.get("r9") is not None and store.get("r0") is None
+    kept = len(store)
+    store.put(_response("huge", "z" * 5000), input_items("q"), [])  # larger than the store: not kept
+    assert store.get("huge") is None and len(store) == kept
+    for rid in [r for r in (f"r{n}" for n in range(10)) if store.get(r) is not None]:
+        store.delete(rid)
+    assert store.bytes == 0
 
 
 def test_a_chain_carries_the_whole_conversation():

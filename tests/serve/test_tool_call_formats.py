@@ -5,7 +5,8 @@
   the call with its result renders into the next turn;
 - Mistral ("mistral") through the hooks: the grammar the handle's tool_call_format asks for makes the reply the
   [TOOL_CALLS] token and a list, which reads back into calls with 9-character ids;
-- Mistral v11+ ("mistral_v11") through the hooks: [TOOL_CALLS]name[ARGS]{...}, the tokens kept in the event text.
+- Mistral v11+ ("mistral_v11") through the hooks and the real server: [TOOL_CALLS]name[ARGS]{...}, the tokens kept
+  in the event text, calls read back whole and streamed.
 The random weights say nothing about quality; the grammar decides every token of a forced call here (one function,
 its one argument an enum), so the replies are known."""
 
@@ -93,6 +94,41 @@ def test_llama3_auto_reads_a_json_reply_as_a_call(llama_client):
         assert r.choices[0].finish_reason == "tool_calls" and msg.tool_calls[0].function.name == "get_weather"
     else:
         assert not msg.content.lstrip().startswith("{")
+
+
+@pytest.fixture(scope="module")
+def v11_client(tmp_path_factory):
+    from openai import OpenAI
+
+    from exl2_backend.serve.server import ServerProcess
+
+    directory = _model(tmp_path_factory.mktemp("v11") / "m", MISTRAL_V11_TEMPLATE, V11_MARKERS)
+    settings = {"model_dir": str(directory), "device": "cpu", "max_seq_len": 2048, "cache_tokens": 8192,
+                "max_batch_size": 4, "log_level": "warning"}
+    with ServerProcess(settings, startup_timeout=600) as srv:
+        yield OpenAI(base_url=srv.base_url + "/v1", api_key="unused", max_retries=0, timeout=300)
+
+
+def test_mistral_v11_calls_through_the_server(v11_client):
+    """Mistral v11+ through the real server: a forced call comes back as tool_calls with a 9-character id, streamed
+    as deltas whose arguments add up to the same text, and the call with its result renders into the next turn."""
+    kw = {"model": v11_client.models.list().data[0].id, "messages": ASK, "tools": [WEATHER],
+          "tool_choice": "required", "parallel_tool_calls": False, "temperature": 0, "max_tokens": 60}
+    r = v11_client.chat.completions.create(**kw)
+    choice = r.choices[0]
+    assert choice.finish_reason == "tool_calls" and choice.message.content is None
+    (call,) = choice.message.tool_calls
+    assert call.function.name == "get_weather" and json.loads(call.function.arguments)["city"] in ("Oslo", "Rome")
+    assert len(call.id) == 9 and call.id.isalnum()
+    deltas = [d for c in v11_client.chat.completions.create(stream=True, **kw) if c.choices
+              for d in (c.choices[0].delta.tool_calls or [])]
+    assert deltas[0].function.name == "get_weather" and len(deltas[0].id) == 9
+    assert "".join(d.function.arguments or "" for d in deltas) == call.function.arguments
+    history = ASK + [{"role": "assistant", "content": None, "tool_calls": [call.model_dump()]},
+                     {"role": "tool", "tool_call_id": call.id, "content": "-3C"},
+                     {"role": "user", "content": "And in Rome?"}]
+    again = v11_client.chat.completions.create(**dict(kw, messages=history))
+    assert again.choices[0].message.tool_calls[0].function.name == "get_weather"
 
 
 def test_mistral_calls_through_the_hooks(tmp_path):

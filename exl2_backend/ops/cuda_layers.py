@@ -894,7 +894,8 @@ def filtered_probs(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch
 def sample_tokens(logits: torch.Tensor, params, uniforms: torch.Tensor | None = None) -> torch.Tensor:
     """reference.sample_tokens on the GPU: logits [B, V] f32, params list[SamplingParams], uniforms [B, V] f32 in
     (0, 1] (None: drawn from the global torch RNG) -> int64 [B] on the device, no host sync. Greedy and
-    temperature-only batches are one kernel; top-k/top-p/min-p rows go through filtered_probs (sort) first."""
+    temperature-only batches are one kernel; rows with a top-k of at most 64 one other (ops/cuda_sampling_top_k.py);
+    other top-k/top-p/min-p rows go through filtered_probs (sort) first."""
     _check("sample_tokens", "logits", logits, ndim=2)
     b, v = logits.shape
     _require(len(params) == b, f"sample_tokens: {len(params)} params for {b} rows", "params")
@@ -902,12 +903,41 @@ def sample_tokens(logits: torch.Tensor, params, uniforms: torch.Tensor | None = 
     if uniforms is None:
         uniforms = 1.0 - torch.rand(b, v, dtype=torch.float32, device=logits.device)
     uniforms = uniforms.to(device=logits.device, dtype=torch.float32)
+    from exl2_backend.ops.cuda_sampling_top_k import top_k_kernel_rows
+
+    fused = top_k_kernel_rows(params, v)
+    if any(fused):  # rows with a small top-k: one kernel (ops/cuda_sampling_top_k.py); the choice is per row
+        if all(f or p.temperature == 0 for f, p in zip(fused, params)):  # greedy rows are its top-1
+            return _sample_top_k(logits, uniforms, params)
+        return _sample_split(logits, uniforms, params, fused)
     pt = sampling_param_tensors(params, v, logits.device)
     probs = None
     filters = active_filters(params, v)
     if filters:  # the sort-based path
         probs = filtered_probs(logits, pt["temperature"], pt["top_k"], pt["top_p"], pt["min_p"], filters)
     return direct.sample_tokens_tensor(logits, uniforms, pt["temperature"], probs)
+
+
+def _sample_top_k(logits: torch.Tensor, uniforms: torch.Tensor, params) -> torch.Tensor:
+    from exl2_backend.ops.cuda_sampling_top_k import sample_top_k
+
+    pt = sampling_param_tensors(params, logits.shape[1], logits.device)
+    return sample_top_k(logits, uniforms, pt["temperature"], pt["top_k"], pt["top_p"], pt["min_p"])
+
+
+def _sample_split(logits: torch.Tensor, uniforms: torch.Tensor, params, fused: list[bool]) -> torch.Tensor:
+    """A batch whose rows go two ways: the top-k kernel's rows and the others, each sampled apart (no host sync)."""
+    out = torch.empty(logits.shape[0], dtype=torch.int64, device=logits.device)
+    for way in (True, False):
+        rows = [i for i, f in enumerate(fused) if f == way]
+        if not rows:
+            continue
+        idx = to_device(rows, torch.int64, logits.device)  # [n]
+        sub = [params[i] for i in rows]
+        part = (_sample_top_k if way else sample_tokens)(logits.index_select(0, idx), uniforms.index_select(0, idx),
+                                                         sub)
+        out.index_copy_(0, idx, part)
+    return out
 
 
 def apply_penalties(logits, prompt_counts, output_counts, params) -> torch.Tensor:

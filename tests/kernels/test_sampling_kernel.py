@@ -127,6 +127,70 @@ def test_every_row_with_a_top_k_sorts_only_its_ranks(v):
     assert torch.equal(bounded[sampled], c.filtered_probs(*args)[sampled])
 
 
+TOP_K_ROWS = [
+    SamplingParams(temperature=0.8, top_k=40),
+    SamplingParams(temperature=1.0, top_k=50, top_p=0.9),
+    SamplingParams(temperature=0.7, top_k=64, min_p=0.05),
+    SamplingParams(temperature=1.3, top_k=1),
+    SamplingParams(temperature=0.9, top_k=2, top_p=0.5),
+    SamplingParams.greedy(),
+    SamplingParams(temperature=1.0, top_k=64, top_p=0.95, min_p=0.02),
+    SamplingParams(temperature=2.5, top_k=64, top_p=0.99),
+]
+
+
+@pytest.mark.parametrize("v", [1000, 2049, 32000, 128256, 131072])
+def test_small_top_k_rows_take_one_kernel(v):
+    """Rows with a top-k of at most 64 (and greedy rows beside them): the top-k kernel, the reference's tokens,
+    with 80 equal logits straddling the k boundaries (ranked by id, as the stable sort)."""
+    from exl2_backend.ops.cuda_sampling_top_k import top_k_kernel_rows
+
+    params = TOP_K_ROWS * 4
+    assert all(f or p.temperature == 0 for f, p in zip(top_k_kernel_rows(params, v), params))
+    logits = torch.randn(len(params), v, device=DEV) * 3
+    logits[:, 200:280] = 6.0  # ~2 sigma: the tie group spans ranks ~20-100 at V = 1000, the top ranks above
+    for seed in range(4):
+        same_as_reference(logits, params, uniforms(len(params), v, 30 + seed), f"top-k kernel seed={seed}")
+
+
+def test_top_k_kernel_rows_beside_others():
+    """A batch mixing the top-k kernel's rows with top-p-only, temperature-only and large top-k rows: each way
+    samples its rows, the reference's tokens; the kernel's rows get the tokens they get alone (the choice is per
+    row)."""
+    v = 32000
+    params = [SamplingParams(temperature=0.8, top_k=40), SamplingParams(temperature=1.0, top_p=0.9),
+              SamplingParams(temperature=0.9), SamplingParams(temperature=1.0, top_k=100, top_p=0.8),
+              SamplingParams.greedy(), SamplingParams(temperature=1.1, top_k=64, min_p=0.05)] * 2
+    logits = torch.randn(len(params), v, device=DEV) * 3
+    u = uniforms(len(params), v, 41)
+    got = same_as_reference(logits, params, u, "split batch")
+    mine = [i for i, p in enumerate(params) if p.temperature == 0 or 0 < p.top_k <= 64]
+    alone = [int(cl().sample_tokens(logits[i:i + 1], [params[i]], u[i:i + 1])[0]) for i in mine]
+    assert [got.tolist()[i] for i in mine] == alone
+
+
+def test_top_k_kernel_faults_switch_and_no_sync(monkeypatch):
+    from exl2_backend.ops import cuda_sampling_top_k as tk
+
+    v = 5000
+    params = [SamplingParams(temperature=0.8, top_k=40), SamplingParams(temperature=1.0, top_k=8, top_p=0.7)] * 3
+    logits = torch.randn(len(params), v, device=DEV) * 2
+    logits[1, 17] = float("nan")
+    logits[4, 4000] = float("inf")
+    u = uniforms(len(params), v, 5)
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        got = cl().sample_tokens(logits, params, u)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert got[1].item() == -1 and got[4].item() == -1
+    assert_exact(got, reference.sample_tokens(logits, params, u), "faults")
+    monkeypatch.setattr(tk, "FUSED_TOP_K", False)  # EXL2_BACKEND_FUSED_TOP_K=0: the torch filter path
+    assert not any(tk.top_k_kernel_rows(params, v))
+    assert_exact(cl().sample_tokens(logits, params, u), got, "switch off")
+    assert not any(tk.top_k_kernel_rows(params, tk.TOP_K_KERNEL_MAX_VOCAB + 1))
+
+
 def test_ties_and_u_equal_one():
     v = 6000
     logits = torch.zeros(3, v, device=DEV)  # equal p everywhere

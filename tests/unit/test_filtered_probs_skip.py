@@ -103,3 +103,14 @@ def test_descending_sort_prefix_is_the_stable_sort(bound):
     bsp, bidx = descending_sort(probs, bound)
     assert torch.equal(bidx, idx[:, :bound])
     assert torch.equal(bsp[:, :bound], sp[:, :bound]) and not bsp[:, bound:].any()
+
+
+def test_which_rows_the_top_k_kernel_takes():
+    """ops/cuda_sampling_top_k.py takes sampled rows with an active top-k of at most 64, per row, on vocabularies up
+    to 131,072 tokens; everything else goes the torch way."""
+    from exl2_backend.ops.cuda_sampling_top_k import TOP_K_KERNEL_MAX_VOCAB, top_k_kernel_rows
+
+    rows = [ROWS["top_k"], ROWS["all"], ROWS["top_p"], ROWS["temp"], ROWS["greedy_top_p"],
+            SamplingParams(temperature=1.0, top_k=65), SamplingParams(temperature=1.0, top_k=V)]
+    assert top_k_kernel_rows(rows, V) == [True, True, False, False, False, False, False]
+    assert not any(top_k_kernel_rows(rows, TOP_K_KERNEL_MAX_VOCAB + 1))

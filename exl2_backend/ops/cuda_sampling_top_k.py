@@ -1,0 +1,78 @@
+"""Sampling rows with a small top-k on the GPU in one kernel (csrc/layers/sampling_top_k.cu): the row's top k tokens
+(k <= 64) found from per-chunk candidates, top-p and min-p applied inside them, and the exponential race, where the
+torch filter path (cuda_layers.filtered_probs) sorts the whole vocabulary and runs ~20 kernels: 154 us of GPU time
+for top-k 50 + top-p 0.9 on one 128k row (H200, scripts/filter_cost.py --profile, 2026-12-05), a sampled token
+at 1.11x a greedy one.
+
+`top_k_kernel_rows` says which rows it takes: sampled rows whose top_k is active and at most 64, on vocabularies
+up to 131,072 tokens (llama.cpp-style clients send top_k 40, vLLM's examples 50). The choice is per row, so a
+row's token does not depend on the rows beside it. EXL2_BACKEND_FUSED_TOP_K=0 sends every row the torch way."""
+
+from __future__ import annotations
+
+import functools
+import os
+
+import torch
+
+from exl2_backend.ops import library
+from exl2_backend.ops.cuda_layers import _check, _device_guard, _require, _stream, _ticket_buffer
+from exl2_backend.ops.library import I64, PTR, STREAM
+
+TOP_K_KERNEL_MAX = 64  # csrc/layers/sampling_top_k.cu KMAX
+TOP_K_KERNEL_MAX_VOCAB = 131072  # CHUNK * MAX_CHUNKS there
+_CHUNK, _SLOT = 2048, TOP_K_KERNEL_MAX + 1
+FUSED_TOP_K = os.environ.get("EXL2_BACKEND_FUSED_TOP_K", "1") != "0"
+
+_SIGNATURE = (PTR, I64, PTR, I64, PTR, PTR, PTR, PTR, PTR, PTR, PTR, I64, I64, STREAM)
+
+
+@functools.cache
+def _kernel():
+    return library.declare("exl2_sample_top_k", *_SIGNATURE)
+
+
+def top_k_kernel_rows(params, vocab: int) -> list[bool]:
+    """Per row (host-side parameters): whether the top-k kernel samples it."""
+    if not FUSED_TOP_K or vocab > TOP_K_KERNEL_MAX_VOCAB:
+        return [False] * len(params)
+    return [p.temperature != 0 and 0 < p.top_k <= TOP_K_KERNEL_MAX and p.top_k < vocab for p in params]
+
+
+@torch.library.custom_op("exl2_backend::sample_top_k", mutates_args=())
+def sample_top_k(logits: torch.Tensor, uniforms: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor,
+                 top_p: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
+    """logits, uniforms [B, V] f32 (V <= 131072), temperature [B] f32 (0: greedy), top_k [B] int64 (1..64 for
+    sampled rows), top_p, min_p [B] f32 -> int64 [B] tokens (-1 for a row whose logits hold a NaN or +inf), one
+    kernel, no host sync."""
+    op = "sample_top_k"
+    _check(op, "logits", logits, ndim=2, dtypes=(torch.float32,))
+    b, v = logits.shape
+    _require(0 < v <= TOP_K_KERNEL_MAX_VOCAB, f"{op}: vocabulary {v} outside 1..{TOP_K_KERNEL_MAX_VOCAB}", "logits")
+    _check(op, "uniforms", uniforms, ndim=2, dtypes=(torch.float32,), device=logits.device)
+    _require(uniforms.shape == logits.shape, f"{op}: uniforms {tuple(uniforms.shape)} != logits {(b, v)}", "uniforms")
+    for name, t, dtype in (("temperature", temperature, torch.float32), ("top_k", top_k, torch.int64),
+                           ("top_p", top_p, torch.float32), ("min_p", min_p, torch.float32)):
+        _check(op, name, t, ndim=1, dtypes=(dtype,), device=logits.device)
+        _require(t.shape[0] == b, f"{op}: {name} must be [{b}]", name)
+    out = torch.empty(b, dtype=torch.int64, device=logits.device)
+    if b == 0:
+        return out
+    logits = logits if logits.stride(1) == 1 else logits.contiguous()
+    uniforms = uniforms if uniforms.stride(1) == 1 else uniforms.contiguous()
+    nchunk = -(-v // _CHUNK)
+    cand = torch.empty(b * nchunk * _SLOT, dtype=torch.int64, device=logits.device)
+    counters = _ticket_buffer(logits.device, b, "sample_top_k")  # left at zero by each row's last CTA
+    if counters is None:
+        counters = torch.zeros(b, dtype=torch.int32, device=logits.device)
+    with _device_guard(logits):
+        library.check(_kernel()(logits.data_ptr(), logits.stride(0), uniforms.data_ptr(), uniforms.stride(0),
+                         temperature.contiguous().data_ptr(), top_k.contiguous().data_ptr(),
+                         top_p.contiguous().data_ptr(), min_p.contiguous().data_ptr(), cand.data_ptr(),
+                         counters.data_ptr(), out.data_ptr(), b, v, _stream(logits)), op)
+    return out
+
+
+@sample_top_k.register_fake
+def _(logits, uniforms, temperature, top_k, top_p, min_p):
+    return logits.new_empty((logits.shape[0],), dtype=torch.int64)

@@ -16,6 +16,7 @@
 
 #include "common/pdl.cuh"
 #include "layers/common.cuh"
+#include "layers/sample_race.cuh"
 
 namespace exl2 {
 namespace layers {
@@ -76,15 +77,6 @@ __device__ __forceinline__ float block_max(float v, float* scratch) {
   v = scratch[32];
   __syncthreads();
   return v;
-}
-
-__device__ __forceinline__ float exp_f(float x) { return (float)exp((double)x); }
-
-// race score of probability-like weight p against uniform u: p / max(-log(u), 2^-25), p = 0 -> -1
-// (u = 1 gives -log(u) = -0.0, which the clamp turns into 2^-25, as the reference's clamp_min)
-__device__ __forceinline__ float race(float p, float u) {
-  const float e = fmaxf(-(float)log((double)u), 0x1p-25f);
-  return p > 0.f ? __fdiv_rn(p, e) : -1.f;
 }
 
 struct SampleArgs {

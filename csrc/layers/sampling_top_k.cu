@@ -20,6 +20,7 @@
 
 #include "common/pdl.cuh"
 #include "layers/common.cuh"
+#include "layers/sample_race.cuh"
 
 namespace exl2 {
 namespace layers {
@@ -62,13 +63,6 @@ __device__ void bitonic_sort_desc(uint64_t* keys, int n) {
       __syncthreads();
     }
   }
-}
-
-__device__ __forceinline__ float exp_f(float x) { return (float)exp((double)x); }
-
-__device__ __forceinline__ float race(float w, float u) {
-  const float e = fmaxf(-(float)log((double)u), 0x1p-25f);
-  return w > 0.f ? __fdiv_rn(w, e) : -1.f;
 }
 
 struct TopKArgs {

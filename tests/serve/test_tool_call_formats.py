@@ -131,10 +131,31 @@ def test_mistral_v11_calls_through_the_server(v11_client):
     assert again.choices[0].message.tool_calls[0].function.name == "get_weather"
 
 
+def _forced_calls(pm, h, fmt, parallel: bool, max_tokens: int) -> list:
+    """The events of a reply held to calls of get_weather (greedy, through the hooks), after a history holding an
+    earlier call with an OpenAI-style id and its result."""
+    from exl2_backend.plugin.types import SequenceRequest, StepBatch
+    from exl2_backend.serve.tools import ToolDef, tool_grammar
+
+    grammar = tool_grammar([ToolDef.model_validate(WEATHER)], "required", parallel, fmt)
+    earlier = {"id": "call_4d1f", "type": "function",
+               "function": {"name": "get_weather", "arguments": '{"city": "Rome"}'}}
+    messages = ASK + [{"role": "assistant", "content": "", "tool_calls": [earlier]},
+                      {"role": "tool", "tool_call_id": "call_4d1f", "content": "20C"},
+                      {"role": "user", "content": "And Oslo?"}]
+    req = SequenceRequest("m", messages=messages, tools=[WEATHER], grammar=grammar, temperature=0.0,
+                          max_new_tokens=max_tokens)
+    events = pm.hook.exl2_prefill(handle=h, batch=StepBatch(new=[req]))
+    for _ in range(max_tokens):  # bounded
+        if events[-1].finished:
+            break
+        events += pm.hook.exl2_decode(handle=h, batch=StepBatch(seq_ids=["m"]))
+    return events
+
+
 def test_mistral_calls_through_the_hooks(tmp_path):
     from exl2_backend.plugin.manager import new_plugin_manager
-    from exl2_backend.plugin.types import SequenceRequest, StepBatch
-    from exl2_backend.serve.tools import ToolDef, split_tool_calls, tool_grammar
+    from exl2_backend.serve.tools import split_tool_calls
     from exl2_backend.tokenizer.tool_formats import format_from_dict
 
     directory = _model(tmp_path / "m", MISTRAL_TEMPLATE)
@@ -145,20 +166,8 @@ def test_mistral_calls_through_the_hooks(tmp_path):
         assert fmt.name == "mistral" and fmt.marker_id == h.engine.tokenizer.token_to_id("[TOOL_CALLS]")
         assert h.tool_call_format("hermes") == {"name": "hermes", "marker_id": None, "tag_ids": None,
                                                 "args_marker_id": None}
-        grammar = tool_grammar([ToolDef.model_validate(WEATHER)], "required", False, fmt)
         # an earlier call with an OpenAI-style id renders (the template demands 9 characters)
-        earlier = {"id": "call_4d1f", "type": "function",
-                   "function": {"name": "get_weather", "arguments": '{"city": "Rome"}'}}
-        messages = ASK + [{"role": "assistant", "content": "", "tool_calls": [earlier]},
-                          {"role": "tool", "tool_call_id": "call_4d1f", "content": "20C"},
-                          {"role": "user", "content": "And Oslo?"}]
-        req = SequenceRequest("m", messages=messages, tools=[WEATHER], grammar=grammar, temperature=0.0,
-                              max_new_tokens=80)
-        events = pm.hook.exl2_prefill(handle=h, batch=StepBatch(new=[req]))
-        for _ in range(80):  # bounded: the call is ~45 tokens of this byte-level vocabulary
-            if events[-1].finished:
-                break
-            events += pm.hook.exl2_decode(handle=h, batch=StepBatch(seq_ids=["m"]))
+        events = _forced_calls(pm, h, fmt, parallel=False, max_tokens=80)  # the call is ~45 tokens here
         ids = [t for e in events for t in e.token_ids]
         assert ids[0] == fmt.marker_id and events[-1].finish_reason == "stop"
         content, calls = split_tool_calls("".join(e.text for e in events), fmt)
@@ -172,8 +181,7 @@ def test_mistral_v11_calls_through_the_hooks(tmp_path):
     """Two forced calls in the v11 convention: each [TOOL_CALLS], the name, [ARGS] and the arguments; the event text
     keeps the three tokens, so it reads back into calls; an earlier call renders with its id shortened."""
     from exl2_backend.plugin.manager import new_plugin_manager
-    from exl2_backend.plugin.types import SequenceRequest, StepBatch
-    from exl2_backend.serve.tools import ToolDef, split_tool_calls, tool_grammar
+    from exl2_backend.serve.tools import split_tool_calls
     from exl2_backend.tokenizer.tool_formats import format_from_dict
 
     directory = _model(tmp_path / "m", MISTRAL_V11_TEMPLATE, V11_MARKERS)
@@ -183,19 +191,7 @@ def test_mistral_v11_calls_through_the_hooks(tmp_path):
         tok = h.engine.tokenizer
         fmt = format_from_dict(h.tool_call_format())
         assert fmt.name == "mistral_v11" and fmt.args_marker_id == tok.token_to_id("[ARGS]")
-        grammar = tool_grammar([ToolDef.model_validate(WEATHER)], "required", True, fmt)
-        earlier = {"id": "call_4d1f", "type": "function",
-                   "function": {"name": "get_weather", "arguments": '{"city": "Rome"}'}}
-        messages = ASK + [{"role": "assistant", "content": "", "tool_calls": [earlier]},
-                          {"role": "tool", "tool_call_id": "call_4d1f", "content": "20C"},
-                          {"role": "user", "content": "And Oslo?"}]
-        req = SequenceRequest("m", messages=messages, tools=[WEATHER], grammar=grammar, temperature=0.0,
-                              max_new_tokens=60)
-        events = pm.hook.exl2_prefill(handle=h, batch=StepBatch(new=[req]))
-        for _ in range(60):  # bounded: a call is ~30 tokens of this byte-level vocabulary
-            if events[-1].finished:
-                break
-            events += pm.hook.exl2_decode(handle=h, batch=StepBatch(seq_ids=["m"]))
+        events = _forced_calls(pm, h, fmt, parallel=True, max_tokens=60)  # a call is ~30 tokens here
         ids = [t for e in events for t in e.token_ids]
         text = "".join(e.text for e in events)
         assert ids[0] == fmt.marker_id and text.startswith("[TOOL_CALLS]get_weather[ARGS]{")

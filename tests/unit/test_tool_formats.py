@@ -36,6 +36,13 @@ WEATHER = {"type": "function", "function": {"name": "get_weather", "parameters":
     "additionalProperties": False}}}
 PING = {"type": "function", "function": {"name": "ping"}}
 TOOLS = [ToolDef.model_validate(WEATHER), ToolDef.model_validate(PING)]
+# a call made earlier, with an OpenAI-style id, and its result
+HISTORY = [{"role": "user", "content": "Weather in Oslo?"},
+           {"role": "assistant", "content": "", "tool_calls": [
+               {"id": "call_8f2b6c1d9e", "type": "function",
+                "function": {"name": "get_weather", "arguments": '{"city": "Oslo"}'}}]},
+           {"role": "tool", "tool_call_id": "call_8f2b6c1d9e", "content": "-3C"},
+           {"role": "user", "content": "And tomorrow?"}]
 VOCAB = 300
 
 
@@ -211,18 +218,12 @@ def test_histories_render_in_each_convention(default_model_dir):
     """A call made earlier (with an OpenAI-style id) and its result go back through each template: Llama's as a
     "parameters" object, Mistral's with the id shortened to 9 characters in both the call and the result."""
     tok = Tokenizer.from_dir(default_model_dir)
-    call = {"id": "call_8f2b6c1d9e", "type": "function", "function": {"name": "get_weather",
-                                                                       "arguments": '{"city": "Oslo"}'}}
-    history = [{"role": "user", "content": "Weather in Oslo?"},
-               {"role": "assistant", "content": "", "tool_calls": [call]},
-               {"role": "tool", "tool_call_id": "call_8f2b6c1d9e", "content": "-3C"},
-               {"role": "user", "content": "And tomorrow?"}]
     tok.chat_template_source = LLAMA3_TEMPLATE
-    text = tok.apply_chat_template(history, tools=[WEATHER])
+    text = tok.apply_chat_template(HISTORY, tools=[WEATHER])
     assert '{"name": "get_weather", "parameters": {"city": "Oslo"}}' in text and "ipython: -3C" in text
     assert "Environment: ipython" in text and text.endswith("assistant: ")
     tok.chat_template_source = MISTRAL_TEMPLATE
-    text = tok.apply_chat_template(history, add_generation_prompt=False, tools=[WEATHER])
+    text = tok.apply_chat_template(HISTORY, add_generation_prompt=False, tools=[WEATHER])
     short = mistral_call_id("call_8f2b6c1d9e")
     assert f'"id": "{short}"' in text and f'"call_id": "{short}"' in text
     assert text.index("[AVAILABLE_TOOLS]") > text.index("[TOOL_RESULTS]")  # the tools go before the last question
@@ -344,13 +345,7 @@ def test_mistral_v11_grammar_admits_exactly_its_replies(v11_vocab):
 
 def test_mistral_v11_history_renders_with_nine_character_ids(v11_vocab):
     _, tok, _ = v11_vocab
-    call = {"id": "call_8f2b6c1d9e", "type": "function", "function": {"name": "get_weather",
-                                                                       "arguments": '{"city": "Oslo"}'}}
-    history = [{"role": "user", "content": "Weather in Oslo?"},
-               {"role": "assistant", "content": "", "tool_calls": [call]},
-               {"role": "tool", "tool_call_id": "call_8f2b6c1d9e", "content": "-3C"},
-               {"role": "user", "content": "And tomorrow?"}]
-    text = tok.apply_chat_template(history, tools=[WEATHER])
+    text = tok.apply_chat_template(HISTORY, tools=[WEATHER])
     short = mistral_call_id("call_8f2b6c1d9e")
     assert f'[TOOL_CALLS]get_weather[CALL_ID]{short}[ARGS]{{"city": "Oslo"}}' in text
     assert f"[TOOL_RESULTS]{short}[TOOL_CONTENT]-3C" in text

@@ -3,7 +3,8 @@ argv[1]): the softmax, the full stable sort, the bounded sort's top-k over 64-bi
 reference_sampling.descending_sort) and torch's fp32 top-k, and filtered_probs for top-k, top-p and both. Prints
 one line per piece, in microseconds (median of 50 after 5 warm-up calls; host launch time included, as eager
 sampling pays it). H100, 2026-12-05: softmax 41.5, sort 91.2, key top-k 297.8, fp32 top-k 112.6. --profile adds
-each filtered_probs' kernels by GPU time (torch.profiler)."""
+each filtered_probs' kernels by GPU time (torch.profiler). Last, a whole top-k token's sampling through the top-k
+kernel against the torch filter path."""
 
 from __future__ import annotations
 
@@ -54,7 +55,28 @@ def main() -> int:
         print(f"filtered_probs {name:22s} {timed(lambda a=args: filtered_probs(*a)):8.1f} us")
         if "--profile" in sys.argv:
             kernel_table(lambda a=args: filtered_probs(*a))
+    sampler_costs(logits, v)
     return 0
+
+
+def sampler_costs(logits: torch.Tensor, v: int) -> None:
+    """A whole sampled token's sampling (cuda_layers.sample_tokens) for top-k rows: the top-k kernel against the
+    torch filter path (EXL2_BACKEND_FUSED_TOP_K=0), wall and GPU time."""
+    from exl2_backend.ops import cuda_layers, cuda_sampling_top_k
+    from exl2_backend.sampling import SamplingParams
+
+    u = 1.0 - torch.rand_like(logits)
+    for name, p in (("top_k 50", SamplingParams(temperature=0.8, top_k=50)),
+                    ("top_k 40 + top_p 0.95 + min_p 0.05", SamplingParams(temperature=0.8, top_k=40, top_p=0.95,
+                                                                           min_p=0.05))):
+        for fused in (True, False):
+            cuda_sampling_top_k.FUSED_TOP_K = fused
+            fn = lambda p=p: cuda_layers.sample_tokens(logits, [p], u)
+            print(f"sample_tokens {name:36s} {'top-k kernel' if fused else 'torch filters':13s} "
+                  f"{timed(fn):8.1f} us")
+            if "--profile" in sys.argv:
+                kernel_table(fn)
+    cuda_sampling_top_k.FUSED_TOP_K = True
 
 
 def kernel_table(fn, reps: int = 20) -> None:

@@ -894,8 +894,8 @@ def filtered_probs(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch
 def sample_tokens(logits: torch.Tensor, params, uniforms: torch.Tensor | None = None) -> torch.Tensor:
     """reference.sample_tokens on the GPU: logits [B, V] f32, params list[SamplingParams], uniforms [B, V] f32 in
     (0, 1] (None: drawn from the global torch RNG) -> int64 [B] on the device, no host sync. Greedy and
-    temperature-only batches are one kernel; rows with a top-k of at most 64 one other (ops/cuda_sampling_top_k.py);
-    other top-k/top-p/min-p rows go through filtered_probs (sort) first."""
+    temperature-only batches are one kernel; with EXL2_BACKEND_FUSED_TOP_K=1, rows with a top-k of at most 64 one
+    other (ops/cuda_sampling_top_k.py); other top-k/top-p/min-p rows go through filtered_probs (sort) first."""
     _check("sample_tokens", "logits", logits, ndim=2)
     b, v = logits.shape
     _require(len(params) == b, f"sample_tokens: {len(params)} params for {b} rows", "params")

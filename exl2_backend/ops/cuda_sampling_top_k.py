@@ -6,7 +6,11 @@ at 1.11x a greedy one.
 
 `top_k_kernel_rows` says which rows it takes: sampled rows whose top_k is active and at most 64, on vocabularies
 up to 131,072 tokens (llama.cpp-style clients send top_k 40, vLLM's examples 50). The choice is per row, so a
-row's token does not depend on the rows beside it. EXL2_BACKEND_FUSED_TOP_K=0 sends every row the torch way."""
+row's token does not depend on the rows beside it.
+
+Opt-in (EXL2_BACKEND_FUSED_TOP_K=1) until it has run on a GPU: written and built in session 31, whose device time
+ran out before scripts/device/call_AV6.sh (its GPU tests, and its cost against the torch path) could start. A CPU
+emulation of the algorithm gave the reference's tokens on 96 of 96 rows."""
 
 from __future__ import annotations
 
@@ -22,7 +26,7 @@ from exl2_backend.ops.library import I64, PTR, STREAM
 TOP_K_KERNEL_MAX = 64  # csrc/layers/sampling_top_k.cu KMAX
 TOP_K_KERNEL_MAX_VOCAB = 131072  # CHUNK * MAX_CHUNKS there
 _CHUNK, _SLOT = 2048, TOP_K_KERNEL_MAX + 1
-FUSED_TOP_K = os.environ.get("EXL2_BACKEND_FUSED_TOP_K", "1") != "0"
+FUSED_TOP_K = os.environ.get("EXL2_BACKEND_FUSED_TOP_K", "0") == "1"
 
 _SIGNATURE = (PTR, I64, PTR, I64, PTR, PTR, PTR, PTR, PTR, PTR, PTR, I64, I64, STREAM)
 

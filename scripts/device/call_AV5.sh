@@ -4,7 +4,7 @@
 # batch against the reference, ties straddling k, split batches, faults, the switch, no host sync) and the
 # sampled-lookahead engine tests; then sampled_bench on the random 8B (the H200's
 # AV3 before it: top-k 50 + top-p 0.9 at 2.453 ms against greedy 2.201), and with EXL2_BACKEND_FUSED_TOP_K=0.
-export EXL2_CARRIED_LIBRARY=1
+export EXL2_CARRIED_LIBRARY=1 EXL2_BACKEND_FUSED_TOP_K=1
 source scripts/device/common.sh
 begin_call av5
 nvidia-smi --query-gpu=name --format=csv,noheader

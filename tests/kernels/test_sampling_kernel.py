@@ -127,6 +127,15 @@ def test_every_row_with_a_top_k_sorts_only_its_ranks(v):
     assert torch.equal(bounded[sampled], c.filtered_probs(*args)[sampled])
 
 
+@pytest.fixture
+def top_k_kernel(monkeypatch):
+    """The top-k kernel switched on (EXL2_BACKEND_FUSED_TOP_K=1; opt-in until these tests have run on a GPU)."""
+    from exl2_backend.ops import cuda_sampling_top_k as tk
+
+    monkeypatch.setattr(tk, "FUSED_TOP_K", True)
+    return tk
+
+
 TOP_K_ROWS = [
     SamplingParams(temperature=0.8, top_k=40),
     SamplingParams(temperature=1.0, top_k=50, top_p=0.9),
@@ -140,20 +149,18 @@ TOP_K_ROWS = [
 
 
 @pytest.mark.parametrize("v", [1000, 2049, 32000, 128256, 131072])
-def test_small_top_k_rows_take_one_kernel(v):
+def test_small_top_k_rows_take_one_kernel(v, top_k_kernel):
     """Rows with a top-k of at most 64 (and greedy rows beside them): the top-k kernel, the reference's tokens,
     with 80 equal logits straddling the k boundaries (ranked by id, as the stable sort)."""
-    from exl2_backend.ops.cuda_sampling_top_k import top_k_kernel_rows
-
     params = TOP_K_ROWS * 4
-    assert all(f or p.temperature == 0 for f, p in zip(top_k_kernel_rows(params, v), params))
+    assert all(f or p.temperature == 0 for f, p in zip(top_k_kernel.top_k_kernel_rows(params, v), params))
     logits = torch.randn(len(params), v, device=DEV) * 3
     logits[:, 200:280] = 6.0  # ~2 sigma: the tie group spans ranks ~20-100 at V = 1000, the top ranks above
     for seed in range(4):
         same_as_reference(logits, params, uniforms(len(params), v, 30 + seed), f"top-k kernel seed={seed}")
 
 
-def test_top_k_kernel_rows_beside_others():
+def test_top_k_kernel_rows_beside_others(top_k_kernel):
     """A batch mixing the top-k kernel's rows with top-p-only, temperature-only and large top-k rows: each way
     samples its rows, the reference's tokens; the kernel's rows get the tokens they get alone (the choice is per
     row)."""
@@ -169,9 +176,8 @@ def test_top_k_kernel_rows_beside_others():
     assert [got.tolist()[i] for i in mine] == alone
 
 
-def test_top_k_kernel_faults_switch_and_no_sync(monkeypatch):
-    from exl2_backend.ops import cuda_sampling_top_k as tk
-
+def test_top_k_kernel_faults_switch_and_no_sync(top_k_kernel, monkeypatch):
+    tk = top_k_kernel
     v = 5000
     params = [SamplingParams(temperature=0.8, top_k=40), SamplingParams(temperature=1.0, top_k=8, top_p=0.7)] * 3
     logits = torch.randn(len(params), v, device=DEV) * 2
@@ -185,7 +191,7 @@ def test_top_k_kernel_faults_switch_and_no_sync(monkeypatch):
         torch.cuda.set_sync_debug_mode("default")
     assert got[1].item() == -1 and got[4].item() == -1
     assert_exact(got, reference.sample_tokens(logits, params, u), "faults")
-    monkeypatch.setattr(tk, "FUSED_TOP_K", False)  # EXL2_BACKEND_FUSED_TOP_K=0: the torch filter path
+    monkeypatch.setattr(tk, "FUSED_TOP_K", False)  # the torch filter path
     assert not any(tk.top_k_kernel_rows(params, v))
     assert_exact(cl().sample_tokens(logits, params, u), got, "switch off")
     assert not any(tk.top_k_kernel_rows(params, tk.TOP_K_KERNEL_MAX_VOCAB + 1))

@@ -105,10 +105,14 @@ def test_descending_sort_prefix_is_the_stable_sort(bound):
     assert torch.equal(bsp[:, :bound], sp[:, :bound]) and not bsp[:, bound:].any()
 
 
-def test_which_rows_the_top_k_kernel_takes():
+def test_which_rows_the_top_k_kernel_takes(monkeypatch):
     """ops/cuda_sampling_top_k.py takes sampled rows with an active top-k of at most 64, per row, on vocabularies up
-    to 131,072 tokens; everything else goes the torch way."""
+    to 131,072 tokens, when switched on (EXL2_BACKEND_FUSED_TOP_K=1); everything else goes the torch way."""
+    from exl2_backend.ops import cuda_sampling_top_k
     from exl2_backend.ops.cuda_sampling_top_k import TOP_K_KERNEL_MAX_VOCAB, top_k_kernel_rows
+
+    assert not any(top_k_kernel_rows([ROWS["top_k"]], V))  # opt-in until it has run on a GPU
+    monkeypatch.setattr(cuda_sampling_top_k, "FUSED_TOP_K", True)
 
     rows = [ROWS["top_k"], ROWS["all"], ROWS["top_p"], ROWS["temp"], ROWS["greedy_top_p"],
             SamplingParams(temperature=1.0, top_k=65), SamplingParams(temperature=1.0, top_k=V)]

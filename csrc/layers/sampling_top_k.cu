@@ -34,7 +34,8 @@ constexpr int MERGED = KMAX * MAX_CHUNKS;     // candidates the last CTA sorts (
 constexpr int SLOT = KMAX + 1;                // per chunk: KMAX keys, then the chunk's fault flag
 
 __device__ __forceinline__ uint64_t make_key(float x, int id) {
-  const uint32_t u = __float_as_uint(x + 0.f);  // -0 -> +0: equal x rank by id
+  const uint32_t u = x == 0.f ? 0u : __float_as_uint(x);  // -0 as +0: equal x rank by id (not x + 0, which fast
+                                                           // math may fold away)
   const uint32_t ord = (u & 0x80000000u) ? ~u : (u | 0x80000000u);
   return ((uint64_t)ord << 32) | (uint32_t)(0xFFFFFFFFu - (uint32_t)id);
 }

@@ -307,15 +307,16 @@ class Exl2OpenAISpec(LitSpec):
             return _no_response(response_id)
         return JSONResponse({"id": response_id, "object": "response.deleted", "deleted": True})
 
-    async def response_input_items(self, response_id: str, order: str = "desc", limit: int = 20,
+    async def response_input_items(self, response_id: str, order: str = "desc", limit: str = "20",
                                    after: str | None = None) -> Response:
         entry = self.response_store.get(response_id)
         if entry is None:
             return _no_response(response_id)
         if order not in ("asc", "desc"):
             return _error_response(400, f"order: must be asc or desc (got {order!r})", param="order")
-        if not 1 <= limit <= 100:
-            return _error_response(400, f"limit: must be 1..100 (got {limit})", param="limit")
+        if not (limit.isdigit() and 1 <= int(limit) <= 100):  # read here: a 400 in the API's shape, not a 422
+            return _error_response(400, f"limit: must be an integer in 1..100 (got {limit!r})", param="limit")
+        limit = int(limit)
         try:
             return JSONResponse(item_page(entry.input_items, order=order, limit=limit, after=after))
         except ValueError as exc:

@@ -184,8 +184,13 @@ def test_stored_responses_are_read_listed_and_deleted(client, http):
     assert [i["content"][0]["text"] for i in page["data"]] == ["Hi.", "Hello!"] and page["has_more"] is True
     rest = http.get(f"/v1/responses/{r.id}/input_items", params={"order": "asc", "after": page["last_id"]}).json()
     assert [i["content"][0]["text"] for i in rest["data"]] == ["Name a fruit."] and rest["has_more"] is False
-    bad = http.get(f"/v1/responses/{r.id}/input_items", params={"limit": 0})
-    assert bad.status_code == 400 and bad.json()["error"]["param"] == "limit"
+    for limit in (0, "x", 101):
+        bad = http.get(f"/v1/responses/{r.id}/input_items", params={"limit": limit})
+        assert bad.status_code == 400 and bad.json()["error"]["param"] == "limit"
+    bad = http.get(f"/v1/responses/{r.id}/input_items", params={"order": "up"})
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "order"
+    bad = http.get(f"/v1/responses/{r.id}/input_items", params={"after": "msg_none"})
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "after"
     deleted = client.responses.delete(r.id)
     assert deleted is None or getattr(deleted, "deleted", True)
     with pytest.raises(openai.NotFoundError):

@@ -317,11 +317,12 @@ class BackendHandle:
     def tool_call_format(self, name: str = "auto") -> dict:
         """How the model writes tool calls: {"name": "hermes" | "llama3_json" | "mistral" | "mistral_v11",
         "marker_id": the id of the token that begins calls, or None, "tag_ids": the ids of Hermes' <tool_call> /
-        </tool_call> where they are added tokens, or None, "args_marker_id": mistral_v11's [ARGS] id, or None};
-        "auto" detects it from the chat template, another name is used as given (API 1.5, mistral_v11 1.7;
-        tokenizer/tool_formats.py). A backend that does not say: the Hermes convention."""
+        </tool_call> where they are added tokens, or None, "args_marker_id": mistral_v11's [ARGS] id, or None,
+        "parallel": whether the chat template takes several calls in one turn (Llama 3.1's does not: replies hold
+        one call)}; "auto" detects it from the chat template, another name is used as given (API 1.5; mistral_v11
+        and parallel 1.7; tokenizer/tool_formats.py). A backend that does not say: the Hermes convention."""
         return {"name": "hermes" if name == "auto" else name, "marker_id": None, "tag_ids": None,
-                "args_marker_id": None}
+                "args_marker_id": None, "parallel": True}
 
     def reasoning_tags(self, mode: str = "auto") -> dict | None:
         """The tags a reasoning model thinks inside: {"open": "<think>", "close": "</think>", "prompt_opens": whether

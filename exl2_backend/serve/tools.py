@@ -88,7 +88,8 @@ def _literal(text: str) -> str:
 def tool_grammar(tools: list[ToolDef], choice: ToolChoice, parallel: bool,
                  fmt: ToolCallFormat = HERMES) -> dict | None:
     """The engine grammar (SequenceRequest.grammar) for a reply to `tools` under `choice` in the model's call
-    convention `fmt`, or None ("none")."""
+    convention `fmt`, or None ("none"). One call at most where `parallel` is false or the model's template cannot
+    take several calls back in the next turn's history (fmt.parallel)."""
     if choice == "none":
         return None
     functions = [t.function for t in tools]
@@ -98,7 +99,7 @@ def tool_grammar(tools: list[ToolDef], choice: ToolChoice, parallel: bool,
         return _named_calls_grammar(functions, choice, parallel, fmt)
     schemas = [_call_schema(f, fmt.args_key) for f in functions]
     body = dict(schemas[0] if len(schemas) == 1 else {"anyOf": schemas}, **{"x-guidance": JSON_OPTIONS})
-    one = isinstance(choice, NamedToolChoice) or not parallel
+    one = isinstance(choice, NamedToolChoice) or not (parallel and fmt.parallel)
     rules = [f"start: {'calls' if choice != 'auto' else 'TEXT | calls'}"]
     marker = None
     if fmt.marker_id is not None:
@@ -126,7 +127,7 @@ def _named_calls_grammar(functions: list[FunctionDef], choice: ToolChoice, paral
     """Mistral v11+'s calls: each the marker, a defined function's name, [ARGS] and arguments that follow that
     function's schema, calls one after another; [CALL_ID] is left out (the ids are ours). The markers are the
     vocabulary's tokens where it has them."""
-    one = isinstance(choice, NamedToolChoice) or not parallel
+    one = isinstance(choice, NamedToolChoice) or not (parallel and fmt.parallel)
     marker, args = (f"<[{i}]>" if i is not None else _literal(t)
                     for i, t in ((fmt.marker_id, fmt.marker), (fmt.args_marker_id, fmt.args_marker)))
     rules = [f"start: {'calls' if choice != 'auto' else 'TEXT | calls'}", f"calls: call{'' if one else '+'}",

@@ -313,7 +313,34 @@ class Tokenizer:
         # special, so the tag's text spelled in a grammar would not match the model's token)
         tags = [self.token_to_id(t) for t in fmt.tags] if fmt.tags else []
         args = self.token_to_id(fmt.args_marker) if fmt.args_marker else None
-        return tool_call_format(name, marker, tags if tags and all(i in added for i in tags) else None, args)
+        return tool_call_format(name, marker, tags if tags and all(i in added for i in tags) else None, args,
+                                self._takes_parallel_calls())
+
+    def _takes_parallel_calls(self) -> bool:
+        """Whether the chat template renders a turn holding two calls (Llama 3.1's raises "This model only supports
+        single tool-calls at once!"): if it renders one call but not two, replies are held to one call, so each can
+        go back into the next turn's history. True where it cannot tell."""
+        source = self._template_or_none(with_tools=True)
+        if not source or not template_takes_tools(source):
+            return True
+        tools = [{"type": "function", "function": {"name": "f", "description": "A probe.", "parameters": {
+            "type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}}}]
+
+        def turn(n: int) -> list[dict]:
+            calls = [{"id": f"probe000{i}", "type": "function", "function": {"name": "f", "arguments": '{"a": 1}'}}
+                     for i in range(n)]
+            return ([{"role": "user", "content": "Hi."}, {"role": "assistant", "content": "", "tool_calls": calls}]
+                    + [{"role": "tool", "tool_call_id": c["id"], "content": "1"} for c in calls]
+                    + [{"role": "user", "content": "And?"}])
+
+        def renders(n: int) -> bool:
+            try:
+                self.apply_chat_template(turn(n), tools=tools)
+                return True
+            except (TokenizerError, TypeError, ValueError, KeyError, IndexError):
+                return False
+
+        return renders(2) or not renders(1)
 
     def reasoning_tags(self, mode: str = "auto") -> ReasoningTags | None:
         """The tags a reasoning reply thinks inside (tokenizer/reasoning.py), or None: with "auto" where the chat

@@ -44,11 +44,12 @@ class ToolCallFormat:
     tag_ids: tuple[int, int] | None = None  # their ids where the vocabulary has them as added tokens
     args_marker: str | None = None  # "mistral_v11": a call is marker, name, this token, arguments (no call object)
     args_marker_id: int | None = None  # its id when the vocabulary has it as one token
+    parallel: bool = True  # the chat template takes several calls in one turn of history (Llama 3.1's refuses)
 
     def to_dict(self) -> dict:
         """What crosses the worker -> API process boundary: the name and the ids of its tokens."""
         return {"name": self.name, "marker_id": self.marker_id, "tag_ids": self.tag_ids,
-                "args_marker_id": self.args_marker_id}
+                "args_marker_id": self.args_marker_id, "parallel": self.parallel}
 
     def new_call_id(self) -> str:
         """A call id as the model's template accepts it."""
@@ -68,8 +69,9 @@ _BY_NAME = {f.name: f for f in (HERMES, LLAMA3_JSON, MISTRAL, MISTRAL_V11)}
 
 
 def tool_call_format(name: str, marker_id: int | None = None, tag_ids: tuple[int, int] | list[int] | None = None,
-                     args_marker_id: int | None = None) -> ToolCallFormat:
-    """The format of that name (ValueError naming the known ones), with the ids of its marker, tags and [ARGS]."""
+                     args_marker_id: int | None = None, parallel: bool = True) -> ToolCallFormat:
+    """The format of that name (ValueError naming the known ones), with the ids of its marker, tags and [ARGS], and
+    whether the template takes several calls in one turn."""
     fmt = _BY_NAME.get(name)
     if fmt is None:
         raise ValueError(f"unknown tool call format {name!r}; known: {', '.join(TOOL_CALL_FORMATS)}")
@@ -79,14 +81,15 @@ def tool_call_format(name: str, marker_id: int | None = None, tag_ids: tuple[int
         fmt = replace(fmt, tag_ids=(int(tag_ids[0]), int(tag_ids[1])))
     if fmt.args_marker is not None:
         fmt = replace(fmt, args_marker_id=args_marker_id)
-    return fmt
+    return fmt if parallel else replace(fmt, parallel=False)
 
 
 def format_from_dict(d: dict | None) -> ToolCallFormat:
     """ToolCallFormat.to_dict's inverse; the Hermes convention for None (a worker that did not say)."""
     if not d:
         return HERMES
-    return tool_call_format(d["name"], d.get("marker_id"), d.get("tag_ids"), d.get("args_marker_id"))
+    return tool_call_format(d["name"], d.get("marker_id"), d.get("tag_ids"), d.get("args_marker_id"),
+                            d.get("parallel", True))
 
 
 def template_takes_tools(source: str) -> bool:

@@ -18,6 +18,11 @@ LLAMA3_TEMPLATE = (
     "{% else %}{{ m.role }}: {{ m.content }}\n{% endif %}{% endfor %}"
     "{% if add_generation_prompt %}assistant: {% endif %}")
 
+# Llama 3.1's own rule: one call per assistant turn, else the template raises
+LLAMA31_SINGLE_CALL_TEMPLATE = LLAMA3_TEMPLATE.replace(
+    "{% elif m.tool_calls %}", "{% elif m.tool_calls %}{% if m.tool_calls | length != 1 %}"
+    "{{ raise_exception('This model only supports single tool-calls at once!') }}{% endif %}")
+
 MISTRAL_TEMPLATE = (
     "{{ bos_token }}{% for m in messages %}"
     "{% if m.role == 'user' %}{% if tools and loop.last %}[AVAILABLE_TOOLS]{{ tools | tojson }}[/AVAILABLE_TOOLS]"

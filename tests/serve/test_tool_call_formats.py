@@ -165,7 +165,7 @@ def test_mistral_calls_through_the_hooks(tmp_path):
         fmt = format_from_dict(h.tool_call_format())
         assert fmt.name == "mistral" and fmt.marker_id == h.engine.tokenizer.token_to_id("[TOOL_CALLS]")
         assert h.tool_call_format("hermes") == {"name": "hermes", "marker_id": None, "tag_ids": None,
-                                                "args_marker_id": None}
+                                                "args_marker_id": None, "parallel": True}
         # an earlier call with an OpenAI-style id renders (the template demands 9 characters)
         events = _forced_calls(pm, h, fmt, parallel=False, max_tokens=80)  # the call is ~45 tokens here
         ids = [t for e in events for t in e.token_ids]

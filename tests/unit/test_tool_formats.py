@@ -24,6 +24,7 @@ from exl2_backend.tokenizer.tool_formats import (
 )
 from tests.helpers.tool_templates import (
     LLAMA3_TEMPLATE,
+    LLAMA31_SINGLE_CALL_TEMPLATE,
     MISTRAL_TEMPLATE,
     MISTRAL_V11_TEMPLATE,
     V11_MARKERS,
@@ -349,3 +350,22 @@ def test_mistral_v11_history_renders_with_nine_character_ids(v11_vocab):
     short = mistral_call_id("call_8f2b6c1d9e")
     assert f'[TOOL_CALLS]get_weather[CALL_ID]{short}[ARGS]{{"city": "Oslo"}}' in text
     assert f"[TOOL_RESULTS]{short}[TOOL_CONTENT]-3C" in text
+
+
+def test_a_template_that_refuses_parallel_calls_gets_one_call_per_reply(marked):
+    """Llama 3.1's template raises on a turn holding two calls: the format says so (parallel false), and the grammar
+    holds replies to one call even when the request allows several, so every reply renders back in the next turn."""
+    directory = marked[0]
+    set_chat_template(directory, LLAMA31_SINGLE_CALL_TEMPLATE)
+    try:
+        tok = Tokenizer.from_dir(directory)
+        fmt = tok.tool_call_format()
+        assert fmt.name == "llama3_json" and fmt.parallel is False and format_from_dict(fmt.to_dict()) == fmt
+        set_chat_template(directory, LLAMA3_TEMPLATE)
+        assert Tokenizer.from_dir(directory).tool_call_format().parallel is True
+    finally:
+        set_chat_template(directory, "{{ messages }}")
+    assert tool_grammar(TOOLS, "required", True, fmt) == tool_grammar(TOOLS, "required", False, fmt)
+    assert tool_grammar(TOOLS, "required", True, LLAMA3_JSON) != tool_grammar(TOOLS, "required", False, LLAMA3_JSON)
+    v11 = tool_call_format("mistral_v11", parallel=False)
+    assert "calls: call\n" in tool_grammar(TOOLS, "auto", True, v11)["value"]

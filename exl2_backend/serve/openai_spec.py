@@ -267,7 +267,10 @@ class Exl2OpenAISpec(LitSpec):
             history = previous.conversation
         try:
             own = input_items(rreq.input)
-            chat_body = rreq.chat_body(history + own)
+            items = history + own
+            if rreq.truncation == "auto":
+                items = await self._fit_items(rreq, items)
+            chat_body = rreq.chat_body(items)
         except RequestFieldError as exc:  # what has no chat translation
             return _error_response(400, str(exc), param=exc.param)
         try:
@@ -297,6 +300,39 @@ class Exl2OpenAISpec(LitSpec):
         response = response_from_chat(data, skeleton)
         keep(response)
         return JSONResponse(response)
+
+    async def _fit_items(self, rreq: ResponsesRequest, items: list[dict]) -> list[dict]:
+        """truncation "auto": the longest suffix of `items` starting at a user turn whose prompt, with
+        max_output_tokens (or one token), fits the context (binary search over the turns, a worker tokenize per
+        probe); all of them when they fit, the last turn alone when nothing shorter does (the usual 400 then)."""
+        starts = [i for i, item in enumerate(items) if item.get("type", "message") == "message"
+                  and item.get("role") == "user" and i > 0]
+
+        async def fits(start: int) -> bool:
+            body = rreq.chat_body(items[start:])
+            try:
+                fields = TokenizeRequest(messages=body["messages"], tools=body.get("tools"),
+                                         chat_template_kwargs=body.get("chat_template_kwargs")).sequence_fields()
+                answer = await self.query_worker({"op": "tokenize", "add_special_tokens": True,
+                                                  "request": {"seq_id": "truncate", **fields}}, timeout=60.0)
+            except Exception:  # noqa: BLE001 - the request's own validation or answer will say what fails
+                return True
+            if "error" in answer or not answer.get("max_model_len"):
+                return True
+            return answer["count"] + (rreq.max_output_tokens or 1) <= answer["max_model_len"]
+
+        if not starts or await fits(0):
+            return items
+        lo, hi = 0, len(starts) - 1  # the first start that fits is searched; the last is taken if none does
+        if not await fits(starts[hi]):
+            return items[starts[hi]:]
+        while lo < hi:  # bounded: log2(turns) probes
+            mid = (lo + hi) // 2
+            if await fits(starts[mid]):
+                hi = mid
+            else:
+                lo = mid + 1
+        return items[starts[lo]:]
 
     async def get_response(self, response_id: str) -> Response:
         entry = self.response_store.get(response_id)

@@ -7,7 +7,9 @@ exactly as a chat completion, and its result translated back into a `response` o
 Responses are stored unless `store` is false (serve/response_store.py: in memory, bounded), so `previous_response_id`
 continues a conversation (its input and output items come before the new input; its instructions do not carry
 over), and GET / DELETE /v1/responses/{id} and GET /v1/responses/{id}/input_items read them. `conversation` (the
-Conversations API) is refused: send the whole conversation as `input`, or chain responses."""
+Conversations API) is refused: send the whole conversation as `input`, or chain responses. With `truncation: "auto"`
+a conversation longer than the context loses its oldest turns (serve/openai_spec.py `_fit_items`); the stored
+conversation keeps them."""
 
 from __future__ import annotations
 
@@ -53,7 +55,7 @@ class ResponsesRequest(BaseModel):
     safety_identifier: str | None = None
     prompt_cache_key: str | None = None  # the prefix cache needs no key
     service_tier: str | None = None
-    truncation: Literal["disabled"] | None = None  # "auto" (dropping the conversation's start) is not done
+    truncation: Literal["disabled", "auto"] | None = None  # auto: the oldest turns go when the prompt is too long
     include: list[str] | None = None
     top_logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
     stream_options: dict | None = None
@@ -129,7 +131,7 @@ class ResponsesRequest(BaseModel):
                 "parallel_tool_calls": self.parallel_tool_calls is not False,
                 "temperature": self.temperature, "top_p": self.top_p, "tools": self.tools or [],
                 "tool_choice": self.tool_choice or "auto", "text": self.text or {"format": {"type": "text"}},
-                "reasoning": self.reasoning, "store": store, "truncation": "disabled", "usage": None,
+                "reasoning": self.reasoning, "store": store, "truncation": self.truncation or "disabled", "usage": None,
                 "user": self.user, "previous_response_id": self.previous_response_id}
 
 

@@ -98,7 +98,7 @@ def test_text_format_holds_the_answer(client):
     ({"max_output_tokens": 0}, "max_output_tokens"),
     ({"temperature": -1}, "temperature"),
     ({"frobnicate": 1}, "frobnicate"),
-    ({"truncation": "auto"}, "truncation"),
+    ({"truncation": "middle"}, "truncation"),
     ({"input": "x" * 3000}, "input"),  # longer than the served context (512)
 ])
 def test_what_cannot_be_done_is_400_naming_the_field(http, patch, param):
@@ -202,3 +202,19 @@ def test_stored_responses_are_read_listed_and_deleted(client, http):
     assert unstored.store is False
     with pytest.raises(openai.NotFoundError):
         client.responses.retrieve(unstored.id)
+
+
+def test_truncation_auto_drops_the_oldest_turns(client, http):
+    """A chain longer than the served context (512): a 400 naming the input, or with truncation "auto" the reply to
+    the newest turn alone (the older one dropped); the stored conversation keeps both."""
+    long = "word " * 300  # ~300 tokens: one turn fits, two do not
+    first = client.responses.create(model=MODEL, input="Remember: " + long, max_output_tokens=8, temperature=0)
+    kw = {"model": MODEL, "previous_response_id": first.id, "input": "Now: " + long, "max_output_tokens": 8,
+          "temperature": 0}
+    refused = http.post("/v1/responses", json=kw)
+    assert refused.status_code == 400 and refused.json()["error"]["param"] == "input", refused.text
+    cut = client.responses.create(truncation="auto", **kw)
+    alone = client.responses.create(model=MODEL, input="Now: " + long, max_output_tokens=8, temperature=0)
+    assert cut.truncation == "auto" and cut.output_text == alone.output_text
+    assert cut.usage.input_tokens == alone.usage.input_tokens
+    assert len(client.responses.input_items.list(cut.id).data) == 1  # its own input; the chain is stored whole

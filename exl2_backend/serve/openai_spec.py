@@ -1,7 +1,8 @@
 """`Exl2OpenAISpec`: our OpenAI-compatible surface on LitServe (runs in the API server process).
 
 Routes: POST /v1/chat/completions, POST /v1/completions, POST /v1/responses (serve/responses_api.py; GET / DELETE
-/v1/responses/{id} and GET /v1/responses/{id}/input_items read stored ones, serve/response_store.py), GET
+/v1/responses/{id} and GET /v1/responses/{id}/input_items read stored ones, serve/response_store.py), the
+Conversations API under /v1/conversations (serve/conversation_store.py), GET
 /v1/models[/{id}], POST /tokenize and /detokenize, GET /metrics (Prometheus text). LitServe's own GET /health
 calls `Exl2LitAPI.health`, which asks the worker through `query_worker`.
 
@@ -31,6 +32,8 @@ from litserve.specs.base import LitSpec
 from litserve.utils import LitAPIStatus, ResponseBufferItem
 from pydantic import ValidationError
 
+from exl2_backend.serve.conversation_store import ConversationStore
+from exl2_backend.serve.conversations_api import AddItems, CreateConversation, UpdateConversation, checked_items
 from exl2_backend.serve.metrics import METRICS_CONTENT_TYPE, render_metrics
 from exl2_backend.serve.openai_items import (
     add_usage,
@@ -98,6 +101,24 @@ def _error_response(status: int, message: str, *, param: str | None = None, code
                         status_code=status, headers=headers)
 
 
+def _item_list(items: list[dict], order: str, limit: str, after: str | None) -> JSONResponse:
+    """A page of stored items (item_page), its query parameters read here: a bad one is a 400 in the API's error
+    shape, not FastAPI's 422."""
+    if order not in ("asc", "desc"):
+        return _error_response(400, f"order: must be asc or desc (got {order!r})", param="order")
+    if not (limit.isdigit() and 1 <= int(limit) <= 100):
+        return _error_response(400, f"limit: must be an integer in 1..100 (got {limit!r})", param="limit")
+    try:
+        return JSONResponse(item_page(items, order=order, limit=int(limit), after=after))
+    except ValueError as exc:
+        return _error_response(400, str(exc), param="after")
+
+
+def _no_conversation(conversation_id: str, status: int = 404, param: str = "conversation_id") -> JSONResponse:
+    return _error_response(status, f"no conversation {conversation_id!r} (not made here, deleted, or dropped as least "
+                           "recently used)", param=param, code="not_found")
+
+
 def _no_response(response_id: str) -> JSONResponse:
     return _error_response(404, f"no stored response {response_id!r} (not stored, deleted, or dropped as least "
                            "recently used)", param="response_id", code="not_found")
@@ -111,6 +132,7 @@ class Exl2OpenAISpec(LitSpec):
         self._max_model_len: int | None = None
         self._model_info: dict | None = None  # the worker's model_info (tool calls, reasoning), asked once
         self.response_store = ResponseStore()  # the Responses API's stored responses (serve/response_store.py)
+        self.conversations = ConversationStore()  # the Conversations API's (serve/conversation_store.py)
 
     @property
     def stream(self) -> bool:
@@ -128,6 +150,15 @@ class Exl2OpenAISpec(LitSpec):
         self.add_endpoint("/v1/responses/{response_id}", self.get_response, ["GET"])
         self.add_endpoint("/v1/responses/{response_id}", self.delete_response, ["DELETE"])
         self.add_endpoint("/v1/responses/{response_id}/input_items", self.response_input_items, ["GET"])
+        self.add_endpoint("/v1/conversations", self.create_conversation, ["POST"])
+        self.add_endpoint("/v1/conversations/{conversation_id}", self.get_conversation, ["GET"])
+        self.add_endpoint("/v1/conversations/{conversation_id}", self.update_conversation, ["POST"])
+        self.add_endpoint("/v1/conversations/{conversation_id}", self.delete_conversation, ["DELETE"])
+        self.add_endpoint("/v1/conversations/{conversation_id}/items", self.list_conversation_items, ["GET"])
+        self.add_endpoint("/v1/conversations/{conversation_id}/items", self.add_conversation_items, ["POST"])
+        self.add_endpoint("/v1/conversations/{conversation_id}/items/{item_id}", self.get_conversation_item, ["GET"])
+        self.add_endpoint("/v1/conversations/{conversation_id}/items/{item_id}", self.delete_conversation_item,
+                          ["DELETE"])
         self.add_endpoint("/v1/models", self.list_models, ["GET"])
         self.add_endpoint("/v1/models/{model_name:path}", self.get_model, ["GET"])
         self.add_endpoint("/metrics", self.metrics, ["GET"])
@@ -241,7 +272,7 @@ class Exl2OpenAISpec(LitSpec):
         except ValidationError as exc:
             param, message = first_error(exc)
             return _error_response(400, message, param=param)
-        bad = self._check_model(req.model)
+        bad = self._check_model(getattr(req, "model", None))  # bodies without a model (conversations) pass
         return req if bad is None else bad
 
     async def chat_completions(self, request: Request) -> Response:
@@ -257,6 +288,15 @@ class Exl2OpenAISpec(LitSpec):
         if isinstance(rreq, Response):
             return rreq
         history: list[dict] = []
+        conversation = None
+        if rreq.conversation is not None:
+            if rreq.previous_response_id is not None:
+                return _error_response(400, "conversation: give either conversation or previous_response_id",
+                                       param="conversation")
+            conversation = self.conversations.get(rreq.conversation_id())
+            if conversation is None:
+                return _no_conversation(rreq.conversation_id(), status=400, param="conversation")
+            history = list(conversation.items)
         if rreq.previous_response_id is not None:
             previous = self.response_store.get(rreq.previous_response_id)
             if previous is None:
@@ -285,6 +325,8 @@ class Exl2OpenAISpec(LitSpec):
         def keep(response: dict) -> None:
             if store:
                 self.response_store.put(response, own, history)
+            if conversation is not None:  # the turn joins the conversation, stored or not (as the OpenAI API does)
+                self.conversations.add_items(conversation.id, own + list(response.get("output") or ()))
 
         resp = await self._chat(request, req)
         if isinstance(resp, StreamingResponse):
@@ -334,6 +376,76 @@ class Exl2OpenAISpec(LitSpec):
                 lo = mid + 1
         return items[starts[lo]:]
 
+    # --- the Conversations API (serve/conversation_store.py, serve/conversations_api.py) ---------------------------
+
+    async def create_conversation(self, request: Request) -> Response:
+        body = await self._parse(request, CreateConversation)
+        if isinstance(body, Response):
+            return body
+        try:
+            items = checked_items(body.items)
+        except RequestFieldError as exc:
+            return _error_response(400, str(exc), param=exc.param)
+        return JSONResponse(self.conversations.create(items, body.metadata).as_object())
+
+    async def get_conversation(self, conversation_id: str) -> Response:
+        conv = self.conversations.get(conversation_id)
+        return JSONResponse(conv.as_object()) if conv is not None else _no_conversation(conversation_id)
+
+    async def update_conversation(self, conversation_id: str, request: Request) -> Response:
+        body = await self._parse(request, UpdateConversation)
+        if isinstance(body, Response):
+            return body
+        conv = self.conversations.get(conversation_id)
+        if conv is None:
+            return _no_conversation(conversation_id)
+        conv.metadata = dict(body.metadata)
+        return JSONResponse(conv.as_object())
+
+    async def delete_conversation(self, conversation_id: str) -> Response:
+        if not self.conversations.delete(conversation_id):
+            return _no_conversation(conversation_id)
+        return JSONResponse({"id": conversation_id, "object": "conversation.deleted", "deleted": True})
+
+    async def list_conversation_items(self, conversation_id: str, order: str = "desc", limit: str = "20",
+                                      after: str | None = None) -> Response:
+        conv = self.conversations.get(conversation_id)
+        if conv is None:
+            return _no_conversation(conversation_id)
+        return _item_list(conv.items, order, limit, after)
+
+    async def add_conversation_items(self, conversation_id: str, request: Request) -> Response:
+        body = await self._parse(request, AddItems)
+        if isinstance(body, Response):
+            return body
+        if self.conversations.get(conversation_id) is None:
+            return _no_conversation(conversation_id)
+        try:
+            added = self.conversations.add_items(conversation_id, checked_items(body.items))
+        except RequestFieldError as exc:
+            return _error_response(400, str(exc), param=exc.param)
+        return JSONResponse({"object": "list", "data": added, "first_id": added[0]["id"], "last_id": added[-1]["id"],
+                             "has_more": False})
+
+    async def get_conversation_item(self, conversation_id: str, item_id: str) -> Response:
+        conv = self.conversations.get(conversation_id)
+        if conv is None:
+            return _no_conversation(conversation_id)
+        item = next((i for i in conv.items if i.get("id") == item_id), None)
+        if item is None:
+            return _error_response(404, f"no item {item_id!r} in conversation {conversation_id!r}", param="item_id",
+                                   code="not_found")
+        return JSONResponse(item)
+
+    async def delete_conversation_item(self, conversation_id: str, item_id: str) -> Response:
+        conv = self.conversations.get(conversation_id)
+        if conv is None:
+            return _no_conversation(conversation_id)
+        if not self.conversations.delete_item(conversation_id, item_id):
+            return _error_response(404, f"no item {item_id!r} in conversation {conversation_id!r}", param="item_id",
+                                   code="not_found")
+        return JSONResponse(conv.as_object())
+
     async def get_response(self, response_id: str) -> Response:
         entry = self.response_store.get(response_id)
         return JSONResponse(entry.response) if entry is not None else _no_response(response_id)
@@ -348,15 +460,7 @@ class Exl2OpenAISpec(LitSpec):
         entry = self.response_store.get(response_id)
         if entry is None:
             return _no_response(response_id)
-        if order not in ("asc", "desc"):
-            return _error_response(400, f"order: must be asc or desc (got {order!r})", param="order")
-        if not (limit.isdigit() and 1 <= int(limit) <= 100):  # read here: a 400 in the API's shape, not a 422
-            return _error_response(400, f"limit: must be an integer in 1..100 (got {limit!r})", param="limit")
-        limit = int(limit)
-        try:
-            return JSONResponse(item_page(entry.input_items, order=order, limit=limit, after=after))
-        except ValueError as exc:
-            return _error_response(400, str(exc), param="after")
+        return _item_list(entry.input_items, order, limit, after)
 
     async def _chat(self, request: Request, req: ChatCompletionRequest) -> Response:
         sid = f"chatcmpl-{uuid.uuid4().hex}"

@@ -6,8 +6,9 @@ exactly as a chat completion, and its result translated back into a `response` o
 
 Responses are stored unless `store` is false (serve/response_store.py: in memory, bounded), so `previous_response_id`
 continues a conversation (its input and output items come before the new input; its instructions do not carry
-over), and GET / DELETE /v1/responses/{id} and GET /v1/responses/{id}/input_items read them. `conversation` (the
-Conversations API) is refused: send the whole conversation as `input`, or chain responses. With `truncation: "auto"`
+over), and GET / DELETE /v1/responses/{id} and GET /v1/responses/{id}/input_items read them. `conversation` continues
+a conversation of the Conversations API (serve/conversation_store.py) instead: its items come first, and this
+request's input and output items are appended when it ends. With `truncation: "auto"`
 a conversation longer than the context loses its oldest turns (serve/openai_spec.py `_fit_items`); the stored
 conversation keeps them."""
 
@@ -76,11 +77,13 @@ class ResponsesRequest(BaseModel):
 
     @field_validator("conversation")
     @classmethod
-    def _no_conversations(cls, v):
-        if v is not None:
-            raise ValueError("this server keeps no conversations; send the whole conversation as input, or continue "
-                             "a stored response with previous_response_id")
+    def _conversation_id(cls, v):
+        if v is not None and not (isinstance(v, str) or (isinstance(v, dict) and isinstance(v.get("id"), str))):
+            raise ValueError("must be a conversation id, or {\"id\": <conversation id>}")
         return v
+
+    def conversation_id(self) -> str | None:
+        return self.conversation if isinstance(self.conversation, str | None) else self.conversation["id"]
 
     @field_validator("include")
     @classmethod
@@ -132,7 +135,8 @@ class ResponsesRequest(BaseModel):
                 "temperature": self.temperature, "top_p": self.top_p, "tools": self.tools or [],
                 "tool_choice": self.tool_choice or "auto", "text": self.text or {"format": {"type": "text"}},
                 "reasoning": self.reasoning, "store": store, "truncation": self.truncation or "disabled", "usage": None,
-                "user": self.user, "previous_response_id": self.previous_response_id}
+                "user": self.user, "previous_response_id": self.previous_response_id,
+                "conversation": None if self.conversation is None else {"id": self.conversation_id()}}
 
 
 _PASSED = ("temperature", "top_p", "parallel_tool_calls", "top_k", "min_p", "repetition_penalty", "presence_penalty",

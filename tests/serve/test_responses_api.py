@@ -90,7 +90,8 @@ def test_text_format_holds_the_answer(client):
 
 @pytest.mark.parametrize("patch, param", [
     ({"previous_response_id": "resp_1"}, "previous_response_id"),  # never stored
-    ({"conversation": "conv_1"}, "conversation"),
+    ({"conversation": "conv_1"}, "conversation"),  # never made
+    ({"conversation": {"name": "x"}}, "conversation"),
     ({"tools": [{"type": "web_search"}]}, "tools.0.type"),
     ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]}, "input.0.content.0.type"),
     ({"input": [{"type": "function_call", "name": "f", "arguments": "{}"}]}, "input.0.call_id"),
@@ -218,3 +219,40 @@ def test_truncation_auto_drops_the_oldest_turns(client, http):
     assert cut.truncation == "auto" and cut.output_text == alone.output_text
     assert cut.usage.input_tokens == alone.usage.input_tokens
     assert len(client.responses.input_items.list(cut.id).data) == 1  # its own input; the chain is stored whole
+
+
+def test_a_conversation_carries_the_turns(client, http):
+    """The Conversations API: a conversation made with an item, continued by two responses (each appends its input
+    and output), read, listed, an item fetched and deleted, metadata updated, then deleted."""
+    import openai
+
+    conv = client.conversations.create(items=[{"type": "message", "role": "user", "content": "My name is Ada."}],
+                                       metadata={"topic": "names"})
+    assert conv.id.startswith("conv_") and conv.metadata == {"topic": "names"}
+    first = client.responses.create(model=MODEL, conversation=conv.id, input="Say hello.", temperature=0,
+                                    max_output_tokens=8)
+    assert first.conversation.id == conv.id
+    chat = client.chat.completions.create(model=MODEL, temperature=0, max_tokens=8, messages=[
+        {"role": "user", "content": "My name is Ada."}, {"role": "user", "content": "Say hello."}])
+    assert first.output_text == chat.choices[0].message.content
+    second = client.responses.create(model=MODEL, conversation={"id": conv.id}, input="What is my name?",
+                                     temperature=0, max_output_tokens=8, store=False)
+    items = client.conversations.items.list(conv.id, order="asc").data
+    assert [i.type for i in items] == ["message"] * 5 and items[2].content[0].text == first.output_text
+    assert items[4].content[0].text == second.output_text  # appended although the response was not stored
+    got = http.get(f"/v1/conversations/{conv.id}/items/{items[1].id}").json()
+    assert got["content"][0]["text"] == "Say hello."
+    client.conversations.items.delete(items[1].id, conversation_id=conv.id)
+    assert len(client.conversations.items.list(conv.id).data) == 4
+    added = client.conversations.items.create(conv.id, items=[{"type": "message", "role": "user", "content": "x"}])
+    assert added.data[0].id.startswith("msg_")
+    assert client.conversations.update(conv.id, metadata={"topic": "other"}).metadata == {"topic": "other"}
+    both = http.post("/v1/responses", json={"model": MODEL, "input": "x", "conversation": conv.id,
+                                            "previous_response_id": first.id})
+    assert both.status_code == 400 and both.json()["error"]["param"] == "conversation"
+    bad = http.post(f"/v1/conversations/{conv.id}/items", json={"items": [{"type": "web_search_call"}]})
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "items.0.type"
+    client.conversations.delete(conv.id)
+    with pytest.raises(openai.NotFoundError):
+        client.conversations.retrieve(conv.id)
+    assert http.get(f"/v1/conversations/{conv.id}/items").status_code == 404

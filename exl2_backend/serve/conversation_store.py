@@ -9,9 +9,9 @@ from __future__ import annotations
 
 import json
 import time
-from collections import OrderedDict
 from dataclasses import dataclass, field
 
+from exl2_backend.serve.bounded_store import BoundedLRU
 from exl2_backend.serve.responses_api import new_id
 
 STORED_CONVERSATIONS = 1024
@@ -43,25 +43,16 @@ def metadata_problem(metadata) -> str | None:
     return None
 
 
-class ConversationStore:
+class ConversationStore(BoundedLRU[Conversation]):
     """Conversations by id, least recently used first out past `capacity` or `max_bytes`."""
 
     def __init__(self, capacity: int = STORED_CONVERSATIONS, max_bytes: int = CONVERSATION_BYTES):
-        self.capacity, self.max_bytes = capacity, max_bytes
-        self.bytes = 0
-        self._entries: OrderedDict[str, Conversation] = OrderedDict()
+        super().__init__(capacity, max_bytes)
 
     def create(self, items: list[dict], metadata: dict[str, str] | None) -> Conversation:
         conv = Conversation(new_id("conv"), int(time.time()), dict(metadata or {}))
-        self._entries[conv.id] = conv
+        self._insert(conv.id, conv)
         self.add_items(conv.id, items)
-        self._evict()
-        return conv
-
-    def get(self, conversation_id: str) -> Conversation | None:
-        conv = self._entries.get(conversation_id)
-        if conv is not None:
-            self._entries.move_to_end(conversation_id)
         return conv
 
     def add_items(self, conversation_id: str, items: list[dict]) -> list[dict]:
@@ -73,20 +64,8 @@ class ConversationStore:
         size = sum(_size(item) for item in items)
         conv.items.extend(items)
         conv.size += size
-        self.bytes += size
-        self._evict()
+        self._grew(size)
         return items
-
-    def _evict(self) -> None:
-        while len(self._entries) > self.capacity or (self.bytes > self.max_bytes and len(self._entries) > 1):
-            _, dropped = self._entries.popitem(last=False)
-            self.bytes -= dropped.size
-
-    def delete(self, conversation_id: str) -> bool:
-        conv = self._entries.pop(conversation_id, None)
-        if conv is not None:
-            self.bytes -= conv.size
-        return conv is not None
 
     def delete_item(self, conversation_id: str, item_id: str) -> bool:
         conv = self.get(conversation_id)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
+from exl2_backend.serve.conversation_store import metadata_problem
 from exl2_backend.serve.response_store import input_items
 from exl2_backend.serve.responses_api import RequestFieldError, input_messages
 
@@ -12,8 +13,6 @@ MAX_ADDED_ITEMS = 20  # the OpenAI API's limit per create / add
 
 
 def _metadata(v):
-    from exl2_backend.serve.conversation_store import metadata_problem
-
     problem = metadata_problem(v)
     if problem is not None:
         raise ValueError(problem)

@@ -12,9 +12,9 @@ from __future__ import annotations
 
 import copy
 import json
-from collections import OrderedDict
 from dataclasses import dataclass
 
+from exl2_backend.serve.bounded_store import BoundedLRU
 from exl2_backend.serve.responses_api import new_id
 
 STORED_RESPONSES = 1024  # responses kept; each holds its conversation's items (shared with its ancestors)
@@ -48,22 +48,11 @@ def input_items(items: str | list[dict]) -> list[dict]:
     return out
 
 
-class ResponseStore:
-    """Responses by id, least recently used first out past `capacity`."""
+class ResponseStore(BoundedLRU[StoredResponse]):
+    """Responses by id, least recently used first out past `capacity` or `max_bytes`."""
 
     def __init__(self, capacity: int = STORED_RESPONSES, max_bytes: int = STORED_BYTES):
-        self.capacity, self.max_bytes = capacity, max_bytes
-        self.bytes = 0
-        self._entries: OrderedDict[str, StoredResponse] = OrderedDict()
-
-    def __len__(self) -> int:
-        return len(self._entries)
-
-    def get(self, response_id: str) -> StoredResponse | None:
-        entry = self._entries.get(response_id)
-        if entry is not None:
-            self._entries.move_to_end(response_id)
-        return entry
+        super().__init__(capacity, max_bytes)
 
     def put(self, response: dict, own_input: list[dict], history: list[dict]) -> None:
         """Store a finished response: `own_input` its request's items (input_items), `history` the conversation
@@ -73,23 +62,12 @@ class ResponseStore:
         size = len(json.dumps(response, default=str)) + len(json.dumps(own_input, default=str))
         if size > self.max_bytes:
             return  # larger than the whole store: not kept
-        self.delete(response["id"])
         conversation = history + own_input + list(response.get("output") or ())
-        self._entries[response["id"]] = StoredResponse(response, own_input, conversation, size)
-        self.bytes += size
-        while len(self._entries) > self.capacity or self.bytes > self.max_bytes:
-            _, dropped = self._entries.popitem(last=False)
-            self.bytes -= dropped.size
-
-    def delete(self, response_id: str) -> bool:
-        entry = self._entries.pop(response_id, None)
-        if entry is not None:
-            self.bytes -= entry.size
-        return entry is not None
+        self._insert(response["id"], StoredResponse(response, own_input, conversation, size))
 
 
 def item_page(items: list[dict], *, order: str = "desc", limit: int = 20, after: str | None = None) -> dict:
-    """GET .../input_items: a list page of `items` (stored in request order), newest first unless order is asc,
+    """GET .../input_items and .../items: a list page of `items` (stored in order), newest first unless order is asc,
     starting after the item `after` (ValueError for an unknown one)."""
     ordered = items if order == "asc" else items[::-1]
     start = 0

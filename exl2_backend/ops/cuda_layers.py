@@ -33,7 +33,7 @@ from exl2_backend.errors import InvalidRequestError
 from exl2_backend.ops import library, reference
 from exl2_backend.ops.host_copy import to_device
 from exl2_backend.ops.library import F32, I32, I64, PTR, STREAM
-from exl2_backend.ops.reference_sampling import active_filters, descending_sort
+from exl2_backend.ops.reference_sampling import active_filters
 
 log = logging.getLogger("exl2_backend")
 
@@ -864,18 +864,17 @@ def sampling_param_tensors(params, vocab: int, device) -> dict[str, torch.Tensor
 
 
 def filtered_probs(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
-                   min_p: torch.Tensor, filters: frozenset = frozenset(("top_k", "top_p", "min_p")),
-                   k_bound: int | None = None) -> torch.Tensor:
+                   min_p: torch.Tensor, filters: frozenset = frozenset(("top_k", "top_p", "min_p"))) -> torch.Tensor:
     """reference_sampling.sampling_probs for the sampled rows, from [B] device parameter tensors: the same torch
-    ops in the same order, so the same bits on the same device. Greedy rows are left to the kernel. A filter
-    left out of `filters` (no row of the batch uses it; active_filters) is skipped: it would leave every row as
-    it is, so the bits do not change, and each costs ~4 passes over [B, V] (a 128k vocabulary). `k_bound`
-    (top_k_bound of the host-side parameters) stops the sort at that rank where descending_sort does (the CPU)."""
+    ops in the same order, so the same bits on the same device (on the GPU the reference sorts the whole row too:
+    descending_sort bounds only CPU tensors). Greedy rows are left to the kernel. A filter left out of `filters`
+    (no row of the batch uses it; active_filters) is skipped: it would leave every row as it is, so the bits do
+    not change, and each costs ~4 passes over [B, V] (a 128k vocabulary)."""
     b, v = logits.shape
     temp, top_k, top_p, min_p = (t.reshape(b, 1) for t in (temperature, top_k, top_p, min_p))
     greedy = temp == 0
     probs = torch.softmax(logits.float() / torch.where(greedy, 1.0, temp), dim=-1)  # [B, V]
-    sp, idx = descending_sort(probs, k_bound)
+    sp, idx = torch.sort(probs, dim=-1, descending=True, stable=True)
 
     def keep(mask, active):
         kept = torch.where(mask, sp, 0.0)
@@ -888,7 +887,7 @@ def filtered_probs(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch
         sp = keep(before < top_p, top_p < 1.0)
     if "min_p" in filters:
         sp = keep(sp >= min_p * sp[:, :1], min_p > 0.0)
-    return torch.zeros_like(sp).scatter_(-1, idx, sp[:, :idx.shape[1]])  # past a bound sp is zero
+    return torch.zeros_like(sp).scatter_(-1, idx, sp)
 
 
 def sample_tokens(logits: torch.Tensor, params, uniforms: torch.Tensor | None = None) -> torch.Tensor:

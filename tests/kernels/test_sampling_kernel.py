@@ -111,20 +111,13 @@ def test_mixed_batch_with_filters(v):
 @pytest.mark.parametrize("v", [2049, 128256])
 def test_every_row_with_a_top_k_sorts_only_its_ranks(v):
     """Every sampled row has a top-k (top_k_bound is set; descending_sort takes the bound on the CPU only, where
-    it is cheaper): the same tokens as the reference, and filtered_probs given the bound bit-identical to the full
-    sort on the GPU, with 60 equal logits straddling the bound."""
+    it is cheaper): the same tokens as the reference on the GPU, with 60 equal logits straddling the bound."""
     params = [SamplingParams(temperature=0.8, top_k=40), SamplingParams(temperature=1.0, top_k=50, top_p=0.9),
               SamplingParams.greedy(), SamplingParams(temperature=0.7, top_k=1000, min_p=0.01)] * 3
     logits = torch.randn(len(params), v, device=DEV) * 3
     logits[:, 100:160] = 9.0
     for seed in range(3):
         same_as_reference(logits, params, uniforms(len(params), v, 20 + seed), f"top-k bound seed={seed}")
-    c = cl()
-    pt = c.sampling_param_tensors(params, v, DEV)
-    args = (logits, pt["temperature"], pt["top_k"], pt["top_p"], pt["min_p"])
-    sampled = [i for i, p in enumerate(params) if p.temperature != 0]
-    bounded = c.filtered_probs(*args, k_bound=1000)
-    assert torch.equal(bounded[sampled], c.filtered_probs(*args)[sampled])
 
 
 @pytest.fixture

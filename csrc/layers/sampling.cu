@@ -26,43 +26,6 @@ constexpr int THREADS = 256;
 constexpr int ITEMS = 8;
 constexpr int CHUNK = THREADS * ITEMS;
 
-struct Cand {
-  float v;
-  int i;
-};
-
-// a beats b: larger value (NaN largest), then lower index (NaN rows end as -1; the order still decides within them)
-__device__ __forceinline__ bool better(const Cand& a, const Cand& b) {
-  const bool an = isnan(a.v), bn = isnan(b.v);
-  if (an != bn) return an;
-  if (!an && a.v != b.v) return a.v > b.v;
-  return a.i < b.i;
-}
-
-__device__ __forceinline__ Cand block_best(Cand c, Cand* scratch) {
-  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-#pragma unroll
-  for (int o = 16; o > 0; o >>= 1) {
-    Cand other{__shfl_xor_sync(0xffffffffu, c.v, o), __shfl_xor_sync(0xffffffffu, c.i, o)};
-    if (better(other, c)) c = other;
-  }
-  if (lane == 0) scratch[warp] = c;
-  __syncthreads();
-  if (warp == 0) {
-    c = lane < THREADS / 32 ? scratch[lane] : Cand{-INFINITY, INT_MAX};
-#pragma unroll
-    for (int o = 16; o > 0; o >>= 1) {
-      Cand other{__shfl_xor_sync(0xffffffffu, c.v, o), __shfl_xor_sync(0xffffffffu, c.i, o)};
-      if (better(other, c)) c = other;
-    }
-    if (lane == 0) scratch[32] = c;
-  }
-  __syncthreads();
-  c = scratch[32];
-  __syncthreads();
-  return c;
-}
-
 __device__ __forceinline__ float block_max(float v, float* scratch) {
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   v = warp_max(v);
@@ -128,7 +91,7 @@ __global__ void __launch_bounds__(THREADS) sample_kernel(const SampleArgs a) {
       const Cand c{x[k], e};
       if (e < a.V && better(c, best)) best = c;
     }
-    best = block_best(best, cscratch);
+    best = block_best<THREADS>(best, cscratch);
   } else {
     float u[ITEMS];
 #pragma unroll
@@ -158,7 +121,7 @@ __global__ void __launch_bounds__(THREADS) sample_kernel(const SampleArgs a) {
       const Cand c{race(x[k], u[k]), e};
       if (e < a.V && better(c, best)) best = c;
     }
-    best = block_best(best, cscratch);
+    best = block_best<THREADS>(best, cscratch);
   }
 
   if (tid == 0) {
@@ -208,7 +171,7 @@ __global__ void __launch_bounds__(THREADS) sample_kernel(const SampleArgs a) {
       if (better(cand, fin)) fin = cand;
     }
   }
-  fin = block_best(fin, cscratch);
+  fin = block_best<THREADS>(fin, cscratch);
   if (tid == 0) {
     a.out[b] = fin.i < a.V ? fin.i : 0;
     a.counters[b] = 0;

@@ -87,8 +87,7 @@ __global__ void __launch_bounds__(THREADS) sample_top_k_kernel(const TopKArgs a)
   __shared__ float wsh[KMAX];
   __shared__ int kept;
   __shared__ bool is_last;
-  __shared__ float best_v[THREADS / 32];
-  __shared__ int best_i[THREADS / 32];
+  __shared__ Cand cscratch[33];
   const int chunk = blockIdx.x, b = blockIdx.y, tid = threadIdx.x;
   const float temp = a.temperature[b];
   const float* lrow = a.logits + b * a.ls;
@@ -153,36 +152,14 @@ __global__ void __launch_bounds__(THREADS) sample_top_k_kernel(const TopKArgs a)
   }
   __syncthreads();
 
-  float v = -INFINITY;
-  int i = INT_MAX;
+  Cand best{-INFINITY, INT_MAX};
   if (tid < kept) {
     const int id = key_id(keys[tid]);
-    v = race(wsh[tid], a.uniforms[b * a.us + id]);
-    i = id;
+    best = Cand{race(wsh[tid], a.uniforms[b * a.us + id]), id};
   }
-  // block argmax, ties to the lowest id
-#pragma unroll
-  for (int o = 16; o > 0; o >>= 1) {
-    const float ov = __shfl_xor_sync(0xffffffffu, v, o);
-    const int oi = __shfl_xor_sync(0xffffffffu, i, o);
-    if (ov > v || (ov == v && oi < i)) {
-      v = ov;
-      i = oi;
-    }
-  }
-  if ((tid & 31) == 0) {
-    best_v[tid >> 5] = v;
-    best_i[tid >> 5] = i;
-  }
-  __syncthreads();
+  best = block_best<THREADS>(best, cscratch);  // ties to the lowest id
   if (tid == 0) {
-    for (int w = 1; w < THREADS / 32; ++w) {
-      if (best_v[w] > v || (best_v[w] == v && best_i[w] < i)) {
-        v = best_v[w];
-        i = best_i[w];
-      }
-    }
-    a.out[b] = i < a.V ? i : 0;
+    a.out[b] = best.i < a.V ? best.i : 0;
     a.counters[b] = 0;
   }
 }

@@ -73,10 +73,15 @@ class ToolCall(BaseModel):
     function: _CalledFunction
 
 
+def _parameters(fn: FunctionDef) -> dict:
+    """The JSON Schema of a function's arguments; no parameters: an empty object."""
+    return fn.parameters if fn.parameters is not None else {"type": "object", "properties": {},
+                                                            "additionalProperties": False}
+
+
 def _call_schema(fn: FunctionDef, args_key: str) -> dict:
     """One call's JSON: {"name": <this function>, <args_key>: <its parameters>}, nothing else."""
-    params = fn.parameters if fn.parameters is not None else {"type": "object", "properties": {},
-                                                              "additionalProperties": False}
+    params = _parameters(fn)
     return {"type": "object", "properties": {"name": {"const": fn.name}, args_key: params},
             "required": ["name", args_key], "additionalProperties": False}
 
@@ -133,10 +138,8 @@ def _named_calls_grammar(functions: list[FunctionDef], choice: ToolChoice, paral
     rules = [f"start: {'calls' if choice != 'auto' else 'TEXT | calls'}", f"calls: call{'' if one else '+'}",
              f"call: {marker} ({' | '.join(f'fn{i}' for i in range(len(functions)))})"]
     for i, fn in enumerate(functions):
-        params = fn.parameters if fn.parameters is not None else {"type": "object", "properties": {},
-                                                                  "additionalProperties": False}
         rules.append(f"fn{i}: {_literal(fn.name)} {args} args{i}")
-        rules.append(f"args{i}: %json {json.dumps(dict(params, **{'x-guidance': JSON_OPTIONS}))}")
+        rules.append(f"args{i}: %json {json.dumps(dict(_parameters(fn), **{'x-guidance': JSON_OPTIONS}))}")
     rules.append("TEXT: /\\s*\\S(.|\\n)*/")  # a text reply (a call begins with the marker token)
     return {"type": "lark", "value": "\n".join(rules)}
 

@@ -284,7 +284,7 @@ class Tokenizer:
             raise TokenizerError(f"this model has no chat template (tokenizer_config.json in {self.source})")
         if template_takes_tools(source):
             messages = template_messages(messages,
-                                         nine_char_ids=detect_format_name(source) in ("mistral", "mistral_v11"))
+                                         nine_char_ids=tool_call_format(detect_format_name(source)).nine_char_ids)
             if tools is not None:
                 kwargs["tools"] = tools
         elif tools or any(m.get("role") == "tool" or m.get("tool_calls") for m in messages):

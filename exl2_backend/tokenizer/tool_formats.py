@@ -45,6 +45,7 @@ class ToolCallFormat:
     args_marker: str | None = None  # "mistral_v11": a call is marker, name, this token, arguments (no call object)
     args_marker_id: int | None = None  # its id when the vocabulary has it as one token
     parallel: bool = True  # the chat template takes several calls in one turn of history (Llama 3.1's refuses)
+    nine_char_ids: bool = False  # its templates demand call ids of 9 letters and digits (mistral_call_id)
 
     def to_dict(self) -> dict:
         """What crosses the worker -> API process boundary: the name and the ids of its tokens."""
@@ -53,7 +54,7 @@ class ToolCallFormat:
 
     def new_call_id(self) -> str:
         """A call id as the model's template accepts it."""
-        if self.name in ("mistral", "mistral_v11"):
+        if self.nine_char_ids:
             return "".join(secrets.choice(_ID_ALPHABET) for _ in range(9))
         return f"call_{secrets.token_hex(12)}"
 
@@ -62,9 +63,9 @@ HERMES = ToolCallFormat("hermes", "arguments", "<tool_call>\n", "\n</tool_call>"
                         tags=("<tool_call>", "</tool_call>"))
 LLAMA3_JSON = ToolCallFormat("llama3_json", "parameters", "", "", "; ", marker="<|python_tag|>", text_excludes="{")
 MISTRAL = ToolCallFormat("mistral", "arguments", "", "", ", ", list_open="[", list_close="]", marker="[TOOL_CALLS]",
-                         marker_required=True, text_excludes="[")
+                         marker_required=True, text_excludes="[", nine_char_ids=True)
 MISTRAL_V11 = ToolCallFormat("mistral_v11", "arguments", "", "", "", marker="[TOOL_CALLS]", marker_required=True,
-                             args_marker="[ARGS]")
+                             args_marker="[ARGS]", nine_char_ids=True)
 _BY_NAME = {f.name: f for f in (HERMES, LLAMA3_JSON, MISTRAL, MISTRAL_V11)}
 
 

@@ -3,8 +3,8 @@ argv[1]): the softmax, the full stable sort, the bounded sort's top-k over 64-bi
 reference_sampling.descending_sort) and torch's fp32 top-k, and filtered_probs for top-k, top-p and both. Prints
 one line per piece, in microseconds (median of 50 after 5 warm-up calls; host launch time included, as eager
 sampling pays it). H100, 2026-12-05: softmax 41.5, sort 91.2, key top-k 297.8, fp32 top-k 112.6. --profile adds
-each filtered_probs' kernels by GPU time (torch.profiler). Last, a whole top-k token's sampling through the top-k
-kernel against the torch filter path."""
+each filtered_probs' kernels by GPU time (torch.profiler). Last, a whole token's sampling through the top-k /
+nucleus kernel against the torch filter path."""
 
 from __future__ import annotations
 
@@ -60,18 +60,26 @@ def main() -> int:
 
 
 def sampler_costs(logits: torch.Tensor, v: int) -> None:
-    """A whole sampled token's sampling (cuda_layers.sample_tokens) for top-k rows: the top-k kernel against the
-    torch filter path (EXL2_BACKEND_FUSED_TOP_K=0), wall and GPU time."""
+    """A whole sampled token's sampling (cuda_layers.sample_tokens) for top-k rows and rows without a top-k (the
+    nucleus paths: kept tokens among the best 64, a histogram bin sorted, a crowded bin narrowed): the kernel
+    against the torch filter path (EXL2_BACKEND_FUSED_TOP_K=0), wall and GPU time."""
     from exl2_backend.ops import cuda_layers, cuda_sampling_top_k
     from exl2_backend.sampling import SamplingParams
 
     u = 1.0 - torch.rand_like(logits)
-    for name, p in (("top_k 50", SamplingParams(temperature=0.8, top_k=50)),
-                    ("top_k 40 + top_p 0.95 + min_p 0.05", SamplingParams(temperature=0.8, top_k=40, top_p=0.95,
-                                                                           min_p=0.05))):
+    peaked = logits.clone()  # an LLM-like row: 24 plausible tokens far above the rest (top-p keeps them alone)
+    peaked[0, torch.randperm(v, device=logits.device)[:24]] += 25.0
+    for name, p, row in (
+            ("top_k 50", SamplingParams(temperature=0.8, top_k=50), logits),
+            ("top_k 40 + top_p 0.95 + min_p 0.05", SamplingParams(temperature=0.8, top_k=40, top_p=0.95, min_p=0.05),
+             logits),
+            ("top_p 0.9, peaked row", SamplingParams(temperature=0.8, top_p=0.9), peaked),
+            ("top_p 0.9, spread row (std 3)", SamplingParams(temperature=0.8, top_p=0.9), logits),
+            ("min_p 0.05, spread row", SamplingParams(temperature=0.8, min_p=0.05), logits),
+            ("top_p 0.5, flat row (std 0.02)", SamplingParams(temperature=1.0, top_p=0.5), logits * 0.0067)):
         for fused in (True, False):
             cuda_sampling_top_k.FUSED_TOP_K = fused
-            fn = lambda p=p: cuda_layers.sample_tokens(logits, [p], u)
+            fn = lambda p=p, row=row: cuda_layers.sample_tokens(row, [p], u)
             print(f"sample_tokens {name:36s} {'top-k kernel' if fused else 'torch filters':13s} "
                   f"{timed(fn):8.1f} us")
             if "--profile" in sys.argv:

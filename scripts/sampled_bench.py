@@ -74,7 +74,8 @@ def main(argv=None) -> int:
                                        max_batch_size=1))
     prompt = torch.randint(300, 5000, (32,), generator=torch.Generator().manual_seed(0)).tolist()
     samplings = {"greedy": SamplingParams.greedy(), "temp": SamplingParams(temperature=0.8, seed=1),
-                 "topp": SamplingParams(temperature=0.8, top_k=50, top_p=0.9, seed=1)}
+                 "topp": SamplingParams(temperature=0.8, top_k=50, top_p=0.9, seed=1),
+                 "nucleus": SamplingParams(temperature=0.8, top_p=0.9, seed=1)}
     variants = {f"{s}_{mode}": (samplings[s], mode, None) for s in samplings for mode in ("lookahead", "eager")}
     variants["temp_reference"] = (samplings["temp"], "reference", None)
     variants["topp_reference"] = (samplings["topp"], "reference", None)

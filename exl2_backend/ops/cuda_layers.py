@@ -933,8 +933,8 @@ def _sample_split(logits: torch.Tensor, uniforms: torch.Tensor, params, fused: l
             continue
         idx = to_device(rows, torch.int64, logits.device)  # [n]
         sub = [params[i] for i in rows]
-        part = (_sample_top_k if way else sample_tokens)(logits.index_select(0, idx), uniforms.index_select(0, idx),
-                                                         sub)
+        sub_logits, sub_uniforms = logits.index_select(0, idx), uniforms.index_select(0, idx)  # [n, V]
+        part = _sample_top_k(sub_logits, sub_uniforms, sub) if way else sample_tokens(sub_logits, sub, sub_uniforms)
         out.index_copy_(0, idx, part)
     return out
 

@@ -1,16 +1,16 @@
-"""Sampling rows with a small top-k on the GPU in one kernel (csrc/layers/sampling_top_k.cu): the row's top k tokens
-(k <= 64) found from per-chunk candidates, top-p and min-p applied inside them, and the exponential race, where the
-torch filter path (cuda_layers.filtered_probs) sorts the whole vocabulary and runs ~20 kernels: 154 us of GPU time
-for top-k 50 + top-p 0.9 on one 128k row (H200, scripts/filter_cost.py --profile, 2026-12-05), a sampled token
-at 1.11x a greedy one.
+"""Sampled rows with a small top-k, or with top-p / min-p and no top-k, on the GPU in one kernel
+(csrc/layers/sampling_top_k.cu, sample_nucleus.cuh), where the torch filter path (cuda_layers.filtered_probs)
+sorts the whole vocabulary and runs ~20 kernels: 154 us of GPU time for top-k 50 + top-p 0.9 on one 128k row
+(H200, scripts/filter_cost.py --profile, 2026-12-05), a sampled token at 1.11x a greedy one.
 
-`top_k_kernel_rows` says which rows it takes: sampled rows whose top_k is active and at most 64, on vocabularies
-up to 131,072 tokens (llama.cpp-style clients send top_k 40, vLLM's examples 50). The choice is per row, so a
-row's token does not depend on the rows beside it.
+Rows with a top-k of at most 64: the row's top k tokens from per-chunk candidates, top-p and min-p applied inside
+them, and the exponential race. Rows without a top-k: the same when the kept tokens are among the row's best 64
+(a peaked distribution), else the chunks' histograms over bins of 1/32 nat find the top-p boundary's bin, whose
+tokens alone are sorted. Rows with a top-k above 64 keep the torch path.
 
-Opt-in (EXL2_BACKEND_FUSED_TOP_K=1) until it has run on a GPU: written and built in session 31, whose device time
-ran out before scripts/device/call_AV6.sh (its GPU tests, and its cost against the torch path) could start. A CPU
-emulation of the algorithm gave the reference's tokens on 96 of 96 rows."""
+`top_k_kernel_rows` says which rows it takes (vocabularies up to 131,072 tokens); the choice is per row, so a
+row's token does not depend on the rows beside it. On by default; EXL2_BACKEND_FUSED_TOP_K=0 sends every filtered
+row through the torch path (the tests compare both)."""
 
 from __future__ import annotations
 
@@ -25,10 +25,10 @@ from exl2_backend.ops.library import I64, PTR, STREAM
 
 TOP_K_KERNEL_MAX = 64  # csrc/layers/sampling_top_k.cu KMAX
 TOP_K_KERNEL_MAX_VOCAB = 131072  # CHUNK * MAX_CHUNKS there
-_CHUNK, _SLOT = 2048, TOP_K_KERNEL_MAX + 1
-FUSED_TOP_K = os.environ.get("EXL2_BACKEND_FUSED_TOP_K", "0") == "1"
+_CHUNK, _SLOT, _HIST = 2048, TOP_K_KERNEL_MAX + 2, 2048  # sample_nucleus.cuh CHUNK, SLOT, HIST (uint64 words)
+FUSED_TOP_K = os.environ.get("EXL2_BACKEND_FUSED_TOP_K", "1") == "1"
 
-_SIGNATURE = (PTR, I64, PTR, I64, PTR, PTR, PTR, PTR, PTR, PTR, PTR, I64, I64, STREAM)
+_SIGNATURE = (PTR, I64, PTR, I64, PTR, PTR, PTR, PTR, PTR, PTR, PTR, PTR, I64, I64, STREAM)
 
 
 @functools.cache
@@ -37,18 +37,21 @@ def _kernel():
 
 
 def top_k_kernel_rows(params, vocab: int) -> list[bool]:
-    """Per row (host-side parameters): whether the top-k kernel samples it."""
+    """Per row (host-side parameters): whether the kernel samples it. Sampled rows with a top-k of at most 64, or
+    with none and top-p or min-p on (temperature-only rows take the plain sampler kernel)."""
     if not FUSED_TOP_K or vocab > TOP_K_KERNEL_MAX_VOCAB:
         return [False] * len(params)
-    return [p.temperature != 0 and 0 < p.top_k <= TOP_K_KERNEL_MAX and p.top_k < vocab for p in params]
+    return [p.temperature != 0 and (0 < p.top_k <= TOP_K_KERNEL_MAX and p.top_k < vocab
+                                    or not 0 < p.top_k < vocab and (p.top_p < 1.0 or p.min_p > 0.0))
+            for p in params]
 
 
 @torch.library.custom_op("exl2_backend::sample_top_k", mutates_args=())
 def sample_top_k(logits: torch.Tensor, uniforms: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor,
                  top_p: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
     """logits, uniforms [B, V] f32 (V <= 131072), temperature [B] f32 (0: greedy), top_k [B] int64 (1..64 for
-    sampled rows), top_p, min_p [B] f32 -> int64 [B] tokens (-1 for a row whose logits hold a NaN or +inf), one
-    kernel, no host sync."""
+    sampled rows, above 64 for none: sampling_param_tensors gives V), top_p, min_p [B] f32 -> int64 [B] tokens (-1
+    for a row whose logits hold a NaN or +inf), one kernel, no host sync."""
     op = "sample_top_k"
     _check(op, "logits", logits, ndim=2, dtypes=(torch.float32,))
     b, v = logits.shape
@@ -66,14 +69,19 @@ def sample_top_k(logits: torch.Tensor, uniforms: torch.Tensor, temperature: torc
     uniforms = uniforms if uniforms.stride(1) == 1 else uniforms.contiguous()
     nchunk = -(-v // _CHUNK)
     cand = torch.empty(b * nchunk * _SLOT, dtype=torch.int64, device=logits.device)
+    hist = torch.empty(b * nchunk * _HIST, dtype=torch.int64, device=logits.device)  # 16 KB a chunk
     counters = _ticket_buffer(logits.device, b, "sample_top_k")  # left at zero by each row's last CTA
     if counters is None:
         counters = torch.zeros(b, dtype=torch.int32, device=logits.device)
+    # Contiguous copies held until the launch: a temporary freed inside the argument list goes back to the caching
+    # allocator, and the next one's copy may overwrite it before the kernel reads it (AW1 of 2026-12-05: the
+    # parameters of sampling_param_tensors are strided views, and temperature read min_p's values).
+    temperature, top_k, top_p, min_p = (t.contiguous() for t in (temperature, top_k, top_p, min_p))
     with _device_guard(logits):
         library.check(_kernel()(logits.data_ptr(), logits.stride(0), uniforms.data_ptr(), uniforms.stride(0),
-                         temperature.contiguous().data_ptr(), top_k.contiguous().data_ptr(),
-                         top_p.contiguous().data_ptr(), min_p.contiguous().data_ptr(), cand.data_ptr(),
-                         counters.data_ptr(), out.data_ptr(), b, v, _stream(logits)), op)
+                         temperature.data_ptr(), top_k.data_ptr(), top_p.data_ptr(), min_p.data_ptr(),
+                         cand.data_ptr(), hist.data_ptr(), counters.data_ptr(), out.data_ptr(), b, v,
+                         _stream(logits)), op)
     return out
 
 

@@ -33,6 +33,16 @@ def uniforms(b, v, seed):
     return 1.0 - torch.rand(b, v, generator=g, device=DEV)
 
 
+@pytest.fixture(params=["kernel", "torch"])
+def filter_path(request, monkeypatch):
+    """Filtered rows through the top-k / nucleus kernel (the default) or the torch sort path
+    (EXL2_BACKEND_FUSED_TOP_K=0): both must give the reference's tokens."""
+    from exl2_backend.ops import cuda_sampling_top_k
+
+    monkeypatch.setattr(cuda_sampling_top_k, "FUSED_TOP_K", request.param == "kernel")
+    return request.param
+
+
 def same_as_reference(logits, params, u, msg=""):
     got = cl().sample_tokens(logits, params, u)
     want = reference.sample_tokens(logits, params, u)
@@ -67,7 +77,7 @@ def test_greedy_nan_rows_give_minus_one():
 
 @pytest.mark.parametrize("fault", [float("nan"), float("inf")], ids=["nan", "posinf"])
 @pytest.mark.parametrize("v", [1000, 2049, 128256])
-def test_faulty_rows_give_minus_one_in_every_mode(v, fault):
+def test_faulty_rows_give_minus_one_in_every_mode(v, fault, filter_path):
     """Greedy, temperature-only and filtered (probs) rows in one batch, each mode once with a NaN (or +inf, an
     fp16 overflow) logit and once without, plus a row with -inf logits (masked tokens, legitimate): the faulty rows
     give -1 (the reference's NAN_ROW), the others the reference's tokens."""
@@ -92,7 +102,7 @@ def test_temperature(v, temperature):
 
 
 @pytest.mark.parametrize("v", [2049, 32000, 128256])
-def test_mixed_batch_with_filters(v):
+def test_mixed_batch_with_filters(v, filter_path):
     params = [
         SamplingParams.greedy(),
         SamplingParams(temperature=0.8),
@@ -109,7 +119,7 @@ def test_mixed_batch_with_filters(v):
 
 
 @pytest.mark.parametrize("v", [2049, 128256])
-def test_every_row_with_a_top_k_sorts_only_its_ranks(v):
+def test_every_row_with_a_top_k_sorts_only_its_ranks(v, filter_path):
     """Every sampled row has a top-k (top_k_bound is set; descending_sort takes the bound on the CPU only, where
     it is cheaper): the same tokens as the reference on the GPU, with 60 equal logits straddling the bound."""
     params = [SamplingParams(temperature=0.8, top_k=40), SamplingParams(temperature=1.0, top_k=50, top_p=0.9),
@@ -122,7 +132,7 @@ def test_every_row_with_a_top_k_sorts_only_its_ranks(v):
 
 @pytest.fixture
 def top_k_kernel(monkeypatch):
-    """The top-k kernel switched on (EXL2_BACKEND_FUSED_TOP_K=1; opt-in until these tests have run on a GPU)."""
+    """The top-k / nucleus kernel switched on whatever the environment says (EXL2_BACKEND_FUSED_TOP_K)."""
     from exl2_backend.ops import cuda_sampling_top_k as tk
 
     monkeypatch.setattr(tk, "FUSED_TOP_K", True)
@@ -153,10 +163,92 @@ def test_small_top_k_rows_take_one_kernel(v, top_k_kernel):
         same_as_reference(logits, params, uniforms(len(params), v, 30 + seed), f"top-k kernel seed={seed}")
 
 
+WIDE_ROWS = [
+    SamplingParams(temperature=1.0, top_p=0.9),
+    SamplingParams(temperature=0.7, top_p=0.95),
+    SamplingParams(temperature=1.2, min_p=0.05),
+    SamplingParams(temperature=0.8, top_p=0.8, min_p=0.02),
+    SamplingParams(temperature=2.0, top_p=0.5),
+    SamplingParams(temperature=0.6, top_p=0.99, min_p=0.001),
+    SamplingParams.greedy(),
+    SamplingParams(temperature=1.0, top_k=40, top_p=0.9),
+]
+
+
+@pytest.mark.parametrize("v", [1000, 2049, 32000, 128256, 131072])
+@pytest.mark.parametrize("shape", ["spread", "peaked"])
+def test_rows_without_top_k_take_one_kernel(v, shape, top_k_kernel):
+    """Top-p / min-p rows without a top-k: the kernel, the reference's tokens. "spread" rows (logits of std 3) keep
+    thousands of tokens at 128k (the histogram path: the boundary bin sorted), "peaked" rows a few dozen (the kept
+    tokens among the best 64); 40 equal logits straddle the boundary region of the spread rows."""
+    params = WIDE_ROWS * 4
+    assert all(f or p.temperature == 0 for f, p in zip(top_k_kernel.top_k_kernel_rows(params, v), params))
+    g = torch.Generator(device=DEV).manual_seed(v)
+    logits = torch.randn(len(params), v, device=DEV, generator=g) * 3
+    if shape == "peaked":  # an LLM-like row: a few dozen plausible tokens far above the rest
+        top = torch.randperm(v, device=DEV, generator=g)[:24]
+        logits[:, top] += 25.0 + torch.randn(len(params), 24, device=DEV, generator=g)
+    else:
+        logits[:, 500:540] = 5.5
+    for seed in range(4):
+        same_as_reference(logits, params, uniforms(len(params), v, 40 + seed), f"{shape} V={v} seed={seed}")
+
+
+@pytest.mark.parametrize("v", [32000, 128256])
+def test_flat_rows_narrow_a_crowded_boundary_bin(v, top_k_kernel):
+    """Rows so flat that the top-p boundary's bin of 1/32 nat holds more tokens than the kernel sorts at once
+    (logits of std 0.02; all equal, where only ids rank; all equal at a high temperature): the key digits narrow
+    it. The reference's tokens."""
+    params = [SamplingParams(temperature=1.0, top_p=0.5), SamplingParams(temperature=1.0, top_p=0.3, min_p=0.5),
+              SamplingParams(temperature=1.0, top_p=0.7), SamplingParams(temperature=3.0, top_p=0.9),
+              SamplingParams(temperature=1.0, min_p=0.99)]
+    logits = torch.randn(len(params), v, device=DEV) * 0.02
+    logits[1:3] = 0.0
+    logits[3] = 1.0
+    logits[4] = torch.randn(v, device=DEV) * 0.001
+    for seed in range(3):
+        same_as_reference(logits, params, uniforms(len(params), v, 50 + seed), f"flat V={v} seed={seed}")
+
+
+def test_rows_without_top_k_masked_tiny_and_huge_temperatures(top_k_kernel):
+    """A row mostly -inf (a grammar's mask), a tiny temperature (x in the thousands), a huge one (a flat row), a
+    row -inf but in its last two chunks, and a vocabulary under 64 tokens: the reference's tokens."""
+    v = 128256
+    params = [SamplingParams(temperature=1.0, top_p=0.9), SamplingParams(temperature=1e-3, top_p=0.9),
+              SamplingParams(temperature=50.0, top_p=0.6, min_p=0.01), SamplingParams(temperature=0.9, top_p=0.95)]
+    logits = torch.randn(len(params), v, device=DEV) * 3
+    logits[0, torch.rand(v, device=DEV) < 0.96] = -float("inf")
+    logits[3, : v - 3000] = -float("inf")
+    for seed in range(3):
+        same_as_reference(logits, params, uniforms(len(params), v, 60 + seed), f"masked seed={seed}")
+    small = torch.randn(3, 40, device=DEV)
+    small_params = [SamplingParams(temperature=1.0, top_p=0.7), SamplingParams(temperature=1.0, min_p=0.2),
+                    SamplingParams(temperature=0.5, top_p=0.95)]
+    same_as_reference(small, small_params, uniforms(3, 40, 64), "V=40")
+
+
+def test_rows_without_top_k_in_a_cuda_graph(top_k_kernel):
+    """The kernel captured (its workspace and tickets from the graph's pool) and replayed on new logits."""
+    v, params = 128256, [SamplingParams(temperature=1.0, top_p=0.9), SamplingParams(temperature=0.8, min_p=0.1)]
+    logits = torch.randn(2, v, device=DEV) * 3
+    u = uniforms(2, v, 70)
+    pt = cl().sampling_param_tensors(params, v, DEV)
+    args = (pt["temperature"], pt["top_k"], pt["top_p"], pt["min_p"])
+    top_k_kernel.sample_top_k(logits, u, *args)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        out = top_k_kernel.sample_top_k(logits, u, *args)
+    for seed in range(3):
+        logits.copy_(torch.randn_like(logits) * 3)
+        u.copy_(uniforms(2, v, 71 + seed))
+        g.replay()
+        assert_exact(out, reference.sample_tokens(logits, params, u), f"replay {seed}")
+
+
 def test_top_k_kernel_rows_beside_others(top_k_kernel):
-    """A batch mixing the top-k kernel's rows with top-p-only, temperature-only and large top-k rows: each way
-    samples its rows, the reference's tokens; the kernel's rows get the tokens they get alone (the choice is per
-    row)."""
+    """A batch mixing the kernel's rows (top-k up to 64, top-p without top-k, greedy) with temperature-only and
+    large top-k rows: each way samples its rows, the reference's tokens; the kernel's rows get the tokens they get
+    alone (the choice is per row)."""
     v = 32000
     params = [SamplingParams(temperature=0.8, top_k=40), SamplingParams(temperature=1.0, top_p=0.9),
               SamplingParams(temperature=0.9), SamplingParams(temperature=1.0, top_k=100, top_p=0.8),
@@ -164,7 +256,8 @@ def test_top_k_kernel_rows_beside_others(top_k_kernel):
     logits = torch.randn(len(params), v, device=DEV) * 3
     u = uniforms(len(params), v, 41)
     got = same_as_reference(logits, params, u, "split batch")
-    mine = [i for i, p in enumerate(params) if p.temperature == 0 or 0 < p.top_k <= 64]
+    mine = [i for i, f in enumerate(top_k_kernel.top_k_kernel_rows(params, v)) if f or params[i].temperature == 0]
+    assert len(mine) == 8  # top-k 40, top-p 0.9, greedy, top-k 64 + min-p; twice
     alone = [int(cl().sample_tokens(logits[i:i + 1], [params[i]], u[i:i + 1])[0]) for i in mine]
     assert [got.tolist()[i] for i in mine] == alone
 
@@ -210,7 +303,7 @@ def test_uniforms_none_uses_global_rng():
     assert_exact(got, reference.sample_tokens(logits, [SamplingParams()] * 4))
 
 
-def test_no_host_sync():
+def test_no_host_sync(filter_path):
     logits = torch.randn(8, 32000, device=DEV)
     u = uniforms(8, 32000, 6)
     params = [SamplingParams(temperature=0.9)] * 4 + [SamplingParams(top_p=0.9)] * 4

@@ -103,15 +103,17 @@ def test_descending_sort_prefix_is_the_stable_sort(bound):
 
 
 def test_which_rows_the_top_k_kernel_takes(monkeypatch):
-    """ops/cuda_sampling_top_k.py takes sampled rows with an active top-k of at most 64, per row, on vocabularies up
-    to 131,072 tokens, when switched on (EXL2_BACKEND_FUSED_TOP_K=1); everything else goes the torch way."""
+    """ops/cuda_sampling_top_k.py takes, per row, sampled rows with an active top-k of at most 64, and sampled rows
+    without a top-k that use top-p or min-p, on vocabularies up to 131,072 tokens; everything else (and every row
+    with EXL2_BACKEND_FUSED_TOP_K=0) goes the torch way, temperature-only rows the plain sampler kernel."""
     from exl2_backend.ops import cuda_sampling_top_k
     from exl2_backend.ops.cuda_sampling_top_k import TOP_K_KERNEL_MAX_VOCAB, top_k_kernel_rows
 
-    assert not any(top_k_kernel_rows([ROWS["top_k"]], V))  # opt-in until it has run on a GPU
     monkeypatch.setattr(cuda_sampling_top_k, "FUSED_TOP_K", True)
-
     rows = [ROWS["top_k"], ROWS["all"], ROWS["top_p"], ROWS["temp"], ROWS["greedy_top_p"],
-            SamplingParams(temperature=1.0, top_k=65), SamplingParams(temperature=1.0, top_k=V)]
-    assert top_k_kernel_rows(rows, V) == [True, True, False, False, False, False, False]
+            SamplingParams(temperature=1.0, top_k=65), SamplingParams(temperature=1.0, top_k=V),
+            SamplingParams(temperature=1.0, top_k=V, top_p=0.9), SamplingParams(temperature=0.7, min_p=0.1)]
+    assert top_k_kernel_rows(rows, V) == [True, True, True, False, False, False, False, True, True]
     assert not any(top_k_kernel_rows(rows, TOP_K_KERNEL_MAX_VOCAB + 1))
+    monkeypatch.setattr(cuda_sampling_top_k, "FUSED_TOP_K", False)
+    assert not any(top_k_kernel_rows(rows, V))

@@ -1,0 +1,394 @@
+// Rows sampled without a top-k (top-p and / or min-p over the whole vocabulary) in sample_top_k_kernel
+// (sampling_top_k.cu), for when the kept tokens run past the row's best KMAX candidates.
+//
+// Each chunk CTA adds, besides its best KMAX keys, its mass relative to its top token and a histogram over bins of
+// 1/32 nat below that top (per bin: mass, count, and the best race key of every bin up to it). Bins sit on the
+// absolute grid floor(32 x), so a chunk's bin and the row's differ by an exact integer offset. NBIN bins span 32
+// nats: a token further below the row's top has w < 1.3e-14, so it can neither hold the top-p boundary (the mass
+// past the window is < 2e-9 of the row's, below 1 - top_p for any fp32 top_p < 1) nor win the race (the top
+// token scores >= 1 / 16.6, such a token < 1.3e-14 * 2^25).
+//
+// The row's last CTA merges the histograms and finds the boundary bin g* (the first whose cumulative mass reaches
+// top_p times the row's); every token above it stays, every token below it goes. Bins above both g* and the
+// min-p cut are settled by the chunks' prefix race keys; the bins between by one pass over the row; the tokens of
+// g* are sorted (at most MERGED of them) and walked in rank order. A crowded g* (a very flat row) is narrowed by
+// passes over 4-bit digits of the keys until one digit's tokens fit. The mass sums run in double in another order
+// than the reference's fp32 cumsum, so a token whose mass above it agrees with top_p's share to within a few fp32
+// ulps may land the other way (as everywhere in these samplers); the bins' sums are shared-memory atomics, so for
+// such a token the side may also vary between runs.
+#pragma once
+
+#include <math.h>
+#include <stdint.h>
+
+#include "layers/sample_keys.cuh"
+#include "layers/sample_race.cuh"
+
+namespace exl2 {
+namespace layers {
+namespace nucleus {
+
+constexpr int THREADS = 256;
+constexpr int WARPS = THREADS / 32;
+constexpr int CHUNK = 2048;
+constexpr int KMAX = 64;                   // largest top_k; each chunk passes on its best KMAX
+constexpr int MAX_CHUNKS = 64;             // vocabularies up to 131,072 tokens
+constexpr int MERGED = KMAX * MAX_CHUNKS;  // keys in shared memory: the merged candidates, or g*'s tokens
+constexpr int SLOT = KMAX + 2;             // per chunk: KMAX keys, the fault flag, the mass below its top (double)
+constexpr int NBIN = 1024;                 // bins of 1/32 nat: 32 nats
+constexpr int HIST = 2 * NBIN;             // per chunk: NBIN (mass f32, count i32) words, NBIN prefix race keys
+static_assert(CHUNK + HIST <= MERGED, "a chunk's histogram sits beside its keys");
+static_assert(NBIN % THREADS == 0 && MERGED % THREADS == 0, "whole per-thread spans");
+
+struct BinStat {
+  float mass;
+  int count;
+};
+
+// the absolute bin grid floor(32 x), exact (x * 32 is exact in fp32), clamped far beyond any window
+__device__ __forceinline__ int64_t grid_of(float x) {
+  return (int64_t)fminf(fmaxf(floorf(x * 32.f), -0x1p60f), 0x1p60f);
+}
+
+__device__ __forceinline__ double warp_sum(double v) {
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+  return v;
+}
+
+__device__ __forceinline__ unsigned long long warp_max(unsigned long long v) {
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) v = max(v, __shfl_xor_sync(0xffffffffu, v, o));
+  return v;
+}
+
+// the block's sum, on every thread (warps added in a fixed order); scratch holds WARPS doubles
+__device__ __forceinline__ double block_sum(double v, double* scratch) {
+  v = warp_sum(v);
+  if ((threadIdx.x & 31) == 0) scratch[threadIdx.x >> 5] = v;
+  __syncthreads();
+  double t = 0.0;
+#pragma unroll
+  for (int w = 0; w < WARPS; ++w) t += scratch[w];
+  __syncthreads();
+  return t;
+}
+
+// the sum of v over the threads before this one (threadIdx order); scratch holds WARPS doubles
+__device__ __forceinline__ double block_exclusive_sum(double v, double* scratch) {
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  double inc = v;
+#pragma unroll
+  for (int o = 1; o < 32; o <<= 1) {
+    const double n = __shfl_up_sync(0xffffffffu, inc, o);
+    if (lane >= o) inc += n;
+  }
+  double excl = __shfl_up_sync(0xffffffffu, inc, 1);
+  if (lane == 0) excl = 0.0;
+  if (lane == 31) scratch[warp] = inc;
+  __syncthreads();
+  double base = 0.0;
+  for (int w = 0; w < warp; ++w) base += scratch[w];
+  __syncthreads();
+  return base + excl;
+}
+
+// h[0, NBIN) in shared memory replaced by its inclusive prefix maximum; scratch holds WARPS words
+__device__ __forceinline__ void block_prefix_max(unsigned long long* h, unsigned long long* scratch) {
+  constexpr int PER = NBIN / THREADS;
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  unsigned long long v[PER], run = 0;
+#pragma unroll
+  for (int i = 0; i < PER; ++i) v[i] = run = max(run, h[threadIdx.x * PER + i]);
+  unsigned long long inc = run;
+#pragma unroll
+  for (int o = 1; o < 32; o <<= 1) {
+    const unsigned long long n = __shfl_up_sync(0xffffffffu, inc, o);
+    if (lane >= o) inc = max(inc, n);
+  }
+  unsigned long long excl = __shfl_up_sync(0xffffffffu, inc, 1);
+  if (lane == 0) excl = 0;
+  if (lane == 31) scratch[warp] = inc;
+  __syncthreads();
+  for (int w = 0; w < warp; ++w) excl = max(excl, scratch[w]);
+#pragma unroll
+  for (int i = 0; i < PER; ++i) h[threadIdx.x * PER + i] = max(v[i], excl);
+  __syncthreads();
+}
+
+// A chunk of a row sampled without top-k, after its keys are sorted (keys[0] its top): its histogram (HIST words
+// to `out`) and its mass below its top, returned on every thread. x of token e is lrow[e] / temp; scratch is
+// HIST words of shared memory (beside the sorted keys); dscratch WARPS doubles, uscratch WARPS words.
+__device__ double chunk_histogram(float top, const float* lrow, const float* urow, float temp, int base, int V,
+                                  uint64_t* scratch, uint64_t* out, double* dscratch, unsigned long long* uscratch) {
+  BinStat* hs = reinterpret_cast<BinStat*>(scratch);                        // [NBIN]
+  unsigned long long* hb = reinterpret_cast<unsigned long long*>(scratch + NBIN);  // [NBIN] race keys
+  for (int g = threadIdx.x; g < NBIN; g += THREADS) {
+    hs[g] = BinStat{0.f, 0};
+    hb[g] = 0;
+  }
+  __syncthreads();
+  double s = 0.0;
+  if (top > -INFINITY) {  // else every token of the chunk is masked: no mass, no bins
+    const int64_t ftop = grid_of(top);
+    for (int j = threadIdx.x; j < CHUNK && base + j < V; j += THREADS) {
+      const int e = base + j;
+      const float x = __fdiv_rn(lrow[e], temp);
+      if (!(x > -INFINITY)) continue;
+      const float w = exp_f(__fsub_rn(x, top));
+      s += (double)w;
+      const int64_t g = ftop - grid_of(x);
+      if (g >= NBIN) continue;
+      atomicAdd(&hs[g].mass, w);
+      atomicAdd(&hs[g].count, 1);
+      atomicMax(&hb[g], (unsigned long long)make_key(race(w, urow[e]), e));
+    }
+  }
+  __syncthreads();
+  block_prefix_max(hb, uscratch);
+  for (int i = threadIdx.x; i < HIST; i += THREADS) out[i] = scratch[i];
+  return block_sum(s, dscratch);
+}
+
+// One row sampled without top-k whose kept tokens run past its candidates, in its last CTA (all threads).
+struct Row {
+  const float* lrow;      // [V] logits
+  const float* urow;      // [V] uniforms
+  const uint64_t* slots;  // [nchunk, SLOT]
+  const uint64_t* hist;   // [nchunk, HIST]
+  float temp, x_max, min_p;
+  double limit;  // top_p times the row's mass (relative to x_max); infinity without top-p
+  int V, nchunk;
+};
+
+// The thread's best race candidate among the row's kept tokens (block_best merges them); keys: MERGED words of
+// shared memory, free on entry.
+__device__ Cand sample_wide_row(const Row& r, uint64_t* keys) {
+  __shared__ double cscale[MAX_CHUNKS];  // exp(chunk top - row top)
+  __shared__ int64_t coff[MAX_CHUNKS];   // the row's bin of a chunk's bin 0
+  __shared__ double dscratch[WARPS], s_above;
+  __shared__ double rm[WARPS][16];
+  __shared__ int rc[WARPS][16];
+  __shared__ unsigned long long rb[WARPS][16];
+  __shared__ unsigned long long s_kmin, s_kmax, s_best, s_prefix;
+  __shared__ int s_gstar, s_ncol, s_count, s_shift;
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  const int64_t gtop = grid_of(r.x_max);
+  for (int c = tid; c < r.nchunk; c += THREADS) {
+    const float m = key_x(__ldcg(&r.slots[c * SLOT]));
+    cscale[c] = m > -INFINITY ? exp((double)m - (double)r.x_max) : 0.0;
+    coff[c] = m > -INFINITY ? gtop - grid_of(m) : (int64_t)NBIN;
+  }
+  __syncthreads();
+  double* hm = reinterpret_cast<double*>(keys);  // [NBIN] the row's histogram
+  int* hc = reinterpret_cast<int*>(keys + NBIN);  // [NBIN]
+  for (int g = tid; g < NBIN; g += THREADS) {
+    double m = 0.0;
+    int n = 0;
+    for (int c = 0; c < r.nchunk; ++c) {
+      const int64_t j = g - coff[c];
+      if (j < 0) continue;
+      const uint64_t word = __ldcg(&r.hist[(int64_t)c * HIST + j]);
+      m += (double)__uint_as_float((uint32_t)word) * cscale[c];
+      n += (int)(word >> 32);
+    }
+    hm[g] = m;
+    hc[g] = n;
+  }
+  __syncthreads();
+  if (warp == 0) {  // g*: the first bin whose cumulative mass reaches the limit (NBIN: none does)
+    constexpr int PER = NBIN / 32;
+    double part = 0.0;
+    for (int i = 0; i < PER; ++i) part += hm[lane * PER + i];
+    double inc = part;
+#pragma unroll
+    for (int o = 1; o < 32; o <<= 1) {
+      const double n = __shfl_up_sync(0xffffffffu, inc, o);
+      if (lane >= o) inc += n;
+    }
+    double cum = __shfl_up_sync(0xffffffffu, inc, 1);
+    if (lane == 0) cum = 0.0;
+    const unsigned reach = __ballot_sync(0xffffffffu, inc >= r.limit);
+    if (lane == 0) {
+      s_gstar = NBIN;
+      s_above = 0.0;
+    }
+    __syncwarp();
+    if (reach != 0 && lane == __ffs(reach) - 1) {
+      for (int i = 0; i < PER; ++i) {
+        const int g = lane * PER + i;
+        if (cum + hm[g] >= r.limit || i == PER - 1) {
+          s_gstar = g;
+          s_above = cum;
+          break;
+        }
+        cum += hm[g];
+      }
+    }
+  }
+  __syncthreads();
+  const int gstar = s_gstar;
+  // min-p: bins below g_cut hold only tokens with w > min_p * e^(1/32) (kept without a look), bins above g_hard
+  // only tokens with w < min_p * e^(-1/32) (dropped)
+  const double cut = r.min_p > 0.f ? -32.0 * log((double)r.min_p) : 2.0 * NBIN;
+  const int gcut = (int)fmin(fmax(floor(cut) - 1.0, 0.0), (double)NBIN);
+  const int ghard = (int)fmin(fmax(ceil(cut) + 2.0, 0.0), (double)(NBIN - 1));
+  const int gsafe = min(gstar, gcut);
+  const int ghi = min(gstar, ghard);  // bins g_safe .. g_hi need their tokens looked at
+  const bool crowded = gstar <= ghi && hc[gstar] > MERGED;
+  if (tid == 0) {
+    s_ncol = 0;
+    s_kmin = ~0ull;
+    s_kmax = 0;
+    s_best = 0;
+  }
+  __syncthreads();  // hm / hc are dead: keys collect g*'s tokens from here
+
+  Cand best{-INFINITY, INT_MAX};
+  if (gsafe > 0) {  // bins above g_safe: the chunks' prefix race keys
+    for (int c = tid; c < r.nchunk; c += THREADS) {
+      const long long j = min((long long)gsafe - 1 - coff[c], (long long)NBIN - 1);
+      if (j < 0) continue;
+      const uint64_t k = __ldcg(&r.hist[(int64_t)c * HIST + NBIN + j]);
+      if (k == 0) continue;
+      const Cand o{__fmul_rn(key_x(k), (float)cscale[c]), key_id(k)};
+      if (better(o, best)) best = o;
+    }
+  }
+  // one pass: bins g_safe .. g* - 1 raced token by token, g*'s tokens collected (or their key range, if crowded)
+  unsigned long long kmin = ~0ull, kmax = 0;
+  if (gsafe <= ghi) {
+    for (int e = tid; e < r.V; e += THREADS) {
+      const float x = __fdiv_rn(r.lrow[e], r.temp);
+      if (!(x > -INFINITY)) continue;
+      const int64_t g = gtop - grid_of(x);
+      if (g < gsafe || g > ghi) continue;
+      if (g < gstar) {
+        const float w = exp_f(__fsub_rn(x, r.x_max));
+        if (r.min_p > 0.f && !(w >= r.min_p)) continue;
+        const Cand o{race(w, r.urow[e]), e};
+        if (better(o, best)) best = o;
+      } else if (crowded) {
+        const unsigned long long k = make_key(x, e);
+        kmin = min(kmin, k);
+        kmax = max(kmax, k);
+      } else {
+        const int i = atomicAdd(&s_ncol, 1);
+        if (i < MERGED) keys[i] = make_key(x, e);
+      }
+    }
+  }
+  if (crowded) {
+    atomicMin(&s_kmin, kmin);
+    atomicMax(&s_kmax, kmax);
+  }
+  __syncthreads();
+  double above = s_above;
+
+  if (crowded) {  // narrow g* by 4-bit digits of the keys until the boundary digit's tokens fit in `keys`
+    unsigned long long prefix = s_kmax;
+    int shift = ((63 - __clzll((long long)(s_kmin ^ s_kmax))) / 4) * 4;
+    for (;;) {
+      const unsigned long long range = shift + 4 >= 64 ? 0ull : ~0ull << (shift + 4);
+      if (lane < 16) {  // per-warp digit tallies in shared memory (registers would cost every row's occupancy)
+        rm[warp][lane] = 0.0;
+        rc[warp][lane] = 0;
+        rb[warp][lane] = 0;
+      }
+      __syncthreads();
+      for (int e = tid; e < r.V; e += THREADS) {
+        const float x = __fdiv_rn(r.lrow[e], r.temp);
+        if (!(x > -INFINITY) || gtop - grid_of(x) != gstar) continue;
+        const unsigned long long k = make_key(x, e);
+        if ((k & range) != (prefix & range)) continue;
+        const int d = (int)((k >> shift) & 15);
+        const float w = exp_f(__fsub_rn(x, r.x_max));
+        atomicAdd(&rm[warp][d], (double)w);
+        atomicAdd(&rc[warp][d], 1);
+        if (r.min_p <= 0.f || w >= r.min_p)
+          atomicMax(&rb[warp][d], (unsigned long long)make_key(race(w, r.urow[e]), e));
+      }
+      __syncthreads();
+      if (tid == 0) {  // digits from the top: whole digits stay until the one holding the boundary
+        s_count = 0;
+        for (int d = 15; d >= 0; --d) {
+          double m = 0.0;
+          int n = 0;
+          unsigned long long bk = 0;
+          for (int w = 0; w < WARPS; ++w) {
+            m += rm[w][d];
+            n += rc[w][d];
+            bk = max(bk, rb[w][d]);
+          }
+          if (n == 0) continue;
+          if (above + m >= r.limit) {
+            s_prefix = (prefix & range) | ((unsigned long long)d << shift);
+            s_count = n;
+            break;
+          }
+          above += m;
+          s_best = max(s_best, bk);
+        }
+        s_above = above;
+        s_shift = shift;
+      }
+      __syncthreads();
+      above = s_above;
+      if (s_count == 0 || s_count <= MERGED || shift == 0) break;  // none reached (rounding): all digits stayed
+      prefix = s_prefix;
+      shift -= 4;
+      __syncthreads();
+    }
+    if (s_count > 0) {  // the boundary digit's tokens
+      const unsigned long long digit = ~0ull << s_shift;
+      const unsigned long long want = s_prefix & digit;
+      for (int e = tid; e < r.V; e += THREADS) {
+        const float x = __fdiv_rn(r.lrow[e], r.temp);
+        if (!(x > -INFINITY) || gtop - grid_of(x) != gstar) continue;
+        const unsigned long long k = make_key(x, e);
+        if ((k & digit) != want) continue;
+        const int i = atomicAdd(&s_ncol, 1);
+        if (i < MERGED) keys[i] = k;
+      }
+    }
+    __syncthreads();
+  }
+
+  const int ncol = min(s_ncol, MERGED);
+  if (ncol > 0) {  // the boundary's tokens in rank order: each stays while the mass above it is below the limit
+    int n2 = 1;
+    while (n2 < ncol) n2 <<= 1;
+    for (int i = ncol + tid; i < n2; i += THREADS) keys[i] = 0;
+    __syncthreads();
+    bitonic_sort_desc<THREADS>(keys, n2);
+    constexpr int PER = MERGED / THREADS;
+    float wl[PER];
+    double part = 0.0;
+#pragma unroll
+    for (int i = 0; i < PER; ++i) {
+      const int idx = tid * PER + i;
+      wl[i] = idx < ncol ? exp_f(__fsub_rn(key_x(keys[idx]), r.x_max)) : 0.f;
+      part += (double)wl[i];
+    }
+    double run = above + block_exclusive_sum(part, dscratch);
+#pragma unroll
+    for (int i = 0; i < PER; ++i) {
+      const int idx = tid * PER + i;
+      if (idx < ncol && run < r.limit && (r.min_p <= 0.f || wl[i] >= r.min_p)) {
+        const int id = key_id(keys[idx]);
+        const Cand o{race(wl[i], r.urow[id]), id};
+        if (better(o, best)) best = o;
+      }
+      run += (double)wl[i];
+    }
+  }
+  if (s_best != 0) {
+    const Cand o{key_x(s_best), key_id(s_best)};
+    if (better(o, best)) best = o;
+  }
+  return best;
+}
+
+}  // namespace nucleus
+}  // namespace layers
+}  // namespace exl2

@@ -41,6 +41,9 @@ def render(info: dict, *, max_seq_len: int = 4096, console: Console | None = Non
                  + (", <think> apart" if prompting.get("reasoning") else ""),
                  " ".join(fim) if fim else "no")
         rows.append(("chat / tools / fill-in-middle", " / ".join(parts)))
+        defaults = prompting.get("sampling_defaults")
+        rows.append(("sampling defaults", ", ".join(f"{k} {v}" for k, v in defaults.items()) if defaults
+                     else "the API's (generation_config.json sets none)"))
     for k, v in rows:
         summary.add_row(k, v)
     console.print(summary)

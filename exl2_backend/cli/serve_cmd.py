@@ -50,6 +50,10 @@ def add_serve_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--reasoning-parser", default="auto", choices=["auto", "think", "none"],
                    help="a reasoning model's <think> block returned apart as reasoning_content: auto (default: where "
                         "the chat template says the model reasons), think (always), none (the reply as generated)")
+    p.add_argument("--generation-config", default="auto", choices=["auto", "none"],
+                   help="sampling defaults for requests that leave a field out: auto (default: the model's "
+                        "generation_config.json, e.g. temperature 0.6 and top_p 0.9 for Llama 3.1, as vLLM), none "
+                        "(the OpenAI API's: temperature 1, no top-p)")
     add_prefill_args(p)
     add_spec_args(p)
     add_multi_gpu_args(p)
@@ -66,6 +70,6 @@ def run_serve(args: argparse.Namespace) -> int:
                log_level=args.log_level, fast_queue=args.fast_queue, cache_type=args.cache_type,
                max_payload_mb=args.max_payload_mb, api_key=args.api_key or os.environ.get(API_KEY_ENV) or None,
                tool_call_format=args.tool_call_format, reasoning_parser=args.reasoning_parser,
-               **prefill_settings_from_args(args),
+               generation_config=args.generation_config, **prefill_settings_from_args(args),
                **spec_settings_from_args(args), **multi_gpu_settings_from_args(args))
     return 0

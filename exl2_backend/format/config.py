@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from exl2_backend.errors import ConfigError, ModelDirectoryError, UnsupportedModelError
+from exl2_backend.format.generation_defaults import generation_defaults
 
 log = logging.getLogger("exl2_backend")
 
@@ -54,6 +55,8 @@ class ModelConfig:
     pad_token_id: int | None
     quantization: dict | None
     raw: dict = field(repr=False)
+    # sampling defaults from generation_config.json (format/generation_defaults.py): {request field: value}
+    generation_defaults: dict = field(default_factory=dict, repr=False)
 
     def has_bias(self, proj: str) -> bool:
         """Whether linear `proj` ("q_proj", ..., "down_proj", "lm_head") carries a bias in this architecture."""
@@ -67,7 +70,8 @@ class ModelConfig:
 
     @classmethod
     def from_dir(cls, path: str | Path) -> ModelConfig:
-        """Read <path>/config.json, plus the EOS list of generation_config.json when present."""
+        """Read <path>/config.json, plus the EOS list and sampling defaults of generation_config.json when
+        present."""
         d = Path(path)
         if not d.is_dir():
             raise ModelDirectoryError("model directory does not exist", path=str(d))
@@ -88,7 +92,8 @@ class ModelConfig:
         eos = _in_vocab(eos, "eos_token_id", cfg.vocab_size, str(d))
         if bos is not None and not _in_vocab((bos,), "bos_token_id", cfg.vocab_size, str(d)):
             bos = None
-        return replace(cfg, eos_token_ids=eos, bos_token_id=bos)
+        return replace(cfg, eos_token_ids=eos, bos_token_id=bos,
+                       generation_defaults=generation_defaults(gen, str(gen_path)))
 
     @classmethod
     def from_dict(cls, d: dict, path: str | None = None) -> ModelConfig:

@@ -129,6 +129,9 @@ class Exl2Handle(BackendHandle):
     def tokenize_chat(self, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:
         return self.engine.tokenizer.encode_chat(messages, add_generation_prompt)
 
+    def generation_defaults(self) -> dict:
+        return dict(self.engine.config.generation_defaults)
+
     @property
     def healthy(self) -> bool:
         return self._fatal is None

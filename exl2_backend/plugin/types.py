@@ -330,6 +330,12 @@ class BackendHandle:
         "auto" reads the chat template, "think" asks for the tags anyway (API 1.5; tokenizer/reasoning.py)."""
         return None
 
+    def generation_defaults(self) -> dict:
+        """The sampling defaults the model ships (generation_config.json): {field: value} for the request fields
+        among temperature, top_p, top_k, min_p, repetition_penalty and max_new_tokens it sets, for a host to give
+        requests that leave them out (API 1.8; format/generation_defaults.py). A backend that does not say: {}."""
+        return {}
+
     def render_chat(self, messages: list[dict], add_generation_prompt: bool = True) -> str:  # pragma: no cover
         raise NotImplementedError
 

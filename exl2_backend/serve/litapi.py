@@ -118,6 +118,7 @@ class Exl2LitAPI(ls.LitAPI):
                                else ServeSettings.model_validate(settings or {}))
         super().__init__(spec=spec if spec is not None else Exl2OpenAISpec(), enable_async=True, max_batch_size=1)
         self._engine_loop: EngineLoop | None = None
+        self._model_defaults: dict = {}  # the model's sampling defaults (generation_config "auto"), set in setup
 
     # worker side ---------------------------------------------------------------------------------------
 
@@ -133,6 +134,10 @@ class Exl2LitAPI(ls.LitAPI):
         handle = pm.hook.exl2_load(settings=load)
         if handle is None:
             raise RuntimeError(f"no installed backend accepted these load settings: {load}")
+        if s.generation_config == "auto":  # what requests that leave sampling fields out get (vLLM's rule)
+            self._model_defaults = handle.generation_defaults()
+            if self._model_defaults:
+                log.info("sampling defaults from the model's generation_config.json: %s", self._model_defaults)
         self._engine_loop = EngineLoop(pm.hook, handle, max_batch_size=s.max_batch_size, max_queue=s.max_queue,
                                        queue_timeout_s=s.queue_timeout_s,
                                        publish_on_launch=s.publish_on_launch).start()
@@ -166,8 +171,9 @@ class Exl2LitAPI(ls.LitAPI):
             req = SequenceRequest(**x["request"])
             if req.logit_bias:  # a transport that went through JSON turned the ids into strings
                 req.logit_bias = {int(k): v for k, v in req.logit_bias.items()}
-            if req.max_new_tokens is None and self.serve_settings.default_max_tokens is not None:
-                req.max_new_tokens = self.serve_settings.default_max_tokens
+            if req.max_new_tokens is None:  # the server's default, else the model's (generation_config.json)
+                req.max_new_tokens = self.serve_settings.default_max_tokens or self._model_defaults.get(
+                    "max_new_tokens")
             stream = loop.submit(req)
         except (AdmissionRejected, QueueFull, LoopUnhealthy) as exc:
             yield error_from_backend(exc)
@@ -198,7 +204,7 @@ class Exl2LitAPI(ls.LitAPI):
 
         def info(h):
             return {"max_seq_len": h.limits.max_seq_len, "tool_call_format": h.tool_call_format(name),
-                    "reasoning": h.reasoning_tags(reasoning)}
+                    "reasoning": h.reasoning_tags(reasoning), "generation_defaults": self._model_defaults}
 
         try:
             return await self._engine_loop.call(info)

@@ -484,7 +484,7 @@ class Exl2OpenAISpec(LitSpec):
                                        param="chat_template_kwargs")
             fields.pop("chat_template_kwargs", None)  # reasoning_effort alone: not passed to such a template
         seq = dict(seq_id=sid, **fields, max_new_tokens=req.limit(), cap_to_context=req.limit() is None,
-                   **req.sampling_fields())
+                   **req.sampling_fields(info.get("generation_defaults")))
         # a reasoning model thinks first; a constraint holds its answer
         thinking = tags.grammar_field(reply.inside_reasoning) if tags is not None else None
         if thinking is not None and seq.get("grammar"):
@@ -496,11 +496,15 @@ class Exl2OpenAISpec(LitSpec):
         if isinstance(req, Response):
             return req
         sid = f"cmpl-{uuid.uuid4().hex}"
+        info = await self._learn_model_info()
+        if info is None:
+            return _error_response(503, "the inference worker did not describe the model", retry_after=1.0)
+        sampling = req.sampling_fields(info.get("generation_defaults"))
         seqs, echoes = [], []
         for prompt in req.prompts():
             text_prompt = isinstance(prompt, str)
             seq = dict(seq_id=sid, max_new_tokens=req.limit(), cap_to_context=req.limit() is None,
-                       **({"prompt": prompt} if text_prompt else {"prompt_ids": list(prompt)}), **req.sampling_fields())
+                       **({"prompt": prompt} if text_prompt else {"prompt_ids": list(prompt)}), **sampling)
             if req.suffix is not None:
                 seq["suffix"] = req.suffix
             echo = None

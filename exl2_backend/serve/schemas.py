@@ -67,6 +67,9 @@ class ServeSettings(BaseModel):
     # a reasoning model's <think> block returned apart as reasoning_content (tokenizer/reasoning.py): auto where the
     # chat template says the model reasons, think always, none never (the reply's text as generated)
     reasoning_parser: Literal["auto", "think", "none"] = "auto"
+    # sampling defaults of requests that leave a field out: auto the model's generation_config.json (vLLM's
+    # --generation-config auto), none the OpenAI API's
+    generation_config: Literal["auto", "none"] = "auto"
 
     def load_settings(self) -> dict:
         keys = ("model_dir", "model_id", "device", "max_seq_len", "cache_tokens", "max_batch_size", "max_chunk_size",
@@ -191,6 +194,10 @@ def _reject_if_set(value, info):
     return value
 
 
+# the OpenAI API's defaults of the fields a model's generation_config.json may set instead
+API_SAMPLING_DEFAULTS = {"temperature": 1.0, "top_p": 1.0, "top_k": 0, "min_p": 0.0, "repetition_penalty": 1.0}
+
+
 class _SamplingRequest(_Strict):
     """Fields shared by chat and text completions."""
 
@@ -202,13 +209,14 @@ class _SamplingRequest(_Strict):
     model: str | None = None
     max_tokens: int | None = Field(default=None, ge=1)
     min_tokens: int = Field(default=0, ge=0)  # vLLM's extension: no EOS / stop_token_ids before this many tokens
-    temperature: float = Field(default=1.0, ge=0)
-    top_p: float = Field(default=1.0, gt=0, le=1)
-    top_k: int = Field(default=0, ge=0)
-    min_p: float = Field(default=0.0, ge=0, le=1)
+    # None: the server's default (the model's generation_config.json, else API_SAMPLING_DEFAULTS)
+    temperature: float | None = Field(default=None, ge=0)
+    top_p: float | None = Field(default=None, gt=0, le=1)
+    top_k: int | None = Field(default=None, ge=0)
+    min_p: float | None = Field(default=None, ge=0, le=1)
     presence_penalty: float = Field(default=0.0, ge=-2, le=2)
     frequency_penalty: float = Field(default=0.0, ge=-2, le=2)
-    repetition_penalty: float = Field(default=1.0, gt=0)
+    repetition_penalty: float | None = Field(default=None, gt=0)
     n: int = 1
     stop: str | list[str] | None = None
     stop_token_ids: list[int] | None = None
@@ -298,10 +306,13 @@ class _SamplingRequest(_Strict):
     def include_usage(self) -> bool:
         return bool(self.stream_options and self.stream_options.include_usage)
 
-    def sampling_fields(self) -> dict:
-        keys = ("temperature", "top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty",
-                "repetition_penalty", "seed", "ignore_eos")
-        out = {k: getattr(self, k) for k in keys}
+    def sampling_fields(self, defaults: dict | None = None) -> dict:
+        """The sampling fields of the SequenceRequest; one the request leaves out takes `defaults` (the model's
+        generation_config.json, ServeSettings.generation_config "auto"), else the OpenAI API's default."""
+        out = {k: getattr(self, k) for k in ("presence_penalty", "frequency_penalty", "seed", "ignore_eos")}
+        for k, api_default in API_SAMPLING_DEFAULTS.items():
+            given = getattr(self, k)
+            out[k] = given if given is not None else (defaults or {}).get(k, api_default)
         out.update(stop=list(self.stop or []), stop_token_ids=list(self.stop_token_ids or []),
                    min_new_tokens=self.min_tokens,
                    logprobs=self.logprob_count(), logit_bias=self.logit_bias, grammar=self.grammar())

@@ -26,6 +26,7 @@ from exl2_backend.ops.library import I64, PTR, STREAM
 TOP_K_KERNEL_MAX = 64  # csrc/layers/sampling_top_k.cu KMAX
 TOP_K_KERNEL_MAX_VOCAB = 131072  # CHUNK * MAX_CHUNKS there
 _CHUNK, _SLOT, _HIST = 2048, TOP_K_KERNEL_MAX + 2, 2048  # sample_nucleus.cuh CHUNK, SLOT, HIST (uint64 words)
+_ROWS_PER_LAUNCH = 32  # rows per launch: the workspace is ~1 MB a row at a 128k vocabulary
 FUSED_TOP_K = os.environ.get("EXL2_BACKEND_FUSED_TOP_K", "1") == "1"
 
 _SIGNATURE = (PTR, I64, PTR, I64, PTR, PTR, PTR, PTR, PTR, PTR, PTR, PTR, I64, I64, STREAM)
@@ -68,20 +69,23 @@ def sample_top_k(logits: torch.Tensor, uniforms: torch.Tensor, temperature: torc
     logits = logits if logits.stride(1) == 1 else logits.contiguous()
     uniforms = uniforms if uniforms.stride(1) == 1 else uniforms.contiguous()
     nchunk = -(-v // _CHUNK)
-    cand = torch.empty(b * nchunk * _SLOT, dtype=torch.int64, device=logits.device)
-    hist = torch.empty(b * nchunk * _HIST, dtype=torch.int64, device=logits.device)  # 16 KB a chunk
-    counters = _ticket_buffer(logits.device, b, "sample_top_k")  # left at zero by each row's last CTA
+    rows = min(b, _ROWS_PER_LAUNCH)
+    cand = torch.empty(rows * nchunk * _SLOT, dtype=torch.int64, device=logits.device)
+    hist = torch.empty(rows * nchunk * _HIST, dtype=torch.int64, device=logits.device)  # 16 KB a chunk
+    counters = _ticket_buffer(logits.device, rows, "sample_top_k")  # left at zero by each row's last CTA
     if counters is None:
-        counters = torch.zeros(b, dtype=torch.int32, device=logits.device)
+        counters = torch.zeros(rows, dtype=torch.int32, device=logits.device)
     # Contiguous copies held until the launch: a temporary freed inside the argument list goes back to the caching
     # allocator, and the next one's copy may overwrite it before the kernel reads it (AW1 of 2026-12-05: the
     # parameters of sampling_param_tensors are strided views, and temperature read min_p's values).
     temperature, top_k, top_p, min_p = (t.contiguous() for t in (temperature, top_k, top_p, min_p))
     with _device_guard(logits):
-        library.check(_kernel()(logits.data_ptr(), logits.stride(0), uniforms.data_ptr(), uniforms.stride(0),
-                         temperature.data_ptr(), top_k.data_ptr(), top_p.data_ptr(), min_p.data_ptr(),
-                         cand.data_ptr(), hist.data_ptr(), counters.data_ptr(), out.data_ptr(), b, v,
-                         _stream(logits)), op)
+        for r0 in range(0, b, rows):  # blocks of rows: the workspace stays ~33 MB at a 128k vocabulary
+            n = min(rows, b - r0)
+            library.check(_kernel()(
+                logits[r0].data_ptr(), logits.stride(0), uniforms[r0].data_ptr(), uniforms.stride(0),
+                temperature[r0].data_ptr(), top_k[r0].data_ptr(), top_p[r0].data_ptr(), min_p[r0].data_ptr(),
+                cand.data_ptr(), hist.data_ptr(), counters.data_ptr(), out[r0].data_ptr(), n, v, _stream(logits)), op)
     return out
 
 

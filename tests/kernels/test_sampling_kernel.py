@@ -227,6 +227,13 @@ def test_rows_without_top_k_masked_tiny_and_huge_temperatures(top_k_kernel):
     same_as_reference(small, small_params, uniforms(3, 40, 64), "V=40")
 
 
+def test_more_rows_than_one_launch_takes(top_k_kernel):
+    """72 rows: three launches of at most 32 rows each (the workspace's bound), the reference's tokens."""
+    v, params = 32000, WIDE_ROWS * 9
+    logits = torch.randn(len(params), v, device=DEV) * 3
+    same_as_reference(logits, params, uniforms(len(params), v, 66), "72 rows")
+
+
 def test_rows_without_top_k_in_a_cuda_graph(top_k_kernel):
     """The kernel captured (its workspace and tickets from the graph's pool) and replayed on new logits."""
     v, params = 128256, [SamplingParams(temperature=1.0, top_p=0.9), SamplingParams(temperature=0.8, min_p=0.1)]

@@ -101,7 +101,7 @@ def _error_response(status: int, message: str, *, param: str | None = None, code
                         status_code=status, headers=headers)
 
 
-def _item_list(items: list[dict], order: str, limit: str, after: str | None) -> JSONResponse:
+def _item_list(items: list[dict], order: str, limit: str, after: str | None, owner: str = "response") -> JSONResponse:
     """A page of stored items (item_page), its query parameters read here: a bad one is a 400 in the API's error
     shape, not FastAPI's 422."""
     if order not in ("asc", "desc"):
@@ -109,7 +109,7 @@ def _item_list(items: list[dict], order: str, limit: str, after: str | None) -> 
     if not (limit.isdigit() and 1 <= int(limit) <= 100):
         return _error_response(400, f"limit: must be an integer in 1..100 (got {limit!r})", param="limit")
     try:
-        return JSONResponse(item_page(items, order=order, limit=int(limit), after=after))
+        return JSONResponse(item_page(items, order=order, limit=int(limit), after=after, owner=owner))
     except ValueError as exc:
         return _error_response(400, str(exc), param="after")
 
@@ -412,7 +412,7 @@ class Exl2OpenAISpec(LitSpec):
         conv = self.conversations.get(conversation_id)
         if conv is None:
             return _no_conversation(conversation_id)
-        return _item_list(conv.items, order, limit, after)
+        return _item_list(conv.items, order, limit, after, owner="conversation")
 
     async def add_conversation_items(self, conversation_id: str, request: Request) -> Response:
         body = await self._parse(request, AddItems)

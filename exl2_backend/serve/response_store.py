@@ -66,15 +66,17 @@ class ResponseStore(BoundedLRU[StoredResponse]):
         self._insert(response["id"], StoredResponse(response, own_input, conversation, size))
 
 
-def item_page(items: list[dict], *, order: str = "desc", limit: int = 20, after: str | None = None) -> dict:
+def item_page(items: list[dict], *, order: str = "desc", limit: int = 20, after: str | None = None,
+              owner: str = "response") -> dict:
     """GET .../input_items and .../items: a list page of `items` (stored in order), newest first unless order is asc,
-    starting after the item `after` (ValueError for an unknown one)."""
+    starting after the item `after` (ValueError naming the `owner`, "response" or "conversation", for an unknown
+    one)."""
     ordered = items if order == "asc" else items[::-1]
     start = 0
     if after is not None:
         ids = [item["id"] for item in ordered]
         if after not in ids:
-            raise ValueError(f"no input item {after!r} in this response")
+            raise ValueError(f"no {'input ' if owner == 'response' else ''}item {after!r} in this {owner}")
         start = ids.index(after) + 1
     page = ordered[start:start + limit]
     return {"object": "list", "data": page, "first_id": page[0]["id"] if page else None,

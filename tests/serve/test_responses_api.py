@@ -192,6 +192,7 @@ def test_stored_responses_are_read_listed_and_deleted(client, http):
     assert bad.status_code == 400 and bad.json()["error"]["param"] == "order"
     bad = http.get(f"/v1/responses/{r.id}/input_items", params={"after": "msg_none"})
     assert bad.status_code == 400 and bad.json()["error"]["param"] == "after"
+    assert bad.json()["error"]["message"] == "no input item 'msg_none' in this response"
     deleted = client.responses.delete(r.id)
     assert deleted is None or getattr(deleted, "deleted", True)
     with pytest.raises(openai.NotFoundError):
@@ -252,6 +253,8 @@ def test_a_conversation_carries_the_turns(client, http):
     assert both.status_code == 400 and both.json()["error"]["param"] == "conversation"
     bad = http.post(f"/v1/conversations/{conv.id}/items", json={"items": [{"type": "web_search_call"}]})
     assert bad.status_code == 400 and bad.json()["error"]["param"] == "items.0.type"
+    bad = http.get(f"/v1/conversations/{conv.id}/items", params={"after": "msg_none"})
+    assert bad.status_code == 400 and bad.json()["error"]["message"] == "no item 'msg_none' in this conversation"
     client.conversations.delete(conv.id)
     with pytest.raises(openai.NotFoundError):
         client.conversations.retrieve(conv.id)

@@ -12,10 +12,10 @@
 // top_p times the row's); every token above it stays, every token below it goes. Bins above both g* and the
 // min-p cut are settled by the chunks' prefix race keys; the bins between by one pass over the row; the tokens of
 // g* are sorted (at most MERGED of them) and walked in rank order. A crowded g* (a very flat row) is narrowed by
-// passes over 4-bit digits of the keys until one digit's tokens fit. The mass sums run in double in another order
+// passes over 8-bit digits of the keys until one digit's tokens fit. The mass sums run in double in another order
 // than the reference's fp32 cumsum, so a token whose mass above it agrees with top_p's share to within a few fp32
-// ulps may land the other way (as everywhere in these samplers); the bins' sums are shared-memory atomics, so for
-// such a token the side may also vary between runs.
+// ulps may land the other way (as everywhere in these samplers); the chunks' bin sums are shared-memory atomics,
+// so for such a token the side may also vary between runs.
 #pragma once
 
 #include <math.h>
@@ -167,11 +167,8 @@ __device__ Cand sample_wide_row(const Row& r, uint64_t* keys) {
   __shared__ double cscale[MAX_CHUNKS];  // exp(chunk top - row top)
   __shared__ int64_t coff[MAX_CHUNKS];   // the row's bin of a chunk's bin 0
   __shared__ double dscratch[WARPS], s_above;
-  __shared__ double rm[WARPS][16];
-  __shared__ int rc[WARPS][16];
-  __shared__ unsigned long long rb[WARPS][16];
-  __shared__ unsigned long long s_kmin, s_kmax, s_best, s_prefix;
-  __shared__ int s_gstar, s_ncol, s_count, s_shift;
+  __shared__ unsigned long long s_kmin, s_kmax, s_prefix;
+  __shared__ int s_gstar, s_ncol, s_count;
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const int64_t gtop = grid_of(r.x_max);
   for (int c = tid; c < r.nchunk; c += THREADS) {
@@ -182,18 +179,38 @@ __device__ Cand sample_wide_row(const Row& r, uint64_t* keys) {
   __syncthreads();
   double* hm = reinterpret_cast<double*>(keys);  // [NBIN] the row's histogram
   int* hc = reinterpret_cast<int*>(keys + NBIN);  // [NBIN]
-  for (int g = tid; g < NBIN; g += THREADS) {
-    double m = 0.0;
-    int n = 0;
-    for (int c = 0; c < r.nchunk; ++c) {
-      const int64_t j = g - coff[c];
-      if (j < 0) continue;
-      const uint64_t word = __ldcg(&r.hist[(int64_t)c * HIST + j]);
-      m += (double)__uint_as_float((uint32_t)word) * cscale[c];
-      n += (int)(word >> 32);
+  {  // each thread PER_T bins, chunks 4 at a time: 16 loads in flight per thread (a loop of dependent L2 loads
+     // would take ~40 us)
+    constexpr int PER_T = NBIN / THREADS, UNROLL = 4;
+    double m[PER_T] = {};
+    int n[PER_T] = {};
+    for (int c0 = 0; c0 < r.nchunk; c0 += UNROLL) {
+      uint64_t word[UNROLL][PER_T];
+#pragma unroll
+      for (int u = 0; u < UNROLL; ++u) {
+        const int c = c0 + u;
+        const int64_t off = c < r.nchunk ? coff[c] : (int64_t)NBIN;
+#pragma unroll
+        for (int i = 0; i < PER_T; ++i) {
+          const int64_t j = tid + i * THREADS - off;
+          word[u][i] = j >= 0 ? __ldcg(&r.hist[(int64_t)c * HIST + j]) : 0ull;
+        }
+      }
+#pragma unroll
+      for (int u = 0; u < UNROLL; ++u) {
+        const double scale = c0 + u < r.nchunk ? cscale[c0 + u] : 0.0;
+#pragma unroll
+        for (int i = 0; i < PER_T; ++i) {
+          m[i] += (double)__uint_as_float((uint32_t)word[u][i]) * scale;
+          n[i] += (int)(word[u][i] >> 32);
+        }
+      }
     }
-    hm[g] = m;
-    hc[g] = n;
+#pragma unroll
+    for (int i = 0; i < PER_T; ++i) {
+      hm[tid + i * THREADS] = m[i];
+      hc[tid + i * THREADS] = n[i];
+    }
   }
   __syncthreads();
   if (warp == 0) {  // g*: the first bin whose cumulative mass reaches the limit (NBIN: none does)
@@ -240,7 +257,6 @@ __device__ Cand sample_wide_row(const Row& r, uint64_t* keys) {
     s_ncol = 0;
     s_kmin = ~0ull;
     s_kmax = 0;
-    s_best = 0;
   }
   __syncthreads();  // hm / hc are dead: keys collect g*'s tokens from here
 
@@ -285,68 +301,114 @@ __device__ Cand sample_wide_row(const Row& r, uint64_t* keys) {
   __syncthreads();
   double above = s_above;
 
-  if (crowded) {  // narrow g* by 4-bit digits of the keys until the boundary digit's tokens fit in `keys`
+  if (crowded) {  // narrow g* by 8-bit digits of the keys until the boundary digit's tokens fit in `keys`
+    double* wm = reinterpret_cast<double*>(keys);                   // [WARPS][256] per-warp digit masses
+    unsigned* wc = reinterpret_cast<unsigned*>(keys + WARPS * 256);  // [WARPS][256] and counts
     unsigned long long prefix = s_kmax;
-    int shift = ((63 - __clzll((long long)(s_kmin ^ s_kmax))) / 4) * 4;
+    int shift = ((63 - __clzll((long long)(s_kmin ^ s_kmax))) / 8) * 8;
     for (;;) {
-      const unsigned long long range = shift + 4 >= 64 ? 0ull : ~0ull << (shift + 4);
-      if (lane < 16) {  // per-warp digit tallies in shared memory (registers would cost every row's occupancy)
-        rm[warp][lane] = 0.0;
-        rc[warp][lane] = 0;
-        rb[warp][lane] = 0;
+      const unsigned long long range = shift + 8 >= 64 ? 0ull : ~0ull << (shift + 8);
+      for (int i = lane; i < 256; i += 32) {
+        wm[warp * 256 + i] = 0.0;
+        wc[warp * 256 + i] = 0;
       }
-      __syncthreads();
-      for (int e = tid; e < r.V; e += THREADS) {
-        const float x = __fdiv_rn(r.lrow[e], r.temp);
-        if (!(x > -INFINITY) || gtop - grid_of(x) != gstar) continue;
-        const unsigned long long k = make_key(x, e);
-        if ((k & range) != (prefix & range)) continue;
-        const int d = (int)((k >> shift) & 15);
-        const float w = exp_f(__fsub_rn(x, r.x_max));
-        atomicAdd(&rm[warp][d], (double)w);
-        atomicAdd(&rc[warp][d], 1);
-        if (r.min_p <= 0.f || w >= r.min_p)
-          atomicMax(&rb[warp][d], (unsigned long long)make_key(race(w, r.urow[e]), e));
-      }
-      __syncthreads();
-      if (tid == 0) {  // digits from the top: whole digits stay until the one holding the boundary
-        s_count = 0;
-        for (int d = 15; d >= 0; --d) {
-          double m = 0.0;
-          int n = 0;
-          unsigned long long bk = 0;
-          for (int w = 0; w < WARPS; ++w) {
-            m += rm[w][d];
-            n += rc[w][d];
-            bk = max(bk, rb[w][d]);
+      __syncwarp();
+      for (int e0 = 0; e0 < r.V; e0 += THREADS) {  // every lane the same trips: the warp votes below
+        const int e = e0 + tid;
+        int d = -1;
+        float w = 0.f;
+        if (e < r.V) {
+          const float x = __fdiv_rn(r.lrow[e], r.temp);
+          if (x > -INFINITY && gtop - grid_of(x) == gstar) {
+            const unsigned long long k = make_key(x, e);
+            if ((k & range) == (prefix & range)) {
+              d = (int)((k >> shift) & 255);
+              w = exp_f(__fsub_rn(x, r.x_max));
+            }
           }
-          if (n == 0) continue;
-          if (above + m >= r.limit) {
-            s_prefix = (prefix & range) | ((unsigned long long)d << shift);
-            s_count = n;
-            break;
-          }
-          above += m;
-          s_best = max(s_best, bk);
         }
-        s_above = above;
-        s_shift = shift;
+        if (!__any_sync(0xffffffffu, d >= 0)) continue;
+        const unsigned group = __match_any_sync(0xffffffffu, d);
+        double sum = 0.0;  // the group's mass in lane order: a fixed order, so the same bits every run
+        for (int src = 0; src < 32; ++src) {
+          const float ws = __shfl_sync(0xffffffffu, w, src);
+          if ((group >> src) & 1u) sum += (double)ws;
+        }
+        if (d >= 0 && lane == __ffs(group) - 1) {  // the group's lowest lane: one writer per digit and warp
+          wm[warp * 256 + d] += sum;
+          wc[warp * 256 + d] += __popc(group);
+        }
+        __syncwarp();
+      }
+      __syncthreads();
+      {  // digit tid's totals over the warps (fixed order), into row 0
+        double m = 0.0;
+        unsigned n = 0;
+        for (int w = 0; w < WARPS; ++w) {
+          m += wm[w * 256 + tid];
+          n += wc[w * 256 + tid];
+        }
+        __syncthreads();
+        wm[tid] = m;
+        wc[tid] = n;
+      }
+      __syncthreads();
+      if (warp == 0) {  // the boundary digit: from the top down, the first whose cumulative mass reaches the limit
+        double part = 0.0;
+        for (int i = 0; i < 8; ++i) part += wm[255 - (lane * 8 + i)];
+        double inc = part;
+#pragma unroll
+        for (int o = 1; o < 32; o <<= 1) {
+          const double n = __shfl_up_sync(0xffffffffu, inc, o);
+          if (lane >= o) inc += n;
+        }
+        double cum = __shfl_up_sync(0xffffffffu, inc, 1);
+        if (lane == 0) cum = 0.0;
+        const unsigned reach = __ballot_sync(0xffffffffu, above + inc >= r.limit);
+        if (lane == 0) {  // none reaches it (rounding): every digit of the range stays
+          s_count = 0;
+          s_above = above + inc;  // unused
+          s_prefix = prefix & range;
+        }
+        __syncwarp();
+        if (reach != 0 && lane == __ffs(reach) - 1) {
+          cum += above;
+          for (int i = 0; i < 8; ++i) {
+            const int d = 255 - (lane * 8 + i);
+            if (cum + wm[d] >= r.limit || i == 7) {
+              s_prefix = (prefix & range) | ((unsigned long long)d << shift);
+              s_count = max((int)wc[d], 1);
+              s_above = cum;
+              break;
+            }
+            cum += wm[d];
+          }
+        }
       }
       __syncthreads();
       above = s_above;
-      if (s_count == 0 || s_count <= MERGED || shift == 0) break;  // none reached (rounding): all digits stayed
+      if (s_count <= MERGED || shift == 0) break;
       prefix = s_prefix;
-      shift -= 4;
-      __syncthreads();
+      shift -= 8;
+      __syncthreads();  // row 0 read before the next pass zeroes it
     }
-    if (s_count > 0) {  // the boundary digit's tokens
-      const unsigned long long digit = ~0ull << s_shift;
-      const unsigned long long want = s_prefix & digit;
-      for (int e = tid; e < r.V; e += THREADS) {
-        const float x = __fdiv_rn(r.lrow[e], r.temp);
-        if (!(x > -INFINITY) || gtop - grid_of(x) != gstar) continue;
-        const unsigned long long k = make_key(x, e);
-        if ((k & digit) != want) continue;
+    // bin g*'s tokens: above the boundary digit kept (raced now), in it collected, below it dropped; when no
+    // digit reached the limit, the whole last range stays
+    const unsigned long long lo = s_prefix;
+    const unsigned long long span = s_count == 0 ? (shift + 8 >= 64 ? ~0ull : (1ull << (shift + 8)) - 1)
+                                                 : (1ull << shift) - 1;
+    const unsigned long long hi = lo + span;  // the boundary digit's (or the range's) last key
+    const bool listed = s_count > 0;
+    for (int e = tid; e < r.V; e += THREADS) {
+      const float x = __fdiv_rn(r.lrow[e], r.temp);
+      if (!(x > -INFINITY) || gtop - grid_of(x) != gstar) continue;
+      const unsigned long long k = make_key(x, e);
+      if (k > hi || (!listed && k >= lo)) {
+        const float w = exp_f(__fsub_rn(x, r.x_max));
+        if (r.min_p > 0.f && !(w >= r.min_p)) continue;
+        const Cand o{race(w, r.urow[e]), e};
+        if (better(o, best)) best = o;
+      } else if (listed && k >= lo) {
         const int i = atomicAdd(&s_ncol, 1);
         if (i < MERGED) keys[i] = k;
       }
@@ -381,10 +443,6 @@ __device__ Cand sample_wide_row(const Row& r, uint64_t* keys) {
       }
       run += (double)wl[i];
     }
-  }
-  if (s_best != 0) {
-    const Cand o{key_x(s_best), key_id(s_best)};
-    if (better(o, best)) best = o;
   }
   return best;
 }

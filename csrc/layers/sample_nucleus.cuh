@@ -10,8 +10,9 @@
 //
 // The row's last CTA merges the histograms and finds the boundary bin g* (the first whose cumulative mass reaches
 // top_p times the row's); every token above it stays, every token below it goes. Bins above both g* and the
-// min-p cut are settled by the chunks' prefix race keys; the bins between by one pass over the row; the tokens of
-// g* are sorted (at most MERGED of them) and walked in rank order. A crowded g* (a very flat row) is narrowed by
+// min-p cut are settled by the chunks' prefix race keys; the bins between token by token, read from the runs of
+// those bins in the chunks' sorted keys (no pass over the row); the tokens of g* are sorted (at most MERGED of
+// them) and walked in rank order. A crowded g* (a very flat row) is narrowed by
 // passes over 8-bit digits of the keys until one digit's tokens fit. The mass sums run in double in another order
 // than the reference's fp32 cumsum, so a token whose mass above it agrees with top_p's share to within a few fp32
 // ulps may land the other way (as everywhere in these samplers); the chunks' bin sums are shared-memory atomics,
@@ -36,8 +37,12 @@ constexpr int MAX_CHUNKS = 64;             // vocabularies up to 131,072 tokens
 constexpr int MERGED = KMAX * MAX_CHUNKS;  // keys in shared memory: the merged candidates, or g*'s tokens
 constexpr int SLOT = KMAX + 2;             // per chunk: KMAX keys, the fault flag, the mass below its top (double)
 constexpr int NBIN = 1024;                 // bins of 1/32 nat: 32 nats
-constexpr int HIST = 2 * NBIN;             // per chunk: NBIN (mass f32, count i32) words, NBIN prefix race keys
-static_assert(CHUNK + HIST <= MERGED, "a chunk's histogram sits beside its keys");
+// per chunk, in uint64 words: NBIN (mass f32, count i32); NBIN prefix race keys; NBIN + 1 int32 bin starts (the
+// position of each bin's first token in the chunk's sorted keys; the last: the window's token count); the sorted
+// keys themselves, so the last CTA reads a bin's tokens without a pass over the row
+constexpr int HS_BEST = NBIN, HS_START = 2 * NBIN, HS_KEYS = 2 * NBIN + NBIN / 2 + 1;
+constexpr int HIST = HS_KEYS + CHUNK;
+static_assert(CHUNK + HS_START <= MERGED, "a chunk's histogram sits beside its keys");
 static_assert(NBIN % THREADS == 0 && MERGED % THREADS == 0, "whole per-thread spans");
 
 struct BinStat {
@@ -116,11 +121,14 @@ __device__ __forceinline__ void block_prefix_max(unsigned long long* h, unsigned
   __syncthreads();
 }
 
-// A chunk of a row sampled without top-k, after its keys are sorted (keys[0] its top): its histogram (HIST words
-// to `out`) and its mass below its top, returned on every thread. x of token e is lrow[e] / temp; scratch is
-// HIST words of shared memory (beside the sorted keys); dscratch WARPS doubles, uscratch WARPS words.
-__device__ double chunk_histogram(float top, const float* lrow, const float* urow, float temp, int base, int V,
-                                  uint64_t* scratch, uint64_t* out, double* dscratch, unsigned long long* uscratch) {
+// A chunk of a row sampled without top-k, after its CHUNK keys are sorted (keys[0] its top): its histogram, bin
+// starts and sorted keys (HIST words to `out`) and its mass below its top, returned on every thread. x of token e
+// is lrow[e] / temp; scratch is HS_START words of shared memory (beside the sorted keys); dscratch WARPS doubles,
+// uscratch WARPS words.
+__device__ double chunk_histogram(const uint64_t* keys, const float* lrow, const float* urow, float temp, int base,
+                                  int V, uint64_t* scratch, uint64_t* out, double* dscratch,
+                                  unsigned long long* uscratch) {
+  const float top = key_x(keys[0]);
   BinStat* hs = reinterpret_cast<BinStat*>(scratch);                        // [NBIN]
   unsigned long long* hb = reinterpret_cast<unsigned long long*>(scratch + NBIN);  // [NBIN] race keys
   for (int g = threadIdx.x; g < NBIN; g += THREADS) {
@@ -146,13 +154,36 @@ __device__ double chunk_histogram(float top, const float* lrow, const float* uro
   }
   __syncthreads();
   block_prefix_max(hb, uscratch);
-  for (int i = threadIdx.x; i < HIST; i += THREADS) out[i] = scratch[i];
+  for (int i = threadIdx.x; i < HS_START; i += THREADS) out[i] = scratch[i];
+  {  // bin starts: the counts' exclusive prefix (sorted keys run through the bins in order)
+    constexpr int PER = NBIN / THREADS;
+    int run = 0;
+#pragma unroll
+    for (int i = 0; i < PER; ++i) run += hs[threadIdx.x * PER + i].count;
+    int start = (int)block_exclusive_sum((double)run, dscratch);
+    int* starts = reinterpret_cast<int*>(out + HS_START);
+#pragma unroll
+    for (int i = 0; i < PER; ++i) {
+      starts[threadIdx.x * PER + i] = start;
+      start += hs[threadIdx.x * PER + i].count;
+    }
+    if (threadIdx.x == THREADS - 1) starts[NBIN] = start;
+  }
+  for (int i = threadIdx.x; i < CHUNK; i += THREADS) out[HS_KEYS + i] = keys[i];
   return block_sum(s, dscratch);
+}
+
+// The positions [a, b) in chunk histogram h's sorted keys of the tokens of the row's bins [ga, gb] (the chunk's
+// bin 0 is the row's bin off).
+__device__ __forceinline__ void bin_run(const uint64_t* h, int64_t off, int ga, int gb, int& a, int& b) {
+  const int* starts = reinterpret_cast<const int*>(h + HS_START);
+  const int64_t ja = ga - off, jb = gb - off + 1;
+  a = ja <= 0 ? 0 : __ldcg(&starts[min(ja, (int64_t)NBIN)]);
+  b = jb <= 0 ? 0 : __ldcg(&starts[min(jb, (int64_t)NBIN)]);
 }
 
 // One row sampled without top-k whose kept tokens run past its candidates, in its last CTA (all threads).
 struct Row {
-  const float* lrow;      // [V] logits
   const float* urow;      // [V] uniforms
   const uint64_t* slots;  // [nchunk, SLOT]
   const uint64_t* hist;   // [nchunk, HIST]
@@ -271,26 +302,31 @@ __device__ Cand sample_wide_row(const Row& r, uint64_t* keys) {
       if (better(o, best)) best = o;
     }
   }
-  // one pass: bins g_safe .. g* - 1 raced token by token, g*'s tokens collected (or their key range, if crowded)
+  // bins g_safe .. g* - 1 raced token by token, g*'s tokens collected (or their key range, if crowded): each warp
+  // reads the runs of these bins in its chunks' sorted keys
   unsigned long long kmin = ~0ull, kmax = 0;
   if (gsafe <= ghi) {
-    for (int e = tid; e < r.V; e += THREADS) {
-      const float x = __fdiv_rn(r.lrow[e], r.temp);
-      if (!(x > -INFINITY)) continue;
-      const int64_t g = gtop - grid_of(x);
-      if (g < gsafe || g > ghi) continue;
-      if (g < gstar) {
-        const float w = exp_f(__fsub_rn(x, r.x_max));
-        if (r.min_p > 0.f && !(w >= r.min_p)) continue;
-        const Cand o{race(w, r.urow[e]), e};
-        if (better(o, best)) best = o;
-      } else if (crowded) {
-        const unsigned long long k = make_key(x, e);
-        kmin = min(kmin, k);
-        kmax = max(kmax, k);
-      } else {
-        const int i = atomicAdd(&s_ncol, 1);
-        if (i < MERGED) keys[i] = make_key(x, e);
+    for (int c = warp; c < r.nchunk; c += WARPS) {
+      const uint64_t* h = r.hist + (int64_t)c * HIST;
+      int a, b;
+      bin_run(h, coff[c], gsafe, ghi, a, b);
+      for (int p = a + lane; p < b; p += 32) {
+        const unsigned long long k = __ldcg(&h[HS_KEYS + p]);
+        const float x = key_x(k);
+        const int64_t g = gtop - grid_of(x);
+        if (g < gstar) {
+          const float w = exp_f(__fsub_rn(x, r.x_max));
+          if (r.min_p > 0.f && !(w >= r.min_p)) continue;
+          const int e = key_id(k);
+          const Cand o{race(w, r.urow[e]), e};
+          if (better(o, best)) best = o;
+        } else if (crowded) {
+          kmin = min(kmin, k);
+          kmax = max(kmax, k);
+        } else {
+          const int i = atomicAdd(&s_ncol, 1);
+          if (i < MERGED) keys[i] = k;
+        }
       }
     }
   }
@@ -313,32 +349,34 @@ __device__ Cand sample_wide_row(const Row& r, uint64_t* keys) {
         wc[warp * 256 + i] = 0;
       }
       __syncwarp();
-      for (int e0 = 0; e0 < r.V; e0 += THREADS) {  // every lane the same trips: the warp votes below
-        const int e = e0 + tid;
-        int d = -1;
-        float w = 0.f;
-        if (e < r.V) {
-          const float x = __fdiv_rn(r.lrow[e], r.temp);
-          if (x > -INFINITY && gtop - grid_of(x) == gstar) {
-            const unsigned long long k = make_key(x, e);
+      for (int c = warp; c < r.nchunk; c += WARPS) {  // g*'s runs, a warp per chunk: every lane the same trips
+        const uint64_t* h = r.hist + (int64_t)c * HIST;
+        int a, b;
+        bin_run(h, coff[c], gstar, gstar, a, b);
+        for (int p0 = a; p0 < b; p0 += 32) {
+          const int p = p0 + lane;
+          int d = -1;
+          float w = 0.f;
+          if (p < b) {
+            const unsigned long long k = __ldcg(&h[HS_KEYS + p]);
             if ((k & range) == (prefix & range)) {
               d = (int)((k >> shift) & 255);
-              w = exp_f(__fsub_rn(x, r.x_max));
+              w = exp_f(__fsub_rn(key_x(k), r.x_max));
             }
           }
+          if (!__any_sync(0xffffffffu, d >= 0)) continue;
+          const unsigned group = __match_any_sync(0xffffffffu, d);
+          double sum = 0.0;  // the group's mass in lane order: a fixed order, so the same bits every run
+          for (int src = 0; src < 32; ++src) {
+            const float ws = __shfl_sync(0xffffffffu, w, src);
+            if ((group >> src) & 1u) sum += (double)ws;
+          }
+          if (d >= 0 && lane == __ffs(group) - 1) {  // the group's lowest lane: one writer per digit and warp
+            wm[warp * 256 + d] += sum;
+            wc[warp * 256 + d] += __popc(group);
+          }
+          __syncwarp();
         }
-        if (!__any_sync(0xffffffffu, d >= 0)) continue;
-        const unsigned group = __match_any_sync(0xffffffffu, d);
-        double sum = 0.0;  // the group's mass in lane order: a fixed order, so the same bits every run
-        for (int src = 0; src < 32; ++src) {
-          const float ws = __shfl_sync(0xffffffffu, w, src);
-          if ((group >> src) & 1u) sum += (double)ws;
-        }
-        if (d >= 0 && lane == __ffs(group) - 1) {  // the group's lowest lane: one writer per digit and warp
-          wm[warp * 256 + d] += sum;
-          wc[warp * 256 + d] += __popc(group);
-        }
-        __syncwarp();
       }
       __syncthreads();
       {  // digit tid's totals over the warps (fixed order), into row 0
@@ -399,18 +437,22 @@ __device__ Cand sample_wide_row(const Row& r, uint64_t* keys) {
                                                  : (1ull << shift) - 1;
     const unsigned long long hi = lo + span;  // the boundary digit's (or the range's) last key
     const bool listed = s_count > 0;
-    for (int e = tid; e < r.V; e += THREADS) {
-      const float x = __fdiv_rn(r.lrow[e], r.temp);
-      if (!(x > -INFINITY) || gtop - grid_of(x) != gstar) continue;
-      const unsigned long long k = make_key(x, e);
-      if (k > hi || (!listed && k >= lo)) {
-        const float w = exp_f(__fsub_rn(x, r.x_max));
-        if (r.min_p > 0.f && !(w >= r.min_p)) continue;
-        const Cand o{race(w, r.urow[e]), e};
-        if (better(o, best)) best = o;
-      } else if (listed && k >= lo) {
-        const int i = atomicAdd(&s_ncol, 1);
-        if (i < MERGED) keys[i] = k;
+    for (int c = warp; c < r.nchunk; c += WARPS) {
+      const uint64_t* h = r.hist + (int64_t)c * HIST;
+      int a, b;
+      bin_run(h, coff[c], gstar, gstar, a, b);
+      for (int p = a + lane; p < b; p += 32) {
+        const unsigned long long k = __ldcg(&h[HS_KEYS + p]);
+        if (k > hi || (!listed && k >= lo)) {
+          const float w = exp_f(__fsub_rn(key_x(k), r.x_max));
+          if (r.min_p > 0.f && !(w >= r.min_p)) continue;
+          const int e = key_id(k);
+          const Cand o{race(w, r.urow[e]), e};
+          if (better(o, best)) best = o;
+        } else if (listed && k >= lo) {
+          const int i = atomicAdd(&s_ncol, 1);
+          if (i < MERGED) keys[i] = k;
+        }
       }
     }
     __syncthreads();

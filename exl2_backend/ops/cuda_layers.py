@@ -920,8 +920,10 @@ def sample_tokens(logits: torch.Tensor, params, uniforms: torch.Tensor | None = 
 def _sample_top_k(logits: torch.Tensor, uniforms: torch.Tensor, params) -> torch.Tensor:
     from exl2_backend.ops.cuda_sampling_top_k import sample_top_k
 
-    pt = sampling_param_tensors(params, logits.shape[1], logits.device)
-    return sample_top_k(logits, uniforms, pt["temperature"], pt["top_k"], pt["top_p"], pt["min_p"])
+    v = logits.shape[1]
+    pt = sampling_param_tensors(params, v, logits.device)
+    without = any(p.temperature != 0 and not 0 < p.top_k < v for p in params)  # the kernel's histograms needed
+    return sample_top_k(logits, uniforms, pt["temperature"], pt["top_k"], pt["top_p"], pt["min_p"], without)
 
 
 def _sample_split(logits: torch.Tensor, uniforms: torch.Tensor, params, fused: list[bool]) -> torch.Tensor:

@@ -12,7 +12,8 @@ gpu_tests_verbose sampling 150 -n 3 --dist loadfile --timeout 140 tests/kernels/
   tests/engine/test_sampled_lookahead_tiny.py tests/engine/test_sampled_gpu_tiny.py \
   tests/unit/test_filtered_probs_skip.py tests/unit/test_grammar_mask.py
 echo "elapsed $(( $(date +%s) - T0 )) s"
-timeout 60 python3 scripts/filter_cost.py 128256 > "$R/filter_cost.txt" 2>&1; tail -12 "$R/filter_cost.txt"
+timeout 90 python3 scripts/filter_cost.py 128256 --profile > "$R/filter_cost.txt" 2>&1
+grep -E "^sample_tokens|GPU time per call" "$R/filter_cost.txt" | tail -24
 fits 60 "bench 1k" && [ ! -d /tmp/models/llama3-8b ] && bench_8b D 60 1024 fp16
 fits 70 "sampled bench" && [ -d /tmp/models/llama3-8b ] && { timeout 70 python3 \
   scripts/sampled_bench.py /tmp/models/llama3-8b --tokens 128 --json "$R/sampled_bench.json" \

@@ -67,6 +67,22 @@ __device__ __forceinline__ unsigned long long warp_max(unsigned long long v) {
   return v;
 }
 
+// lane's inclusive prefix sum of v over the warp's lanes
+__device__ __forceinline__ double warp_inclusive_sum(double v) {
+#pragma unroll
+  for (int o = 1; o < 32; o <<= 1) {
+    const double n = __shfl_up_sync(0xffffffffu, v, o);
+    if ((threadIdx.x & 31) >= o) v += n;
+  }
+  return v;
+}
+
+// the sum over the lanes before this one, from warp_inclusive_sum's result
+__device__ __forceinline__ double warp_exclusive_of(double inc) {
+  const double e = __shfl_up_sync(0xffffffffu, inc, 1);
+  return (threadIdx.x & 31) == 0 ? 0.0 : e;
+}
+
 // the block's sum, on every thread (warps added in a fixed order); scratch holds WARPS doubles
 __device__ __forceinline__ double block_sum(double v, double* scratch) {
   v = warp_sum(v);
@@ -82,14 +98,7 @@ __device__ __forceinline__ double block_sum(double v, double* scratch) {
 // the sum of v over the threads before this one (threadIdx order); scratch holds WARPS doubles
 __device__ __forceinline__ double block_exclusive_sum(double v, double* scratch) {
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-  double inc = v;
-#pragma unroll
-  for (int o = 1; o < 32; o <<= 1) {
-    const double n = __shfl_up_sync(0xffffffffu, inc, o);
-    if (lane >= o) inc += n;
-  }
-  double excl = __shfl_up_sync(0xffffffffu, inc, 1);
-  if (lane == 0) excl = 0.0;
+  const double inc = warp_inclusive_sum(v), excl = warp_exclusive_of(inc);
   if (lane == 31) scratch[warp] = inc;
   __syncthreads();
   double base = 0.0;
@@ -248,14 +257,8 @@ __device__ Cand sample_wide_row(const Row& r, uint64_t* keys) {
     constexpr int PER = NBIN / 32;
     double part = 0.0;
     for (int i = 0; i < PER; ++i) part += hm[lane * PER + i];
-    double inc = part;
-#pragma unroll
-    for (int o = 1; o < 32; o <<= 1) {
-      const double n = __shfl_up_sync(0xffffffffu, inc, o);
-      if (lane >= o) inc += n;
-    }
-    double cum = __shfl_up_sync(0xffffffffu, inc, 1);
-    if (lane == 0) cum = 0.0;
+    const double inc = warp_inclusive_sum(part);
+    double cum = warp_exclusive_of(inc);
     const unsigned reach = __ballot_sync(0xffffffffu, inc >= r.limit);
     if (lane == 0) {
       s_gstar = NBIN;
@@ -394,14 +397,8 @@ __device__ Cand sample_wide_row(const Row& r, uint64_t* keys) {
       if (warp == 0) {  // the boundary digit: from the top down, the first whose cumulative mass reaches the limit
         double part = 0.0;
         for (int i = 0; i < 8; ++i) part += wm[255 - (lane * 8 + i)];
-        double inc = part;
-#pragma unroll
-        for (int o = 1; o < 32; o <<= 1) {
-          const double n = __shfl_up_sync(0xffffffffu, inc, o);
-          if (lane >= o) inc += n;
-        }
-        double cum = __shfl_up_sync(0xffffffffu, inc, 1);
-        if (lane == 0) cum = 0.0;
+        const double inc = warp_inclusive_sum(part);
+        double cum = warp_exclusive_of(inc);
         const unsigned reach = __ballot_sync(0xffffffffu, above + inc >= r.limit);
         if (lane == 0) {  // none reaches it (rounding): every digit of the range stays
           s_count = 0;

@@ -229,3 +229,21 @@ bench_suite() {
   stop_test_workers
   grep -E "passed|failed|Error|FAIL|Performance has regressed" "$R/$name.txt" | tail -8 | cut -c1-200
 }
+# The sampler's checks (session 32's calls AW2-AW4): its GPU tests, filter_cost (one 128k row: top-k, peaked,
+# spread and flat rows through the kernel and the torch path; `sampler_checks --profile` adds GPU time per call),
+# then sampled_bench on the random 8B with the kernel and with EXL2_BACKEND_FUSED_TOP_K=0.
+sampler_checks() {
+  gpu_tests_verbose sampling 150 -n 3 --dist loadfile --timeout 140 tests/kernels/test_sampling_kernel.py \
+    tests/engine/test_sampled_lookahead_tiny.py tests/engine/test_sampled_gpu_tiny.py \
+    tests/unit/test_filtered_probs_skip.py tests/unit/test_grammar_mask.py
+  echo "elapsed $(( $(date +%s) - T0 )) s"
+  timeout 90 python3 scripts/filter_cost.py 128256 "$@" > "$R/filter_cost.txt" 2>&1
+  grep -E "^sample_tokens|GPU time per call" "$R/filter_cost.txt" | tail -24
+  fits 60 "bench 1k" && [ ! -d /tmp/models/llama3-8b ] && bench_8b D 60 1024 fp16
+  fits 70 "sampled bench" && [ -d /tmp/models/llama3-8b ] && { timeout 70 python3 \
+    scripts/sampled_bench.py /tmp/models/llama3-8b --tokens 128 --json "$R/sampled_bench.json" \
+    > "$R/sampled_bench.txt" 2>&1; echo "== sampled bench, kernel"; tail -13 "$R/sampled_bench.txt"; }
+  fits 50 "sampled bench torch" && { EXL2_BACKEND_FUSED_TOP_K=0 timeout 50 python3 scripts/sampled_bench.py \
+    /tmp/models/llama3-8b --tokens 128 --json "$R/sampled_bench_torch.json" > "$R/sampled_bench_torch.txt" 2>&1
+    echo "== torch filter path"; grep -E "greedy_lookahead|topp|nucleus" "$R/sampled_bench_torch.txt"; }
+}

@@ -321,6 +321,9 @@ class Exl2OpenAISpec(LitSpec):
             return _error_response(400, message.replace(param, named, 1), param=named)
         store = rreq.store is not False and self.response_store.capacity > 0
         skeleton = rreq.skeleton(new_id("resp"), req.model or self.model_id, store)
+        info = await self._learn_model_info()  # the response says the sampling it ran with, defaults included
+        used = req.sampling_fields(info.get("generation_defaults") if info else None)
+        skeleton.update(temperature=used["temperature"], top_p=used["top_p"])
 
         def keep(response: dict) -> None:
             if store:

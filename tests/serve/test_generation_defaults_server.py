@@ -1,7 +1,7 @@
 """The model's sampling defaults (generation_config.json; hook API 1.8 `generation_defaults()`) through the real
 server (LitServe on 127.0.0.1, the real openai client): with `--generation-config auto` (the default) a request that
 leaves temperature and max_tokens out gets the model's (here greedy and 5 tokens), a request that gives them its
-own; with `none` the OpenAI API's (temperature 1)."""
+own, and a Responses API response says the sampling it ran with; with `none` the OpenAI API's (temperature 1)."""
 
 from __future__ import annotations
 
@@ -49,6 +49,10 @@ def test_left_out_fields_take_the_models_defaults(tmp_path_factory):
         chat = client.chat.completions.create(model=model, messages=[{"role": "user", "content": "hi"}],
                                               extra_body={"ignore_eos": True})
         assert chat.usage.completion_tokens == 5
+        response = client.responses.create(model=model, input="hi", max_output_tokens=4)
+        assert (response.temperature, response.top_p) == (0.0, 1.0)  # the sampling it ran with: the model's, the API's
+        response = client.responses.create(model=model, input="hi", max_output_tokens=4, temperature=0.5)
+        assert response.temperature == 0.5
 
 
 def test_none_keeps_the_apis_defaults(tmp_path_factory):

@@ -56,8 +56,7 @@ def _memory_plan(args, model_dir):
 def _prompting(model_dir) -> dict:
     """How requests reach this model: whether it has a chat template, whether that template renders tools itself
     (else tools go in the Hermes form), the convention its tool calls are read in, whether it thinks in <think>
-    tags (returned apart as reasoning_content), its fill-in-the-middle markers (the completions API's suffix), and
-    the sampling defaults it ships (generation_config.json: what the server gives requests that leave them out)."""
+    tags (returned apart as reasoning_content), and its fill-in-the-middle markers (the completions API's suffix)."""
     from exl2_backend.errors import Exl2Error
     from exl2_backend.tokenizer import Tokenizer
     from exl2_backend.tokenizer.fim import fim_marker_ids
@@ -69,13 +68,7 @@ def _prompting(model_dir) -> dict:
         return {"error": str(exc)}
     source = tok.chat_template_source if isinstance(tok.chat_template_source, str) else None
     markers = fim_marker_ids(tok)
-    from exl2_backend.format.config import ModelConfig
-
-    try:
-        sampling_defaults = ModelConfig.from_dir(model_dir).generation_defaults
-    except Exl2Error as exc:
-        return {"error": str(exc)}
-    return {"chat_template": tok.has_chat_template, "sampling_defaults": sampling_defaults,
+    return {"chat_template": tok.has_chat_template,
             "tools": "template" if source and template_takes_tools(source) else "hermes",
             "tool_call_format": tok.tool_call_format().name,
             "reasoning": tok.reasoning_tags() is not None,

@@ -41,7 +41,8 @@ def render(info: dict, *, max_seq_len: int = 4096, console: Console | None = Non
                  + (", <think> apart" if prompting.get("reasoning") else ""),
                  " ".join(fim) if fim else "no")
         rows.append(("chat / tools / fill-in-middle", " / ".join(parts)))
-        defaults = prompting.get("sampling_defaults")
+    if "sampling_defaults" in info:
+        defaults = info["sampling_defaults"]
         rows.append(("sampling defaults", ", ".join(f"{k} {v}" for k, v in defaults.items()) if defaults
                      else "the API's (generation_config.json sets none)"))
     for k, v in rows:

@@ -11,28 +11,27 @@ import math
 from exl2_backend.errors import ConfigError
 from exl2_backend.sampling import SAMPLING_RANGES
 
-# generation_config.json key -> the request field it is the default of
-GENERATION_KEYS = {"temperature": "temperature", "top_p": "top_p", "top_k": "top_k", "min_p": "min_p",
-                   "repetition_penalty": "repetition_penalty", "max_new_tokens": "max_new_tokens"}
+# the generation_config.json keys read, each named as the request field it is the default of
+GENERATION_KEYS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty", "max_new_tokens")
 
 
 def generation_defaults(gen: dict, path: str | None = None) -> dict:
     """The request defaults a parsed generation_config.json sets: {field: value} for the GENERATION_KEYS present
     (null counts as absent; top_k -1 or 0 is off, i.e. 0)."""
     out: dict = {}
-    for key, name in GENERATION_KEYS.items():
+    for key in GENERATION_KEYS:
         value = gen.get(key)
         if value is None:
             continue
-        if name in ("top_k", "max_new_tokens"):
-            if isinstance(value, bool) or not isinstance(value, int) or value < (-1 if name == "top_k" else 1):
-                rule = "an integer >= 0 (-1 or 0: off)" if name == "top_k" else "an integer >= 1"
+        if key in ("top_k", "max_new_tokens"):
+            if isinstance(value, bool) or not isinstance(value, int) or value < (-1 if key == "top_k" else 1):
+                rule = "an integer >= 0 (-1 or 0: off)" if key == "top_k" else "an integer >= 1"
                 raise ConfigError(f"generation_config.json: {key}={value!r} must be {rule}", field=key, path=path)
-            out[name] = max(value, 0)
+            out[key] = max(value, 0)
             continue
-        ok, rule = SAMPLING_RANGES[name]
+        ok, rule = SAMPLING_RANGES[key]
         if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or not ok(value):
             raise ConfigError(f"generation_config.json: {key}={value!r} must be a number {rule}", field=key,
                               path=path)
-        out[name] = float(value)
+        out[key] = float(value)
     return out

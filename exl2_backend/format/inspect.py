@@ -111,6 +111,7 @@ def describe_model(model_dir: str | Path) -> dict:
         "rope_theta": config.rope_theta,
         "rope_scaling": None if config.rope_scaling is None else config.rope_scaling.__dict__,
         "tie_word_embeddings": config.tie_word_embeddings,
+        "sampling_defaults": dict(config.generation_defaults),  # generation_config.json's: for requests without them
         "linears": linears,
         "layers": layers,
         "decoder_bpw": dec_bits / dec_numel if dec_numel else 0.0,  # format doc c: head and embeddings excluded

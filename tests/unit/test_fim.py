@@ -84,4 +84,4 @@ def test_info_reports_how_requests_reach_the_model(fim_model, default_model_dir,
         main(["info", str(directory), "--json", "--device", "cpu"])
         prompting = json.loads(capsys.readouterr().out)["prompting"]
         assert prompting == {"chat_template": True, "tools": "hermes", "tool_call_format": "hermes",
-                             "reasoning": False, "fill_in_the_middle": markers, "sampling_defaults": {}}
+                             "reasoning": False, "fill_in_the_middle": markers}

@@ -38,12 +38,14 @@ def test_a_bad_value_is_a_config_error_naming_the_key(key, value):
 
 def test_the_model_config_reads_them_at_load(tmp_path):
     from exl2_backend.format.config import ModelConfig
+    from exl2_backend.format.inspect import describe_model
     from tests.helpers.synth import tiny_config_dict, write_tiny_exl2_model
 
     d = write_tiny_exl2_model(tmp_path / "m", tiny_config_dict(), seed=1)
     assert ModelConfig.from_dir(d).generation_defaults == {}
     (d / "generation_config.json").write_text(json.dumps({"eos_token_id": 2, "temperature": 0.6, "top_p": 0.9}))
     assert ModelConfig.from_dir(d).generation_defaults == {"temperature": 0.6, "top_p": 0.9}
+    assert describe_model(d)["sampling_defaults"] == {"temperature": 0.6, "top_p": 0.9}  # what `info` shows
     (d / "generation_config.json").write_text(json.dumps({"top_p": 7}))
     with pytest.raises(ConfigError, match="top_p"):
         ModelConfig.from_dir(d)

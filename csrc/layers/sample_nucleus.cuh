@@ -39,9 +39,10 @@ constexpr int SLOT = KMAX + 2;             // per chunk: KMAX keys, the fault fl
 constexpr int NBIN = 1024;                 // bins of 1/32 nat: 32 nats
 // per chunk, in uint64 words: NBIN (mass f32, count i32); NBIN prefix race keys; NBIN + 1 int32 bin starts (the
 // position of each bin's first token in the chunk's sorted keys; the last: the window's token count); the sorted
-// keys themselves, so the last CTA reads a bin's tokens without a pass over the row
-constexpr int HS_BEST = NBIN, HS_START = 2 * NBIN, HS_KEYS = 2 * NBIN + NBIN / 2 + 1;
-constexpr int HIST = HS_KEYS + CHUNK;
+// keys themselves and each one's (w f32, race f32) relative to the chunk's top, so the last CTA reads a bin's
+// tokens without a pass over the row and without an exp or a log per token
+constexpr int HS_BEST = NBIN, HS_START = 2 * NBIN, HS_KEYS = 2 * NBIN + NBIN / 2 + 1, HS_WR = HS_KEYS + CHUNK;
+constexpr int HIST = HS_WR + CHUNK;
 static_assert(CHUNK + HS_START <= MERGED, "a chunk's histogram sits beside its keys");
 static_assert(NBIN % THREADS == 0 && MERGED % THREADS == 0, "whole per-thread spans");
 
@@ -131,12 +132,11 @@ __device__ __forceinline__ void block_prefix_max(unsigned long long* h, unsigned
 }
 
 // A chunk of a row sampled without top-k, after its CHUNK keys are sorted (keys[0] its top): its histogram, bin
-// starts and sorted keys (HIST words to `out`) and its mass below its top, returned on every thread. x of token e
-// is lrow[e] / temp; scratch is HS_START words of shared memory (beside the sorted keys); dscratch WARPS doubles,
-// uscratch WARPS words.
-__device__ double chunk_histogram(const uint64_t* keys, const float* lrow, const float* urow, float temp, int base,
-                                  int V, uint64_t* scratch, uint64_t* out, double* dscratch,
-                                  unsigned long long* uscratch) {
+// starts, sorted keys and their (w, race) relative to its top (HIST words to `out`), and its mass below its top,
+// returned on every thread. scratch is HS_START words of shared memory (beside the sorted keys); dscratch WARPS
+// doubles, uscratch WARPS words.
+__device__ double chunk_histogram(const uint64_t* keys, const float* urow, uint64_t* scratch, uint64_t* out,
+                                  double* dscratch, unsigned long long* uscratch) {
   const float top = key_x(keys[0]);
   BinStat* hs = reinterpret_cast<BinStat*>(scratch);                        // [NBIN]
   unsigned long long* hb = reinterpret_cast<unsigned long long*>(scratch + NBIN);  // [NBIN] race keys
@@ -146,20 +146,25 @@ __device__ double chunk_histogram(const uint64_t* keys, const float* lrow, const
   }
   __syncthreads();
   double s = 0.0;
-  if (top > -INFINITY) {  // else every token of the chunk is masked: no mass, no bins
-    const int64_t ftop = grid_of(top);
-    for (int j = threadIdx.x; j < CHUNK && base + j < V; j += THREADS) {
-      const int e = base + j;
-      const float x = __fdiv_rn(lrow[e], temp);
-      if (!(x > -INFINITY)) continue;
+  const int64_t ftop = grid_of(top);
+  for (int j = threadIdx.x; j < CHUNK; j += THREADS) {  // in sorted order: token j's (w, race) beside its key
+    const uint64_t key = keys[j];
+    const float x = key_x(key);
+    uint64_t wr = 0;
+    if (key != 0 && x > -INFINITY) {  // not padding, not masked
+      const int e = key_id(key);
       const float w = exp_f(__fsub_rn(x, top));
       s += (double)w;
       const int64_t g = ftop - grid_of(x);
-      if (g >= NBIN) continue;
-      atomicAdd(&hs[g].mass, w);
-      atomicAdd(&hs[g].count, 1);
-      atomicMax(&hb[g], (unsigned long long)make_key(race(w, urow[e]), e));
+      if (g < NBIN) {
+        const float r = race(w, urow[e]);
+        atomicAdd(&hs[g].mass, w);
+        atomicAdd(&hs[g].count, 1);
+        atomicMax(&hb[g], (unsigned long long)make_key(r, e));
+        wr = ((uint64_t)__float_as_uint(r) << 32) | __float_as_uint(w);
+      }
     }
+    out[HS_WR + j] = wr;
   }
   __syncthreads();
   block_prefix_max(hb, uscratch);
@@ -196,7 +201,7 @@ struct Row {
   const float* urow;      // [V] uniforms
   const uint64_t* slots;  // [nchunk, SLOT]
   const uint64_t* hist;   // [nchunk, HIST]
-  float temp, x_max, min_p;
+  float x_max, min_p;
   double limit;  // top_p times the row's mass (relative to x_max); infinity without top-p
   int V, nchunk;
 };
@@ -313,15 +318,14 @@ __device__ Cand sample_wide_row(const Row& r, uint64_t* keys) {
       const uint64_t* h = r.hist + (int64_t)c * HIST;
       int a, b;
       bin_run(h, coff[c], gsafe, ghi, a, b);
+      const float scale = (float)cscale[c];
       for (int p = a + lane; p < b; p += 32) {
         const unsigned long long k = __ldcg(&h[HS_KEYS + p]);
-        const float x = key_x(k);
-        const int64_t g = gtop - grid_of(x);
-        if (g < gstar) {
-          const float w = exp_f(__fsub_rn(x, r.x_max));
-          if (r.min_p > 0.f && !(w >= r.min_p)) continue;
-          const int e = key_id(k);
-          const Cand o{race(w, r.urow[e]), e};
+        const int64_t g = gtop - grid_of(key_x(k));
+        if (g < gstar) {  // w and race relative to the row's top: the chunk's, scaled
+          const uint64_t wr = __ldcg(&h[HS_WR + p]);
+          if (r.min_p > 0.f && !(__fmul_rn(__uint_as_float((uint32_t)wr), scale) >= r.min_p)) continue;
+          const Cand o{__fmul_rn(__uint_as_float((uint32_t)(wr >> 32)), scale), key_id(k)};
           if (better(o, best)) best = o;
         } else if (crowded) {
           kmin = min(kmin, k);
@@ -359,24 +363,25 @@ __device__ Cand sample_wide_row(const Row& r, uint64_t* keys) {
         for (int p0 = a; p0 < b; p0 += 32) {
           const int p = p0 + lane;
           int d = -1;
-          float w = 0.f;
+          double w = 0.0;
           if (p < b) {
             const unsigned long long k = __ldcg(&h[HS_KEYS + p]);
             if ((k & range) == (prefix & range)) {
               d = (int)((k >> shift) & 255);
-              w = exp_f(__fsub_rn(key_x(k), r.x_max));
+              w = (double)__uint_as_float((uint32_t)__ldcg(&h[HS_WR + p])) * cscale[c];
             }
           }
           if (!__any_sync(0xffffffffu, d >= 0)) continue;
-          const unsigned group = __match_any_sync(0xffffffffu, d);
-          double sum = 0.0;  // the group's mass in lane order: a fixed order, so the same bits every run
-          for (int src = 0; src < 32; ++src) {
-            const float ws = __shfl_sync(0xffffffffu, w, src);
-            if ((group >> src) & 1u) sum += (double)ws;
-          }
-          if (d >= 0 && lane == __ffs(group) - 1) {  // the group's lowest lane: one writer per digit and warp
-            wm[warp * 256 + d] += sum;
-            wc[warp * 256 + d] += __popc(group);
+          // the run is sorted, so equal digits sit in consecutive lanes: a segmented sum (one scan, a fixed order)
+          const int dprev = __shfl_up_sync(0xffffffffu, d, 1), dnext = __shfl_down_sync(0xffffffffu, d, 1);
+          const bool tail = lane == 31 || dnext != d;
+          const unsigned heads = __ballot_sync(0xffffffffu, lane == 0 || dprev != d);
+          const int head = 31 - __clz(heads & (0xffffffffu >> (31 - lane)));  // this lane's segment's first lane
+          const double inc = warp_inclusive_sum(w);
+          const double before = __shfl_sync(0xffffffffu, inc, max(head - 1, 0));
+          if (tail && d >= 0) {  // one writer per digit and warp
+            wm[warp * 256 + d] += head > 0 ? inc - before : inc;
+            wc[warp * 256 + d] += lane - head + 1;
           }
           __syncwarp();
         }
@@ -438,13 +443,13 @@ __device__ Cand sample_wide_row(const Row& r, uint64_t* keys) {
       const uint64_t* h = r.hist + (int64_t)c * HIST;
       int a, b;
       bin_run(h, coff[c], gstar, gstar, a, b);
+      const float scale = (float)cscale[c];
       for (int p = a + lane; p < b; p += 32) {
         const unsigned long long k = __ldcg(&h[HS_KEYS + p]);
         if (k > hi || (!listed && k >= lo)) {
-          const float w = exp_f(__fsub_rn(key_x(k), r.x_max));
-          if (r.min_p > 0.f && !(w >= r.min_p)) continue;
-          const int e = key_id(k);
-          const Cand o{race(w, r.urow[e]), e};
+          const uint64_t wr = __ldcg(&h[HS_WR + p]);
+          if (r.min_p > 0.f && !(__fmul_rn(__uint_as_float((uint32_t)wr), scale) >= r.min_p)) continue;
+          const Cand o{__fmul_rn(__uint_as_float((uint32_t)(wr >> 32)), scale), key_id(k)};
           if (better(o, best)) best = o;
         } else if (listed && k >= lo) {
           const int i = atomicAdd(&s_ncol, 1);

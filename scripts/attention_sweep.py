@@ -4,7 +4,8 @@ Llama-3.1-8B attention shape (32 query heads, 8 KV heads, head_dim 128), one que
 layers' caches filled with random values or codes so that a CUDA graph of calls rotating through them reads
 past L2. Prints us per call and the read rate over the cache bytes (codes + scales) each call must read.
 
-    python3 scripts/attention_sweep.py [--context 32768] [--types fp16,q8,q4] [--ctas 2,4,8,12] [--json out.json]
+    python3 scripts/attention_sweep.py [--context 32768] [--types fp16,q8,q4] [--ctas 2,4,8,12] [--hq 32]
+        [--json out.json]
 
 --splits 0,66,132 times given split counts instead of CTA targets (0: the route's automatic split), e.g. for the
 streamed fp16 kernel (EXL2_BACKEND_ATTN_STREAM=1), whose split is one CTA per SM rather than a CTA target.
@@ -52,6 +53,7 @@ def main() -> int:
     ap.add_argument("--types", default="fp16,q8,q4")
     ap.add_argument("--ctas", default="2,4,8,12")
     ap.add_argument("--splits", help="split counts to time instead of --ctas (0: automatic)")
+    ap.add_argument("--hq", type=int, default=HQ, help="query heads over the 8 kv heads (64: the 70B's)")
     ap.add_argument("--json")
     args = ap.parse_args()
     dev = torch.device("cuda")
@@ -60,7 +62,7 @@ def main() -> int:
     tables = torch.arange(pages, dtype=torch.int32, device=dev).view(1, pages)
     lens = torch.tensor([args.context], dtype=torch.int32, device=dev)
     g = torch.Generator(device=dev).manual_seed(0)
-    q = torch.randn(1, 1, HQ, D, generator=g, device=dev).half()
+    q = torch.randn(1, 1, args.hq, D, generator=g, device=dev).half()
     results = {}
     for ct in args.types.split(","):
         cache = PagedKVCache(LAYERS, pages, PAGE, HKV, D, torch.float16, dev, ct)
@@ -69,7 +71,8 @@ def main() -> int:
         results[ct] = {}
         # (label, JSON key, splits): by CTA target (key: the target), or by split count (key: "s<count>")
         cells = [(f"splits {int(x)}", f"s{int(x)}", int(x)) for x in args.splits.split(",")] if args.splits else [
-            (f"ctas/SM {int(c):>2}", int(c), attention_splits(1, 1, HQ, HKV, args.context, sms, ctas_per_sm=int(c)))
+            (f"ctas/SM {int(c):>2}", int(c),
+             attention_splits(1, 1, args.hq, HKV, args.context, sms, ctas_per_sm=int(c)))
             for c in args.ctas.split(",")]
         for label, c, ns in cells:
 

@@ -50,6 +50,10 @@ int launch_paged_attention_quant_mma(const QAttnParams& p, int k_fmt, int v_fmt,
 // copies into a shared-memory ring) over fp16 pages (both formats kFmtF16) or code pages, then its reduce launch;
 // p.row_tiles unused.
 int launch_paged_attention_stream(const QAttnParams& p, int k_fmt, int v_fmt, int D, int B, cudaStream_t stream);
+// Whether the streamed attention takes these pages on tensor cores (paged_attention_stream_mma.cu: fp16 pages, 8 kv
+// heads, 1 / 2 / 4 / 8 query heads per kv head, decode steps), and that kernel's launch (its reduce is the caller's).
+bool stream_mma_takes(int k_fmt, int v_fmt, const QAttnParams& p);
+int launch_paged_attention_stream_mma(const QAttnParams& p, int B, cudaStream_t stream);
 // The split combination into p.out (paged_attention_quant.cu; nothing when nsplit == 1); rot: V rotated (int
 // formats) -> the sums are rotated back.
 int launch_paged_attention_quant_reduce(const QAttnParams& p, bool rot, int D, int B, cudaStream_t stream);

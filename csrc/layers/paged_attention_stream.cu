@@ -422,7 +422,9 @@ int launch_formats(const QAttnParams& p, int B, cudaStream_t stream) {
 int launch_paged_attention_stream(const QAttnParams& a, int k_fmt, int v_fmt, int D, int B, cudaStream_t stream) {
   EXL2_REQUIRE(D == kStreamD && a.Tq == 1, "paged_attention (stream): decode steps with head_dim 128 only");
   EXL2_REQUIRE(a.Hkv == 2 || a.Hkv == 4 || a.Hkv == 8, "paged_attention (stream): %d kv heads (2, 4 or 8)", a.Hkv);
-  EXL2_REQUIRE(a.G == 1 || a.G == 2 || a.G == 4, "paged_attention (stream): %d query heads per kv head (1, 2, 4)",
+  const bool mma = stream_mma_takes(k_fmt, v_fmt, a);  // fp16 pages over 8 kv heads: the tensor-core kernel
+  EXL2_REQUIRE(a.G == 1 || a.G == 2 || a.G == 4 || (mma && a.G == 8),
+               "paged_attention (stream): %d query heads per kv head (1, 2, 4; 8 for fp16 pages over 8 kv heads)",
                a.G);
   EXL2_REQUIRE(a.log2S >= 4, "paged_attention (stream): pages of at least %d tokens", kStreamChunk);
   EXL2_REQUIRE(a.min_split >= kStreamChunk && a.min_split % kStreamChunk == 0,  // no chunk straddles two splits
@@ -439,7 +441,8 @@ int launch_paged_attention_stream(const QAttnParams& a, int k_fmt, int v_fmt, in
   QAttnParams p = a;
   p.prefetch = stream_prefetch();
   int st;
-  if (k_fmt == kFmtF16 && v_fmt == kFmtF16) st = launch_formats<kFmtF16, kFmtF16>(p, B, stream);
+  if (mma) st = launch_paged_attention_stream_mma(p, B, stream);
+  else if (k_fmt == kFmtF16 && v_fmt == kFmtF16) st = launch_formats<kFmtF16, kFmtF16>(p, B, stream);
   else if (k_fmt == kFmtI8 && v_fmt == kFmtI8) st = launch_formats<kFmtI8, kFmtI8>(p, B, stream);
   else if (k_fmt == kFmtI4 && v_fmt == kFmtI4) st = launch_formats<kFmtI4, kFmtI4>(p, B, stream);
   else if (k_fmt == kFmtI8 && v_fmt == kFmtI4) st = launch_formats<kFmtI8, kFmtI4>(p, B, stream);

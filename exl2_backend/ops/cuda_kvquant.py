@@ -250,7 +250,7 @@ def paged_attention_quant(q: torch.Tensor, k_codes: torch.Tensor, k_scales: torc
     max_ctx = max_pages * s
     dev_index = _device_index(q.device)
     rows = (hq // hkv) * tq
-    streamed = cuda_layers.attn_streamed(q.shape, (p, s, hkv, d), q.device)
+    streamed = cuda_layers.attn_streamed(q.shape, (p, s, hkv, d), q.device, fp16_pages=False)
     if streamed:  # cuda_layers.ATTN_STREAM: one CTA per split for all kv heads (paged_attention_stream.cu)
         nsplit = num_splits or cuda_layers.stream_splits(b, max_ctx, _num_sms(dev_index))
         code, min_split = _STREAM_CODE, cuda_layers.ATTN_STREAM_MIN_SPLIT

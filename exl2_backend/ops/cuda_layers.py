@@ -258,6 +258,10 @@ if not (16 <= ATTN_STREAM_MIN_SPLIT <= 4096 and ATTN_STREAM_MIN_SPLIT % 16 == 0)
     raise ValueError("EXL2_BACKEND_ATTN_STREAM_MIN_SPLIT must be a multiple of 16 in 16..4096, got "
                      f"{_STREAM_MIN_ENV!r}")
 _ATTN_STREAM_FLAG = 1 << 9
+# fp16 pages over 8 kv heads (Llama 3 1B / 8B / 70B: 1, 2, 4 or 8 query heads per kv head) run the streamed kernel
+# on tensor cores (csrc/layers/paged_attention_stream_mma.cu): with ATTN_STREAM, or alone with ATTN_STREAM_FP16
+# (EXL2_BACKEND_ATTN_STREAM_FP16=1; code pages and other head counts keep their routes).
+ATTN_STREAM_FP16 = os.environ.get("EXL2_BACKEND_ATTN_STREAM_FP16", "0") == "1"
 
 
 def _device_index(device: torch.device) -> int:
@@ -270,14 +274,19 @@ def _sm90(index: int) -> bool:
     return torch.cuda.get_device_capability(index)[0] >= 9
 
 
-def attn_streamed(q_shape, cache_shape, device: torch.device) -> bool:
-    """Whether paged attention of these shapes (q [B, Tq, Hq, D], cache [P, S, Hkv, ...]) runs the streamed kernel
-    (ATTN_STREAM and the shapes it takes)."""
-    if not ATTN_STREAM:
+def attn_streamed(q_shape, cache_shape, device: torch.device, fp16_pages: bool = True) -> bool:
+    """Whether paged attention of these shapes (q [B, Tq, Hq, D], cache [P, S, Hkv, ...]; fp16 or code pages) runs
+    the streamed kernel: ATTN_STREAM and the shapes it takes, or ATTN_STREAM_FP16 and its tensor-core shapes."""
+    if not (ATTN_STREAM or ATTN_STREAM_FP16):
         return False
     _, tq, hq, d = q_shape
     hkv = cache_shape[2]
-    return tq == 1 and d == 128 and hkv in (2, 4, 8) and hq // hkv in (1, 2, 4) and _sm90(_device_index(device))
+    g = hq // hkv
+    if tq != 1 or d != 128:
+        return False
+    if fp16_pages and hkv == 8 and g in (1, 2, 4, 8):  # the tensor-core kernel
+        return _sm90(_device_index(device))
+    return ATTN_STREAM and hkv in (2, 4, 8) and g in (1, 2, 4) and _sm90(_device_index(device))
 
 
 def stream_splits(batch: int, max_context: int, num_sms: int) -> int:

@@ -24,9 +24,11 @@ def streamed(monkeypatch):
     monkeypatch.setattr(cl(), "ATTN_STREAM", True)
 
 
-@pytest.mark.parametrize("hq,hkv", [(32, 8), (16, 8), (8, 8), (16, 4), (8, 4), (8, 2), (4, 2), (2, 2)])
+@pytest.mark.parametrize("hq,hkv", [(64, 8), (32, 8), (16, 8), (8, 8), (16, 4), (8, 4), (8, 2), (4, 2), (2, 2)])
 @pytest.mark.parametrize("page", [16, 256])
 def test_shapes_it_takes(hq, hkv, page):
+    """8 kv heads: the tensor-core kernel (paged_attention_stream_mma.cu; 64 / 8 the 70B's 8 query heads per kv
+    head); 2 and 4: the CUDA-core one."""
     assert cl().attn_streamed((1, 1, hq, 128), (1, page, hkv, 128), torch.device(DEV))
     check([1, 15, 16, 17, 31, 33, 255, 256, 257, 1000, 4097], 1, hq, hkv, 128, page=page)
 
@@ -57,13 +59,29 @@ def test_empty_context_gives_zeros():
 
 
 def test_shapes_it_declines_take_the_default_route():
-    """Verify rows (Tq > 1), head_dim 64, G = 8 and one kv head are not its shapes: the default kernels run them."""
+    """Verify rows (Tq > 1), head_dim 64, G = 8 over fewer than 8 kv heads and one kv head are not its shapes: the
+    default kernels run them."""
     for q_shape, cache_shape in (((1, 5, 32, 128), (1, 16, 8, 128)), ((1, 1, 32, 64), (1, 16, 8, 64)),
-                                 ((1, 1, 64, 128), (1, 16, 8, 128)), ((1, 1, 8, 128), (1, 16, 1, 128))):
+                                 ((1, 1, 32, 128), (1, 16, 4, 128)), ((1, 1, 8, 128), (1, 16, 1, 128))):
         assert not cl().attn_streamed(q_shape, cache_shape, torch.device(DEV))
     check([300, 2000], 5, 32, 8, 128, page=64)
-    check([300, 2000], 1, 64, 8, 128, page=64)
+    check([300, 2000], 1, 32, 4, 128, page=64)
     check([33, 900], 1, 8, 1, 128, page=16)
+
+
+@pytest.mark.parametrize("hq", [32, 64])
+@pytest.mark.parametrize("num_splits", [1, 2, 5, 132])
+def test_tensor_core_kernel_alone(monkeypatch, hq, num_splits):
+    """ATTN_STREAM_FP16 alone: fp16 pages over 8 kv heads take the tensor-core streamed kernel (one split writing
+    the output, or partials and the reduce), every other shape its default route; chunks cut short by the split's
+    end (their V rows NaN in build()) and contexts of 1..15 keys."""
+    monkeypatch.setattr(cl(), "ATTN_STREAM", False)
+    monkeypatch.setattr(cl(), "ATTN_STREAM_FP16", True)
+    assert cl().attn_streamed((1, 1, hq, 128), (1, 16, 8, 128), torch.device(DEV))
+    assert not cl().attn_streamed((1, 1, 16, 128), (1, 16, 4, 128), torch.device(DEV))
+    check([1, 2, 15, 16, 17, 47, 300, 4097], 1, hq, 8, 128, page=16, num_splits=num_splits)
+    check([9000, 31], 1, hq, 8, 128, page=256, num_splits=num_splits, seed=1)
+    check([700, 20], 1, 16, 4, 128, page=64)
 
 
 def test_library_rejects_shapes_it_does_not_take():

@@ -211,8 +211,32 @@ def test_streamed_kernel_splits(monkeypatch, batch, max_context, min_split, want
     assert cuda_layers._ATTN_STREAM_FLAG == 512
 
 
-def test_streamed_kernel_is_off_until_measured():
+def test_streamed_kernel_is_off_until_measured(monkeypatch):
     """Off by default (EXL2_BACKEND_ATTN_STREAM=1 turns it on); off, no shape takes it."""
     assert cuda_layers.ATTN_STREAM == (os.environ.get("EXL2_BACKEND_ATTN_STREAM") == "1")
-    if not cuda_layers.ATTN_STREAM:
-        assert not cuda_layers.attn_streamed((1, 1, 32, 128), (1, 256, 8, 128), torch.device("cpu"))
+    monkeypatch.setattr(cuda_layers, "ATTN_STREAM", False)
+    monkeypatch.setattr(cuda_layers, "ATTN_STREAM_FP16", False)
+    assert not cuda_layers.attn_streamed((1, 1, 32, 128), (1, 256, 8, 128), torch.device("cpu"))
+
+
+@pytest.mark.parametrize("stream,fp16_only", [(True, False), (False, True)])
+def test_streamed_kernel_shapes(monkeypatch, stream, fp16_only):
+    """Which decode shapes the streamed kernel takes: fp16 pages over 8 kv heads with 1 / 2 / 4 / 8 query heads per kv
+    head on its tensor-core kernel (with ATTN_STREAM or ATTN_STREAM_FP16 alone); with ATTN_STREAM also 2 / 4 / 8
+    kv heads of 1 / 2 / 4 query heads each on the CUDA-core kernel, for fp16 and code pages. Never verify rows,
+    head_dim 64 or pre-sm_90 devices."""
+    monkeypatch.setattr(cuda_layers, "ATTN_STREAM", stream)
+    monkeypatch.setattr(cuda_layers, "ATTN_STREAM_FP16", fp16_only)
+    monkeypatch.setattr(cuda_layers, "_sm90", lambda index: True)
+    dev = torch.device("cuda", 0)
+
+    def takes(hq, hkv, tq=1, d=128, fp16_pages=True):
+        return cuda_layers.attn_streamed((1, tq, hq, d), (1, 256, hkv, d), dev, fp16_pages=fp16_pages)
+
+    for hq in (8, 16, 32, 64):  # Llama 3 1B / 8B (32 / 8), 70B (64 / 8)
+        assert takes(hq, 8)
+    assert not takes(128, 8) and not takes(32, 8, tq=5) and not takes(32, 8, d=64)
+    assert takes(16, 4) == stream and takes(8, 2) == stream and takes(32, 8, fp16_pages=False) == stream
+    assert not takes(32, 4) and not takes(64, 8, fp16_pages=False)  # 8 per kv head: the tensor-core kernel's only
+    monkeypatch.setattr(cuda_layers, "_sm90", lambda index: False)
+    assert not takes(32, 8)

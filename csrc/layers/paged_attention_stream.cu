@@ -26,6 +26,7 @@
 #include "common/api.h"
 #include "common/bulk_copy.cuh"
 #include "common/pdl.cuh"
+#include "layers/attn_stream_ring.cuh"
 #include "layers/kv_quant.cuh"
 #include "layers/paged_attention_quant.cuh"
 
@@ -147,16 +148,9 @@ __global__ void __launch_bounds__(kStreamThreads, 1) paged_attention_stream_kern
   __shared__ float wm[kStreamWarps][G], wl[kStreamWarps][G];
   const int b = blockIdx.y, split = blockIdx.x, warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const uint32_t full0 = exl2::smem_addr(bars), empty0 = full0 + 8 * kStreamMaxStages;
-  if (threadIdx.x == 0) {
-    for (int s = 0; s < stages; ++s) {
-      exl2::mbar_init(full0 + 8 * s, 1);
-      exl2::mbar_init(empty0 + 8 * s, kStreamWarps);
-    }
-    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
-  }
-  __syncthreads();
+  stream_ring_init(full0, empty0, stages, kStreamWarps);
   const StageLayout<KF, VF> lay(p.Hkv);
-  const int cap = p.max_pages << p.log2S, smask = (1 << p.log2S) - 1;
+  const int smask = (1 << p.log2S) - 1;
   const int kc_row = p.Hkv * D * KVFormat<KF>::BITS / 8, vc_row = p.Hkv * D * KVFormat<VF>::BITS / 8;
   const int sc_row = p.Hkv * (D / KV_GROUP) * 2;  // scale bytes per token
   const int* table = p.block_tables + (int64_t)b * p.bt_stride;
@@ -175,13 +169,11 @@ __global__ void __launch_bounds__(kStreamThreads, 1) paged_attention_stream_kern
     // (read past L1, so no stale line stays for the loads after the wait), which costs only wasted reads; the
     // copies after the wait then find their chunks in L2 (the newest K / V row included: L2 is where the previous
     // kernel's writes land).
-    const int c_pre = min(max(__ldcg(p.context_lens + b), 0), cap);
-    const int L_pre = qattn_split_len(c_pre, p.nsplit, p.min_split);
-    const int t0_pre = split * L_pre, t1_pre = min(c_pre, t0_pre + L_pre);
-    const int n_pre = min(stages, (t1_pre - t0_pre + kStreamChunk - 1) / kStreamChunk);
+    const StreamRange pre = stream_split_range(p, __ldcg(p.context_lens + b), split);
+    const int n_pre = min(stages, (pre.t1 - pre.t0 + kStreamChunk - 1) / kStreamChunk);
     for (int i = lane; i < n_pre; i += 32) {
       const uint8_t* src[4];
-      const int64_t slot = sources(t0_pre + i * kStreamChunk, src);
+      const int64_t slot = sources(pre.t0 + i * kStreamChunk, src);
       if (slot < 0 || slot >= ((int64_t)p.num_pages << p.log2S)) continue;  // a stale entry may be anything
 #pragma unroll
       for (int r = 0; r < 4; ++r)
@@ -192,15 +184,11 @@ __global__ void __launch_bounds__(kStreamThreads, 1) paged_attention_stream_kern
   exl2::pdl_wait();  // q, the newest K / V row, the tables and lengths come from earlier kernels
   exl2::pdl_launch_dependents();
 
-  int ctx = p.context_lens[b];
-  ctx = ctx < 0 ? 0 : (ctx > cap ? cap : ctx);
-  const int L = qattn_split_len(ctx, p.nsplit, p.min_split);
-  const int t0 = split * L, t1 = min(ctx, t0 + L);
+  const StreamRange range = stream_split_range(p, p.context_lens[b], split);
+  const int t0 = range.t0, t1 = range.t1;
   const unsigned char* ring = smem;  // [stages][K codes | K scales | V codes | V scales]
-  if (t0 >= t1) {  // an unused split; with one split (ctx == 0) the output is zeros, as the reference
-    if (p.nsplit == 1 && warp < kStreamWarps)
-      for (int i = threadIdx.x; i < p.Hq * D; i += kStreamWarps * 32)
-        p.out[(int64_t)b * p.Hq * D + i] = __float2half_rn(0.f);
+  if (t0 >= t1) {
+    if (warp < kStreamWarps) stream_empty_split<D>(p, b, kStreamWarps * 32);
     return;
   }
   const int nch = (t1 - t0 + kStreamChunk - 1) / kStreamChunk;

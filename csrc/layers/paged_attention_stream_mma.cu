@@ -22,6 +22,7 @@
 #include "common/bulk_copy.cuh"
 #include "common/mma.cuh"
 #include "common/pdl.cuh"
+#include "layers/attn_stream_ring.cuh"
 #include "layers/paged_attention_quant.cuh"
 
 namespace exl2 {
@@ -66,26 +67,17 @@ __global__ void __launch_bounds__(kThreads, 1) paged_attention_stream_mma_kernel
   __shared__ __align__(8) uint64_t bars[2 * kStages];      // full[kStages], empty[kStages]
   const int b = blockIdx.y, split = blockIdx.x, warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const uint32_t full0 = exl2::smem_addr(bars), empty0 = full0 + 8 * kStages;
-  if (threadIdx.x == 0) {
-    for (int s = 0; s < kStages; ++s) {
-      exl2::mbar_init(full0 + 8 * s, 1);
-      exl2::mbar_init(empty0 + 8 * s, kWarps);
-    }
-    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
-  }
-  __syncthreads();
-  const int cap = p.max_pages << p.log2S, smask = (1 << p.log2S) - 1;
+  stream_ring_init(full0, empty0, kStages, kWarps);
+  const int smask = (1 << p.log2S) - 1;
   const int* table = p.block_tables + (int64_t)b * p.bt_stride;
   auto slot_of = [&](int t) { return ((int64_t)__ldcg(table + (t >> p.log2S)) << p.log2S) | (t & smask); };
   if (p.prefetch && warp == kWarps) {
     // The ring's first fill into L2 while the previous kernel finishes (as paged_attention_stream.cu: stale
     // lengths or tables here cost only wasted reads; a slot out of range is skipped).
-    const int c_pre = min(max(__ldcg(p.context_lens + b), 0), cap);
-    const int L_pre = qattn_split_len(c_pre, p.nsplit, p.min_split);
-    const int t0_pre = split * L_pre, t1_pre = min(c_pre, t0_pre + L_pre);
-    const int n_pre = min(kStages, (t1_pre - t0_pre + kChunk - 1) / kChunk);
+    const StreamRange pre = stream_split_range(p, __ldcg(p.context_lens + b), split);
+    const int n_pre = min(kStages, (pre.t1 - pre.t0 + kChunk - 1) / kChunk);
     for (int i = lane; i < 2 * n_pre; i += 32) {
-      const int64_t slot = slot_of(t0_pre + (i >> 1) * kChunk);
+      const int64_t slot = slot_of(pre.t0 + (i >> 1) * kChunk);
       if (slot < 0 || slot >= ((int64_t)p.num_pages << p.log2S)) continue;
       const uint8_t* src = ((i & 1) ? p.vc : p.kc) + slot * kRowBytes;
       asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(src), "r"(kChunk * kRowBytes) : "memory");
@@ -94,14 +86,10 @@ __global__ void __launch_bounds__(kThreads, 1) paged_attention_stream_mma_kernel
   exl2::pdl_wait();  // q, the newest K / V row, the tables and lengths come from earlier kernels
   exl2::pdl_launch_dependents();
 
-  int ctx = p.context_lens[b];
-  ctx = ctx < 0 ? 0 : (ctx > cap ? cap : ctx);
-  const int L = qattn_split_len(ctx, p.nsplit, p.min_split);
-  const int t0 = split * L, t1 = min(ctx, t0 + L);
-  if (t0 >= t1) {  // an unused split; with one split (ctx == 0) the output is zeros, as the reference
-    if (p.nsplit == 1 && warp < kWarps)
-      for (int i = threadIdx.x; i < p.Hq * kD; i += kWarps * 32)
-        p.out[(int64_t)b * p.Hq * kD + i] = __float2half_rn(0.f);
+  const StreamRange range = stream_split_range(p, p.context_lens[b], split);
+  const int t0 = range.t0, t1 = range.t1;
+  if (t0 >= t1) {
+    if (warp < kWarps) stream_empty_split<kD>(p, b, kWarps * 32);
     return;
   }
   const int nch = (t1 - t0 + kChunk - 1) / kChunk;

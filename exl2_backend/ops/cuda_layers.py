@@ -249,8 +249,9 @@ def _attn_flags(rows: int = 1) -> int:
 # (one query per sequence), head_dim 128, 1 / 2 / 4 query heads per kv head, 2 / 4 / 8 kv heads, sm_90+. Written
 # because the tensor-core one-pass kernel runs the 8B's fp16 attention at 32k at ~49 us per layer for ~32 us of
 # bytes (latency-bound, 12% occupancy; ncu, H200 call AC1 of 2026-12-03), the code pages at 46% (int8) / 28% (int4)
-# of the bandwidth (AD1). Off until measured on the GPU (EXL2_BACKEND_ATTN_STREAM=1; keys per split at least
-# ATTN_STREAM_MIN_SPLIT, a multiple of 16: EXL2_BACKEND_ATTN_STREAM_MIN_SPLIT).
+# of the bandwidth (AD1). Off for the shapes below's CUDA-core kernel (slower than the default routes: 81 us per
+# layer at 32k, H200 call AP1; EXL2_BACKEND_ATTN_STREAM=1 takes it; keys per split at least ATTN_STREAM_MIN_SPLIT,
+# a multiple of 16: EXL2_BACKEND_ATTN_STREAM_MIN_SPLIT).
 ATTN_STREAM = os.environ.get("EXL2_BACKEND_ATTN_STREAM", "0") == "1"
 _STREAM_MIN_ENV = os.environ.get("EXL2_BACKEND_ATTN_STREAM_MIN_SPLIT", "16")
 ATTN_STREAM_MIN_SPLIT = int(_STREAM_MIN_ENV) if _STREAM_MIN_ENV.isdigit() else -1
@@ -259,9 +260,12 @@ if not (16 <= ATTN_STREAM_MIN_SPLIT <= 4096 and ATTN_STREAM_MIN_SPLIT % 16 == 0)
                      f"{_STREAM_MIN_ENV!r}")
 _ATTN_STREAM_FLAG = 1 << 9
 # fp16 pages over 8 kv heads (Llama 3 1B / 8B / 70B: 1, 2, 4 or 8 query heads per kv head) run the streamed kernel
-# on tensor cores (csrc/layers/paged_attention_stream_mma.cu): with ATTN_STREAM, or alone with ATTN_STREAM_FP16
-# (EXL2_BACKEND_ATTN_STREAM_FP16=1; code pages and other head counts keep their routes).
-ATTN_STREAM_FP16 = os.environ.get("EXL2_BACKEND_ATTN_STREAM_FP16", "0") == "1"
+# on tensor cores (csrc/layers/paged_attention_stream_mma.cu) by default (ATTN_STREAM_FP16; off with
+# EXL2_BACKEND_ATTN_STREAM_FP16=0, or taken with ATTN_STREAM); code pages and other head counts keep their routes.
+# H100 call AX1 of 2026-12-06, 8B attention shape, us per call, default route -> this kernel: 1k 8.32 -> 6.67, 8k
+# 25.45 -> 18.37, 32k 61.58 -> 53.97 (70B's 64 query heads: 71.85 -> 54.52); bench 8B fp16 decode +4.5% at 1k,
+# +11.3% at 32k.
+ATTN_STREAM_FP16 = os.environ.get("EXL2_BACKEND_ATTN_STREAM_FP16", "1") != "0"
 
 
 def _device_index(device: torch.device) -> int:

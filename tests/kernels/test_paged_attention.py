@@ -81,6 +81,13 @@ def check(lens, tq, hq, hkv, d, page=16, num_splits=0, seed=0, q=None):
     return out
 
 
+@pytest.fixture(autouse=True)
+def other_kernels(monkeypatch):
+    """The kernels this module tests by name: the tensor-core streamed kernel (the default for fp16 decode steps
+    over 8 kv heads) only where a test or the `stream` case of attn_kernel asks for it."""
+    monkeypatch.setattr(cl(), "ATTN_STREAM_FP16", False)
+
+
 @pytest.fixture(params=["cuda_core", "mma", "mma_online", "mma_online2", "staged", "staged_tiles", "stream"])
 def attn_kernel(request, monkeypatch):
     """Every kernel for fp16 pages: the CUDA-core one and the tensor-core one of the quantized caches

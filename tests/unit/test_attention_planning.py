@@ -211,9 +211,11 @@ def test_streamed_kernel_splits(monkeypatch, batch, max_context, min_split, want
     assert cuda_layers._ATTN_STREAM_FLAG == 512
 
 
-def test_streamed_kernel_is_off_until_measured(monkeypatch):
-    """Off by default (EXL2_BACKEND_ATTN_STREAM=1 turns it on); off, no shape takes it."""
+def test_streamed_kernel_defaults(monkeypatch):
+    """The CUDA-core streamed kernel is off by default (EXL2_BACKEND_ATTN_STREAM=1 turns it on), the tensor-core one
+    for fp16 pages on (EXL2_BACKEND_ATTN_STREAM_FP16=0 turns it off); both off, no shape takes either."""
     assert cuda_layers.ATTN_STREAM == (os.environ.get("EXL2_BACKEND_ATTN_STREAM") == "1")
+    assert cuda_layers.ATTN_STREAM_FP16 == (os.environ.get("EXL2_BACKEND_ATTN_STREAM_FP16") != "0")
     monkeypatch.setattr(cuda_layers, "ATTN_STREAM", False)
     monkeypatch.setattr(cuda_layers, "ATTN_STREAM_FP16", False)
     assert not cuda_layers.attn_streamed((1, 1, 32, 128), (1, 256, 8, 128), torch.device("cpu"))

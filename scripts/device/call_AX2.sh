@@ -1,0 +1,28 @@
+#!/usr/bin/env bash
+# Device call AX2 (session 33; carry .whl (with exllamav2 0.3.2, ninja, sentencepiece, pillow, rich) and
+# .dev/libexl2_kernels.so.gz; ~565 s). AX1 (H100) passed the tensor-core streamed attention's tests (250) and
+# measured it faster everywhere, so it is now the default for fp16 decode steps over 8 kv heads; the two streamed
+# kernels now share attn_stream_ring.cuh.
+#  1. The streamed kernels' GPU tests on the refactored library, and the engine through the new default
+#     (tests/engine/test_stream_attention_engine.py: teacher-forced logits against the CPU reference).
+#  2. The session's figures at the new default: bench 1k / 32k (fp16 / q8 / q4), verify costs.
+#  3. ExLlamaV2 0.3.2 beside ours at 32k (fp16, q4: issue 6's 10x), then 1k as time allows.
+export EXL2_CARRIED_LIBRARY=1
+source scripts/device/common.sh
+begin_call ax2
+start_exllamav2_jit
+nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
+gpu_tests_verbose stream 90 -n 12 tests/kernels/test_paged_attention_stream.py tests/kernels/test_paged_attention.py \
+  tests/kernels/test_kv_quant_kernels.py tests/engine/test_stream_attention_engine.py \
+  -k "stream or Stream or streamed or tensor_core or bad_kernel_codes"
+echo "elapsed $(( $(date +%s) - T0 )) s"
+bench_8b final 130 1024,32768 fp16,q8,q4
+grep -E "^prefill|read bandwidth" "$R/bench_final.txt" | head -3
+spec_costs final
+echo "elapsed $(( $(date +%s) - T0 )) s"
+fits 100 "exllamav2 32k" 565 && exllamav2_vs_ours "$(left 480)" --context 32768 --cache-types fp16,q4 --decode-tokens 64
+[ -f "$R/exl_compare.txt" ] && { mv "$R/exl_compare.txt" "$R/exl_compare_32k.txt"
+  mv "$R/exllamav2_compare.json" "$R/exllamav2_compare_32k.json" 2>/dev/null; }
+echo "elapsed $(( $(date +%s) - T0 )) s"
+fits 80 "exllamav2 1k" 565 && exllamav2_vs_ours "$(left 565)"
+echo "total $(( $(date +%s) - T0 )) s"

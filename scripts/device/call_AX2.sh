@@ -17,7 +17,7 @@ gpu_tests_verbose stream 90 -n 12 tests/kernels/test_paged_attention_stream.py t
   tests/kernels/test_kv_quant_kernels.py tests/engine/test_stream_attention_engine.py \
   -k "stream or Stream or streamed or tensor_core or bad_kernel_codes"
 echo "elapsed $(( $(date +%s) - T0 )) s"
-bench_8b final 130 1024,32768 fp16,q8,q4
+bench_8b final 130 1024,32768 "${AX2_TYPES:-fp16,q8,q4}"
 grep -E "^prefill|read bandwidth" "$R/bench_final.txt" | head -3
 echo "elapsed $(( $(date +%s) - T0 )) s"
 fits 100 "exllamav2 32k" "$L" && exllamav2_vs_ours "$(left "$((L - 65))")" --context 32768 --cache-types fp16,q4 --decode-tokens 64

@@ -6,7 +6,9 @@
 #  1. The streamed kernels' GPU tests on the refactored library, and the engine through the new default
 #     (tests/engine/test_stream_attention_engine.py: teacher-forced logits against the CPU reference).
 #  2. The session's figures at the new default: bench 1k / 32k (fp16 / q8 / q4), verify costs.
-#  3. ExLlamaV2 0.3.2 beside ours at 32k (fp16, q4: issue 6's 10x), then 1k as time allows.
+#  3. ExLlamaV2 0.3.2 beside ours at 32k (fp16, q4: issue 6's 10x), verify costs, then as time allows the 1k
+#     attention by the streamed kernel's shortest split (16 / 32 / 64 keys: fewer CTAs, fewer partials to reduce) and
+#     ExLlamaV2 at 1k.
 export EXL2_CARRIED_LIBRARY=1
 source scripts/device/common.sh
 begin_call ax2
@@ -25,5 +27,10 @@ fits 100 "exllamav2 32k" "$L" && exllamav2_vs_ours "$(left "$((L - 65))")" --con
   mv "$R/exllamav2_compare.json" "$R/exllamav2_compare_32k.json" 2>/dev/null; }
 echo "elapsed $(( $(date +%s) - T0 )) s"
 fits 60 "spec costs" "$L" && spec_costs final
+for m in 16 32 64; do
+  fits 30 "sweep 1k min_split $m" "$L" && { EXL2_BACKEND_ATTN_STREAM_MIN_SPLIT=$m timeout 30 python3 \
+    scripts/attention_sweep.py --context 1024 --types fp16 --splits 0 > "$R/sweep_1k_m$m.txt" 2>&1
+    echo "-- 1k, min split $m: $(grep -hE "splits|Error" "$R/sweep_1k_m$m.txt" | tr '\n' ' ' | cut -c1-160)"; }
+done
 fits 80 "exllamav2 1k" "$L" && exllamav2_vs_ours "$(left "$L")"
 echo "total $(( $(date +%s) - T0 )) s"

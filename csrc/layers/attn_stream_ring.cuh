@@ -43,7 +43,8 @@ __device__ __forceinline__ StreamRange stream_split_range(const QAttnParams& p, 
 template <int D>
 __device__ __forceinline__ void stream_empty_split(const QAttnParams& p, int b, int threads) {
   if (p.nsplit != 1) return;
-  for (int i = threadIdx.x; i < p.Hq * D; i += threads) p.out[(int64_t)b * p.Hq * D + i] = __float2half_rn(0.f);
+  const int n = p.Tq * p.Hq * D;  // sequence b's rows [Tq][Hq][D]
+  for (int i = threadIdx.x; i < n; i += threads) p.out[(int64_t)b * n + i] = __float2half_rn(0.f);
 }
 
 }  // namespace layers

@@ -408,9 +408,11 @@ int launch_formats(const QAttnParams& p, int B, cudaStream_t stream) {
 // (k_fmt = v_fmt = kFmtF16) or code pages (the kv_quant_write pairs); its reduce launch when nsplit > 1. `a` holds
 // the other kernels' parameters (part_o / part_ml laid out as theirs).
 int launch_paged_attention_stream(const QAttnParams& a, int k_fmt, int v_fmt, int D, int B, cudaStream_t stream) {
-  EXL2_REQUIRE(D == kStreamD && a.Tq == 1, "paged_attention (stream): decode steps with head_dim 128 only");
+  const bool mma = D == kStreamD && stream_mma_takes(k_fmt, v_fmt, a);  // fp16 pages over 8 kv heads: tensor cores
+  EXL2_REQUIRE(D == kStreamD && (a.Tq == 1 || mma),
+               "paged_attention (stream): decode steps with head_dim 128 only (verify rows: fp16 pages over 8 kv "
+               "heads, at most 64 rows per kv head)");
   EXL2_REQUIRE(a.Hkv == 2 || a.Hkv == 4 || a.Hkv == 8, "paged_attention (stream): %d kv heads (2, 4 or 8)", a.Hkv);
-  const bool mma = stream_mma_takes(k_fmt, v_fmt, a);  // fp16 pages over 8 kv heads: the tensor-core kernel
   EXL2_REQUIRE(a.G == 1 || a.G == 2 || a.G == 4 || (mma && a.G == 8),
                "paged_attention (stream): %d query heads per kv head (1, 2, 4; 8 for fp16 pages over 8 kv heads)",
                a.G);

@@ -38,6 +38,7 @@ constexpr int kRowBytes = kHkv * kD * 2;            // 2,048: one token's K (or 
 constexpr int kRowPitch = kRowBytes + 16;           // its row in shared memory
 constexpr int kStageBytes = 2 * kChunk * kRowPitch;  // K rows, then V rows: 66,048
 constexpr int kStages = 3;                          // 198,144 bytes of ring
+constexpr int kMaxRows = 64;                        // query rows per kv head (G x Tq): at most 4 tiles of 16
 
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
 __device__ __forceinline__ uint4 ldsm_x4(uint32_t addr) {
@@ -61,6 +62,9 @@ __device__ __forceinline__ float2 unpack_half2(uint32_t u) {
 }
 #endif
 
+// HALVES: 1 for decode steps (R = G <= 8 rows per kv head, one 8-row half of the 16-row tile), 2 for verify steps
+// (R = G * Tq rows in tiles of 16, blockIdx.z the tile).
+template <int HALVES>
 __global__ void __launch_bounds__(kThreads, 1) paged_attention_stream_mma_kernel(const QAttnParams p) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   extern __shared__ __align__(128) unsigned char ring[];  // [kStages][K rows | V rows], rows of kRowPitch bytes
@@ -86,7 +90,8 @@ __global__ void __launch_bounds__(kThreads, 1) paged_attention_stream_mma_kernel
   exl2::pdl_wait();  // q, the newest K / V row, the tables and lengths come from earlier kernels
   exl2::pdl_launch_dependents();
 
-  const StreamRange range = stream_split_range(p, p.context_lens[b], split);
+  const int ctx = qattn_clamp_ctx(p.context_lens[b], p);
+  const StreamRange range = stream_split_range(p, ctx, split);
   const int t0 = range.t0, t1 = range.t1;
   if (t0 >= t1) {
     if (warp < kWarps) stream_empty_split<kD>(p, b, kWarps * 32);
@@ -111,22 +116,32 @@ __global__ void __launch_bounds__(kThreads, 1) paged_attention_stream_mma_kernel
     return;
   }
 
-  // compute warps: kv head h = warp; gid = lane / 4 (a head row of S, a dim of O^T), t4 = lane % 4
+  // compute warps: kv head h = warp; gid = lane / 4 (a row of S, a dim of O^T), t4 = lane % 4. The tile's rows:
+  // 16 z + gid (S's c0 / c1, A's a0 / a2) and, with two halves, 16 z + 8 + gid (c2 / c3, a1 / a3); row r is query
+  // j = r / G of head g = r % G, and sees keys < ctx - Tq + j + 1 (causal; all of the split for a decode step).
   const int h = warp, gid = lane >> 2, t4 = lane & 3, G = p.G;
-  // q fragments: a0 = q[head gid][16 kk + 2 t4, +1], a2 = the same 8 dims on (a1 = a3 = rows 8-15 = 0)
-  uint32_t qa0[kD / 16], qa2[kD / 16];
-  {
-    const half* qrow = p.q + (int64_t)b * p.q_bs + (int64_t)(h * G + gid) * p.q_hs;
+  int lim[HALVES];                           // the lane's rows' key limits
+  uint32_t qa[HALVES][kD / 16][2];           // q fragments: [half][16-dim step][dims 2 t4, +1 | 8 + 2 t4, +1]
 #pragma unroll
-    for (int kk = 0; kk < kD / 16; ++kk) {
-      qa0[kk] = gid < G ? __ldg(reinterpret_cast<const unsigned int*>(qrow + 16 * kk + 2 * t4)) : 0u;
-      qa2[kk] = gid < G ? __ldg(reinterpret_cast<const unsigned int*>(qrow + 16 * kk + 8 + 2 * t4)) : 0u;
-    }
+  for (int hf = 0; hf < HALVES; ++hf) {
+    const int r = 16 * blockIdx.z + 8 * hf + gid, j = r / G;
+    const bool real = r < p.R;
+    lim[hf] = real ? min(t1, ctx - p.Tq + j + 1) : t1;  // rows past R: zero q, outputs never written
+    const half* qrow = p.q + (int64_t)b * p.q_bs + (int64_t)j * p.q_ts + (int64_t)(h * G + r % G) * p.q_hs;
+#pragma unroll
+    for (int kk = 0; kk < kD / 16; ++kk)
+#pragma unroll
+      for (int u = 0; u < 2; ++u)
+        qa[hf][kk][u] = real ? __ldg(reinterpret_cast<const unsigned int*>(qrow + 16 * kk + 8 * u + 2 * t4)) : 0u;
   }
-  float o[kD / 16][4];  // O^T: [m-tile][c0 (dim gid, head 2 t4), c1 (head 2 t4 + 1), c2, c3 (dim gid + 8)]
+  float o[HALVES][kD / 16][4];  // O^T per half: [m-tile][c0 (dim gid, row 2 t4), c1 (row 2 t4 + 1), c2, c3 (dim +8)]
 #pragma unroll
-  for (int mt = 0; mt < kD / 16; ++mt) o[mt][0] = o[mt][1] = o[mt][2] = o[mt][3] = 0.f;
-  float m = -INFINITY, l = 0.f;  // head gid's running max (log2 units) and this lane's share of its sum
+  for (int hf = 0; hf < HALVES; ++hf)
+#pragma unroll
+    for (int mt = 0; mt < kD / 16; ++mt) o[hf][mt][0] = o[hf][mt][1] = o[hf][mt][2] = o[hf][mt][3] = 0.f;
+  float m[HALVES], l[HALVES];  // the lane's rows' running max (log2 units) and this lane's share of their sums
+#pragma unroll
+  for (int hf = 0; hf < HALVES; ++hf) m[hf] = -INFINITY, l[hf] = 0.f;
   // ldmatrix lane address within a stage region: matrix mi = lane / 8 holds tokens 8 (mi >> 1) + lane % 8 and the
   // 8 dims from 8 (mi & 1) of a 16-dim step; the same pattern serves K (B fragments of two 8-token tiles) and V
   // (transposed: A fragments of a 16-dim tile).
@@ -151,82 +166,94 @@ __global__ void __launch_bounds__(kThreads, 1) paged_attention_stream_mma_kernel
 #pragma unroll
     for (int kk = 0; kk < kD / 16; ++kk) {
       const uint4 kb = ldsm_x4(kaddr + kk * 32);
-      exl2::mma16816(sc[0], qa0[kk], 0u, qa2[kk], 0u, kb.x, kb.y);
-      exl2::mma16816(sc[1], qa0[kk], 0u, qa2[kk], 0u, kb.z, kb.w);
+      const uint32_t a1 = HALVES == 2 ? qa[HALVES - 1][kk][0] : 0u, a3 = HALVES == 2 ? qa[HALVES - 1][kk][1] : 0u;
+      exl2::mma16816(sc[0], qa[0][kk][0], a1, qa[0][kk][1], a3, kb.x, kb.y);
+      exl2::mma16816(sc[1], qa[0][kk][0], a1, qa[0][kk][1], a3, kb.z, kb.w);
     }
-    // head gid's scores of tokens 8 nt + 2 t4 + e (c0, c1; c2 / c3 are the zero rows 8-15)
-    float x[2][2], mx = -INFINITY;
+    uint32_t bh[HALVES][2], bl[HALVES][2];  // P^T's B fragments per half (tokens 2 t4, +1 of each tile), hi + residue
+    float a_even[HALVES], a_odd[HALVES];    // rescale factors of O^T's columns: rows 2 t4, 2 t4 + 1 of the half
 #pragma unroll
-    for (int nt = 0; nt < 2; ++nt)
+    for (int hf = 0; hf < HALVES; ++hf) {
+      // row 16 z + 8 hf + gid's scores of tokens 8 nt + 2 t4 + e: c0, c1 (half 0) or c2, c3 (half 1)
+      float x[2][2], mx = -INFINITY;
 #pragma unroll
-      for (int e = 0; e < 2; ++e) {
-        x[nt][e] = 8 * nt + 2 * t4 + e < nvalid ? sc[nt][e] * p.scale_log2 : -INFINITY;  // masks NaN of stale K
-        mx = fmaxf(mx, x[nt][e]);
+      for (int nt = 0; nt < 2; ++nt)
+#pragma unroll
+        for (int e = 0; e < 2; ++e) {
+          // keys past the row's limit (the split's end included: this masks NaN of stale K) score -inf
+          x[nt][e] = tc + 8 * nt + 2 * t4 + e < lim[hf] ? sc[nt][2 * hf + e] * p.scale_log2 : -INFINITY;
+          mx = fmaxf(mx, x[nt][e]);
+        }
+      mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
+      mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+      const float m_new = fmaxf(m[hf], mx), mu = m_new == -INFINITY ? 0.f : m_new;  // nothing seen yet: p = 0
+      const float alpha = exp2f(m[hf] - mu);
+      m[hf] = m_new;
+      float pr[2][2], psum = 0.f;
+#pragma unroll
+      for (int nt = 0; nt < 2; ++nt)
+#pragma unroll
+        for (int e = 0; e < 2; ++e) {
+          pr[nt][e] = exp2f(x[nt][e] - mu);
+          psum += pr[nt][e];
+        }
+      l[hf] = fmaf(l[hf], alpha, psum);
+#pragma unroll
+      for (int nt = 0; nt < 2; ++nt) {
+        bh[hf][nt] = pack_half2(pr[nt][0], pr[nt][1]);
+        const float2 hv = unpack_half2(bh[hf][nt]);
+        bl[hf][nt] = pack_half2(pr[nt][0] - hv.x, pr[nt][1] - hv.y);
       }
-    mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
-    mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
-    const float m_new = fmaxf(m, mx), mu = m_new == -INFINITY ? 0.f : m_new;  // nothing seen yet: p = 0, no NaN
-    const float alpha = exp2f(m - mu);
-    m = m_new;
-    float pr[2][2], psum = 0.f;
-#pragma unroll
-    for (int nt = 0; nt < 2; ++nt)
-#pragma unroll
-      for (int e = 0; e < 2; ++e) {
-        pr[nt][e] = exp2f(x[nt][e] - mu);
-        psum += pr[nt][e];
-      }
-    l = fmaf(l, alpha, psum);
-    // P^T's B fragments (b0: tokens 2 t4, +1 of tile 0; b1: of tile 1; column = head gid), hi and residue
-    uint32_t bh[2], bl[2];
-#pragma unroll
-    for (int nt = 0; nt < 2; ++nt) {
-      bh[nt] = pack_half2(pr[nt][0], pr[nt][1]);
-      const float2 hv = unpack_half2(bh[nt]);
-      bl[nt] = pack_half2(pr[nt][0] - hv.x, pr[nt][1] - hv.y);
+      a_even[hf] = __shfl_sync(0xffffffffu, alpha, 8 * t4);  // the lanes holding rows 2 t4, 2 t4 + 1
+      a_odd[hf] = __shfl_sync(0xffffffffu, alpha, 8 * t4 + 4);
     }
-    // O^T's columns are heads 2 t4, 2 t4 + 1: their rescale factors from the lanes holding those heads' rows
-    const float a_even = __shfl_sync(0xffffffffu, alpha, 8 * t4), a_odd = __shfl_sync(0xffffffffu, alpha, 8 * t4 + 4);
 #pragma unroll
     for (int mt = 0; mt < kD / 16; ++mt) {
-      o[mt][0] *= a_even;
-      o[mt][1] *= a_odd;
-      o[mt][2] *= a_even;
-      o[mt][3] *= a_odd;
       const uint4 va = ldsm_x4_trans(vaddr + mt * 32);
-      exl2::mma16816(o[mt], va.x, va.y, va.z, va.w, bh[0], bh[1]);
-      exl2::mma16816(o[mt], va.x, va.y, va.z, va.w, bl[0], bl[1]);
+#pragma unroll
+      for (int hf = 0; hf < HALVES; ++hf) {
+        o[hf][mt][0] *= a_even[hf];
+        o[hf][mt][1] *= a_odd[hf];
+        o[hf][mt][2] *= a_even[hf];
+        o[hf][mt][3] *= a_odd[hf];
+        exl2::mma16816(o[hf][mt], va.x, va.y, va.z, va.w, bh[hf][0], bh[hf][1]);
+        exl2::mma16816(o[hf][mt], va.x, va.y, va.z, va.w, bl[hf][0], bl[hf][1]);
+      }
     }
     if (nvalid < kChunk) asm volatile("fence.proxy.async.shared::cta;" ::: "memory");  // zeroed rows -> copies
     __syncwarp();
     if (lane == 0) exl2::mbar_arrive(empty0 + 8 * s);  // this warp is done with the stage
   }
 
-  // head gid's sum over the 4 lanes of its row; then each lane's two output heads' (m, l)
-  l += __shfl_xor_sync(0xffffffffu, l, 1);
-  l += __shfl_xor_sync(0xffffffffu, l, 2);
 #pragma unroll
-  for (int e = 0; e < 2; ++e) {
-    const int g = 2 * t4 + e;
-    const float mg = __shfl_sync(0xffffffffu, m, 8 * t4 + 4 * e), lg = __shfl_sync(0xffffffffu, l, 8 * t4 + 4 * e);
-    if (g >= G) continue;
-    const int64_t prow = (int64_t)b * p.Hq + h * G + g;
+  for (int hf = 0; hf < HALVES; ++hf) {
+    // the row's sum over its 4 lanes; then each lane's two output rows' (m, l)
+    l[hf] += __shfl_xor_sync(0xffffffffu, l[hf], 1);
+    l[hf] += __shfl_xor_sync(0xffffffffu, l[hf], 2);
 #pragma unroll
-    for (int mt = 0; mt < kD / 16; ++mt)
+    for (int e = 0; e < 2; ++e) {
+      const int r = 16 * blockIdx.z + 8 * hf + 2 * t4 + e;
+      const float mg = __shfl_sync(0xffffffffu, m[hf], 8 * t4 + 4 * e);
+      const float lg = __shfl_sync(0xffffffffu, l[hf], 8 * t4 + 4 * e);
+      if (r >= p.R) continue;
+      const int64_t prow = ((int64_t)b * p.Tq + r / G) * p.Hq + h * G + r % G;
 #pragma unroll
-      for (int hi = 0; hi < 2; ++hi) {
-        const int d = 16 * mt + gid + 8 * hi;
-        const float v = o[mt][2 * hi + e];
-        if (p.nsplit == 1) {
-          p.out[prow * kD + d] = __float2half_rn(lg > 0.f ? v / lg : 0.f);
-        } else {
-          p.part_o[(prow * p.nsplit + split) * kD + d] = v;
+      for (int mt = 0; mt < kD / 16; ++mt)
+#pragma unroll
+        for (int hi = 0; hi < 2; ++hi) {
+          const int d = 16 * mt + gid + 8 * hi;
+          const float v = o[hf][mt][2 * hi + e];
+          if (p.nsplit == 1) {
+            p.out[prow * kD + d] = __float2half_rn(lg > 0.f ? v / lg : 0.f);
+          } else {
+            p.part_o[(prow * p.nsplit + split) * kD + d] = v;
+          }
         }
+      if (p.nsplit > 1 && gid == 0) {
+        const int64_t ps = prow * p.nsplit + split;
+        p.part_ml[ps * 2] = mg;
+        p.part_ml[ps * 2 + 1] = lg;
       }
-    if (p.nsplit > 1 && gid == 0) {
-      const int64_t ps = prow * p.nsplit + split;
-      p.part_ml[ps * 2] = mg;
-      p.part_ml[ps * 2 + 1] = lg;
     }
   }
 #else
@@ -237,20 +264,23 @@ __global__ void __launch_bounds__(kThreads, 1) paged_attention_stream_mma_kernel
 }  // namespace
 
 bool stream_mma_takes(int k_fmt, int v_fmt, const QAttnParams& p) {
-  return k_fmt == kFmtF16 && v_fmt == kFmtF16 && p.Hkv == kHkv && p.Tq == 1 &&
-         (p.G == 1 || p.G == 2 || p.G == 4 || p.G == 8);
+  return k_fmt == kFmtF16 && v_fmt == kFmtF16 && p.Hkv == kHkv && (p.G == 1 || p.G == 2 || p.G == 4 || p.G == 8) &&
+         p.Tq >= 1 && p.G * p.Tq <= kMaxRows;
 }
 
 int launch_paged_attention_stream_mma(const QAttnParams& p, int B, cudaStream_t stream) {
-  EXL2_REQUIRE(p.Hkv == kHkv && p.Tq == 1 && p.G >= 1 && p.G <= 8,
-               "paged_attention (stream, tensor cores): %d kv heads, %d per kv head", p.Hkv, p.G);
+  EXL2_REQUIRE(p.Hkv == kHkv && p.G >= 1 && p.G <= 8 && p.R == p.G * p.Tq && p.R <= kMaxRows,
+               "paged_attention (stream, tensor cores): %d kv heads, %d rows per kv head", p.Hkv, p.R);
+  const bool one_half = p.R <= 8;  // a decode step's G <= 8 rows: the tile's first half only
+  const int tiles = one_half ? 1 : (p.R + 15) / 16;
   constexpr size_t smem = (size_t)kStages * kStageBytes;
-  constexpr auto kernel = paged_attention_stream_mma_kernel;
-  const cudaError_t err = exl2::opt_in_dynamic_smem<kernel>(smem);
+  const auto kernel = one_half ? paged_attention_stream_mma_kernel<1> : paged_attention_stream_mma_kernel<2>;
+  const cudaError_t err = one_half ? exl2::opt_in_dynamic_smem<paged_attention_stream_mma_kernel<1>>(smem)
+                                   : exl2::opt_in_dynamic_smem<paged_attention_stream_mma_kernel<2>>(smem);
   if (err != cudaSuccess)
     return exl2::set_error((int)err, "paged_attention (stream, tensor cores): %d bytes of shared memory: %s",
                            (int)smem, cudaGetErrorString(err));
-  exl2::launch_kernel(kernel, dim3((unsigned)p.nsplit, (unsigned)B), kThreads, smem, stream, p);
+  exl2::launch_kernel(kernel, dim3((unsigned)p.nsplit, (unsigned)B, (unsigned)tiles), kThreads, smem, stream, p);
   return check_launch("paged_attention (stream, tensor cores)");
 }
 

@@ -266,6 +266,9 @@ _ATTN_STREAM_FLAG = 1 << 9
 # 25.45 -> 18.37, 32k 61.58 -> 53.97 (70B's 64 query heads: 71.85 -> 54.52); bench 8B fp16 decode +4.5% at 1k,
 # +11.3% at 32k.
 ATTN_STREAM_FP16 = os.environ.get("EXL2_BACKEND_ATTN_STREAM_FP16", "1") != "0"
+# Verify steps (Tq > 1, at most 64 query rows per kv head) on the same tensor-core kernel, in tiles of 16 rows
+# (grid z), with the causal limit per row: EXL2_BACKEND_ATTN_STREAM_VERIFY=1; off until it has run on a GPU.
+ATTN_STREAM_VERIFY = os.environ.get("EXL2_BACKEND_ATTN_STREAM_VERIFY", "0") == "1"
 
 
 def _device_index(device: torch.device) -> int:
@@ -286,18 +289,24 @@ def attn_streamed(q_shape, cache_shape, device: torch.device, fp16_pages: bool =
     _, tq, hq, d = q_shape
     hkv = cache_shape[2]
     g = hq // hkv
-    if tq != 1 or d != 128:
+    if d != 128 or tq < 1:
         return False
     if fp16_pages and hkv == 8 and g in (1, 2, 4, 8):  # the tensor-core kernel
-        return _sm90(_device_index(device))
-    return ATTN_STREAM and hkv in (2, 4, 8) and g in (1, 2, 4) and _sm90(_device_index(device))
+        return (tq == 1 or (ATTN_STREAM_VERIFY and g * tq <= 64)) and _sm90(_device_index(device))
+    return tq == 1 and ATTN_STREAM and hkv in (2, 4, 8) and g in (1, 2, 4) and _sm90(_device_index(device))
 
 
-def stream_splits(batch: int, max_context: int, num_sms: int) -> int:
-    """Splits per sequence of the streamed kernel: one CTA per SM over the batch, rounded down so the batch's CTAs
-    are one wave (136 CTAs on 132 SMs would run 4 of them as a second wave, ~1.9x the time); none under
-    ATTN_STREAM_MIN_SPLIT keys (a function of shapes only: graph-safe)."""
-    return max(1, min(num_sms // max(batch, 1), math.ceil(max_context / ATTN_STREAM_MIN_SPLIT)))
+def stream_row_tiles(rows: int) -> int:
+    """CTAs per split of the tensor-core streamed kernel: one for up to 8 query rows per kv head (a decode step),
+    else one per 16 rows."""
+    return 1 if rows <= 8 else -(-rows // 16)
+
+
+def stream_splits(batch: int, max_context: int, num_sms: int, tiles: int = 1) -> int:
+    """Splits per sequence of the streamed kernel: one CTA per SM over the batch (and its `tiles` row tiles),
+    rounded down so the CTAs are one wave (136 CTAs on 132 SMs would run 4 of them as a second wave, ~1.9x the
+    time); none under ATTN_STREAM_MIN_SPLIT keys (a function of shapes only: graph-safe)."""
+    return max(1, min(num_sms // max(batch * tiles, 1), math.ceil(max_context / ATTN_STREAM_MIN_SPLIT)))
 
 
 def _attn_keys_max(row_tile: int) -> int:
@@ -709,7 +718,8 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     q, tables, lens = _attention_inputs(op, q, block_tables, context_lens)
     streamed = attn_streamed(q.shape, k_cache.shape, q.device)
     if streamed:
-        nsplit = num_splits or stream_splits(b, tables.shape[1] * k_cache.shape[1], _num_sms(_device_index(q.device)))
+        nsplit = num_splits or stream_splits(b, tables.shape[1] * k_cache.shape[1], _num_sms(_device_index(q.device)),
+                                             stream_row_tiles((hq // hkv) * tq))
     else:
         nsplit = _attention_nsplit(q.shape, k_cache.shape, tables.shape[1], q.device, num_splits)
     ws = torch.empty(b * tq * hq * nsplit * (d + 2), dtype=torch.float32, device=q.device) if nsplit > 1 else None

@@ -86,16 +86,16 @@ def test_tensor_core_kernel_alone(monkeypatch, hq, num_splits):
 
 def test_library_rejects_shapes_it_does_not_take():
     """The C entry checks the shapes itself (flags bit 9 from a caller that did not ask attn_streamed): a verify
-    step's rows, head_dim 64 and a cache not 16-byte aligned give a typed error naming the kernel, before any
-    launch."""
+    step's rows over 4 kv heads, head_dim 64 and a cache not 16-byte aligned give a typed error naming the kernel,
+    before any launch."""
     import math
 
     from exl2_backend.errors import KernelUnavailableError
     from tests.kernels.test_paged_attention import build
 
-    for tq, d in ((2, 128), (1, 64)):
-        kc, vc, tables, ctx, _ = build([40, 300], 8, d, 16)
-        q = torch.randn(2, tq, 32, d, device=DEV).half()
+    for tq, hkv, d in ((2, 4, 128), (1, 8, 64)):  # verify rows over 4 kv heads; head_dim 64
+        kc, vc, tables, ctx, _ = build([40, 300], hkv, d, 16)
+        q = torch.randn(2, tq, 4 * hkv, d, device=DEV).half()
         q, tables, ctx = cl()._attention_inputs("paged_attention", q, tables, ctx)
         out = torch.empty_like(q)
         ws = torch.empty(2 * tq * 32 * 4 * (d + 2), device=DEV)
@@ -128,3 +128,17 @@ def test_code_pages(kf, vf, hq, hkv):
     check_codes([1, 17, 255, 257, 1000, 4097], 1, hq, hkv, 128, kf, vf, page=16)
     check_codes([3000, 40], 1, hq, hkv, 128, kf, vf, page=256, num_splits=1)
     check_codes([3000, 40], 1, hq, hkv, 128, kf, vf, page=64, num_splits=132)
+
+
+@pytest.mark.parametrize("tq,hq", [(2, 32), (5, 32), (9, 32), (16, 32), (3, 64), (8, 64)])
+@pytest.mark.parametrize("num_splits", [0, 1, 7])
+def test_verify_rows(monkeypatch, tq, hq, num_splits):
+    """ATTN_STREAM_VERIFY: verify steps (Tq query rows per sequence, each seeing the keys up to its own position)
+    on the tensor-core kernel, G x Tq rows per kv head in tiles of 16 (grid z; 8 rows with one half for 2 x 4):
+    1-4 tiles, contexts shorter than Tq (the first rows see no key: zeros), partial chunks, one split or many."""
+    monkeypatch.setattr(cl(), "ATTN_STREAM", False)
+    monkeypatch.setattr(cl(), "ATTN_STREAM_FP16", True)
+    monkeypatch.setattr(cl(), "ATTN_STREAM_VERIFY", True)
+    assert cl().attn_streamed((1, tq, hq, 128), (1, 16, 8, 128), torch.device(DEV))
+    check([1, 3, 17, 300, 2000], tq, hq, 8, 128, page=16, num_splits=num_splits)
+    check([5000, 40], tq, hq, 8, 128, page=256, num_splits=num_splits, seed=1)

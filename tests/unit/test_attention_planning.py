@@ -242,3 +242,22 @@ def test_streamed_kernel_shapes(monkeypatch, stream, fp16_only):
     assert not takes(32, 4) and not takes(64, 8, fp16_pages=False)  # 8 per kv head: the tensor-core kernel's only
     monkeypatch.setattr(cuda_layers, "_sm90", lambda index: False)
     assert not takes(32, 8)
+
+
+@pytest.mark.parametrize("verify", [False, True])
+def test_streamed_verify_rows(monkeypatch, verify):
+    """Verify steps take the tensor-core streamed kernel only with ATTN_STREAM_VERIFY, fp16 pages over 8 kv heads and
+    at most 64 query rows per kv head; its row tiles (one CTA per 16 rows, one for a decode step's <= 8) divide the
+    SMs with the batch."""
+    monkeypatch.setattr(cuda_layers, "ATTN_STREAM", False)
+    monkeypatch.setattr(cuda_layers, "ATTN_STREAM_FP16", True)
+    monkeypatch.setattr(cuda_layers, "ATTN_STREAM_VERIFY", verify)
+    monkeypatch.setattr(cuda_layers, "_sm90", lambda index: True)
+    dev = torch.device("cuda", 0)
+    for tq, hq, want in ((5, 32, verify), (16, 32, verify), (17, 32, False), (8, 64, verify), (9, 64, False)):
+        assert cuda_layers.attn_streamed((1, tq, hq, 128), (1, 256, 8, 128), dev) == want, (tq, hq)
+    assert not cuda_layers.attn_streamed((1, 5, 16, 128), (1, 256, 4, 128), dev)
+    assert not cuda_layers.attn_streamed((1, 5, 32, 128), (1, 256, 8, 128), dev, fp16_pages=False)
+    assert [cuda_layers.stream_row_tiles(r) for r in (1, 8, 9, 16, 20, 64)] == [1, 1, 1, 1, 2, 4]
+    assert cuda_layers.stream_splits(1, 32768, 132, tiles=2) == 66
+    assert cuda_layers.stream_splits(3, 32768, 132, tiles=2) == 22

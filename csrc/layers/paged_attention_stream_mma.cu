@@ -5,7 +5,7 @@
 // kernel (H200 call AP1 of 2026-12-05), while its ring kept the bytes in flight. Here a warp's whole work per
 // 16-token chunk is 8 ldmatrix + 16 mma for the scores and 8 ldmatrix + 16 mma for the sums.
 //
-// Block: 8 compute warps (warp h = kv head h) + 1 producer warp; one CTA per SM; grid (nsplit, B); splits,
+// Block: 8 compute warps (warp h = kv head h) + 1 producer warp; one CTA per SM; grid (nsplit, B, row tiles); splits,
 // partials and the reduce launch as the other decode kernels. The producer copies each token's 2 KB row of K (all
 // heads) and of V by its own bulk copy into a row of 2,064 bytes, so the 8 rows an ldmatrix phase reads start in 8
 // different 16-byte bank groups (2,048-byte rows would put them all in one: 8-way conflicts).
@@ -15,6 +15,9 @@
 // S's accumulator layout (row = head gid, columns = tokens 2 t4, 2 t4 + 1) is P^T's B-fragment layout, so the
 // probabilities go from the softmax to the second product without shared memory. P enters as two fp16 parts (hi +
 // the rounding residue), so the sums keep ~fp32 precision of P; V and q are fp16 already.
+// Verify steps (Tq > 1, EXL2_BACKEND_ATTN_STREAM_VERIFY on the host): G x Tq rows per kv head in tiles of 16, the
+// tile in blockIdx.z; with more than 8 rows both halves of the tile are real (S's c2 / c3, q's a1 / a3, a second
+// O^T), and each row masks the keys past its own position.
 #include <cuda_fp16.h>
 #include <math.h>
 

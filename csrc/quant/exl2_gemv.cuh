@@ -32,14 +32,15 @@ constexpr int kFGated = 4;    // a gathered silu(gate) * up input (gate_off, no 
 constexpr int kFPre = 8;      // a pre-gathered input (xpre)
 constexpr int kFCluster = 16; // cluster split-K (cluster)
 constexpr int kFProbe = 32;   // timing probes (probe)
-constexpr int kFAll = 63;
+constexpr int kFHandoff = 64; // the norm handoff out of or into the GEMV (hand_sq_out, hand_sq_in)
+constexpr int kFAll = 127;
 // The kernel every launch runs unless it asks for cluster split-K or timing probes (those take kFAll): both paths
 // compiled out, one function for every role, so a decode layer's four GEMV launches still re-enter the same code.
 // H200 call AI1 of 2026-12-04: the kFAll code as one copy per role cost the 8B decode step +99 us against one
 // function (the instruction cache), while the narrower per-role sets cost only +33 us.
 // (kFLean without the pre-gathered copy for the decode step's one-row GEMVs gained nothing: H200 call AJ1, 2.296
 // against 2.295 ms; removed.)
-constexpr int kFLean = kFNorm | kFRope | kFGated | kFPre;
+constexpr int kFLean = kFNorm | kFRope | kFGated | kFPre | kFHandoff;
 
 // GemvParams::gather_mode. Auto: by items at M <= 8, by row slots past it. (A gather by 16-byte vectors where the
 // rows are in input order, for down_proj after model/tp_shard.fold_down_order, lost to the item gather: H200 call
@@ -87,6 +88,15 @@ struct GemvParams {
   __half* norm_res_out;
   int norm_res_ld, norm_res_out_ld, norm_k, norm_nt;
   float norm_eps;
+  // TMA kernel, the norm handoff (exl2_gemv_handoff.cuh, blob field F_HANDOFF). Out (hand_sq_out set): the block
+  // writing a column block's final values y also writes hand_res_out = round(y + hand_res) and that column block's
+  // sum of squares of it per token, hand_sq[m * hand_sq_ld + colblk]. In (hand_sq_in set): the input x is such a
+  // stream, normalized while gathered: x * rsqrt(sum of hand_sq_in's row m / hand_k + norm_eps) * norm_w.
+  const __half* hand_res;
+  __half* hand_res_out;
+  float* hand_sq_out;
+  const float* hand_sq_in;
+  int hand_res_ld, hand_res_out_ld, hand_sq_ld, hand_ncb, hand_k;
 };
 
 // The block's work: descriptor, run, column block and chunk range [c0, c1). Splits are numbered run by run:

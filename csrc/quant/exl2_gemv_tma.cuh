@@ -14,6 +14,7 @@
 #include "common/bulk_copy.cuh"
 #include "common/pdl.cuh"
 #include "quant/exl2_gemv.cuh"
+#include "quant/exl2_gemv_handoff.cuh"
 #include "quant/exl2_gemv_norm.cuh"
 #include "quant/exl2_gemv_rope.cuh"
 
@@ -299,7 +300,10 @@ __device__ __forceinline__ void tma_stage_input(const GemvParams& p, const GvWor
                                                 Mark&& loaded = Mark{}) {
   const int nch = wk.c1 - wk.c0;
   constexpr bool kGate = (F & kFGated) != 0;
-  if ((F & kFNorm) && p.norm_nt) {
+  if ((F & kFHandoff) && p.hand_sq_in) {
+    gv_gather_handoff(p, nch, sm.xs, sm.xm, kTmaComputeThreads, compute_sync);
+    loaded();
+  } else if ((F & kFNorm) && p.norm_nt) {
     gv_norm_rows(norm_rows_of(p), sm.xf, sm.red, blockIdx.x == 0 ? p.norm_res_out : nullptr, p.norm_res_out_ld,
                  compute_sync);
     loaded();
@@ -364,15 +368,22 @@ __device__ __forceinline__ void tma_chunks(const GemvParams& p, const GvWork& wk
 
 // Compute warps, split-K through the global workspace: every active warp writes its partial, thread 0 takes the
 // column block's ticket, and the last block sums the partials in split order (deterministic) and re-arms the
-// ticket for the next launch (and graph replay). ksplit == 1: the result is stored directly.
+// ticket for the next launch (and graph replay). ksplit == 1: the result is stored directly. The block that stored
+// the final values then runs the norm handoff's out step where the launch asks for it (scratch: the drained ring,
+// null in the chain kernel, which never asks).
 template <int MT, int F = kFAll>
 __device__ __forceinline__ void tma_finish(const GemvParams& p, const GvWork& wk, const GvStateMT<MT>& st,
-                                           bool active) {
+                                           bool active, float* scratch = nullptr) {
   const QDesc& d = p.d[wk.di];
   const int warp = threadIdx.x >> 5, tid = threadIdx.x;
   const int n0 = (wk.colblk * kGvWarps + warp) * kWarpCols;
+  const bool handoff = (F & kFHandoff) && scratch && p.hand_sq_out;
   if (wk.ksplit == 1) {
     if (active) gv_store<MT>(d, st, n0, p.M, wk.gsplit, false);
+    if (handoff) {
+      compute_sync();  // every warp's stores of y, visible to the block
+      gv_handoff_out(p, d, wk.colblk, scratch, tid, kTmaComputeThreads, compute_sync);
+    }
     if ((F & kFRope) && p.rope_d) {
       compute_sync();
       gv_rope_kv(p, wk.di, wk.colblk, tid, kTmaComputeThreads);
@@ -389,6 +400,10 @@ __device__ __forceinline__ void tma_finish(const GemvParams& p, const GvWork& wk
   if (p.reduce_vec4) gv_reduce_partials_vec4(d, wk.colblk, wk.ksplit, p.M, tid, kTmaComputeThreads);
   else gv_reduce_partials(d, wk.colblk, wk.ksplit, p.M, tid, kTmaComputeThreads);
   if (tid == 0) d.counters[wk.colblk] = 0;  // ready for the next launch (and graph replay)
+  if (handoff) {
+    compute_sync();  // the reduction's stores of y, visible to the block
+    gv_handoff_out(p, d, wk.colblk, scratch, tid, kTmaComputeThreads, compute_sync);
+  }
   if ((F & kFRope) && p.rope_d) {
     compute_sync();
     gv_rope_kv(p, wk.di, wk.colblk, tid, kTmaComputeThreads);

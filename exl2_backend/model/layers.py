@@ -25,6 +25,18 @@ FOLD_DOWN_ORDER = os.environ.get("EXL2_BACKEND_FOLD_DOWN_ORDER", "1") != "0"
 # each column block's final values rotates q in place and writes k and v into an fp16 cache), one launch fewer per
 # layer; EXL2_BACKEND_ROPE_IN_GEMV=0 runs rope_kv_write apart (same bits), for A/B timing.
 ROPE_IN_GEMV = os.environ.get("EXL2_BACKEND_ROPE_IN_GEMV", "1") != "0"
+# The norm handoff (ops/cuda_handoff.py): o_proj and down also write the next residual stream and its per-block sums
+# of squares, and gate/up and q/k/v normalize only their own rows of it, so no norm launch runs between them.
+# "verify": for steps whose norm does not fuse into the next GEMV in one pass (_Launch.takes_norm: M >= 3 at
+# K = 4096, verify steps and batches); "all": every step; "0": never.
+NORM_HANDOFF = os.environ.get("EXL2_BACKEND_NORM_HANDOFF", "0")
+
+
+def takes_handoff(linear, m: int) -> bool:
+    """Whether the norm before `linear` (over M rows) runs as a handoff under NORM_HANDOFF."""
+    if NORM_HANDOFF not in ("verify", "all") or not FUSED_NORM or not hasattr(linear, "launch"):
+        return False
+    return NORM_HANDOFF == "all" or not linear.launch.takes_norm(m)
 
 
 def norm_linear(linear, h: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float):
@@ -55,6 +67,25 @@ def norm_qkv(layer: DecoderLayer, h: torch.Tensor, residual: torch.Tensor | None
                     return fused[0], fused[1], True
     qkv, residual = norm_linear(layer.qkv, h, residual, layer.input_norm, layer.eps)
     return qkv, residual, False
+
+
+def handoff_qkv(layer: DecoderLayer, r: torch.Tensor, sq: torch.Tensor, step: StepInputs | None):
+    """norm_qkv over the residual stream r [T, H] that the previous GEMV handed off with its sums of squares sq:
+    (qkv, r, roped). The q/k/v GEMV normalizes its own rows of r (and runs rope and the fp16 KV-cache write where
+    norm_qkv would); where the handoff does not take the launch, norm_qkv of r alone."""
+    from exl2_backend.ops.cuda_handoff import normed_handoff
+
+    cache = None if step is None else step.cache
+    if (step is not None and ROPE_IN_GEMV and FUSED_ROPE_KV and not getattr(cache, "quantized", False)
+            and cache.k[layer.index].dtype == torch.float16):
+        rope = (step.positions, step.inv_freq, cache.k[layer.index], cache.v[layer.index], step.meta.slots)
+        qkv = normed_handoff(layer.qkv, r, sq, layer.input_norm, layer.eps, rope)
+        if qkv is not None:
+            return qkv, r, True
+    qkv = normed_handoff(layer.qkv, r, sq, layer.input_norm, layer.eps)
+    if qkv is not None:
+        return qkv, r, False
+    return norm_qkv(layer, r, None, step)
 
 
 @dataclass
@@ -159,11 +190,33 @@ class DecoderLayer:
                                 self.post_norm, None if nxt is None else nxt.input_norm, self.eps)
             if chained is not None:
                 return chained[0], chained[1], False
+        if residual is not None and FUSED_SILU_DOWN and takes_handoff(self.gate_up, attn.shape[0]):
+            handed = self._out_mlp_handoff(attn, residual, nxt, step)
+            if handed is not None:
+                return handed
         gate_up, residual = norm_linear(self.gate_up, self.o(attn), residual, self.post_norm, self.eps)
         h = self.mlp(gate_up)
         if nxt is None:
             return h, residual, False
         return norm_qkv(nxt, h, residual, step)
+
+    def _out_mlp_handoff(self, attn, residual, nxt: DecoderLayer | None, step: StepInputs | None):
+        """attention_out_mlp through the norm handoff (ops/cuda_handoff.py): o_proj hands the stream to gate/up,
+        down to the next layer's q/k/v. None where o_proj does not take it (nothing has run then)."""
+        from exl2_backend.ops.cuda_handoff import normed_handoff, residual_handoff
+
+        handed = residual_handoff(self.o, attn, residual)
+        if handed is None:
+            return None
+        _, residual, sq = handed  # o_proj's output itself is not needed: the stream holds it
+        gate_up = normed_handoff(self.gate_up, residual, sq, self.post_norm, self.eps)
+        if gate_up is None:
+            gate_up, residual = norm_linear(self.gate_up, residual, None, self.post_norm, self.eps)
+        handed = None if nxt is None else residual_handoff(self.down, gate_up, residual, gated=True)
+        if handed is None:
+            h = self.mlp(gate_up)
+            return (h, residual, False) if nxt is None else norm_qkv(nxt, h, residual, step)
+        return handoff_qkv(nxt, handed[1], handed[2], step)
 
     def mlp(self, gate_up):
         """gate_up [T, 2I] (gate | up, the fused projection of the normed hidden states) -> [T, H]."""

@@ -41,7 +41,7 @@ _BLOCK_COLS = 128
 _CHUNK = 64
 _MAX_RUNS = 6
 _MAX_DESC = 4
-_DESC_LEN = 23 + 4 * _MAX_RUNS
+_DESC_LEN = 24 + 4 * _MAX_RUNS
 (F_PACKED, F_SCALES, F_MAXF, F_INFO, F_XMAP, F_BIAS, F_OUT, F_WS, F_COUNTERS, F_LDO, F_K, F_KPAD, F_N, F_NP, F_C,
  F_G, F_NRUNS, F_KSPLIT, F_RUNS) = range(19)
 F_SCL16 = F_RUNS + 4 * _MAX_RUNS
@@ -49,6 +49,7 @@ F_ROPE = F_SCL16 + 1  # first descriptor: host address of the fused rope's int64
 F_SLOTS = F_ROPE + 1  # first descriptor: blocks the TMA GEMV may plan, its per-run splits balanced by bytes (0: off)
 F_GROUP_ROWS = F_SLOTS + 1  # the fewest rows of any quantization group: bounds the scales a GEMV split stages
 F_SPAN = F_GROUP_ROWS + 1  # first descriptor: 1 = TMA GEMV splits of equal bytes that may span width runs
+F_HANDOFF = F_SPAN + 1  # first descriptor: host address of the norm handoff's int64 arguments (_handoff_*), or 0
 
 # Small-M GEMV kernels: used for M <= GEMV_MAX_M. Blocks of 8 compute warps (256 columns). GEMV_MINB selects:
 # 0 = the TMA-ring kernel on sm_90+ (exl2_gemv_tma.cu; the register-batch kernel below sm_90), planned at 2 blocks

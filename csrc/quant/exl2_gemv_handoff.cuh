@@ -1,0 +1,174 @@
+// The norm handoff: an RMSNorm between two small-M GEMVs split across their launch boundary, so that no block
+// reads whole rows to normalize them and no launch runs between the two GEMVs.
+//
+// A decoder layer runs o_proj, then rms_norm(h + residual) into gate/up; down_proj, then the next layer's
+// rms_norm(h + residual) into q/k/v. The norm fused into the next GEMV (exl2_gemv_norm.cuh) has every one of its
+// ~264 blocks read all M rows of h and of the residual: 16 KB at M = 1, 80 KB at M = 5, so a verify step (M = 5)
+// ran a norm launch of its own instead (exl2_gemv_norm_pregather.cu, ~4.7 us of the critical path each, 64 per
+// step). Here:
+// - out (the producing GEMV, hand_sq_out set): the block that writes a column block's final values y also writes
+//   the new residual stream r = round(y + residual) for those columns, and per token the sum of r^2 over them into
+//   hand_sq[m * hand_sq_ld + colblk];
+// - in (the consuming GEMV, hand_sq_in set, its input x = r): each block sums the hand_ncb partial sums of each
+//   token (one load per lane), then gathers only its own split's rows of r, normalized on the way:
+//   round(r * rsqrt(sum / K + eps) * w), the arithmetic of rms_norm_kernel.
+// The values differ from add_rms_norm only in the order of the sum of squares (column blocks, then a butterfly),
+// so the normalized input may differ from it by one fp16 ulp where the rounding falls that way; r is bit-identical.
+#pragma once
+
+#include <cstring>
+
+#include "common/api.h"
+#include "layers/common.cuh"
+#include "quant/exl2_gemv.cuh"
+
+namespace exl2q {
+
+constexpr int kHandoffMaxBlocks = 32;  // column blocks of the producer a consumer sums (a lane each): K <= 8192
+
+// Host: the int64 arguments behind blob field F_HANDOFF. kHandKind: 1 = out, 2 = in.
+// out: residual [M, res_ld], res_out [M, res_out_ld] (may alias residual: each value is read and written by one
+//      thread), sq fp32 [M, sq_ld] (sq_ld >= the column blocks).
+// in:  sq fp32 [M, sq_ld] with ncb column blocks, weight fp16 [K], eps (float bits), K.
+enum HandoffArg { kHandKind = 0, kHandA1, kHandA2, kHandA3, kHandA4, kHandA5, kHandA6, kHandArgs };
+constexpr int kHandOut = 1, kHandIn = 2;
+
+// Host: checks the handoff's arguments against the planned launch and sets them in p (after the descriptors, the
+// fused norm and the rope are planned).
+inline int plan_handoff(const int64_t* a, bool norm, bool rope, int gate_off, bool xpre, GemvParams& p) {
+  auto al = [](int64_t ptr, int bytes) { return ptr && ptr % bytes == 0; };
+  EXL2_REQUIRE(!p.cluster && !p.probe, "exl2_gemv handoff: no cluster split-K or probe launch");
+  if (a[kHandKind] == kHandOut) {
+    const QDesc& d = p.d[0];
+    EXL2_REQUIRE(p.ndesc == 1 && !norm && !rope, "exl2_gemv handoff out: one part, no fused norm or rope");
+    EXL2_REQUIRE(d.N % 4 == 0 && d.ldo % 4 == 0 && reinterpret_cast<uintptr_t>(d.out) % 8 == 0,
+                 "exl2_gemv handoff out: N=%d and the output rows must hold whole 8-byte groups", d.N);
+    EXL2_REQUIRE(al(a[kHandA1], 8) && a[kHandA2] % 4 == 0 && a[kHandA2] >= d.N && al(a[kHandA3], 8) &&
+                 a[kHandA4] % 4 == 0 && a[kHandA4] >= d.N,
+                 "exl2_gemv handoff out: residual rows must be 8-byte aligned and hold N=%d", d.N);
+    EXL2_REQUIRE(al(a[kHandA5], 4) && a[kHandA6] >= (d.N + kGvCols - 1) / kGvCols,
+                 "exl2_gemv handoff out: sums of squares [M, >= %d] fp32", (d.N + kGvCols - 1) / kGvCols);
+    p.hand_res = reinterpret_cast<const __half*>(a[kHandA1]);
+    p.hand_res_ld = (int)a[kHandA2];
+    p.hand_res_out = reinterpret_cast<__half*>(a[kHandA3]);
+    p.hand_res_out_ld = (int)a[kHandA4];
+    p.hand_sq_out = reinterpret_cast<float*>(a[kHandA5]);
+    p.hand_sq_ld = (int)a[kHandA6];
+    return EXL2_OK;
+  }
+  EXL2_REQUIRE(a[kHandKind] == kHandIn, "exl2_gemv handoff: kind %lld (1 out, 2 in)", (long long)a[kHandKind]);
+  EXL2_REQUIRE(!norm && gate_off == 0 && !xpre, "exl2_gemv handoff in: no fused norm, gated or pre-gathered input");
+  const int K = (int)a[kHandA6], ncb = (int)a[kHandA3];
+  for (int i = 0; i < p.ndesc; ++i)
+    EXL2_REQUIRE(p.d[i].K == K, "exl2_gemv handoff in: part %d has K=%d, the stream %d", i, p.d[i].K, K);
+  EXL2_REQUIRE(ncb == (K + kGvCols - 1) / kGvCols && ncb <= kHandoffMaxBlocks,
+               "exl2_gemv handoff in: %d column blocks for K=%d (up to %d)", ncb, K, kHandoffMaxBlocks);
+  EXL2_REQUIRE(al(a[kHandA1], 4) && a[kHandA2] >= ncb && al(a[kHandA4], 2),
+               "exl2_gemv handoff in: null or misaligned sums of squares or weight");
+  float eps;
+  const uint32_t bits = (uint32_t)a[kHandA5];
+  memcpy(&eps, &bits, 4);
+  EXL2_REQUIRE(eps > 0.f && eps < 1.f, "exl2_gemv handoff in: eps %g outside (0, 1)", (double)eps);
+  p.hand_sq_in = reinterpret_cast<const float*>(a[kHandA1]);
+  p.hand_sq_ld = (int)a[kHandA2];
+  p.hand_ncb = ncb;
+  p.norm_w = reinterpret_cast<const __half*>(a[kHandA4]);
+  p.norm_eps = eps;
+  p.hand_k = K;
+  return EXL2_OK;
+}
+
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+// Out: after the column block's final values y are stored by this block's `nthreads` threads (and `sync` has made
+// them visible), r = round(y + residual) into hand_res_out and the column block's sums of r^2 per token into
+// hand_sq_out. scratch: M * 64 floats of shared memory (the drained ring). Ends with a `sync`-free tail: callers
+// synchronize before reusing scratch.
+template <typename Sync>
+__device__ __forceinline__ void gv_handoff_out(const GemvParams& p, const QDesc& d, int colblk, float* scratch,
+                                               int tid, int nthreads, Sync&& sync) {
+  using exl2::layers::warp_sum;
+  const int M = p.M, nblk0 = colblk * kGvCols, quads = min(kGvCols, d.N - nblk0) / 4;
+  for (int e = tid; e < quads * M; e += nthreads) {
+    const int m = e / quads, n = nblk0 + 4 * (e - m * quads);
+    const uint2 y = __ldcg(reinterpret_cast<const uint2*>(d.out + (size_t)m * d.ldo + n));
+    const uint2 res = __ldcg(reinterpret_cast<const uint2*>(p.hand_res + (size_t)m * p.hand_res_ld + n));
+    const __half* yh = reinterpret_cast<const __half*>(&y);
+    const __half* rh = reinterpret_cast<const __half*>(&res);
+    uint2 o;
+    __half* oh = reinterpret_cast<__half*>(&o);
+    float ss = 0.f;
+#pragma unroll
+    for (int c = 0; c < 4; ++c) {
+      oh[c] = __float2half_rn(__fadd_rn(__half2float(yh[c]), __half2float(rh[c])));  // add_rms_norm's rounding
+      const float v = __half2float(oh[c]);
+      ss = __fmaf_rn(v, v, ss);
+    }
+    *reinterpret_cast<uint2*>(p.hand_res_out + (size_t)m * p.hand_res_out_ld + n) = o;
+    scratch[e] = ss;
+  }
+  sync();
+  const int warp = tid >> 5, lane = tid & 31;
+  for (int m = warp; m < M; m += nthreads / 32) {  // a warp per token: its quads in order, then a butterfly
+    float s = 0.f;
+    for (int q = lane; q < quads; q += 32) s += scratch[m * quads + q];
+    s = warp_sum(s);
+    if (lane == 0) p.hand_sq_out[(size_t)m * p.hand_sq_ld + colblk] = s;
+  }
+}
+
+// In: the split's rows of the stream x (stored order, xs[m * xstride + r]), normalized: round(x * inv[m] * w)
+// with inv[m] = rsqrt(sum of the token's hand_ncb partial sums / K + eps). Warp w sums tokens w, w + 8, ...
+// (one partial per lane) while the first round's gathers are in flight; `nthreads` = kGvWarps * 32 threads from
+// thread 0; `sync` is their barrier. Callers synchronize after it.
+template <typename Sync>
+__device__ __forceinline__ void gv_gather_handoff(const GemvParams& p, int nch, __half* xs, const unsigned short* xm,
+                                                  int nthreads, Sync&& sync) {
+  using exl2::layers::warp_sum;
+  constexpr int kB = 8, kTokensPerWarp = 32 / kGvWarps;  // M <= 32
+  __shared__ float s_inv[32];
+  const int T = nthreads, tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, M = p.M;
+  const int rows = nch * kChunkRows, items = rows * M;
+  float sq[kTokensPerWarp];
+#pragma unroll
+  for (int j = 0; j < kTokensPerWarp; ++j) {
+    const int m = warp + kGvWarps * j;
+    sq[j] = m < M && lane < p.hand_ncb ? __ldcg(p.hand_sq_in + (size_t)m * p.hand_sq_ld + lane) : 0.f;
+  }
+  unsigned short xv[kB], wv[kB];
+  auto load = [&](int e0) {
+#pragma unroll
+    for (int u = 0; u < kB; ++u) {
+      const int e = e0 + u * T, m = e / rows, r = e - m * rows;
+      const unsigned i = e < items ? xm[r] : 0xFFFFu;
+      xv[u] = i == 0xFFFFu ? (unsigned short)0 : __ldg(reinterpret_cast<const unsigned short*>(p.x) +
+                                                        (size_t)m * p.ldx + i);
+      wv[u] = i == 0xFFFFu ? (unsigned short)0 : __ldg(reinterpret_cast<const unsigned short*>(p.norm_w) + i);
+    }
+  };
+  auto store = [&](int e0) {
+#pragma unroll
+    for (int u = 0; u < kB; ++u) {
+      const int e = e0 + u * T, m = e / rows, r = e - m * rows;
+      if (e >= items) continue;
+      const float v = __fmul_rn(__fmul_rn(__half2float(__ushort_as_half(xv[u])), s_inv[m]),
+                                __half2float(__ushort_as_half(wv[u])));
+      xs[m * p.xstride + r] = __float2half_rn(v);  // padding rows: 0 * inv * 0
+    }
+  };
+  load(tid);
+#pragma unroll
+  for (int j = 0; j < kTokensPerWarp; ++j) {
+    const int m = warp + kGvWarps * j;
+    const float s = warp_sum(sq[j]);
+    if (m < M && lane == 0) s_inv[m] = rsqrtf(__fadd_rn(__fdiv_rn(s, (float)p.hand_k), p.norm_eps));
+  }
+  sync();
+  store(tid);
+  for (int e0 = tid + kB * T; e0 < items; e0 += kB * T) {
+    load(e0);
+    store(e0);
+  }
+}
+#endif
+
+}  // namespace exl2q

@@ -559,6 +559,27 @@ __device__ __forceinline__ void gv_reduce_partials(const QDesc& d, int colblk, i
   }
 }
 
+// Columns n .. n + 3 of token m: the sum of their split partials in split order, 16 float4 loads in flight.
+__device__ __forceinline__ float4 gv_sum_partials_vec4(const QDesc& d, int m, int n, int ksplit, int M) {
+  const size_t stride = (size_t)M * d.Np;
+  const float4* src = reinterpret_cast<const float4*>(d.ws + (size_t)m * d.Np + n);
+  float4 v = make_float4(0.f, 0.f, 0.f, 0.f);
+  for (int s0 = 0; s0 < ksplit; s0 += 16) {
+    float4 t[16];
+#pragma unroll
+    for (int u = 0; u < 16; ++u)
+      t[u] = s0 + u < ksplit ? __ldcg(src + (s0 + u) * (stride / 4)) : make_float4(0.f, 0.f, 0.f, 0.f);
+#pragma unroll
+    for (int u = 0; u < 16; ++u) {
+      v.x += t[u].x;
+      v.y += t[u].y;
+      v.z += t[u].z;
+      v.w += t[u].w;
+    }
+  }
+  return v;
+}
+
 // gv_reduce_partials over four adjacent columns per item: 16 float4 loads (64 values) in flight per thread, so
 // M rows of 256 columns take ceil(M * 64 / nthreads) rounds of L2 latency instead of ceil(M * 256 / nthreads)
 // (a k = 4 verify, M = 5, with 16 splits: 2 rounds instead of 5). The same sums in the same split order
@@ -569,24 +590,9 @@ __device__ __forceinline__ void gv_reduce_partials_vec4(const QDesc& d, int colb
   const int nblk0 = colblk * kGvCols;
   const int ncols = min(kGvCols, d.N - nblk0);
   const int quads = (ncols + 3) / 4;
-  const size_t stride = (size_t)M * d.Np;
   for (int e = tid; e < quads * M; e += nthreads) {
     const int m = e / quads, n = nblk0 + 4 * (e % quads);
-    const float4* src = reinterpret_cast<const float4*>(d.ws + (size_t)m * d.Np + n);
-    float4 v = make_float4(0.f, 0.f, 0.f, 0.f);
-    for (int s0 = 0; s0 < ksplit; s0 += 16) {  // 16 loads in flight, summed in split order
-      float4 t[16];
-#pragma unroll
-      for (int u = 0; u < 16; ++u)
-        t[u] = s0 + u < ksplit ? __ldcg(src + (s0 + u) * (stride / 4)) : make_float4(0.f, 0.f, 0.f, 0.f);
-#pragma unroll
-      for (int u = 0; u < 16; ++u) {
-        v.x += t[u].x;
-        v.y += t[u].y;
-        v.z += t[u].z;
-        v.w += t[u].w;
-      }
-    }
+    const float4 v = gv_sum_partials_vec4(d, m, n, ksplit, M);
     const float o[4] = {v.x, v.y, v.z, v.w};
 #pragma unroll
     for (int c = 0; c < 4; ++c) {

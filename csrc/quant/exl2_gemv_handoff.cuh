@@ -79,41 +79,80 @@ inline int plan_handoff(const int64_t* a, bool norm, bool rope, int gate_off, bo
 }
 
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-// Out: after the column block's final values y are stored by this block's `nthreads` threads (and `sync` has made
-// them visible), r = round(y + residual) into hand_res_out and the column block's sums of r^2 per token into
-// hand_sq_out. scratch: M * 64 floats of shared memory (the drained ring). Ends with a `sync`-free tail: callers
-// synchronize before reusing scratch.
-template <typename Sync>
-__device__ __forceinline__ void gv_handoff_out(const GemvParams& p, const QDesc& d, int colblk, float* scratch,
-                                               int tid, int nthreads, Sync&& sync) {
-  using exl2::layers::warp_sum;
-  const int M = p.M, nblk0 = colblk * kGvCols, quads = min(kGvCols, d.N - nblk0) / 4;
-  for (int e = tid; e < quads * M; e += nthreads) {
-    const int m = e / quads, n = nblk0 + 4 * (e - m * quads);
-    const uint2 y = __ldcg(reinterpret_cast<const uint2*>(d.out + (size_t)m * d.ldo + n));
-    const uint2 res = __ldcg(reinterpret_cast<const uint2*>(p.hand_res + (size_t)m * p.hand_res_ld + n));
-    const __half* yh = reinterpret_cast<const __half*>(&y);
-    const __half* rh = reinterpret_cast<const __half*>(&res);
-    uint2 o;
-    __half* oh = reinterpret_cast<__half*>(&o);
-    float ss = 0.f;
+// The stream's four values of y (fp16, as stored) at (m, n): round(y + residual) into hand_res_out; returns the
+// sum of their squares (fma chain in column order).
+__device__ __forceinline__ float gv_handoff_quad(const GemvParams& p, int m, int n, uint2 y, uint2 res) {
+  const __half* yh = reinterpret_cast<const __half*>(&y);
+  const __half* rh = reinterpret_cast<const __half*>(&res);
+  uint2 o;
+  __half* oh = reinterpret_cast<__half*>(&o);
+  float ss = 0.f;
 #pragma unroll
-    for (int c = 0; c < 4; ++c) {
-      oh[c] = __float2half_rn(__fadd_rn(__half2float(yh[c]), __half2float(rh[c])));  // add_rms_norm's rounding
-      const float v = __half2float(oh[c]);
-      ss = __fmaf_rn(v, v, ss);
-    }
-    *reinterpret_cast<uint2*>(p.hand_res_out + (size_t)m * p.hand_res_out_ld + n) = o;
-    scratch[e] = ss;
+  for (int c = 0; c < 4; ++c) {
+    oh[c] = __float2half_rn(__fadd_rn(__half2float(yh[c]), __half2float(rh[c])));  // add_rms_norm's rounding
+    const float v = __half2float(oh[c]);
+    ss = __fmaf_rn(v, v, ss);
   }
+  *reinterpret_cast<uint2*>(p.hand_res_out + (size_t)m * p.hand_res_out_ld + n) = o;
+  return ss;
+}
+
+// Out, the sums of squares of the column block per token from scratch[m * quads + q] (after `sync`): a warp per
+// token, its quads in order, then a butterfly.
+template <typename Sync>
+__device__ __forceinline__ void gv_handoff_sums(const GemvParams& p, int colblk, int quads, const float* scratch,
+                                                int tid, int nthreads, Sync&& sync) {
+  using exl2::layers::warp_sum;
   sync();
   const int warp = tid >> 5, lane = tid & 31;
-  for (int m = warp; m < M; m += nthreads / 32) {  // a warp per token: its quads in order, then a butterfly
+  for (int m = warp; m < p.M; m += nthreads / 32) {
     float s = 0.f;
     for (int q = lane; q < quads; q += 32) s += scratch[m * quads + q];
     s = warp_sum(s);
     if (lane == 0) p.hand_sq_out[(size_t)m * p.hand_sq_ld + colblk] = s;
   }
+}
+
+// Out, split-K: gv_reduce_partials_vec4 (the same sums, items and stores of y) with the stream written from the
+// values in registers; the residual's loads go out with the partials'. scratch: M * 64 floats of shared memory.
+template <typename Sync>
+__device__ __forceinline__ void gv_reduce_partials_handoff(const GemvParams& p, const QDesc& d, int colblk,
+                                                           int ksplit, float* scratch, int tid, int nthreads,
+                                                           Sync&& sync) {
+  const int M = p.M, nblk0 = colblk * kGvCols, quads = min(kGvCols, d.N - nblk0) / 4;  // N % 4 == 0 (host)
+  for (int e = tid; e < quads * M; e += nthreads) {
+    const int m = e / quads, n = nblk0 + 4 * (e - m * quads);
+    const uint2 res = __ldcg(reinterpret_cast<const uint2*>(p.hand_res + (size_t)m * p.hand_res_ld + n));
+    const float4 v = gv_sum_partials_vec4(d, m, n, ksplit, M);
+    const float o[4] = {v.x, v.y, v.z, v.w};
+    uint2 y;
+    __half* yh = reinterpret_cast<__half*>(&y);
+#pragma unroll
+    for (int c = 0; c < 4; ++c) {
+      const float b = d.bias ? __half2float(d.bias[n + c]) : 0.f;
+      yh[c] = __float2half_rn(o[c] + b);
+      d.out[(size_t)m * d.ldo + n + c] = yh[c];
+    }
+    scratch[e] = gv_handoff_quad(p, m, n, y, res);
+  }
+  gv_handoff_sums(p, colblk, quads, scratch, tid, nthreads, sync);
+}
+
+// Out, ksplit 1 (or the scalar reduce): after the column block's final values y are stored by this block's
+// `nthreads` threads (and made visible to it by a barrier), r = round(y + residual) into hand_res_out from y read
+// back, and the column block's sums of r^2 per token into hand_sq_out. scratch: M * 64 floats of shared memory (the
+// drained ring); callers synchronize before reusing it.
+template <typename Sync>
+__device__ __forceinline__ void gv_handoff_out(const GemvParams& p, const QDesc& d, int colblk, float* scratch,
+                                               int tid, int nthreads, Sync&& sync) {
+  const int M = p.M, nblk0 = colblk * kGvCols, quads = min(kGvCols, d.N - nblk0) / 4;
+  for (int e = tid; e < quads * M; e += nthreads) {
+    const int m = e / quads, n = nblk0 + 4 * (e - m * quads);
+    const uint2 y = __ldcg(reinterpret_cast<const uint2*>(d.out + (size_t)m * d.ldo + n));
+    const uint2 res = __ldcg(reinterpret_cast<const uint2*>(p.hand_res + (size_t)m * p.hand_res_ld + n));
+    scratch[e] = gv_handoff_quad(p, m, n, y, res);
+  }
+  gv_handoff_sums(p, colblk, quads, scratch, tid, nthreads, sync);
 }
 
 // In: the split's rows of the stream x (stored order, xs[m * xstride + r]), normalized: round(x * inv[m] * w)

@@ -397,13 +397,18 @@ __device__ __forceinline__ void tma_finish(const GemvParams& p, const GvWork& wk
   if (tid == 0) s_last = gv_ticket(d, wk.colblk, wk.ksplit);
   compute_sync();
   if (!s_last) return;
-  if (p.reduce_vec4) gv_reduce_partials_vec4(d, wk.colblk, wk.ksplit, p.M, tid, kTmaComputeThreads);
-  else gv_reduce_partials(d, wk.colblk, wk.ksplit, p.M, tid, kTmaComputeThreads);
-  if (tid == 0) d.counters[wk.colblk] = 0;  // ready for the next launch (and graph replay)
-  if (handoff) {
-    compute_sync();  // the reduction's stores of y, visible to the block
-    gv_handoff_out(p, d, wk.colblk, scratch, tid, kTmaComputeThreads, compute_sync);
+  if (handoff && p.reduce_vec4) {
+    gv_reduce_partials_handoff(p, d, wk.colblk, wk.ksplit, scratch, tid, kTmaComputeThreads, compute_sync);
+  } else if (p.reduce_vec4) {
+    gv_reduce_partials_vec4(d, wk.colblk, wk.ksplit, p.M, tid, kTmaComputeThreads);
+  } else {
+    gv_reduce_partials(d, wk.colblk, wk.ksplit, p.M, tid, kTmaComputeThreads);
+    if (handoff) {
+      compute_sync();  // the reduction's stores of y, visible to the block
+      gv_handoff_out(p, d, wk.colblk, scratch, tid, kTmaComputeThreads, compute_sync);
+    }
   }
+  if (tid == 0) d.counters[wk.colblk] = 0;  // ready for the next launch (and graph replay)
   if ((F & kFRope) && p.rope_d) {
     compute_sync();
     gv_rope_kv(p, wk.di, wk.colblk, tid, kTmaComputeThreads);

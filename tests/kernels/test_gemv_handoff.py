@@ -1,10 +1,10 @@
 """The norm handoff between two TMA GEMVs (ops/cuda_handoff.py, csrc/quant/exl2_gemv_handoff.cuh).
 
-Out: the producing GEMV's output y is bit-identical to the plain GEMV's, the stream r = round(y + residual) to
-add_rms_norm's residual output, and the per-256-column sums of r^2 match torch's to fp32 rounding (rtol 1e-5).
-In: the consuming GEMV equals the plain GEMV of rms_norm(r) * w computed in fp32 from the same partial sums, within
-a relative L2 error of 2e-3: the kernel's sum over the partials runs in another order, so a normalized input may
-land one fp16 ulp away. Shapes: every bit width in a mixed layout, hidden sizes with a partial last column block
+Against the pure-torch reference (ops/reference_handoff.py). Out: the producing GEMV's output y is bit-identical
+to the plain GEMV's, the stream r = round(y + residual) to handoff_out's (add_rms_norm's residual output), and the
+per-256-column sums of r^2 match its sums to fp32 rounding (rtol 1e-5). In: the consuming GEMV equals the plain GEMV
+of handoff_in's normalized rows from the same partial sums, within a relative L2 error of 2e-3: the kernel's sum
+over the partials runs in another order, so a normalized input may land one fp16 ulp away. Shapes: every bit width in a mixed layout, hidden sizes with a partial last column block
 (576, 1056) and whole ones (4096, 8192), M from 1 to 32, gated (silu_mul) producers, q/k/v consumers with rope and
 the KV-cache write, the two chained, a CUDA graph, bad inputs, and the model forward with the handoff on.
 """
@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from exl2_backend.errors import KernelUnavailableError, TensorShapeError
+from exl2_backend.ops.reference_handoff import block_sums, handoff_in, handoff_out
 from tests.kernels.test_exl2_dequant import _to_cuda, make_qt
 from tests.kernels.test_gemv_norm import _layout, _needs_tma, _rand
 
@@ -26,21 +27,6 @@ def _op(k: int, n: int, bits: int, seed: int, bias: bool = False):
     from exl2_backend.ops import cuda_quant
 
     return cuda_quant.prepare_linear([_to_cuda(make_qt(_layout(k, bits), n, seed=seed, bias=bias))], "cuda")
-
-
-def _block_sums(r: torch.Tensor) -> torch.Tensor:
-    """[M, N] fp16 -> fp32 [M, ceil(N / 256)]: sums of r^2 per 256-column block."""
-    m, n = r.shape
-    ncb = -(-n // 256)
-    sq = torch.zeros(m, ncb * 256, device=r.device)
-    sq[:, :n] = r.float() ** 2
-    return sq.view(m, ncb, 256).sum(-1)
-
-
-def _normed(r: torch.Tensor, sq: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    """rms_norm(r) * w from the partial sums, in fp32, rounded to fp16 once (the kernel's arithmetic)."""
-    inv = torch.rsqrt(sq.sum(1, keepdim=True) / r.shape[1] + EPS)
-    return (r.float() * inv * w.float()).half()
 
 
 def _close(got: torch.Tensor, want: torch.Tensor, rel: float = 2e-3) -> None:
@@ -65,8 +51,9 @@ def test_handoff_out_writes_the_stream_and_its_sums(bits, k, n, m, gated):
     y, r, sq = got
     want = op.gated(x) if gated else op.fused_kernel(x, "gemv")
     assert torch.equal(y, want)
-    assert torch.equal(r, (want.float() + residual.float()).half())
-    torch.testing.assert_close(sq, _block_sums(r), rtol=1e-5, atol=1e-6)
+    want_r, want_sq = handoff_out(want, residual)
+    assert torch.equal(r, want_r)
+    torch.testing.assert_close(sq, want_sq, rtol=1e-5, atol=1e-6)
     assert torch.equal(x, x0) and torch.equal(residual, r0)
 
 
@@ -79,10 +66,10 @@ def test_handoff_in_normalizes_its_rows(bits, k, m):
     op = _op(k, 333, bits, seed=bits * 5 + m, bias=bits == 6)
     r = _rand((m, k), seed=m + 1, scale=4.0)
     w = _rand((k,), seed=k, scale=0.3) + 1
-    sq = _block_sums(r)
+    sq = block_sums(r)
     y = normed_handoff(op, r, sq, w, EPS)
     assert y is not None, "the handoff declined"
-    _close(y, op.fused_kernel(_normed(r, sq, w), "gemv"))
+    _close(y, op.fused_kernel(handoff_in(r, sq, w, EPS), "gemv"))
 
 
 @pytest.mark.parametrize("m", [1, 3, 5, 17])
@@ -99,7 +86,7 @@ def test_handoff_in_with_rope_and_the_kv_write(m):
     w = _rand((k,), seed=7, scale=0.3) + 1
     positions, inv_freq, kc, vc, slots = _step(m, hk, d, seed=m)
     kc1, vc1, kc2, vc2 = kc.clone(), vc.clone(), kc.clone(), vc.clone()
-    got = normed_handoff(op, r, _block_sums(r), w, EPS, (positions, inv_freq, kc1, vc1, slots))
+    got = normed_handoff(op, r, block_sums(r), w, EPS, (positions, inv_freq, kc1, vc1, slots))
     want = op.add_normed_rope_kv(r, None, w, EPS, positions, inv_freq, kc2, vc2, slots)
     assert got is not None and want is not None
     _close(got, want[0])
@@ -148,7 +135,7 @@ def test_handoff_refuses_what_it_cannot_take():
     with pytest.raises(TensorShapeError, match="residual"):
         torch.ops.exl2_backend.exl2_gemv_handoff_out(x, residual[:, :1024], packed, handle, ws, counters, False)
     r, w = _rand((2, 576), seed=3), _rand((576,), seed=4) + 1
-    sq = _block_sums(r)
+    sq = block_sums(r)
     with pytest.raises(TensorShapeError, match="sq"):
         torch.ops.exl2_backend.exl2_gemv_handoff_in(r, sq[:, :2], w, EPS, packed, handle, ws, counters)
     with pytest.raises(TensorShapeError, match="sq"):

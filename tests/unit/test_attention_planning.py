@@ -213,8 +213,8 @@ def test_streamed_kernel_splits(monkeypatch, batch, max_context, min_split, want
 
 def test_streamed_kernel_defaults(monkeypatch):
     """The CUDA-core streamed kernel is off by default (EXL2_BACKEND_ATTN_STREAM=1 turns it on), the tensor-core one
-    for fp16 pages on (EXL2_BACKEND_ATTN_STREAM_FP16=0 turns it off), with verify rows (EXL2_BACKEND_ATTN_STREAM_VERIFY=0
-    turns those off); both kernels off, no shape takes either."""
+    for fp16 pages on (EXL2_BACKEND_ATTN_STREAM_FP16=0 turns it off), with verify rows
+    (EXL2_BACKEND_ATTN_STREAM_VERIFY=0 turns those off); both kernels off, no shape takes either."""
     assert cuda_layers.ATTN_STREAM == (os.environ.get("EXL2_BACKEND_ATTN_STREAM") == "1")
     assert cuda_layers.ATTN_STREAM_FP16 == (os.environ.get("EXL2_BACKEND_ATTN_STREAM_FP16") != "0")
     assert cuda_layers.ATTN_STREAM_VERIFY == (os.environ.get("EXL2_BACKEND_ATTN_STREAM_VERIFY") != "0")
@@ -227,8 +227,8 @@ def test_streamed_kernel_defaults(monkeypatch):
 def test_streamed_kernel_shapes(monkeypatch, stream, fp16_only):
     """Which decode shapes the streamed kernel takes: fp16 pages over 8 kv heads with 1 / 2 / 4 / 8 query heads per kv
     head on its tensor-core kernel (with ATTN_STREAM or ATTN_STREAM_FP16 alone); with ATTN_STREAM also 2 / 4 / 8
-    kv heads of 1 / 2 / 4 query heads each on the CUDA-core kernel, for fp16 pages and code pages. Without ATTN_STREAM_VERIFY never verify rows,
-    head_dim 64 or pre-sm_90 devices."""
+    kv heads of 1 / 2 / 4 query heads each on the CUDA-core kernel, for fp16 and code pages. Without
+    ATTN_STREAM_VERIFY never verify rows; never head_dim 64 or pre-sm_90 devices."""
     monkeypatch.setattr(cuda_layers, "ATTN_STREAM", stream)
     monkeypatch.setattr(cuda_layers, "ATTN_STREAM_FP16", fp16_only)
     monkeypatch.setattr(cuda_layers, "ATTN_STREAM_VERIFY", False)

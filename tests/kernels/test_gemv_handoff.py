@@ -4,9 +4,10 @@ Against the pure-torch reference (ops/reference_handoff.py). Out: the producing 
 to the plain GEMV's, the stream r = round(y + residual) to handoff_out's (add_rms_norm's residual output), and the
 per-256-column sums of r^2 match its sums to fp32 rounding (rtol 1e-5). In: the consuming GEMV equals the plain GEMV
 of handoff_in's normalized rows from the same partial sums, within a relative L2 error of 2e-3: the kernel's sum
-over the partials runs in another order, so a normalized input may land one fp16 ulp away. Shapes: every bit width in a mixed layout, hidden sizes with a partial last column block
-(576, 1056) and whole ones (4096, 8192), M from 1 to 32, gated (silu_mul) producers, q/k/v consumers with rope and
-the KV-cache write, the two chained, a CUDA graph, bad inputs, and the model forward with the handoff on.
+over the partials runs in another order, so a normalized input may land one fp16 ulp away. Shapes: every bit width
+in a mixed layout, hidden sizes with a partial last column block (576, 1056) and whole ones (4096, 8192), M from 1
+to 32, gated (silu_mul) producers, q/k/v consumers with rope and the KV-cache write, the two chained, a CUDA graph,
+bad inputs, and the model forward with the handoff on.
 """
 
 from __future__ import annotations

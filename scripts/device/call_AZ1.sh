@@ -1,11 +1,13 @@
 #!/usr/bin/env bash
-# Device call AZ1 (session 34; carry .whl and .dev/libexl2_kernels.so.gz; ~560 s). The norm handoff
+# Device call AZ1 (session 34; carry .whl and .dev/libexl2_kernels.so.gz; ~560 s; AZ1_LIMIT=280 keeps the tests, one
+# round of step costs and the engine tests). The norm handoff
 # (ops/cuda_handoff.py, csrc/quant/exl2_gemv_handoff.cuh; EXL2_BACKEND_NORM_HANDOFF=all|verify, off by default):
 # o_proj and down also write the next residual stream and its per-256-column sums of squares, gate/up and q/k/v
 # normalize only their own rows of it, so a verify step runs no norm launches (AF3: 306 us of its critical path).
 # Verify attention on the tensor-core streamed kernel is now the default (AY1).
 #  1. The handoff's kernel tests beside the fused-norm, rope and GEMV tests it shares code with.
-#  2. Verify / decode step costs: default D, handoff in every step A, handoff in verify steps only V (interleaved).
+#  2. Verify / decode step costs: default D, handoff in every step A, handoff in verify steps only V (two rounds,
+#     the engine tests between them).
 #  3. The engine through the handoff: the streamed-attention engine test (teacher-forced logits against the CPU),
 #     speculation's greedy identity and the lookahead on tiny models, with A (and speculation with V).
 #  4. bench 1k fp16, D then A.
@@ -14,13 +16,16 @@ source scripts/device/common.sh
 begin_call az1
 nvidia-smi --query-gpu=name --format=csv,noheader
 L=${AZ1_LIMIT:-560}
-gpu_tests handoff 120 -n 12 tests/kernels/test_gemv_handoff.py tests/kernels/test_gemv_norm.py \
-  tests/kernels/test_gemv_rope_kv.py tests/kernels/test_exl2_gemm.py tests/kernels/test_paged_attention_stream.py
+gpu_tests handoff 100 -n 12 tests/kernels/test_gemv_handoff.py tests/kernels/test_gemv_norm.py \
+  tests/kernels/test_gemv_rope_kv.py tests/kernels/test_paged_attention_stream.py
 echo "elapsed $(( $(date +%s) - T0 )) s"
-fits 160 "spec costs" "$L" && interleaved_spec_costs D A=EXL2_BACKEND_NORM_HANDOFF=all V=EXL2_BACKEND_NORM_HANDOFF=verify
+fits 80 "spec costs, round 1" "$L" && for v in D A=EXL2_BACKEND_NORM_HANDOFF=all V=EXL2_BACKEND_NORM_HANDOFF=verify; do
+  if [[ $v == *=* ]]; then spec_costs "${v%%=*}1" "${v#*=}"; else spec_costs "${v}1"; fi; done
 echo "elapsed $(( $(date +%s) - T0 )) s"
 fits 100 "engine tests, handoff all" "$L" && EXL2_BACKEND_NORM_HANDOFF=all gpu_tests engine_all 100 -n 8 \
   tests/engine/test_stream_attention_engine.py tests/spec/test_spec_gpu_tiny.py tests/engine/test_lookahead_tiny.py
+fits 80 "spec costs, round 2" "$L" && for v in D A=EXL2_BACKEND_NORM_HANDOFF=all V=EXL2_BACKEND_NORM_HANDOFF=verify; do
+  if [[ $v == *=* ]]; then spec_costs "${v%%=*}2" "${v#*=}"; else spec_costs "${v}2"; fi; done
 fits 70 "engine tests, handoff verify" "$L" && EXL2_BACKEND_NORM_HANDOFF=verify gpu_tests engine_verify 70 -n 8 \
   tests/spec/test_spec_gpu_tiny.py
 echo "elapsed $(( $(date +%s) - T0 )) s"

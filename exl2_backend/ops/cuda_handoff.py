@@ -170,8 +170,8 @@ def residual_handoff(op: CudaLinearOp, x: torch.Tensor, residual: torch.Tensor,
                      gated: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
     """(op(x) or op.gated(x), that + residual, sq) through the producing handoff; None where it does not apply."""
     m = x.shape[0] if x.dim() == 2 else 0
-    if not (m and can_handoff(op.launch, m, out=True) and x.dtype == torch.float16 and _rows_aligned(x)
-            and residual.dtype == torch.float16 and residual.shape == (m, op.out_features) and _rows_aligned(residual)):
+    if not (m and hasattr(op, "launch") and can_handoff(op.launch, m, out=True) and _rows_aligned(x)
+            and residual.shape == (m, op.out_features) and _rows_aligned(residual)):
         return None
     ws, counters = op.workspace.buffers()
     launch = op.launch
@@ -184,7 +184,9 @@ def normed_handoff(op: CudaLinearOp, r: torch.Tensor, sq: torch.Tensor, weight: 
     """op(rms_norm(r) * weight) through the consuming handoff; rope = (positions, inv_freq, k_cache, v_cache,
     slots) also runs the q/k/v projection's rope and fp16 KV-cache write. None where it does not apply."""
     m = r.shape[0] if r.dim() == 2 else 0
-    if not (m and can_handoff(op.launch, m, out=False) and weight.dtype == torch.float16 and weight.is_contiguous()):
+    if not (m and hasattr(op, "launch") and can_handoff(op.launch, m, out=False) and _rows_aligned(r)
+            and sq.dtype == torch.float32 and sq.shape == (m, column_blocks(op.in_features)) and sq.stride(1) == 1
+            and weight.dtype == torch.float16 and weight.is_contiguous()):
         return None
     ws, counters = op.workspace.buffers()
     launch = op.launch

@@ -82,7 +82,7 @@ def test_handoff_in_with_rope_and_the_kv_write(m):
 
     _needs_tma()
     hq, hk, d, k = 8, 2, 128, 1024
-    op = _qkv(k, hq, hk, d, "4.0", seed=m)
+    op = _qkv(k, hq, hk, d, "5:0.1@128 4:0.9@128", seed=m)
     r = _rand((m, k), seed=m + 3, scale=4.0)
     w = _rand((k,), seed=7, scale=0.3) + 1
     positions, inv_freq, kc, vc, slots = _step(m, hk, d, seed=m)

@@ -779,7 +779,7 @@ int gemv_plan(const int64_t* blob, int ndesc, const void* x, int M, int ldx, int
       if (const int64_t* hand = reinterpret_cast<const int64_t*>(blob[F_HANDOFF]))
         if (const int st = plan_handoff(hand, norm != nullptr, blob[F_ROPE] != 0, gate_off, xpre != nullptr, p))
           return st;
-      const int extra = gemv_tma_smem_extra(M, p.xstride, maxnch, p.maxgrp, p.norm_k);
+      const int extra = gemv_tma_smem_extra(M, p.xstride, maxnch, p.maxgrp, p.norm_k, p.hand_sq_in != nullptr);
       int max_bits = 2;
       for (int i = 0; i < ndesc; ++i) max_bits = std::max(max_bits, p.d[i].runs[0].bits);  // runs: widest first
       const int slot = kGvWarps * 256 * max_bits;

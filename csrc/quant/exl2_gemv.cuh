@@ -631,7 +631,7 @@ constexpr int kChainFields = 13;
 // TMA-ring GEMV launch (exl2_gemv_tma.cu): p fully planned (ring_bytes set), `smem` dynamic bytes.
 int gemv_tma_launch(const GemvParams& p, int blocks, int smem, cudaStream_t stream);
 // Dynamic shared memory the TMA kernel needs beside its ring; maxgrp: most groups a block touches; norm_k: the
-// fused norm's row length (0 without).
-int gemv_tma_smem_extra(int M, int xstride, int maxnch, int maxgrp, int norm_k);
+// fused norm's row length (0 without); hand_in: the norm handoff's consumer (its rows' norm weight).
+int gemv_tma_smem_extra(int M, int xstride, int maxnch, int maxgrp, int norm_k, bool hand_in);
 
 }  // namespace exl2q

@@ -9,9 +9,10 @@
 // - out (the producing GEMV, hand_sq_out set): the block that writes a column block's final values y also writes
 //   the new residual stream r = round(y + residual) for those columns, and per token the sum of r^2 over them into
 //   hand_sq[m * hand_sq_ld + colblk];
-// - in (the consuming GEMV, hand_sq_in set, its input x = r): each block sums the hand_ncb partial sums of each
-//   token (one load per lane), then gathers only its own split's rows of r, normalized on the way:
-//   round(r * rsqrt(sum / K + eps) * w), the arithmetic of rms_norm_kernel.
+// - in (the consuming GEMV, hand_sq_in set, its input x = r): each block stages the norm weight of its rows
+//   before the PDL wait, sums the hand_ncb partial sums of each token (one load per lane), gathers only its own
+//   split's rows of r and normalizes them in shared memory: round(r * rsqrt(sum / K + eps) * w), the arithmetic
+//   of rms_norm_kernel.
 // The values differ from add_rms_norm only in the order of the sum of squares (column blocks, then a butterfly),
 // so the normalized input may differ from it by one fp16 ulp where the rounding falls that way; r is bit-identical.
 #pragma once
@@ -155,57 +156,50 @@ __device__ __forceinline__ void gv_handoff_out(const GemvParams& p, const QDesc&
   gv_handoff_sums(p, colblk, quads, scratch, tid, nthreads, sync);
 }
 
-// In: the split's rows of the stream x (stored order, xs[m * xstride + r]), normalized: round(x * inv[m] * w)
-// with inv[m] = rsqrt(sum of the token's hand_ncb partial sums / K + eps). Warp w sums tokens w, w + 8, ...
-// (one partial per lane) while the first round's gathers are in flight; `nthreads` = kGvWarps * 32 threads from
-// thread 0; `sync` is their barrier. Callers synchronize after it.
-template <typename Sync>
+// In, before the PDL wait (constants): the norm weight of the split's rows in stored order, hw[r] = w[xmap[r]]
+// (padding rows 0), by `nthreads` threads from thread 0 (the caller's barrier after the wait orders it).
+__device__ __forceinline__ void gv_stage_handoff_weight(const GemvParams& p, const QDesc& d, int c0, int nch,
+                                                        __half* hw, int nthreads) {
+  const unsigned short* xmap = d.xmap + (size_t)c0 * kChunkRows;
+  for (int r = threadIdx.x; r < nch * kChunkRows; r += nthreads) {
+    const unsigned i = __ldg(xmap + r);
+    hw[r] = i == 0xFFFFu ? __float2half_rn(0.f) : __ldg(p.norm_w + i);
+  }
+}
+
+// In: the split's rows of the stream x (stored order, xs[m * xstride + r]), normalized: round(x * inv[m] * hw[r])
+// with inv[m] = rsqrt(sum of the token's hand_ncb partial sums / K + eps). The partials' loads (warp w: tokens w,
+// w + 8, ..., a lane each) go out first; then the rows are gathered as the plain GEMV gathers them (row slots, up
+// to 16 or 32 two-byte loads in flight per thread), then scaled in place. H100 call AZ3 of 2026-12-06: a gather of
+// r and w together, eight items per thread per round, took M rounds in a verify step's gate/up (+285 us per k = 4
+// verify step against the pre-gathering norm). `nthreads` = kGvWarps * 32 threads from thread 0; `sync` is their
+// barrier. Callers synchronize after it.
+template <int MT, typename Sync>
 __device__ __forceinline__ void gv_gather_handoff(const GemvParams& p, int nch, __half* xs, const unsigned short* xm,
-                                                  int nthreads, Sync&& sync) {
+                                                  const __half* hw, int nthreads, Sync&& sync) {
   using exl2::layers::warp_sum;
-  constexpr int kB = 8, kTokensPerWarp = 32 / kGvWarps;  // M <= 32
+  constexpr int kTokensPerWarp = 32 / kGvWarps;  // M <= 32
   __shared__ float s_inv[32];
-  const int T = nthreads, tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, M = p.M;
-  const int rows = nch * kChunkRows, items = rows * M;
+  const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, M = p.M;
   float sq[kTokensPerWarp];
 #pragma unroll
   for (int j = 0; j < kTokensPerWarp; ++j) {
     const int m = warp + kGvWarps * j;
     sq[j] = m < M && lane < p.hand_ncb ? __ldcg(p.hand_sq_in + (size_t)m * p.hand_sq_ld + lane) : 0.f;
   }
-  unsigned short xv[kB], wv[kB];
-  auto load = [&](int e0) {
-#pragma unroll
-    for (int u = 0; u < kB; ++u) {
-      const int e = e0 + u * T, m = e / rows, r = e - m * rows;
-      const unsigned i = e < items ? xm[r] : 0xFFFFu;
-      xv[u] = i == 0xFFFFu ? (unsigned short)0 : __ldg(reinterpret_cast<const unsigned short*>(p.x) +
-                                                        (size_t)m * p.ldx + i);
-      wv[u] = i == 0xFFFFu ? (unsigned short)0 : __ldg(reinterpret_cast<const unsigned short*>(p.norm_w) + i);
-    }
-  };
-  auto store = [&](int e0) {
-#pragma unroll
-    for (int u = 0; u < kB; ++u) {
-      const int e = e0 + u * T, m = e / rows, r = e - m * rows;
-      if (e >= items) continue;
-      const float v = __fmul_rn(__fmul_rn(__half2float(__ushort_as_half(xv[u])), s_inv[m]),
-                                __half2float(__ushort_as_half(wv[u])));
-      xs[m * p.xstride + r] = __float2half_rn(v);  // padding rows: 0 * inv * 0
-    }
-  };
-  load(tid);
+  gv_gather<MT >= 4 ? 32 : 16, false>(p, nch, xs, xm, nthreads);  // padding rows: 0 (32 in flight at MT < 4 spills)
 #pragma unroll
   for (int j = 0; j < kTokensPerWarp; ++j) {
     const int m = warp + kGvWarps * j;
     const float s = warp_sum(sq[j]);
     if (m < M && lane == 0) s_inv[m] = rsqrtf(__fadd_rn(__fdiv_rn(s, (float)p.hand_k), p.norm_eps));
   }
-  sync();
-  store(tid);
-  for (int e0 = tid + kB * T; e0 < items; e0 += kB * T) {
-    load(e0);
-    store(e0);
+  sync();  // s_inv, and every thread's gathered rows
+  const int rows = nch * kChunkRows;
+  for (int e = tid; e < rows * M; e += nthreads) {
+    const int m = e / rows, r = e - m * rows;
+    __half* x = xs + m * p.xstride + r;
+    *x = __float2half_rn(__fmul_rn(__fmul_rn(__half2float(*x), s_inv[m]), __half2float(hw[r])));
   }
 }
 #endif

@@ -62,17 +62,20 @@ __host__ __device__ inline int align16(int x) { return (x + 15) & ~15; }
 // Byte offsets of the regions after the barriers and the ring (which starts at kBarBytes):
 // [barriers][ring][scales: maxgrp x 8 warps x 8 gid uint2][x: M x xstride halves][xmap slice: maxnch x 64]
 // [chunk info: maxnch ints][fused norm: kGvWarps partial sums][fused norm: M x norm_k normalized halves]
+// [norm handoff in: the norm weight of the split's rows, maxnch x 64 halves]
 struct TmaLayout {
-  int scl, xs, xm, info, red, xf, total;
+  int scl, xs, xm, info, red, xf, hw, total;
 };
 
 struct TmaSizes {  // the bytes of each region for one launch's parameters
-  int ring, scl, xs, xm, info, norm_red, norm_xf;
+  int ring, scl, xs, xm, info, norm_red, norm_xf, hand_w;
 };
 
-__host__ __device__ inline TmaSizes tma_sizes(int ring_bytes, int maxgrp, int M, int xstride, int maxnch, int norm_k) {
+__host__ __device__ inline TmaSizes tma_sizes(int ring_bytes, int maxgrp, int M, int xstride, int maxnch, int norm_k,
+                                              bool hand_in = false) {
   return {ring_bytes, maxgrp * kGroupScaleBytes, align16(M * xstride * 2), maxnch * kChunkRows * 2,
-          align16(maxnch * 4), norm_k ? kGvWarps * 4 : 0, norm_k ? align16(M * norm_k * 2) : 0};
+          align16(maxnch * 4), norm_k ? kGvWarps * 4 : 0, norm_k ? align16(M * norm_k * 2) : 0,
+          hand_in ? maxnch * kChunkRows * 2 : 0};
 }
 
 __host__ __device__ inline TmaLayout tma_layout(const TmaSizes& z) {
@@ -83,7 +86,8 @@ __host__ __device__ inline TmaLayout tma_layout(const TmaSizes& z) {
   l.info = l.xm + z.xm;
   l.red = l.info + z.info;
   l.xf = l.red + z.norm_red;
-  l.total = l.xf + z.norm_xf;
+  l.hw = l.xf + z.norm_xf;
+  l.total = l.hw + z.hand_w;
   return l;
 }
 
@@ -112,11 +116,12 @@ struct TmaSmem {
   int* info;
   float* red;
   __half* xf;
+  __half* hw;
   __device__ TmaSmem(unsigned char* smem, const TmaLayout& l)
       : bar0(smem_addr(smem)), ring(smem + kBarBytes), scl(reinterpret_cast<uint2*>(smem + l.scl)),
         xs(reinterpret_cast<__half*>(smem + l.xs)), xm(reinterpret_cast<unsigned short*>(smem + l.xm)),
         info(reinterpret_cast<int*>(smem + l.info)), red(reinterpret_cast<float*>(smem + l.red)),
-        xf(reinterpret_cast<__half*>(smem + l.xf)) {}
+        xf(reinterpret_cast<__half*>(smem + l.xf)), hw(reinterpret_cast<__half*>(smem + l.hw)) {}
   __device__ uint32_t full(int s) const { return bar0 + 8 * s; }
   __device__ uint32_t empty(int s) const { return bar0 + 8 * (kTmaMaxStages + s); }
   __device__ uint32_t scale() const { return bar0 + 8 * kBarScale; }
@@ -301,7 +306,7 @@ __device__ __forceinline__ void tma_stage_input(const GemvParams& p, const GvWor
   const int nch = wk.c1 - wk.c0;
   constexpr bool kGate = (F & kFGated) != 0;
   if ((F & kFHandoff) && p.hand_sq_in) {
-    gv_gather_handoff(p, nch, sm.xs, sm.xm, kTmaComputeThreads, compute_sync);
+    gv_gather_handoff<MT>(p, nch, sm.xs, sm.xm, sm.hw, kTmaComputeThreads, compute_sync);
     loaded();
   } else if ((F & kFNorm) && p.norm_nt) {
     gv_norm_rows(norm_rows_of(p), sm.xf, sm.red, blockIdx.x == 0 ? p.norm_res_out : nullptr, p.norm_res_out_ld,

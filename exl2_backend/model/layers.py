@@ -31,8 +31,9 @@ ROPE_IN_GEMV = os.environ.get("EXL2_BACKEND_ROPE_IN_GEMV", "1") != "0"
 # K = 4096, verify steps and batches); "all": every step; "0": never (the default). It lost (H100 call AZ3 of
 # 2026-12-06, 8B at 1k, spec_bench, interleaved twice): decode step 2.330 / 2.323 ms off, 2.376 / 2.369 "all";
 # k = 4 verify 2.971 / 2.959 off, 3.249 / 3.242 "all", 3.273 / 3.259 "verify"; the cost grows with M (k = 8:
-# +0.7 ms), as the consumers' scattered two-byte gathers of r and w take M rounds of eight items per thread where
-# the pre-gathering norm's GEMV copies 16-byte vectors (performance.md, session 34).
+# +0.7 ms), as the consumers' scattered two-byte gathers of r and w took M rounds of eight items per thread where
+# the pre-gathering norm's GEMV copies 16-byte vectors (performance.md, session 34). The consumer has since been
+# rewritten (the weight staged before the PDL wait, the plain row-slot gather); not yet measured.
 NORM_HANDOFF = os.environ.get("EXL2_BACKEND_NORM_HANDOFF", "0")
 
 

@@ -4,7 +4,9 @@
 # (ops/cuda_handoff.py, csrc/quant/exl2_gemv_handoff.cuh; EXL2_BACKEND_NORM_HANDOFF=all|verify, off by default):
 # o_proj and down also write the next residual stream and its per-256-column sums of squares, gate/up and q/k/v
 # normalize only their own rows of it, so a verify step runs no norm launches (AF3: 306 us of its critical path).
-# Verify attention on the tensor-core streamed kernel is now the default (AY1).
+# Verify attention on the tensor-core streamed kernel is now the default (AY1). AZ2 / AZ3 (session 34, H100) ran the
+# first consumer: its tests passed, it lost at every M (r and w gathered together took M rounds); this call measures
+# the rewritten consumer (the weight staged before the PDL wait, the plain row-slot gather, scaling in place).
 #  1. The handoff's kernel tests beside the fused-norm, rope and GEMV tests it shares code with.
 #  2. Verify / decode step costs: default D, handoff in every step A, handoff in verify steps only V (two rounds,
 #     the engine tests between them).

@@ -16,8 +16,14 @@ build_library() {
       || { tail -40 "$OUT/build.txt"; exit 1; }
   fi
 }
-# The library built here and carried gzipped (.dev/libexl2_kernels.so.gz): used when it loads, built otherwise.
+# The library built here and carried gzipped (.dev/libexl2_kernels.so.gz, packed by scripts/device/pack_library.sh):
+# used when it was built from the carried csrc/ (.dev/csrc.sha256) and loads, built here otherwise.
 use_carried_library() {
+  if [ ! -f .dev/csrc.sha256 ] || [ "$(cat .dev/csrc.sha256)" != "$(bash scripts/device/csrc_hash.sh)" ]; then
+    echo "the carried library was not built from this csrc/ (.dev/csrc.sha256): building it here"
+    EXL2_SKIP_BUILD=0 build_library
+    return
+  fi
   mkdir -p exl2_backend/_lib && gunzip -c .dev/libexl2_kernels.so.gz > exl2_backend/_lib/libexl2_kernels.so
   python3 -c "from exl2_backend.ops import library as l; assert l.available(), l.load_error()" 2>&1 | tail -2 \
     || { rm -f exl2_backend/_lib/libexl2_kernels.so; EXL2_SKIP_BUILD=0 build_library; }

@@ -12,7 +12,7 @@
 #     the engine tests between them).
 #  3. The engine through the handoff: the streamed-attention engine test (teacher-forced logits against the CPU),
 #     speculation's greedy identity and the lookahead on tiny models, with A (and speculation with V).
-#  4. bench 1k fp16, D then A.
+#  4. The kernel tables of the decode and verify graphs (spec_bench --kernels), D then V.
 export EXL2_CARRIED_LIBRARY=1
 source scripts/device/common.sh
 begin_call az1
@@ -31,6 +31,11 @@ fits 80 "spec costs, round 2" "$L" && for v in D A=EXL2_BACKEND_NORM_HANDOFF=all
 fits 70 "engine tests, handoff verify" "$L" && EXL2_BACKEND_NORM_HANDOFF=verify gpu_tests engine_verify 70 -n 8 \
   tests/spec/test_spec_gpu_tiny.py
 echo "elapsed $(( $(date +%s) - T0 )) s"
-fits 75 "bench D" "$L" && bench_8b d 75 1024 fp16
-fits 60 "bench A" "$L" && bench_8b a 60 1024 fp16 EXL2_BACKEND_NORM_HANDOFF=all
+# Where a k = 4 verify step's time goes, default and handoff (critical path per kernel; AF3's table for D)
+for v in D V; do
+  fits 60 "kernel tables $v" "$L" && { [ $v = V ] && export EXL2_BACKEND_NORM_HANDOFF=verify
+    timeout 60 python3 scripts/spec_bench.py --skip smollm2 --iters 20 --kernels --work-dir /tmp/spec_bench \
+      --out "$R/kernels_$v.json" > "$R/kernels_$v.txt" 2>&1; unset EXL2_BACKEND_NORM_HANDOFF
+    echo "== kernels $v: $(grep -c . "$R/kernels_$v.txt") lines"; }
+done
 echo "total $(( $(date +%s) - T0 )) s"

@@ -23,7 +23,6 @@ import numpy as np
 import torch
 
 from exl2_backend.errors import TensorShapeError
-from exl2_backend.ops import library
 from exl2_backend.ops.cuda_quant import (
     _GEMV_COLS,
     _REG,
@@ -31,12 +30,10 @@ from exl2_backend.ops.cuda_quant import (
     F_ROPE,
     GEMV_MINB,
     CudaLinearOp,
-    _fn,
     _Launch,
     _rope_args,
     _row_stride,
     _rows_aligned,
-    _stream,
     gemv_row_cap,
 )
 
@@ -67,23 +64,14 @@ def _check(t: torch.Tensor, name: str, shape: tuple, dtype: torch.dtype, device:
                                "(fp16 rows starting 16-byte aligned)", tensor=name)
 
 
-def _gemv(launch: _Launch, x: torch.Tensor, m: int, gate_off: int, ws: torch.Tensor, counters: torch.Tensor,
+def _gemv(launch: _Launch, x: torch.Tensor, gate_off: int, ws: torch.Tensor, counters: torch.Tensor,
           args: np.ndarray, rope: np.ndarray | None = None) -> torch.Tensor:
-    """One exl2_gemv launch of `launch` with the handoff's arguments (and the rope's) in its first descriptor."""
-    pl = launch.gemv_plan(m)
-    out, blob = launch._bind(pl, m, ws, counters, x.device)
-    blob[0, F_HANDOFF] = args.ctypes.data  # read by the C call below, while `args` is alive
+    """One GEMV of `launch` (_Launch._gemv) with the handoff's arguments (and the rope's) in its first descriptor;
+    `args` and `rope` stay alive through the C call. A consumer gathers its own rows (no pre-gathering launch)."""
+    fields = {F_HANDOFF: args.ctypes.data}
     if rope is not None:
-        blob[0, F_ROPE] = rope.ctypes.data
-    stream = _stream(x.device)
-    pre, ld = None, 0
-    if args[0] == _OUT and launch.pregathers(m):  # as _Launch._gemv (the consumer gathers its own rows)
-        pre, ld = launch._stored_order_buffer(m, x.device)
-        st = _fn("exl2_gemv_pregather")(blob.ctypes.data, len(launch.parts), x.data_ptr(), m, _row_stride(x),
-                                        gate_off, pre.data_ptr(), ld, stream)
-        library.check(st, "exl2_gemv_pregather")
-    launch._launch_gemv(blob, x, m, gate_off, pre, ld, stream)
-    return out
+        fields[F_ROPE] = rope.ctypes.data
+    return launch._gemv(x, ws, counters, gate_off, fields, pregather=args[0] == _OUT)
 
 
 @torch.library.custom_op("exl2_backend::exl2_gemv_handoff_out", mutates_args=("ws", "counters"))
@@ -103,7 +91,7 @@ def _handoff_out_op(x: torch.Tensor, residual: torch.Tensor, packed: torch.Tenso
     sq = torch.empty((m, ncb), dtype=torch.float32, device=x.device)
     args = np.array([_OUT, residual.data_ptr(), _row_stride(residual), res_out.data_ptr(), _row_stride(res_out),
                      sq.data_ptr(), ncb, 0], dtype=np.int64)
-    y = _gemv(launch, x, m, k if gated else 0, ws, counters, args)
+    y = _gemv(launch, x, k if gated else 0, ws, counters, args)
     return y, res_out, sq
 
 
@@ -139,8 +127,8 @@ def _handoff_in_op(r: torch.Tensor, sq: torch.Tensor, weight: torch.Tensor, eps:
                    handle: int, ws: torch.Tensor, counters: torch.Tensor) -> torch.Tensor:
     """GEMV(rms_norm(r) * weight) [M, N] for the stream r [M, K] and its partial sums of squares sq [M, ncb]."""
     launch = _REG[handle]
-    m, args = _in_args(launch, r, sq, weight, eps, packed)
-    return _gemv(launch, r, m, 0, ws, counters, args)
+    _, args = _in_args(launch, r, sq, weight, eps, packed)
+    return _gemv(launch, r, 0, ws, counters, args)
 
 
 @_handoff_in_op.register_fake
@@ -158,7 +146,7 @@ def _handoff_in_rope_kv_op(r: torch.Tensor, sq: torch.Tensor, weight: torch.Tens
     launch = _REG[handle]
     m, args = _in_args(launch, r, sq, weight, eps, packed)
     rope = _rope_args(launch, m, positions, inv_freq, k_cache, v_cache, slots)
-    return _gemv(launch, r, m, 0, ws, counters, args, rope)
+    return _gemv(launch, r, 0, ws, counters, args, rope)
 
 
 @_handoff_in_rope_kv_op.register_fake

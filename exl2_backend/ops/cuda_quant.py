@@ -536,15 +536,20 @@ class _Launch:
                               None if pre is None else pre.data_ptr(), ld, stream)
         library.check(st, "exl2_gemv")
 
-    def _gemv(self, x: torch.Tensor, ws: torch.Tensor, counters: torch.Tensor, gate_off: int = 0) -> torch.Tensor:
-        """x [M, K], or with gate_off > 0 x [M, >= gate_off + K] holding gate and up (input = silu(gate) * up)."""
+    def _gemv(self, x: torch.Tensor, ws: torch.Tensor, counters: torch.Tensor, gate_off: int = 0,
+              fields: dict[int, int] | None = None, pregather: bool = True) -> torch.Tensor:
+        """x [M, K], or with gate_off > 0 x [M, >= gate_off + K] holding gate and up (input = silu(gate) * up).
+        fields: first-descriptor blob fields to set (F_ROPE, F_HANDOFF: host addresses the caller keeps alive);
+        pregather False: never the pre-gathering launch (the kernel gathers its own rows)."""
         m = x.shape[0]
         pl = self.gemv_plan(m)
         out, blob = self._bind(pl, m, ws, counters, x.device)
+        for field, value in (fields or {}).items():
+            blob[0, field] = value
         ldx = _row_stride(x)
         stream = _stream(x.device)
         pre, ld = None, 0
-        if self.pregathers(m):
+        if pregather and self.pregathers(m):
             pre, ld = self._stored_order_buffer(m, x.device)
             st = _fn("exl2_gemv_pregather")(blob.ctypes.data, len(self.parts), x.data_ptr(), m, ldx, gate_off,
                                             pre.data_ptr(), ld, stream)

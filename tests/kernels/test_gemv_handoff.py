@@ -148,7 +148,7 @@ def test_handoff_refuses_what_it_cannot_take():
     assert cuda_handoff.residual_handoff(op, _rand((33, 576), seed=6), _rand((33, 1056), seed=7)) is None  # M > 32
     args = cuda_handoff.np.array([3, 0, 0, 0, 0, 0, 0, 0], dtype=cuda_handoff.np.int64)  # no such kind
     with pytest.raises(KernelUnavailableError, match="handoff"):
-        cuda_handoff._gemv(op.launch, x, 2, 0, ws, counters, args)
+        cuda_handoff._gemv(op.launch, x, 0, ws, counters, args)
 
 
 @pytest.mark.parametrize("mode", ["all", "verify"])

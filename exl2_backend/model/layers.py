@@ -57,19 +57,26 @@ def norm_linear(linear, h: torch.Tensor, residual: torch.Tensor | None, weight: 
     return linear(x), residual
 
 
+def _rope_in_gemv(layer: DecoderLayer, h: torch.Tensor, step: StepInputs | None) -> tuple | None:
+    """(positions, inv_freq, k_cache, v_cache, slots) for running rope and the KV-cache write inside layer's q/k/v
+    GEMV (ROPE_IN_GEMV, an fp16 cache and fp16 activations), else None."""
+    if step is None or not (ROPE_IN_GEMV and FUSED_ROPE_KV) or getattr(step.cache, "quantized", False):
+        return None
+    k_cache, v_cache = step.cache.k[layer.index], step.cache.v[layer.index]  # [P, S, Hkv, D]
+    if k_cache.dtype != torch.float16 or h.dtype != torch.float16:
+        return None
+    return step.positions, step.inv_freq, k_cache, v_cache, step.meta.slots
+
+
 def norm_qkv(layer: DecoderLayer, h: torch.Tensor, residual: torch.Tensor | None, step: StepInputs | None):
     """(qkv [T, (Hq + 2 Hkv) D], h + residual, roped): layer's input norm and q/k/v projection (norm_linear). With
     `step` and an fp16 cache, rope and the KV-cache write run inside the same GEMV where it can (roped True: the q
     columns are rotated and the cache holds this step's k and v; attend must not write them again)."""
-    if step is not None and ROPE_IN_GEMV and FUSED_ROPE_KV and FUSED_NORM and hasattr(layer.qkv, "add_normed_rope_kv"):
-        cache = step.cache
-        if not getattr(cache, "quantized", False):
-            k_cache, v_cache = cache.k[layer.index], cache.v[layer.index]  # [P, S, Hkv, D]
-            if k_cache.dtype == torch.float16 and h.dtype == torch.float16:
-                fused = layer.qkv.add_normed_rope_kv(h, residual, layer.input_norm, layer.eps, step.positions,
-                                                     step.inv_freq, k_cache, v_cache, step.meta.slots)
-                if fused is not None:
-                    return fused[0], fused[1], True
+    rope = _rope_in_gemv(layer, h, step) if FUSED_NORM and hasattr(layer.qkv, "add_normed_rope_kv") else None
+    if rope is not None:
+        fused = layer.qkv.add_normed_rope_kv(h, residual, layer.input_norm, layer.eps, *rope)
+        if fused is not None:
+            return fused[0], fused[1], True
     qkv, residual = norm_linear(layer.qkv, h, residual, layer.input_norm, layer.eps)
     return qkv, residual, False
 
@@ -80,10 +87,8 @@ def handoff_qkv(layer: DecoderLayer, r: torch.Tensor, sq: torch.Tensor, step: St
     norm_qkv would); where the handoff does not take the launch, norm_qkv of r alone."""
     from exl2_backend.ops.cuda_handoff import normed_handoff
 
-    cache = None if step is None else step.cache
-    if (step is not None and ROPE_IN_GEMV and FUSED_ROPE_KV and not getattr(cache, "quantized", False)
-            and cache.k[layer.index].dtype == torch.float16):
-        rope = (step.positions, step.inv_freq, cache.k[layer.index], cache.v[layer.index], step.meta.slots)
+    rope = _rope_in_gemv(layer, r, step)
+    if rope is not None:
         qkv = normed_handoff(layer.qkv, r, sq, layer.input_norm, layer.eps, rope)
         if qkv is not None:
             return qkv, r, True

@@ -58,12 +58,18 @@ def test_empty_context_gives_zeros():
     assert torch.all(out[0] == 0)
 
 
-def test_shapes_it_declines_take_the_default_route():
-    """Verify rows (Tq > 1), head_dim 64, G = 8 over fewer than 8 kv heads and one kv head are not its shapes: the
-    default kernels run them."""
-    for q_shape, cache_shape in (((1, 5, 32, 128), (1, 16, 8, 128)), ((1, 1, 32, 64), (1, 16, 8, 64)),
-                                 ((1, 1, 32, 128), (1, 16, 4, 128)), ((1, 1, 8, 128), (1, 16, 1, 128))):
-        assert not cl().attn_streamed(q_shape, cache_shape, torch.device(DEV))
+def test_shapes_it_declines_take_the_default_route(monkeypatch):
+    """Head_dim 64, G = 8 over fewer than 8 kv heads, one kv head, and verify rows (Tq > 1) with
+    ATTN_STREAM_VERIFY off are not its shapes: the default kernels run them. Verify rows up to 64 per kv head are
+    its shapes by default (H100 call AY1)."""
+    dev = torch.device(DEV)
+    for q_shape, cache_shape in (((1, 1, 32, 64), (1, 16, 8, 64)), ((1, 1, 32, 128), (1, 16, 4, 128)),
+                                 ((1, 1, 8, 128), (1, 16, 1, 128))):
+        assert not cl().attn_streamed(q_shape, cache_shape, dev)
+    assert cl().attn_streamed((1, 5, 32, 128), (1, 16, 8, 128), dev) == cl().ATTN_STREAM_VERIFY
+    assert not cl().attn_streamed((1, 17, 32, 128), (1, 16, 8, 128), dev)  # 68 rows per kv head: past 4 tiles
+    monkeypatch.setattr(cl(), "ATTN_STREAM_VERIFY", False)
+    assert not cl().attn_streamed((1, 5, 32, 128), (1, 16, 8, 128), dev)
     check([300, 2000], 5, 32, 8, 128, page=64)
     check([300, 2000], 1, 32, 4, 128, page=64)
     check([33, 900], 1, 8, 1, 128, page=16)

@@ -12,7 +12,6 @@
 #include "common/pdl.cuh"
 #include "quant/exl2_gemv.cuh"
 #include "quant/exl2_gemv_splits.cuh"
-#include "quant/exl2_gemv_handoff.cuh"
 #include "quant/exl2_gemv_rope.cuh"
 #include "quant/exl2_gemv_norm.cuh"
 #include "quant/exl2_quant.cuh"
@@ -776,10 +775,7 @@ int gemv_plan(const int64_t* blob, int ndesc, const void* x, int M, int ldx, int
         EXL2_REQUIRE(!p.cluster && !probe, "exl2_gemv: no fused rope with cluster split-K or a probe");
         if (const int st = plan_rope(rope, p)) return st;
       }
-      if (const int64_t* hand = reinterpret_cast<const int64_t*>(blob[F_HANDOFF]))
-        if (const int st = plan_handoff(hand, norm != nullptr, blob[F_ROPE] != 0, gate_off, xpre != nullptr, p))
-          return st;
-      const int extra = gemv_tma_smem_extra(M, p.xstride, maxnch, p.maxgrp, p.norm_k, p.hand_sq_in != nullptr);
+      const int extra = gemv_tma_smem_extra(M, p.xstride, maxnch, p.maxgrp, p.norm_k);
       int max_bits = 2;
       for (int i = 0; i < ndesc; ++i) max_bits = std::max(max_bits, p.d[i].runs[0].bits);  // runs: widest first
       const int slot = kGvWarps * 256 * max_bits;
@@ -827,7 +823,6 @@ int gemv_plan(const int64_t* blob, int ndesc, const void* x, int M, int ldx, int
   EXL2_REQUIRE(!xpre, "exl2_gemv: pre-gathered input needs the TMA kernel (sm_90+, minb 0 or 1)");
   EXL2_REQUIRE(!norm, "exl2_gemv_add_norm: the fused norm needs the TMA kernel (sm_90+, minb 0)");
   EXL2_REQUIRE(!blob[F_ROPE], "exl2_gemv: the fused rope needs the TMA kernel (sm_90+, minb 0 or 1)");
-  EXL2_REQUIRE(!blob[F_HANDOFF], "exl2_gemv: the norm handoff needs the TMA kernel (sm_90+, minb 0)");
   const int smem = align16(M * p.xstride * 2) + maxnch * kChunkRows * 2;  // + the xmap slice
   EXL2_REQUIRE(smem <= 227 * 1024, "exl2_gemv: needs %d bytes of shared memory; use a larger ksplit", smem);
   pl = GemvPlan{blocks, smem, false};

@@ -32,15 +32,14 @@ constexpr int kFGated = 4;    // a gathered silu(gate) * up input (gate_off, no 
 constexpr int kFPre = 8;      // a pre-gathered input (xpre)
 constexpr int kFCluster = 16; // cluster split-K (cluster)
 constexpr int kFProbe = 32;   // timing probes (probe)
-constexpr int kFHandoff = 64; // the norm handoff out of or into the GEMV (hand_sq_out, hand_sq_in)
-constexpr int kFAll = 127;
+constexpr int kFAll = 63;
 // The kernel every launch runs unless it asks for cluster split-K or timing probes (those take kFAll): both paths
 // compiled out, one function for every role, so a decode layer's four GEMV launches still re-enter the same code.
 // H200 call AI1 of 2026-12-04: the kFAll code as one copy per role cost the 8B decode step +99 us against one
 // function (the instruction cache), while the narrower per-role sets cost only +33 us.
 // (kFLean without the pre-gathered copy for the decode step's one-row GEMVs gained nothing: H200 call AJ1, 2.296
 // against 2.295 ms; removed.)
-constexpr int kFLean = kFNorm | kFRope | kFGated | kFPre | kFHandoff;
+constexpr int kFLean = kFNorm | kFRope | kFGated | kFPre;
 
 // GemvParams::gather_mode. Auto: by items at M <= 8, by row slots past it. (A gather by 16-byte vectors where the
 // rows are in input order, for down_proj after model/tp_shard.fold_down_order, lost to the item gather: H200 call
@@ -88,15 +87,6 @@ struct GemvParams {
   __half* norm_res_out;
   int norm_res_ld, norm_res_out_ld, norm_k, norm_nt;
   float norm_eps;
-  // TMA kernel, the norm handoff (exl2_gemv_handoff.cuh, blob field F_HANDOFF). Out (hand_sq_out set): the block
-  // writing a column block's final values y also writes hand_res_out = round(y + hand_res) and that column block's
-  // sum of squares of it per token, hand_sq[m * hand_sq_ld + colblk]. In (hand_sq_in set): the input x is such a
-  // stream, normalized while gathered: x * rsqrt(sum of hand_sq_in's row m / hand_k + norm_eps) * norm_w.
-  const __half* hand_res;
-  __half* hand_res_out;
-  float* hand_sq_out;
-  const float* hand_sq_in;
-  int hand_res_ld, hand_res_out_ld, hand_sq_ld, hand_ncb, hand_k;
 };
 
 // The block's work: descriptor, run, column block and chunk range [c0, c1). Splits are numbered run by run:
@@ -559,27 +549,6 @@ __device__ __forceinline__ void gv_reduce_partials(const QDesc& d, int colblk, i
   }
 }
 
-// Columns n .. n + 3 of token m: the sum of their split partials in split order, 16 float4 loads in flight.
-__device__ __forceinline__ float4 gv_sum_partials_vec4(const QDesc& d, int m, int n, int ksplit, int M) {
-  const size_t stride = (size_t)M * d.Np;
-  const float4* src = reinterpret_cast<const float4*>(d.ws + (size_t)m * d.Np + n);
-  float4 v = make_float4(0.f, 0.f, 0.f, 0.f);
-  for (int s0 = 0; s0 < ksplit; s0 += 16) {
-    float4 t[16];
-#pragma unroll
-    for (int u = 0; u < 16; ++u)
-      t[u] = s0 + u < ksplit ? __ldcg(src + (s0 + u) * (stride / 4)) : make_float4(0.f, 0.f, 0.f, 0.f);
-#pragma unroll
-    for (int u = 0; u < 16; ++u) {
-      v.x += t[u].x;
-      v.y += t[u].y;
-      v.z += t[u].z;
-      v.w += t[u].w;
-    }
-  }
-  return v;
-}
-
 // gv_reduce_partials over four adjacent columns per item: 16 float4 loads (64 values) in flight per thread, so
 // M rows of 256 columns take ceil(M * 64 / nthreads) rounds of L2 latency instead of ceil(M * 256 / nthreads)
 // (a k = 4 verify, M = 5, with 16 splits: 2 rounds instead of 5). The same sums in the same split order
@@ -590,9 +559,24 @@ __device__ __forceinline__ void gv_reduce_partials_vec4(const QDesc& d, int colb
   const int nblk0 = colblk * kGvCols;
   const int ncols = min(kGvCols, d.N - nblk0);
   const int quads = (ncols + 3) / 4;
+  const size_t stride = (size_t)M * d.Np;
   for (int e = tid; e < quads * M; e += nthreads) {
     const int m = e / quads, n = nblk0 + 4 * (e % quads);
-    const float4 v = gv_sum_partials_vec4(d, m, n, ksplit, M);
+    const float4* src = reinterpret_cast<const float4*>(d.ws + (size_t)m * d.Np + n);
+    float4 v = make_float4(0.f, 0.f, 0.f, 0.f);
+    for (int s0 = 0; s0 < ksplit; s0 += 16) {  // 16 loads in flight, summed in split order
+      float4 t[16];
+#pragma unroll
+      for (int u = 0; u < 16; ++u)
+        t[u] = s0 + u < ksplit ? __ldcg(src + (s0 + u) * (stride / 4)) : make_float4(0.f, 0.f, 0.f, 0.f);
+#pragma unroll
+      for (int u = 0; u < 16; ++u) {
+        v.x += t[u].x;
+        v.y += t[u].y;
+        v.z += t[u].z;
+        v.w += t[u].w;
+      }
+    }
     const float o[4] = {v.x, v.y, v.z, v.w};
 #pragma unroll
     for (int c = 0; c < 4; ++c) {
@@ -631,7 +615,7 @@ constexpr int kChainFields = 13;
 // TMA-ring GEMV launch (exl2_gemv_tma.cu): p fully planned (ring_bytes set), `smem` dynamic bytes.
 int gemv_tma_launch(const GemvParams& p, int blocks, int smem, cudaStream_t stream);
 // Dynamic shared memory the TMA kernel needs beside its ring; maxgrp: most groups a block touches; norm_k: the
-// fused norm's row length (0 without); hand_in: the norm handoff's consumer (its rows' norm weight).
-int gemv_tma_smem_extra(int M, int xstride, int maxnch, int maxgrp, int norm_k, bool hand_in);
+// fused norm's row length (0 without).
+int gemv_tma_smem_extra(int M, int xstride, int maxnch, int maxgrp, int norm_k);
 
 }  // namespace exl2q

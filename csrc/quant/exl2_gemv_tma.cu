@@ -149,8 +149,7 @@ __device__ __forceinline__ void tma_block(const GemvParams& p, const GvWork& wk,
   const bool one_run = wk.re == wk.ri + 1;  // wk as is: no run bounds to read (indexed constant loads)
   const int bits0 = d.runs[wk.ri].bits;
   int stages = ring_stages(p, bits0);
-  const TmaSmem sm(smem, tma_layout(tma_sizes(p.ring_bytes, p.maxgrp, p.M, p.xstride, p.maxnch, p.norm_k,
-                                               (F & kFHandoff) && p.hand_sq_in)));
+  const TmaSmem sm(smem, tma_layout(tma_sizes(p.ring_bytes, p.maxgrp, p.M, p.xstride, p.maxnch, p.norm_k)));
   if (tid == 0) tma_init_ring(sm, stages, g.nwa);
   __syncthreads();
   // Between two runs of a span split: every copy and scale of the last one has landed and been read.
@@ -182,7 +181,6 @@ __device__ __forceinline__ void tma_block(const GemvParams& p, const GvWork& wk,
 
   // Compute warps. Constants first (before the PDL wait), then the activation gather: both for the whole item.
   tma_load_constants(d, wk, sm);
-  if ((F & kFHandoff) && p.hand_sq_in) gv_stage_handoff_weight(p, d, wk.c0, wk.c1 - wk.c0, sm.hw, kTmaComputeThreads);
   exl2::pdl_wait();
   stamp(1);
   compute_sync();
@@ -211,7 +209,7 @@ __device__ __forceinline__ void tma_block(const GemvParams& p, const GvWork& wk,
     cluster_reduce<MT>(d, wk, st, active, true, n0, p.M, reinterpret_cast<float*>(sm.ring));
     return;
   }
-  tma_finish<MT, F>(p, wk, st, active, reinterpret_cast<float*>(sm.ring));  // the ring: drained
+  tma_finish<MT, F>(p, wk, st, active);
   stamp(4);
 }
 #endif
@@ -256,8 +254,8 @@ __global__ void __launch_bounds__(kTmaThreads, MT == 1 ? EXL2_GEMV_TMA_MT1_MIN_B
 
 }  // namespace
 
-int gemv_tma_smem_extra(int M, int xstride, int maxnch, int maxgrp, int norm_k, bool hand_in) {
-  return tma_layout(tma_sizes(0, maxgrp, M, xstride, maxnch, norm_k, hand_in)).total;
+int gemv_tma_smem_extra(int M, int xstride, int maxnch, int maxgrp, int norm_k) {
+  return tma_layout(tma_sizes(0, maxgrp, M, xstride, maxnch, norm_k)).total;
 }
 
 #ifdef EXL2_GEMV_TIMELINE

@@ -14,7 +14,6 @@
 #include "common/bulk_copy.cuh"
 #include "common/pdl.cuh"
 #include "quant/exl2_gemv.cuh"
-#include "quant/exl2_gemv_handoff.cuh"
 #include "quant/exl2_gemv_norm.cuh"
 #include "quant/exl2_gemv_rope.cuh"
 
@@ -62,20 +61,17 @@ __host__ __device__ inline int align16(int x) { return (x + 15) & ~15; }
 // Byte offsets of the regions after the barriers and the ring (which starts at kBarBytes):
 // [barriers][ring][scales: maxgrp x 8 warps x 8 gid uint2][x: M x xstride halves][xmap slice: maxnch x 64]
 // [chunk info: maxnch ints][fused norm: kGvWarps partial sums][fused norm: M x norm_k normalized halves]
-// [norm handoff in: the norm weight of the split's rows, maxnch x 64 halves]
 struct TmaLayout {
-  int scl, xs, xm, info, red, xf, hw, total;
+  int scl, xs, xm, info, red, xf, total;
 };
 
 struct TmaSizes {  // the bytes of each region for one launch's parameters
-  int ring, scl, xs, xm, info, norm_red, norm_xf, hand_w;
+  int ring, scl, xs, xm, info, norm_red, norm_xf;
 };
 
-__host__ __device__ inline TmaSizes tma_sizes(int ring_bytes, int maxgrp, int M, int xstride, int maxnch, int norm_k,
-                                              bool hand_in = false) {
+__host__ __device__ inline TmaSizes tma_sizes(int ring_bytes, int maxgrp, int M, int xstride, int maxnch, int norm_k) {
   return {ring_bytes, maxgrp * kGroupScaleBytes, align16(M * xstride * 2), maxnch * kChunkRows * 2,
-          align16(maxnch * 4), norm_k ? kGvWarps * 4 : 0, norm_k ? align16(M * norm_k * 2) : 0,
-          hand_in ? maxnch * kChunkRows * 2 : 0};
+          align16(maxnch * 4), norm_k ? kGvWarps * 4 : 0, norm_k ? align16(M * norm_k * 2) : 0};
 }
 
 __host__ __device__ inline TmaLayout tma_layout(const TmaSizes& z) {
@@ -86,8 +82,7 @@ __host__ __device__ inline TmaLayout tma_layout(const TmaSizes& z) {
   l.info = l.xm + z.xm;
   l.red = l.info + z.info;
   l.xf = l.red + z.norm_red;
-  l.hw = l.xf + z.norm_xf;
-  l.total = l.hw + z.hand_w;
+  l.total = l.xf + z.norm_xf;
   return l;
 }
 
@@ -116,12 +111,11 @@ struct TmaSmem {
   int* info;
   float* red;
   __half* xf;
-  __half* hw;
   __device__ TmaSmem(unsigned char* smem, const TmaLayout& l)
       : bar0(smem_addr(smem)), ring(smem + kBarBytes), scl(reinterpret_cast<uint2*>(smem + l.scl)),
         xs(reinterpret_cast<__half*>(smem + l.xs)), xm(reinterpret_cast<unsigned short*>(smem + l.xm)),
         info(reinterpret_cast<int*>(smem + l.info)), red(reinterpret_cast<float*>(smem + l.red)),
-        xf(reinterpret_cast<__half*>(smem + l.xf)), hw(reinterpret_cast<__half*>(smem + l.hw)) {}
+        xf(reinterpret_cast<__half*>(smem + l.xf)) {}
   __device__ uint32_t full(int s) const { return bar0 + 8 * s; }
   __device__ uint32_t empty(int s) const { return bar0 + 8 * (kTmaMaxStages + s); }
   __device__ uint32_t scale() const { return bar0 + 8 * kBarScale; }
@@ -305,10 +299,7 @@ __device__ __forceinline__ void tma_stage_input(const GemvParams& p, const GvWor
                                                 Mark&& loaded = Mark{}) {
   const int nch = wk.c1 - wk.c0;
   constexpr bool kGate = (F & kFGated) != 0;
-  if ((F & kFHandoff) && p.hand_sq_in) {
-    gv_gather_handoff<MT>(p, nch, sm.xs, sm.xm, sm.hw, kTmaComputeThreads, compute_sync);
-    loaded();
-  } else if ((F & kFNorm) && p.norm_nt) {
+  if ((F & kFNorm) && p.norm_nt) {
     gv_norm_rows(norm_rows_of(p), sm.xf, sm.red, blockIdx.x == 0 ? p.norm_res_out : nullptr, p.norm_res_out_ld,
                  compute_sync);
     loaded();
@@ -373,22 +364,15 @@ __device__ __forceinline__ void tma_chunks(const GemvParams& p, const GvWork& wk
 
 // Compute warps, split-K through the global workspace: every active warp writes its partial, thread 0 takes the
 // column block's ticket, and the last block sums the partials in split order (deterministic) and re-arms the
-// ticket for the next launch (and graph replay). ksplit == 1: the result is stored directly. The block that stored
-// the final values then runs the norm handoff's out step where the launch asks for it (scratch: the drained ring,
-// null in the chain kernel, which never asks).
+// ticket for the next launch (and graph replay). ksplit == 1: the result is stored directly.
 template <int MT, int F = kFAll>
 __device__ __forceinline__ void tma_finish(const GemvParams& p, const GvWork& wk, const GvStateMT<MT>& st,
-                                           bool active, float* scratch = nullptr) {
+                                           bool active) {
   const QDesc& d = p.d[wk.di];
   const int warp = threadIdx.x >> 5, tid = threadIdx.x;
   const int n0 = (wk.colblk * kGvWarps + warp) * kWarpCols;
-  const bool handoff = (F & kFHandoff) && scratch && p.hand_sq_out;
   if (wk.ksplit == 1) {
     if (active) gv_store<MT>(d, st, n0, p.M, wk.gsplit, false);
-    if (handoff) {
-      compute_sync();  // every warp's stores of y, visible to the block
-      gv_handoff_out(p, d, wk.colblk, scratch, tid, kTmaComputeThreads, compute_sync);
-    }
     if ((F & kFRope) && p.rope_d) {
       compute_sync();
       gv_rope_kv(p, wk.di, wk.colblk, tid, kTmaComputeThreads);
@@ -402,17 +386,8 @@ __device__ __forceinline__ void tma_finish(const GemvParams& p, const GvWork& wk
   if (tid == 0) s_last = gv_ticket(d, wk.colblk, wk.ksplit);
   compute_sync();
   if (!s_last) return;
-  if (handoff && p.reduce_vec4) {
-    gv_reduce_partials_handoff(p, d, wk.colblk, wk.ksplit, scratch, tid, kTmaComputeThreads, compute_sync);
-  } else if (p.reduce_vec4) {
-    gv_reduce_partials_vec4(d, wk.colblk, wk.ksplit, p.M, tid, kTmaComputeThreads);
-  } else {
-    gv_reduce_partials(d, wk.colblk, wk.ksplit, p.M, tid, kTmaComputeThreads);
-    if (handoff) {
-      compute_sync();  // the reduction's stores of y, visible to the block
-      gv_handoff_out(p, d, wk.colblk, scratch, tid, kTmaComputeThreads, compute_sync);
-    }
-  }
+  if (p.reduce_vec4) gv_reduce_partials_vec4(d, wk.colblk, wk.ksplit, p.M, tid, kTmaComputeThreads);
+  else gv_reduce_partials(d, wk.colblk, wk.ksplit, p.M, tid, kTmaComputeThreads);
   if (tid == 0) d.counters[wk.colblk] = 0;  // ready for the next launch (and graph replay)
   if ((F & kFRope) && p.rope_d) {
     compute_sync();

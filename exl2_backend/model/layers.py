@@ -25,23 +25,6 @@ FOLD_DOWN_ORDER = os.environ.get("EXL2_BACKEND_FOLD_DOWN_ORDER", "1") != "0"
 # each column block's final values rotates q in place and writes k and v into an fp16 cache), one launch fewer per
 # layer; EXL2_BACKEND_ROPE_IN_GEMV=0 runs rope_kv_write apart (same bits), for A/B timing.
 ROPE_IN_GEMV = os.environ.get("EXL2_BACKEND_ROPE_IN_GEMV", "1") != "0"
-# The norm handoff (ops/cuda_handoff.py): o_proj and down also write the next residual stream and its per-block sums
-# of squares, and gate/up and q/k/v normalize only their own rows of it, so no norm launch runs between them.
-# "verify": for steps whose norm does not fuse into the next GEMV in one pass (_Launch.takes_norm: M >= 3 at
-# K = 4096, verify steps and batches); "all": every step; "0": never (the default). It lost (H100 call AZ3 of
-# 2026-12-06, 8B at 1k, spec_bench, interleaved twice): decode step 2.330 / 2.323 ms off, 2.376 / 2.369 "all";
-# k = 4 verify 2.971 / 2.959 off, 3.249 / 3.242 "all", 3.273 / 3.259 "verify"; the cost grows with M (k = 8:
-# +0.7 ms), as the consumers' scattered two-byte gathers of r and w took M rounds of eight items per thread where
-# the pre-gathering norm's GEMV copies 16-byte vectors (performance.md, session 34). The consumer has since been
-# rewritten (the weight staged before the PDL wait, the plain row-slot gather); not yet measured.
-NORM_HANDOFF = os.environ.get("EXL2_BACKEND_NORM_HANDOFF", "0")
-
-
-def takes_handoff(linear, m: int) -> bool:
-    """Whether the norm before `linear` (over M rows) runs as a handoff under NORM_HANDOFF."""
-    if NORM_HANDOFF not in ("verify", "all") or not FUSED_NORM or not hasattr(linear, "launch"):
-        return False
-    return NORM_HANDOFF == "all" or not linear.launch.takes_norm(m)
 
 
 def norm_linear(linear, h: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float):
@@ -57,45 +40,21 @@ def norm_linear(linear, h: torch.Tensor, residual: torch.Tensor | None, weight: 
     return linear(x), residual
 
 
-def _rope_in_gemv(layer: DecoderLayer, h: torch.Tensor, step: StepInputs | None) -> tuple | None:
-    """(positions, inv_freq, k_cache, v_cache, slots) for running rope and the KV-cache write inside layer's q/k/v
-    GEMV (ROPE_IN_GEMV, an fp16 cache and fp16 activations), else None."""
-    if step is None or not (ROPE_IN_GEMV and FUSED_ROPE_KV) or getattr(step.cache, "quantized", False):
-        return None
-    k_cache, v_cache = step.cache.k[layer.index], step.cache.v[layer.index]  # [P, S, Hkv, D]
-    if k_cache.dtype != torch.float16 or h.dtype != torch.float16:
-        return None
-    return step.positions, step.inv_freq, k_cache, v_cache, step.meta.slots
-
-
 def norm_qkv(layer: DecoderLayer, h: torch.Tensor, residual: torch.Tensor | None, step: StepInputs | None):
     """(qkv [T, (Hq + 2 Hkv) D], h + residual, roped): layer's input norm and q/k/v projection (norm_linear). With
     `step` and an fp16 cache, rope and the KV-cache write run inside the same GEMV where it can (roped True: the q
     columns are rotated and the cache holds this step's k and v; attend must not write them again)."""
-    rope = _rope_in_gemv(layer, h, step) if FUSED_NORM and hasattr(layer.qkv, "add_normed_rope_kv") else None
-    if rope is not None:
-        fused = layer.qkv.add_normed_rope_kv(h, residual, layer.input_norm, layer.eps, *rope)
-        if fused is not None:
-            return fused[0], fused[1], True
+    if step is not None and ROPE_IN_GEMV and FUSED_ROPE_KV and FUSED_NORM and hasattr(layer.qkv, "add_normed_rope_kv"):
+        cache = step.cache
+        if not getattr(cache, "quantized", False):
+            k_cache, v_cache = cache.k[layer.index], cache.v[layer.index]  # [P, S, Hkv, D]
+            if k_cache.dtype == torch.float16 and h.dtype == torch.float16:
+                fused = layer.qkv.add_normed_rope_kv(h, residual, layer.input_norm, layer.eps, step.positions,
+                                                     step.inv_freq, k_cache, v_cache, step.meta.slots)
+                if fused is not None:
+                    return fused[0], fused[1], True
     qkv, residual = norm_linear(layer.qkv, h, residual, layer.input_norm, layer.eps)
     return qkv, residual, False
-
-
-def handoff_qkv(layer: DecoderLayer, r: torch.Tensor, sq: torch.Tensor, step: StepInputs | None):
-    """norm_qkv over the residual stream r [T, H] that the previous GEMV handed off with its sums of squares sq:
-    (qkv, r, roped). The q/k/v GEMV normalizes its own rows of r (and runs rope and the fp16 KV-cache write where
-    norm_qkv would); where the handoff does not take the launch, norm_qkv of r alone."""
-    from exl2_backend.ops.cuda_handoff import normed_handoff
-
-    rope = _rope_in_gemv(layer, r, step)
-    if rope is not None:
-        qkv = normed_handoff(layer.qkv, r, sq, layer.input_norm, layer.eps, rope)
-        if qkv is not None:
-            return qkv, r, True
-    qkv = normed_handoff(layer.qkv, r, sq, layer.input_norm, layer.eps)
-    if qkv is not None:
-        return qkv, r, False
-    return norm_qkv(layer, r, None, step)
 
 
 @dataclass
@@ -200,33 +159,11 @@ class DecoderLayer:
                                 self.post_norm, None if nxt is None else nxt.input_norm, self.eps)
             if chained is not None:
                 return chained[0], chained[1], False
-        if residual is not None and FUSED_SILU_DOWN and takes_handoff(self.gate_up, attn.shape[0]):
-            handed = self._out_mlp_handoff(attn, residual, nxt, step)
-            if handed is not None:
-                return handed
         gate_up, residual = norm_linear(self.gate_up, self.o(attn), residual, self.post_norm, self.eps)
         h = self.mlp(gate_up)
         if nxt is None:
             return h, residual, False
         return norm_qkv(nxt, h, residual, step)
-
-    def _out_mlp_handoff(self, attn, residual, nxt: DecoderLayer | None, step: StepInputs | None):
-        """attention_out_mlp through the norm handoff (ops/cuda_handoff.py): o_proj hands the stream to gate/up,
-        down to the next layer's q/k/v. None where o_proj does not take it (nothing has run then)."""
-        from exl2_backend.ops.cuda_handoff import normed_handoff, residual_handoff
-
-        handed = residual_handoff(self.o, attn, residual)
-        if handed is None:
-            return None
-        _, residual, sq = handed  # o_proj's output itself is not needed: the stream holds it
-        gate_up = normed_handoff(self.gate_up, residual, sq, self.post_norm, self.eps)
-        if gate_up is None:
-            gate_up, residual = norm_linear(self.gate_up, residual, None, self.post_norm, self.eps)
-        handed = None if nxt is None else residual_handoff(self.down, gate_up, residual, gated=True)
-        if handed is None:
-            h = self.mlp(gate_up)
-            return (h, residual, False) if nxt is None else norm_qkv(nxt, h, residual, step)
-        return handoff_qkv(nxt, handed[1], handed[2], step)
 
     def mlp(self, gate_up):
         """gate_up [T, 2I] (gate | up, the fused projection of the normed hidden states) -> [T, H]."""

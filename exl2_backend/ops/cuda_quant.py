@@ -41,7 +41,7 @@ _BLOCK_COLS = 128
 _CHUNK = 64
 _MAX_RUNS = 6
 _MAX_DESC = 4
-_DESC_LEN = 24 + 4 * _MAX_RUNS
+_DESC_LEN = 23 + 4 * _MAX_RUNS
 (F_PACKED, F_SCALES, F_MAXF, F_INFO, F_XMAP, F_BIAS, F_OUT, F_WS, F_COUNTERS, F_LDO, F_K, F_KPAD, F_N, F_NP, F_C,
  F_G, F_NRUNS, F_KSPLIT, F_RUNS) = range(19)
 F_SCL16 = F_RUNS + 4 * _MAX_RUNS
@@ -49,7 +49,6 @@ F_ROPE = F_SCL16 + 1  # first descriptor: host address of the fused rope's int64
 F_SLOTS = F_ROPE + 1  # first descriptor: blocks the TMA GEMV may plan, its per-run splits balanced by bytes (0: off)
 F_GROUP_ROWS = F_SLOTS + 1  # the fewest rows of any quantization group: bounds the scales a GEMV split stages
 F_SPAN = F_GROUP_ROWS + 1  # first descriptor: 1 = TMA GEMV splits of equal bytes that may span width runs
-F_HANDOFF = F_SPAN + 1  # first descriptor: host address of the norm handoff's int64 arguments (_handoff_*), or 0
 
 # Small-M GEMV kernels: used for M <= GEMV_MAX_M. Blocks of 8 compute warps (256 columns). GEMV_MINB selects:
 # 0 = the TMA-ring kernel on sm_90+ (exl2_gemv_tma.cu; the register-batch kernel below sm_90), planned at 2 blocks
@@ -536,20 +535,15 @@ class _Launch:
                               None if pre is None else pre.data_ptr(), ld, stream)
         library.check(st, "exl2_gemv")
 
-    def _gemv(self, x: torch.Tensor, ws: torch.Tensor, counters: torch.Tensor, gate_off: int = 0,
-              fields: dict[int, int] | None = None, pregather: bool = True) -> torch.Tensor:
-        """x [M, K], or with gate_off > 0 x [M, >= gate_off + K] holding gate and up (input = silu(gate) * up).
-        fields: first-descriptor blob fields to set (F_ROPE, F_HANDOFF: host addresses the caller keeps alive);
-        pregather False: never the pre-gathering launch (the kernel gathers its own rows)."""
+    def _gemv(self, x: torch.Tensor, ws: torch.Tensor, counters: torch.Tensor, gate_off: int = 0) -> torch.Tensor:
+        """x [M, K], or with gate_off > 0 x [M, >= gate_off + K] holding gate and up (input = silu(gate) * up)."""
         m = x.shape[0]
         pl = self.gemv_plan(m)
         out, blob = self._bind(pl, m, ws, counters, x.device)
-        for field, value in (fields or {}).items():
-            blob[0, field] = value
         ldx = _row_stride(x)
         stream = _stream(x.device)
         pre, ld = None, 0
-        if pregather and self.pregathers(m):
+        if self.pregathers(m):
             pre, ld = self._stored_order_buffer(m, x.device)
             st = _fn("exl2_gemv_pregather")(blob.ctypes.data, len(self.parts), x.data_ptr(), m, ldx, gate_off,
                                             pre.data_ptr(), ld, stream)

@@ -23,6 +23,7 @@ from exl2_backend.format.config import ModelConfig
 from exl2_backend.format.layout import ATTENTION_OPTIONS, HEAD_OPTIONS, MLP_OPTIONS, QuantOption
 from exl2_backend.format.packing import pack_columns, pack_scales, unpack_scales
 from exl2_backend.format.qtensor import QTensor, pad32
+from exl2_backend.format.random_model import center_codes
 from exl2_backend.format.reader import ATTN_PROJS, MLP_PROJS, LayerWeights, ModelWeights, layer_linear_key, linear_shape
 
 
@@ -38,6 +39,7 @@ def random_qtensor_on(key: str, k: int, n: int, option: QuantOption, device: tor
     np_ = pad32(n)
     qrows = [rows * bits // 32 for bits, rows in layout]
     q_weight = torch.empty(sum(qrows), np_, dtype=torch.int32, device=device).random_(-(2**31), 2**31, generator=g)
+    center_codes(q_weight, layout)  # weights of mean 0 (random_model.center_codes)
     q_scale = torch.empty(len(layout), np_ // 8, dtype=torch.int32, device=device).random_(-(2**31), 2**31,
                                                                                           generator=g)
     if np_ > n:  # padding columns: zero point and scale code 0, as the converter writes them

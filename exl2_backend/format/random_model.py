@@ -85,6 +85,24 @@ def seeded_generator(seed: int, name: str) -> torch.Generator:
     return torch.Generator().manual_seed(seed * 1_000_003 + zlib.crc32(name.encode()))
 
 
+def center_codes(q_weight: torch.Tensor, layout: list[tuple[int, int]]) -> torch.Tensor:
+    """Sets the lowest bit of every code of packed q_weight [sum qrows, Np] (groups of `layout`: (bits, rows)), in
+    place: odd codes are symmetric around the zero point 2^(b-1), so random weights average 0. Uniform codes
+    average z - 1/2, an offset of one sign in every column that the residual stream summed layer after layer:
+    ~600 per layer at the 70B's width, whose 80 layers overflowed fp16 (NaN logits, H100 call BA2 of 2026-12-06)."""
+    row = 0
+    for bits, rows in layout:
+        mask = [0] * bits  # value k of a 32-row unit starts at bit k * bits of its words (packing.pack_columns)
+        for k in range(32):
+            w, s = divmod(k * bits, 32)
+            mask[w] |= 1 << s
+        words = torch.tensor([m - (1 << 32) if m >= 1 << 31 else m for m in mask], dtype=torch.int32)
+        qr = rows * bits // 32
+        q_weight[row : row + qr].view(rows // 32, bits, -1).bitwise_or_(words.to(q_weight.device).view(1, bits, 1))
+        row += qr
+    return q_weight
+
+
 def random_linear_tensors(key: str, k: int, n: int, option: QuantOption, gen: torch.Generator,
                           bias: bool = False) -> dict[str, torch.Tensor]:
     """Random but valid `<key>.q_*` tensors for a K x N linear laid out by `option`."""
@@ -93,6 +111,7 @@ def random_linear_tensors(key: str, k: int, n: int, option: QuantOption, gen: to
     qrows = [rows * bits // 32 for bits, rows in layout]
     q_weight = torch.empty(sum(qrows), np_, dtype=torch.int32)  # [sum qrows, Np]; any bit pattern is valid
     q_weight.random_(-(2**31), 2**31, generator=gen)
+    center_codes(q_weight, layout)
     q_scale = torch.empty(len(layout), np_ // 8, dtype=torch.int32).random_(-(2**31), 2**31, generator=gen)
     if np_ > n:  # padding columns: zero-point values (decode to 0) and code 0, as the converter writes them
         row = 0

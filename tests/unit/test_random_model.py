@@ -110,3 +110,42 @@ def test_real_shapes_option_choice(name):
 def test_llama3_8b_size_matches_the_format_doc():
     # format doc c: 4.96 GB for Llama-3.1-8B at 4.0 bpw / head 6 (1.05 embeddings + 0.42 head + 3.49 decoder)
     assert estimate_bytes("llama3-8b", 4.0, 6) / 1e9 == pytest.approx(4.96, rel=0.01)
+
+
+def test_codes_center_on_the_zero_point(tmp_path):
+    """Every code of a real column is odd, so codes are symmetric around 2^(b-1) and the weights average 0: in the
+    written directory and in the weights drawn on a device (bench/random_weights.py, here on the CPU)."""
+    from exl2_backend.bench.random_weights import random_qtensor_on
+    from exl2_backend.format.layout import MLP_OPTIONS
+
+    d = write_random_exl2_model(tmp_path / "m", SMALL, bpw=4.0, seed=3)
+    w = load_weights(d, ModelConfig.from_dir(d))
+    drawn = [random_qtensor_on(f"d{i}", 512, 200, opt, torch.device("cpu"), seed=1)
+             for i, opt in enumerate(MLP_OPTIONS[3])]
+    widths = set()
+    for qt in [getattr(layer, proj) for layer in w.layers for proj in ATTN_PROJS + MLP_PROJS] + [w.lm_head] + drawn:
+        for g in qt.groups:
+            q = unpack_columns(qt.q_weight[g.qrow_start : g.qrow_start + g.rows * g.bits // 32], g.bits)
+            q = q[:, : qt.out_features]
+            assert (q % 2 == 1).all()
+            assert abs(q.double().mean().item() - (1 << (g.bits - 1))) < 0.05 * (1 << (g.bits - 1))
+            widths.add(g.bits)
+    assert len(widths) >= 3
+
+
+def test_a_deep_random_model_keeps_its_residual_stream_small(tmp_path):
+    """Weights of mean 0: the residual stream grows like the square root of the depth, not linearly (uniform codes
+    grew the 70B shape's past fp16's range). 48 layers of the reference forward on the CPU."""
+    from exl2_backend.model.layers import AttentionMetadata
+    from exl2_backend.model.llama import LlamaModel
+
+    d = write_random_exl2_model(tmp_path / "m", {**SMALL, "num_hidden_layers": 48}, bpw=4.0, seed=2)
+    model = LlamaModel.from_dir(d, "cpu")
+    cache = model.make_cache(num_pages=2, page_size=16)
+    t = 12
+    meta = AttentionMetadata(torch.arange(2, dtype=torch.int32).view(1, 2), torch.tensor([t], dtype=torch.int32),
+                             torch.arange(t))
+    h = model.embed[torch.arange(3, 3 + t)]
+    h, residual = model.run_layers(model.layers, h, None, torch.arange(t), model.inv_freq, cache, meta, 1)
+    stream = (h.float() + residual.float()).abs().max().item()
+    assert stream < 60, stream

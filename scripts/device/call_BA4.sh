@@ -4,8 +4,8 @@
 #  1. the kernels against the reference ops on the same GPU at the 70B's widths (hidden 8192, 64 / 8 heads,
 #     intermediate 28672; 4 random layers): scripts/nan_probe.py on each, then --compare (logits of a 40-token
 #     prefill, two decode steps and an 8-token prefill);
-#  2. the GPU tests of the engine, speculation, serving, multi-GPU planning (one GPU) and unit suites, which include
-#     the tests that write random directories (prefill memory, convert on the device, the bench command).
+#  2. the GPU tests that write random directories or draw random weights (prefill memory, multi-GPU on one GPU,
+#     the unit suite's device tests), then the engine, speculation and serving suites as time allows.
 export EXL2_CARRIED_LIBRARY=1
 source scripts/device/common.sh
 begin_call ba4
@@ -19,6 +19,6 @@ grep -E "kernels|finite" "$R/r70.txt" | cut -c1-160
 python3 scripts/nan_probe.py --compare "$R/k70.pt" "$R/r70.pt" 2>&1 | tee "$R/compare70.txt"
 rm -f "$R"/*.pt; rm -rf /tmp/nan_probe
 echo "elapsed $(( $(date +%s) - T0 )) s"
-fits 60 "gpu tests" "$L" && gpu_tests suites "$(left "$((L - 10))")" -n 8 tests/engine tests/spec tests/serve \
-  tests/multigpu tests/unit
+fits 60 "gpu tests" "$L" && gpu_tests suites "$(left "$((L - 10))")" -n 8 tests/engine/test_prefill_memory.py \
+  tests/multigpu tests/unit tests/engine tests/spec tests/serve
 echo "total $(( $(date +%s) - T0 )) s"

@@ -2,8 +2,9 @@
 
 No quantization is run: packed q_weight words are random ints with every code's lowest bit set (odd codes are
 symmetric around the zero point, so the weights average 0: `center_codes`), scale codes and invperms are random,
-and per-layer options come from the real option tables, mixed so the decoder averages the requested bpw. Tensors are generated one linear at a time and streamed into shards,
-so a 70B-shaped directory needs only a few GB of RAM.
+and per-layer options come from the real option tables, mixed so the decoder averages the requested bpw.
+Tensors are generated one linear at a time and streamed into shards, so a 70B-shaped directory needs only a few
+GB of RAM.
 """
 
 from __future__ import annotations

@@ -6,9 +6,8 @@
 # that goes, per role, before anything is changed:
 #  1. ncu --set full of one launch of each shape at M = 1 and M = 5 (scripts/bench_gemm.py --one): duration, DRAM
 #     throughput, issue slots, eligible warps, and the stall samples by reason and by code region
-#     (scripts/ncu_stalls.py: input stage vs chunk loop vs split-K finish);
-#  2. the same shapes' timing probes at M = 5 (EXL2_GEMV_PROBE: no gather / no split-K reduction / no math), if the
-#     build has them (scripts/gemv_probe.py).
+#     (scripts/ncu_stalls.py: input stage vs chunk loop vs split-K finish). Shapes: 2 = down 14336 x 4096 (8/4-bit
+#     mix), 0 = gate/up 4096 x 14336 (4-bit), 3 = q/o 4096 x 4096.
 export EXL2_CARRIED_LIBRARY=1
 source scripts/device/common.sh
 begin_call bb1

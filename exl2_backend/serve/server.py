@@ -124,6 +124,30 @@ def _openai_shaped_http_errors(app) -> None:
     app.add_exception_handler(HTTPException, handler)
 
 
+def run_litserver(server, host: str, port: int, log_level: str) -> None:
+    """server.run (blocking) with SIGTERM taking LitServe's Ctrl-C path: its shutdown stops the API server and the
+    inference worker. SIGTERM's default action (docker stop, systemctl stop, kill PID) would end this process
+    alone and leave both running, holding the port and the model's memory. Only the main thread can install it."""
+    import threading
+
+    owner = os.getpid()
+
+    def interrupt(signum, frame):
+        if os.getpid() == owner:
+            raise KeyboardInterrupt
+        # a forked child (the API server) inherited this handler: it ends as SIGTERM's default would
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        os.kill(os.getpid(), signal.SIGTERM)
+
+    main = threading.current_thread() is threading.main_thread()
+    previous = signal.signal(signal.SIGTERM, interrupt) if main else None
+    try:
+        server.run(host=host, port=port, num_api_servers=1, log_level=log_level, generate_client_file=False)
+    finally:
+        if main:
+            signal.signal(signal.SIGTERM, previous)
+
+
 def run_server(model_dir: str | None = None, host: str = "127.0.0.1", port: int = 8000,
                cache_tokens: int | None = None, max_concurrent: int | None = None,
                max_seq_len: int | None = None, device: str = "auto", **settings: Any) -> None:
@@ -144,9 +168,7 @@ def run_server(model_dir: str | None = None, host: str = "127.0.0.1", port: int 
     if cfg.host not in _LITSERVE_HOSTS:
         raise ConfigError(f"host must be one of {', '.join(_LITSERVE_HOSTS)} (LitServe's rule), got {cfg.host!r}",
                           field="host")
-    server = build_server(cfg)
-    server.run(host=cfg.host, port=cfg.port, num_api_servers=1, log_level=cfg.log_level,
-               generate_client_file=False)
+    run_litserver(build_server(cfg), cfg.host, cfg.port, cfg.log_level)
 
 
 # --- a server in a child process --------------------------------------------------------------------------
@@ -251,8 +273,7 @@ def _main(argv: list[str] | None = None) -> None:
                                       **json.loads(args.settings_json)})
     if s.host not in _LITSERVE_HOSTS:
         raise SystemExit(f"host must be one of {_LITSERVE_HOSTS}")
-    server = build_server(s)
-    server.run(host=s.host, port=s.port, num_api_servers=1, log_level=s.log_level, generate_client_file=False)
+    run_litserver(build_server(s), s.host, s.port, s.log_level)
 
 
 if __name__ == "__main__":

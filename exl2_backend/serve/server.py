@@ -20,7 +20,7 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
-from exl2_backend.errors import ConfigError
+from exl2_backend.errors import ConfigError, EngineUnhealthyError, Exl2Error
 from exl2_backend.serve.schemas import ServeSettings
 
 _LITSERVE_HOSTS = ("0.0.0.0", "127.0.0.1", "::")
@@ -143,6 +143,11 @@ def run_litserver(server, host: str, port: int, log_level: str) -> None:
     previous = signal.signal(signal.SIGTERM, interrupt) if main else None
     try:
         server.run(host=host, port=port, num_api_servers=1, log_level=log_level, generate_client_file=False)
+    except (EOFError, ConnectionError) as exc:
+        # LitServe stops everything when its inference worker dies (killed, out of memory) and shuts down the
+        # manager that this process waits on: the connection drop is that stop, not a cause of its own
+        raise EngineUnhealthyError("the inference worker died and the server stopped (the log above says why)") \
+            from exc
     finally:
         if main:
             signal.signal(signal.SIGTERM, previous)
@@ -273,7 +278,11 @@ def _main(argv: list[str] | None = None) -> None:
                                       **json.loads(args.settings_json)})
     if s.host not in _LITSERVE_HOSTS:
         raise SystemExit(f"host must be one of {_LITSERVE_HOSTS}")
-    run_litserver(build_server(s), s.host, s.port, s.log_level)
+    try:
+        run_litserver(build_server(s), s.host, s.port, s.log_level)
+    except Exl2Error as exc:  # as the CLI reports it
+        print(f"error: {type(exc).__name__}: {exc}", file=sys.stderr)
+        raise SystemExit(2) from None
 
 
 if __name__ == "__main__":

@@ -41,3 +41,44 @@ def test_sigterm_to_the_main_process_stops_every_worker(default_model_dir):
         assert "Traceback" not in log, log
     finally:
         srv.stop()
+
+
+def _children(pid: int) -> list[tuple[int, str]]:
+    """(pid, command line) of the processes whose parent is `pid` (Linux /proc)."""
+    out = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+            with open(f"/proc/{entry}/cmdline", "rb") as f:
+                cmd = f.read().replace(b"\0", b" ").decode(errors="replace")
+        except (OSError, IndexError, ValueError):
+            continue  # gone meanwhile
+        if ppid == pid:
+            out.append((int(entry), cmd))
+    return out
+
+
+def test_a_killed_inference_worker_stops_the_server_with_a_typed_error(default_model_dir):
+    """The worker killed (out of memory, kill -9): LitServe stops the server; the main process says why in one line
+    (EngineUnhealthyError, exit code 2) instead of a connection traceback, and nothing of its group is left."""
+    from exl2_backend.serve.server import ServerProcess
+
+    srv = ServerProcess({**SERVER_SETTINGS, "max_batch_size": 2, "cache_tokens": 2048}, startup_timeout=900).start()
+    proc = srv.proc
+    try:
+        workers = [pid for pid, cmd in _children(proc.pid) if "spawn_main" in cmd]
+        assert len(workers) == 1, _children(proc.pid)
+        os.kill(workers[0], signal.SIGKILL)
+        assert proc.wait(60) == 2
+        deadline = time.monotonic() + 60
+        while _group_alive(proc.pid) and time.monotonic() < deadline:
+            time.sleep(0.25)
+        assert not _group_alive(proc.pid)
+        log = srv.log_tail(200)
+        assert "error: EngineUnhealthyError: the inference worker died" in log, log
+        assert "Traceback" not in log, log
+    finally:
+        srv.stop()

@@ -149,7 +149,7 @@ def run_litserver(server, host: str, port: int, log_level: str) -> None:
         raise EngineUnhealthyError("the inference worker died and the server stopped (the log above says why)") \
             from exc
     finally:
-        if main:
+        if previous is not None:  # None: not installed here, or by code outside Python (nothing to restore)
             signal.signal(signal.SIGTERM, previous)
 
 

@@ -143,6 +143,13 @@ def run_litserver(server, host: str, port: int, log_level: str) -> None:
     previous = signal.signal(signal.SIGTERM, interrupt) if main else None
     try:
         server.run(host=host, port=port, num_api_servers=1, log_level=log_level, generate_client_file=False)
+    except KeyboardInterrupt:
+        # before LitServe's own shutdown is armed (its worker still loading the model): stop the worker here, or it
+        # loads on and dies with a traceback when it finds the manager gone
+        for worker in getattr(server, "inference_workers", None) or []:
+            if worker.is_alive():
+                worker.terminate()
+        raise
     except (EOFError, ConnectionError) as exc:
         # LitServe stops everything when its inference worker dies (killed, out of memory) and shuts down the
         # manager that this process waits on: the connection drop is that stop, not a cause of its own
@@ -283,6 +290,8 @@ def _main(argv: list[str] | None = None) -> None:
     except Exl2Error as exc:  # as the CLI reports it
         print(f"error: {type(exc).__name__}: {exc}", file=sys.stderr)
         raise SystemExit(2) from None
+    except KeyboardInterrupt:  # interrupted while starting (run_litserver stopped the worker)
+        raise SystemExit(130) from None
 
 
 if __name__ == "__main__":

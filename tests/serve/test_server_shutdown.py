@@ -82,3 +82,35 @@ def test_a_killed_inference_worker_stops_the_server_with_a_typed_error(default_m
         assert "Traceback" not in log, log
     finally:
         srv.stop()
+
+
+def test_sigterm_while_the_worker_loads_stops_it_too(default_model_dir, tmp_path):
+    """SIGTERM to the main process before the server is ready (its worker still loading the model): the worker
+    is stopped with it, quietly (exit 130, or 0 where the load won the race), and nothing of the group is left."""
+    import subprocess
+    import sys
+
+    from exl2_backend.serve.server import ServerProcess
+
+    settings = ServerProcess({**SERVER_SETTINGS, "max_batch_size": 2, "cache_tokens": 2048}).settings
+    log = tmp_path / "serve.log"
+    with open(log, "w") as out:
+        proc = subprocess.Popen([sys.executable, "-m", "exl2_backend.serve.server", "--settings-json",
+                                 settings.model_dump_json(exclude={"api_key"})], stdout=out, stderr=subprocess.STDOUT,
+                                start_new_session=True)
+    try:
+        deadline = time.monotonic() + 120
+        while not any("spawn_main" in cmd for _, cmd in _children(proc.pid)) and time.monotonic() < deadline:
+            time.sleep(0.05)  # bounded: until the inference worker process exists
+        os.kill(proc.pid, signal.SIGTERM)
+        assert proc.wait(60) in (0, 130)
+        deadline = time.monotonic() + 60
+        while _group_alive(proc.pid) and time.monotonic() < deadline:
+            time.sleep(0.25)
+        assert not _group_alive(proc.pid)
+        text = log.read_text(errors="replace")
+        assert "Traceback" not in text, text
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()

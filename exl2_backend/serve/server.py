@@ -180,7 +180,22 @@ def run_server(model_dir: str | None = None, host: str = "127.0.0.1", port: int 
     if cfg.host not in _LITSERVE_HOSTS:
         raise ConfigError(f"host must be one of {', '.join(_LITSERVE_HOSTS)} (LitServe's rule), got {cfg.host!r}",
                           field="host")
+    check_port_free(cfg.host, cfg.port)
     run_litserver(build_server(cfg), cfg.host, cfg.port, cfg.log_level)
+
+
+def check_port_free(host: str, port: int) -> None:
+    """ConfigError (field "port") where host:port cannot be bound, before the model loads: uvicorn would find it
+    only after the load (an 8B on a GPU: up to a minute) and exit with its own message. Another process may still
+    take the port in between; then uvicorn's error stands."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn binds: a TIME_WAIT port is free
+        try:
+            s.bind((host, port))
+        except OSError as exc:
+            raise ConfigError(f"cannot listen on {host}:{port}: {exc.strerror or exc} (another server there?)",
+                              field="port") from None
 
 
 # --- a server in a child process --------------------------------------------------------------------------
@@ -286,6 +301,7 @@ def _main(argv: list[str] | None = None) -> None:
     if s.host not in _LITSERVE_HOSTS:
         raise SystemExit(f"host must be one of {_LITSERVE_HOSTS}")
     try:
+        check_port_free(s.host, s.port)
         run_litserver(build_server(s), s.host, s.port, s.log_level)
     except Exl2Error as exc:  # as the CLI reports it
         print(f"error: {type(exc).__name__}: {exc}", file=sys.stderr)

@@ -246,7 +246,8 @@ class Engine:
             if seq is None:
                 raise InvalidRequestError(f"unknown sequence id {sid!r}", field="seq_ids")
             if seq.finished:
-                raise InvalidRequestError(f"sequence {sid!r} has finished ({seq.finish_reason})", field="seq_ids")
+                why = f"{seq.finish_reason}: {seq.error}" if seq.error else seq.finish_reason  # a failed one says why
+                raise InvalidRequestError(f"sequence {sid!r} has finished ({why})", field="seq_ids")
             if prefilled and seq.prefill_remaining:
                 raise InvalidRequestError(f"sequence {sid!r} has {seq.prefill_remaining} prompt tokens left; "
                                           "call prefill until it returns the first token", field="seq_ids")

@@ -70,6 +70,20 @@ def test_generate_exits_nonzero_when_the_sequence_fails(small_dir, monkeypatch, 
     assert "NaN logits" in capsys.readouterr().err
 
 
+def test_bench_says_why_its_sequence_failed(small_dir, monkeypatch, capsys):
+    """A model whose logits are NaN (the random 70B before center_codes): bench's error names the cause, not only
+    "sequence 'warmup' has finished (error)"."""
+    from exl2_backend.cli.main import main
+    from exl2_backend.runtime.model_runner import ModelRunner
+
+    real_run = ModelRunner.run
+    monkeypatch.setattr(ModelRunner, "run", lambda self, *a, **k: real_run(self, *a, **k) * float("nan"))
+    assert main(["bench", str(small_dir), "--device", "cpu", "--contexts", "32", "--decode-tokens", "2",
+                 "--prefill-tokens", "16"]) == 2
+    err = capsys.readouterr().err
+    assert "has finished (error: numerical fault" in err and "NaN logits" in err, err
+
+
 def test_generate_takes_max_tokens_for_max_new_tokens(small_dir, capsys):
     """--max-tokens (the OpenAI API's name) is --max-new-tokens: the summary line counts that many tokens."""
     from exl2_backend.cli.main import main

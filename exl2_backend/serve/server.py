@@ -150,6 +150,10 @@ def run_litserver(server, host: str, port: int, log_level: str) -> None:
             if worker.is_alive():
                 worker.terminate()
         raise
+    except RuntimeError as exc:
+        if "failed to start" not in str(exc):  # LitServe's verify_worker_status: the worker's setup raised
+            raise
+        raise EngineUnhealthyError("the inference worker failed to start (its error is in the log above)") from None
     except (EOFError, ConnectionError) as exc:
         # LitServe stops everything when its inference worker dies (killed, out of memory) and shuts down the
         # manager that this process waits on: the connection drop is that stop, not a cause of its own

@@ -136,3 +136,36 @@ def test_a_port_in_use_is_a_typed_error_before_the_model_loads(tmp_path):
             raise AssertionError("run_server started on a port in use")
         assert time.monotonic() - t0 < 10  # no model was loaded
         assert main(["serve", "--host", "127.0.0.1", "--port", str(port)]) == 2
+
+
+def test_a_worker_that_fails_to_load_is_one_typed_line(tmp_path):
+    """A directory whose config reads but whose weights do not (a truncated shard): the worker's setup fails, its
+    error is logged, and the command ends with EngineUnhealthyError (exit code 2) instead of LitServe's
+    RuntimeError traceback; nothing of it is left running."""
+    import subprocess
+    import sys
+
+    from exl2_backend.format.random_model import write_random_exl2_model
+    from exl2_backend.serve.server import free_port
+
+    small = {"hidden_size": 256, "num_hidden_layers": 2, "intermediate_size": 512, "num_attention_heads": 4,
+             "num_key_value_heads": 2, "vocab_size": 1000}
+    d = write_random_exl2_model(tmp_path / "m", small, bpw=4.0, seed=0)
+    shard = next(d.glob("*.safetensors"))
+    shard.write_bytes(shard.read_bytes()[: shard.stat().st_size // 2])
+    proc = subprocess.Popen([sys.executable, "-m", "exl2_backend.cli.main", "serve", str(d), "--device", "cpu",
+                             "--host", "127.0.0.1", "--port", str(free_port())], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        out, err = proc.communicate(timeout=300)
+        assert proc.returncode == 2, err[-3000:]
+        assert "error: EngineUnhealthyError: the inference worker failed to start" in err
+        assert "CorruptFileError" in out + err, out[-3000:]  # the worker's own error, logged by LitServe
+        deadline = time.monotonic() + 30
+        while _group_alive(proc.pid) and time.monotonic() < deadline:
+            time.sleep(0.25)
+        assert not _group_alive(proc.pid)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()

@@ -1,5 +1,6 @@
-"""Stopping a real server with SIGTERM to its main process alone (docker stop, systemctl stop, kill PID) stops its
-API server and inference worker too: nothing of its process group is left, and the port is free again."""
+"""A real server's starts and stops: SIGTERM to its main process alone (docker stop, systemctl stop, kill PID)
+stops its API server and inference worker too, running or still loading; a killed worker, a worker that fails to
+load and a port in use end the command with one typed line; nothing of its process group is left."""
 
 from __future__ import annotations
 

@@ -138,6 +138,16 @@ def graph_step_seconds(engine, iters: int) -> float | None:
     return a.elapsed_time(b) / 1e3 / iters
 
 
+def decode_slack(spec: bool) -> int:
+    """Positions past the measured decode tokens: speculative steps may overshoot the count."""
+    return 40 if spec else 4
+
+
+def positions_needed(context: int, prefill_tokens: int, decode_tokens: int, spec: bool = False) -> int:
+    """The max_seq_len run_bench loads for measuring `context` (the model's max_position_embeddings bounds it)."""
+    return math.ceil((max(context, prefill_tokens) + decode_tokens + 4 + decode_slack(spec)) / 256) * 256
+
+
 def run_bench(model_dir: str | Path, *, contexts=(512, 2048, 8192, 32768), decode_tokens: int = 128,
               prefill_tokens: int = 2048, device: str = "auto", use_graphs: bool = True, seed: int = 0,
               progress=None, cache_type: str = "fp16", loaded=None, bandwidth: float | None = None,
@@ -146,9 +156,8 @@ def run_bench(model_dir: str | Path, *, contexts=(512, 2048, 8192, 32768), decod
     KV cache of `cache_type`. `loaded` (a load_model result) and `bandwidth` (GB/s) reuse what an earlier run
     of the same model measured. With `spec` (speculative decoding load settings) decode rates are tokens per
     second over steps that emit one or more tokens, and result["speculation"] holds the acceptance figures."""
-    slack = 40 if spec else 4  # speculative steps may overshoot the measured token count
-    max_ctx = max(max(contexts), prefill_tokens) + decode_tokens + 4 + slack
-    max_seq_len = math.ceil(max_ctx / 256) * 256
+    slack = decode_slack(bool(spec))
+    max_seq_len = max(positions_needed(c, prefill_tokens, decode_tokens, bool(spec)) for c in contexts)
     engine, wbytes, load_s = load_engine(model_dir, device, max_seq_len, use_graphs, cache_type=cache_type,
                                          loaded=loaded, spec=spec, multi=multi)
     dev = engine.device

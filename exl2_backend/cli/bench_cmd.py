@@ -15,6 +15,8 @@ from pathlib import Path
 from exl2_backend.cache.kv_types import CACHE_TYPE_NAMES
 from exl2_backend.errors import ConfigError
 
+DEFAULT_CONTEXTS = "512,2048,8192,32768"
+
 
 def add_parser(sub):
     p = sub.add_parser("bench", help="measure prefill/decode speed against the memory-bandwidth roofline")
@@ -23,7 +25,9 @@ def add_parser(sub):
     p.add_argument("--bpw", type=float, default=4.0, help="target decoder bpw for --shape")
     p.add_argument("--head-bits", type=int, default=6, help="head bits for --shape")
     p.add_argument("--model-out", help="where --shape writes its model (default: the cache dir)")
-    p.add_argument("--contexts", default="512,2048,8192,32768", help="comma-separated context lengths")
+    p.add_argument("--contexts", default=DEFAULT_CONTEXTS,
+                   help=f"comma-separated context lengths (default {DEFAULT_CONTEXTS}: those the model's positions "
+                        "hold)")
     p.add_argument("--decode-tokens", type=int, default=128)
     p.add_argument("--prefill-tokens", type=int, default=2048)
     p.add_argument("--device", default="auto")
@@ -114,9 +118,11 @@ def run(args) -> int:
     for flag, path in (("--json", args.json if args.json != "-" else None), ("--plot", args.plot)):
         if path and (Path(path).is_dir() or not Path(path).absolute().parent.is_dir()):  # before the run, not after
             raise ConfigError(f"{flag} {path}: not a file path in an existing directory", field=flag.lstrip("-"))
+    model_dir = _model_dir(args)
+    contexts = _contexts_that_fit(args, model_dir, contexts)
     # with --json - the JSON alone goes to stdout: the tables go to stderr
     with contextlib.redirect_stdout(sys.stderr) if args.json == "-" else contextlib.nullcontext():
-        results, out = _measure_all(args, types, contexts)
+        results, out = _measure_all(args, model_dir, types, contexts)
     if args.json:
         text = json.dumps(out, indent=2)
         if args.json == "-":
@@ -128,12 +134,38 @@ def run(args) -> int:
     return 0
 
 
-def _measure_all(args, types: list[str], contexts: tuple[int, ...]) -> tuple[list[dict], dict]:
+def _contexts_that_fit(args, model_dir: Path, contexts: tuple[int, ...]) -> tuple[int, ...]:
+    """The contexts whose run fits the model's max_position_embeddings: the default list loses those past it (said
+    on stderr; SmolLM2's 8192 positions cannot hold the 32k point), an explicit one is a ConfigError."""
+    from exl2_backend.bench.decode import positions_needed
+    from exl2_backend.cli.common import spec_settings_from_args
+    from exl2_backend.format.config import ModelConfig
+
+    limit = ModelConfig.from_dir(model_dir).max_position_embeddings
+    spec = bool(spec_settings_from_args(args))
+    need = {c: positions_needed(c, args.prefill_tokens, args.decode_tokens, spec) for c in contexts}
+    fit = tuple(c for c in contexts if need[c] <= limit)
+    if positions_needed(1, args.prefill_tokens, args.decode_tokens, spec) > limit:
+        raise ConfigError(f"--prefill-tokens {args.prefill_tokens} with --decode-tokens {args.decode_tokens} need "
+                          f"more than the model's {limit} positions (max_position_embeddings)", field="prefill_tokens")
+    if args.contexts != DEFAULT_CONTEXTS and len(fit) < len(contexts):
+        c = next(c for c in contexts if need[c] > limit)
+        raise ConfigError(f"--contexts {c} needs {need[c]} positions with --decode-tokens {args.decode_tokens}; the "
+                          f"model has {limit} (max_position_embeddings)", field="contexts")
+    if len(fit) < len(contexts):
+        print(f"bench: contexts past the model's {limit} positions skipped: "
+              f"{', '.join(str(c) for c in contexts if c not in fit)}", file=sys.stderr)
+    if not fit:
+        raise ConfigError(f"no default context fits the model's {limit} positions; pass --contexts",
+                          field="contexts")
+    return fit
+
+
+def _measure_all(args, model_dir: Path, types: list[str], contexts: tuple[int, ...]) -> tuple[list[dict], dict]:
     """Every cache type's bench run, its table printed as it finishes; -> (results, the JSON document)."""
     from exl2_backend.bench.decode import load_model, run_bench
     from exl2_backend.cli.common import multi_gpu_settings_from_args, spec_settings_from_args
 
-    model_dir = _model_dir(args)
     multi = multi_gpu_settings_from_args(args)
     loaded = load_model(model_dir, args.device, multi)
     results, bandwidth = [], None

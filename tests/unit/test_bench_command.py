@@ -84,6 +84,23 @@ def test_bench_says_why_its_sequence_failed(small_dir, monkeypatch, capsys):
     assert "has finished (error: numerical fault" in err and "NaN logits" in err, err
 
 
+def test_default_contexts_stop_at_the_models_positions(tmp_path, capsys):
+    """`bench` with its default contexts (up to 32768) on a model of fewer positions (SmolLM2, the default model,
+    has 8192) failed with a max_seq_len error; it now measures the contexts that fit and says which it skipped. An
+    explicit context past them is a ConfigError naming --contexts."""
+    from exl2_backend.cli.main import main
+
+    d = write_random_exl2_model(tmp_path / "m", {**SMALL, "max_position_embeddings": 1024}, bpw=4.0, seed=3)
+    out = tmp_path / "out.json"
+    assert main(["bench", str(d), "--device", "cpu", "--decode-tokens", "2", "--prefill-tokens", "16",
+                 "--json", str(out)]) == 0
+    assert [row["context"] for row in json.loads(out.read_text())["decode"]] == [512]
+    assert "contexts past the model's 1024 positions skipped: 2048, 8192, 32768" in capsys.readouterr().err
+    assert main(["bench", str(d), "--device", "cpu", "--contexts", "512,2048", "--decode-tokens", "2",
+                 "--prefill-tokens", "16"]) == 2
+    assert "--contexts 2048 needs 2304 positions" in capsys.readouterr().err
+
+
 def test_generate_takes_max_tokens_for_max_new_tokens(small_dir, capsys):
     """--max-tokens (the OpenAI API's name) is --max-new-tokens: the summary line counts that many tokens."""
     from exl2_backend.cli.main import main

@@ -118,10 +118,10 @@ def run(args) -> int:
     for flag, path in (("--json", args.json if args.json != "-" else None), ("--plot", args.plot)):
         if path and (Path(path).is_dir() or not Path(path).absolute().parent.is_dir()):  # before the run, not after
             raise ConfigError(f"{flag} {path}: not a file path in an existing directory", field=flag.lstrip("-"))
-    model_dir = _model_dir(args)
-    contexts = _contexts_that_fit(args, model_dir, contexts)
-    # with --json - the JSON alone goes to stdout: the tables go to stderr
+    # with --json - the JSON alone goes to stdout: the tables (and what writing a --shape model prints) to stderr
     with contextlib.redirect_stdout(sys.stderr) if args.json == "-" else contextlib.nullcontext():
+        model_dir = _model_dir(args)
+        contexts = _contexts_that_fit(args, model_dir, contexts)
         results, out = _measure_all(args, model_dir, types, contexts)
     if args.json:
         text = json.dumps(out, indent=2)

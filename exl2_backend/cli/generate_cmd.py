@@ -83,6 +83,9 @@ def run(args) -> int:
     from exl2_backend.runtime import Engine, GenerationParams, LoadSettings
     from exl2_backend.runtime.generate import generate_stream
 
+    # the request's values are checked before the model loads (and before the prompt is echoed)
+    params = GenerationParams(sampling=sampling_from_args(args), max_new_tokens=args.max_new_tokens,
+                              stop=args.stop, ignore_eos=args.ignore_eos, grammar=_grammar(args))
     model_dir = resolve_model_dir(args.model_dir)
     settings = LoadSettings(model_dir=str(model_dir), device=args.device, max_seq_len=args.max_seq_len,
                             cache_type=args.cache_type, max_batch_size=1,
@@ -100,8 +103,6 @@ def run(args) -> int:
         if args.prompt is None:
             print("(no --prompt given; using 'The capital of France is')", file=sys.stderr)
         print(tok.decode(prompt_ids), end="", flush=True)
-    params = GenerationParams(sampling=sampling_from_args(args), max_new_tokens=args.max_new_tokens,
-                              stop=args.stop, ignore_eos=args.ignore_eos, grammar=_grammar(args))
     t0 = time.perf_counter()
     t_first = None
     n = 0

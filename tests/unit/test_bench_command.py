@@ -101,6 +101,19 @@ def test_default_contexts_stop_at_the_models_positions(tmp_path, capsys):
     assert "--contexts 2048 needs 2304 positions" in capsys.readouterr().err
 
 
+def test_generate_checks_its_request_before_loading(tmp_path, capsys):
+    """Bad sampling values or max_new_tokens fail before the model loads (a directory that is not there is never
+    read) and nothing is echoed to stdout: `generate --top-p 2` printed the prompt, then the error after it."""
+    from exl2_backend.cli.main import main
+
+    for flags, message in ((["--top-p", "2"], "SamplingParamsError: top_p"),
+                           (["--temperature", "-1"], "SamplingParamsError: temperature"),
+                           (["--max-new-tokens", "0"], "InvalidRequestError: max_new_tokens")):
+        assert main(["generate", str(tmp_path / "absent"), "--device", "cpu", "--prompt", "hi", *flags]) == 2
+        out = capsys.readouterr()
+        assert message in out.err and out.out == "", (flags, out)
+
+
 def test_generate_takes_max_tokens_for_max_new_tokens(small_dir, capsys):
     """--max-tokens (the OpenAI API's name) is --max-new-tokens: the summary line counts that many tokens."""
     from exl2_backend.cli.main import main

@@ -93,13 +93,9 @@ def center_codes(q_weight: torch.Tensor, layout: list[tuple[int, int]]) -> torch
     ~600 per layer at the 70B's width, whose 80 layers overflowed fp16 (NaN logits, H100 call BA2 of 2026-12-06)."""
     row = 0
     for bits, rows in layout:
-        mask = [0] * bits  # value k of a 32-row unit starts at bit k * bits of its words (packing.pack_columns)
-        for k in range(32):
-            w, s = divmod(k * bits, 32)
-            mask[w] |= 1 << s
-        words = torch.tensor([m - (1 << 32) if m >= 1 << 31 else m for m in mask], dtype=torch.int32)
+        lsb = pack_columns(torch.ones(32, 1, dtype=torch.int32), bits)  # [bits, 1]: one 32-row unit of code 1
         qr = rows * bits // 32
-        q_weight[row : row + qr].view(rows // 32, bits, -1).bitwise_or_(words.to(q_weight.device).view(1, bits, 1))
+        q_weight[row : row + qr].view(rows // 32, bits, -1).bitwise_or_(lsb.to(q_weight.device).view(1, bits, 1))
         row += qr
     return q_weight
 

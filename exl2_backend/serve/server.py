@@ -125,9 +125,10 @@ def _openai_shaped_http_errors(app) -> None:
 
 
 def run_litserver(server, host: str, port: int, log_level: str) -> None:
-    """server.run (blocking) with SIGTERM taking LitServe's Ctrl-C path: its shutdown stops the API server and the
-    inference worker. SIGTERM's default action (docker stop, systemctl stop, kill PID) would end this process
-    alone and leave both running, holding the port and the model's memory. Only the main thread can install it."""
+    """server.run (blocking) after check_port_free, with SIGTERM taking LitServe's Ctrl-C path: its shutdown stops
+    the API server and the inference worker. SIGTERM's default action (docker stop, systemctl stop, kill PID) would
+    end this process alone and leave both running, holding the port and the model's memory. Only the main thread
+    can install it."""
     import threading
 
     owner = os.getpid()
@@ -139,6 +140,7 @@ def run_litserver(server, host: str, port: int, log_level: str) -> None:
         signal.signal(signal.SIGTERM, signal.SIG_DFL)
         os.kill(os.getpid(), signal.SIGTERM)
 
+    check_port_free(host, port)  # before server.run: its worker loads the model first
     main = threading.current_thread() is threading.main_thread()
     previous = signal.signal(signal.SIGTERM, interrupt) if main else None
     try:
@@ -184,7 +186,6 @@ def run_server(model_dir: str | None = None, host: str = "127.0.0.1", port: int 
     if cfg.host not in _LITSERVE_HOSTS:
         raise ConfigError(f"host must be one of {', '.join(_LITSERVE_HOSTS)} (LitServe's rule), got {cfg.host!r}",
                           field="host")
-    check_port_free(cfg.host, cfg.port)
     run_litserver(build_server(cfg), cfg.host, cfg.port, cfg.log_level)
 
 
@@ -305,7 +306,6 @@ def _main(argv: list[str] | None = None) -> None:
     if s.host not in _LITSERVE_HOSTS:
         raise SystemExit(f"host must be one of {_LITSERVE_HOSTS}")
     try:
-        check_port_free(s.host, s.port)
         run_litserver(build_server(s), s.host, s.port, s.log_level)
     except Exl2Error as exc:  # as the CLI reports it
         print(f"error: {type(exc).__name__}: {exc}", file=sys.stderr)

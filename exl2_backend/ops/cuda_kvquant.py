@@ -252,8 +252,8 @@ def paged_attention_quant(q: torch.Tensor, k_codes: torch.Tensor, k_scales: torc
     rows = (hq // hkv) * tq
     streamed = cuda_layers.attn_streamed(q.shape, (p, s, hkv, d), q.device, fp16_pages=False)
     if streamed:  # cuda_layers.ATTN_STREAM: one CTA per split for all kv heads (paged_attention_stream.cu)
-        nsplit = num_splits or cuda_layers.stream_splits(b, max_ctx, _num_sms(dev_index))
-        code, min_split = _STREAM_CODE, cuda_layers.ATTN_STREAM_MIN_SPLIT
+        nsplit = num_splits or cuda_layers.stream_splits(b, max_ctx, _num_sms(dev_index), rows=rows)
+        code, min_split = _STREAM_CODE, cuda_layers.stream_min_split(rows)
     else:
         tiled = ATTN_QUANT_MMA  # the tensor-core kernel's row tiles of 8, some per CTA
         nsplit = num_splits or attention_splits(b, tq, hq, hkv, max_ctx, _num_sms(dev_index),

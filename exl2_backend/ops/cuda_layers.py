@@ -258,6 +258,17 @@ ATTN_STREAM_MIN_SPLIT = int(_STREAM_MIN_ENV) if _STREAM_MIN_ENV.isdigit() else -
 if not (16 <= ATTN_STREAM_MIN_SPLIT <= 4096 and ATTN_STREAM_MIN_SPLIT % 16 == 0):
     raise ValueError("EXL2_BACKEND_ATTN_STREAM_MIN_SPLIT must be a multiple of 16 in 16..4096, got "
                      f"{_STREAM_MIN_ENV!r}")
+# The same bound for more than 8 query rows per kv head (verify steps of k >= 2 on Llama 3's 4 query heads per kv
+# head): each split's partials then hold G x Tq rows, and the reduce launch that combines them grows with splits x
+# rows, so short contexts are cut coarser. H100 call BC1 of 2026-12-06 (8B at 1k, spec_bench, ms per step, shortest
+# split 16 / 32 / 64 keys for every step): decode 2.297 / 2.310 / 2.402; verify k = 1 (8 rows) 2.406 / 2.440 /
+# 2.543, k = 2 (12 rows) 2.647 / 2.620 / 2.709, k = 4 (20 rows) 2.947 / 2.883 / 2.989, k = 8 (36 rows) 3.613 /
+# 3.614 / 3.649. EXL2_BACKEND_ATTN_STREAM_VERIFY_MIN_SPLIT overrides it (a multiple of 16 up to 4096).
+_STREAM_VERIFY_MIN_ENV = os.environ.get("EXL2_BACKEND_ATTN_STREAM_VERIFY_MIN_SPLIT", "32")
+ATTN_STREAM_VERIFY_MIN_SPLIT = int(_STREAM_VERIFY_MIN_ENV) if _STREAM_VERIFY_MIN_ENV.isdigit() else -1
+if not (16 <= ATTN_STREAM_VERIFY_MIN_SPLIT <= 4096 and ATTN_STREAM_VERIFY_MIN_SPLIT % 16 == 0):
+    raise ValueError("EXL2_BACKEND_ATTN_STREAM_VERIFY_MIN_SPLIT must be a multiple of 16 in 16..4096, got "
+                     f"{_STREAM_VERIFY_MIN_ENV!r}")
 _ATTN_STREAM_FLAG = 1 << 9
 # fp16 pages over 8 kv heads (Llama 3 1B / 8B / 70B: 1, 2, 4 or 8 query heads per kv head) run the streamed kernel
 # on tensor cores (csrc/layers/paged_attention_stream_mma.cu) by default (ATTN_STREAM_FP16; off with
@@ -304,11 +315,17 @@ def stream_row_tiles(rows: int) -> int:
     return 1 if rows <= 8 else -(-rows // 16)
 
 
-def stream_splits(batch: int, max_context: int, num_sms: int, tiles: int = 1) -> int:
+def stream_min_split(rows: int) -> int:
+    """The shortest split of the streamed kernels, in keys, for `rows` query rows per kv head (G x Tq):
+    ATTN_STREAM_MIN_SPLIT up to 8 rows (a decode step), ATTN_STREAM_VERIFY_MIN_SPLIT past them."""
+    return ATTN_STREAM_MIN_SPLIT if rows <= 8 else ATTN_STREAM_VERIFY_MIN_SPLIT
+
+
+def stream_splits(batch: int, max_context: int, num_sms: int, tiles: int = 1, rows: int = 1) -> int:
     """Splits per sequence of the streamed kernel: one CTA per SM over the batch (and its `tiles` row tiles),
     rounded down so the CTAs are one wave (136 CTAs on 132 SMs would run 4 of them as a second wave, ~1.9x the
-    time); none under ATTN_STREAM_MIN_SPLIT keys (a function of shapes only: graph-safe)."""
-    return max(1, min(num_sms // max(batch * tiles, 1), math.ceil(max_context / ATTN_STREAM_MIN_SPLIT)))
+    time); none under stream_min_split(rows) keys (a function of shapes only: graph-safe)."""
+    return max(1, min(num_sms // max(batch * tiles, 1), math.ceil(max_context / stream_min_split(rows))))
 
 
 def _attn_keys_max(row_tile: int) -> int:
@@ -720,8 +737,9 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     q, tables, lens = _attention_inputs(op, q, block_tables, context_lens)
     streamed = attn_streamed(q.shape, k_cache.shape, q.device)
     if streamed:
+        rows = (hq // hkv) * tq
         nsplit = num_splits or stream_splits(b, tables.shape[1] * k_cache.shape[1], _num_sms(_device_index(q.device)),
-                                             stream_row_tiles((hq // hkv) * tq))
+                                             stream_row_tiles(rows), rows)
     else:
         nsplit = _attention_nsplit(q.shape, k_cache.shape, tables.shape[1], q.device, num_splits)
     ws = torch.empty(b * tq * hq * nsplit * (d + 2), dtype=torch.float32, device=q.device) if nsplit > 1 else None
@@ -779,7 +797,7 @@ def _launch_paged_attention(q, k_cache, v_cache, tables, lens, out, ws, nsplit: 
     b, tq, hq, d = q.shape
     p, s, hkv, _ = k_cache.shape
     flags = _ATTN_STREAM_FLAG if streamed else _attn_flags((hq // hkv) * tq)
-    min_split = ATTN_STREAM_MIN_SPLIT if streamed else _ATTN_MIN_SPLIT
+    min_split = stream_min_split((hq // hkv) * tq) if streamed else _ATTN_MIN_SPLIT
     with _device_guard(q):
         _call("exl2_paged_attention", q.data_ptr(), q.stride(0), q.stride(1), q.stride(2), k_cache.data_ptr(),
               v_cache.data_ptr(), tables.data_ptr(), tables.stride(0), lens.data_ptr(), out.data_ptr(),

@@ -148,3 +148,12 @@ def test_verify_rows(monkeypatch, tq, hq, num_splits):
     assert cl().attn_streamed((1, tq, hq, 128), (1, 16, 8, 128), torch.device(DEV))
     check([1, 3, 17, 300, 2000], tq, hq, 8, 128, page=16, num_splits=num_splits)
     check([5000, 40], tq, hq, 8, 128, page=256, num_splits=num_splits, seed=1)
+
+
+@pytest.mark.parametrize("min_split", [16, 48, 4096])
+def test_verify_min_split(monkeypatch, min_split):
+    """The verify steps' own shortest split (ATTN_STREAM_VERIFY_MIN_SPLIT, rows past 8 per kv head): the kernel
+    cuts each context by it at run time (4096: one split for these contexts)."""
+    monkeypatch.setattr(cl(), "ATTN_STREAM_VERIFY", True)
+    monkeypatch.setattr(cl(), "ATTN_STREAM_VERIFY_MIN_SPLIT", min_split)
+    check([5, 100, 1024, 7000], 5, 32, 8, 128, page=64)

@@ -140,6 +140,8 @@ def test_staged_kernel_splits_aim_at_its_measured_ctas(monkeypatch, mode):
     # the streamed kernel's: a multiple of its 16-token chunk up to 4096
     *[("EXL2_BACKEND_ATTN_STREAM_MIN_SPLIT", "ATTN_STREAM_MIN_SPLIT", v, ok) for v, ok in (
         ("16", True), ("1024", True), ("4096", True), ("8", False), ("100", False), ("8192", False), ("x", False))],
+    *[("EXL2_BACKEND_ATTN_STREAM_VERIFY_MIN_SPLIT", "ATTN_STREAM_VERIFY_MIN_SPLIT", v, ok) for v, ok in (
+        ("16", True), ("48", True), ("4096", True), ("0", False), ("40", False), ("8192", False), ("x", False))],
 ])
 def test_min_split_override_is_checked(var, attr, value, ok):
     """EXL2_BACKEND_ATTN_MIN_SPLIT and EXL2_BACKEND_ATTN_STREAM_MIN_SPLIT (read at import: a subprocess) set the
@@ -264,3 +266,10 @@ def test_streamed_verify_rows(monkeypatch, verify):
     assert [cuda_layers.stream_row_tiles(r) for r in (1, 8, 9, 16, 20, 64)] == [1, 1, 1, 1, 2, 4]
     assert cuda_layers.stream_splits(1, 32768, 132, tiles=2) == 66
     assert cuda_layers.stream_splits(3, 32768, 132, tiles=2) == 22
+    # past 8 rows per kv head (a verify step) the contexts are cut coarser (defaults 16 and 32 keys a split)
+    monkeypatch.setattr(cuda_layers, "ATTN_STREAM_MIN_SPLIT", 16)
+    monkeypatch.setattr(cuda_layers, "ATTN_STREAM_VERIFY_MIN_SPLIT", 32)
+    assert [cuda_layers.stream_min_split(r) for r in (1, 4, 8, 9, 20, 64)] == [16, 16, 16, 32, 32, 32]
+    assert cuda_layers.stream_splits(1, 1088, 132, tiles=1, rows=4) == 68
+    assert cuda_layers.stream_splits(1, 1088, 132, tiles=2, rows=20) == 34
+    assert cuda_layers.stream_splits(1, 32768, 132, tiles=2, rows=20) == 66

@@ -91,6 +91,10 @@ GEMV_MINB = int(os.environ.get("EXL2_BACKEND_GEMV_MINB", "0"))
 # Blocks per SM the GEMV's split-K factor aims at (one wave of the planned resident blocks); the TMA kernel's
 # default. Below 1 (e.g. 0.4) plans fewer, longer blocks: no split-K reduction where the columns fill the GPU.
 GEMV_BLOCKS_PER_SM = float(os.environ.get("EXL2_BACKEND_GEMV_BLOCKS_PER_SM", "2"))
+# The same target for launches of more than one row (verify steps, batches), a measurement switch: their split-K
+# partials and reduce grow with M while the weights do not (H100, tests/bench: 14336x4096 15.65 us at M = 1, 21.25 at
+# M = 5), so fewer, longer splits may pay there. EXL2_BACKEND_GEMV_BLOCKS_PER_SM_MULTI; default GEMV_BLOCKS_PER_SM.
+GEMV_BLOCKS_PER_SM_MULTI = float(os.environ.get("EXL2_BACKEND_GEMV_BLOCKS_PER_SM_MULTI", str(GEMV_BLOCKS_PER_SM)))
 # Splits of the TMA GEMV (csrc/quant/exl2_gemv_splits.cuh): "span" = ksplit splits of equal bytes that may cover
 # the end of one width run and the start of the next (the block re-arms its ring between them); "balanced" = splits
 # inside one run, the run with the longest item given one more split at a time within GEMV_WAVES waves of the
@@ -417,7 +421,7 @@ class _Launch:
     def gemv_plan(self, m: int) -> _Plan:
         """GEMV kernel: split-K factor filling one wave of GEMV_MINB blocks of 256 columns per SM; per-run
         splits may add up to _MAX_RUNS more (the kernel shares the factor among width runs)."""
-        per_sm = GEMV_MINB if GEMV_MINB >= 2 else GEMV_BLOCKS_PER_SM
+        per_sm = GEMV_MINB if GEMV_MINB >= 2 else GEMV_BLOCKS_PER_SM if m == 1 else GEMV_BLOCKS_PER_SM_MULTI
         key = ("gemv", m, GEMV_MINB, per_sm)
         if key not in self._plans:
             ncol = [-(-p.Np // _GEMV_COLS) for p in self.parts]

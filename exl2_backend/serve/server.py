@@ -125,21 +125,30 @@ def _openai_shaped_http_errors(app) -> None:
 
 
 def run_litserver(server, host: str, port: int, log_level: str) -> None:
-    """server.run (blocking) after check_port_free, with SIGTERM taking LitServe's Ctrl-C path: its shutdown stops
-    the API server and the inference worker. SIGTERM's default action (docker stop, systemctl stop, kill PID) would
-    end this process alone and leave both running, holding the port and the model's memory. Only the main thread
-    can install it."""
+    """server.run (blocking) after checking the host (LitServe's three) and check_port_free, with SIGTERM taking
+    LitServe's Ctrl-C path: its shutdown stops the API server and the inference worker. SIGTERM's default action
+    (docker stop, systemctl stop, kill PID) would end this process alone and leave both running, holding the port
+    and the model's memory. Only the main thread can install it."""
     import threading
 
     owner = os.getpid()
 
     def interrupt(signum, frame):
         if os.getpid() == owner:
+            if _starting_a_process(frame):
+                # the child exists but has not read its start data yet: interrupted here, it would die on an
+                # EOFError traceback; the signal comes again once the start is through (bounded: LitServe starts
+                # a few processes)
+                threading.Timer(0.05, os.kill, (owner, signal.SIGTERM)).start()
+                return
             raise KeyboardInterrupt
         # a forked child (the API server) inherited this handler: it ends as SIGTERM's default would
         signal.signal(signal.SIGTERM, signal.SIG_DFL)
         os.kill(os.getpid(), signal.SIGTERM)
 
+    if host not in _LITSERVE_HOSTS:
+        raise ConfigError(f"host must be one of {', '.join(_LITSERVE_HOSTS)} (LitServe's rule), got {host!r}",
+                          field="host")
     check_port_free(host, port)  # before server.run: its worker loads the model first
     main = threading.current_thread() is threading.main_thread()
     previous = signal.signal(signal.SIGTERM, interrupt) if main else None
@@ -148,7 +157,10 @@ def run_litserver(server, host: str, port: int, log_level: str) -> None:
     except KeyboardInterrupt:
         # before LitServe's own shutdown is armed (its worker still loading the model): stop the worker here, or it
         # loads on and dies with a traceback when it finds the manager gone
-        for worker in getattr(server, "inference_workers", None) or []:
+        import multiprocessing
+
+        workers = list(getattr(server, "inference_workers", None) or []) + multiprocessing.active_children()
+        for worker in workers:
             if worker.is_alive():
                 worker.terminate()
         raise
@@ -164,6 +176,15 @@ def run_litserver(server, host: str, port: int, log_level: str) -> None:
     finally:
         if previous is not None:  # None: not installed here, or by code outside Python (nothing to restore)
             signal.signal(signal.SIGTERM, previous)
+
+
+def _starting_a_process(frame) -> bool:
+    """Whether `frame` (the main thread's, at a signal) is inside multiprocessing's start of a child process."""
+    while frame is not None:
+        if os.path.basename(frame.f_code.co_filename).startswith("popen_"):  # popen_spawn_posix.py, popen_fork.py
+            return True
+        frame = frame.f_back
+    return False
 
 
 def run_server(model_dir: str | None = None, host: str = "127.0.0.1", port: int = 8000,
@@ -183,9 +204,6 @@ def run_server(model_dir: str | None = None, host: str = "127.0.0.1", port: int 
         from exl2_backend.format.config import ModelConfig
 
         ModelConfig.from_dir(cfg.model_dir)
-    if cfg.host not in _LITSERVE_HOSTS:
-        raise ConfigError(f"host must be one of {', '.join(_LITSERVE_HOSTS)} (LitServe's rule), got {cfg.host!r}",
-                          field="host")
     run_litserver(build_server(cfg), cfg.host, cfg.port, cfg.log_level)
 
 
@@ -303,8 +321,6 @@ def _main(argv: list[str] | None = None) -> None:
     signal.signal(signal.SIGINT, signal.default_int_handler)  # even if our parent ignored SIGINT (background job)
     s = ServeSettings.model_validate({"api_key": os.environ.get(API_KEY_ENV) or None,
                                       **json.loads(args.settings_json)})
-    if s.host not in _LITSERVE_HOSTS:
-        raise SystemExit(f"host must be one of {_LITSERVE_HOSTS}")
     try:
         run_litserver(build_server(s), s.host, s.port, s.log_level)
     except Exl2Error as exc:  # as the CLI reports it

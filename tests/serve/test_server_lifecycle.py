@@ -9,6 +9,7 @@ import signal
 import socket
 import time
 
+from tests.helpers.shapes import SMALL
 from tests.serve.conftest import SERVER_SETTINGS
 
 
@@ -139,6 +140,27 @@ def test_a_port_in_use_is_a_typed_error_before_the_model_loads(tmp_path):
         assert main(["serve", "--host", "127.0.0.1", "--port", str(port)]) == 2
 
 
+def test_a_host_litserve_cannot_bind_is_a_typed_error(capsys):
+    """LitServe binds 0.0.0.0, 127.0.0.1 or :: only: another address is a ConfigError naming the host, from
+    run_server, from the server module's own entry point (exit code 2, one line) and through the CLI."""
+    import json
+
+    import pytest
+
+    from exl2_backend.cli.main import main
+    from exl2_backend.errors import ConfigError
+    from exl2_backend.serve.server import _main, free_port, run_server
+
+    port = free_port()
+    with pytest.raises(ConfigError, match="host must be one of") as info:
+        run_server(None, host="10.11.12.13", port=port)
+    assert info.value.field == "host"
+    with pytest.raises(SystemExit) as stop:
+        _main(["--settings-json", json.dumps({"host": "10.11.12.13", "port": port})])
+    assert stop.value.code == 2 and "ConfigError: host must be one of" in capsys.readouterr().err
+    assert main(["serve", "--host", "10.11.12.13", "--port", str(port)]) == 2
+
+
 def test_a_worker_that_fails_to_load_is_one_typed_line(tmp_path):
     """A directory whose config reads but whose weights do not (a truncated shard): the worker's setup fails, its
     error is logged, and the command ends with EngineUnhealthyError (exit code 2) instead of LitServe's
@@ -149,9 +171,7 @@ def test_a_worker_that_fails_to_load_is_one_typed_line(tmp_path):
     from exl2_backend.format.random_model import write_random_exl2_model
     from exl2_backend.serve.server import free_port
 
-    small = {"hidden_size": 256, "num_hidden_layers": 2, "intermediate_size": 512, "num_attention_heads": 4,
-             "num_key_value_heads": 2, "vocab_size": 1000}
-    d = write_random_exl2_model(tmp_path / "m", small, bpw=4.0, seed=0)
+    d = write_random_exl2_model(tmp_path / "m", SMALL, bpw=4.0, seed=0)
     shard = next(d.glob("*.safetensors"))
     shard.write_bytes(shard.read_bytes()[: shard.stat().st_size // 2])
     proc = subprocess.Popen([sys.executable, "-m", "exl2_backend.cli.main", "serve", str(d), "--device", "cpu",

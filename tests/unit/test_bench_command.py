@@ -8,9 +8,7 @@ import json
 import pytest
 
 from exl2_backend.format.random_model import write_random_exl2_model
-
-SMALL = {"hidden_size": 256, "num_hidden_layers": 2, "intermediate_size": 512, "num_attention_heads": 4,
-         "num_key_value_heads": 2, "vocab_size": 1000}
+from tests.helpers.shapes import SMALL
 
 
 @pytest.fixture(scope="module")

@@ -12,9 +12,7 @@ from exl2_backend.format.packing import unpack_columns
 from exl2_backend.format.qtensor import QTensor
 from exl2_backend.format.random_model import SHAPES, choose_options, estimate_bytes, write_random_exl2_model
 from exl2_backend.format.reader import ATTN_PROJS, MLP_PROJS, linear_shape, load_weights
-
-SMALL = {"hidden_size": 256, "num_hidden_layers": 2, "intermediate_size": 512, "num_attention_heads": 4,
-         "num_key_value_heads": 2, "vocab_size": 1000}
+from tests.helpers.shapes import SMALL
 
 
 def _decoder_stats(weights) -> tuple[float, set[int]]:

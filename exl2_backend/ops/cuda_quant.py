@@ -90,11 +90,9 @@ NORM_PREGATHER = os.environ.get("EXL2_BACKEND_NORM_PREGATHER", "1") != "0"
 GEMV_MINB = int(os.environ.get("EXL2_BACKEND_GEMV_MINB", "0"))
 # Blocks per SM the GEMV's split-K factor aims at (one wave of the planned resident blocks); the TMA kernel's
 # default. Below 1 (e.g. 0.4) plans fewer, longer blocks: no split-K reduction where the columns fill the GPU.
+# Launches of M > 1 rows keep it: H100 call BC2 of 2026-12-06 (spec_bench, 8B at 1k) with 1.5 / 1 for them only,
+# k = 4 verify 1.531 / 1.441 of a decode step against 1.257 (their partials grow with M, their streaming did more).
 GEMV_BLOCKS_PER_SM = float(os.environ.get("EXL2_BACKEND_GEMV_BLOCKS_PER_SM", "2"))
-# The same target for launches of more than one row (verify steps, batches), a measurement switch: their split-K
-# partials and reduce grow with M while the weights do not (H100, tests/bench: 14336x4096 15.65 us at M = 1, 21.25 at
-# M = 5), so fewer, longer splits may pay there. EXL2_BACKEND_GEMV_BLOCKS_PER_SM_MULTI; default GEMV_BLOCKS_PER_SM.
-GEMV_BLOCKS_PER_SM_MULTI = float(os.environ.get("EXL2_BACKEND_GEMV_BLOCKS_PER_SM_MULTI", str(GEMV_BLOCKS_PER_SM)))
 # Splits of the TMA GEMV (csrc/quant/exl2_gemv_splits.cuh): "span" = ksplit splits of equal bytes that may cover
 # the end of one width run and the start of the next (the block re-arms its ring between them); "balanced" = splits
 # inside one run, the run with the longest item given one more split at a time within GEMV_WAVES waves of the
@@ -421,7 +419,7 @@ class _Launch:
     def gemv_plan(self, m: int) -> _Plan:
         """GEMV kernel: split-K factor filling one wave of GEMV_MINB blocks of 256 columns per SM; per-run
         splits may add up to _MAX_RUNS more (the kernel shares the factor among width runs)."""
-        per_sm = GEMV_MINB if GEMV_MINB >= 2 else GEMV_BLOCKS_PER_SM if m == 1 else GEMV_BLOCKS_PER_SM_MULTI
+        per_sm = GEMV_MINB if GEMV_MINB >= 2 else GEMV_BLOCKS_PER_SM
         key = ("gemv", m, GEMV_MINB, per_sm)
         if key not in self._plans:
             ncol = [-(-p.Np // _GEMV_COLS) for p in self.parts]

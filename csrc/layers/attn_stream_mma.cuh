@@ -1,8 +1,8 @@
 // The tensor-core step of the streamed decode attention over one 16-token chunk held as fp16 rows in shared memory
-// (row pitch 2,064 bytes: one token's 8 kv heads x 128 dims + 16), shared by the kernel over fp16 pages
-// (paged_attention_stream_mma.cu: the ring's stage itself) and the one over code pages
-// (paged_attention_stream_mma_quant.cu: each chunk dequantized into such rows first). Per warp (= kv head) and
-// chunk: S = Q K^T (q in registers, K by ldmatrix, 16 mma), the online softmax, O^T += V^T P^T (V by
+// (row pitch 2,064 bytes: one token's 8 kv heads x 128 dims + 16), for the kernel over fp16 pages
+// (paged_attention_stream_mma.cu: the ring's stage itself); its fragment helpers and state also serve the one
+// over code pages (paged_attention_stream_mma_quant.cu: each chunk dequantized into such rows first). Per warp
+// (= kv head) and chunk: S = Q K^T (q in registers, K by ldmatrix, 16 mma), the online softmax, O^T += V^T P^T (V by
 // ldmatrix.trans, P as fp16 hi + residue: 16 mma per half). Layouts: paged_attention_stream_mma.cu's header.
 #pragma once
 

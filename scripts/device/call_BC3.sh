@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Device call BC3 (session 36; carry .whl and .dev/libexl2_kernels.so.gz; ~560 s). The streamed attention over code
+# Device call BC3 (session 36, run again as BC4 with two warps per kv head; carry .whl and .dev/libexl2_kernels.so.gz; ~560 s). The streamed attention over code
 # pages on tensor cores (csrc/layers/paged_attention_stream_mma_quant.cu, EXL2_BACKEND_ATTN_STREAM_QUANT=1, off):
 #  1. Its GPU tests (q8 / q6 / q4 / fp8 pages, 1 / 2 / 4 / 8 query heads per kv head, one split or many, 33k keys),
 #     the fp16 streamed kernel's (its chunk step now in attn_stream_mma.cuh) and the kv-quant kernel suite with the
@@ -8,7 +8,7 @@
 #  3. bench 1k / 32k for q8 and q4 with and without it, and fp16 (the refactored fp16 kernel's figures).
 export EXL2_CARRIED_LIBRARY=1
 source scripts/device/common.sh
-begin_call bc3
+begin_call ${BC_NAME:-bc3}
 nvidia-smi --query-gpu=name,memory.total,clocks.max.sm --format=csv,noheader
 L=${BC3_LIMIT:-560}
 gpu_tests stream 100 -n 8 tests/kernels/test_paged_attention_stream.py

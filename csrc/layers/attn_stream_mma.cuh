@@ -1,8 +1,8 @@
 // The tensor-core step of the streamed decode attention over one 16-token chunk held as fp16 rows in shared memory
 // (row pitch 2,064 bytes: one token's 8 kv heads x 128 dims + 16), for the kernel over fp16 pages
 // (paged_attention_stream_mma.cu: the ring's stage itself); its fragment helpers and state also serve the one
-// over code pages (paged_attention_stream_mma_quant.cu: each chunk dequantized into such rows first). Per warp
-// (= kv head) and chunk: S = Q K^T (q in registers, K by ldmatrix, 16 mma), the online softmax, O^T += V^T P^T (V by
+// over code pages (paged_attention_stream_mma_quant.cu: each chunk's K, then its V dequantized into such rows).
+// Per warp (= kv head) and chunk: S = Q K^T (q in registers, K by ldmatrix, 16 mma), the online softmax, O^T += V^T P^T (V by
 // ldmatrix.trans, P as fp16 hi + residue: 16 mma per half). Layouts: paged_attention_stream_mma.cu's header.
 #pragma once
 
@@ -67,13 +67,21 @@ __device__ __forceinline__ uint32_t stream_mma_lane_offset(int h, int lane) {
   return (uint32_t)((8 * (mi >> 1) + (lane & 7)) * kSmRowPitch + h * kSmD * 2 + 8 * (mi & 1) * 2);
 }
 
-// One chunk at tokens tc.. (K rows at kaddr, V rows at vaddr: shared addresses plus the lane's offset; V rows past
-// the valid tokens must hold finite values): qa the lane's q fragments [half][16-dim step][dims 2 t4, +1 |
-// 8 + 2 t4, +1], lim each half's key limit (keys at or past it score -inf).
+// The probabilities of one chunk as the second product's B fragments (tokens 2 t4, +1 of each 8-token tile, hi +
+// residue) and the rescale factors of O^T's columns (rows 2 t4, 2 t4 + 1 of each half).
 template <int HALVES>
-__device__ __forceinline__ void stream_mma_chunk(const uint32_t (&qa)[HALVES][kSmD / 16][2], uint32_t kaddr,
-                                                 uint32_t vaddr, int tc, const int (&lim)[HALVES], float scale_log2,
-                                                 StreamMmaAcc<HALVES>& acc) {
+struct StreamMmaP {
+  uint32_t bh[HALVES][2], bl[HALVES][2];
+  float a_even[HALVES], a_odd[HALVES];
+};
+
+// A chunk's scores at tokens tc.. (K rows at kaddr: a shared address plus the lane's offset) and the online
+// softmax: qa the lane's q fragments [half][16-dim step][dims 2 t4, +1 | 8 + 2 t4, +1], lim each half's key limit
+// (keys at or past it score -inf). Updates acc's running max and sums; returns what stream_mma_values needs.
+template <int HALVES>
+__device__ __forceinline__ StreamMmaP<HALVES> stream_mma_scores(const uint32_t (&qa)[HALVES][kSmD / 16][2],
+                                                                uint32_t kaddr, int tc, const int (&lim)[HALVES],
+                                                                float scale_log2, StreamMmaAcc<HALVES>& acc) {
   const int lane = threadIdx.x & 31, t4 = lane & 3;
   float sc[2][4] = {{0.f, 0.f, 0.f, 0.f}, {0.f, 0.f, 0.f, 0.f}};  // S: [token tile][c0..c3]
 #pragma unroll
@@ -83,8 +91,7 @@ __device__ __forceinline__ void stream_mma_chunk(const uint32_t (&qa)[HALVES][kS
     exl2::mma16816(sc[0], qa[0][kk][0], a1, qa[0][kk][1], a3, kb.x, kb.y);
     exl2::mma16816(sc[1], qa[0][kk][0], a1, qa[0][kk][1], a3, kb.z, kb.w);
   }
-  uint32_t bh[HALVES][2], bl[HALVES][2];  // P^T's B fragments per half (tokens 2 t4, +1 of each tile), hi + residue
-  float a_even[HALVES], a_odd[HALVES];    // rescale factors of O^T's columns: rows 2 t4, 2 t4 + 1 of the half
+  StreamMmaP<HALVES> P;
 #pragma unroll
   for (int hf = 0; hf < HALVES; ++hf) {
     // row 16 z + 8 hf + gid's scores of tokens 8 nt + 2 t4 + e: c0, c1 (half 0) or c2, c3 (half 1)
@@ -113,26 +120,42 @@ __device__ __forceinline__ void stream_mma_chunk(const uint32_t (&qa)[HALVES][kS
     acc.l[hf] = fmaf(acc.l[hf], alpha, psum);
 #pragma unroll
     for (int nt = 0; nt < 2; ++nt) {
-      bh[hf][nt] = pack_half2(pr[nt][0], pr[nt][1]);
-      const float2 hv = unpack_half2(bh[hf][nt]);
-      bl[hf][nt] = pack_half2(pr[nt][0] - hv.x, pr[nt][1] - hv.y);
+      P.bh[hf][nt] = pack_half2(pr[nt][0], pr[nt][1]);
+      const float2 hv = unpack_half2(P.bh[hf][nt]);
+      P.bl[hf][nt] = pack_half2(pr[nt][0] - hv.x, pr[nt][1] - hv.y);
     }
-    a_even[hf] = __shfl_sync(0xffffffffu, alpha, 8 * t4);  // the lanes holding rows 2 t4, 2 t4 + 1
-    a_odd[hf] = __shfl_sync(0xffffffffu, alpha, 8 * t4 + 4);
+    P.a_even[hf] = __shfl_sync(0xffffffffu, alpha, 8 * t4);  // the lanes holding rows 2 t4, 2 t4 + 1
+    P.a_odd[hf] = __shfl_sync(0xffffffffu, alpha, 8 * t4 + 4);
   }
+  return P;
+}
+
+// O^T = O^T * alpha + V^T P^T for the chunk's V rows at vaddr (the lane's offset included; rows past the valid
+// tokens must hold finite values).
+template <int HALVES>
+__device__ __forceinline__ void stream_mma_values(uint32_t vaddr, const StreamMmaP<HALVES>& P,
+                                                  StreamMmaAcc<HALVES>& acc) {
 #pragma unroll
   for (int mt = 0; mt < kSmD / 16; ++mt) {
     const uint4 va = ldsm_x4_trans(vaddr + mt * 32);
 #pragma unroll
     for (int hf = 0; hf < HALVES; ++hf) {
-      acc.o[hf][mt][0] *= a_even[hf];
-      acc.o[hf][mt][1] *= a_odd[hf];
-      acc.o[hf][mt][2] *= a_even[hf];
-      acc.o[hf][mt][3] *= a_odd[hf];
-      exl2::mma16816(acc.o[hf][mt], va.x, va.y, va.z, va.w, bh[hf][0], bh[hf][1]);
-      exl2::mma16816(acc.o[hf][mt], va.x, va.y, va.z, va.w, bl[hf][0], bl[hf][1]);
+      acc.o[hf][mt][0] *= P.a_even[hf];
+      acc.o[hf][mt][1] *= P.a_odd[hf];
+      acc.o[hf][mt][2] *= P.a_even[hf];
+      acc.o[hf][mt][3] *= P.a_odd[hf];
+      exl2::mma16816(acc.o[hf][mt], va.x, va.y, va.z, va.w, P.bh[hf][0], P.bh[hf][1]);
+      exl2::mma16816(acc.o[hf][mt], va.x, va.y, va.z, va.w, P.bl[hf][0], P.bl[hf][1]);
     }
   }
+}
+
+// One chunk: its scores, then its values (K rows at kaddr, V rows at vaddr).
+template <int HALVES>
+__device__ __forceinline__ void stream_mma_chunk(const uint32_t (&qa)[HALVES][kSmD / 16][2], uint32_t kaddr,
+                                                 uint32_t vaddr, int tc, const int (&lim)[HALVES], float scale_log2,
+                                                 StreamMmaAcc<HALVES>& acc) {
+  stream_mma_values<HALVES>(vaddr, stream_mma_scores<HALVES>(qa, kaddr, tc, lim, scale_log2, acc), acc);
 }
 #endif
 

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Device call BC3 (session 36, run again as BC4 with two warps per kv head; carry .whl and .dev/libexl2_kernels.so.gz; ~560 s). The streamed attention over code
+# Device call BC3 (session 36; run again as BC4 (two warps per kv head) and BC5 (one work area for K then V); carry .whl and .dev/libexl2_kernels.so.gz; ~560 s). The streamed attention over code
 # pages on tensor cores (csrc/layers/paged_attention_stream_mma_quant.cu, EXL2_BACKEND_ATTN_STREAM_QUANT=1, off):
 #  1. Its GPU tests (q8 / q6 / q4 / fp8 pages, 1 / 2 / 4 / 8 query heads per kv head, one split or many, 33k keys),
 #     the fp16 streamed kernel's (its chunk step now in attn_stream_mma.cuh) and the kv-quant kernel suite with the

@@ -195,11 +195,23 @@ __global__ void __launch_bounds__(kThreads, 1) paged_attention_stream_mma_quant_
   // where the keys are; gid = lane / 4 (a row of S, a dim of O^T), t4 = lane % 4.
   const int h = warp, gid = lane >> 2, t4 = lane & 3, G = p.G;
   __half* qh = qs + h * kQRows * kSmD;  // [kQRows][128]
-  for (int i = 0; i < G * (kSmD / KV_GROUP); ++i) {  // (row, group) per step, a lane per dim: warp-uniform
-    const int r = i / (kSmD / KV_GROUP), d = (i % (kSmD / KV_GROUP)) * KV_GROUP + lane;
-    float x = __half2float(p.q[(int64_t)b * p.q_bs + (int64_t)(h * G + r) * p.q_hs + d]);
-    if constexpr (KVFormat<KF>::ROT) x = warp_fwht32(x);
-    qh[r * kSmD + d] = __float2half_rn(x);
+  {
+    // (row, group) items, a lane per dim: every load in flight first (one after another they were a fifth of the
+    // kernel at 32k, each an L2 round trip behind the streaming CTAs: ncu, H100 call BC6), then the rotations
+    constexpr int kItems = kQRows * (kSmD / KV_GROUP);
+    float x[kItems];
+#pragma unroll
+    for (int i = 0; i < kItems; ++i) {
+      const int r = i / (kSmD / KV_GROUP), d = (i % (kSmD / KV_GROUP)) * KV_GROUP + lane;
+      x[i] = r < G ? __half2float(p.q[(int64_t)b * p.q_bs + (int64_t)(h * G + r) * p.q_hs + d]) : 0.f;
+    }
+#pragma unroll
+    for (int i = 0; i < kItems; ++i) {
+      const int r = i / (kSmD / KV_GROUP), d = (i % (kSmD / KV_GROUP)) * KV_GROUP + lane;
+      if (r >= G) break;  // warp-uniform
+      if constexpr (KVFormat<KF>::ROT) x[i] = warp_fwht32(x[i]);
+      qh[r * kSmD + d] = __float2half_rn(x[i]);
+    }
   }
   __syncwarp();
   uint32_t qa[1][kSmD / 16][2];

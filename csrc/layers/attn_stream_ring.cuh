@@ -1,37 +1,15 @@
-// What the streamed decode attention kernels share (paged_attention_stream.cu on CUDA cores,
-// paged_attention_stream_mma.cu and paged_attention_stream_mma_quant.cu on tensor cores): a stage's layout over code
-// pages, the ring's barriers, a split's token range and the output of an unused split. A CTA takes one split of one sequence for all its kv heads (grid (nsplit, B)).
+// What the two streamed decode attention kernels share (paged_attention_stream.cu on CUDA cores,
+// paged_attention_stream_mma.cu on tensor cores): the ring's barriers, a split's token range and the output of an
+// unused split. A CTA takes one split of one sequence for all its kv heads (grid (nsplit, B)).
 #pragma once
 
 #include <cuda_fp16.h>
 
 #include "common/bulk_copy.cuh"
-#include "layers/kv_quant.cuh"
 #include "layers/paged_attention_quant.cuh"
 
 namespace exl2 {
 namespace layers {
-
-constexpr int kStreamRingD = 128;     // head dim of the streamed kernels
-constexpr int kStreamRingChunk = 16;  // tokens per ring stage (page sizes are powers of two >= 16)
-
-// Whether pages of format F (kFmtF16: fp16 pages, else a KVFmt code) come with group scales.
-template <int F>
-constexpr bool kScaled = F != kFmtF16;
-
-// Bytes of one stage: K codes, K scales, V codes, V scales of kStreamRingChunk tokens (each a multiple of 16).
-template <int KF, int VF>
-struct StageLayout {
-  int k_codes, k_scales, v_codes, v_scales, total;
-  __host__ __device__ StageLayout(int hkv) {
-    const int scales = kStreamRingChunk * hkv * (kStreamRingD / KV_GROUP) * 2;
-    k_codes = kStreamRingChunk * hkv * kStreamRingD * KVFormat<KF>::BITS / 8;
-    k_scales = kScaled<KF> ? scales : 0;
-    v_codes = kStreamRingChunk * hkv * kStreamRingD * KVFormat<VF>::BITS / 8;
-    v_scales = kScaled<VF> ? scales : 0;
-    total = k_codes + k_scales + v_codes + v_scales;
-  }
-};
 
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
 // `stages` barrier pairs: full[s] (the producer's one arrival + its copies' bytes) at full0 + 8 s, empty[s] (one

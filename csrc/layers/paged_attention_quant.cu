@@ -367,8 +367,7 @@ int launch_paged_attention_quant_reduce(const QAttnParams& p, bool rot, int D, i
 // most max_row_tile (4, 8 or 16) rows each; use_mma bits 0-1 = 1..3 select the tensor-core kernel (row tiles of 8,
 // paged_attention_quant_mma.cu; its variant (use_mma & 3) - 1), bits 2-3 its stages in shared memory (0, or 2 / 3
 // with a one-pass variant), bits 4-5 row tiles per CTA (0 or 1: one; 2 / 3 with 2 stages); use_mma 64 alone: the
-// streamed kernel (paged_attention_stream.cu: decode steps, D = 128, sm_90+); 65: the same on tensor cores where it
-// takes the shapes (paged_attention_stream_mma_quant.cu: 8 kv heads).
+// streamed kernel (paged_attention_stream.cu: decode steps, D = 128, sm_90+).
 EXL2_API int exl2_paged_attention_quant(const void* q, int64_t q_bs, int64_t q_ts, int64_t q_hs, const void* k_codes,
                                         const void* k_scales, const void* v_codes, const void* v_scales, int k_fmt,
                                         int v_fmt, const int32_t* block_tables, int64_t bt_stride,
@@ -406,10 +405,8 @@ EXL2_API int exl2_paged_attention_quant(const void* q, int64_t q_bs, int64_t q_t
   p.Hkv = (int)Hkv;
   p.G = (int)(Hq / Hkv);
   p.R = (int)(p.G * Tq);
-  EXL2_REQUIRE(use_mma == 64 || use_mma == 65 ||
-                   (use_mma >= 0 && use_mma < 64 && ((use_mma & 3) != 0 || use_mma == 0)),
-               "paged_attention_quant: use_mma %d (kernel code 0..3, stages << 2, tiles << 4; or 64 / 65 alone)",
-               use_mma);
+  EXL2_REQUIRE(use_mma == 64 || (use_mma >= 0 && use_mma < 64 && ((use_mma & 3) != 0 || use_mma == 0)),
+               "paged_attention_quant: use_mma %d (kernel code 0..3, stages << 2, tiles << 4; or 64 alone)", use_mma);
   p.nsplit = (int)nsplit;
   p.min_split = (int)min_split;
   int log2S = 0;
@@ -422,9 +419,9 @@ EXL2_API int exl2_paged_attention_quant(const void* q, int64_t q_bs, int64_t q_t
   p.part_o = workspace;
   p.part_ml = workspace == nullptr ? nullptr : workspace + B * Tq * Hq * nsplit * D;
   EXL2_REQUIRE(nsplit == 1 || workspace != nullptr, "paged_attention_quant: workspace required for nsplit > 1");
-  if (use_mma == 64 || use_mma == 65) {  // the streamed kernel (paged_attention_stream.cu), its own shape checks
+  if (use_mma == 64) {  // the streamed kernel (paged_attention_stream.cu), with its own shape checks
     p.row_tiles = 1;
-    return launch_paged_attention_stream(p, k_fmt, v_fmt, (int)D, (int)B, stream, use_mma == 65);
+    return launch_paged_attention_stream(p, k_fmt, v_fmt, (int)D, (int)B, stream);
   }
   const int stages = (use_mma >> 2) & 3, tiles = use_mma >> 4 ? use_mma >> 4 : 1;
   use_mma &= 3;

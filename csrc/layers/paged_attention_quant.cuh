@@ -49,17 +49,11 @@ int launch_paged_attention_quant_mma(const QAttnParams& p, int k_fmt, int v_fmt,
 // The streamed decode attention (paged_attention_stream.cu: Tq = 1, D = 128, all kv heads of a split per CTA, bulk
 // copies into a shared-memory ring) over fp16 pages (both formats kFmtF16) or code pages, then its reduce launch;
 // p.row_tiles unused.
-// codes_mma: code pages over 8 kv heads on tensor cores (paged_attention_stream_mma_quant.cu) instead.
-int launch_paged_attention_stream(const QAttnParams& p, int k_fmt, int v_fmt, int D, int B, cudaStream_t stream,
-                                  bool codes_mma = false);
+int launch_paged_attention_stream(const QAttnParams& p, int k_fmt, int v_fmt, int D, int B, cudaStream_t stream);
 // Whether the streamed attention takes these pages on tensor cores (paged_attention_stream_mma.cu: fp16 pages, 8 kv
 // heads, 1 / 2 / 4 / 8 query heads per kv head, decode steps), and that kernel's launch (its reduce is the caller's).
 bool stream_mma_takes(int k_fmt, int v_fmt, const QAttnParams& p);
 int launch_paged_attention_stream_mma(const QAttnParams& p, int B, cudaStream_t stream);
-// The same over code pages (paged_attention_stream_mma_quant.cu: q8 / q6 / q4 / fp8 pairs, 8 kv heads, 1 / 2 / 4 / 8
-// query heads per kv head, decode steps only), and its launch (its reduce is the caller's).
-bool stream_mma_quant_takes(int k_fmt, int v_fmt, const QAttnParams& p);
-int launch_paged_attention_stream_mma_quant(const QAttnParams& p, int k_fmt, int v_fmt, int B, cudaStream_t stream);
 // The split combination into p.out (paged_attention_quant.cu; nothing when nsplit == 1); rot: V rotated (int
 // formats) -> the sums are rotated back.
 int launch_paged_attention_quant_reduce(const QAttnParams& p, bool rot, int D, int B, cudaStream_t stream);

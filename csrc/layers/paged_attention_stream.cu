@@ -34,8 +34,8 @@ namespace exl2 {
 namespace layers {
 namespace {
 
-constexpr int kStreamD = kStreamRingD;
-constexpr int kStreamChunk = kStreamRingChunk;
+constexpr int kStreamD = 128;
+constexpr int kStreamChunk = 16;  // tokens per ring stage (page sizes are powers of two >= 16)
 constexpr int kStreamWarps = 8;   // compute warps
 constexpr int kStreamThreads = (kStreamWarps + 1) * 32;
 constexpr int kStreamMaxStages = 8;
@@ -50,6 +50,24 @@ int stream_prefetch() {
   }();
   return v;
 }
+
+// Whether pages of format F (kFmtF16: fp16 pages, else a KVFmt code) come with group scales.
+template <int F>
+constexpr bool kScaled = F != kFmtF16;
+
+// Bytes of one stage: K codes, K scales, V codes, V scales of kStreamChunk tokens (every region a multiple of 16).
+template <int KF, int VF>
+struct StageLayout {
+  int k_codes, k_scales, v_codes, v_scales, total;
+  __host__ __device__ StageLayout(int hkv) {
+    const int scales = kStreamChunk * hkv * (kStreamD / KV_GROUP) * 2;
+    k_codes = kStreamChunk * hkv * kStreamD * KVFormat<KF>::BITS / 8;
+    k_scales = kScaled<KF> ? scales : 0;
+    v_codes = kStreamChunk * hkv * kStreamD * KVFormat<VF>::BITS / 8;
+    v_scales = kScaled<VF> ? scales : 0;
+    total = k_codes + k_scales + v_codes + v_scales;
+  }
+};
 
 // Staged q: fp32 [Hq][D] after the ring, for code pages (rotated there for rotated K formats).
 template <int KF>
@@ -389,16 +407,14 @@ int launch_formats(const QAttnParams& p, int B, cudaStream_t stream) {
 // a decode step (Tq == 1), D = 128, G = Hq / Hkv in {1, 2, 4}, Hkv in {2, 4, 8}, on sm_90+, over fp16 pages
 // (k_fmt = v_fmt = kFmtF16) or code pages (the kv_quant_write pairs); its reduce launch when nsplit > 1. `a` holds
 // the other kernels' parameters (part_o / part_ml laid out as theirs).
-int launch_paged_attention_stream(const QAttnParams& a, int k_fmt, int v_fmt, int D, int B, cudaStream_t stream,
-                                  bool codes_mma) {
+int launch_paged_attention_stream(const QAttnParams& a, int k_fmt, int v_fmt, int D, int B, cudaStream_t stream) {
   const bool mma = D == kStreamD && stream_mma_takes(k_fmt, v_fmt, a);  // fp16 pages over 8 kv heads: tensor cores
-  const bool mma_q = codes_mma && D == kStreamD && stream_mma_quant_takes(k_fmt, v_fmt, a);  // code pages on them
   EXL2_REQUIRE(D == kStreamD && (a.Tq == 1 || mma),
                "paged_attention (stream): decode steps with head_dim 128 only (verify rows: fp16 pages over 8 kv "
                "heads, at most 64 rows per kv head)");
   EXL2_REQUIRE(a.Hkv == 2 || a.Hkv == 4 || a.Hkv == 8, "paged_attention (stream): %d kv heads (2, 4 or 8)", a.Hkv);
-  EXL2_REQUIRE(a.G == 1 || a.G == 2 || a.G == 4 || ((mma || mma_q) && a.G == 8),
-               "paged_attention (stream): %d query heads per kv head (1, 2, 4; 8 over 8 kv heads on tensor cores)",
+  EXL2_REQUIRE(a.G == 1 || a.G == 2 || a.G == 4 || (mma && a.G == 8),
+               "paged_attention (stream): %d query heads per kv head (1, 2, 4; 8 for fp16 pages over 8 kv heads)",
                a.G);
   EXL2_REQUIRE(a.log2S >= 4, "paged_attention (stream): pages of at least %d tokens", kStreamChunk);
   EXL2_REQUIRE(a.min_split >= kStreamChunk && a.min_split % kStreamChunk == 0,  // no chunk straddles two splits
@@ -416,7 +432,6 @@ int launch_paged_attention_stream(const QAttnParams& a, int k_fmt, int v_fmt, in
   p.prefetch = stream_prefetch();
   int st;
   if (mma) st = launch_paged_attention_stream_mma(p, B, stream);
-  else if (mma_q) st = launch_paged_attention_stream_mma_quant(p, k_fmt, v_fmt, B, stream);
   else if (k_fmt == kFmtF16 && v_fmt == kFmtF16) st = launch_formats<kFmtF16, kFmtF16>(p, B, stream);
   else if (k_fmt == kFmtI8 && v_fmt == kFmtI8) st = launch_formats<kFmtI8, kFmtI8>(p, B, stream);
   else if (k_fmt == kFmtI4 && v_fmt == kFmtI4) st = launch_formats<kFmtI4, kFmtI4>(p, B, stream);

@@ -25,7 +25,6 @@
 #include "common/bulk_copy.cuh"
 #include "common/mma.cuh"
 #include "common/pdl.cuh"
-#include "layers/attn_stream_mma.cuh"
 #include "layers/attn_stream_ring.cuh"
 #include "layers/paged_attention_quant.cuh"
 
@@ -33,17 +32,38 @@ namespace exl2 {
 namespace layers {
 namespace {
 
-constexpr int kD = kSmD;
-constexpr int kHkv = kSmHkv;
-constexpr int kChunk = kSmChunk;                    // tokens per ring stage
+constexpr int kD = 128;
+constexpr int kHkv = 8;
+constexpr int kChunk = 16;                          // tokens per ring stage
 constexpr int kWarps = kHkv;                        // compute warps, one per kv head
 constexpr int kThreads = (kWarps + 1) * 32;         // + the producer warp
-constexpr int kRowBytes = kSmRowBytes;              // 2,048: one token's K (or V) row of all heads in the page
-constexpr int kRowPitch = kSmRowPitch;              // its row in shared memory
-constexpr int kStageBytes = kSmChunkBytes;          // K rows, then V rows: 66,048
+constexpr int kRowBytes = kHkv * kD * 2;            // 2,048: one token's K (or V) row of all heads in the page
+constexpr int kRowPitch = kRowBytes + 16;           // its row in shared memory
+constexpr int kStageBytes = 2 * kChunk * kRowPitch;  // K rows, then V rows: 66,048
 constexpr int kStages = 3;                          // 198,144 bytes of ring
 constexpr int kMaxRows = 64;                        // query rows per kv head (G x Tq): at most 4 tiles of 16
 
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+__device__ __forceinline__ uint4 ldsm_x4(uint32_t addr) {
+  uint4 r;
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];"
+               : "=r"(r.x), "=r"(r.y), "=r"(r.z), "=r"(r.w) : "r"(addr));
+  return r;
+}
+__device__ __forceinline__ uint4 ldsm_x4_trans(uint32_t addr) {
+  uint4 r;
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];"
+               : "=r"(r.x), "=r"(r.y), "=r"(r.z), "=r"(r.w) : "r"(addr));
+  return r;
+}
+__device__ __forceinline__ uint32_t pack_half2(float lo, float hi) {
+  const __half2 h = __floats2half2_rn(lo, hi);
+  return *reinterpret_cast<const uint32_t*>(&h);
+}
+__device__ __forceinline__ float2 unpack_half2(uint32_t u) {
+  return __half22float2(*reinterpret_cast<const __half2*>(&u));
+}
+#endif
 
 // HALVES: 1 for decode steps (R = G <= 8 rows per kv head, one 8-row half of the 16-row tile), 2 for verify steps
 // (R = G * Tq rows in tiles of 16, blockIdx.z the tile).
@@ -117,9 +137,19 @@ __global__ void __launch_bounds__(kThreads, 1) paged_attention_stream_mma_kernel
       for (int u = 0; u < 2; ++u)
         qa[hf][kk][u] = real ? __ldg(reinterpret_cast<const unsigned int*>(qrow + 16 * kk + 8 * u + 2 * t4)) : 0u;
   }
-  StreamMmaAcc<HALVES> acc;
-  acc.init();
-  const uint32_t lane_off = stream_mma_lane_offset(h, lane);
+  float o[HALVES][kD / 16][4];  // O^T per half: [m-tile][c0 (dim gid, row 2 t4), c1 (row 2 t4 + 1), c2, c3 (dim +8)]
+#pragma unroll
+  for (int hf = 0; hf < HALVES; ++hf)
+#pragma unroll
+    for (int mt = 0; mt < kD / 16; ++mt) o[hf][mt][0] = o[hf][mt][1] = o[hf][mt][2] = o[hf][mt][3] = 0.f;
+  float m[HALVES], l[HALVES];  // the lane's rows' running max (log2 units) and this lane's share of their sums
+#pragma unroll
+  for (int hf = 0; hf < HALVES; ++hf) m[hf] = -INFINITY, l[hf] = 0.f;
+  // ldmatrix lane address within a stage region: matrix mi = lane / 8 holds tokens 8 (mi >> 1) + lane % 8 and the
+  // 8 dims from 8 (mi & 1) of a 16-dim step; the same pattern serves K (B fragments of two 8-token tiles) and V
+  // (transposed: A fragments of a 16-dim tile).
+  const int mi = lane >> 3;
+  const uint32_t lane_off = (uint32_t)((8 * (mi >> 1) + (lane & 7)) * kRowPitch + h * kD * 2 + 8 * (mi & 1) * 2);
   const uint32_t ring0 = exl2::smem_addr(ring);
   for (int c = 0; c < nch; ++c) {
     const int s = c % kStages;
@@ -135,7 +165,64 @@ __global__ void __launch_bounds__(kThreads, 1) paged_attention_stream_mma_kernel
     }
     const uint32_t kaddr = ring0 + (uint32_t)(s * kStageBytes) + lane_off;
     const uint32_t vaddr = kaddr + kChunk * kRowPitch;
-    stream_mma_chunk<HALVES>(qa, kaddr, vaddr, tc, lim, p.scale_log2, acc);
+    float sc[2][4] = {{0.f, 0.f, 0.f, 0.f}, {0.f, 0.f, 0.f, 0.f}};  // S: [token tile][c0..c3]
+#pragma unroll
+    for (int kk = 0; kk < kD / 16; ++kk) {
+      const uint4 kb = ldsm_x4(kaddr + kk * 32);
+      const uint32_t a1 = HALVES == 2 ? qa[HALVES - 1][kk][0] : 0u, a3 = HALVES == 2 ? qa[HALVES - 1][kk][1] : 0u;
+      exl2::mma16816(sc[0], qa[0][kk][0], a1, qa[0][kk][1], a3, kb.x, kb.y);
+      exl2::mma16816(sc[1], qa[0][kk][0], a1, qa[0][kk][1], a3, kb.z, kb.w);
+    }
+    uint32_t bh[HALVES][2], bl[HALVES][2];  // P^T's B fragments per half (tokens 2 t4, +1 of each tile), hi + residue
+    float a_even[HALVES], a_odd[HALVES];    // rescale factors of O^T's columns: rows 2 t4, 2 t4 + 1 of the half
+#pragma unroll
+    for (int hf = 0; hf < HALVES; ++hf) {
+      // row 16 z + 8 hf + gid's scores of tokens 8 nt + 2 t4 + e: c0, c1 (half 0) or c2, c3 (half 1)
+      float x[2][2], mx = -INFINITY;
+#pragma unroll
+      for (int nt = 0; nt < 2; ++nt)
+#pragma unroll
+        for (int e = 0; e < 2; ++e) {
+          // keys past the row's limit (the split's end included: this masks NaN of stale K) score -inf
+          x[nt][e] = tc + 8 * nt + 2 * t4 + e < lim[hf] ? sc[nt][2 * hf + e] * p.scale_log2 : -INFINITY;
+          mx = fmaxf(mx, x[nt][e]);
+        }
+      mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
+      mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+      const float m_new = fmaxf(m[hf], mx), mu = m_new == -INFINITY ? 0.f : m_new;  // nothing seen yet: p = 0
+      const float alpha = exp2f(m[hf] - mu);
+      m[hf] = m_new;
+      float pr[2][2], psum = 0.f;
+#pragma unroll
+      for (int nt = 0; nt < 2; ++nt)
+#pragma unroll
+        for (int e = 0; e < 2; ++e) {
+          pr[nt][e] = exp2f(x[nt][e] - mu);
+          psum += pr[nt][e];
+        }
+      l[hf] = fmaf(l[hf], alpha, psum);
+#pragma unroll
+      for (int nt = 0; nt < 2; ++nt) {
+        bh[hf][nt] = pack_half2(pr[nt][0], pr[nt][1]);
+        const float2 hv = unpack_half2(bh[hf][nt]);
+        bl[hf][nt] = pack_half2(pr[nt][0] - hv.x, pr[nt][1] - hv.y);
+      }
+      a_even[hf] = __shfl_sync(0xffffffffu, alpha, 8 * t4);  // the lanes holding rows 2 t4, 2 t4 + 1
+      a_odd[hf] = __shfl_sync(0xffffffffu, alpha, 8 * t4 + 4);
+    }
+#pragma unroll
+    for (int mt = 0; mt < kD / 16; ++mt) {
+      const uint4 va = ldsm_x4_trans(vaddr + mt * 32);
+#pragma unroll
+      for (int hf = 0; hf < HALVES; ++hf) {
+        o[hf][mt][0] *= a_even[hf];
+        o[hf][mt][1] *= a_odd[hf];
+        o[hf][mt][2] *= a_even[hf];
+        o[hf][mt][3] *= a_odd[hf];
+        exl2::mma16816(o[hf][mt], va.x, va.y, va.z, va.w, bh[hf][0], bh[hf][1]);
+        exl2::mma16816(o[hf][mt], va.x, va.y, va.z, va.w, bl[hf][0], bl[hf][1]);
+      }
+    }
     if (nvalid < kChunk) asm volatile("fence.proxy.async.shared::cta;" ::: "memory");  // zeroed rows -> copies
     __syncwarp();
     if (lane == 0) exl2::mbar_arrive(empty0 + 8 * s);  // this warp is done with the stage
@@ -144,13 +231,13 @@ __global__ void __launch_bounds__(kThreads, 1) paged_attention_stream_mma_kernel
 #pragma unroll
   for (int hf = 0; hf < HALVES; ++hf) {
     // the row's sum over its 4 lanes; then each lane's two output rows' (m, l)
-    acc.l[hf] += __shfl_xor_sync(0xffffffffu, acc.l[hf], 1);
-    acc.l[hf] += __shfl_xor_sync(0xffffffffu, acc.l[hf], 2);
+    l[hf] += __shfl_xor_sync(0xffffffffu, l[hf], 1);
+    l[hf] += __shfl_xor_sync(0xffffffffu, l[hf], 2);
 #pragma unroll
     for (int e = 0; e < 2; ++e) {
       const int r = 16 * blockIdx.z + 8 * hf + 2 * t4 + e;
-      const float mg = __shfl_sync(0xffffffffu, acc.m[hf], 8 * t4 + 4 * e);
-      const float lg = __shfl_sync(0xffffffffu, acc.l[hf], 8 * t4 + 4 * e);
+      const float mg = __shfl_sync(0xffffffffu, m[hf], 8 * t4 + 4 * e);
+      const float lg = __shfl_sync(0xffffffffu, l[hf], 8 * t4 + 4 * e);
       if (r >= p.R) continue;
       const int64_t prow = ((int64_t)b * p.Tq + r / G) * p.Hq + h * G + r % G;
 #pragma unroll
@@ -158,7 +245,7 @@ __global__ void __launch_bounds__(kThreads, 1) paged_attention_stream_mma_kernel
 #pragma unroll
         for (int hi = 0; hi < 2; ++hi) {
           const int d = 16 * mt + gid + 8 * hi;
-          const float v = acc.o[hf][mt][2 * hi + e];
+          const float v = o[hf][mt][2 * hi + e];
           if (p.nsplit == 1) {
             p.out[prow * kD + d] = __float2half_rn(lg > 0.f ? v / lg : 0.f);
           } else {

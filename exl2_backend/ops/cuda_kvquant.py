@@ -79,7 +79,6 @@ def quant_attention_ctas(k_fmt: str, v_fmt: str, rows: int = 1) -> int:
 
 
 _STREAM_CODE = 64  # exl2_paged_attention_quant's use_mma for the streamed kernel (alone)
-_STREAM_MMA_CODE = 65  # the same on tensor cores (8 kv heads: cuda_layers.stream_codes_on_tensor_cores)
 
 
 def _quant_kernel_code(k_fmt: str, v_fmt: str, rows: int) -> int:
@@ -252,10 +251,9 @@ def paged_attention_quant(q: torch.Tensor, k_codes: torch.Tensor, k_scales: torc
     dev_index = _device_index(q.device)
     rows = (hq // hkv) * tq
     streamed = cuda_layers.attn_streamed(q.shape, (p, s, hkv, d), q.device, fp16_pages=False)
-    if streamed:  # ATTN_STREAM / ATTN_STREAM_QUANT: one CTA per split for all kv heads (paged_attention_stream.cu)
+    if streamed:  # cuda_layers.ATTN_STREAM: one CTA per split for all kv heads (paged_attention_stream.cu)
         nsplit = num_splits or cuda_layers.stream_splits(b, max_ctx, _num_sms(dev_index), rows=rows)
-        code = _STREAM_MMA_CODE if cuda_layers.stream_codes_on_tensor_cores(q.shape, (p, s, hkv, d)) else _STREAM_CODE
-        min_split = cuda_layers.stream_min_split(rows)
+        code, min_split = _STREAM_CODE, cuda_layers.stream_min_split(rows)
     else:
         tiled = ATTN_QUANT_MMA  # the tensor-core kernel's row tiles of 8, some per CTA
         nsplit = num_splits or attention_splits(b, tq, hq, hkv, max_ctx, _num_sms(dev_index),

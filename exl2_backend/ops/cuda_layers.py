@@ -282,11 +282,6 @@ ATTN_STREAM_FP16 = os.environ.get("EXL2_BACKEND_ATTN_STREAM_FP16", "1") != "0"
 # 2026-12-06 (8B at 1k, spec_bench, interleaved twice): k = 4 verify 1.316 / 1.318 -> 1.282 / 1.273 of a decode
 # step, k = 8 1.660 / 1.643 -> 1.576 / 1.589; its 71 GPU tests passed.
 ATTN_STREAM_VERIFY = os.environ.get("EXL2_BACKEND_ATTN_STREAM_VERIFY", "1") != "0"
-# Decode steps over code pages (q8, q6, q4, fp8) with 8 kv heads on the streamed kernel's tensor-core form
-# (csrc/layers/paged_attention_stream_mma_quant.cu: each chunk dequantized to fp16 rows, then the fp16 kernel's
-# step), instead of the register tensor-core kernel that is bound by its instructions there (~1.6 TB/s for q8 and
-# ~1.1 TB/s for q4 at 32k on an H100). EXL2_BACKEND_ATTN_STREAM_QUANT=1 takes it: off until measured on the device.
-ATTN_STREAM_QUANT = os.environ.get("EXL2_BACKEND_ATTN_STREAM_QUANT", "0") == "1"
 
 
 def _device_index(device: torch.device) -> int:
@@ -302,27 +297,16 @@ def _sm90(index: int) -> bool:
 def attn_streamed(q_shape, cache_shape, device: torch.device, fp16_pages: bool = True) -> bool:
     """Whether paged attention of these shapes (q [B, Tq, Hq, D], cache [P, S, Hkv, ...]; fp16 or code pages) runs
     the streamed kernel: ATTN_STREAM and the shapes it takes, or ATTN_STREAM_FP16 and its tensor-core shapes."""
-    if not (ATTN_STREAM or ATTN_STREAM_FP16 or ATTN_STREAM_QUANT):
+    if not (ATTN_STREAM or ATTN_STREAM_FP16):
         return False
     _, tq, hq, d = q_shape
     hkv = cache_shape[2]
     g = hq // hkv
     if d != 128 or tq < 1:
         return False
-    if fp16_pages and (ATTN_STREAM or ATTN_STREAM_FP16) and hkv == 8 and g in (1, 2, 4, 8):  # tensor cores
+    if fp16_pages and hkv == 8 and g in (1, 2, 4, 8):  # the tensor-core kernel
         return (tq == 1 or (ATTN_STREAM_VERIFY and g * tq <= 64)) and _sm90(_device_index(device))
-    if stream_codes_on_tensor_cores(q_shape, cache_shape, fp16_pages):
-        return _sm90(_device_index(device))
     return tq == 1 and ATTN_STREAM and hkv in (2, 4, 8) and g in (1, 2, 4) and _sm90(_device_index(device))
-
-
-def stream_codes_on_tensor_cores(q_shape, cache_shape, fp16_pages: bool = False) -> bool:
-    """Whether a streamed attention over code pages runs on tensor cores (ATTN_STREAM_QUANT: decode steps, head_dim
-    128, 8 kv heads, 1 / 2 / 4 / 8 query heads per kv head)."""
-    _, tq, hq, d = q_shape
-    hkv = cache_shape[2]
-    return (ATTN_STREAM_QUANT and not fp16_pages and tq == 1 and d == 128 and hkv == 8
-            and hq // hkv in (1, 2, 4, 8) and hq % hkv == 0)
 
 
 def stream_row_tiles(rows: int) -> int:

@@ -126,19 +126,17 @@ def test_write_many_tokens_prefill_chunk():
 
 
 @pytest.fixture(params=["mma", "mma_online", "mma_online2", "staged", "staged3", "staged_tiles", "cuda_core",
-                        "stream", "stream_mma"])
+                        "stream"])
 def attn_kernel(request, monkeypatch):
     """Every attention kernel: the tensor-core one with two passes, its one-pass variants in registers
     (cuda_layers.ATTN_MMA_ONLINE 1: one step of keys in flight per warp; 2: two) and with 2 or 3 steps staged in
     shared memory (ATTN_STAGED; 2 stages the default for code pages), one row tile per CTA or several sharing rings
     (ATTN_SHARED_TILES, the default for more than 8 rows per kv head), the CUDA-core one; and the streamed kernel
-    (ATTN_STREAM: decode steps of the shapes it takes, the others on the default route) and its tensor-core form
-    (ATTN_STREAM_QUANT: decode steps over 8 kv heads)."""
+    (ATTN_STREAM: decode steps of the shapes it takes, the others on the default route)."""
     from exl2_backend.ops import cuda_layers
 
     monkeypatch.setattr(cuda_layers, "ATTN_STREAM", request.param == "stream")
-    monkeypatch.setattr(cuda_layers, "ATTN_STREAM_QUANT", request.param == "stream_mma")
-    if request.param in ("stream", "stream_mma"):
+    if request.param == "stream":
         return request.param
 
     monkeypatch.setattr(kq(), "ATTN_QUANT_MMA", request.param != "cuda_core")

@@ -157,35 +157,3 @@ def test_verify_min_split(monkeypatch, min_split):
     monkeypatch.setattr(cl(), "ATTN_STREAM_VERIFY", True)
     monkeypatch.setattr(cl(), "ATTN_STREAM_VERIFY_MIN_SPLIT", min_split)
     check([5, 100, 1024, 7000], 5, 32, 8, 128, page=64)
-
-
-@pytest.mark.parametrize("kf,vf", [("e4m3", "e4m3"), ("int8", "int8"), ("int8", "int4"), ("int4", "int4")])
-@pytest.mark.parametrize("hq", [8, 16, 32, 64])
-def test_code_pages_on_tensor_cores(monkeypatch, kf, vf, hq):
-    """ATTN_STREAM_QUANT: code pages over 8 kv heads (1 / 2 / 4 / 8 query heads each) dequantized per chunk into
-    fp16 rows and run through the fp16 kernel's tensor-core step (paged_attention_stream_mma_quant.cu), with the
-    tolerance of test_kv_quant_kernels.check: partial chunks (the tokens past a split zeroed), pages of 16 / 64 /
-    256, one split (the kernel rotates V's sums back itself) or many (the reduce does)."""
-    from tests.kernels.test_kv_quant_kernels import check as check_codes
-
-    monkeypatch.setattr(cl(), "ATTN_STREAM", False)
-    monkeypatch.setattr(cl(), "ATTN_STREAM_QUANT", True)
-    assert cl().stream_codes_on_tensor_cores((1, 1, hq, 128), (1, 16, 8, 128))
-    assert cl().attn_streamed((1, 1, hq, 128), (1, 16, 8, 128), torch.device(DEV), fp16_pages=False)
-    check_codes([1, 15, 16, 17, 255, 257, 1000, 4097], 1, hq, 8, 128, kf, vf, page=16)
-    check_codes([3000, 40, 16], 1, hq, 8, 128, kf, vf, page=256, num_splits=1)
-    check_codes([3000, 40], 1, hq, 8, 128, kf, vf, page=64, num_splits=132)
-    check_codes([33000], 1, hq, 8, 128, kf, vf, page=256, seed=2)
-
-
-def test_code_pages_routing(monkeypatch):
-    """ATTN_STREAM_QUANT takes decode steps over 8 kv heads only (verify rows, other head counts and head dims keep
-    their routes) and leaves fp16 pages to their own switches."""
-    monkeypatch.setattr(cl(), "ATTN_STREAM", False)
-    monkeypatch.setattr(cl(), "ATTN_STREAM_FP16", False)
-    monkeypatch.setattr(cl(), "ATTN_STREAM_QUANT", True)
-    dev = torch.device(DEV)
-    assert cl().attn_streamed((1, 1, 32, 128), (1, 16, 8, 128), dev, fp16_pages=False)
-    assert not cl().attn_streamed((1, 1, 32, 128), (1, 16, 8, 128), dev)  # fp16 pages: ATTN_STREAM_FP16 is off
-    for q_shape, hkv in (((1, 5, 32, 128), 8), ((1, 1, 16, 128), 4), ((1, 1, 32, 64), 8), ((1, 1, 24, 128), 8)):
-        assert not cl().attn_streamed(q_shape, (1, 16, hkv, q_shape[3]), dev, fp16_pages=False), (q_shape, hkv)

@@ -6,7 +6,6 @@ eagerly and three times through the lookahead, alternating. Prints whether each 
 from __future__ import annotations
 
 import sys
-import tempfile
 
 import torch
 
@@ -22,19 +21,10 @@ def _max_diff(a: dict, b: dict) -> dict[str, float]:
 
 
 def main() -> int:
-    from exl2_backend.runtime import GenerationParams
-    from exl2_backend.sampling import SamplingParams
-    from tests.helpers.gpu_engine import small_gpu_engine
+    from scripts.device.debug_nucleus_lookahead import logprobs_case
     from tests.helpers.greedy_runs import run_batch
 
-    vocab = 40_000
-    eng = small_gpu_engine(tempfile.mkdtemp() + "/m", vocab, 11, max_seq_len=512, max_batch_size=4)
-    g = torch.Generator().manual_seed(7)
-    prompts = {sid: torch.randint(3, vocab - 1000, (n,), generator=g).tolist() for sid, n in {"k": 9, "l": 13}.items()}
-    params = {"k": GenerationParams(sampling=SamplingParams(temperature=0.9, top_p=0.95, seed=21), max_new_tokens=20,
-                                    ignore_eos=True, logprobs=3),
-              "l": GenerationParams(sampling=SamplingParams.greedy(), max_new_tokens=16, ignore_eos=True,
-                                    logprobs=0)}
+    eng, prompts, params = logprobs_case()
     runs: dict[bool, list] = {False: [], True: []}
     for _ in range(3):
         for mode in (False, True):

@@ -12,12 +12,12 @@ import torch
 sys.path.insert(0, ".")
 
 
-def main() -> int:
-    from exl2_backend.ops import reference
-    from exl2_backend.runtime import GenerationParams, sampler
+def logprobs_case():
+    """(engine, prompts, params) of the test's batch: a tiny random GPU engine, a sampled (top_p 0.95) sequence
+    with 3 logprobs and a greedy one with its token's logprob."""
+    from exl2_backend.runtime import GenerationParams
     from exl2_backend.sampling import SamplingParams
     from tests.helpers.gpu_engine import small_gpu_engine
-    from tests.helpers.greedy_runs import run_batch
 
     vocab = 40_000
     eng = small_gpu_engine(tempfile.mkdtemp() + "/m", vocab, 11, max_seq_len=512, max_batch_size=4)
@@ -27,6 +27,15 @@ def main() -> int:
                                     ignore_eos=True, logprobs=3),
               "l": GenerationParams(sampling=SamplingParams.greedy(), max_new_tokens=16, ignore_eos=True,
                                     logprobs=0)}
+    return eng, prompts, params
+
+
+def main() -> int:
+    from exl2_backend.ops import reference
+    from exl2_backend.runtime import sampler
+    from tests.helpers.greedy_runs import run_batch
+
+    eng, prompts, params = logprobs_case()
     calls: list = []
     inner = sampler.sample_tokens
 

@@ -2,8 +2,9 @@
 # Device call BC1 (session 36; carry .whl (with exllamav2 0.3.2) and .dev/libexl2_kernels.so.gz; ~560 s). The
 # library is session 35's (csrc/ == 603a2b9, C ABI 13). Measurements only:
 #  1. Session 35's BB1 (its call script folded in here): ncu --set full of the GEMV at M = 1 and M = 5 for down
-#     (14336 x 4096, 8/4-bit mix), gate/up (4096 x 14336, 4-bit) and q/o (4096 x 4096): where a k = 4 verify's GEMVs grow with M (+215 us over the
-#     decode step's 2,027 on the H100), stalls by code region (scripts/ncu_stalls.py).
+#     (14336 x 4096, 8/4-bit mix), gate/up (4096 x 14336, 4-bit) and q/o (4096 x 4096): where a k = 4 verify's
+#     GEMVs grow with M (+215 us over the decode step's 2,027 on the H100), stalls by code region
+#     (scripts/ncu_stalls.py).
 #  2. The flaky lookahead logprobs test: each mode three times (scripts/device/debug_lookahead_logprobs.py):
 #     does either mode repeat itself, and how far apart are they.
 #  3. Verify / decode step costs with the streamed attention's shortest split at 16 (default), 32 and 64 keys

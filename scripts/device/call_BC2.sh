@@ -4,10 +4,10 @@
 #  1. Verify steps cut short contexts into splits of at least ATTN_STREAM_VERIFY_MIN_SPLIT = 32 keys (decode steps
 #     keep 16; BC1, one run each: k = 4 verify 2.947 -> 2.883 ms). Its GPU tests (the streamed kernels, the new
 #     verify min-split test), the engine's speculation tests, then step costs default / 16 / 48 interleaved twice.
-#  2. Measurement switches for the GEMV at M > 1 (EXL2_BACKEND_GEMV_BLOCKS_PER_SM_MULTI: removed after this call) (a k = 4 verify's GEMVs take +215 us over the decode step's for
+#  2. Measurement switches for the GEMV at M > 1 (a k = 4 verify's GEMVs take +215 us over the decode step's for
 #     the same bytes), one spec_bench each: split-K aimed at 1.5 / 1 blocks per SM for M > 1
-#     (EXL2_BACKEND_GEMV_BLOCKS_PER_SM_MULTI), the row-slot gather (EXL2_GEMV_GATHER=rows), no pre-gather launch
-#     (EXL2_BACKEND_GEMV_PREGATHER_ITEMS=0).
+#     (EXL2_BACKEND_GEMV_BLOCKS_PER_SM_MULTI, removed after this call: it lost), the row-slot gather
+#     (EXL2_GEMV_GATHER=rows), no pre-gather launch (EXL2_BACKEND_GEMV_PREGATHER_ITEMS=0).
 export EXL2_CARRIED_LIBRARY=1
 source scripts/device/common.sh
 begin_call bc2

@@ -144,8 +144,9 @@ def test_staged_kernel_splits_aim_at_its_measured_ctas(monkeypatch, mode):
         ("16", True), ("48", True), ("4096", True), ("0", False), ("40", False), ("8192", False), ("x", False))],
 ])
 def test_min_split_override_is_checked(var, attr, value, ok):
-    """EXL2_BACKEND_ATTN_MIN_SPLIT and EXL2_BACKEND_ATTN_STREAM_MIN_SPLIT (read at import: a subprocess) set the
-    shortest split the planning cuts, or fail the import with a ValueError naming the variable."""
+    """EXL2_BACKEND_ATTN_MIN_SPLIT, EXL2_BACKEND_ATTN_STREAM_MIN_SPLIT and ..._STREAM_VERIFY_MIN_SPLIT (read at
+    import: a subprocess) set the shortest split the planning cuts, or fail the import with a ValueError naming the
+    variable."""
     import subprocess
     import sys
 

@@ -11,6 +11,11 @@ class Exl2Error(Exception):
     """Base class of every error raised on purpose by exl2_backend."""
 
 
+def error_line(exc: Exception) -> str:
+    """How a command reports a typed error on stderr before exiting with code 2 (the CLI, the server module)."""
+    return f"error: {type(exc).__name__}: {exc}"
+
+
 # --- model files -------------------------------------------------------------------------------------
 
 

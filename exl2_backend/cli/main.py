@@ -10,7 +10,7 @@ import sys
 from pydantic import ValidationError
 
 from exl2_backend._version import __version__
-from exl2_backend.errors import ConfigError, Exl2Error
+from exl2_backend.errors import ConfigError, Exl2Error, error_line
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -35,10 +35,10 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return int(args.func(args) or 0)
     except Exl2Error as exc:
-        print(f"error: {type(exc).__name__}: {exc}", file=sys.stderr)
+        print(error_line(exc), file=sys.stderr)
         return 2
     except ValidationError as exc:  # settings built from the arguments (LoadSettings, ...): name the field
-        print(f"error: ConfigError: {ConfigError.from_validation(exc)}", file=sys.stderr)
+        print(error_line(ConfigError.from_validation(exc)), file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         return 130

@@ -20,7 +20,7 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
-from exl2_backend.errors import ConfigError, EngineUnhealthyError, Exl2Error
+from exl2_backend.errors import ConfigError, EngineUnhealthyError, Exl2Error, error_line
 from exl2_backend.serve.schemas import ServeSettings
 
 _LITSERVE_HOSTS = ("0.0.0.0", "127.0.0.1", "::")
@@ -324,7 +324,7 @@ def _main(argv: list[str] | None = None) -> None:
     try:
         run_litserver(build_server(s), s.host, s.port, s.log_level)
     except Exl2Error as exc:  # as the CLI reports it
-        print(f"error: {type(exc).__name__}: {exc}", file=sys.stderr)
+        print(error_line(exc), file=sys.stderr)
         raise SystemExit(2) from None
     except KeyboardInterrupt:  # interrupted while starting (run_litserver stopped the worker)
         raise SystemExit(130) from None

@@ -21,6 +21,14 @@ def _group_alive(pgid: int) -> bool:
     return True
 
 
+def _group_gone(pgid: int, seconds: float) -> bool:
+    """Whether process group `pgid` is empty within `seconds` (bounded wait: the workers' shutdown)."""
+    deadline = time.monotonic() + seconds
+    while _group_alive(pgid) and time.monotonic() < deadline:
+        time.sleep(0.25)
+    return not _group_alive(pgid)
+
+
 def test_sigterm_to_the_main_process_stops_every_worker(default_model_dir):
     import httpx
 
@@ -32,10 +40,7 @@ def test_sigterm_to_the_main_process_stops_every_worker(default_model_dir):
         assert httpx.get(srv.base_url + "/health", timeout=30).status_code == 200
         os.kill(proc.pid, signal.SIGTERM)  # the leader only, not its group
         assert proc.wait(60) == 0  # LitServe's graceful path returned: a clean exit
-        deadline = time.monotonic() + 60
-        while _group_alive(proc.pid) and time.monotonic() < deadline:  # bounded: the workers' shutdown
-            time.sleep(0.25)
-        assert not _group_alive(proc.pid), "a worker of the stopped server is still running"
+        assert _group_gone(proc.pid, 60), "a worker of the stopped server is still running"
         with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
             s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # past TIME_WAIT; a listener still fails it
             s.bind((srv.settings.host, srv.settings.port))  # the API server released the port
@@ -75,10 +80,7 @@ def test_a_killed_inference_worker_stops_the_server_with_a_typed_error(default_m
         assert len(workers) == 1, _children(proc.pid)
         os.kill(workers[0], signal.SIGKILL)
         assert proc.wait(60) == 2
-        deadline = time.monotonic() + 60
-        while _group_alive(proc.pid) and time.monotonic() < deadline:
-            time.sleep(0.25)
-        assert not _group_alive(proc.pid)
+        assert _group_gone(proc.pid, 60)
         log = srv.log_tail(200)
         assert "error: EngineUnhealthyError: the inference worker died" in log, log
         assert "Traceback" not in log, log
@@ -106,10 +108,7 @@ def test_sigterm_while_the_worker_loads_stops_it_too(default_model_dir, tmp_path
             time.sleep(0.05)  # bounded: until the inference worker process exists
         os.kill(proc.pid, signal.SIGTERM)
         assert proc.wait(60) in (0, 130)
-        deadline = time.monotonic() + 60
-        while _group_alive(proc.pid) and time.monotonic() < deadline:
-            time.sleep(0.25)
-        assert not _group_alive(proc.pid)
+        assert _group_gone(proc.pid, 60)
         text = log.read_text(errors="replace")
         assert "Traceback" not in text, text
     finally:
@@ -201,10 +200,7 @@ def test_a_worker_that_fails_to_load_is_one_typed_line(tmp_path):
         assert proc.returncode == 2, err[-3000:]
         assert "error: EngineUnhealthyError: the inference worker failed to start" in err
         assert "CorruptFileError" in out + err, out[-3000:]  # the worker's own error, logged by LitServe
-        deadline = time.monotonic() + 30
-        while _group_alive(proc.pid) and time.monotonic() < deadline:
-            time.sleep(0.25)
-        assert not _group_alive(proc.pid)
+        assert _group_gone(proc.pid, 30)
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)

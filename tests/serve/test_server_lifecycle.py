@@ -120,6 +120,8 @@ def test_sigterm_while_the_worker_loads_stops_it_too(default_model_dir, tmp_path
 def test_a_port_in_use_is_a_typed_error_before_the_model_loads(tmp_path):
     """Another listener on the port: ConfigError naming the port at once (uvicorn found it only after the model
     had loaded), from run_server and through the CLI as one line (exit code 2)."""
+    import multiprocessing
+
     from exl2_backend.cli.main import main
     from exl2_backend.errors import ConfigError
     from exl2_backend.serve.server import free_port, run_server
@@ -128,14 +130,15 @@ def test_a_port_in_use_is_a_typed_error_before_the_model_loads(tmp_path):
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as taken:
         taken.bind(("127.0.0.1", port))
         taken.listen()
-        t0 = time.monotonic()
+        before = {p.pid for p in multiprocessing.active_children()}
         try:
             run_server(None, host="127.0.0.1", port=port)
         except ConfigError as exc:
             assert exc.field == "port" and f"127.0.0.1:{port}" in str(exc)
         else:
             raise AssertionError("run_server started on a port in use")
-        assert time.monotonic() - t0 < 10  # no model was loaded
+        # no model was loaded: LitServe started no process (its inference worker loads the model)
+        assert {p.pid for p in multiprocessing.active_children()} == before
         assert main(["serve", "--host", "127.0.0.1", "--port", str(port)]) == 2
 
 

@@ -228,7 +228,7 @@ __constant__ int kRowsK[kPhasesPerLayer] = {4096, 4096, 4096, 14336};
 __constant__ bool kNormInput[kPhasesPerLayer] = {true, false, true, false};
 constexpr int kScaleGroupRows = 128;  // rows per scale group (512 bytes of scales per group and column block)
 constexpr int kMaxItemRows = 1536;    // the largest gathered K slice (down: 14336 / 16 = 896 rows)
-enum Feature { kItems = 1, kFinish = 2, kScales = 4, kInputs = 8, kFixed = 16 };
+enum Feature { kItems = 1, kFinish = 2, kScales = 4, kInputs = 8, kFixed = 16, kLeft = 32 };
 constexpr int kPhaseRingOffset = 1024 + 2 * kMaxItemRows + 12288;  // 16 KB
 
 // One phase per launch, as the library runs a decode step (programmatic dependent launch, captured in a graph):
@@ -239,14 +239,19 @@ constexpr int kPhaseRingOffset = 1024 + 2 * kMaxItemRows + 12288;  // 16 KB
 //           column block's partials in split order and writes 256 outputs (the next phase's input);
 //   kScales the item's group scales staged by a bulk copy before the ring's first fill, waited for before the
 //           first chunk;
-//   kInputs the real inputs: q/k/v and gate/up load 24 KB (the norm's rows), o and down their K slice through the
-//           permutation (slice indices loaded before the wait, then one dependent 2-byte load per row);
+//   kInputs the real inputs: q/k/v and gate/up load 24 KB (the norm's rows), o and down their K slice (o through
+//           the activation permutation, down in order; slice indices loaded before the wait, then one dependent
+//           2-byte load per row);
 //   kFixed  (a candidate, not the library) o, gate/up and down finish without a ticket: each item adds its 256
 //           partial sums as 64-bit fixed-point integers into the output (red.add, no wait; integer sums do not
 //           depend on the order, so the result stays deterministic), the next phase reads the 64-bit sums (the
 //           norm's h 32 KB instead of 8 KB, down's gather two 8-byte loads per row) and zeroes the buffer that
 //           the phase after it adds into (three buffers in turn). q/k/v keeps its ticket (its finish applies the
-//           rope and writes the KV cache).
+//           rope and writes the KV cache);
+//   kLeft   (a candidate, not the library) gate/up leaves its two split-K partials in place (no ticket, no sum:
+//           they stay in a workspace of their own) and down's gather sums them, in split order, for gate and up
+//           of each of its rows (four 4-byte loads per row instead of the 2-byte one): bit-identical to the
+//           finish it replaces.
 // Without a feature: even chunk ranges over every block, the 24 KB input, each block writing its share.
 __global__ void __launch_bounds__(kThreads) phase_launch(const Params p) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
@@ -301,13 +306,18 @@ __global__ void __launch_bounds__(kThreads) phase_launch(const Params p) {
   const bool real_inputs = p.features & kInputs;
   const bool gathered = real_inputs && !kNormInput[role];
   if (gathered) {  // the slice's permutation indices: constants, before the wait
-    for (int r = threadIdx.x; r < krows; r += kWarps * 32) xm[r] = p.xmap[(split * krows + r) % kRowsK[role]];
+    // o reads through the activation permutation; down in order (the library folds down's order into gate/up's
+    // output columns, so its gather reads neighbouring features)
+    for (int r = threadIdx.x; r < krows; r += kWarps * 32)
+      xm[r] = role == 3 ? split * krows + r : p.xmap[(split * krows + r) % kRowsK[role]];
   }
   asm volatile("griddepcontrol.wait;" ::: "memory");
   float acc = 0.f;
   const __half* in = p.vec + (size_t)((ph + 1) & 1) * kVecElems;  // the previous phase's output
   const bool fixed = (p.features & kFixed) && role != 0;
   const bool prev_fixed = (p.features & kFixed) && role != 1 && ph > 0;  // o's input is the attention's
+  const bool left = (p.features & kLeft) && role == 2;       // gate/up leaves its partials
+  const bool prev_left = (p.features & kLeft) && role == 3;  // down sums them in its gather
   const long long* in64 = p.fixed + (size_t)((ph + 2) % 3) * kVecElems;
   if (p.features & kFixed) {  // zero the buffer phase ph + 1 adds into (last read by phase ph - 1)
     long long* z = p.fixed + (size_t)((ph + 1) % 3) * kVecElems;
@@ -317,7 +327,19 @@ __global__ void __launch_bounds__(kThreads) phase_launch(const Params p) {
   }
   if (ph > 0) {
     consumers_sync();
-    if (gathered && prev_fixed) {  // down: silu(gate) * up from the 64-bit sums
+    if (gathered && prev_left) {  // down: gate and up from gate/up's two partials each
+      const float* part = p.partials + (size_t)((ph + 1) & 1) * 112 * 16 * 256;
+      float x = 0.f;
+      for (int r = threadIdx.x; r < krows; r += kWarps * 32) {
+        const int f = xm[r], g = (f >> 8) * 16 * 256 + (f & 255), u = g + 56 * 16 * 256;
+        const float gate = __ldcg(part + g) + __ldcg(part + g + 256), up = __ldcg(part + u) + __ldcg(part + u + 256);
+        x += gate * up;
+      }
+      for (int o = 16; o > 0; o >>= 1) x += __shfl_xor_sync(0xffffffffu, x, o);
+      if (lane == 0) red[warp] = x;
+      consumers_sync();
+      acc += red[(warp + 1) % kWarps];
+    } else if (gathered && prev_fixed) {  // down: silu(gate) * up from the 64-bit sums
       float x = 0.f;
       for (int r = threadIdx.x; r < krows; r += kWarps * 32)
         x += (float)__ldcg(in64 + xm[r]) * (float)__ldcg(in64 + 14336 + xm[r]);
@@ -346,6 +368,10 @@ __global__ void __launch_bounds__(kThreads) phase_launch(const Params p) {
     if (p.features & kScales) acc += scl[(i * 64 / kScaleGroupRows) * 128 + threadIdx.x % 128];
   }
   __half* out = p.vec + (size_t)(ph & 1) * kVecElems;
+  if (left) {  // the partials only; down sums them
+    p.partials[((size_t)(ph & 1) * 112 * 16 + colblk * 16 + split) * 256 + threadIdx.x] = acc;
+    return;
+  }
   if (fixed) {  // fire and forget: the next launch's wait makes the sums visible
     long long* o64 = p.fixed + (size_t)(ph % 3) * kVecElems + colblk * 256 + threadIdx.x;
     asm volatile("red.relaxed.gpu.global.add.u64 [%0], %1;" ::"l"(o64), "l"((long long)(acc * 1048576.f)) : "memory");
@@ -518,7 +544,9 @@ int main() {
   const Run runs[] = {{24, 0, 0}, {48, 0, 0}, {96, 0, 0}, {24, 12, 0}, {48, 12, 0}, {24, 12, kItems},
                       {24, 12, kItems | kFinish}, {24, 12, kItems | kFinish | kScales}, {24, 12, all},
                       {48, 12, all}, {24, 0, all}, {24, 12, kInputs}, {24, 12, kScales}, {24, 12, 0},
-                      {24, 12, all | kFixed}, {24, 12, all}, {24, 12, all | kFixed}, {24, 0, all | kFixed}};
+                      {24, 12, all | kFixed}, {24, 12, all}, {24, 12, all | kFixed}, {24, 0, all | kFixed},
+                      {24, 12, all | kLeft}, {24, 12, all}, {24, 12, all | kLeft}, {24, 12, all | kFixed},
+                      {24, 12, all}};
   for (const Run& run : runs) {
     Params q = p;
     q.slots = run.ring_kb * 1024 / kCopy;
@@ -564,7 +592,7 @@ int main() {
     printf("%3d %2d %s%s%s%s%s | %.3f %5.0f %.3f | %.2f%s\n", run.ring_kb, run.work,
            run.features & kItems ? "items " : "", run.features & kFinish ? "finish " : "",
            run.features & kScales ? "scales " : "", run.features & kInputs ? "inputs " : "",
-           run.features & kFixed ? "fixed" : "", t, total / t / 1e6,
+           run.features & kFixed ? "fixed" : run.features & kLeft ? "left" : "", t, total / t / 1e6,
            plain_ms / t, (t - ref) * 1000 / (kPhases - 1), failed ? " (a wait timed out: void)" : "");
     if (failed) CHECK(cudaMemset(p.failed, 0, sizeof(unsigned int)));
   }

@@ -710,13 +710,6 @@ int gemv_plan(const int64_t* blob, int ndesc, const void* x, int M, int ldx, int
         return v;
       }();
       p.probe = probe;
-      static const int skip_finish = [] {
-        const char* e = getenv("EXL2_GEMV_SKIP_FINISH");
-        const int v = e && atoi(e) > 0 ? 1 : 0;
-        if (v) fprintf(stderr, "exl2_backend: EXL2_GEMV_SKIP_FINISH=1: no split-K finish, results are WRONG\n");
-        return v;
-      }();
-      p.skip_finish = skip_finish;
       static const int gather_mode = [] {  // EXL2_GEMV_GATHER=rows|items forces one gather (GemvParams)
         const char* e = getenv("EXL2_GEMV_GATHER");
         if (!e) return kGatherAuto;

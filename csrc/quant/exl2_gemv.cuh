@@ -70,10 +70,6 @@ struct GemvParams {
   const __half* xpre;  // TMA kernel: null, or the input already in stored row order, xpre[(di * M + m) * xpre_ld
   int xpre_ld;         // + r] (exl2_gemv_pregather.cu; silu_mul applied): blocks copy their rows, no gather
   int reduce_vec4;     // TMA kernel: the last block sums the split partials four columns per item
-  // TMA kernel, a measurement (EXL2_GEMV_SKIP_FINISH=1; results are WRONG): every split-K item stores its own
-  // partial into the output, no ticket and no reduction (a fused rope's launch keeps its finish). What a
-  // ticketless finish could save at most (session 37's model put ~0.29 ms of a step in the finish).
-  int skip_finish;
   int span;            // TMA kernel: splits of equal bytes across width runs (span_range; rbase[di][nruns] of them)
   // TMA kernel: RoPE and the fp16 KV-cache write after the q/k/v GEMV when rope_d > 0 (exl2_gemv_rope.cuh)
   const long long* rope_pos;    // [M] token positions

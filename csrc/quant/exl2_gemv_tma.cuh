@@ -379,10 +379,6 @@ __device__ __forceinline__ void tma_finish(const GemvParams& p, const GvWork& wk
     }
     return;
   }
-  if (p.skip_finish && !((F & kFRope) && p.rope_d)) {  // a measurement: wrong results (GemvParams)
-    if (active) gv_store<MT>(d, st, n0, p.M, wk.gsplit, false);
-    return;
-  }
   if (active) gv_store<MT>(d, st, n0, p.M, wk.gsplit, true);
   if ((F & kFProbe) && (p.probe & kProbeNoReduce)) return;
   __shared__ int s_last;

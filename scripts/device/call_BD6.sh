@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Device call BD6 (session 37; carry .whl and .dev/libexl2_kernels.so.gz; ~330 s). The model of BD2-BD5
+# Device call BD6 (session 37; carry .whl and .dev/libexl2_kernels.so.gz built at e3a2f45, whose csrc/ had the
+# switch below; it is removed since; ~160 s). The model of BD2-BD5
 # (persistent_bound.cu) put ~0.28 ms of the 8B decode step's layer GEMVs in the split-K finish (the last item of each
 # column block waits for its ticket, loads the partials, sums them), and a ticketless fixed-point finish recovered
 # ~0.12 ms of it there. The real library, measured: EXL2_GEMV_SKIP_FINISH=1 (a measurement switch, results WRONG)

@@ -196,6 +196,16 @@ __device__ __forceinline__ void bin_run(const uint64_t* h, int64_t off, int ga, 
   b = jb <= 0 ? 0 : __ldcg(&starts[min(jb, (int64_t)NBIN)]);
 }
 
+// Token p of chunk histogram h's sorted keys (key k) into the race unless min-p drops it: its weight and race
+// score relative to the chunk's top, times `scale` (the chunk's top relative to the row's).
+__device__ __forceinline__ void race_sorted(const uint64_t* h, int p, unsigned long long k, float scale, float min_p,
+                                            Cand& best) {
+  const uint64_t wr = __ldcg(&h[HS_WR + p]);
+  if (min_p > 0.f && !(__fmul_rn(__uint_as_float((uint32_t)wr), scale) >= min_p)) return;
+  const Cand o{__fmul_rn(__uint_as_float((uint32_t)(wr >> 32)), scale), key_id(k)};
+  if (better(o, best)) best = o;
+}
+
 // One row sampled without top-k whose kept tokens run past its candidates, in its last CTA (all threads).
 struct Row {
   const float* urow;      // [V] uniforms
@@ -322,11 +332,8 @@ __device__ Cand sample_wide_row(const Row& r, uint64_t* keys) {
       for (int p = a + lane; p < b; p += 32) {
         const unsigned long long k = __ldcg(&h[HS_KEYS + p]);
         const int64_t g = gtop - grid_of(key_x(k));
-        if (g < gstar) {  // w and race relative to the row's top: the chunk's, scaled
-          const uint64_t wr = __ldcg(&h[HS_WR + p]);
-          if (r.min_p > 0.f && !(__fmul_rn(__uint_as_float((uint32_t)wr), scale) >= r.min_p)) continue;
-          const Cand o{__fmul_rn(__uint_as_float((uint32_t)(wr >> 32)), scale), key_id(k)};
-          if (better(o, best)) best = o;
+        if (g < gstar) {
+          race_sorted(h, p, k, scale, r.min_p, best);
         } else if (crowded) {
           kmin = min(kmin, k);
           kmax = max(kmax, k);
@@ -447,10 +454,7 @@ __device__ Cand sample_wide_row(const Row& r, uint64_t* keys) {
       for (int p = a + lane; p < b; p += 32) {
         const unsigned long long k = __ldcg(&h[HS_KEYS + p]);
         if (k > hi || (!listed && k >= lo)) {
-          const uint64_t wr = __ldcg(&h[HS_WR + p]);
-          if (r.min_p > 0.f && !(__fmul_rn(__uint_as_float((uint32_t)wr), scale) >= r.min_p)) continue;
-          const Cand o{__fmul_rn(__uint_as_float((uint32_t)(wr >> 32)), scale), key_id(k)};
-          if (better(o, best)) best = o;
+          race_sorted(h, p, k, scale, r.min_p, best);
         } else if (listed && k >= lo) {
           const int i = atomicAdd(&s_ncol, 1);
           if (i < MERGED) keys[i] = k;

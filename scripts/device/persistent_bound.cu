@@ -50,6 +50,14 @@ constexpr int kPhases = kLayers * kPhasesPerLayer;
 constexpr int kVecElems = 32768;       // halves per output vector buffer (two: phases alternate)
 constexpr long long kTimeoutCycles = 4000000000LL;  // ~2 s: a wait that long means a bug; the run reports it
 
+// persistent_stream's phase dependency. kSyncOne: one ticket word per phase, a fence and a release reduction per
+// block, thread 0 polling with acquire loads (the first form). kSyncRelease: the same without the fence (the
+// reduction's release orders the block's stores). kSyncSpread: eight ticket words per phase on separate 128-byte
+// lines (block b adds to word b % 8), eight lanes polling one each with relaxed loads and a back-off, then one
+// acquire fence: fewer arrivals queue on one word and fewer polls hammer it.
+enum Sync { kSyncOne = 0, kSyncRelease = 1, kSyncSpread = 2 };
+constexpr int kTicketStride = 256;  // uint32 words of tickets per phase (8 lines of 128 bytes in use)
+
 // One 8B layer's GEMV weight bytes at 4.0 bpw (q/k/v, o, gate/up, down), rounded to whole copies.
 constexpr long long kPhaseBytes[kPhasesPerLayer] = {12582912, 8388608, 58720256, 29360128};
 
@@ -61,6 +69,8 @@ struct Params {
   int in_elems;                  // elements of the input vector every block loads per phase (in_kb * 512)
   int slots;                     // ring slots of kCopy bytes
   int deps;                      // 0: no dependencies (the streaming ceiling)
+  int sync;                      // persistent_stream's dependency: kSync*
+  int input_tma;                 // persistent_stream: the input vector by one bulk copy into shared memory
   int work;                      // ALU operations per 32-bit word
   int ph;                        // phase_launch: this launch's phase
   int features;                  // phase_launch: kItems | kFinish | kScales | kInputs
@@ -156,12 +166,15 @@ __global__ void __launch_bounds__(kThreads) persistent_stream(const Params p) {
   auto empty = [&](int s) { return bars + 8 * (kMaxSlots + s); };
   float* red = reinterpret_cast<float*>(smem + 2 * kMaxSlots * 8);  // [kWarps]
   unsigned char* ring = smem + 1024;
+  unsigned char* input = ring + (size_t)p.slots * kCopy;  // input_tma: [in_elems] halves
+  const uint32_t input_bar = bars + 8 * 2 * kMaxSlots;
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   if (threadIdx.x == 0) {
     for (int s = 0; s < p.slots; ++s) {
       mbar_init(full(s), 1);
       mbar_init(empty(s), kWarps);
     }
+    mbar_init(input_bar, 1);
     asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
   }
   __syncthreads();
@@ -187,19 +200,57 @@ __global__ void __launch_bounds__(kThreads) persistent_stream(const Params p) {
   for (int ph = 0; ph < kPhases; ++ph) {
     if (p.deps && ph > 0) {
       // Phase ph - 1 complete everywhere (its tickets), then the whole input vector from L2 into the block.
-      if (threadIdx.x == 0) {
+      const unsigned int* t = p.tickets + (size_t)(ph - 1) * kTicketStride;
+      if (p.sync == kSyncSpread) {
+        if (warp == 0 && lane < 8) {
+          const unsigned int want = (gridDim.x - lane + 7) / 8;  // blocks b with b % 8 == lane
+          const long long t0 = clock64();
+          unsigned int got;
+          for (;;) {
+            asm volatile("ld.relaxed.gpu.global.u32 %0, [%1];" : "=r"(got) : "l"(t + lane * 32) : "memory");
+            if (got >= want) break;
+            if (clock64() - t0 > kTimeoutCycles) {
+              atomicOr(p.failed, 1u);
+              break;
+            }
+            __nanosleep(32);
+          }
+          asm volatile("fence.acq_rel.gpu;" ::: "memory");
+        }
+      } else if (threadIdx.x == 0) {
         const long long t0 = clock64();
         unsigned int got;
         do {
-          asm volatile("ld.acquire.gpu.global.u32 %0, [%1];" : "=r"(got) : "l"(p.tickets + ph - 1) : "memory");
+          asm volatile("ld.acquire.gpu.global.u32 %0, [%1];" : "=r"(got) : "l"(t) : "memory");
           if (clock64() - t0 > kTimeoutCycles) {
             atomicOr(p.failed, 1u);
             break;
           }
         } while (got < gridDim.x);
       }
-      consumers_sync();
-      acc += load_input(p.vec + (size_t)((ph - 1) & 1) * kVecElems, 2 * p.in_elems, red);
+      const __half* in = p.vec + (size_t)((ph - 1) & 1) * kVecElems;
+      if (p.input_tma) {  // one bulk copy of the input into shared memory, then the block sums it there
+        if (threadIdx.x == 0) {
+          asm volatile("fence.proxy.async.global;" ::: "memory");  // generic-proxy writes seen by the copy
+          mbar_expect_tx(input_bar, 2 * p.in_elems);
+          bulk_copy(smem_addr(input), in, 2 * p.in_elems, input_bar, evict_first_policy());
+        }
+        if (!bounded_wait(input_bar, (ph - 1) & 1, p.failed)) return;
+        float x = 0.f;
+        const uint4* v = reinterpret_cast<const uint4*>(input);
+        for (int e = threadIdx.x; e < p.in_elems / 8; e += kWarps * 32) {
+          const uint4 u = v[e];
+          x += __uint_as_float((u.x ^ u.y ^ u.z ^ u.w) & 0x3f7fffffu);
+        }
+        for (int o = 16; o > 0; o >>= 1) x += __shfl_xor_sync(0xffffffffu, x, o);
+        if (lane == 0) red[warp] = x;
+        consumers_sync();
+        acc += red[(warp + 1) % kWarps];
+        consumers_sync();
+      } else {
+        consumers_sync();
+        acc += load_input(in, 2 * p.in_elems, red);
+      }
     }
     int c0, c1;
     chunk_range(p, ph, c0, c1);
@@ -209,8 +260,9 @@ __global__ void __launch_bounds__(kThreads) persistent_stream(const Params p) {
       write_share(p.vec + (size_t)(ph & 1) * kVecElems, p.in_elems, acc);
       consumers_sync();
       if (threadIdx.x == 0) {  // the ticket (release: this block's stores before it)
-        asm volatile("fence.acq_rel.gpu;" ::: "memory");
-        asm volatile("red.release.gpu.global.add.u32 [%0], 1;" ::"l"(p.tickets + ph), "r"(1u) : "memory");
+        unsigned int* t = p.tickets + (size_t)ph * kTicketStride + (p.sync == kSyncSpread ? (blockIdx.x % 8) * 32 : 0);
+        if (p.sync == kSyncOne) asm volatile("fence.acq_rel.gpu;" ::: "memory");
+        asm volatile("red.release.gpu.global.add.u32 [%0], 1;" ::"l"(t), "r"(1u) : "memory");
       }
     }
   }
@@ -432,7 +484,7 @@ int main() {
   CHECK(cudaMalloc(&weights, total));
   CHECK(cudaMemset(weights, 0x3c, total));
   p.weights = weights;
-  CHECK(cudaMalloc(&p.tickets, kPhases * sizeof(unsigned int)));
+  CHECK(cudaMalloc(&p.tickets, kPhases * kTicketStride * sizeof(unsigned int)));
   CHECK(cudaMalloc(&p.vec, 2 * kVecElems * sizeof(__half)));
   CHECK(cudaMemset(p.vec, 0, 2 * kVecElems * sizeof(__half)));
   CHECK(cudaMalloc(&p.failed, sizeof(unsigned int)));
@@ -464,7 +516,7 @@ int main() {
 
   CHECK(cudaFuncSetAttribute(persistent_stream, cudaFuncAttributeMaxDynamicSharedMemorySize, 227 * 1024));
   struct Config {
-    int per_sm, ring_kb, deps, in_kb, work;
+    int per_sm, ring_kb, deps, in_kb, work, sync, input_tma;
   };
   std::vector<Config> configs;
   for (int work : {0, 12})
@@ -478,15 +530,28 @@ int main() {
   configs.push_back({2, 96, 1, 56, 12});  // a larger one
   configs.push_back({2, 96, 0, 24, 24});  // more arithmetic
   configs.push_back({2, 96, 1, 24, 24});
-  printf("blocks/SM ring_KB deps in_KB work | ms     GB/s  vs_plain vs_ring_nodeps | per-boundary cost us\n");
+  // The dependency's form (Sync) and the input by one bulk copy; 72 KB rings leave two blocks per SM room for it.
+  configs.push_back({2, 72, 0, 24, 0});
+  for (int work : {12, 0})
+    for (int per_sm : {2, 1})
+      for (int sync : {kSyncOne, kSyncRelease, kSyncSpread})
+        for (int tma : {0, 1}) {
+          if (work == 0 && (sync != kSyncSpread || per_sm == 1)) continue;
+          configs.push_back({per_sm, per_sm == 2 ? 72 : 96, 1, 24, work, sync, tma});
+        }
+  printf("blocks/SM ring_KB deps in_KB work [sync input] | ms     GB/s  vs_plain vs_ring_nodeps | per-boundary cost us"
+         "\n");
   float nodeps_ms[4][256] = {};
   for (const Config& c : configs) {
     p.slots = c.ring_kb * 1024 / kCopy;
     p.deps = c.deps;
     p.in_elems = c.in_kb * 512;
     p.work = c.work;
+    p.sync = c.sync;
+    p.input_tma = c.input_tma;
     // Padded so that exactly per_sm blocks fit an SM (the library's GEMV is held at two by its 96 registers).
-    const int smem = std::max(1024 + p.slots * kCopy, (c.per_sm == 2 ? 100 : 120) * 1024);
+    const int smem = std::max(1024 + p.slots * kCopy + (c.input_tma ? c.in_kb * 1024 : 0),
+                              (c.per_sm == 2 ? 100 : 120) * 1024);
     int occ = 0;
     CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&occ, persistent_stream, kThreads, smem));
     if (occ < c.per_sm) {
@@ -495,7 +560,7 @@ int main() {
     }
     ms.clear();
     for (int r = 0; r < 5; ++r) {
-      CHECK(cudaMemset(p.tickets, 0, kPhases * sizeof(unsigned int)));
+      CHECK(cudaMemset(p.tickets, 0, kPhases * kTicketStride * sizeof(unsigned int)));
       CHECK(cudaEventRecord(e0));
       persistent_stream<<<sms * c.per_sm, kThreads, smem>>>(p);
       CHECK(cudaEventRecord(e1));
@@ -516,8 +581,10 @@ int main() {
     float& base = nodeps_ms[c.per_sm][c.ring_kb];
     if (!c.deps && c.work == 0) base = t;
     const float ref = base > 0 ? base : t;
-    printf("%d %3d %d %2d %2d | %.3f %5.0f %.3f %.3f | %.2f\n", c.per_sm, c.ring_kb, c.deps, c.in_kb, c.work, t,
-           total / t / 1e6, plain_ms / t, ref / t, c.deps ? (t - ref) * 1000 / (kPhases - 1) : 0.f);
+    static const char* const kSyncNames[] = {"one", "release", "spread"};
+    printf("%d %3d %d %2d %2d %s%s | %.3f %5.0f %.3f %.3f | %.2f\n", c.per_sm, c.ring_kb, c.deps, c.in_kb, c.work,
+           c.deps ? kSyncNames[c.sync] : "", c.deps && c.input_tma ? " tma" : "", t, total / t / 1e6, plain_ms / t,
+           ref / t, c.deps ? (t - ref) * 1000 / (kPhases - 1) : 0.f);
   }
   // Launch per phase (the library's design): 128 launches of phase_launch with programmatic dependent launch,
   // captured in a CUDA graph, two blocks per SM; the library GEMV's parts added one at a time (Feature).

@@ -104,6 +104,20 @@ __device__ __forceinline__ void chunk_range(const Params& p, int ph, int& c0, in
   c1 = (int)(n * (blockIdx.x + 1) / gridDim.x);
 }
 
+// Thread 0 initializes the ring's full / empty barriers and one more (the input's or the scales'); the block syncs.
+template <typename Full, typename Empty>
+__device__ __forceinline__ void init_ring(Full full, Empty empty, int slots, uint32_t extra) {
+  if (threadIdx.x == 0) {
+    for (int s = 0; s < slots; ++s) {
+      mbar_init(full(s), 1);
+      mbar_init(empty(s), kWarps);
+    }
+    mbar_init(extra, 1);
+    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+  }
+  __syncthreads();
+}
+
 // Consumers: `bytes` of the input vector from L2 (16-byte loads, all in flight), summed over the block;
 // every warp then depends on every load (red: [kWarps] floats of shared memory).
 __device__ __forceinline__ float load_input(const void* vec, int bytes, float* red) {
@@ -169,15 +183,7 @@ __global__ void __launch_bounds__(kThreads) persistent_stream(const Params p) {
   unsigned char* input = ring + (size_t)p.slots * kCopy;  // input_tma: [in_elems] halves
   const uint32_t input_bar = bars + 8 * 2 * kMaxSlots;
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-  if (threadIdx.x == 0) {
-    for (int s = 0; s < p.slots; ++s) {
-      mbar_init(full(s), 1);
-      mbar_init(empty(s), kWarps);
-    }
-    mbar_init(input_bar, 1);
-    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
-  }
-  __syncthreads();
+  init_ring(full, empty, p.slots, input_bar);
   if (warp == kWarps) {  // the producer: every phase's share back to back, never waiting for a dependency
     if (lane != 0) return;
     const uint64_t pol = evict_first_policy();
@@ -329,15 +335,7 @@ __global__ void __launch_bounds__(kThreads) phase_launch(const Params p) {
   const int split = item % kSplits[role], colblk = item / kSplits[role];
   const int krows = kRowsK[role] / kSplits[role];  // the item's K slice
   const int scale_bytes = ((krows + kScaleGroupRows - 1) / kScaleGroupRows + 1) * 512;
-  if (threadIdx.x == 0) {
-    for (int s = 0; s < p.slots; ++s) {
-      mbar_init(full(s), 1);
-      mbar_init(empty(s), kWarps);
-    }
-    mbar_init(scale_bar, 1);
-    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
-  }
-  __syncthreads();
+  init_ring(full, empty, p.slots, scale_bar);
   const unsigned char* src = p.weights + p.phase_off[ph];
   if (warp == kWarps) {
     if (lane != 0) return;

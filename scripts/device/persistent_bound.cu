@@ -64,7 +64,7 @@ constexpr long long kPhaseBytes[kPhasesPerLayer] = {12582912, 8388608, 58720256,
 struct Params {
   const unsigned char* weights;  // the phases' weights, back to back
   long long phase_off[kPhases + 1];
-  unsigned int* tickets;         // [kPhases], zeroed before each launch
+  unsigned int* tickets;         // [kPhases][kTicketStride], zeroed before each launch
   __half* vec;                   // [2][kVecElems]: phase p writes vec[p & 1], phase p + 1 reads it
   int in_elems;                  // elements of the input vector every block loads per phase (in_kb * 512)
   int slots;                     // ring slots of kCopy bytes
@@ -73,7 +73,7 @@ struct Params {
   int input_tma;                 // persistent_stream: the input vector by one bulk copy into shared memory
   int work;                      // ALU operations per 32-bit word
   int ph;                        // phase_launch: this launch's phase
-  int features;                  // phase_launch: kItems | kFinish | kScales | kInputs
+  int features;                  // phase_launch: Feature bits
   const unsigned short* xmap;    // [14336] a permutation (the gathered input's row order)
   float* partials;               // [2][112][16][256] split-K partials
   unsigned int* counters;        // [2][128] split-K tickets, re-armed by the last block of each column block
@@ -118,17 +118,24 @@ __device__ __forceinline__ void init_ring(Full full, Empty empty, int slots, uin
   __syncthreads();
 }
 
-// Consumers: `bytes` of the input vector from L2 (16-byte loads, all in flight), summed over the block;
-// every warp then depends on every load (red: [kWarps] floats of shared memory).
+// Consumers: `bytes` of the input vector from L2 (16-byte loads through L2, eight per thread in flight before any
+// is used, as the library's norm loads), summed over the block; every warp then depends on every load (red:
+// [kWarps] floats of shared memory).
 __device__ __forceinline__ float load_input(const void* vec, int bytes, float* red) {
+  constexpr int kInFlight = 8;
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const uint4* in = reinterpret_cast<const uint4*>(vec);
+  const int n = bytes / 16;
   float s = 0.f;
-  for (int v = threadIdx.x; v < bytes / 16; v += kWarps * 32) {
-    uint4 x;
-    asm volatile("ld.relaxed.gpu.global.v4.u32 {%0,%1,%2,%3}, [%4];"
-                 : "=r"(x.x), "=r"(x.y), "=r"(x.z), "=r"(x.w) : "l"(in + v));
-    s += __uint_as_float((x.x ^ x.y ^ x.z ^ x.w) & 0x3f7fffffu);
+  for (int v0 = threadIdx.x; v0 < n; v0 += kInFlight * kWarps * 32) {
+    uint4 x[kInFlight];
+#pragma unroll
+    for (int u = 0; u < kInFlight; ++u) {
+      const int v = v0 + u * kWarps * 32;
+      x[u] = v < n ? __ldcg(in + v) : make_uint4(0, 0, 0, 0);
+    }
+#pragma unroll
+    for (int u = 0; u < kInFlight; ++u) s += __uint_as_float((x[u].x ^ x[u].y ^ x[u].z ^ x[u].w) & 0x3f7fffffu);
   }
   for (int o = 16; o > 0; o >>= 1) s += __shfl_xor_sync(0xffffffffu, s, o);
   if (lane == 0) red[warp] = s;

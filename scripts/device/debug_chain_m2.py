@@ -24,11 +24,12 @@ def main() -> None:
     cuda_quant.GEMV_SPLITS = "balanced"
     cuda_chain.NORM_PHASES = "auto"
     o, gate_up, down, qkv = t._layer(4096, 14336, 4096, 1024, (4, 4, 4, 8), seed=21)
+    hidden = o.out_features
     for m in (1, 2, 8):
         for nxt in (None, qkv):
             seed = m + 30
-            x, residual = t._rand((m, o.in_features), seed), t._rand((m, o.out_features), seed + 1, 4.0)
-            post_w, next_w = t._rand((o.out_features,), seed + 2, 0.3) + 1, t._rand((o.out_features,), seed + 3, 0.3) + 1
+            x, residual = t._rand((m, o.in_features), seed), t._rand((m, hidden), seed + 1, 4.0)
+            post_w, next_w = t._rand((hidden,), seed + 2, 0.3) + 1, t._rand((hidden,), seed + 3, 0.3) + 1
             nw = None if nxt is None else next_w
             want = [t._one_by_one(o, gate_up, down, nxt, x, residual, post_w, nw) for _ in range(2)]
             got = [cuda_chain.mlp_chain(o, gate_up, down, nxt, x, residual, post_w, nw, t.EPS) for _ in range(2)]

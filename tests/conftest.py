@@ -76,6 +76,44 @@ def _default_model_guard():
         raise
 
 
+def _armed_tickets() -> list[str]:
+    """Every persistent ticket buffer of the CUDA ops that some word left non-zero: the GEMV's split-K tickets and
+    the chain's barrier arrivals (cuda_quant._Workspace), the attention and sampler tickets (cuda_layers._tickets).
+    Each launch that takes a ticket must leave it at zero; one left armed makes a later launch reduce too early."""
+    import torch
+
+    from exl2_backend.ops import cuda_layers, cuda_quant
+
+    found = []
+    buffers = [(f"split-K tickets on {d}", ws.counters) for d, ws in cuda_quant._WORKSPACES.items()]
+    buffers += [(f"chain barrier arrivals on {d}", ws.chain_barrier[:1]) for d, ws in cuda_quant._WORKSPACES.items()]
+    buffers += [(f"{kind} tickets on {d}", buf) for (kind, d), buf in cuda_layers._tickets.items()]
+    for what, buf in buffers:
+        if buf.device.type != "cuda":
+            continue
+        torch.cuda.synchronize(buf.device)
+        armed = int(torch.count_nonzero(buf))
+        if armed:
+            found.append(f"{armed} {what}")
+            buf.zero_()  # the next test starts clean: one culprit, not a cascade
+    return found
+
+
+@pytest.fixture(autouse=True)
+def _tickets_left_at_zero(request):
+    """After every GPU test: no ticket word left armed (see _armed_tickets). An order-dependent mismatch of the
+    opt-in GEMV chain's test (H100 call BD11, 2026-12-06) is what a leaked ticket would look like."""
+    yield
+    if request.node.get_closest_marker("cuda") is None:
+        return
+    import sys
+
+    if "exl2_backend.ops.cuda_quant" not in sys.modules or not _cuda_ready()[0]:
+        return
+    armed = _armed_tickets()
+    assert not armed, "tickets left armed after the test: " + ", ".join(armed)
+
+
 @pytest.fixture(autouse=True)
 def _seed():
     import torch

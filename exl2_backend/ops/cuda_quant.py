@@ -420,7 +420,7 @@ class _Launch:
         """GEMV kernel: split-K factor filling one wave of GEMV_MINB blocks of 256 columns per SM; per-run
         splits may add up to _MAX_RUNS more (the kernel shares the factor among width runs)."""
         per_sm = GEMV_MINB if GEMV_MINB >= 2 else GEMV_BLOCKS_PER_SM
-        key = ("gemv", m, GEMV_MINB, per_sm)
+        key = ("gemv", m, GEMV_MINB, per_sm, GEMV_SPLITS, GEMV_WAVES)  # every setting the blob depends on
         if key not in self._plans:
             ncol = [-(-p.Np // _GEMV_COLS) for p in self.parts]
             ks = max(1, int(self.sms * per_sm) // sum(ncol))

@@ -149,3 +149,20 @@ def test_span_splits_only_where_they_pay(monkeypatch):
     head = _launch(["8:0.15@128 6:0.85@128"], 4096, 8192, sms=4)
     assert _splits(head, 1, "balanced", monkeypatch) == ([[1, 1]], 64)
     assert _splits(head, 1, "span", monkeypatch) == ([[1, 0]], 32)
+
+
+def test_a_plan_follows_the_split_settings_it_was_made_under(monkeypatch):
+    """The plan cache is keyed by every setting its descriptors depend on: a plan made under span splits is not
+    reused once per-run splits are asked for (the chain and its tests need per-run splits), nor one made for
+    another number of waves."""
+    from exl2_backend.ops import cuda_quant
+    from exl2_backend.ops.cuda_quant import F_SLOTS, F_SPAN
+
+    launch = _launch(*DOWN)
+    monkeypatch.setattr(cuda_quant, "GEMV_SPLITS", "span")
+    assert launch.gemv_plan(1).blob[0, F_SPAN] == 1
+    monkeypatch.setattr(cuda_quant, "GEMV_SPLITS", "balanced")
+    one_wave = launch.gemv_plan(1).blob
+    assert one_wave[0, F_SPAN] == 0
+    monkeypatch.setattr(cuda_quant, "GEMV_WAVES", 2.0)
+    assert launch.gemv_plan(1).blob[0, F_SLOTS] == 2 * one_wave[0, F_SLOTS]

@@ -1,0 +1,38 @@
+"""Which side of the opt-in GEMV chain's test varies (BD11 / BD15 / BD16: chain tests 1-2 fp16 ulps off the launches
+one by one, only after other tests ran in the same process): a pytest file for a device call, run after the tests
+that preceded BD16's failure, in one process. It repeats BD16's failing case (the 2048 / 8192 layer, M = 4, the
+chain's grid capped at one block) three times each way and prints which results differ from which (a device-call
+diagnostic, not collected by the test suite).
+
+    python3 -m pytest -p no:xdist -s <the preceding test ids> scripts/device/debug_chain_order.py
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytestmark = pytest.mark.cuda
+
+
+def test_repeat_the_failing_case(monkeypatch):
+    from exl2_backend.ops import cuda_chain, cuda_quant
+    from tests.kernels import test_gemv_chain as t
+
+    monkeypatch.setattr(cuda_chain, "GEMV_CHAIN", True)
+    monkeypatch.setattr(cuda_quant, "GEMV_SPLITS", "balanced")
+    monkeypatch.setattr(cuda_chain, "MAX_GRID", 1)
+    monkeypatch.setattr(cuda_chain, "NORM_PHASES", "auto")
+    o, gate_up, down, qkv = t._layer(2048, 8192, 2048, 512, (8, 5, 4), seed=11)
+    m, seed = 4, 4 + 7 * 1
+    hidden = o.out_features
+    x, residual = t._rand((m, o.in_features), seed), t._rand((m, hidden), seed + 1, 4.0)
+    post_w, next_w = t._rand((hidden,), seed + 2, 0.3) + 1, t._rand((hidden,), seed + 3, 0.3) + 1
+    runs = {}
+    for i in range(3):
+        runs[f"launches{i}"] = t._one_by_one(o, gate_up, down, qkv, x, residual, post_w, next_w)[0]
+        runs[f"chain{i}"] = cuda_chain.mlp_chain(o, gate_up, down, qkv, x, residual, post_w, next_w, t.EPS)[0]
+    torch.cuda.synchronize()
+    names = list(runs)
+    for a in names:
+        print(a, " ".join(f"{b}:{int((runs[a] != runs[b]).sum())}" for b in names), flush=True)

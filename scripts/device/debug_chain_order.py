@@ -1,8 +1,9 @@
 """Which side of the opt-in GEMV chain's test varies (BD11 / BD15 / BD16: chain tests 1-2 fp16 ulps off the launches
 one by one, only after other tests ran in the same process): a pytest file for a device call, run after the tests
 that preceded BD16's failure, in one process. It repeats BD16's failing case (the 2048 / 8192 layer, M = 4, the
-chain's grid capped at one block) three times each way and prints which results differ from which (a device-call
-diagnostic, not collected by the test suite).
+chain's grid capped at one block) three times each way, with three phases (o, gate/up, down) and with four (the next
+q/k/v too), and prints how many elements differ between every two runs (a device-call diagnostic, not collected by
+the test suite).
 
     python3 -m pytest -p no:xdist -s <the preceding test ids> scripts/device/debug_chain_order.py
 """
@@ -28,11 +29,13 @@ def test_repeat_the_failing_case(monkeypatch):
     hidden = o.out_features
     x, residual = t._rand((m, o.in_features), seed), t._rand((m, hidden), seed + 1, 4.0)
     post_w, next_w = t._rand((hidden,), seed + 2, 0.3) + 1, t._rand((hidden,), seed + 3, 0.3) + 1
-    runs = {}
-    for i in range(3):
-        runs[f"launches{i}"] = t._one_by_one(o, gate_up, down, qkv, x, residual, post_w, next_w)[0]
-        runs[f"chain{i}"] = cuda_chain.mlp_chain(o, gate_up, down, qkv, x, residual, post_w, next_w, t.EPS)[0]
-    torch.cuda.synchronize()
-    names = list(runs)
-    for a in names:
-        print(a, " ".join(f"{b}:{int((runs[a] != runs[b]).sum())}" for b in names), flush=True)
+    for nxt, w in ((None, None), (qkv, next_w)):  # three phases (down's output), then four (the next q/k/v)
+        runs = {}
+        for i in range(3):
+            runs[f"launches{i}"] = t._one_by_one(o, gate_up, down, nxt, x, residual, post_w, w)[0]
+            runs[f"chain{i}"] = cuda_chain.mlp_chain(o, gate_up, down, nxt, x, residual, post_w, w, t.EPS)[0]
+        torch.cuda.synchronize()
+        names = list(runs)
+        print(f"{3 if nxt is None else 4} phases: elements that differ between runs", flush=True)
+        for a in names:
+            print(a, " ".join(f"{b}:{int((runs[a] != runs[b]).sum())}" for b in names), flush=True)

@@ -7,8 +7,7 @@ source scripts/device/common.sh
 begin_call bd16
 nvidia-smi --query-gpu=name --format=csv,noheader
 gpu_tests_verbose gemv 200 -n 8 $GEMV_GPU_TESTS
-grep -E "FAILED|passed|failed" "$R/gemv.txt" | grep -v PASSED | tail -4
-W=$(grep -E "FAILED .*test_chain_llama3_8b_layer" "$R/gemv.txt" | grep -o "\[gw[0-9]*\]" | head -1)
+W=$(grep -E "^\[gw[0-9]+\] .* FAILED " "$R/gemv.txt" | grep -o "^\[gw[0-9]*\]" | head -1)  # the first failure's worker
 echo "worker $W"
 [ -n "$W" ] && grep -F "$W" "$R/gemv.txt" | head -400 | tail -60 | cut -c1-150
 echo "total $(( $(date +%s) - T0 )) s"

@@ -345,8 +345,13 @@ __device__ __forceinline__ void tma_chunks(const GemvParams& p, const GvWork& wk
     mbar_wait(sm.full(s), phase);
     uint32_t w[2][B];
     load_lane_words<B>(tile + s * (kSlotBytes / 4), lane, w);
+    // Release: the warp's reads of the slot are done. The next copy into the slot is an async-proxy write: without
+    // the proxy fence the arrive could overtake the lanes' shared loads (their data was not yet used) and the copy
+    // land before they read. BD20-BD22 of 2026-12-06 (H100): the 8B's gated down GEMV at M = 2 returned a wrong
+    // warp tile (up to 1.2 off) in 27% of identical launches, the norm-fused gate/up in 0.2-1%; none with the fence.
+    asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
     __syncwarp();
-    if (lane == 0) mbar_arrive(sm.empty(s));  // release: the warp's reads of the slot are done
+    if (lane == 0) mbar_arrive(sm.empty(s));
     if ((F & kFProbe) && (p.probe & kProbeNoMath)) {
       asm volatile("" ::"r"(w[0][0]), "r"(w[1][B - 1]));  // keep the shared loads
     } else if constexpr (MT == 1) {

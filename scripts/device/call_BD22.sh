@@ -1,0 +1,25 @@
+#!/usr/bin/env bash
+# Device call BD22 (session 38; carry .whl and .dev incl. lib_race/late/fence.so.gz; ~4 min). BD21: the varying
+# results are wrong (up to 1.2 from the fp32 reference, the usual result within 0.003), one or a few warp tiles
+# (32 columns, both tokens), most often warps 0 and 1. race_probe.py with four libraries: the default, a check build
+# that compares every ring word and staged scale a warp reads with its global source (EXL2_GEMV_RACE_CHECK, printf),
+# the slot released after the chunk's arithmetic (EXL2_GEMV_RELEASE_LATE) and a proxy fence before the release
+# (EXL2_GEMV_RELEASE_PROXY_FENCE).
+export EXL2_CARRIED_LIBRARY=1
+source scripts/device/common.sh
+begin_call bd22
+nvidia-smi --query-gpu=name --format=csv,noheader
+use_libraries R=.dev/lib_race.so.gz L=.dev/lib_late.so.gz F=.dev/lib_fence.so.gz
+probe() {  # probe LETTER TAG ITERS
+  cp "/tmp/lib$1.so" "$LIB"
+  timeout 120 python3 scripts/device/race_probe.py --iters "$3" --tag "$2" --no-nan \
+    --only down_gated_m2,gate_up_norm_m1,gate_up_norm_m2 > "$R/$2.txt" 2> "$R/$2.err"
+  echo "== $2"; grep -E '^(down|gate)' "$R/$2.txt" | cut -c1-260; grep -c RACE "$R/$2.txt"; grep RACE "$R/$2.txt" | head -12
+  tail -2 "$R/$2.err"
+}
+probe D default 3000
+probe R race_check 3000
+probe L release_late 3000
+probe F proxy_fence 3000
+cp /tmp/libD.so "$LIB"
+echo "total $(( $(date +%s) - T0 )) s"

@@ -4,7 +4,8 @@
 # (32 columns, both tokens), most often warps 0 and 1. race_probe.py with four libraries: the default, a check build
 # that compares every ring word and staged scale a warp reads with its global source (EXL2_GEMV_RACE_CHECK, printf),
 # the slot released after the chunk's arithmetic (EXL2_GEMV_RELEASE_LATE) and a proxy fence before the release
-# (EXL2_GEMV_RELEASE_PROXY_FENCE).
+# (EXL2_GEMV_RELEASE_PROXY_FENCE). The three macros were removed after this call (the fence is the default since
+# 64901c8); rerunning it needs them back in exl2_gemv_tma.cuh and the variants built with scripts/build_variant.sh.
 export EXL2_CARRIED_LIBRARY=1
 source scripts/device/common.sh
 begin_call bd22

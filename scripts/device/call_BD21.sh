@@ -8,18 +8,12 @@ export EXL2_CARRIED_LIBRARY=1
 source scripts/device/common.sh
 begin_call bd21
 nvidia-smi --query-gpu=name --format=csv,noheader
-probe() {  # probe TAG ITERS [ENV=VALUE...]
-  local tag=$1 iters=$2; shift 2
-  env "$@" timeout 120 python3 scripts/device/race_probe.py --iters "$iters" --tag "$tag" --no-nan \
-    --only "${ONLY:-down_gated_m2}" > "$R/$tag.txt" 2> "$R/$tag.err"
-  echo "== $tag"; grep -v -E '^(\{|plan)' "$R/$tag.txt" | cut -c1-700; tail -2 "$R/$tag.err"
-}
-ONLY=down_gated_m2,down_gated_m1,gate_up_norm_m2 probe default 3000
-probe scales_after 3000 EXL2_GEMV_SCALES_FIRST=0
-probe min_stages4 3000 EXL2_GEMV_MIN_STAGES=4
-probe ring48 3000 EXL2_GEMV_RING_KB=48
-probe blocks1 3000 EXL2_BACKEND_GEMV_BLOCKS_PER_SM=1
-probe proportional 3000 EXL2_BACKEND_GEMV_SPLITS=proportional
-probe prewait1 3000 EXL2_GEMV_PREWAIT_SLOTS=1
-probe no_pdl 3000 EXL2_BACKEND_PDL=0
+race_probe default 3000 "--no-nan --only down_gated_m2,down_gated_m1,gate_up_norm_m2"
+race_probe scales_after 3000 "--no-nan --only down_gated_m2" EXL2_GEMV_SCALES_FIRST=0
+race_probe min_stages4 3000 "--no-nan --only down_gated_m2" EXL2_GEMV_MIN_STAGES=4
+race_probe ring48 3000 "--no-nan --only down_gated_m2" EXL2_GEMV_RING_KB=48
+race_probe blocks1 3000 "--no-nan --only down_gated_m2" EXL2_BACKEND_GEMV_BLOCKS_PER_SM=1
+race_probe proportional 3000 "--no-nan --only down_gated_m2" EXL2_BACKEND_GEMV_SPLITS=proportional
+race_probe prewait1 3000 "--no-nan --only down_gated_m2" EXL2_GEMV_PREWAIT_SLOTS=1
+race_probe no_pdl 3000 "--no-nan --only down_gated_m2" EXL2_BACKEND_PDL=0
 echo "total $(( $(date +%s) - T0 )) s"

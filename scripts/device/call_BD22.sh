@@ -11,16 +11,13 @@ source scripts/device/common.sh
 begin_call bd22
 nvidia-smi --query-gpu=name --format=csv,noheader
 use_libraries R=.dev/lib_race.so.gz L=.dev/lib_late.so.gz F=.dev/lib_fence.so.gz
-probe() {  # probe LETTER TAG ITERS
+probe() {  # probe LETTER TAG: race_probe with /tmp/lib<LETTER>.so in place
   cp "/tmp/lib$1.so" "$LIB"
-  timeout 120 python3 scripts/device/race_probe.py --iters "$3" --tag "$2" --no-nan \
-    --only down_gated_m2,gate_up_norm_m1,gate_up_norm_m2 > "$R/$2.txt" 2> "$R/$2.err"
-  echo "== $2"; grep -E '^(down|gate)' "$R/$2.txt" | cut -c1-260; grep -c RACE "$R/$2.txt"; grep RACE "$R/$2.txt" | head -12
-  tail -2 "$R/$2.err"
+  race_probe "$2" 3000 "--no-nan --only down_gated_m2,gate_up_norm_m1,gate_up_norm_m2"
 }
-probe D default 3000
-probe R race_check 3000
-probe L release_late 3000
-probe F proxy_fence 3000
+probe D default
+probe R race_check
+probe L release_late
+probe F proxy_fence
 cp /tmp/libD.so "$LIB"
 echo "total $(( $(date +%s) - T0 )) s"

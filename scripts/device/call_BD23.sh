@@ -8,9 +8,7 @@ source scripts/device/common.sh
 begin_call bd23
 nvidia-smi --query-gpu=name --format=csv,noheader
 use_libraries O=.dev/lib_old.so.gz
-timeout 90 python3 scripts/device/race_probe.py --iters 3000 --tag fixed --no-nan \
-  --only down_gated_m2,gate_up_norm_m1,gate_up_norm_m2 > "$R/probe_fixed.txt" 2> "$R/probe_fixed.err"
-echo "== probe, fixed library"; grep -E '^(down|gate)' "$R/probe_fixed.txt" | cut -c1-120; tail -2 "$R/probe_fixed.err"
+race_probe probe_fixed 3000 "--no-nan --only down_gated_m2,gate_up_norm_m1,gate_up_norm_m2"
 gpu_tests_verbose gemv_tests 200 -n 8 $GEMV_GPU_TESTS tests/kernels/test_gemv_repeat_identical.py
 for round in 1 2; do
   cp /tmp/libO.so "$LIB"; fits 70 "spec old $round" && spec_costs "old$round"

@@ -253,3 +253,13 @@ sampler_checks() {
     /tmp/models/llama3-8b --tokens 128 --json "$R/sampled_bench_torch.json" > "$R/sampled_bench_torch.txt" 2>&1
     echo "== torch filter path"; grep -E "greedy_lookahead|topp|nucleus" "$R/sampled_bench_torch.txt"; }
 }
+# scripts/device/race_probe.py (one GEMV repeated on fixed inputs) under env settings: race_probe TAG ITERS
+# "SCRIPT FLAGS" [ENV=VALUE...]; $R/TAG.txt, each probe's line on stdout.
+race_probe() {
+  local tag=$1 iters=$2 flags=$3
+  shift 3
+  env "$@" timeout 150 python3 scripts/device/race_probe.py --iters "$iters" --tag "$tag" $flags > "$R/$tag.txt" \
+    2> "$R/$tag.err"
+  echo "== $tag"; grep -E '^(down|gate|o_)' "$R/$tag.txt" | cut -c1-700; grep RACE "$R/$tag.txt" | head -12
+  tail -2 "$R/$tag.err"
+}

@@ -5,6 +5,9 @@ output differs from its own first run, for three sides: the launches as the defa
 splits), the launches with per-run splits (what the chain tests compare against) and the chain.
 
     for i in $(seq 8); do python3 scripts/device/determinism_under_contention.py --seconds 40 --tag $i & done; wait
+
+BD18 ran it alone (the launches varied, the chain did not: enough to move on to stage_determinism.py); its eight
+concurrent copies hit the call's 200 s limit while packing the 8B layer and printed nothing.
 """
 
 from __future__ import annotations

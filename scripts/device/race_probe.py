@@ -25,28 +25,25 @@ def _probes():
 
     o, gate_up, down, _ = t._layer(4096, 14336, 4096, 1024, (4, 4, 4, 8), seed=21)
     gu = {m: t._rand((m, 2 * 14336), 40 + m, 2.0) for m in (1, 2, 5)}
-    inner = {m: ops.silu_mul(gu[m][:, :14336], gu[m][:, 14336:]).contiguous() for m in (2,)}
+    inner2 = ops.silu_mul(gu[2][:, :14336], gu[2][:, 14336:]).contiguous()  # the ungated input at M = 2
     h = {m: t._rand((m, 4096), 50 + m) for m in (1, 2)}
     res = {m: t._rand((m, 4096), 60 + m, 4.0) for m in (1, 2)}
     w = t._rand((4096,), 70, 0.3) + 1
 
-    def span(fn):
+    def splits(mode, fn):  # fn under GEMV_SPLITS = mode
         def run():
-            cuda_quant.GEMV_SPLITS = "span"
+            cuda_quant.GEMV_SPLITS = mode
             return fn()
         return run
 
-    def balanced(fn):
-        def run():
-            cuda_quant.GEMV_SPLITS = "balanced"
-            return fn()
-        return run
+    def span(fn):
+        return splits("span", fn)
 
     probes = {}
     for m in (1, 2, 5):
         probes[f"down_gated_m{m}"] = span(lambda m=m: down.gated(gu[m]))
-    probes["down_gated_m2_balanced"] = balanced(lambda: down.gated(gu[2]))
-    probes["down_plain_m2"] = span(lambda: down.fused_kernel(inner[2], "gemv"))
+    probes["down_gated_m2_balanced"] = splits("balanced", lambda: down.gated(gu[2]))
+    probes["down_plain_m2"] = span(lambda: down.fused_kernel(inner2, "gemv"))
     probes["o_m2"] = span(lambda: o.fused_kernel(h[2], "gemv"))
     for m in (1, 2):
         probes[f"gate_up_norm_m{m}"] = span(lambda m=m: norm_linear(gate_up, h[m], res[m], w, t.EPS)[0])

@@ -24,7 +24,7 @@ def _needs_tma():
     from exl2_backend.ops import cuda_quant
 
     if cuda_quant.gemv_row_cap(torch.device("cuda")) < 32 or cuda_quant.GEMV_MINB != 0:
-        pytest.skip("the norm-fused GEMV runs on the TMA kernel only (sm_90+)")
+        pytest.skip("the TMA GEMV (and the norm fused into it) runs on sm_90+ only")
 
 
 def _layout(k: int, bits: int) -> list[tuple[int, int]]:

@@ -14,14 +14,9 @@ from __future__ import annotations
 import pytest
 import torch
 
+from tests.kernels.test_gemv_norm import _needs_tma
+
 pytestmark = pytest.mark.cuda
-
-
-def _needs_tma():
-    from exl2_backend.ops import cuda_quant
-
-    if cuda_quant.gemv_row_cap(torch.device("cuda")) < 32 or cuda_quant.GEMV_MINB != 0:
-        pytest.skip("the ring GEMV runs on sm_90+ only")
 
 
 def _layer():

@@ -349,11 +349,9 @@ __device__ __forceinline__ void tma_chunks(const GemvParams& p, const GvWork& wk
     // the proxy fence the arrive could overtake the lanes' shared loads (their data was not yet used) and the copy
     // land before they read. BD20-BD22 of 2026-12-06 (H100): the 8B's gated down GEMV at M = 2 returned a wrong
     // warp tile (up to 1.2 off) in 27% of identical launches, the norm-fused gate/up in 0.2-1%; none with the fence.
-#ifndef EXL2_GEMV_RELEASE_LATE
     asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
     __syncwarp();
     if (lane == 0) mbar_arrive(sm.empty(s));
-#endif
     if ((F & kFProbe) && (p.probe & kProbeNoMath)) {
       asm volatile("" ::"r"(w[0][0]), "r"(w[1][B - 1]));  // keep the shared loads
     } else if constexpr (MT == 1) {
@@ -361,11 +359,6 @@ __device__ __forceinline__ void tma_chunks(const GemvParams& p, const GvWork& wk
     } else {
       gv_chunk_mt<B, MT>(w, s_info[i], xls, i * kChunkRows, st, scl_lane, kGvWarps * 8, ngrp);
     }
-#ifdef EXL2_GEMV_RELEASE_LATE
-    // Measurement variant: the release after the arithmetic has read every loaded word (no fence needed).
-    __syncwarp();
-    if (lane == 0) mbar_arrive(sm.empty(s));
-#endif
     if (++s == stages) {
       s = 0;
       phase ^= 1;

@@ -4,6 +4,8 @@
 # proxy fence before the release: race_probe.py and the GEMV GPU tests on the variant, then the 8B step costs of
 # both interleaved twice. Also: the first part of the SmolLM2 GGUF kept in /tmp/smol for BE3 (the file does not fit
 # one call's carry), ExLlamaV2's JIT build (kept under /tmp/torch_extensions for BE3). BE2 must follow within 30 s.
+# The macro was removed after this call (the release after the arithmetic cost +0.9% per decode step); rerunning
+# it needs it back in exl2_gemv_tma.cuh (commit 8f02677) and the variant built with scripts/build_variant.sh.
 export EXL2_CARRIED_LIBRARY=1
 source scripts/device/common.sh
 begin_call be1

@@ -9,7 +9,8 @@
    option when the full conversion does not finish in time; round-to-nearest as the last resort, which at
    2.5 bpw leaves SmolLM2 unusable as a draft: JSON "models" says which was used); n-gram drafting and the
    draft model on chat, code-editing and summarization prompts (greedy; the draft model also sampled).
-3. End-to-end decode tokens/s (batch 1, greedy: identical text in every mode) with and without speculation.
+3. End-to-end decode tokens/s (batch 1, greedy: identical text in every mode) with and without speculation, the
+   median of --reps runs per mode (interleaved).
 4. Expected speedup of an 8B target with a 1B-shape draft from (1)'s step costs and (2)'s acceptance.
 
     python scripts/spec_bench.py --out spec_bench.json            # on the GPU (about 2-3 minutes)
@@ -21,6 +22,7 @@ from __future__ import annotations
 import argparse
 import gc
 import json
+import statistics
 import subprocess
 import sys
 import time
@@ -332,7 +334,7 @@ def _delta(before: dict, after: dict) -> dict:
             "tokens_per_step": d["emitted"] / d["steps"] if d["steps"] else 0.0}
 
 
-def workloads_run(target: Path, draft: Path, dev: torch.device, max_new: int) -> dict:
+def workloads_run(target: Path, draft: Path, dev: torch.device, max_new: int, reps: int) -> dict:
     base = {"model_dir": target, "device": str(dev), "max_seq_len": 2048, "max_batch_size": 1}
     modes = {"plain": {}, "ngram": {"ngram": True, "num_speculative_tokens": K_E2E},
              "draft_model": {"draft_model": draft, "num_speculative_tokens": K_E2E}}
@@ -348,29 +350,38 @@ def workloads_run(target: Path, draft: Path, dev: torch.device, max_new: int) ->
         generate(e, prompts["chat"], GenerationParams(sampling=SamplingParams.greedy(), max_new_tokens=24))
     results = {}
     for w, prompt in prompts.items():
-        row = {"prompt_tokens": len(prompt)}
-        ref = None
-        for name, e in engines.items():
-            before = _counters(e)
-            toks, dt = generate(e, prompt, greedy)
-            r = {"tokens": len(toks), "decode_tokens_per_s": (len(toks) - 1) / dt if dt > 0 else 0.0,
-                 **_delta(before, _counters(e))}
-            if ref is None:
-                ref = toks
-            else:
-                r["identical_to_plain"] = toks == ref
-                r["speedup"] = r["decode_tokens_per_s"] / row["plain"]["decode_tokens_per_s"]
-            row[name] = r
+        row: dict = {"prompt_tokens": len(prompt)}
+        outputs: dict[str, list[int]] = {}
+        speeds: dict[str, list[float]] = {name: [] for name in engines}
+        # A run is ~0.15 s: one hiccup (a capture, a collection) can halve it. Each mode runs `reps` times, the
+        # modes interleaved, and the median counts; the counters come from the first run (greedy repeats itself).
+        for rep in range(reps):
+            for name, e in engines.items():
+                before = _counters(e)
+                toks, dt = generate(e, prompt, greedy)
+                speeds[name].append((len(toks) - 1) / dt if dt > 0 else 0.0)
+                if rep == 0:
+                    outputs[name] = toks
+                    row[name] = {"tokens": len(toks), **_delta(before, _counters(e))}
+                elif toks != outputs[name]:
+                    row[name]["repeats_itself"] = False
+        for name, r in row.items():
+            if name in engines:
+                r["decode_tokens_per_s_runs"] = speeds[name]
+                r["decode_tokens_per_s"] = statistics.median(speeds[name])
+                if name != "plain":
+                    r["identical_to_plain"] = outputs[name] == outputs["plain"]
+                    r["speedup"] = r["decode_tokens_per_s"] / row["plain"]["decode_tokens_per_s"]
         e = engines["draft_model"]  # sampled: acceptance of the distribution-preserving path
         before = _counters(e)
         toks, dt = generate(e, prompt, GenerationParams(sampling=SamplingParams(temperature=0.7, seed=0),
                                                         max_new_tokens=max_new))
         row["draft_model_sampled_t0.7"] = {"tokens": len(toks), **_delta(before, _counters(e))}
-        row["output_preview"] = tok.decode(ref[:60])
+        row["output_preview"] = tok.decode(outputs["plain"][:60])
         results[w] = row
         log(f"{w}: plain {row['plain']['decode_tokens_per_s']:.0f} tok/s; ngram x{row['ngram']['speedup']:.2f} "
             f"(accept {row['ngram']['acceptance_rate']:.0%}); draft x{row['draft_model']['speedup']:.2f} "
-            f"(accept {row['draft_model']['acceptance_rate']:.0%})")
+            f"(accept {row['draft_model']['acceptance_rate']:.0%}); medians of {reps} runs")
     for e in engines.values():
         e.assert_no_leaks()
     return results
@@ -417,6 +428,7 @@ def main(argv=None) -> int:
     ap.add_argument("--context", type=int, default=1024)
     ap.add_argument("--iters", type=int, default=50)
     ap.add_argument("--max-new-tokens", type=int, default=160)
+    ap.add_argument("--reps", type=int, default=3, help="timed runs per mode and workload (the median counts)")
     ap.add_argument("--quant", choices=["auto", "convert", "rtn"], default="auto",
                     help="how the 6.0 / 2.5 bpw SmolLM2 models are made (auto: convert, RTN if it fails or times out)")
     ap.add_argument("--convert-timeout", type=float, default=60.0, help="seconds for the conversions (in parallel)")
@@ -470,7 +482,7 @@ def main(argv=None) -> int:
                     result[key] = _int_keys(earlier[key])
             result["costs_from"] = str(path)
     if "smollm2" not in skip:
-        result["workloads"] = workloads_run(models["target"][0], models["draft"][0], dev, max_new)
+        result["workloads"] = workloads_run(models["target"][0], models["draft"][0], dev, max_new, args.reps)
         if "costs_8b" in result and "costs_1b_draft" in result:
             result["expected_8b_with_1b_draft"] = expected_speedup(result["costs_8b"], result["costs_1b_draft"],
                                                                    result["workloads"])

@@ -19,6 +19,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspa
 def main() -> None:
     from exl2_backend.ops import cuda_chain, cuda_quant
     from tests.kernels import test_gemv_chain as t
+    from tests.kernels.tma_gemv import rand_half
 
     cuda_chain.GEMV_CHAIN = True
     cuda_quant.GEMV_SPLITS = "balanced"
@@ -28,8 +29,8 @@ def main() -> None:
     for m in (1, 2, 8):
         for nxt in (None, qkv):
             seed = m + 30
-            x, residual = t._rand((m, o.in_features), seed), t._rand((m, hidden), seed + 1, 4.0)
-            post_w, next_w = t._rand((hidden,), seed + 2, 0.3) + 1, t._rand((hidden,), seed + 3, 0.3) + 1
+            x, residual = rand_half((m, o.in_features), seed), rand_half((m, hidden), seed + 1, 4.0)
+            post_w, next_w = rand_half((hidden,), seed + 2, 0.3) + 1, rand_half((hidden,), seed + 3, 0.3) + 1
             nw = None if nxt is None else next_w
             want = [t._one_by_one(o, gate_up, down, nxt, x, residual, post_w, nw) for _ in range(2)]
             got = [cuda_chain.mlp_chain(o, gate_up, down, nxt, x, residual, post_w, nw, t.EPS) for _ in range(2)]

@@ -18,6 +18,8 @@ import time
 
 import torch
 
+from tests.kernels.tma_gemv import rand_half
+
 
 def _cases():
     from tests.kernels import test_gemv_chain as t
@@ -49,7 +51,6 @@ def main() -> None:
     ap.add_argument("--tag", default="0")
     args = ap.parse_args()
     from exl2_backend.ops import cuda_chain
-    from tests.kernels import test_gemv_chain as t
 
     cuda_chain.GEMV_CHAIN, cuda_chain.NORM_PHASES = True, "auto"
     sides = ("launches_span", "launches_balanced", "chain")
@@ -57,8 +58,8 @@ def main() -> None:
     baselines, stats = {}, {}
     for name, layer, m, grid in cases:
         o = layer[0]
-        data = (t._rand((m, o.in_features), 5), t._rand((m, o.out_features), 6, 4.0),
-                t._rand((o.out_features,), 7, 0.3) + 1, t._rand((o.out_features,), 8, 0.3) + 1)
+        data = (rand_half((m, o.in_features), 5), rand_half((m, o.out_features), 6, 4.0),
+                rand_half((o.out_features,), 7, 0.3) + 1, rand_half((o.out_features,), 8, 0.3) + 1)
         for side in sides:
             if side == "chain" and not cuda_chain.chain_takes(*layer, m):
                 continue

@@ -16,6 +16,8 @@ import json
 
 import torch
 
+from tests.kernels.tma_gemv import rand_half
+
 
 def _probes():
     from exl2_backend import ops
@@ -24,11 +26,11 @@ def _probes():
     from tests.kernels import test_gemv_chain as t
 
     o, gate_up, down, _ = t._layer(4096, 14336, 4096, 1024, (4, 4, 4, 8), seed=21)
-    gu = {m: t._rand((m, 2 * 14336), 40 + m, 2.0) for m in (1, 2, 5)}
+    gu = {m: rand_half((m, 2 * 14336), 40 + m, 2.0) for m in (1, 2, 5)}
     inner2 = ops.silu_mul(gu[2][:, :14336], gu[2][:, 14336:]).contiguous()  # the ungated input at M = 2
-    h = {m: t._rand((m, 4096), 50 + m) for m in (1, 2)}
-    res = {m: t._rand((m, 4096), 60 + m, 4.0) for m in (1, 2)}
-    w = t._rand((4096,), 70, 0.3) + 1
+    h = {m: rand_half((m, 4096), 50 + m) for m in (1, 2)}
+    res = {m: rand_half((m, 4096), 60 + m, 4.0) for m in (1, 2)}
+    w = rand_half((4096,), 70, 0.3) + 1
 
     def splits(mode, fn):  # fn under GEMV_SPLITS = mode
         def run():

@@ -18,6 +18,8 @@ import time
 
 import torch
 
+from tests.kernels.tma_gemv import rand_half
+
 
 def _stages(layer, data, sync: bool):
     """The launches of tests/kernels/test_gemv_chain._one_by_one, each stage's outputs kept."""
@@ -55,8 +57,8 @@ def main() -> None:
     report = {}
     for name, layer, m in cases:
         o = layer[0]
-        data = (t._rand((m, o.in_features), 5), t._rand((m, o.out_features), 6, 4.0),
-                t._rand((o.out_features,), 7, 0.3) + 1, t._rand((o.out_features,), 8, 0.3) + 1)
+        data = (rand_half((m, o.in_features), 5), rand_half((m, o.out_features), 6, 4.0),
+                rand_half((o.out_features,), 7, 0.3) + 1, rand_half((o.out_features,), 8, 0.3) + 1)
         for splits in ("span", "balanced"):
             cuda_quant.GEMV_SPLITS = splits
             first = _stages(layer, data, args.sync_stages)  # fresh tensors every run: kept, not copied

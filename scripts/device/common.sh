@@ -263,3 +263,16 @@ race_probe() {
   echo "== $tag"; grep -E '^(down|gate|o_)' "$R/$tag.txt" | cut -c1-700; grep RACE "$R/$tag.txt" | head -12
   tail -2 "$R/$tag.err"
 }
+# The default model's GGUF carried in three parts by three calls on one warm machine
+# (scripts/device/split_default_gguf.sh): keep_gguf_parts copies the parts this call carries into /tmp/smol; once
+# all three are there it reassembles /tmp/smol.gguf, checks its hash and exports EXL2_BACKEND_DEFAULT_GGUF (and
+# EXL2_BACKEND_CACHE_DIR=/tmp/exl2cache, where the default model is then built). Returns 1 while parts are missing.
+keep_gguf_parts() {
+  mkdir -p /tmp/smol
+  cp .gga/part_* .ggb/part_* .ggc/part_* .ggc/gguf.sha256 /tmp/smol/ 2>/dev/null
+  [ -f /tmp/smol/part_1 ] && [ -f /tmp/smol/part_2 ] && [ -f /tmp/smol/part_3 ] || return 1
+  [ -f /tmp/smol.gguf ] || cat /tmp/smol/part_1 /tmp/smol/part_2 /tmp/smol/part_3 > /tmp/smol.gguf
+  [ "$(sha256sum /tmp/smol.gguf | cut -c1-64)" = "$(cat /tmp/smol/gguf.sha256)" ] \
+    || { echo "the reassembled GGUF does not match its hash"; rm -f /tmp/smol.gguf; return 1; }
+  export EXL2_BACKEND_DEFAULT_GGUF=/tmp/smol.gguf EXL2_BACKEND_CACHE_DIR=/tmp/exl2cache
+}

@@ -6,10 +6,11 @@
 # one call's carry), ExLlamaV2's JIT build (kept under /tmp/torch_extensions for BE3). BE2 must follow within 30 s.
 # The macro was removed after this call (the release after the arithmetic cost +0.9% per decode step); rerunning
 # it needs it back in exl2_gemv_tma.cuh (commit 8f02677) and the variant built with scripts/build_variant.sh.
+# (It ran with a plain copy of its GGUF part; common.sh's keep_gguf_parts does that since.)
 export EXL2_CARRIED_LIBRARY=1
 source scripts/device/common.sh
 begin_call be1
-mkdir -p /tmp/smol && cp .gga/part_* /tmp/smol/
+keep_gguf_parts
 nvidia-smi --query-gpu=name --format=csv,noheader
 start_exllamav2_jit
 use_libraries L=.dev/lib_late.so.gz

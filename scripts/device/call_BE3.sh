@@ -5,23 +5,15 @@
 # background); a GPU conversion at 4.0 bpw loaded by ExLlamaV2 and compared with ours (logit agreement);
 # speculative acceptance and speed on SmolLM2 (draft model and n-gram); every cuda-marked test outside BE1's suites
 # (the SmolLM2 parity, lookahead and speculation tests among them); quantized-cache KL and the default model's
-# quality against FP16 (`eval`, GPU).
+# quality against FP16 (`eval`, GPU). It ran with the reassembly and the model steps inline; they are the helpers
+# keep_gguf_parts and smollm2_models (common.sh) since.
 export EXL2_CARRIED_LIBRARY=1
 source scripts/device/common.sh
 begin_call be3
-mkdir -p /tmp/smol && cp .ggc/part_* /tmp/smol/
-cat /tmp/smol/part_1 /tmp/smol/part_2 /tmp/smol/part_3 > /tmp/smol.gguf
-[ "$(sha256sum /tmp/smol.gguf | cut -c1-64)" = "$(cat .ggc/gguf.sha256)" ] || { echo "GGUF hash mismatch"; ls -la /tmp/smol; exit 1; }
-export EXL2_BACKEND_DEFAULT_GGUF=/tmp/smol.gguf EXL2_BACKEND_CACHE_DIR=/tmp/exl2cache
+keep_gguf_parts || { echo "GGUF parts missing or wrong"; ls -la /tmp/smol; exit 1; }
 nvidia-smi --query-gpu=name --format=csv,noheader
-python3 -c "from exl2_backend.default_model import ensure_default_fp16 as f; print(f())" 2>&1 | tail -1
-(t0=$(date +%s); python3 -c "from exl2_backend.default_model import ensure_default_model as f; print(f())" \
-  > "$R/default_model_build.txt" 2>&1; echo "default model rc=$? in $(( $(date +%s) - t0 )) s" >> "$R/default_model_build.txt") &
-BUILD=$!
+smollm2_models
 FP16=/tmp/exl2cache/default/fp16
-timeout 90 python3 -m exl2_backend.cli.main convert $FP16 /tmp/smol40 --bpw 4.0 --head-bits 6 --device cuda \
-  --measurement exl2_backend/data/smollm2_measurement.json --no-progress > "$R/convert_gpu_4.0.txt" 2>&1
-tail -2 "$R/convert_gpu_4.0.txt"
 timeout 100 python3 scripts/device/exllamav2_compare.py --out "$R" --compat-only /tmp/smol40 > "$R/compat_smol40.txt" 2>&1
 tail -4 "$R/compat_smol40.txt" | cut -c1-400
 echo "convert+exllamav2 $(( $(date +%s) - T0 )) s"

@@ -276,3 +276,16 @@ keep_gguf_parts() {
     || { echo "the reassembled GGUF does not match its hash"; rm -f /tmp/smol.gguf; return 1; }
   export EXL2_BACKEND_DEFAULT_GGUF=/tmp/smol.gguf EXL2_BACKEND_CACHE_DIR=/tmp/exl2cache
 }
+# After keep_gguf_parts: the FP16 default model now, its EXL2 build (CPU, ~2.5 min) in the background (`wait $BUILD`;
+# the log in $R/default_model_build.txt), and SmolLM2 converted on the GPU at 4.0 bpw from the shipped measurement
+# into /tmp/smol40 ($R/convert_gpu_4.0.txt): smollm2_models.
+smollm2_models() {
+  python3 -c "from exl2_backend.default_model import ensure_default_fp16 as f; print(f())" 2>&1 | tail -1
+  (t0=$(date +%s); python3 -c "from exl2_backend.default_model import ensure_default_model as f; print(f())" \
+    > "$R/default_model_build.txt" 2>&1; echo "default model rc=$? in $(( $(date +%s) - t0 )) s" >> "$R/default_model_build.txt") &
+  BUILD=$!
+  timeout 90 python3 -m exl2_backend.cli.main convert "$EXL2_BACKEND_CACHE_DIR/default/fp16" /tmp/smol40 --bpw 4.0 \
+    --head-bits 6 --device cuda --measurement exl2_backend/data/smollm2_measurement.json --no-progress \
+    > "$R/convert_gpu_4.0.txt" 2>&1
+  tail -2 "$R/convert_gpu_4.0.txt"
+}

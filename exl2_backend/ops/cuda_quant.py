@@ -79,9 +79,9 @@ WORKSPACE_BUDGET = 60 << 20
 # must still fit: at K = 4096, M <= 5 covers a decode step and a k = 4 verify).
 NORM_SMEM_BYTES = int(os.environ.get("EXL2_BACKEND_NORM_SMEM_BYTES", str(40 << 10)))
 # Passes of the fused norm's 256 threads over the M rows that routing accepts (_Launch.takes_norm). 1 since call
-# I1 (each pass then waited 8-12 dependent round trips); since session 9 a pass waits one (every load of a row in
-# flight), so more passes may beat the add_rms_norm + pregather launches of a verify step: not yet measured
-# (scripts/device/call_P1.sh times k = 4 with 3).
+# I1 (each pass then waited 8-12 dependent round trips). 3 lost twice after a pass came to wait one round trip:
+# H200 calls Q1 (session 10) and X2 (session 14), 8B k = 4 verify 1.394x / 1.678x a decode step against 1.205x /
+# 1.303x with 1, since every GEMV block normalizes all M rows again where the norm_pregather launch does it once.
 NORM_MAX_PASSES = max(1, int(os.environ.get("EXL2_BACKEND_FUSED_NORM_PASSES", "1")))
 # Rows past one pass of the fused norm: add_rms_norm writes each part's stored row order itself
 # (csrc/quant/exl2_gemv_norm_pregather.cu; one launch instead of add_rms_norm + pregather, and no scattered gather

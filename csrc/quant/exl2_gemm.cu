@@ -645,7 +645,8 @@ bool exact_run_splits(const exl2q::QDesc& d, int total, int* rbase, int& maxnch)
 // Small-M GEMV (M = 1..8; 1..32 with the TMA kernel, one decode feeding up to 4 token tiles). blob: ndesc
 // descriptors (kDescLen int64, F_SCL16 set, F_KSPLIT the split count);
 // minb: 0 = the TMA-ring kernel on sm_90+ (the register-batch kernel with 2 blocks per SM below sm_90); 1 = the
-// same with its split-K reduced inside thread-block clusters (not yet measured on the GPU); 2 or 3 =
+// same with its split-K reduced inside thread-block clusters (lost: H200 call F1 of 2026-12-02, down 21.8 against
+// 15.0 us, q/o 11.0 against 7.5; off by default); 2 or 3 =
 // the register-batch kernel variant with that many planned resident blocks per SM. Same output/workspace contract as exl2_gemm,
 // with column blocks of 256 (counters: one per 256-column block).
 // gate_off > 0: fused silu_mul input (x [M, ldx] holds gate at columns [0, K) and up at [gate_off, gate_off + K)).

@@ -80,10 +80,54 @@ def build_server(settings: ServeSettings | dict | None = None, **overrides):
         # LitServe 0.2.19 builds TransportConfig(transport_config=...) (a misspelt field pydantic ignores), so
         # fast_queue silently keeps the multiprocessing-Manager transport; the field it meant to set:
         config.transport_type = "zmq"
+    _monitor_stops_before_the_manager(server)
     _openai_shaped_http_errors(server.app)
     if settings.api_key is not None:
         _require_api_key(server.app, settings.api_key)
     return server
+
+
+# Seconds between LitServe's checks that its inference worker lives (its default: 2): a dead worker stops the server
+# that much sooner, and a stop waits at most that long for the check to end.
+WORKER_MONITOR_INTERVAL_S = 0.25
+
+
+def _monitor_stops_before_the_manager(server) -> None:
+    """LitServe's worker monitor is a thread that asks the multiprocessing manager's shutdown event, every
+    `monitor_internal` seconds, whether to stop. LitServe's stop on Ctrl-C / SIGTERM shuts the manager down without
+    setting that event, so a check landing after the manager is gone logs "Monitoring worker crashed" with a
+    ConnectionResetError traceback (session 39's serve check, litserve 0.2.19). Here a stop sets the event and waits
+    for the monitor to end first. The monitor's own stop (a dead worker) runs as before: the main thread, waiting on
+    that event, must see the manager go to raise the typed error run_litserver turns it into."""
+    import threading
+
+    shutdown = getattr(server, "_perform_graceful_shutdown", None)
+    if shutdown is None or not hasattr(server, "_shutdown_event"):
+        return  # another LitServe: nothing to mend
+    server.monitor_internal = WORKER_MONITOR_INTERVAL_S
+
+    def stop_monitor_then_shut_down(manager, uvicorn_workers, shutdown_reason="normal"):
+        monitors = [t for t in threading.enumerate() if t.name == "litserve-monitoring"]
+        if threading.current_thread() not in monitors:
+            # From a thread of its own: the main thread's manager connection may still carry the wait() that the
+            # KeyboardInterrupt cut short, and the manager answers one request per connection at a time (a set()
+            # behind that wait hangs the stop: the lifecycle test caught it).
+            setter = threading.Thread(target=_set_event, args=(server._shutdown_event,), daemon=True)
+            setter.start()
+            setter.join(timeout=5)
+            for monitor in monitors:
+                monitor.join(timeout=WORKER_MONITOR_INTERVAL_S + 5)
+        shutdown(manager, uvicorn_workers, shutdown_reason)
+
+    server._perform_graceful_shutdown = stop_monitor_then_shut_down
+
+
+def _set_event(event) -> None:
+    try:
+        if event is not None:
+            event.set()
+    except (OSError, EOFError):  # the manager is already gone (the monitor stopped the server first)
+        pass
 
 
 API_KEY_ENV = "EXL2_BACKEND_API_KEY"  # the API key, where a command line would show it to other users

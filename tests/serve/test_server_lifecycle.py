@@ -161,6 +161,40 @@ def test_a_sigterm_during_a_process_start_is_recognised():
     assert not _starting_a_process(None)
 
 
+def test_a_stop_ends_the_worker_monitor_before_the_manager():
+    """LitServe's worker monitor (a thread asking the manager's shutdown event whether to stop) outlived the manager
+    on a Ctrl-C / SIGTERM stop and logged "Monitoring worker crashed" with a ConnectionResetError traceback
+    (session 39's serve check; about every such stop with the monitor polling every 10 ms, as here). A real
+    LitServer and manager, no model or worker: the stop LitServe runs on a KeyboardInterrupt, then time for a late
+    poll."""
+    import logging
+    import threading
+
+    from exl2_backend.serve.server import build_server
+
+    server = build_server({"device": "cpu"})
+    messages: list[str] = []
+
+    class Collect(logging.Handler):
+        def emit(self, record):
+            messages.append(record.getMessage())
+
+    handler = Collect()
+    logging.getLogger("litserve").addHandler(handler)  # after build_server: LitServer sets up its loggers
+    try:
+        manager = server._init_manager(1)
+        server.inference_workers = []
+        server.monitor_internal = 0.01
+        server._start_worker_monitoring(manager, {})
+        time.sleep(0.1)
+        server._perform_graceful_shutdown(manager, {}, "keyboard_interrupt")
+        time.sleep(0.5)
+    finally:
+        logging.getLogger("litserve").removeHandler(handler)
+    assert not any(t.name == "litserve-monitoring" and t.is_alive() for t in threading.enumerate())
+    assert not any("Monitoring worker crashed" in m for m in messages), messages
+
+
 def test_a_host_litserve_cannot_bind_is_a_typed_error(capsys):
     """LitServe binds 0.0.0.0, 127.0.0.1 or :: only: another address is a ConfigError naming the host, from
     run_server, from the server module's own entry point (exit code 2, one line) and through the CLI."""

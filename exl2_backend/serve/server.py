@@ -196,6 +196,10 @@ def run_litserver(server, host: str, port: int, log_level: str) -> None:
     check_port_free(host, port)  # before server.run: its worker loads the model first
     main = threading.current_thread() is threading.main_thread()
     previous = signal.signal(signal.SIGTERM, interrupt) if main else None
+    # A script's background job starts with SIGINT ignored, and LitServe's children inherit the handler this process
+    # has when it starts them: a Ctrl-C to the group then killed the API server alone (uvicorn's own handler) and the
+    # server ran on half dead (session 39). SIGINT takes Python's KeyboardInterrupt path here whatever we inherited.
+    previous_int = signal.signal(signal.SIGINT, signal.default_int_handler) if main else None
     try:
         server.run(host=host, port=port, num_api_servers=1, log_level=log_level, generate_client_file=False)
     except KeyboardInterrupt:
@@ -220,6 +224,8 @@ def run_litserver(server, host: str, port: int, log_level: str) -> None:
     finally:
         if previous is not None:  # None: not installed here, or by code outside Python (nothing to restore)
             signal.signal(signal.SIGTERM, previous)
+        if previous_int is not None:
+            signal.signal(signal.SIGINT, previous_int)
 
 
 def _starting_a_process(frame) -> bool:
@@ -362,7 +368,6 @@ def _main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description="run the exl2_backend OpenAI server (see `exl2-backend serve`)")
     p.add_argument("--settings-json", required=True, help="ServeSettings as JSON")
     args = p.parse_args(argv)
-    signal.signal(signal.SIGINT, signal.default_int_handler)  # even if our parent ignored SIGINT (background job)
     s = ServeSettings.model_validate({"api_key": os.environ.get(API_KEY_ENV) or None,
                                       **json.loads(args.settings_json)})
     try:

@@ -50,6 +50,45 @@ def test_sigterm_to_the_main_process_stops_every_worker(default_model_dir):
         srv.stop()
 
 
+def test_sigint_to_the_group_stops_a_server_started_with_sigint_ignored(default_model_dir, tmp_path):
+    """Ctrl-C as a terminal sends it (SIGINT to the process group) to `exl2-backend serve` started as a background
+    job of a script, which starts with SIGINT ignored: the main process ignored it, LitServe's API server (uvicorn's
+    own handler) died of it, and the server ran on half dead, the port held and /health silent (session 39)."""
+    import subprocess
+    import sys
+
+    import httpx
+
+    from exl2_backend.serve.server import free_port
+
+    port = free_port()
+    log_path = tmp_path / "serve.log"
+    with open(log_path, "w") as log:  # `trap '' INT`: SIGINT ignored from the start, as a script's background job
+        proc = subprocess.Popen(
+            ["sh", "-c", 'trap "" INT; exec "$0" "$@"', sys.executable, "-m", "exl2_backend.cli.main", "serve",
+             "--host", "127.0.0.1", "--port", str(port), "--device", "cpu", "--max-seq-len", "512",
+             "--max-batch-size", "1"],
+            stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 900
+        while time.monotonic() < deadline and proc.poll() is None:
+            try:
+                if httpx.get(f"http://127.0.0.1:{port}/health", timeout=5).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                time.sleep(0.5)
+        assert proc.poll() is None, log_path.read_text(errors="replace")
+        os.killpg(proc.pid, signal.SIGINT)
+        assert proc.wait(60) == 0
+        assert _group_gone(proc.pid, 60), "a worker of the stopped server is still running"
+        text = log_path.read_text(errors="replace")
+        assert "Traceback" not in text, text
+    finally:
+        if proc.poll() is None or _group_alive(proc.pid):
+            os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait(10)
+
+
 def _children(pid: int) -> list[tuple[int, str]]:
     """(pid, command line) of the processes whose parent is `pid` (Linux /proc)."""
     out = []

@@ -19,18 +19,14 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspa
 def main() -> None:
     from exl2_backend.ops import cuda_chain, cuda_quant
     from tests.kernels import test_gemv_chain as t
-    from tests.kernels.tma_gemv import rand_half
 
     cuda_chain.GEMV_CHAIN = True
     cuda_quant.GEMV_SPLITS = "balanced"
     cuda_chain.NORM_PHASES = "auto"
-    o, gate_up, down, qkv = t._layer(4096, 14336, 4096, 1024, (4, 4, 4, 8), seed=21)
-    hidden = o.out_features
+    o, gate_up, down, qkv = t._llama3_8b_layer()
     for m in (1, 2, 8):
         for nxt in (None, qkv):
-            seed = m + 30
-            x, residual = rand_half((m, o.in_features), seed), rand_half((m, hidden), seed + 1, 4.0)
-            post_w, next_w = rand_half((hidden,), seed + 2, 0.3) + 1, rand_half((hidden,), seed + 3, 0.3) + 1
+            x, residual, post_w, next_w = t._layer_inputs(o, m, m + 30)
             nw = None if nxt is None else next_w
             want = [t._one_by_one(o, gate_up, down, nxt, x, residual, post_w, nw) for _ in range(2)]
             got = [cuda_chain.mlp_chain(o, gate_up, down, nxt, x, residual, post_w, nw, t.EPS) for _ in range(2)]

@@ -13,8 +13,6 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.kernels.tma_gemv import rand_half
-
 pytestmark = pytest.mark.cuda
 
 
@@ -28,9 +26,7 @@ def test_repeat_the_failing_case(monkeypatch):
     monkeypatch.setattr(cuda_chain, "NORM_PHASES", "auto")
     o, gate_up, down, qkv = t._layer(2048, 8192, 2048, 512, (8, 5, 4), seed=11)
     m, seed = 4, 4 + 7 * 1
-    hidden = o.out_features
-    x, residual = rand_half((m, o.in_features), seed), rand_half((m, hidden), seed + 1, 4.0)
-    post_w, next_w = rand_half((hidden,), seed + 2, 0.3) + 1, rand_half((hidden,), seed + 3, 0.3) + 1
+    x, residual, post_w, next_w = t._layer_inputs(o, m, seed)
     for nxt, w in ((None, None), (qkv, next_w)):  # three phases (down's output), then four (the next q/k/v)
         runs = {}
         for i in range(3):

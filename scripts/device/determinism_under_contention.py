@@ -18,13 +18,11 @@ import time
 
 import torch
 
-from tests.kernels.tma_gemv import rand_half
-
 
 def _cases():
     from tests.kernels import test_gemv_chain as t
 
-    big = t._layer(4096, 14336, 4096, 1024, (4, 4, 4, 8), seed=21)  # the 8B layer of test_chain_llama3_8b_layer
+    big = t._llama3_8b_layer()  # the 8B layer of test_chain_llama3_8b_layer
     mid = t._layer(2048, 8192, 2048, 512, (8, 5, 4), seed=11)  # test_chain_blocks_loop_over_work_items
     return [("8b-m1", big, 1, 0), ("8b-m2", big, 2, 0), ("8b-m5", big, 5, 0), ("2048-m4-grid1", mid, 4, 1),
             ("2048-m4", mid, 4, 0)]
@@ -51,15 +49,14 @@ def main() -> None:
     ap.add_argument("--tag", default="0")
     args = ap.parse_args()
     from exl2_backend.ops import cuda_chain
+    from tests.kernels import test_gemv_chain as t
 
     cuda_chain.GEMV_CHAIN, cuda_chain.NORM_PHASES = True, "auto"
     sides = ("launches_span", "launches_balanced", "chain")
     cases = _cases()
     baselines, stats = {}, {}
     for name, layer, m, grid in cases:
-        o = layer[0]
-        data = (rand_half((m, o.in_features), 5), rand_half((m, o.out_features), 6, 4.0),
-                rand_half((o.out_features,), 7, 0.3) + 1, rand_half((o.out_features,), 8, 0.3) + 1)
+        data = t._layer_inputs(layer[0], m, 5)
         for side in sides:
             if side == "chain" and not cuda_chain.chain_takes(*layer, m):
                 continue

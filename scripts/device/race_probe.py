@@ -25,7 +25,7 @@ def _probes():
     from exl2_backend.ops import cuda_quant
     from tests.kernels import test_gemv_chain as t
 
-    o, gate_up, down, _ = t._layer(4096, 14336, 4096, 1024, (4, 4, 4, 8), seed=21)
+    o, gate_up, down, _ = t._llama3_8b_layer()
     gu = {m: rand_half((m, 2 * 14336), 40 + m, 2.0) for m in (1, 2, 5)}
     inner2 = ops.silu_mul(gu[2][:, :14336], gu[2][:, 14336:]).contiguous()  # the ungated input at M = 2
     h = {m: rand_half((m, 4096), 50 + m) for m in (1, 2)}

@@ -18,8 +18,6 @@ import time
 
 import torch
 
-from tests.kernels.tma_gemv import rand_half
-
 
 def _stages(layer, data, sync: bool):
     """The launches of tests/kernels/test_gemv_chain._one_by_one, each stage's outputs kept."""
@@ -51,14 +49,12 @@ def main() -> None:
     from exl2_backend.ops import cuda_quant
     from tests.kernels import test_gemv_chain as t
 
-    big = t._layer(4096, 14336, 4096, 1024, (4, 4, 4, 8), seed=21)
+    big = t._llama3_8b_layer()
     mid = t._layer(2048, 8192, 2048, 512, (8, 5, 4), seed=11)
     cases = [("8b-m1", big, 1), ("8b-m2", big, 2), ("8b-m5", big, 5), ("2048-m4", mid, 4)]
     report = {}
     for name, layer, m in cases:
-        o = layer[0]
-        data = (rand_half((m, o.in_features), 5), rand_half((m, o.out_features), 6, 4.0),
-                rand_half((o.out_features,), 7, 0.3) + 1, rand_half((o.out_features,), 8, 0.3) + 1)
+        data = t._layer_inputs(layer[0], m, 5)
         for splits in ("span", "balanced"):
             cuda_quant.GEMV_SPLITS = splits
             first = _stages(layer, data, args.sync_stages)  # fresh tensors every run: kept, not copied

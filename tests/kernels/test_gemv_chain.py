@@ -70,6 +70,19 @@ def _layer(hidden: int, inter: int, heads_dim: int, kv_dim: int, bits, seed: int
     return o, gate_up, down, qkv
 
 
+def _llama3_8b_layer():
+    """The 8B layer (4096 / 14336, q/k/v 4096 + 1024 + 1024) at 4 bits with 8-bit groups mixed in (cached)."""
+    return _layer(4096, 14336, 4096, 1024, (4, 4, 4, 8), seed=21)
+
+
+def _layer_inputs(o, m: int, seed: int):
+    """(x [m, o.in_features], residual [m, hidden], post-attention norm weight [hidden], next layer's input norm
+    weight [hidden]) for the layer whose o_proj is `o`, from the four seeds seed .. seed + 3."""
+    hidden = o.out_features
+    return (rand_half((m, o.in_features), seed), rand_half((m, hidden), seed + 1, 4.0),
+            rand_half((hidden,), seed + 2, 0.3) + 1, rand_half((hidden,), seed + 3, 0.3) + 1)
+
+
 def _one_by_one(o, gate_up, down, nxt, x, residual, post_w, next_w):
     """The launches the chain replaces, as the model routes them without it (each norm fused into its GEMV where
     that takes one pass, else add_rms_norm first)."""
@@ -86,10 +99,8 @@ def _one_by_one(o, gate_up, down, nxt, x, residual, post_w, next_w):
 def _check(o, gate_up, down, nxt, m: int, seed: int):
     from exl2_backend.ops import cuda_chain
 
-    hidden = o.out_features
     assert cuda_chain.chain_takes(o, gate_up, down, nxt, m)
-    x, residual = rand_half((m, o.in_features), seed), rand_half((m, hidden), seed + 1, 4.0)
-    post_w, next_w = rand_half((hidden,), seed + 2, 0.3) + 1, rand_half((hidden,), seed + 3, 0.3) + 1
+    x, residual, post_w, next_w = _layer_inputs(o, m, seed)
     nw = None if nxt is None else next_w
     x0, r0 = x.clone(), residual.clone()
     want = _one_by_one(o, gate_up, down, nxt, x, residual, post_w, nw)
@@ -134,7 +145,7 @@ def test_chain_llama3_8b_layer(m, monkeypatch):
 
     needs_tma_gemv("the GEMV chain")
     monkeypatch.setattr(cuda_chain, "NORM_PHASES", "auto")
-    o, gate_up, down, qkv = _layer(4096, 14336, 4096, 1024, (4, 4, 4, 8), seed=21)
+    o, gate_up, down, qkv = _llama3_8b_layer()
     _check(o, gate_up, down, qkv, m, seed=m + 30)
 
 

@@ -19,12 +19,6 @@ from tests.kernels.tma_gemv import needs_tma_gemv, rand_half
 pytestmark = pytest.mark.cuda
 
 
-def _layer():
-    from tests.kernels import test_gemv_chain as t
-
-    return t._layer(4096, 14336, 4096, 1024, (4, 4, 4, 8), seed=21)  # the 8B layer (cached across tests)
-
-
 def _same_every_time(fn, repeats: int) -> torch.Tensor:
     first = fn().clone()
     differ = sum(not torch.equal(fn(), first) for _ in range(repeats))  # bounded
@@ -38,10 +32,11 @@ def test_gated_down_projection_repeats_bit_identical(m, splits, monkeypatch):
     """down(silu(gate) * up), K = 14336 in an 8-bit and a 4-bit run: M = 2 gathers in the kernel (the case that
     failed), M = 5 copies a pre-gathered input. The first result within fp16 noise of the fp32 reference."""
     from exl2_backend.ops import cuda_quant
+    from tests.kernels import test_gemv_chain as t
 
     needs_tma_gemv("the repeat check")
     monkeypatch.setattr(cuda_quant, "GEMV_SPLITS", splits)
-    _, _, down, _ = _layer()
+    _, _, down, _ = t._llama3_8b_layer()  # cached across tests
     gate_up = rand_half((m, 2 * 14336), 40 + m, 2.0)  # [M, gate | up]
     got = _same_every_time(lambda: down.gated(gate_up), 400)
     gate, up = gate_up[:, :14336].float(), gate_up[:, 14336:].float()
@@ -58,7 +53,7 @@ def test_norm_fused_gate_up_repeats_bit_identical(m, monkeypatch):
 
     needs_tma_gemv("the repeat check")
     monkeypatch.setattr(cuda_quant, "GEMV_SPLITS", "span")
-    _, gate_up, _, _ = _layer()
+    _, gate_up, _, _ = t._llama3_8b_layer()
     h, residual = rand_half((m, 4096), 50 + m), rand_half((m, 4096), 60 + m, 4.0)
     weight = rand_half((4096,), 70, 0.3) + 1
     _same_every_time(lambda: norm_linear(gate_up, h, residual, weight, t.EPS)[0], 1500)

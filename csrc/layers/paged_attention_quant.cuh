@@ -14,6 +14,15 @@
 namespace exl2 {
 namespace layers {
 
+// The one-pass tensor-core kernels' running max (paged_attention_quant_mma.cu online_step, the fp16 streamed
+// kernel) moves only when a step's max passes it by more than this (log2 units), so the accumulator's rescale (on
+// the output mma's dependency chain) runs in few steps: at 32k a warp takes ~10 steps of a split, and over random
+// keys an exact max of its 4 rows rises in ~6 of them (step s sets a record with odds 1 - (1 - 1/s)^4), a lazy
+// one after the first rarely. Probabilities against a stale max reach 2^kLazyMaxLog2 (fp32 sums; their hi / lo
+// fp16 parts keep ~2^-22 relative), and a split's (m, l, o) stay consistent for the combine whatever max they
+// were taken against.
+constexpr float kLazyMaxLog2 = 8.f;
+
 template <int RT>
 constexpr int qattn_keys_max() {  // keys per split held in shared memory: RT * keys_max floats = 32 KiB
   return RT <= 8 ? 1024 : 512;

@@ -539,20 +539,25 @@ __device__ __forceinline__ void online_step(const uint32_t (&qa)[NG][2][4], cons
     }
   mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
   mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
-  const float m_new = fmaxf(r.m, mx);
-  const float mu = m_new == -INFINITY ? 0.f : m_new;  // a fully masked row so far: all p = 0, no NaN
-  const float alpha = exp2f(r.m - mu);                // 0 while m is -inf
+  // The running max is lazy (kLazyMaxLog2). A row's four lanes agree on `raise` (same mx, same m); the first
+  // valid key always raises (-inf + 8 = -inf), a fully masked row never does (its p stay exp2(-inf - 0) = 0).
+  const bool raise = mx > r.m + kLazyMaxLog2;
+  if (__any_sync(0xffffffffu, raise)) {  // warp-uniform: lanes of rows that keep their max multiply by 1
+    const float alpha = raise ? exp2f(r.m - mx) : 1.f;  // 0 when m was -inf (acc and l are still 0)
+    r.l *= alpha;
+    if (raise) r.m = mx;
+#pragma unroll
+    for (int g = 0; g < NG; ++g)
+#pragma unroll
+      for (int j = 0; j < 4; ++j)
+#pragma unroll
+        for (int i = 0; i < 4; ++i) r.acc[g][j][i] *= alpha;
+  }
+  const float mu = r.m == -INFINITY ? 0.f : r.m;
   float pk[4];
 #pragma unroll
   for (int i = 0; i < 4; ++i) pk[i] = exp2f(s[i >> 1][i & 1] - mu);
-  r.l = r.l * alpha + ((pk[0] + pk[1]) + (pk[2] + pk[3]));
-  r.m = m_new;
-#pragma unroll
-  for (int g = 0; g < NG; ++g)
-#pragma unroll
-    for (int j = 0; j < 4; ++j)
-#pragma unroll
-      for (int i = 0; i < 4; ++i) r.acc[g][j][i] *= alpha;
+  r.l += (pk[0] + pk[1]) + (pk[2] + pk[3]);
   uint32_t a[4];
   split_f16x2(pk[0], pk[1], a[0], a[1]);
   split_f16x2(pk[2], pk[3], a[2], a[3]);

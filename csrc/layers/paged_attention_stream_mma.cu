@@ -174,7 +174,8 @@ __global__ void __launch_bounds__(kThreads, 1) paged_attention_stream_mma_kernel
       exl2::mma16816(sc[1], qa[0][kk][0], a1, qa[0][kk][1], a3, kb.z, kb.w);
     }
     uint32_t bh[HALVES][2], bl[HALVES][2];  // P^T's B fragments per half (tokens 2 t4, +1 of each tile), hi + residue
-    float a_even[HALVES], a_odd[HALVES];    // rescale factors of O^T's columns: rows 2 t4, 2 t4 + 1 of the half
+    float alpha[HALVES];                    // the lane's row's rescale factor per half (1: its max stays)
+    bool raise_any = false;
 #pragma unroll
     for (int hf = 0; hf < HALVES; ++hf) {
       // row 16 z + 8 hf + gid's scores of tokens 8 nt + 2 t4 + e: c0, c1 (half 0) or c2, c3 (half 1)
@@ -189,9 +190,12 @@ __global__ void __launch_bounds__(kThreads, 1) paged_attention_stream_mma_kernel
         }
       mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
       mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
-      const float m_new = fmaxf(m[hf], mx), mu = m_new == -INFINITY ? 0.f : m_new;  // nothing seen yet: p = 0
-      const float alpha = exp2f(m[hf] - mu);
-      m[hf] = m_new;
+      // a lazy running max (kLazyMaxLog2): the first valid key raises it from -inf, a fully masked row never does
+      const bool raise = mx > m[hf] + kLazyMaxLog2;
+      raise_any |= raise;
+      alpha[hf] = raise ? exp2f(m[hf] - mx) : 1.f;  // 0 when m was -inf (o and l are still 0)
+      if (raise) m[hf] = mx;
+      const float mu = m[hf] == -INFINITY ? 0.f : m[hf];  // nothing seen yet: p = 0
       float pr[2][2], psum = 0.f;
 #pragma unroll
       for (int nt = 0; nt < 2; ++nt)
@@ -200,25 +204,33 @@ __global__ void __launch_bounds__(kThreads, 1) paged_attention_stream_mma_kernel
           pr[nt][e] = exp2f(x[nt][e] - mu);
           psum += pr[nt][e];
         }
-      l[hf] = fmaf(l[hf], alpha, psum);
+      l[hf] = fmaf(l[hf], alpha[hf], psum);
 #pragma unroll
       for (int nt = 0; nt < 2; ++nt) {
         bh[hf][nt] = pack_half2(pr[nt][0], pr[nt][1]);
         const float2 hv = unpack_half2(bh[hf][nt]);
         bl[hf][nt] = pack_half2(pr[nt][0] - hv.x, pr[nt][1] - hv.y);
       }
-      a_even[hf] = __shfl_sync(0xffffffffu, alpha, 8 * t4);  // the lanes holding rows 2 t4, 2 t4 + 1
-      a_odd[hf] = __shfl_sync(0xffffffffu, alpha, 8 * t4 + 4);
+    }
+    if (__any_sync(0xffffffffu, raise_any)) {  // warp-uniform; most chunks past a split's first keep every max
+#pragma unroll
+      for (int hf = 0; hf < HALVES; ++hf) {
+        const float a_even = __shfl_sync(0xffffffffu, alpha[hf], 8 * t4);  // the lanes of rows 2 t4, 2 t4 + 1
+        const float a_odd = __shfl_sync(0xffffffffu, alpha[hf], 8 * t4 + 4);
+#pragma unroll
+        for (int mt = 0; mt < kD / 16; ++mt) {
+          o[hf][mt][0] *= a_even;
+          o[hf][mt][1] *= a_odd;
+          o[hf][mt][2] *= a_even;
+          o[hf][mt][3] *= a_odd;
+        }
+      }
     }
 #pragma unroll
     for (int mt = 0; mt < kD / 16; ++mt) {
       const uint4 va = ldsm_x4_trans(vaddr + mt * 32);
 #pragma unroll
       for (int hf = 0; hf < HALVES; ++hf) {
-        o[hf][mt][0] *= a_even[hf];
-        o[hf][mt][1] *= a_odd[hf];
-        o[hf][mt][2] *= a_even[hf];
-        o[hf][mt][3] *= a_odd[hf];
         exl2::mma16816(o[hf][mt], va.x, va.y, va.z, va.w, bh[hf][0], bh[hf][1]);
         exl2::mma16816(o[hf][mt], va.x, va.y, va.z, va.w, bl[hf][0], bl[hf][1]);
       }

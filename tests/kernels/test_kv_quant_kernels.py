@@ -148,9 +148,10 @@ def attn_kernel(request, monkeypatch):
     return request.param
 
 
-def build(lens, hkv, d, page, kf, vf, seed=0, spare=5):
+def build(lens, hkv, d, page, kf, vf, seed=0, spare=5, k_ramp=None):
     """Random K/V per sequence quantized into shuffled pages; unused slots hold garbage codes and NaN scales and
-    unused table entries garbage, so any read outside the context shows up."""
+    unused table entries garbage, so any read outside the context shows up. k_ramp(n) -> [n]: each position's K
+    multiplier (None: 1)."""
     g = torch.Generator(device="cpu").manual_seed(seed)
     need = [max(1, -(-n // page)) for n in lens]
     num_pages = sum(need) + spare
@@ -165,6 +166,8 @@ def build(lens, hkv, d, page, kf, vf, seed=0, spare=5):
         tables[b, : need[b]] = torch.tensor(pages, dtype=torch.int32)
         k = torch.randn(n, hkv, d, generator=g)
         k[..., 3] *= 8
+        if k_ramp is not None:
+            k *= k_ramp(n)[:, None, None]
         v = torch.randn(n, hkv, d, generator=g)
         pos = torch.arange(n)
         slots = (torch.tensor(pages)[pos // page] * page + pos % page).to(DEV)
@@ -192,8 +195,8 @@ def sdpa_fp16(q, kd, vd, tables, lens, scale):
     return out
 
 
-def check(lens, tq, hq, hkv, d, kf, vf, page=16, num_splits=0, seed=0, q=None):
-    caches, tables, ctx = build(lens, hkv, d, page, kf, vf, seed)
+def check(lens, tq, hq, hkv, d, kf, vf, page=16, num_splits=0, seed=0, q=None, k_ramp=None):
+    caches, tables, ctx = build(lens, hkv, d, page, kf, vf, seed, k_ramp=k_ramp)
     if q is None:
         q = torch.randn(len(lens), tq, hq, d, device=DEV).half()
     scale = 1 / math.sqrt(d)
@@ -273,6 +276,24 @@ def test_magnitudes_far_from_one(kf, vf, mag):
     ref = reference.paged_attention(q.float(), kd, vd, tab, ctx, scale)
     base = sdpa_fp16(q.contiguous(), kd, vd, tab, ctx, scale)
     assert_close_rel(out, ref, base, atol=2e-3 * min(1.0, mag), msg=f"{kf}/{vf} magnitude {mag}")
+
+
+def _rising_keys(n):
+    """K multipliers growing along the context, doubled from its middle on: [n]."""
+    t = torch.arange(n, dtype=torch.float32)
+    return (1 + t / 500) * torch.where(t >= n // 2, 2.0, 1.0)
+
+
+@pytest.mark.usefixtures("attn_kernel")
+@pytest.mark.parametrize("kf,vf", PAIRS)
+def test_scores_rising_along_the_context(kf, vf):
+    """Keys growing along the context with a jump in the middle: a split's running max rises in small steps and
+    past the one-pass kernels' lazy margin (kLazyMaxLog2: the max they keep moves only past 2^8) again and again,
+    so probabilities against a stale max reach 256 and rescales come late; against the fp32 reference. Decode and
+    verify rows, automatic, single and forced splits (a split holds <= 1024 keys)."""
+    check([3000, 700], 1, 32, 8, 128, kf, vf, page=64, k_ramp=_rising_keys)
+    check([1000, 17], 5, 32, 8, 128, kf, vf, page=16, num_splits=1, seed=1, k_ramp=_rising_keys)
+    check([2500], 3, 9, 3, 64, kf, vf, page=16, num_splits=7, seed=2, k_ramp=_rising_keys)
 
 
 def test_kernels_agree_closely(monkeypatch):

@@ -34,18 +34,32 @@ struct BlockSync {
   __device__ void operator()() const { __syncthreads(); }
 };
 
+// A thread's stored-row groups of a part: rows r_first + i * kThreads * kPregatherRows, i < kIdxSlots (Kpad <=
+// kMaxK plus one group's padding).
+constexpr int kIdxSlots = kMaxK / (kThreads * kPregatherRows) + 1;
+
 __global__ void __launch_bounds__(kThreads) norm_pregather_kernel(const __grid_constant__ NormPregatherParams p) {
   __shared__ __align__(16) __half xf[kMaxK];  // row m, normalized, natural order
   __shared__ float red[kThreads / 32];
   const int m = blockIdx.x, part = blockIdx.y;
-  const int r_first = threadIdx.x * kPregatherRows;
-  uint4 idx0 = make_uint4(0, 0, 0, 0);  // the first xmap entries: constants, loaded before the wait
-  if (r_first < p.pg.kpad[part]) idx0 = pregather_index(p.pg, part, r_first);
+  const int r_first = threadIdx.x * kPregatherRows, kpad = p.pg.kpad[part];
+  // Every xmap entry this thread scatters: constants, all loaded before the wait. (Loaded group by group after
+  // the norm, the second group's load was one more L2 round trip on the verify step's critical path, once per
+  // norm launch.)
+  uint4 idx[kIdxSlots];
+#pragma unroll
+  for (int i = 0; i < kIdxSlots; ++i) {
+    const int r0 = r_first + i * kThreads * kPregatherRows;
+    if (r0 < kpad) idx[i] = pregather_index(p.pg, part, r0);
+  }
   exl2::pdl_wait_and_trigger();  // h and the residual come from the previous kernel
   // part 0's blocks write the residual stream; ends with a barrier: xf complete
   gv_norm_row(p.norm, m, xf, red, part == 0 ? p.res_out : nullptr, p.res_out_ld, BlockSync{});
-  for (int r0 = r_first; r0 < p.pg.kpad[part]; r0 += kThreads * kPregatherRows)
-    pregather_rows_from(p.pg, part, m, r0, r0 == r_first ? idx0 : pregather_index(p.pg, part, r0), xf);
+#pragma unroll
+  for (int i = 0; i < kIdxSlots; ++i) {
+    const int r0 = r_first + i * kThreads * kPregatherRows;
+    if (r0 < kpad) pregather_rows_from(p.pg, part, m, r0, idx[i], xf);
+  }
 }
 
 }  // namespace
@@ -69,6 +83,9 @@ EXL2_API int exl2_add_norm_pregather(const int64_t* blob, int ndesc, const void*
     EXL2_REQUIRE((int)blob[(size_t)i * kDescLen + F_K] == K, "exl2_add_norm_pregather: parts of different K");
   EXL2_REQUIRE(K % kNormVec == 0 && K <= kMaxK && norm_row_threads(K) <= kThreads,
                "exl2_add_norm_pregather: K=%d (a multiple of %d up to %d)", K, kNormVec, kMaxK);
+  EXL2_REQUIRE(p.pg.kmax <= kIdxSlots * kThreads * kPregatherRows,
+               "exl2_add_norm_pregather: Kpad %d past the kernel's %d stored rows", p.pg.kmax,
+               kIdxSlots * kThreads * kPregatherRows);
   p.norm = NormRows{reinterpret_cast<const __half*>(h), reinterpret_cast<const __half*>(residual),
                     reinterpret_cast<const __half*>(weight), ldh, res_ld, K, norm_row_threads(K), 1, eps};
   p.res_out = reinterpret_cast<__half*>(res_out);

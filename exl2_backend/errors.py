@@ -150,3 +150,8 @@ class VramPlanError(ConfigError):
 
 class EngineUnhealthyError(Exl2Error):
     """The engine hit an unrecoverable error (e.g. a CUDA fault) and must be reloaded."""
+
+
+class ServerStoppedError(Exl2Error):
+    """A process of the server other than the inference worker died (its API server: killed, out of memory), and
+    the server stopped rather than run on without answering."""

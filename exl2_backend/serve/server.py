@@ -8,6 +8,7 @@ examples, benchmarks). No torch is imported here: the worker process loads the e
 from __future__ import annotations
 
 import json
+import logging
 import os
 import signal
 import socket
@@ -20,8 +21,10 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
-from exl2_backend.errors import ConfigError, EngineUnhealthyError, Exl2Error, error_line
+from exl2_backend.errors import ConfigError, EngineUnhealthyError, Exl2Error, ServerStoppedError, error_line
 from exl2_backend.serve.schemas import ServeSettings
+
+logger = logging.getLogger(__name__)
 
 _LITSERVE_HOSTS = ("0.0.0.0", "127.0.0.1", "::")
 
@@ -81,6 +84,7 @@ def build_server(settings: ServeSettings | dict | None = None, **overrides):
         # fast_queue silently keeps the multiprocessing-Manager transport; the field it meant to set:
         config.transport_type = "zmq"
     _monitor_stops_before_the_manager(server)
+    _api_server_death_stops_the_server(server)
     _openai_shaped_http_errors(server.app)
     if settings.api_key is not None:
         _require_api_key(server.app, settings.api_key)
@@ -107,6 +111,12 @@ def _monitor_stops_before_the_manager(server) -> None:
     server.monitor_internal = WORKER_MONITOR_INTERVAL_S
 
     def stop_monitor_then_shut_down(manager, uvicorn_workers, shutdown_reason="normal"):
+        stopping = getattr(server, "_exl2_stopping", None)
+        if stopping is not None:
+            stopping.set()  # the API-server watch ends: the processes it watches are being stopped
+        # a Ctrl-C to the process group reaches the API server too, which may end before this stop begins: that
+        # stop is not a death (run_litserver)
+        server._exl2_interrupted = shutdown_reason == "keyboard_interrupt"
         monitors = [t for t in threading.enumerate() if t.name == "litserve-monitoring"]
         if threading.current_thread() not in monitors:
             # From a thread of its own: the main thread's manager connection may still carry the wait() that the
@@ -120,6 +130,42 @@ def _monitor_stops_before_the_manager(server) -> None:
         shutdown(manager, uvicorn_workers, shutdown_reason)
 
     server._perform_graceful_shutdown = stop_monitor_then_shut_down
+
+
+def _api_server_death_stops_the_server(server) -> None:
+    """LitServe's monitor watches its inference workers only: an API server process that died (killed, out of
+    memory) left the main process waiting on its shutdown event and the worker holding the model, the port free
+    and nothing answering. Here a thread watches the API server processes LitServe starts (`_start_server`) and,
+    when one has ended while no stop is under way, records it and sets that event: LitServe's graceful path stops
+    the rest and run_litserver raises ServerStoppedError. The watch polls the processes themselves (waitpid), not
+    the manager, every WORKER_MONITOR_INTERVAL_S, and ends when a stop begins (`_exl2_stopping`)."""
+    import multiprocessing
+    import threading
+
+    start = getattr(server, "_start_server", None)
+    if start is None or not hasattr(server, "_shutdown_event"):
+        return  # another LitServe: nothing to mend
+    server._exl2_stopping = threading.Event()
+    server._exl2_dead_api_server = None
+
+    def watch(processes) -> None:
+        stopping = server._exl2_stopping
+        while not stopping.wait(WORKER_MONITOR_INTERVAL_S):
+            dead = [p for p in processes if not p.is_alive()]
+            if dead and not stopping.is_set():
+                server._exl2_dead_api_server = f"{dead[0].name} (exit code {dead[0].exitcode})"
+                logger.error("the API server %s died; stopping the server", server._exl2_dead_api_server)
+                _set_event(server._shutdown_event)
+                return
+
+    def start_and_watch(*args, **kwargs):
+        workers = start(*args, **kwargs)
+        processes = [w for w in workers.values() if isinstance(w, multiprocessing.process.BaseProcess)]
+        if processes:
+            threading.Thread(target=watch, args=(processes,), daemon=True, name="exl2-api-server-watch").start()
+        return workers
+
+    server._start_server = start_and_watch
 
 
 def _set_event(event) -> None:
@@ -202,6 +248,10 @@ def run_litserver(server, host: str, port: int, log_level: str) -> None:
     previous_int = signal.signal(signal.SIGINT, signal.default_int_handler) if main else None
     try:
         server.run(host=host, port=port, num_api_servers=1, log_level=log_level, generate_client_file=False)
+        dead = getattr(server, "_exl2_dead_api_server", None)
+        if dead is not None and not getattr(server, "_exl2_interrupted", False):  # the watch stopped it
+            raise ServerStoppedError(f"the API server {dead} died and the server stopped (the log above may say "
+                                     "why)")
     except KeyboardInterrupt:
         # before LitServe's own shutdown is armed (its worker still loading the model): stop the worker here, or it
         # loads on and dies with a traceback when it finds the manager gone

@@ -127,6 +127,59 @@ def test_a_killed_inference_worker_stops_the_server_with_a_typed_error(default_m
         srv.stop()
 
 
+def _listening_on(pids: list[int], port: int) -> list[int]:
+    """Those of `pids` holding a socket that listens on TCP `port` (Linux /proc: the sockets' inodes)."""
+    inodes = set()
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        try:
+            with open(table) as f:
+                rows = f.read().splitlines()[1:]
+        except OSError:
+            continue
+        for row in rows:
+            fields = row.split()
+            if int(fields[1].rsplit(":", 1)[1], 16) == port and fields[3] == "0A":  # state 0A: LISTEN
+                inodes.add(fields[9])
+    out = []
+    for pid in pids:
+        try:
+            links = [os.readlink(f"/proc/{pid}/fd/{fd}") for fd in os.listdir(f"/proc/{pid}/fd")]
+        except OSError:
+            continue
+        if any(link.startswith("socket:[") and link[8:-1] in inodes for link in links):
+            out.append(pid)
+    return out
+
+
+def _start_ticks(pid: int) -> int:
+    """When process `pid` started, in clock ticks after boot (/proc/PID/stat field 22)."""
+    with open(f"/proc/{pid}/stat") as f:
+        return int(f.read().rsplit(")", 1)[1].split()[19])
+
+
+def test_a_killed_api_server_stops_the_server_with_a_typed_error(default_model_dir):
+    """LitServe watches its inference worker only: its API server process killed (out of memory, kill -9) left the
+    main process waiting and the worker holding the model, nothing answering. Now the server stops, the main
+    process says why in one line (ServerStoppedError, exit code 2), and nothing of its group is left."""
+    from exl2_backend.serve.server import ServerProcess
+
+    srv = ServerProcess({**SERVER_SETTINGS, "max_batch_size": 2, "cache_tokens": 2048}, startup_timeout=900).start()
+    proc = srv.proc
+    try:
+        # LitServe's manager, forked before the API server, holds the listening socket too: the API server is the
+        # listener started last
+        listeners = _listening_on([pid for pid, _ in _children(proc.pid)], srv.settings.port)
+        assert len(listeners) == 2, (listeners, _children(proc.pid))
+        os.kill(max(listeners, key=_start_ticks), signal.SIGKILL)
+        assert proc.wait(60) == 2
+        assert _group_gone(proc.pid, 60), "a worker of the stopped server is still running"
+        log = srv.log_tail(200)
+        assert "error: ServerStoppedError: the API server LitServer-0 (exit code -9) died" in log, log
+        assert "Traceback" not in log, log
+    finally:
+        srv.stop()
+
+
 def test_sigterm_while_the_worker_loads_stops_it_too(default_model_dir, tmp_path):
     """SIGTERM to the main process before the server is ready (its worker still loading the model): the worker
     is stopped with it, quietly (exit 130, or 0 where the load won the race), and nothing of the group is left."""

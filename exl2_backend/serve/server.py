@@ -134,11 +134,12 @@ def _monitor_stops_before_the_manager(server) -> None:
 
 def _api_server_death_stops_the_server(server) -> None:
     """LitServe's monitor watches its inference workers only: an API server process that died (killed, out of
-    memory) left the main process waiting on its shutdown event and the worker holding the model, the port free
-    and nothing answering. Here a thread watches the API server processes LitServe starts (`_start_server`) and,
-    when one has ended while no stop is under way, records it and sets that event: LitServe's graceful path stops
-    the rest and run_litserver raises ServerStoppedError. The watch polls the processes themselves (waitpid), not
-    the manager, every WORKER_MONITOR_INTERVAL_S, and ends when a stop begins (`_exl2_stopping`)."""
+    memory) left the main process waiting on its shutdown event, the worker holding the model, and the listening
+    socket (LitServe's manager, forked after it was bound, holds it too) accepting nothing. Here a thread watches
+    the API server processes LitServe starts (`_start_server`) and, when one has ended while no stop is under way,
+    records it and sets that event: LitServe's graceful path stops the rest and run_litserver raises
+    ServerStoppedError. The watch polls the processes themselves (waitpid), not the manager, every
+    WORKER_MONITOR_INTERVAL_S, and ends when a stop begins (`_exl2_stopping`)."""
     import multiprocessing
     import threading
 

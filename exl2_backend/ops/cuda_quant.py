@@ -87,6 +87,10 @@ NORM_MAX_PASSES = max(1, int(os.environ.get("EXL2_BACKEND_FUSED_NORM_PASSES", "1
 # (csrc/quant/exl2_gemv_norm_pregather.cu; one launch instead of add_rms_norm + pregather, and no scattered gather
 # in the GEMV), bit-identical. EXL2_BACKEND_NORM_PREGATHER=0 runs the ops apart, for A/B timing.
 NORM_PREGATHER = os.environ.get("EXL2_BACKEND_NORM_PREGATHER", "1") != "0"
+# A measurement switch (results wrong): the pre-gathering norm launch skipped, its GEMV reading whatever the stored-
+# order buffer and the residual stream hold. What a verify step would save if the producing GEMV wrote its
+# consumers' normalized input itself (the ceiling of that design; session 40).
+MEASURE_SKIP_NORM_PREGATHER = os.environ.get("EXL2_BACKEND_MEASURE_SKIP_NORM_PREGATHER") == "1"
 GEMV_MINB = int(os.environ.get("EXL2_BACKEND_GEMV_MINB", "0"))
 # Blocks per SM the GEMV's split-K factor aims at (one wave of the planned resident blocks); the TMA kernel's
 # default. Below 1 (e.g. 0.4) plans fewer, longer blocks: no split-K reduction where the columns fill the GPU.
@@ -602,7 +606,9 @@ class _Launch:
             library.check(_fn("exl2_gemv_add_norm")(*norm_args, stream), "exl2_gemv_add_norm")
             return out, res_out
         pre, ld = self._stored_order_buffer(m, h.device)
-        library.check(_fn("exl2_add_norm_pregather")(*norm_args, pre.data_ptr(), ld, stream), "exl2_add_norm_pregather")
+        if not MEASURE_SKIP_NORM_PREGATHER:
+            library.check(_fn("exl2_add_norm_pregather")(*norm_args, pre.data_ptr(), ld, stream),
+                          "exl2_add_norm_pregather")
         self._launch_gemv(blob, h, m, 0, pre, ld, stream)
         return out, res_out
 

@@ -7,5 +7,5 @@ source scripts/device/common.sh
 keep_gguf_parts; ls -la /tmp/smol
 begin_call bf6a
 nvidia-smi --query-gpu=name --format=csv,noheader
-interleaved_spec_costs default skip=EXL2_BACKEND_MEASURE_SKIP_NORM_PREGATHER=1
+SPEC_SKIP=engine interleaved_spec_costs default skip=EXL2_BACKEND_MEASURE_SKIP_NORM_PREGATHER=1
 echo "total $(( $(date +%s) - T0 )) s"

@@ -95,9 +95,11 @@ left() { echo $(( ${1} - ($(date +%s) - T0) )); }
 # call killed at the limit packs no results, so later steps are skipped (and said so) instead.
 fits() { [ "$(left "${3:-575}")" -gt "$1" ] || { echo "-- skipped (time): $2"; return 1; }; }
 # Verify / decode step costs of the 8B shape (spec_bench): spec_costs NAME [ENV=VALUE...]; $R/spec_NAME.{json,log}.
+# SPEC_SKIP=engine: no whole engine steps (a measurement switch whose wrong outputs the engine's NaN guard refuses).
 spec_costs() {
   local name=$1; shift
-  env "$@" timeout 60 python3 scripts/spec_bench.py --skip smollm2 --iters 30 --work-dir /tmp/spec_bench \
+  env "$@" timeout 60 python3 scripts/spec_bench.py --skip "smollm2${SPEC_SKIP:+,$SPEC_SKIP}" --iters 30 \
+    --work-dir /tmp/spec_bench \
     --out "$R/spec_$name.json" 2> "$R/spec_$name.log"
   echo "== spec $name: $(grep 'step costs' "$R/spec_$name.log" | tail -1)"
 }

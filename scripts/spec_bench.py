@@ -187,15 +187,12 @@ def step_costs(shape, dev: torch.device, context: int, iters: int, ks=KS, kernel
             for name, graph in graphs.items():
                 out["critical"][name] = {}
                 out["kernels"][name] = kernel_table(graph.replay, 10, critical=out["critical"][name])
-    if not engine:
-        e.release("s")
-        e.assert_no_leaks()
-        return out
-    # Whole engine steps (sampling, bookkeeping, host-device syncs): plain decode vs verify of k wrong drafts.
-    out["engine_decode_ms"] = wall_ms(lambda: e.verify(["s"], {}), dev, iters)
-    out["engine_verify_ms"] = {}
-    for k in ks:
-        out["engine_verify_ms"][k] = wall_ms(lambda k=k: e.verify(["s"], {"s": [seq.last_token ^ 1] * k}), dev, iters)
+    if engine:  # whole engine steps (sampling, bookkeeping, host-device syncs): plain decode vs k wrong drafts
+        out["engine_decode_ms"] = wall_ms(lambda: e.verify(["s"], {}), dev, iters)
+        out["engine_verify_ms"] = {}
+        for k in ks:
+            out["engine_verify_ms"][k] = wall_ms(lambda k=k: e.verify(["s"], {"s": [seq.last_token ^ 1] * k}), dev,
+                                                 iters)
     e.release("s")
     e.assert_no_leaks()
     return out

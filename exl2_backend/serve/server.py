@@ -109,6 +109,7 @@ def _monitor_stops_before_the_manager(server) -> None:
     if shutdown is None or not hasattr(server, "_shutdown_event"):
         return  # another LitServe: nothing to mend
     server.monitor_internal = WORKER_MONITOR_INTERVAL_S
+    server._exl2_interrupted = False  # set by each stop below (the API-server watch needs the stops marked)
 
     def stop_monitor_then_shut_down(manager, uvicorn_workers, shutdown_reason="normal"):
         stopping = getattr(server, "_exl2_stopping", None)
@@ -144,8 +145,8 @@ def _api_server_death_stops_the_server(server) -> None:
     import threading
 
     start = getattr(server, "_start_server", None)
-    if start is None or not hasattr(server, "_shutdown_event"):
-        return  # another LitServe: nothing to mend
+    if start is None or not hasattr(server, "_exl2_interrupted"):
+        return  # another LitServe, whose stops _monitor_stops_before_the_manager does not mark: no watch
     server._exl2_stopping = threading.Event()
     server._exl2_dead_api_server = None
 
@@ -250,7 +251,7 @@ def run_litserver(server, host: str, port: int, log_level: str) -> None:
     try:
         server.run(host=host, port=port, num_api_servers=1, log_level=log_level, generate_client_file=False)
         dead = getattr(server, "_exl2_dead_api_server", None)
-        if dead is not None and not getattr(server, "_exl2_interrupted", False):  # the watch stopped it
+        if dead is not None and not server._exl2_interrupted:  # the watch stopped it
             raise ServerStoppedError(f"the API server {dead} died and the server stopped (the log above may say "
                                      "why)")
     except KeyboardInterrupt:

@@ -6,11 +6,5 @@
 export EXL2_SKIP_BUILD=1
 source scripts/device/common.sh
 begin_call bf6
-keep_gguf_parts || { echo "GGUF parts missing or wrong"; ls -la /tmp/smol; exit 1; }
-nvidia-smi --query-gpu=name --format=csv,noheader
-python3 -c "from exl2_backend.default_model import ensure_default_model as f; print(f())" \
-  > "$R/default_model_build.txt" 2>&1; echo "default model rc=$? in $(( $(date +%s) - T0 )) s"
-gpu_tests_verbose cuda_rest 170 -n 4 tests/engine tests/spec tests/serve tests/unit \
-  --ignore=tests/unit/test_convert_device.py --ignore=tests/engine/test_prefill_memory.py \
-  --ignore=tests/serve/test_batch_invariance.py
+smollm2_gpu_tests
 echo "total $(( $(date +%s) - T0 )) s"

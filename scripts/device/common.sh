@@ -278,6 +278,18 @@ keep_gguf_parts() {
     || { echo "the reassembled GGUF does not match its hash"; rm -f /tmp/smol.gguf; return 1; }
   export EXL2_BACKEND_DEFAULT_GGUF=/tmp/smol.gguf EXL2_BACKEND_CACHE_DIR=/tmp/exl2cache
 }
+# The third call of a GGUF-in-three-parts run: the GGUF reassembled, the default model built (CPU), then the
+# cuda-marked tests that need SmolLM2 (GPU parity against the reference, lookahead, speculation exactness; session
+# 39's 52) as $R/cuda_rest.txt: smollm2_gpu_tests (after begin_call; exits the call when a part is missing).
+smollm2_gpu_tests() {
+  keep_gguf_parts || { echo "GGUF parts missing or wrong"; ls -la /tmp/smol; exit 1; }
+  nvidia-smi --query-gpu=name --format=csv,noheader
+  python3 -c "from exl2_backend.default_model import ensure_default_model as f; print(f())" \
+    > "$R/default_model_build.txt" 2>&1; echo "default model rc=$? in $(( $(date +%s) - T0 )) s"
+  gpu_tests_verbose cuda_rest 170 -n 4 tests/engine tests/spec tests/serve tests/unit \
+    --ignore=tests/unit/test_convert_device.py --ignore=tests/engine/test_prefill_memory.py \
+    --ignore=tests/serve/test_batch_invariance.py
+}
 # After keep_gguf_parts: the FP16 default model now, its EXL2 build (CPU, ~2.5 min) in the background (`wait $BUILD`;
 # the log in $R/default_model_build.txt), and SmolLM2 converted on the GPU at 4.0 bpw from the shipped measurement
 # into /tmp/smol40 ($R/convert_gpu_4.0.txt): smollm2_models.

@@ -6,18 +6,22 @@
 #          exllamav2 0.3.2 for the side-by-side runs (a pure wheel; it JIT-builds its extension there)
 #   .dev/  the CUDA library built here for sm_90a, gzipped, with the hash of the csrc/ it was built from
 #          (pack_library.sh; skipped with --no-library or when nvcc is missing)
+#   .dev/libE.so.gz  with --baseline REV: the library of REV's csrc/ (built in a git worktree), for calls that time
+#          the current library against an earlier one on the same machine (common.sh interleaved_steps, /tmp/lib<L>.so)
 #   .gga/ .ggb/ .ggc/  the default model's GGUF in three parts (split_default_gguf.sh; --no-gguf skips them)
 #
-#     bash scripts/device/prepare_carry.sh [--no-library] [--no-gguf]
+#     bash scripts/device/prepare_carry.sh [--no-library] [--no-gguf] [--baseline REV]
 set -euo pipefail
 cd "$(dirname "$0")/../.."
-library=1 gguf=1
-for a in "$@"; do
-  case "$a" in
+library=1 gguf=1 baseline=""
+while [ $# -gt 0 ]; do
+  case "$1" in
     --no-library) library=0 ;;
     --no-gguf) gguf=0 ;;
-    *) echo "unknown argument $a" >&2; exit 2 ;;
+    --baseline) baseline=${2:?--baseline needs a revision}; shift ;;
+    *) echo "unknown argument $1" >&2; exit 2 ;;
   esac
+  shift
 done
 for d in /.whl/ /.dev/ '/.gg*/'; do
   grep -qxF "$d" .git/info/exclude 2>/dev/null || echo "$d" >> .git/info/exclude
@@ -51,6 +55,16 @@ if [ "$library" = 1 ]; then
   else
     echo "no nvcc: .dev not built (the device builds the library itself without EXL2_CARRIED_LIBRARY=1)"
   fi
+fi
+
+if [ -n "$baseline" ]; then
+  wt=$(mktemp -d /tmp/baseline.XXXXXX)
+  git worktree add -q --detach "$wt" "$baseline"
+  (cd "$wt" && EXL2_BACKEND_CUDA_ARCHS=90a EXL2_BACKEND_BUILD_JOBS="$(nproc)" python3 setup.py -q build_ext --inplace \
+     > "$wt.log" 2>&1) || { tail -20 "$wt.log"; exit 1; }
+  mkdir -p .dev && gzip -c "$wt/exl2_backend/_lib/libexl2_kernels.so" > .dev/libE.so.gz
+  git worktree remove --force "$wt"
+  echo ".dev/libE.so.gz: the library of $(git rev-parse --short "$baseline"), $(du -h .dev/libE.so.gz | cut -f1)"
 fi
 
 if [ "$gguf" = 1 ]; then

@@ -14,7 +14,6 @@ fp32 activations, non-contiguous caches) run the reference op instead, with one 
 from __future__ import annotations
 
 import functools
-import logging
 import math
 import os
 
@@ -43,8 +42,6 @@ from exl2_backend.ops.cuda_layers import (
     attention_splits,
 )
 from exl2_backend.ops.library import F32, I32, I64, PTR, STREAM
-
-log = logging.getLogger("exl2_backend")
 
 _SIGNATURES = {
     "exl2_kv_quant_write": (PTR, I64, I64, I64, PTR, I64, I64, PTR, I64, I64, I64, PTR, PTR, PTR, PTR, PTR, I64, PTR,
@@ -99,14 +96,8 @@ def _call(name: str, *args) -> None:
     library.check(_fn(name)(*args), name)
 
 
-_warned: set[str] = set()
-
-
 def _fallback(op: str, why: str):
-    if op not in _warned:
-        _warned.add(op)
-        log.warning("exl2_backend: %s runs the reference op on the GPU: %s", op, why)
-    return getattr(reference_kvquant, op)
+    return library.reference_fallback(reference_kvquant, op, why)
 
 
 def _cache_pair(op: str, name: str, codes, scales, fmt: str, device=None) -> tuple[int, int, int, int]:

@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import logging
 import math
 import os
 import types
@@ -34,8 +33,6 @@ from exl2_backend.ops import library, reference
 from exl2_backend.ops.host_copy import to_device
 from exl2_backend.ops.library import F32, I32, I64, PTR, STREAM
 from exl2_backend.ops.reference_sampling import active_filters
-
-log = logging.getLogger("exl2_backend")
 
 _DTYPE_CODES = {torch.float16: 0, torch.bfloat16: 1, torch.float32: 2}
 _HALF = (torch.float16, torch.bfloat16)
@@ -398,14 +395,8 @@ def _index_tensor(t: torch.Tensor, device: torch.device, dtype: torch.dtype) -> 
     return t if t.device == device and t.dtype == dtype else t.to(device=device, dtype=dtype)
 
 
-_warned: set[str] = set()
-
-
 def _fallback(op: str, why: str):
-    if op not in _warned:
-        _warned.add(op)
-        log.warning("exl2_backend: %s runs the reference op on the GPU: %s", op, why)
-    return getattr(reference, op)
+    return library.reference_fallback(reference, op, why)
 
 
 # --- rms_norm ----------------------------------------------------------------------------------------

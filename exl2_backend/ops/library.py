@@ -118,6 +118,19 @@ def get() -> ctypes.CDLL:
     return _lib
 
 
+_fallback_warned: set[tuple[str, str]] = set()
+
+
+def reference_fallback(reference_module, op: str, why: str):
+    """`reference_module.op`, for a CUDA op that cannot take its inputs (why: what it could not take), saying so
+    once per op: the GPU then runs the pure-torch reference op."""
+    key = (reference_module.__name__, op)
+    if key not in _fallback_warned:
+        _fallback_warned.add(key)
+        log.warning("exl2_backend: %s runs the reference op on the GPU: %s", op, why)
+    return getattr(reference_module, op)
+
+
 def declare(name: str, *argtypes) -> ctypes._CFuncPtr:
     """Declare a C function's argument types (all return int status) and return it."""
     fn = getattr(get(), name)

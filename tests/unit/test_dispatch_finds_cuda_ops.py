@@ -62,3 +62,19 @@ def test_direct_calls_skip_the_dispatcher_for_every_custom_op(monkeypatch):
     monkeypatch.undo()
     monkeypatch.setattr(library, "DIRECT_OPS", False)
     assert dispatch._cuda_impl(cuda, "rms_norm") is cuda.rms_norm
+
+
+def test_reference_fallback_returns_the_reference_op_and_says_so_once_per_op(monkeypatch, caplog):
+    """A CUDA op that cannot take its inputs runs its reference twin (cuda_layers / cuda_kvquant `_fallback`): the
+    warning names the op and the reason the first time only, per reference module and op."""
+    from exl2_backend.ops import reference, reference_kvquant
+
+    monkeypatch.setattr(library, "_fallback_warned", set())
+    with caplog.at_level("WARNING", logger="exl2_backend"):
+        assert library.reference_fallback(reference, "rms_norm", "dtype torch.float64") is reference.rms_norm
+        assert library.reference_fallback(reference, "rms_norm", "again") is reference.rms_norm
+        assert library.reference_fallback(reference_kvquant, "kv_quant_write", "layout") is \
+            reference_kvquant.kv_quant_write
+    said = [r.getMessage() for r in caplog.records if "runs the reference op" in r.getMessage()]
+    assert said == ["exl2_backend: rms_norm runs the reference op on the GPU: dtype torch.float64",
+                    "exl2_backend: kv_quant_write runs the reference op on the GPU: layout"]

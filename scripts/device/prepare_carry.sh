@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # What a device call carries beside the git tree, rebuilt on a fresh checkout (a new session's checkout has none
-# of the ignored folders; session 41 spent its first half hour finding the wheel list again):
+# of the ignored folders, and before session 41 the wheel list was nowhere in the repository):
 #   .whl/  the Python packages the device image lacks (its list: /work/.library/device/KINDS.md), as CPython 3.12
 #          manylinux wheels (glibc up to 2.39, the image's Ubuntu 24.04), pinned to the versions the CI venv installs (pip freeze of `pip install -e .[test]`);
 #          exllamav2 0.3.2 for the side-by-side runs (a pure wheel; it JIT-builds its extension there)

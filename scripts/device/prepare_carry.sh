@@ -10,6 +10,9 @@
 #          the current library against an earlier one on the same machine (common.sh interleaved_steps, /tmp/lib<L>.so)
 #   .gga/ .ggb/ .ggc/  the default model's GGUF in three parts (split_default_gguf.sh; --no-gguf skips them)
 #
+# Run it from the Python the README's test command installed into (it imports exl2_backend to find the GGUF and
+# needs nvcc for the library), e.g. after `python3.11 -m venv /tmp/venv && . /tmp/venv/bin/activate` and that command:
+#
 #     bash scripts/device/prepare_carry.sh [--no-library] [--no-gguf] [--baseline REV]
 set -euo pipefail
 cd "$(dirname "$0")/../.."

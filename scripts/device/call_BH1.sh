@@ -15,7 +15,7 @@ source scripts/device/common.sh
 keep_gguf_parts; ls /tmp/smol
 begin_call bh1
 nvidia-smi --query-gpu=name --format=csv,noheader
-gpu_tests left_gemv 230 -n 8 tests/kernels/test_gemv_left.py $GEMV_GPU_TESTS -k "not llama3_8b"
+gpu_tests left_gemv 230 -n 12 tests/kernels/test_gemv_left.py $GEMV_GPU_TESTS -k "not llama3_8b"
 for round in 1 2; do
   fits 150 "spec costs, round $round" || break
   spec_costs "default$round"

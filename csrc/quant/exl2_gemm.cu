@@ -848,6 +848,15 @@ int gemv_impl(const int64_t* blob, int ndesc, const void* x, int M, int ldx, int
   if (pl.tma) return gemv_tma_launch(p, pl.blocks, pl.smem, s);
   return minb == 3 ? gemv_launch<3>(p, pl.blocks, pl.smem, s) : gemv_launch<2>(p, pl.blocks, pl.smem, s);
 }
+
+// exl2_gemv_add_norm and its leave twin: the norm's arguments checked (errors name `op`), then the fused launch.
+int add_norm_impl(const char* op, const int64_t* blob, int ndesc, const void* h, int M, int ldh, const void* residual,
+                  int res_ld, const void* weight, void* res_out, int res_out_ld, float eps, void* stream,
+                  const exl2q::GemvLeft* left) {
+  if (const int st = exl2q::check_norm_args(op, h, ldh, residual, res_ld, weight, res_out, res_out_ld, eps)) return st;
+  const exl2q::GemvNorm norm{residual, res_ld, weight, res_out, res_out_ld, eps};
+  return gemv_impl(blob, ndesc, h, M, ldh, 0, 0, nullptr, 0, &norm, stream, left);
+}
 }  // namespace
 
 EXL2_API int exl2_gemv(const int64_t* blob, int ndesc, const void* x, int M, int ldx, int gate_off, int minb,
@@ -863,11 +872,8 @@ EXL2_API int exl2_gemv(const int64_t* blob, int ndesc, const void* x, int M, int
 EXL2_API int exl2_gemv_add_norm(const int64_t* blob, int ndesc, const void* h, int M, int ldh, const void* residual,
                                 int res_ld, const void* weight, void* res_out, int res_out_ld, float eps,
                                 void* stream) {
-  if (const int st = exl2q::check_norm_args("exl2_gemv_add_norm", h, ldh, residual, res_ld, weight, res_out,
-                                             res_out_ld, eps))
-    return st;
-  const exl2q::GemvNorm norm{residual, res_ld, weight, res_out, res_out_ld, eps};
-  return gemv_impl(blob, ndesc, h, M, ldh, 0, 0, nullptr, 0, &norm, stream);
+  return add_norm_impl("exl2_gemv_add_norm", blob, ndesc, h, M, ldh, residual, res_ld, weight, res_out, res_out_ld,
+                       eps, stream, nullptr);
 }
 
 // Split-K partials left to the next GEMV (exl2_gemv_left.cuh): exl2_gemv and exl2_gemv_add_norm whose blocks all store
@@ -885,13 +891,10 @@ EXL2_API int exl2_gemv_leave(const int64_t* blob, int ndesc, const void* x, int 
 EXL2_API int exl2_gemv_add_norm_leave(const int64_t* blob, int ndesc, const void* h, int M, int ldh,
                                       const void* residual, int res_ld, const void* weight, void* res_out,
                                       int res_out_ld, float eps, void* stream) {
-  if (const int st = exl2q::check_norm_args("exl2_gemv_add_norm_leave", h, ldh, residual, res_ld, weight, res_out,
-                                             res_out_ld, eps))
-    return st;
-  const exl2q::GemvNorm norm{residual, res_ld, weight, res_out, res_out_ld, eps};
   exl2q::GemvLeft left{};
   left.leave = 1;
-  return gemv_impl(blob, ndesc, h, M, ldh, 0, 0, nullptr, 0, &norm, stream, &left);
+  return add_norm_impl("exl2_gemv_add_norm_leave", blob, ndesc, h, M, ldh, residual, res_ld, weight, res_out,
+                       res_out_ld, eps, stream, &left);
 }
 
 EXL2_API int exl2_gemv_left(const int64_t* blob, int ndesc, int M, const int64_t* args, int minb, void* stream) {

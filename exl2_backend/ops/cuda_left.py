@@ -99,8 +99,7 @@ def _add_norm_leave_op(h: torch.Tensor, residual: torch.Tensor | None, weight: t
     m = _check_norm_call(launch, h, residual, weight, packed, pregather)
     offsets, row = partials_layout(launch, m)
     partials = torch.empty(m, row, dtype=torch.float32, device=h.device)
-    _, res_out = launch.gemv_add_norm(h, residual, weight, eps, partials, counters, pregather,
-                                      leave=(partials, offsets))
+    _, res_out = launch.gemv_add_norm(h, residual, weight, eps, partials, counters, pregather, leave_off=offsets)
     return partials, res_out
 
 

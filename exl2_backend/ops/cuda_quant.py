@@ -596,18 +596,15 @@ class _Launch:
     def gemv_add_norm(self, h: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float,
                       ws: torch.Tensor, counters: torch.Tensor, pregather: bool = False,
                       rope: np.ndarray | None = None,
-                      leave: tuple[torch.Tensor, list[int]] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                      leave_off: list[int] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """h, residual [M, K] fp16 (rows 16-byte aligned), weight fp16 [K] -> (GEMV output [M, N], residual out
         [M, K] = h + residual; an empty tensor when residual is None). One launch that normalizes inside the GEMV,
         or with `pregather` two: the norm writing every part's input in stored row order, then the GEMV copying
-        its rows. rope: the fused rope's arguments (_rope_args), applied by the GEMV after its output. leave:
-        (buffer, offsets): the GEMV stores every split's partial there instead of its output, which it does not
-        write (ops/cuda_left.py)."""
+        its rows. rope: the fused rope's arguments (_rope_args), applied by the GEMV after its output. leave_off:
+        the GEMV stores every split's partial into ws at these offsets (one per part) instead of its output, which it
+        does not write (ops/cuda_left.py)."""
         m = h.shape[0]
-        if leave is None:
-            out, blob = self._bind(self.gemv_plan(m), m, ws, counters, h.device)
-        else:
-            out, blob = self._bind(self.gemv_plan(m), m, leave[0], counters, h.device, ws_off=leave[1])
+        out, blob = self._bind(self.gemv_plan(m), m, ws, counters, h.device, ws_off=leave_off)
         if rope is not None:
             blob[0, F_ROPE] = rope.ctypes.data  # read by the C call below, while `rope` is alive
         res_out = h.new_empty((m, self.K)) if residual is not None else h.new_empty(0)
@@ -617,14 +614,14 @@ class _Launch:
                      None if residual is None else res_out.data_ptr(), self.K, float(eps))
         stream = _stream(h.device)
         if not pregather:
-            name = "exl2_gemv_add_norm" if leave is None else "exl2_gemv_add_norm_leave"
+            name = "exl2_gemv_add_norm" if leave_off is None else "exl2_gemv_add_norm_leave"
             library.check(_fn(name)(*norm_args, stream), name)
             return out, res_out
         pre, ld = self._stored_order_buffer(m, h.device)
         if not MEASURE_SKIP_NORM_PREGATHER:
             library.check(_fn("exl2_add_norm_pregather")(*norm_args, pre.data_ptr(), ld, stream),
                           "exl2_add_norm_pregather")
-        self._launch_gemv(blob, h, m, 0, pre, ld, stream, leave=leave is not None)
+        self._launch_gemv(blob, h, m, 0, pre, ld, stream, leave=leave_off is not None)
         return out, res_out
 
     def dequant(self, part: int, n_begin: int, n_end: int) -> torch.Tensor:

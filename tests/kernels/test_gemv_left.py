@@ -17,14 +17,8 @@ import torch
 from exl2_backend.errors import TensorShapeError
 from exl2_backend.ops import library
 from tests.kernels.test_exl2_dequant import _to_cuda, make_qt
+from tests.kernels.test_gemv_norm import _layout
 from tests.kernels.tma_gemv import needs_tma_gemv, rand_half
-
-
-def _layout(k: int, bits: int) -> list[tuple[int, int]]:
-    """A mixed layout of K rows: an 8-bit group, groups of 128 at `bits`, the rest at `bits`."""
-    full = (k - 32) // 128
-    rest = k - 32 - 128 * full
-    return [(8, 32)] + [(bits, 128)] * full + ([(bits, rest)] if rest else [])
 
 
 def _mlp(hidden: int, inter: int, bits: int, seed: int, bias: str = "", device="cuda"):

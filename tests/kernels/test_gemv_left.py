@@ -1,10 +1,13 @@
 """gate/up's split-K partials left to down's gather (ops/cuda_left.py, csrc/quant/exl2_gemv_left.cuh).
 
+The leave op's partials are checked against their meaning in torch (summed in split order, + bias, rounded: the
+reduction gate/up skips, `_summed`), the gated op against the gated GEMV over gate/up's reduced output.
+
 Exact: down sums each value's partials in split order from zero, adds the bias and rounds once, as the reduction gate/up
 skips (gv_reduce_partials_vec4), then applies silu_mul as the gated gather does, so down's output and the residual
 stream are bit-identical to gate/up (norm-fused or after the pre-gathering norm) followed by the gated GEMV. Shapes:
 every width of gate and up in a mixed layout, down with an act-order permutation, hidden sizes of one and several
-column blocks, 1 to 8 rows, bias on gate or up, split counts from 2 to 9 (odd ones included), a CUDA graph, the
+column blocks, 1 to 8 rows, bias on gate or up, split counts from 4 to 12 (odd ones included), a CUDA graph, the
 model forward with the switch on and off. The host-side plan (splits, layout, routing) runs wherever the library
 loads.
 """
@@ -46,6 +49,25 @@ def _reference(gate_up, down, h, residual, w, eps, pregather):
     return down.gated(y), res
 
 
+def _summed(partials: torch.Tensor, launch, m: int) -> torch.Tensor:
+    """The output [M, N] the left partials stand for, in torch: each part's splits summed in order from zero in fp32,
+    plus the bias, rounded to fp16 once (the reduction gate/up skips)."""
+    from exl2_backend.ops import cuda_left
+
+    offsets, _ = cuda_left.partials_layout(launch, m)
+    flat, outs = partials.reshape(-1), []
+    for part, k, off in zip(launch.parts, cuda_left.left_splits(launch, m), offsets):
+        splits = flat[off : off + k * m * part.Np].view(k, m, part.Np)  # [k, M, Np]
+        v = torch.zeros(m, part.Np, dtype=torch.float32, device=partials.device)
+        for s in range(k):
+            v = v + splits[s]
+        v = v[:, : part.N]
+        if part.bias is not None:
+            v = v + part.bias[: part.N].float()
+        outs.append(v.half())
+    return torch.cat(outs, dim=1)
+
+
 # (hidden, inter, m, pregather): False the norm inside gate/up (one or several passes), True the pre-gathering norm.
 CASES = [(576, 1536, 1, False), (576, 1536, 2, False), (576, 1536, 3, True), (576, 1536, 5, True),
          (576, 1536, 8, True), (1056, 2816, 1, False), (1056, 2816, 4, True), (2048, 8192, 1, False),
@@ -64,7 +86,13 @@ def test_left_partials_equal_the_reduced_gate_up(monkeypatch, bits, hidden, inte
     w = rand_half((hidden,), seed=hidden, scale=0.3) + 1
     h, residual = rand_half((m, hidden), seed=m), rand_half((m, hidden), seed=m + 40, scale=4.0)
     h0, r0 = h.clone(), residual.clone()
+    gu = gate_up.launch
     for res in (residual, None):
+        # the leave op alone: its partials sum (torch, in split order) to gate/up's reduced output
+        partials, _ = torch.ops.exl2_backend.exl2_gemv_add_norm_leave(h, res, w, 1e-5, gu.parts[0].packed, gu.handle,
+                                                                      gate_up.workspace.counters, pregather)
+        y, _ = gate_up.add_normed(h, res, w, 1e-5, always=True, pregather=pregather)
+        assert torch.equal(_summed(partials, gu, m), y)
         got = cuda_left.gate_up_down(gate_up, down, h, res, w, 1e-5, pregather=pregather)
         assert got is not None, "the left partials declined"
         want = _reference(gate_up, down, h, res, w, 1e-5, pregather)

@@ -149,6 +149,10 @@ def test_left_partials_bad_inputs(monkeypatch):
     partials, _ = torch.ops.exl2_backend.exl2_gemv_add_norm_leave(h, None, w, 1e-5, gate_up.launch.parts[0].packed,
                                                                   gate_up.launch.handle, down.workspace.counters,
                                                                   False)
+    for bad_h in (h[:, :-8], h.float()):  # the leave op checks its input as the norm-fused GEMV does
+        with pytest.raises(TensorShapeError):
+            torch.ops.exl2_backend.exl2_gemv_add_norm_leave(bad_h, None, w, 1e-5, gate_up.launch.parts[0].packed,
+                                                            gate_up.launch.handle, down.workspace.counters, False)
     ws, counters = down.workspace.buffers()
     packed, handle = down.launch.parts[0].packed, down.launch.handle
     for bad in (partials[:, :-1].contiguous(), partials.half(), partials.new_zeros(9, partials.shape[1])):

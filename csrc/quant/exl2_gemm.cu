@@ -13,7 +13,6 @@
 #include "quant/exl2_gemv.cuh"
 #include "quant/exl2_gemv_splits.cuh"
 #include "quant/exl2_gemv_rope.cuh"
-#include "quant/exl2_gemv_left.cuh"
 #include "quant/exl2_gemv_norm.cuh"
 #include "quant/exl2_quant.cuh"
 
@@ -653,7 +652,7 @@ bool exact_run_splits(const exl2q::QDesc& d, int total, int* rbase, int& maxnch)
 // gate_off > 0: fused silu_mul input (x [M, ldx] holds gate at columns [0, K) and up at [gate_off, gate_off + K)).
 namespace exl2q {
 int gemv_plan(const int64_t* blob, int ndesc, const void* x, int M, int ldx, int gate_off, int minb, const void* xpre,
-              int xpre_ld, const GemvNorm* norm, GemvParams& p, GemvPlan& pl, bool allow_span, const GemvLeft* left) {
+              int xpre_ld, const GemvNorm* norm, GemvParams& p, GemvPlan& pl, bool allow_span) {
   EXL2_REQUIRE(blob && x, "exl2_gemv: null argument");
   EXL2_REQUIRE(ndesc >= 1 && ndesc <= kMaxDesc, "exl2_gemv: %d descriptors (1..%d)", ndesc, kMaxDesc);
   EXL2_REQUIRE(M >= 1 && M <= 32, "exl2_gemv: M=%d outside 1..32", M);
@@ -777,8 +776,6 @@ int gemv_plan(const int64_t* blob, int ndesc, const void* x, int M, int ldx, int
         EXL2_REQUIRE(!p.cluster && !probe, "exl2_gemv: no fused rope with cluster split-K or a probe");
         if (const int st = plan_rope(rope, p)) return st;
       }
-      if (left)
-        if (const int st = plan_left(*left, xpre, gate_off, norm != nullptr, p.rope_d > 0, p)) return st;
       const int extra = gemv_tma_smem_extra(M, p.xstride, maxnch, p.maxgrp, p.norm_k);
       int max_bits = 2;
       for (int i = 0; i < ndesc; ++i) max_bits = std::max(max_bits, p.d[i].runs[0].bits);  // runs: widest first
@@ -827,7 +824,6 @@ int gemv_plan(const int64_t* blob, int ndesc, const void* x, int M, int ldx, int
   EXL2_REQUIRE(!xpre, "exl2_gemv: pre-gathered input needs the TMA kernel (sm_90+, minb 0 or 1)");
   EXL2_REQUIRE(!norm, "exl2_gemv_add_norm: the fused norm needs the TMA kernel (sm_90+, minb 0)");
   EXL2_REQUIRE(!blob[F_ROPE], "exl2_gemv: the fused rope needs the TMA kernel (sm_90+, minb 0 or 1)");
-  EXL2_REQUIRE(!left, "exl2_gemv: left split-K partials need the TMA kernel (sm_90+, minb 0 or 1)");
   const int smem = align16(M * p.xstride * 2) + maxnch * kChunkRows * 2;  // + the xmap slice
   EXL2_REQUIRE(smem <= 227 * 1024, "exl2_gemv: needs %d bytes of shared memory; use a larger ksplit", smem);
   pl = GemvPlan{blocks, smem, false};
@@ -837,25 +833,15 @@ int gemv_plan(const int64_t* blob, int ndesc, const void* x, int M, int ldx, int
 
 namespace {
 int gemv_impl(const int64_t* blob, int ndesc, const void* x, int M, int ldx, int gate_off, int minb,
-              const void* xpre, int xpre_ld, const exl2q::GemvNorm* norm, void* stream,
-              const exl2q::GemvLeft* left = nullptr) {
+              const void* xpre, int xpre_ld, const exl2q::GemvNorm* norm, void* stream) {
   using namespace exl2q;
   GemvParams p;
   GemvPlan pl;
-  const int st = gemv_plan(blob, ndesc, x, M, ldx, gate_off, minb, xpre, xpre_ld, norm, p, pl, true, left);
+  const int st = gemv_plan(blob, ndesc, x, M, ldx, gate_off, minb, xpre, xpre_ld, norm, p, pl);
   if (st) return st;
   cudaStream_t s = reinterpret_cast<cudaStream_t>(stream);
   if (pl.tma) return gemv_tma_launch(p, pl.blocks, pl.smem, s);
   return minb == 3 ? gemv_launch<3>(p, pl.blocks, pl.smem, s) : gemv_launch<2>(p, pl.blocks, pl.smem, s);
-}
-
-// exl2_gemv_add_norm and its leave twin: the norm's arguments checked (errors name `op`), then the fused launch.
-int add_norm_impl(const char* op, const int64_t* blob, int ndesc, const void* h, int M, int ldh, const void* residual,
-                  int res_ld, const void* weight, void* res_out, int res_out_ld, float eps, void* stream,
-                  const exl2q::GemvLeft* left) {
-  if (const int st = exl2q::check_norm_args(op, h, ldh, residual, res_ld, weight, res_out, res_out_ld, eps)) return st;
-  const exl2q::GemvNorm norm{residual, res_ld, weight, res_out, res_out_ld, eps};
-  return gemv_impl(blob, ndesc, h, M, ldh, 0, 0, nullptr, 0, &norm, stream, left);
 }
 }  // namespace
 
@@ -872,43 +858,11 @@ EXL2_API int exl2_gemv(const int64_t* blob, int ndesc, const void* x, int M, int
 EXL2_API int exl2_gemv_add_norm(const int64_t* blob, int ndesc, const void* h, int M, int ldh, const void* residual,
                                 int res_ld, const void* weight, void* res_out, int res_out_ld, float eps,
                                 void* stream) {
-  return add_norm_impl("exl2_gemv_add_norm", blob, ndesc, h, M, ldh, residual, res_ld, weight, res_out, res_out_ld,
-                       eps, stream, nullptr);
-}
-
-// Split-K partials left to the next GEMV (exl2_gemv_left.cuh): exl2_gemv and exl2_gemv_add_norm whose blocks all store
-// their partials into the parts' F_WS (ksplit 1 too; F_WS must be set, F_COUNTERS is not used) and end there; the
-// output is not written. exl2_gemv_left then runs the gated GEMV of a producer that did that: args = {gate
-// partials, gate splits, gate partial row length, gate bias or 0, the same four of up}, partials [splits][M][row];
-// one part, K = its in_features; the same output as exl2_gemv with gate_off over the producer's reduced output.
-EXL2_API int exl2_gemv_leave(const int64_t* blob, int ndesc, const void* x, int M, int ldx, int gate_off, int minb,
-                             const void* xpre, int xpre_ld, void* stream) {
-  exl2q::GemvLeft left{};
-  left.leave = 1;
-  return gemv_impl(blob, ndesc, x, M, ldx, gate_off, minb, xpre, xpre_ld, nullptr, stream, &left);
-}
-
-EXL2_API int exl2_gemv_add_norm_leave(const int64_t* blob, int ndesc, const void* h, int M, int ldh,
-                                      const void* residual, int res_ld, const void* weight, void* res_out,
-                                      int res_out_ld, float eps, void* stream) {
-  exl2q::GemvLeft left{};
-  left.leave = 1;
-  return add_norm_impl("exl2_gemv_add_norm_leave", blob, ndesc, h, M, ldh, residual, res_ld, weight, res_out,
-                       res_out_ld, eps, stream, &left);
-}
-
-EXL2_API int exl2_gemv_left(const int64_t* blob, int ndesc, int M, const int64_t* args, int minb, void* stream) {
-  EXL2_REQUIRE(blob && args, "exl2_gemv_left: null argument");
-  exl2q::GemvLeft left{};
-  for (int j = 0; j < 2; ++j) {
-    const int64_t* a = args + 4 * j;
-    left.ws[j] = reinterpret_cast<const float*>(a[0]);
-    left.k[j] = (int)a[1];
-    left.ld[j] = (int)a[2];
-    left.bias[j] = reinterpret_cast<const __half*>(a[3]);
-  }
-  // x: the gate partials (not read as x); ldx: the part's K, which the plan checks against
-  return gemv_impl(blob, ndesc, left.ws[0], M, (int)blob[exl2q::F_K], 0, minb, nullptr, 0, nullptr, stream, &left);
+  if (const int st = exl2q::check_norm_args("exl2_gemv_add_norm", h, ldh, residual, res_ld, weight, res_out,
+                                             res_out_ld, eps))
+    return st;
+  const exl2q::GemvNorm norm{residual, res_ld, weight, res_out, res_out_ld, eps};
+  return gemv_impl(blob, ndesc, h, M, ldh, 0, 0, nullptr, 0, &norm, stream);
 }
 
 // The small-M GEMV's split counts per run (host only, for tests and tools): splits[i * kMaxRuns + r] for run r of

@@ -40,12 +40,6 @@ constexpr int kFAll = 63;
 // (kFLean without the pre-gathered copy for the decode step's one-row GEMVs gained nothing: H200 call AJ1, 2.296
 // against 2.295 ms; removed.)
 constexpr int kFLean = kFNorm | kFRope | kFGated | kFPre;
-// Split-K partials left to the next GEMV (leave) or summed in its gather (left_k): compiled only into a kernel of its
-// own, which the two launches that use them run (gate/up and down, M <= 8). In the lean kernel its code, never run
-// there, made the one-token-tile function 14% longer (12,736 -> 14,488 SASS instructions; AG1 / AG2 measured ~0.6 us
-// per launch for unused code).
-constexpr int kFLeft = 64;
-constexpr int kFLeanLeft = kFLean | kFLeft;
 
 // GemvParams::gather_mode. Auto: by items at M <= 8, by row slots past it. (A gather by 16-byte vectors where the
 // rows are in input order, for down_proj after model/tp_shard.fold_down_order, lost to the item gather: H200 call
@@ -93,13 +87,6 @@ struct GemvParams {
   __half* norm_res_out;
   int norm_res_ld, norm_res_out_ld, norm_k, norm_nt;
   float norm_eps;
-  // TMA kernel, split-K partials handed to the next GEMV (exl2_gemv_left.cuh): leave = 1: every block stores its
-  // split's partial, ksplit 1 included, and takes no ticket (gate/up); left_k[0] > 0: the input is silu(g) * up
-  // with g and up summed from such partials in the gather, as the skipped reduction would have (down).
-  int leave;
-  const float* left_ws[2];      // gate's, up's partials [left_k][M][left_ld]
-  const __half* left_bias[2];   // [left_ld] or null
-  int left_k[2], left_ld[2];
 };
 
 // The block's work: descriptor, run, column block and chunk range [c0, c1). Splits are numbered run by run:
@@ -618,12 +605,9 @@ struct GemvPlan {
 
 // Checks the arguments of one small-M GEMV (exl2_gemm.cu) and plans it into p (splits, ring, staged sizes):
 // the arguments of exl2_gemv, and norm (null: none) those of exl2_gemv_add_norm. Returns a status.
-// allow_span: F_SPAN may select span splits (the chain kernel walks one run per item and passes false). left (null:
-// none): the launch leaves its split-K partials or sums a producer's in its gather (exl2_gemv_left.cuh).
-struct GemvLeft;
+// allow_span: F_SPAN may select span splits (the chain kernel walks one run per item and passes false).
 int gemv_plan(const int64_t* blob, int ndesc, const void* x, int M, int ldx, int gate_off, int minb, const void* xpre,
-              int xpre_ld, const GemvNorm* norm, GemvParams& p, GemvPlan& pl, bool allow_span = true,
-              const GemvLeft* left = nullptr);
+              int xpre_ld, const GemvNorm* norm, GemvParams& p, GemvPlan& pl, bool allow_span = true);
 
 // Fields per phase of exl2_gemv_chain's table (exl2_gemv_chain.cu; keep in sync with ops/cuda_chain.py).
 constexpr int kChainFields = 13;

@@ -14,7 +14,6 @@
 #include "common/bulk_copy.cuh"
 #include "common/pdl.cuh"
 #include "quant/exl2_gemv.cuh"
-#include "quant/exl2_gemv_left.cuh"
 #include "quant/exl2_gemv_norm.cuh"
 #include "quant/exl2_gemv_rope.cuh"
 
@@ -300,10 +299,7 @@ __device__ __forceinline__ void tma_stage_input(const GemvParams& p, const GvWor
                                                 Mark&& loaded = Mark{}) {
   const int nch = wk.c1 - wk.c0;
   constexpr bool kGate = (F & kFGated) != 0;
-  if ((F & kFLeft) && p.left_k[0] > 0) {  // down: silu(g) * up summed from gate/up's left partials
-    gv_gather_left(p, nch, sm.xs, sm.xm, kTmaComputeThreads);
-    loaded();
-  } else if ((F & kFNorm) && p.norm_nt) {
+  if ((F & kFNorm) && p.norm_nt) {
     gv_norm_rows(norm_rows_of(p), sm.xf, sm.red, blockIdx.x == 0 ? p.norm_res_out : nullptr, p.norm_res_out_ld,
                  compute_sync);
     loaded();
@@ -373,18 +369,13 @@ __device__ __forceinline__ void tma_chunks(const GemvParams& p, const GvWork& wk
 
 // Compute warps, split-K through the global workspace: every active warp writes its partial, thread 0 takes the
 // column block's ticket, and the last block sums the partials in split order (deterministic) and re-arms the
-// ticket for the next launch (and graph replay). ksplit == 1: the result is stored directly. With leave, every
-// block stores its partial (ksplit 1 too) and that is all: the next GEMV's gather sums them (exl2_gemv_left.cuh).
+// ticket for the next launch (and graph replay). ksplit == 1: the result is stored directly.
 template <int MT, int F = kFAll>
 __device__ __forceinline__ void tma_finish(const GemvParams& p, const GvWork& wk, const GvStateMT<MT>& st,
                                            bool active) {
   const QDesc& d = p.d[wk.di];
   const int warp = threadIdx.x >> 5, tid = threadIdx.x;
   const int n0 = (wk.colblk * kGvWarps + warp) * kWarpCols;
-  if ((F & kFLeft) && p.leave) {
-    if (active) gv_store<MT>(d, st, n0, p.M, wk.gsplit, true);
-    return;
-  }
   if (wk.ksplit == 1) {
     if (active) gv_store<MT>(d, st, n0, p.M, wk.gsplit, false);
     if ((F & kFRope) && p.rope_d) {

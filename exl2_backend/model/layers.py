@@ -159,23 +159,11 @@ class DecoderLayer:
                                 self.post_norm, None if nxt is None else nxt.input_norm, self.eps)
             if chained is not None:
                 return chained[0], chained[1], False
-        h, residual = self.norm_mlp(self.o(attn), residual)
+        gate_up, residual = norm_linear(self.gate_up, self.o(attn), residual, self.post_norm, self.eps)
+        h = self.mlp(gate_up)
         if nxt is None:
             return h, residual, False
         return norm_qkv(nxt, h, residual, step)
-
-    def norm_mlp(self, h, residual):
-        """(the MLP of rms_norm(h + residual) * post_norm [T, H], h + residual): gate/up then down. Where gate/up can
-        leave its split-K partials to down's gather (ops/cuda_left.py, opt-in), the same values without gate/up's
-        split-K finish."""
-        if FUSED_NORM and FUSED_SILU_DOWN and hasattr(self.down, "launch"):
-            from exl2_backend.ops import cuda_left
-
-            left = cuda_left.gate_up_down(self.gate_up, self.down, h, residual, self.post_norm, self.eps)
-            if left is not None:
-                return left
-        gate_up, residual = norm_linear(self.gate_up, h, residual, self.post_norm, self.eps)
-        return self.mlp(gate_up), residual
 
     def mlp(self, gate_up):
         """gate_up [T, 2I] (gate | up, the fused projection of the normed hidden states) -> [T, H]."""

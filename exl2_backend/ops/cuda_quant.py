@@ -315,10 +315,6 @@ def _fn(name: str):
                                         library.STREAM),
             "exl2_dequant": (P, P, I32, I32, library.STREAM),
             "exl2_gemv_splits": (P, I32, I32, P, P, P),
-            # split-K partials left to the next GEMV (ops/cuda_left.py)
-            "exl2_gemv_leave": (P, I32, P, I32, I32, I32, I32, P, I32, library.STREAM),
-            "exl2_gemv_add_norm_leave": (P, I32, P, I32, I32, P, I32, P, P, I32, library.F32, library.STREAM),
-            "exl2_gemv_left": (P, I32, I32, P, I32, library.STREAM),
         }[name]
         _fns[name] = library.declare(name, *sig)
     return _fns[name]
@@ -382,7 +378,6 @@ class _Plan:
     ws_off: list[int]
     cnt_off: list[int]
     ws_numel: int
-    left_splits: list[int] | None = None  # per part, the splits the TMA GEMV plans (ops/cuda_left.py)
 
 
 class _Launch:
@@ -520,17 +515,16 @@ class _Launch:
         return out
 
     def _bind(self, pl: _Plan, m: int, ws: torch.Tensor, counters: torch.Tensor,
-              device: torch.device, ws_off: list[int] | None = None) -> tuple[torch.Tensor, np.ndarray]:
+              device: torch.device) -> tuple[torch.Tensor, np.ndarray]:
         """The output [M, N] of one launch of plan `pl` and a copy of its descriptors with the output, split-K
-        partials and tickets filled in. ws_off: the parts' partials at these offsets of ws instead of the plan's
-        (a buffer the caller sized for them: the partials a launch leaves to the next GEMV, ops/cuda_left.py)."""
+        partials and tickets filled in."""
         out = torch.empty(m, self.out_features, dtype=torch.float16, device=device)
-        if ws_off is None and pl.ws_numel > ws.numel():
+        if pl.ws_numel > ws.numel():
             raise TensorShapeError(f"workspace holds {ws.numel()} floats, the launch needs {pl.ws_numel}", tensor="ws")
         blob = pl.blob.copy()
         for i in range(len(self.parts)):
             blob[i, F_OUT] = out.data_ptr() + 2 * self.col_off[i]
-            blob[i, F_WS] = ws.data_ptr() + 4 * (pl.ws_off if ws_off is None else ws_off)[i]
+            blob[i, F_WS] = ws.data_ptr() + 4 * pl.ws_off[i]
             blob[i, F_COUNTERS] = counters.data_ptr() + 4 * pl.cnt_off[i]
         return out, blob
 
@@ -541,13 +535,11 @@ class _Launch:
         return torch.empty(len(self.parts) * m * ld, dtype=torch.float16, device=device), ld
 
     def _launch_gemv(self, blob: np.ndarray, x: torch.Tensor, m: int, gate_off: int, pre: torch.Tensor | None,
-                     ld: int, stream: int, leave: bool = False) -> None:
-        """exl2_gemv of x (the descriptors `blob`), copying its rows from `pre` when given; leave: the GEMV that
-        leaves its split-K partials in the parts' F_WS (exl2_gemv_leave)."""
-        name = "exl2_gemv_leave" if leave else "exl2_gemv"
-        st = _fn(name)(blob.ctypes.data, len(self.parts), x.data_ptr(), m, _row_stride(x), gate_off, GEMV_MINB,
-                       None if pre is None else pre.data_ptr(), ld, stream)
-        library.check(st, name)
+                     ld: int, stream: int) -> None:
+        """exl2_gemv of x (the descriptors `blob`), copying its rows from `pre` when given."""
+        st = _fn("exl2_gemv")(blob.ctypes.data, len(self.parts), x.data_ptr(), m, _row_stride(x), gate_off, GEMV_MINB,
+                              None if pre is None else pre.data_ptr(), ld, stream)
+        library.check(st, "exl2_gemv")
 
     def _gemv(self, x: torch.Tensor, ws: torch.Tensor, counters: torch.Tensor, gate_off: int = 0) -> torch.Tensor:
         """x [M, K], or with gate_off > 0 x [M, >= gate_off + K] holding gate and up (input = silu(gate) * up)."""
@@ -595,16 +587,13 @@ class _Launch:
 
     def gemv_add_norm(self, h: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float,
                       ws: torch.Tensor, counters: torch.Tensor, pregather: bool = False,
-                      rope: np.ndarray | None = None,
-                      leave_off: list[int] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                      rope: np.ndarray | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """h, residual [M, K] fp16 (rows 16-byte aligned), weight fp16 [K] -> (GEMV output [M, N], residual out
         [M, K] = h + residual; an empty tensor when residual is None). One launch that normalizes inside the GEMV,
         or with `pregather` two: the norm writing every part's input in stored row order, then the GEMV copying
-        its rows. rope: the fused rope's arguments (_rope_args), applied by the GEMV after its output. leave_off:
-        the GEMV stores every split's partial into ws at these offsets (one per part) instead of its output, which it
-        does not write (ops/cuda_left.py)."""
+        its rows. rope: the fused rope's arguments (_rope_args), applied by the GEMV after its output."""
         m = h.shape[0]
-        out, blob = self._bind(self.gemv_plan(m), m, ws, counters, h.device, ws_off=leave_off)
+        out, blob = self._bind(self.gemv_plan(m), m, ws, counters, h.device)
         if rope is not None:
             blob[0, F_ROPE] = rope.ctypes.data  # read by the C call below, while `rope` is alive
         res_out = h.new_empty((m, self.K)) if residual is not None else h.new_empty(0)
@@ -614,14 +603,13 @@ class _Launch:
                      None if residual is None else res_out.data_ptr(), self.K, float(eps))
         stream = _stream(h.device)
         if not pregather:
-            name = "exl2_gemv_add_norm" if leave_off is None else "exl2_gemv_add_norm_leave"
-            library.check(_fn(name)(*norm_args, stream), name)
+            library.check(_fn("exl2_gemv_add_norm")(*norm_args, stream), "exl2_gemv_add_norm")
             return out, res_out
         pre, ld = self._stored_order_buffer(m, h.device)
         if not MEASURE_SKIP_NORM_PREGATHER:
             library.check(_fn("exl2_add_norm_pregather")(*norm_args, pre.data_ptr(), ld, stream),
                           "exl2_add_norm_pregather")
-        self._launch_gemv(blob, h, m, 0, pre, ld, stream, leave=leave_off is not None)
+        self._launch_gemv(blob, h, m, 0, pre, ld, stream)
         return out, res_out
 
     def dequant(self, part: int, n_begin: int, n_end: int) -> torch.Tensor:

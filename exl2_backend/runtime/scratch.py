@@ -9,8 +9,7 @@ What a forward of T = max_input_len tokens allocates beyond weights and KV cache
     DEQUANT_SLICE columns each), prefill attention scratch for one chunk (ops/attention_prefill.py: the
     chunk's own K/V expanded for GQA, one gathered history block of KEY_BLOCK keys, fp32 accumulators)
     or, for chunks of <= 16 queries, the decode kernel's split workspace at max_seq_len; the o_proj output;
-  MLP: the gate/up output (pieces and concatenation), silu * up, the down output, weight slices, and gate/up's
-    split-K partials where it leaves them to down (ops/cuda_left.py, at most 8 rows);
+  MLP: the gate/up output (pieces and concatenation), silu * up, the down output, weight slices;
   head and sampling: logits of the finishing sequences (fp16 and fp32) and the sampler's [B, V] buffers.
 The measured peak is checked against this by tests/engine/test_prefill_memory.py on the GPU.
 """
@@ -34,16 +33,6 @@ def linear_scratch(op, m: int, elem: int) -> int:
     dequantized fp16 weight slices [K, <= DEQUANT_SLICE]."""
     cols = max(min(pad32(n), DEQUANT_SLICE) for n in op.splits)
     return 2 * m * op.out_features * elem + 2 * op.in_features * cols * _F16
-
-
-def left_partials_bound(m: int, inter: int) -> int:
-    """gate/up's split-K partials left to down (ops/cuda_left.py) at m rows: at most MAX_SPLITS per part of pad32(inter)
-    fp32 columns; 0 where they are off or m is past what they take."""
-    from exl2_backend.ops import cuda_left
-
-    if not cuda_left.LEFT_PARTIALS or m > cuda_left.MAX_M:
-        return 0
-    return 2 * cuda_left.MAX_SPLITS * m * pad32(inter) * _F32
 
 
 def prefill_attention_scratch(tq: int, hq: int, hkv: int, d: int, page_size: int, max_seq_len: int,
@@ -110,8 +99,7 @@ def prefill_scratch_bytes(model, max_input_len: int, max_chunk: int, max_batch_s
         attn = max(attn, linear_scratch(layer.qkv, t, elem) + 2 * t * hq * d * elem + attn_core
                    + linear_scratch(layer.o, t, elem))
         inter = layer.gate_up.splits[0]
-        mlp = max(mlp, linear_scratch(layer.gate_up, t, elem) + t * inter * elem + linear_scratch(layer.down, t, elem)
-                  + left_partials_bound(t, inter))
+        mlp = max(mlp, linear_scratch(layer.gate_up, t, elem) + t * inter * elem + linear_scratch(layer.down, t, elem))
     b = min(max_batch_size, t)  # sequences finishing their prompt in one forward
     head = linear_scratch(model.lm_head, b, elem) if model.lm_head is not None else 0
     head += b * pad32(v) * (elem + _F32) + 8 * b * v * _F32  # logits fp16 + fp32, sampler buffers

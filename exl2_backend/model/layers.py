@@ -57,6 +57,21 @@ def norm_qkv(layer: DecoderLayer, h: torch.Tensor, residual: torch.Tensor | None
     return qkv, residual, False
 
 
+def _fused_rope_args(layer: DecoderLayer, step: StepInputs | None) -> dict | None:
+    """What layer's q/k/v GEMV needs to run rope and the fp16 KV-cache write itself (norm_qkv's conditions), or
+    None."""
+    if step is None or not (ROPE_IN_GEMV and FUSED_ROPE_KV and FUSED_NORM):
+        return None
+    cache = step.cache
+    if getattr(cache, "quantized", False):
+        return None
+    k_cache, v_cache = cache.k[layer.index], cache.v[layer.index]  # [P, S, Hkv, D]
+    if k_cache.dtype != torch.float16:
+        return None
+    return {"positions": step.positions, "inv_freq": step.inv_freq, "k_cache": k_cache, "v_cache": v_cache,
+            "slots": step.meta.slots}
+
+
 @dataclass
 class StepInputs:
     """What a layer's q/k/v GEMV needs to run rope and the KV-cache write itself (norm_qkv): token positions
@@ -159,11 +174,31 @@ class DecoderLayer:
                                 self.post_norm, None if nxt is None else nxt.input_norm, self.eps)
             if chained is not None:
                 return chained[0], chained[1], False
-        gate_up, residual = norm_linear(self.gate_up, self.o(attn), residual, self.post_norm, self.eps)
+        tailed = self._norm_tail(self.o, attn, self.gate_up, residual, self.post_norm)
+        if tailed is not None:
+            gate_up, residual, _ = tailed
+        else:
+            gate_up, residual = norm_linear(self.gate_up, self.o(attn), residual, self.post_norm, self.eps)
+        if nxt is not None:
+            rope = _fused_rope_args(nxt, step)
+            tailed = self._norm_tail(self.down, gate_up, nxt.qkv, residual, nxt.input_norm, rope, gated=True)
+            if tailed is not None:
+                return tailed
         h = self.mlp(gate_up)
         if nxt is None:
             return h, residual, False
         return norm_qkv(nxt, h, residual, step)
+
+    def _norm_tail(self, producer, x, consumer, residual, weight, rope=None, gated=False):
+        """(consumer(rms_norm(producer(x) + residual) * weight), the residual stream, roped) with the norm as the
+        producing GEMV's tail (ops/cuda_tail.py, opt-in: verify steps), or None (the caller runs the ops)."""
+        if not (FUSED_NORM and residual is not None and hasattr(producer, "tail_counters")):
+            return None
+        if gated and not (FUSED_SILU_DOWN and hasattr(producer, "gated")):
+            return None
+        from exl2_backend.ops import cuda_tail
+
+        return cuda_tail.linear_norm_linear(producer, x, consumer, residual, weight, self.eps, gated=gated, rope=rope)
 
     def mlp(self, gate_up):
         """gate_up [T, 2I] (gate | up, the fused projection of the normed hidden states) -> [T, H]."""

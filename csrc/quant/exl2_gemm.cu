@@ -867,7 +867,7 @@ EXL2_API int exl2_gemv_tail(const int64_t* blob, int ndesc, const void* x, int M
                             int ld, int* cnt, void* stream) {
   EXL2_REQUIRE(c_blob && c_ndesc >= 1 && c_ndesc <= exl2q::kMaxDesc, "exl2_gemv_tail: %d consumer descriptors",
                c_ndesc);
-  const exl2q::GemvTail tail{cnt, residual, res_ld, weight, res_out, res_out_ld, eps, c_blob, c_ndesc, xp, ld};
+  const exl2q::GemvTail tail{cnt, {residual, res_ld, weight, res_out, res_out_ld, eps}, c_blob, c_ndesc, xp, ld};
   return gemv_impl(blob, ndesc, x, M, ldx, gate_off, 0, xpre, xpre_ld, nullptr, stream, &tail);
 }
 

@@ -21,16 +21,11 @@ namespace exl2q {
 // Rows of hidden size K one tail job normalizes: one pass of gv_norm_rows.
 __host__ __device__ inline int tail_rows_per_job(int K) { return kMaxNormThreads / norm_row_threads(K); }
 
-// Host: the tail's arguments (exl2_gemv_tail): the norm's residual [M, res_ld] (null: none), weight [N], res_out
-// [M, res_out_ld] (null: not written), the consumer's descriptors and its input buffer xp [c_ndesc, M, ld], cnt [2].
+// Host: the tail's arguments (exl2_gemv_tail): the norm (residual [M, res_ld] or null, weight [N], res_out
+// [M, res_out_ld] or null: not written), the consumer's descriptors and its input buffer xp [c_ndesc, M, ld], cnt [2].
 struct GemvTail {
   int* cnt;
-  const void* res;
-  int res_ld;
-  const void* w;
-  void* res_out;
-  int res_out_ld;
-  float eps;
+  GemvNorm norm;
   const int64_t* c_blob;
   int c_ndesc;
   void* xp;
@@ -44,8 +39,9 @@ inline int plan_tail(const GemvTail& t, int blocks, GemvParams& p) {
   EXL2_REQUIRE(p.ndesc == 1 && p.M <= 8, "exl2_gemv_tail: one part and M <= 8 (got %d parts, M=%d)", p.ndesc, p.M);
   EXL2_REQUIRE(t.cnt && reinterpret_cast<uintptr_t>(t.cnt) % 4 == 0, "exl2_gemv_tail: null or misaligned counters");
   const QDesc& d = p.d[0];
-  if (const int st = check_norm_args("exl2_gemv_tail", d.out, d.ldo, t.res, t.res_ld, t.w, t.res_out, t.res_out_ld,
-                                     t.eps))
+  const GemvNorm& n = t.norm;
+  if (const int st = check_norm_args("exl2_gemv_tail", d.out, d.ldo, n.res, n.res_ld, n.w, n.res_out, n.res_out_ld,
+                                     n.eps))
     return st;
   const int K = d.N;
   EXL2_REQUIRE(K % kNormVec == 0 && norm_row_threads(K) <= kMaxNormThreads, "exl2_gemv_tail: N=%d must be a "
@@ -59,13 +55,13 @@ inline int plan_tail(const GemvTail& t, int blocks, GemvParams& p) {
     EXL2_REQUIRE((int)t.c_blob[(size_t)i * kDescLen + F_K] == K, "exl2_gemv_tail: consumer part %d takes K=%d, the "
                  "producer writes N=%d", i, (int)t.c_blob[(size_t)i * kDescLen + F_K], K);
   p.tail_cnt = t.cnt;
-  p.tail_res = reinterpret_cast<const __half*>(t.res);
-  p.tail_w = reinterpret_cast<const __half*>(t.w);
-  p.tail_res_out = reinterpret_cast<__half*>(t.res_out);
-  p.tail_res_ld = t.res_ld;
-  p.tail_res_out_ld = t.res_out_ld;
+  p.tail_res = reinterpret_cast<const __half*>(n.res);
+  p.tail_w = reinterpret_cast<const __half*>(n.w);
+  p.tail_res_out = reinterpret_cast<__half*>(n.res_out);
+  p.tail_res_ld = n.res_ld;
+  p.tail_res_out_ld = n.res_out_ld;
   p.tail_nt = norm_row_threads(K);
-  p.tail_eps = t.eps;
+  p.tail_eps = n.eps;
   return EXL2_OK;
 }
 

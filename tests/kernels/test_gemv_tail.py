@@ -182,7 +182,7 @@ def test_model_forward_bit_identical_with_and_without_the_tail(tmp_path, monkeyp
     the tail runs for o -> gate/up and for down -> the next layer's q/k/v."""
     from exl2_backend.model.llama import LlamaModel
     from exl2_backend.ops import cuda_quant, cuda_tail
-    from tests.helpers.forward_steps import prefill_then_decode
+    from tests.helpers.forward_steps import assert_same_with_switch
     from tests.helpers.synth import tiny_config_dict, write_tiny_exl2_model
 
     needs_tma_gemv("the norm tail")
@@ -198,13 +198,7 @@ def test_model_forward_bit_identical_with_and_without_the_tail(tmp_path, monkeyp
         return out
 
     monkeypatch.setattr(cuda_tail, "linear_norm_linear", counting)
-
-    def run(on: bool) -> list[torch.Tensor]:
-        monkeypatch.setattr(cuda_tail, "NORM_TAIL", on)
-        return prefill_then_decode(model)
-
-    for a, b in zip(run(True), run(False)):
-        assert torch.equal(a, b)
+    assert_same_with_switch(model, monkeypatch, cuda_tail, "NORM_TAIL")
     assert (False, False, True) in ran and (True, True, True) in ran  # o -> gate/up; down -> q/k/v with its rope
 
 

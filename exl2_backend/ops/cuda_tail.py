@@ -134,7 +134,9 @@ def _check_pre(launch, pre: torch.Tensor, h: torch.Tensor) -> None:
 def takes(producer, consumer, m: int) -> bool:
     """Whether producer -> norm -> consumer of M rows runs as the tail: both CUDA linears on one sm_90+ device, the
     producer of one part routing M <= 8 rows to the TMA GEMV, and the consumer's norm taking the pre-gathering route
-    at M (add_normed: rows past one pass of the fused norm)."""
+    at M (add_normed: rows past one pass of the fused norm). A wrapper is not a CudaLinearOp: tensor parallel's
+    GatherInput / ReduceOutput (model/tensor_parallel.py) must all-gather or all-reduce between the GEMV and the norm,
+    which the tail would skip."""
     if not (isinstance(producer, CudaLinearOp) and isinstance(consumer, CudaLinearOp)):
         return False
     pl, cl = producer.launch, consumer.launch

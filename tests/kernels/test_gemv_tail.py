@@ -203,14 +203,17 @@ def test_model_forward_bit_identical_with_and_without_the_tail(tmp_path, monkeyp
 
 
 def test_tail_declines_off_the_gpu_or_when_off(monkeypatch):
-    """Routing: reference (CPU) linears never take the tail, and with EXL2_BACKEND_NORM_TAIL off nothing does."""
+    """Routing: reference (CPU) linears and tensor parallel's wrappers (their all-reduce comes between the GEMV and
+    the norm) never take the tail, and with EXL2_BACKEND_NORM_TAIL off nothing does."""
     from exl2_backend import ops
+    from exl2_backend.model.tensor_parallel import GatherInput, ReduceOutput
     from exl2_backend.ops import cuda_tail
     from tests.kernels.test_exl2_dequant import make_qt as mk
 
     a = ops.prepare_linear([mk([(4, 64)], 64, seed=1)], "cpu", torch.float16)
     b = ops.prepare_linear([mk([(4, 64)], 32, seed=2)], "cpu", torch.float16)
     assert not cuda_tail.takes(a, b, 3)
+    assert not cuda_tail.takes(ReduceOutput(a, None), b, 3) and not cuda_tail.takes(GatherInput(a, None), b, 3)
     x, r, w = torch.zeros(3, 64, dtype=torch.float16), torch.zeros(3, 64, dtype=torch.float16), torch.ones(64).half()
     monkeypatch.setattr(cuda_tail, "NORM_TAIL", True)
     assert cuda_tail.linear_norm_linear(a, x, b, r, w, 1e-5) is None

@@ -14,11 +14,7 @@ source scripts/device/common.sh
 begin_call bj1
 nvidia-smi --query-gpu=name --format=csv,noheader
 gpu_tests tail_gemv 200 -n 12 tests/kernels/test_gemv_tail.py $GEMV_GPU_TESTS -k "not llama3_8b"
-for round in 1 2; do
-  fits 110 "spec costs, round $round" || break
-  spec_costs "default$round"
-  spec_costs "tail$round" EXL2_BACKEND_NORM_TAIL=1
-done
+fits 220 "spec costs" && interleaved_spec_costs default tail=EXL2_BACKEND_NORM_TAIL=1
 if fits 150 "the engine tests with the tail"; then
   (export EXL2_BACKEND_NORM_TAIL=1; gpu_tests_verbose tail_engine 140 -n 6 tests/engine tests/spec \
      --ignore=tests/engine/test_prefill_memory.py)

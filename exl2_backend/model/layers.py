@@ -44,15 +44,13 @@ def norm_qkv(layer: DecoderLayer, h: torch.Tensor, residual: torch.Tensor | None
     """(qkv [T, (Hq + 2 Hkv) D], h + residual, roped): layer's input norm and q/k/v projection (norm_linear). With
     `step` and an fp16 cache, rope and the KV-cache write run inside the same GEMV where it can (roped True: the q
     columns are rotated and the cache holds this step's k and v; attend must not write them again)."""
-    if step is not None and ROPE_IN_GEMV and FUSED_ROPE_KV and FUSED_NORM and hasattr(layer.qkv, "add_normed_rope_kv"):
-        cache = step.cache
-        if not getattr(cache, "quantized", False):
-            k_cache, v_cache = cache.k[layer.index], cache.v[layer.index]  # [P, S, Hkv, D]
-            if k_cache.dtype == torch.float16 and h.dtype == torch.float16:
-                fused = layer.qkv.add_normed_rope_kv(h, residual, layer.input_norm, layer.eps, step.positions,
-                                                     step.inv_freq, k_cache, v_cache, step.meta.slots)
-                if fused is not None:
-                    return fused[0], fused[1], True
+    fusable = hasattr(layer.qkv, "add_normed_rope_kv") and h.dtype == torch.float16
+    rope = _fused_rope_args(layer, step) if fusable else None
+    if rope is not None:
+        fused = layer.qkv.add_normed_rope_kv(h, residual, layer.input_norm, layer.eps, rope["positions"],
+                                             rope["inv_freq"], rope["k_cache"], rope["v_cache"], rope["slots"])
+        if fused is not None:
+            return fused[0], fused[1], True
     qkv, residual = norm_linear(layer.qkv, h, residual, layer.input_norm, layer.eps)
     return qkv, residual, False
 

@@ -178,8 +178,7 @@ class DecoderLayer:
         else:
             gate_up, residual = norm_linear(self.gate_up, self.o(attn), residual, self.post_norm, self.eps)
         if nxt is not None:
-            rope = _fused_rope_args(nxt, step)
-            tailed = self._norm_tail(self.down, gate_up, nxt.qkv, residual, nxt.input_norm, rope, gated=True)
+            tailed = self._norm_tail(self.down, gate_up, nxt.qkv, residual, nxt.input_norm, nxt, step, gated=True)
             if tailed is not None:
                 return tailed
         h = self.mlp(gate_up)
@@ -187,15 +186,19 @@ class DecoderLayer:
             return h, residual, False
         return norm_qkv(nxt, h, residual, step)
 
-    def _norm_tail(self, producer, x, consumer, residual, weight, rope=None, gated=False):
+    def _norm_tail(self, producer, x, consumer, residual, weight, nxt=None, step=None, gated=False):
         """(consumer(rms_norm(producer(x) + residual) * weight), the residual stream, roped) with the norm as the
-        producing GEMV's tail (ops/cuda_tail.py, opt-in: verify steps), or None (the caller runs the ops)."""
+        producing GEMV's tail (ops/cuda_tail.py, opt-in: verify steps), or None (the caller runs the ops). nxt, step:
+        the consumer is nxt's q/k/v, whose rope and KV write may run in its GEMV (_fused_rope_args)."""
         if not (FUSED_NORM and residual is not None and hasattr(producer, "tail_counters")):
             return None
         if gated and not (FUSED_SILU_DOWN and hasattr(producer, "gated")):
             return None
         from exl2_backend.ops import cuda_tail
 
+        if not cuda_tail.NORM_TAIL:
+            return None
+        rope = None if nxt is None else _fused_rope_args(nxt, step)
         return cuda_tail.linear_norm_linear(producer, x, consumer, residual, weight, self.eps, gated=gated, rope=rope)
 
     def mlp(self, gate_up):

@@ -549,16 +549,23 @@ class _Launch:
         m = x.shape[0]
         pl = self.gemv_plan(m)
         out, blob = self._bind(pl, m, ws, counters, x.device)
-        ldx = _row_stride(x)
         stream = _stream(x.device)
-        pre, ld = None, 0
-        if self.pregathers(m):
-            pre, ld = self._stored_order_buffer(m, x.device)
-            st = _fn("exl2_gemv_pregather")(blob.ctypes.data, len(self.parts), x.data_ptr(), m, ldx, gate_off,
-                                            pre.data_ptr(), ld, stream)
-            library.check(st, "exl2_gemv_pregather")
+        pre, ld = self._pregather_input(blob, x, gate_off, stream)
         self._launch_gemv(blob, x, m, gate_off, pre, ld, stream)
         return out
+
+    def _pregather_input(self, blob: np.ndarray, x: torch.Tensor, gate_off: int,
+                         stream: int) -> tuple[torch.Tensor | None, int]:
+        """(x's rows in every part's stored order, ld) by the pregather launch where the GEMV of its M rows copies
+        a pre-gathered input (pregathers), else (None, 0): the GEMV gathers x itself."""
+        m = x.shape[0]
+        if not self.pregathers(m):
+            return None, 0
+        pre, ld = self._stored_order_buffer(m, x.device)
+        st = _fn("exl2_gemv_pregather")(blob.ctypes.data, len(self.parts), x.data_ptr(), m, _row_stride(x), gate_off,
+                                        pre.data_ptr(), ld, stream)
+        library.check(st, "exl2_gemv_pregather")
+        return pre, ld
 
     def gemv_tail(self, x: torch.Tensor, gate_off: int, ws: torch.Tensor, counters: torch.Tensor,
                   residual: torch.Tensor | None, weight: torch.Tensor, eps: float, consumer: _Launch,
@@ -568,18 +575,12 @@ class _Launch:
         rms_norm(h + residual) * weight in its stored row order [parts * M * ld], ld)."""
         m = x.shape[0]
         out, blob = self._bind(self.gemv_plan(m), m, ws, counters, x.device)
-        ldx = _row_stride(x)
         stream = _stream(x.device)
-        pre_in, ld_in = None, 0
-        if self.pregathers(m):
-            pre_in, ld_in = self._stored_order_buffer(m, x.device)
-            st = _fn("exl2_gemv_pregather")(blob.ctypes.data, 1, x.data_ptr(), m, ldx, gate_off, pre_in.data_ptr(),
-                                            ld_in, stream)
-            library.check(st, "exl2_gemv_pregather")
+        pre_in, ld_in = self._pregather_input(blob, x, gate_off, stream)
         res_out = x.new_empty((m, self.out_features)) if residual is not None else x.new_empty(0)
         pre, ld = consumer._stored_order_buffer(m, x.device)
         c_blob = consumer.gemv_plan(m).blob  # xmap, Kpad and K are read: the same in every plan
-        st = _fn("exl2_gemv_tail")(blob.ctypes.data, 1, x.data_ptr(), m, ldx, gate_off,
+        st = _fn("exl2_gemv_tail")(blob.ctypes.data, 1, x.data_ptr(), m, _row_stride(x), gate_off,
                                    None if pre_in is None else pre_in.data_ptr(), ld_in,
                                    None if residual is None else residual.data_ptr(),
                                    0 if residual is None else _row_stride(residual), weight.data_ptr(),
@@ -725,6 +726,14 @@ def _check_norm_input(t: torch.Tensor, name: str, k: int, m: int, device: torch.
                                "with contiguous rows starting 16-byte aligned", tensor=name)
 
 
+def _check_norm_weight(weight: torch.Tensor, k: int, device: torch.device) -> None:
+    """TensorShapeError unless weight is a contiguous, 16-byte aligned float16 [K] tensor on `device`."""
+    if not isinstance(weight, torch.Tensor) or weight.shape != (k,) or weight.dtype != torch.float16 \
+            or weight.device != device or not weight.is_contiguous() or weight.data_ptr() % 16:
+        raise TensorShapeError(f"the norm weight must be a contiguous float16 [{k}] tensor on {device}",
+                               tensor="weight")
+
+
 def _check_norm_call(launch: _Launch, h: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor,
                      packed: torch.Tensor, pregather: bool) -> int:
     """Checks the norm-fused GEMV's inputs (TensorShapeError); returns M."""
@@ -732,10 +741,7 @@ def _check_norm_call(launch: _Launch, h: torch.Tensor, residual: torch.Tensor | 
     _check_norm_input(h, "h", k, m, packed.device)
     if residual is not None:
         _check_norm_input(residual, "residual", k, m, packed.device)
-    if not isinstance(weight, torch.Tensor) or weight.shape != (k,) or weight.dtype != torch.float16 \
-            or weight.device != packed.device or not weight.is_contiguous() or weight.data_ptr() % 16:
-        raise TensorShapeError(f"the norm weight must be a contiguous float16 [{k}] tensor on {packed.device}",
-                               tensor="weight")
+    _check_norm_weight(weight, k, packed.device)
     if pregather:
         if not launch.can_norm_pregather(m):
             raise TensorShapeError(f"the pre-gathering norm does not take {m} rows of {k} here", tensor="h")

@@ -25,6 +25,7 @@ from exl2_backend.ops.cuda_quant import (
     NORM_PREGATHER,
     CudaLinearOp,
     _check_norm_input,
+    _check_norm_weight,
     _rope_args,
     _rows_aligned,
     gemv_row_cap,
@@ -110,9 +111,7 @@ def _check_tail_call(launch, consumer, x, gate_off, residual, weight, tail_cnt) 
                                f"producer writes {n} on {dev}", tensor="weight")
     if residual is not None:
         _check_norm_input(residual, "residual", n, m, dev)
-    if not (isinstance(weight, torch.Tensor) and weight.shape == (n,) and weight.dtype == torch.float16
-            and weight.device == dev and weight.is_contiguous() and weight.data_ptr() % 16 == 0):
-        raise TensorShapeError(f"the norm weight must be a contiguous float16 [{n}] tensor on {dev}", tensor="weight")
+    _check_norm_weight(weight, n, dev)
     if not (isinstance(tail_cnt, torch.Tensor) and tail_cnt.dtype == torch.int32 and tail_cnt.numel() >= 2
             and tail_cnt.device == dev and tail_cnt.is_contiguous()):
         raise TensorShapeError("tail_cnt must be a contiguous int32 tensor of two zeros on the device",

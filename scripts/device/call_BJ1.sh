@@ -14,8 +14,8 @@ source scripts/device/common.sh
 begin_call bj1
 L=${BJ1_LIMIT:-575}  # seconds into the call every step must end by (session 43: 450, device time was short)
 nvidia-smi --query-gpu=name --format=csv,noheader
-gpu_tests tail_gemv 200 -n 12 tests/kernels/test_gemv_tail.py $GEMV_GPU_TESTS -k "not llama3_8b"
-fits 220 "spec costs" "$L" && interleaved_spec_costs default tail=EXL2_BACKEND_NORM_TAIL=1
+gpu_tests tail_gemv 150 -n 12 tests/kernels/test_gemv_tail.py $GEMV_GPU_TESTS -k "not llama3_8b"
+fits 130 "spec costs" "$L" && interleaved_spec_costs default tail=EXL2_BACKEND_NORM_TAIL=1
 if fits 150 "the engine tests with the tail" "$L"; then
   (export EXL2_BACKEND_NORM_TAIL=1; gpu_tests_verbose tail_engine "$(( $(left "$L") - 10 ))" -n 6 tests/engine tests/spec \
      --ignore=tests/engine/test_prefill_memory.py)

@@ -13,7 +13,6 @@
 #include "quant/exl2_gemv.cuh"
 #include "quant/exl2_gemv_splits.cuh"
 #include "quant/exl2_gemv_rope.cuh"
-#include "quant/exl2_gemv_tail.cuh"
 #include "quant/exl2_gemv_norm.cuh"
 #include "quant/exl2_quant.cuh"
 
@@ -834,17 +833,12 @@ int gemv_plan(const int64_t* blob, int ndesc, const void* x, int M, int ldx, int
 
 namespace {
 int gemv_impl(const int64_t* blob, int ndesc, const void* x, int M, int ldx, int gate_off, int minb,
-              const void* xpre, int xpre_ld, const exl2q::GemvNorm* norm, void* stream,
-              const exl2q::GemvTail* tail = nullptr) {
+              const void* xpre, int xpre_ld, const exl2q::GemvNorm* norm, void* stream) {
   using namespace exl2q;
   GemvParams p;
   GemvPlan pl;
   const int st = gemv_plan(blob, ndesc, x, M, ldx, gate_off, minb, xpre, xpre_ld, norm, p, pl);
   if (st) return st;
-  if (tail) {
-    EXL2_REQUIRE(pl.tma, "exl2_gemv_tail: needs the TMA kernel (sm_90+, minb 0)");
-    if (const int ts = plan_tail(*tail, pl.blocks, p)) return ts;
-  }
   cudaStream_t s = reinterpret_cast<cudaStream_t>(stream);
   if (pl.tma) return gemv_tma_launch(p, pl.blocks, pl.smem, s);
   return minb == 3 ? gemv_launch<3>(p, pl.blocks, pl.smem, s) : gemv_launch<2>(p, pl.blocks, pl.smem, s);
@@ -854,21 +848,6 @@ int gemv_impl(const int64_t* blob, int ndesc, const void* x, int M, int ldx, int
 EXL2_API int exl2_gemv(const int64_t* blob, int ndesc, const void* x, int M, int ldx, int gate_off, int minb,
                        const void* xpre, int xpre_ld, void* stream) {
   return gemv_impl(blob, ndesc, x, M, ldx, gate_off, minb, xpre, xpre_ld, nullptr, stream);
-}
-
-// exl2_gemv (one part, M <= 8, TMA kernel) followed, in the same launch, by what exl2_add_norm_pregather does with
-// its output h [M, N]: res_out [M, res_out_ld] receives round(h + residual) (residual [M, res_ld]; both may be
-// null), xp [c_ndesc, M, ld] each consumer part's input rms_norm(h + residual) * weight (weight fp16 [N]) in stored
-// row order, for exl2_gemv's xpre (c_blob: the consumer's descriptors, every part of K = N). cnt: two int32 words,
-// zero before the first launch; every launch leaves them zero (exl2_gemv_tail.cuh).
-EXL2_API int exl2_gemv_tail(const int64_t* blob, int ndesc, const void* x, int M, int ldx, int gate_off,
-                            const void* xpre, int xpre_ld, const void* residual, int res_ld, const void* weight,
-                            void* res_out, int res_out_ld, float eps, const int64_t* c_blob, int c_ndesc, void* xp,
-                            int ld, int* cnt, void* stream) {
-  EXL2_REQUIRE(c_blob && c_ndesc >= 1 && c_ndesc <= exl2q::kMaxDesc, "exl2_gemv_tail: %d consumer descriptors",
-               c_ndesc);
-  const exl2q::GemvTail tail{cnt, {residual, res_ld, weight, res_out, res_out_ld, eps}, c_blob, c_ndesc, xp, ld};
-  return gemv_impl(blob, ndesc, x, M, ldx, gate_off, 0, xpre, xpre_ld, nullptr, stream, &tail);
 }
 
 // The small-M GEMV of rms_norm(h + residual) * weight (TMA kernel, sm_90+): the same output as exl2_add_rms_norm

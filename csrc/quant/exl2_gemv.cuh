@@ -8,7 +8,6 @@
 
 #include "common/activation.cuh"
 #include "common/mma.cuh"
-#include "quant/exl2_gemv_pregather.cuh"
 #include "quant/exl2_quant.cuh"
 
 namespace exl2q {
@@ -34,7 +33,6 @@ constexpr int kFPre = 8;      // a pre-gathered input (xpre)
 constexpr int kFCluster = 16; // cluster split-K (cluster)
 constexpr int kFProbe = 32;   // timing probes (probe)
 constexpr int kFAll = 63;
-constexpr int kFTail = 64;    // the next GEMV's input norm after the finish (tail_cnt; exl2_gemv_tail.cuh): not in kFAll
 // The kernel every launch runs unless it asks for cluster split-K or timing probes (those take kFAll): both paths
 // compiled out, one function for every role, so a decode layer's four GEMV launches still re-enter the same code.
 // H200 call AI1 of 2026-12-04: the kFAll code as one copy per role cost the 8B decode step +99 us against one
@@ -42,8 +40,6 @@ constexpr int kFTail = 64;    // the next GEMV's input norm after the finish (ta
 // (kFLean without the pre-gathered copy for the decode step's one-row GEMVs gained nothing: H200 call AJ1, 2.296
 // against 2.295 ms; removed.)
 constexpr int kFLean = kFNorm | kFRope | kFGated | kFPre;
-// The launches that end with the next GEMV's norm (their own kernel: the lean kernels keep their code).
-constexpr int kFLeanTail = kFLean | kFTail;
 
 // GemvParams::gather_mode. Auto: by items at M <= 8, by row slots past it. (A gather by 16-byte vectors where the
 // rows are in input order, for down_proj after model/tp_shard.fold_down_order, lost to the item gather: H200 call
@@ -91,17 +87,6 @@ struct GemvParams {
   __half* norm_res_out;
   int norm_res_ld, norm_res_out_ld, norm_k, norm_nt;
   float norm_eps;
-  // TMA kernel, one part, M <= 8: the next GEMV's input norm as this launch's tail when tail_cnt is set
-  // (exl2_gemv_tail.cuh). Once every block is past its finish, the last blocks to get there normalize this
-  // launch's output rows (+ tail_res) with tail_w, write the residual stream to tail_res_out and the next GEMV's
-  // stored row order to tail_pg.xp: what exl2_add_norm_pregather would write, without its launch.
-  int* tail_cnt;  // [2], zero between launches: blocks past their finish, tail jobs done (the last job re-arms)
-  const __half* tail_res;  // [M, tail_res_ld] or null
-  const __half* tail_w;    // [N]
-  __half* tail_res_out;    // [M, tail_res_out_ld] or null
-  int tail_res_ld, tail_res_out_ld, tail_nt;
-  float tail_eps;
-  PregatherParams tail_pg;  // the next GEMV's parts (xmap, Kpad) and its input buffer xp [parts, M, ld]
 };
 
 // The block's work: descriptor, run, column block and chunk range [c0, c1). Splits are numbered run by run:

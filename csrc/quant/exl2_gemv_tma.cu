@@ -26,7 +26,6 @@
 
 #include "common/api.h"
 #include "common/pdl.cuh"
-#include "quant/exl2_gemv_tail.cuh"
 #include "quant/exl2_gemv_tma.cuh"
 
 namespace exl2q {
@@ -211,8 +210,6 @@ __device__ __forceinline__ void tma_block(const GemvParams& p, const GvWork& wk,
     return;
   }
   tma_finish<MT, F>(p, wk, st, active);
-  if constexpr ((F & kFTail) != 0)
-    if (p.tail_cnt) tma_norm_tail(p, sm.ring, compute_sync);
   stamp(4);
 }
 #endif
@@ -338,7 +335,6 @@ int gemv_tma_launch(const GemvParams& p, int blocks, int smem, cudaStream_t stre
     return on;
   }();
   const bool lean = lean_on && !p.cluster && !p.probe;
-  if (p.tail_cnt) return launch_mt<1, kFLeanTail>(p, blocks, smem, stream);  // M <= 8, no cluster or probe (plan_tail)
   switch ((p.M + 7) / 8) {
     case 1: return lean ? launch_mt<1, kFLean>(p, blocks, smem, stream) : launch_mt<1>(p, blocks, smem, stream);
     case 2: return lean ? launch_mt<2, kFLean>(p, blocks, smem, stream) : launch_mt<2>(p, blocks, smem, stream);

@@ -44,30 +44,17 @@ def norm_qkv(layer: DecoderLayer, h: torch.Tensor, residual: torch.Tensor | None
     """(qkv [T, (Hq + 2 Hkv) D], h + residual, roped): layer's input norm and q/k/v projection (norm_linear). With
     `step` and an fp16 cache, rope and the KV-cache write run inside the same GEMV where it can (roped True: the q
     columns are rotated and the cache holds this step's k and v; attend must not write them again)."""
-    fusable = hasattr(layer.qkv, "add_normed_rope_kv") and h.dtype == torch.float16
-    rope = _fused_rope_args(layer, step) if fusable else None
-    if rope is not None:
-        fused = layer.qkv.add_normed_rope_kv(h, residual, layer.input_norm, layer.eps, rope["positions"],
-                                             rope["inv_freq"], rope["k_cache"], rope["v_cache"], rope["slots"])
-        if fused is not None:
-            return fused[0], fused[1], True
+    if step is not None and ROPE_IN_GEMV and FUSED_ROPE_KV and FUSED_NORM and hasattr(layer.qkv, "add_normed_rope_kv"):
+        cache = step.cache
+        if not getattr(cache, "quantized", False):
+            k_cache, v_cache = cache.k[layer.index], cache.v[layer.index]  # [P, S, Hkv, D]
+            if k_cache.dtype == torch.float16 and h.dtype == torch.float16:
+                fused = layer.qkv.add_normed_rope_kv(h, residual, layer.input_norm, layer.eps, step.positions,
+                                                     step.inv_freq, k_cache, v_cache, step.meta.slots)
+                if fused is not None:
+                    return fused[0], fused[1], True
     qkv, residual = norm_linear(layer.qkv, h, residual, layer.input_norm, layer.eps)
     return qkv, residual, False
-
-
-def _fused_rope_args(layer: DecoderLayer, step: StepInputs | None) -> dict | None:
-    """What layer's q/k/v GEMV needs to run rope and the fp16 KV-cache write itself (norm_qkv's conditions), or
-    None."""
-    if step is None or not (ROPE_IN_GEMV and FUSED_ROPE_KV and FUSED_NORM):
-        return None
-    cache = step.cache
-    if getattr(cache, "quantized", False):
-        return None
-    k_cache, v_cache = cache.k[layer.index], cache.v[layer.index]  # [P, S, Hkv, D]
-    if k_cache.dtype != torch.float16:
-        return None
-    return {"positions": step.positions, "inv_freq": step.inv_freq, "k_cache": k_cache, "v_cache": v_cache,
-            "slots": step.meta.slots}
 
 
 @dataclass
@@ -172,34 +159,11 @@ class DecoderLayer:
                                 self.post_norm, None if nxt is None else nxt.input_norm, self.eps)
             if chained is not None:
                 return chained[0], chained[1], False
-        tailed = self._norm_tail(self.o, attn, self.gate_up, residual, self.post_norm)
-        if tailed is not None:
-            gate_up, residual, _ = tailed
-        else:
-            gate_up, residual = norm_linear(self.gate_up, self.o(attn), residual, self.post_norm, self.eps)
-        if nxt is not None:
-            tailed = self._norm_tail(self.down, gate_up, nxt.qkv, residual, nxt.input_norm, nxt, step, gated=True)
-            if tailed is not None:
-                return tailed
+        gate_up, residual = norm_linear(self.gate_up, self.o(attn), residual, self.post_norm, self.eps)
         h = self.mlp(gate_up)
         if nxt is None:
             return h, residual, False
         return norm_qkv(nxt, h, residual, step)
-
-    def _norm_tail(self, producer, x, consumer, residual, weight, nxt=None, step=None, gated=False):
-        """(consumer(rms_norm(producer(x) + residual) * weight), the residual stream, roped) with the norm as the
-        producing GEMV's tail (ops/cuda_tail.py, opt-in: verify steps), or None (the caller runs the ops). nxt, step:
-        the consumer is nxt's q/k/v, whose rope and KV write may run in its GEMV (_fused_rope_args)."""
-        if not (FUSED_NORM and residual is not None and hasattr(producer, "tail_counters")):
-            return None
-        if gated and not (FUSED_SILU_DOWN and hasattr(producer, "gated")):
-            return None
-        from exl2_backend.ops import cuda_tail
-
-        if not cuda_tail.NORM_TAIL:
-            return None
-        rope = None if nxt is None else _fused_rope_args(nxt, step)
-        return cuda_tail.linear_norm_linear(producer, x, consumer, residual, weight, self.eps, gated=gated, rope=rope)
 
     def mlp(self, gate_up):
         """gate_up [T, 2I] (gate | up, the fused projection of the normed hidden states) -> [T, H]."""

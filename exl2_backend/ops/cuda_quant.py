@@ -315,9 +315,6 @@ def _fn(name: str):
                                         library.STREAM),
             "exl2_dequant": (P, P, I32, I32, library.STREAM),
             "exl2_gemv_splits": (P, I32, I32, P, P, P),
-            # the next GEMV's input norm as the tail of this one (ops/cuda_tail.py)
-            "exl2_gemv_tail": (P, I32, P, I32, I32, I32, P, I32, P, I32, P, P, I32, library.F32, P, I32, P, I32, P,
-                               library.STREAM),
         }[name]
         _fns[name] = library.declare(name, *sig)
     return _fns[name]
@@ -549,56 +546,15 @@ class _Launch:
         m = x.shape[0]
         pl = self.gemv_plan(m)
         out, blob = self._bind(pl, m, ws, counters, x.device)
+        ldx = _row_stride(x)
         stream = _stream(x.device)
-        pre, ld = self._pregather_input(blob, x, gate_off, stream)
+        pre, ld = None, 0
+        if self.pregathers(m):
+            pre, ld = self._stored_order_buffer(m, x.device)
+            st = _fn("exl2_gemv_pregather")(blob.ctypes.data, len(self.parts), x.data_ptr(), m, ldx, gate_off,
+                                            pre.data_ptr(), ld, stream)
+            library.check(st, "exl2_gemv_pregather")
         self._launch_gemv(blob, x, m, gate_off, pre, ld, stream)
-        return out
-
-    def _pregather_input(self, blob: np.ndarray, x: torch.Tensor, gate_off: int,
-                         stream: int) -> tuple[torch.Tensor | None, int]:
-        """(x's rows in every part's stored order, ld) by the pregather launch where the GEMV of its M rows copies
-        a pre-gathered input (pregathers), else (None, 0): the GEMV gathers x itself."""
-        m = x.shape[0]
-        if not self.pregathers(m):
-            return None, 0
-        pre, ld = self._stored_order_buffer(m, x.device)
-        st = _fn("exl2_gemv_pregather")(blob.ctypes.data, len(self.parts), x.data_ptr(), m, _row_stride(x), gate_off,
-                                        pre.data_ptr(), ld, stream)
-        library.check(st, "exl2_gemv_pregather")
-        return pre, ld
-
-    def gemv_tail(self, x: torch.Tensor, gate_off: int, ws: torch.Tensor, counters: torch.Tensor,
-                  residual: torch.Tensor | None, weight: torch.Tensor, eps: float, consumer: _Launch,
-                  cnt: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]:
-        """This one-part GEMV of x (gate_off > 0: of silu(gate) * up, as _gemv) with the consumer's input norm as
-        its tail (exl2_gemv_tail): (h [M, N], h + residual [M, N] (empty without a residual), the consumer's input
-        rms_norm(h + residual) * weight in its stored row order [parts * M * ld], ld)."""
-        m = x.shape[0]
-        out, blob = self._bind(self.gemv_plan(m), m, ws, counters, x.device)
-        stream = _stream(x.device)
-        pre_in, ld_in = self._pregather_input(blob, x, gate_off, stream)
-        res_out = x.new_empty((m, self.out_features)) if residual is not None else x.new_empty(0)
-        pre, ld = consumer._stored_order_buffer(m, x.device)
-        c_blob = consumer.gemv_plan(m).blob  # xmap, Kpad and K are read: the same in every plan
-        st = _fn("exl2_gemv_tail")(blob.ctypes.data, 1, x.data_ptr(), m, _row_stride(x), gate_off,
-                                   None if pre_in is None else pre_in.data_ptr(), ld_in,
-                                   None if residual is None else residual.data_ptr(),
-                                   0 if residual is None else _row_stride(residual), weight.data_ptr(),
-                                   None if residual is None else res_out.data_ptr(),
-                                   self.out_features if residual is not None else 0, float(eps), c_blob.ctypes.data,
-                                   len(consumer.parts), pre.data_ptr(), ld, cnt.data_ptr(), stream)
-        library.check(st, "exl2_gemv_tail")
-        return out, res_out, pre, ld
-
-    def gemv_pregathered(self, pre: torch.Tensor, ld: int, x: torch.Tensor, ws: torch.Tensor,
-                         counters: torch.Tensor, rope: np.ndarray | None = None) -> torch.Tensor:
-        """The GEMV of an input already in stored row order (pre [parts * M * ld], gemv_tail's); x [M, K] is any
-        tensor of the input's shape (read for its row count only). rope: the fused rope's arguments (_rope_args)."""
-        m = x.shape[0]
-        out, blob = self._bind(self.gemv_plan(m), m, ws, counters, x.device)
-        if rope is not None:
-            blob[0, F_ROPE] = rope.ctypes.data  # read by the C call below, while `rope` is alive
-        self._launch_gemv(blob, x, m, 0, pre, ld, _stream(x.device))
         return out
 
     def pregathers(self, m: int) -> bool:
@@ -726,14 +682,6 @@ def _check_norm_input(t: torch.Tensor, name: str, k: int, m: int, device: torch.
                                "with contiguous rows starting 16-byte aligned", tensor=name)
 
 
-def _check_norm_weight(weight: torch.Tensor, k: int, device: torch.device) -> None:
-    """TensorShapeError unless weight is a contiguous, 16-byte aligned float16 [K] tensor on `device`."""
-    if not isinstance(weight, torch.Tensor) or weight.shape != (k,) or weight.dtype != torch.float16 \
-            or weight.device != device or not weight.is_contiguous() or weight.data_ptr() % 16:
-        raise TensorShapeError(f"the norm weight must be a contiguous float16 [{k}] tensor on {device}",
-                               tensor="weight")
-
-
 def _check_norm_call(launch: _Launch, h: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor,
                      packed: torch.Tensor, pregather: bool) -> int:
     """Checks the norm-fused GEMV's inputs (TensorShapeError); returns M."""
@@ -741,7 +689,10 @@ def _check_norm_call(launch: _Launch, h: torch.Tensor, residual: torch.Tensor | 
     _check_norm_input(h, "h", k, m, packed.device)
     if residual is not None:
         _check_norm_input(residual, "residual", k, m, packed.device)
-    _check_norm_weight(weight, k, packed.device)
+    if not isinstance(weight, torch.Tensor) or weight.shape != (k,) or weight.dtype != torch.float16 \
+            or weight.device != packed.device or not weight.is_contiguous() or weight.data_ptr() % 16:
+        raise TensorShapeError(f"the norm weight must be a contiguous float16 [{k}] tensor on {packed.device}",
+                               tensor="weight")
     if pregather:
         if not launch.can_norm_pregather(m):
             raise TensorShapeError(f"the pre-gathering norm does not take {m} rows of {k} here", tensor="h")
@@ -845,14 +796,6 @@ class CudaLinearOp:
         self.splits = list(self.launch.splits)
         self.workspace = workspace(device)
         self.launch.reserve(32)  # the fused op may be called directly for any M <= 32
-        self._tail_cnt: torch.Tensor | None = None
-
-    def tail_counters(self) -> torch.Tensor:
-        """The two int32 words of this linear's norm tail (ops/cuda_tail.py; zero between launches, each launch
-        re-arms them), allocated at the first call."""
-        if self._tail_cnt is None:
-            self._tail_cnt = torch.zeros(2, dtype=torch.int32, device=self.device)
-        return self._tail_cnt
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         lead = x.shape[:-1]

@@ -24,14 +24,3 @@ def prefill_then_decode(model) -> list[torch.Tensor]:
     out.append(model.forward(torch.tensor([[3], [3], [3]], device=dev), torch.full((3, 1), 6, device=dev), cache,
                              meta3))
     return out
-
-
-def assert_same_with_switch(model, monkeypatch, module, name: str) -> None:
-    """prefill_then_decode's logits bit for bit equal with module.name (a boolean switch) on and off."""
-
-    def run(on: bool) -> list[torch.Tensor]:
-        monkeypatch.setattr(module, name, on)
-        return prefill_then_decode(model)
-
-    for a, b in zip(run(True), run(False)):
-        assert torch.equal(a, b)

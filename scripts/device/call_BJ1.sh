@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Device call BJ1 (session 42, not run: no machine; carry .whl and .dev; ~7 min):
+# Device call BJ1 (session 42's; ran in session 43 with BJ1_LIMIT=330 on an H100: the tail lost and was removed,
+# with its tests, so this script no longer runs as written; kept as the record of the call; carry .whl and .dev):
 # the next GEMV's input norm as the tail of the GEMV that produces it (ops/cuda_tail.py, EXL2_BACKEND_NORM_TAIL=1,
 # opt-in; BH1's ceiling for a verify step without its norm launches: k = 4 1.146 / 1.141 of a decode step against
 # 1.245 / 1.263):

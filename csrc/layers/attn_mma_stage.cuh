@@ -53,40 +53,48 @@ struct AttnStage {
   }
 };
 
-// The 16 code rows of one region (row bytes RB) of a step: 16 * RB / 16 chunks over the warp's 32 lanes.
-template <int RB, int D, int KF, int VF>
-__device__ __forceinline__ void stage_issue_codes(uint32_t dst, const uint8_t* src, int Hkv, int kvh, int64_t base,
-                                                  int t, int end, int lane) {
-  constexpr int kChunks = RB / 16;
-  static_assert(16 * kChunks % 32 == 0, "whole rounds of 32 lanes");
-#pragma unroll
-  for (int j = 0; j < 16 * kChunks / 32; ++j) {
-    const int i = lane + 32 * j, row = i / kChunks, c = i % kChunks;
-    cp_async_zfill<16>(dst + AttnStage<D, KF, VF>::code_at(row, c * 16, RB),
-                       src + ((base + row) * Hkv + kvh) * RB + c * 16, t + row < end);
-  }
-}
+// A lane's chunks of one code region (row bytes RB) of a step: 16 rows of RB / 16 chunks over the warp's 32 lanes,
+// chunk lane % kChunks of rows r0 + j * kRowStep (j < kRounds). Round j's offset within the region is the first
+// one's with the swizzle bits of j * kRowStep flipped (r0 < kRowStep, both powers of two: r0 + j * kRowStep adds
+// no carries, and the flipped bits lie below RB), plus j * kRowStep rows; its global offset is the first one's
+// plus j * kRowStep rows of Hkv heads.
+template <int RB>
+struct LaneChunks {
+  static constexpr int kChunks = RB / 16, kRounds = 16 * kChunks / 32, kRowStep = 32 / kChunks;
+  static constexpr int kSwizzle = (kChunks - 1) & 7;
+  static_assert(kChunks % 2 == 0 && 32 % kChunks == 0, "whole rounds of 32 lanes");
+  __device__ __forceinline__ static constexpr int flip(int j) { return ((j * kRowStep) & kSwizzle) << 4; }
+};
 
 // Copy the rows of the step at key t (its 16 slots from `base`; rows at or past `end` zero-filled) into the stage
-// at shared address `dst`. All 32 lanes take part.
+// at shared address `dst`. All 32 lanes take part. The same copies as one chunk per (lane + 32 j) in row-major
+// order; the addresses are a 64-bit step base per region plus 32-bit lane offsets (the per-chunk 64-bit index
+// arithmetic was ~110 of the q4 kernel's ~700 instructions per step).
 template <int D, int KF, int VF>
 __device__ __forceinline__ void stage_issue(uint32_t dst, const uint8_t* kc, const half* ks, const uint8_t* vc,
                                             const half* vs, int Hkv, int kvh, int64_t base, int t, int end,
                                             int lane) {
   using S = AttnStage<D, KF, VF>;
-  stage_issue_codes<S::KROW, D, KF, VF>(dst + S::K_OFF, kc, Hkv, kvh, base, t, end, lane);
-  stage_issue_codes<S::VROW, D, KF, VF>(dst + S::V_OFF, vc, Hkv, kvh, base, t, end, lane);
-  if constexpr (S::KSCL > 0) {
-    if (lane < 16)
-      cp_async_zfill<S::KSCL>(dst + S::KS_OFF + lane * S::KSCL,
-                              reinterpret_cast<const uint8_t*>(ks) + ((base + lane) * Hkv + kvh) * S::KSCL,
-                              t + lane < end);
-  }
-  if constexpr (S::VSCL > 0) {
-    if (lane >= 16)
-      cp_async_zfill<S::VSCL>(dst + S::VS_OFF + (lane - 16) * S::VSCL,
-                              reinterpret_cast<const uint8_t*>(vs) + ((base + lane - 16) * Hkv + kvh) * S::VSCL,
-                              t + lane - 16 < end);
+  const int64_t row0 = base * Hkv + kvh;  // the step's first row among all heads' rows
+  const int lim = end - t;                // rows of the step that exist
+  auto codes = [&](auto chunks, const uint8_t* src, uint32_t region) {
+    using L = decltype(chunks);
+    constexpr int RB = L::kChunks * 16;
+    const int r0 = lane / L::kChunks, c = lane % L::kChunks;
+    const uint8_t* first = src + row0 * RB + (r0 * Hkv * RB + c * 16);
+    const int d0 = r0 * RB + ((c ^ (r0 & L::kSwizzle)) << 4);  // within the region (the flips stay below RB)
+#pragma unroll
+    for (int j = 0; j < L::kRounds; ++j)
+      cp_async_zfill<16>(region + ((d0 ^ L::flip(j)) + j * L::kRowStep * RB), first + j * L::kRowStep * Hkv * RB,
+                         r0 + j * L::kRowStep < lim);
+  };
+  codes(LaneChunks<S::KROW>{}, kc, dst + S::K_OFF);
+  codes(LaneChunks<S::VROW>{}, vc, dst + S::V_OFF);
+  static_assert(S::KSCL == S::VSCL, "both sides quantized (with scales) or both fp16");
+  if constexpr (S::KSCL > 0) {  // lanes 0..15: K scales of row `lane`; 16..31: V scales of row lane - 16
+    const int r = lane & 15;
+    const uint8_t* src = reinterpret_cast<const uint8_t*>(lane < 16 ? ks : vs) + (row0 + r * Hkv) * S::KSCL;
+    cp_async_zfill<S::KSCL>(dst + (lane < 16 ? S::KS_OFF : S::VS_OFF) + r * S::KSCL, src, r < lim);
   }
 }
 

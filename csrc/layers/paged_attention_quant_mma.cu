@@ -109,6 +109,34 @@ __device__ __forceinline__ uint32_t minus_bias(uint32_t h) {
   return h2_bits(__hsub2(bits_h2(h), bits_h2(kBias)));
 }
 
+// (a & mask) | bits in one lop3: the compiler splits it in two, since a lop3 takes one immediate operand (the
+// constant in a register, set once outside the loops, lets it take both).
+__device__ __forceinline__ uint32_t and_or(uint32_t a, uint32_t mask, uint32_t bits) {
+  uint32_t d;
+  asm("lop3.b32 %0, %1, %2, %3, 0xEA;" : "=r"(d) : "r"(a), "r"(mask), "r"(bits));  // 0xEA: (a & b) | c
+  return d;
+}
+
+// Nibbles at bits 0..3 and 16..19 as fp16 1024 + c, minus 1032: c - 8, exact.
+__device__ __forceinline__ uint32_t low_nibbles_minus_bias(uint32_t w) {
+  return minus_bias<kFmtI4>(and_or(w, 0x000F000Fu, 0x64006400u));
+}
+// Nibbles at bits 4..7 and 20..23 as fp16 1024 + 16 c (0x6400 | c << 4, no shift): times 1/16 minus 72 is c - 8,
+// exact (the fma's exact result is a small integer). So a word's four pairs cost one shift (by 8), not three.
+__device__ __forceinline__ uint32_t high_nibbles_minus_bias(uint32_t w) {
+  constexpr uint32_t kSixteenth = 0x2C002C00u, kMinus72 = 0xD480D480u;  // 1 / 16, -(64 + 8) as fp16 pairs
+  return h2_bits(__hfma2(bits_h2(and_or(w, 0x00F000F0u, 0x64006400u)), bits_h2(kSixteenth), bits_h2(kMinus72)));
+}
+
+// The four pairs of a word of 4-bit codes: pair j holds the nibbles at bits 4j and 16 + 4j, minus their bias.
+__device__ __forceinline__ void i4_pairs(uint32_t w, uint32_t (&h)[4]) {
+  const uint32_t w8 = w >> 8;
+  h[0] = low_nibbles_minus_bias(w);
+  h[1] = high_nibbles_minus_bias(w);
+  h[2] = low_nibbles_minus_bias(w8);
+  h[3] = high_nibbles_minus_bias(w8);
+}
+
 __device__ __forceinline__ uint32_t e4m3x2_to_f16x2(uint32_t two_bytes) {
   const __half2_raw h = __nv_cvt_fp8x2_to_halfraw2((__nv_fp8x2_storage_t)(two_bytes & 0xFFFFu), __NV_E4M3);
   return (uint32_t)h.x | ((uint32_t)h.y << 16);
@@ -149,7 +177,8 @@ __device__ __forceinline__ uint32_t k_pair(const KChunk<F>& c, int p) {
   } else if constexpr (F == kFmtI8) {
     return minus_bias<F>(__byte_perm(c.w[p >> 1], 0x64646464u, (p & 1) ? 0x4342u : 0x4140u));
   } else if constexpr (F == kFmtI4) {
-    return minus_bias<F>(((c.w[0] >> (4 * p)) & 0x000F000Fu) | 0x64006400u);
+    const uint32_t w = (p & 2) ? c.w[0] >> 8 : c.w[0];  // one shift for pairs 2 and 3 once the calls inline
+    return (p & 1) ? high_nibbles_minus_bias(w) : low_nibbles_minus_bias(w);
   } else {
     return e4m3x2_to_f16x2(c.w[p >> 1] >> (16 * (p & 1)));
   }
@@ -185,9 +214,7 @@ __device__ __forceinline__ void v_pairs(const VChunk<F>& c0, const VChunk<F>& c1
     h[2] = __byte_perm(c0.w[1], c1.w[1], 0x5410u);
     h[3] = __byte_perm(c0.w[1], c1.w[1], 0x7632u);
   } else if constexpr (F == kFmtI4) {
-    const uint32_t x = __byte_perm(v0, v1, 0x5410u);  // nibble j of key 0 at bit 4j, of key 1 at 16 + 4j
-#pragma unroll
-    for (int j = 0; j < 4; ++j) h[j] = minus_bias<F>(((x >> (4 * j)) & 0x000F000Fu) | 0x64006400u);
+    i4_pairs(__byte_perm(v0, v1, 0x5410u), h);  // nibble j of key 0 at bit 4j, of key 1 at 16 + 4j
   } else {
     const uint32_t lo = __byte_perm(v0, v1, 0x5140u), hi = __byte_perm(v0, v1, 0x7362u);  // interleaved bytes
     if constexpr (F == kFmtI8) {

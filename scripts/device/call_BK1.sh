@@ -10,7 +10,8 @@
 #     staged (default) and register kernels (EXL2_ATTN_STAGED=0);
 #  2. the attention and KV GPU tests, and the GEMV suites (the rebuilt ABI 13 library's first GPU run);
 #  3. the 32k attention alone, q4 / q8, O N O N; `bench` 32k q8 / q4 with each, then 1k / 32k all types with N;
-#  4. ncu of the q4 and q8 launches (N) with stalls by code region, as time allows (session 43's BJ2).
+#  4. N at 2 / 4 CTAs per SM and with 3 stages; ncu of the q4 and q8 launches (N) with stalls by code region,
+#     as time allows (session 43's BJ2).
 export EXL2_CARRIED_LIBRARY=1
 source scripts/device/common.sh
 begin_call bk1
@@ -49,6 +50,9 @@ for v in O D; do
 done
 cp /tmp/libD.so "$LIB"
 fits 140 "bench N" "$L" && bench_8b new 130 1024,32768 fp16,q8,q4
+# N's other operating points: CTAs per SM 2 / 4, and 3 stages
+fits 40 "sweep N ctas" "$L" && attention_sweep_32k N_ctas q4,q8 2,4
+fits 40 "sweep N ns3" "$L" && attention_sweep_32k N_ns3 q4,q8 3,4 EXL2_ATTN_STAGED=3
 for ct in q4 q8; do
   fits 90 "ncu $ct" "$L" || continue
   ncu_attention "ncu_attn_$ct" "$ct"

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Device call BK4 (session 44; carry .whl and .dev; ~420 s). After BK1 (the lean code-page attention, bit-identical,
+# Device call BK4 (session 44; carry .whl and .dev; ~400 s). After BK1 (the lean code-page attention, bit-identical,
 # q4 attention -2.7%): the staged kernel copies its ring's first steps before the PDL wait where the previous
 # kernel wrote none of their keys (ncu in BK1: a third of the q4 kernel's stall samples in its prologue and
 # epilogue, ~10 steps per warp at 32k). Libraries: N (.dev/libexl2_kernels.so.gz, this commit), A (.dev/lib_a.so.gz,
@@ -7,12 +7,12 @@
 #  1. outputs bit for bit, O against N (scripts/device/attn_bits.py), staged and register kernels;
 #  2. the attention / KV GPU tests and the engine tests over quantized pages in captured graphs against the CPU
 #     reference (tests/engine/test_staged_attention_engine.py, new), the cache-type and streamed-attention ones;
-#  3. the 32k attention alone, q4 / q8, A N A N; `bench` 32k q8 / q4 A then N; verify costs A N A N (the verify
+#  3. the 32k attention alone, q4 / q8, A N A N; `bench` 32k q8 / q4 N then A (as time allows); verify costs A N A N (the verify
 #     steps' fp16 pages run the staged kernel with shared row tiles).
 export EXL2_CARRIED_LIBRARY=1
 source scripts/device/common.sh
 begin_call bk4
-L=${BK4_LIMIT:-420}
+L=${BK4_LIMIT:-400}
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
 use_libraries O=.dev/lib_old.so.gz A=.dev/lib_a.so.gz
 for cfg in auto 0; do
@@ -47,7 +47,7 @@ for v in A D A D; do
   spec_costs "$v$i" > /dev/null
   echo "spec $v$i: $(grep -o 'decode [0-9.]* ms, verify ratio.*' "$R/spec_$v$i.log" | head -1)"
 done
-for v in A D; do
+for v in D A; do
   fits 110 "bench 32k $v" "$L" || break
   cp "/tmp/lib$v.so" "$LIB"
   bench_8b "32k_$v" 110 32768 q8,q4

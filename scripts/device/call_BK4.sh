@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Device call BK4 (session 44; carry .whl and .dev; ~250 s, the steps after the tests as time allows). After BK1 (the lean code-page attention, bit-identical,
+# Device call BK4 (session 44; carry .whl and .dev; BK4_LIMIT seconds (250), steps in order as time allows;
+# BK4_BITS="auto" compares the staged kernels only). After BK1 (the lean code-page attention, bit-identical,
 # q4 attention -2.7%): the staged kernel copies its ring's first steps before the PDL wait where the previous
 # kernel wrote none of their keys (ncu in BK1: a third of the q4 kernel's stall samples in its prologue and
 # epilogue, ~10 steps per warp at 32k). Libraries: N (.dev/libexl2_kernels.so.gz, this commit), A (.dev/lib_a.so.gz,
@@ -15,7 +16,7 @@ begin_call bk4
 L=${BK4_LIMIT:-250}
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
 use_libraries O=.dev/lib_old.so.gz A=.dev/lib_a.so.gz
-for cfg in auto 0; do
+for cfg in ${BK4_BITS:-auto 0}; do
   for v in O D; do
     cp "/tmp/lib$v.so" "$LIB"
     EXL2_ATTN_STAGED=$cfg timeout 60 python3 scripts/device/attn_bits.py --out "/tmp/bits_${v}_$cfg.pt" \
@@ -27,11 +28,6 @@ for cfg in auto 0; do
 done
 cp /tmp/libD.so "$LIB"
 echo "elapsed $(( $(date +%s) - T0 )) s"
-gpu_tests attention 90 -n 8 tests/kernels/test_paged_attention.py tests/kernels/test_paged_attention_stream.py \
-  tests/kernels/test_kv_quant_kernels.py tests/kernels/test_prefill_attention.py
-gpu_tests engine 100 -n 4 tests/engine/test_staged_attention_engine.py tests/engine/test_stream_attention_engine.py \
-  tests/engine/test_cache_types.py tests/engine/test_prefill_memory.py tests/serve/test_batch_invariance.py
-echo "elapsed $(( $(date +%s) - T0 )) s"
 i=0
 for v in A D A D; do
   i=$((i + 1))
@@ -39,6 +35,12 @@ for v in A D A D; do
   cp "/tmp/lib$v.so" "$LIB"
   attention_sweep_32k "$v$i" q4,q8 3
 done
+cp /tmp/libD.so "$LIB"
+fits 60 "attention tests" "$L" && gpu_tests attention 60 -n 8 tests/kernels/test_paged_attention.py tests/kernels/test_paged_attention_stream.py \
+  tests/kernels/test_kv_quant_kernels.py tests/kernels/test_prefill_attention.py
+fits 60 "engine tests" "$L" && gpu_tests engine "$(( $(left "$L") - 5 ))" -n 4 tests/engine/test_staged_attention_engine.py tests/engine/test_stream_attention_engine.py \
+  tests/engine/test_cache_types.py tests/engine/test_prefill_memory.py tests/serve/test_batch_invariance.py
+echo "elapsed $(( $(date +%s) - T0 )) s"
 i=0
 for v in A D A D; do
   i=$((i + 1))

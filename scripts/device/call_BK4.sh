@@ -1,4 +1,8 @@
 #!/usr/bin/env bash
+# NOT RUN (session 44: four starts failed, then too little device time to start a machine). The code it measures
+# was taken back out (af11dcf). To run it: `git show f81f4e2 -- csrc | git apply`, build, pack the library as N
+# (scripts/device/pack_library.sh), and carry the current library (1d3265a's csrc) as .dev/lib_a.so.gz and
+# 453bdb4's as .dev/lib_old.so.gz.
 # Device call BK4 (session 44; carry .whl and .dev; BK4_LIMIT seconds (250), steps in order as time allows;
 # BK4_BITS="auto" compares the staged kernels only). After BK1 (the lean code-page attention, bit-identical,
 # q4 attention -2.7%): the staged kernel copies its ring's first steps before the PDL wait where the previous

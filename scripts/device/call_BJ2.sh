@@ -10,10 +10,5 @@ begin_call bj2
 L=${BJ2_LIMIT:-220}
 nvidia-smi --query-gpu=name --format=csv,noheader
 gpu_tests gemv_suites 60 -n 12 $GEMV_GPU_TESTS -k "not llama3_8b"  # the rebuilt ABI 13 library
-for ct in q4 q8; do
-  fits 90 "ncu $ct" "$L" || continue
-  ncu_attention "ncu_attn_$ct" "$ct"
-  python3 scripts/ncu_stalls.py "$R/ncu_attn_$ct.sass.csv.gz" --top 10 --bucket 60 > "$R/ncu_attn_$ct.stalls.txt" 2>&1
-  head -16 "$R/ncu_attn_$ct.stalls.txt" | cut -c1-160
-done
+ncu_attention_stalls "$L" q4 q8
 echo "total $(( $(date +%s) - T0 )) s"

@@ -1,4 +1,6 @@
 #!/usr/bin/env bash
+# Ran in session 44 (BK1_LIMIT=530, H100); its loops moved into common.sh afterwards (the same steps; the 32k
+# benches are now named bench_O1 / bench_D2 instead of bench_32k_O / bench_32k_D).
 # Device call BK1 (session 44; carry .whl and .dev; ~540 s). The tensor-core attention over code pages with fewer
 # instructions per step of 16 keys, meant to be bit-identical (cuobjdump, q4 staged kernel at D = 128: 704 -> 580
 # per step, q8 680 -> 627):
@@ -18,45 +20,18 @@ begin_call bk1
 L=${BK1_LIMIT:-540}
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
 use_libraries O=.dev/lib_old.so.gz
-for cfg in auto 0; do
-  for v in O D; do
-    cp "/tmp/lib$v.so" "$LIB"
-    EXL2_ATTN_STAGED=$cfg timeout 60 python3 scripts/device/attn_bits.py --out "/tmp/bits_${v}_$cfg.pt" \
-      > "$R/bits_${v}_$cfg.txt" 2>&1 || tail -5 "$R/bits_${v}_$cfg.txt"
-  done
-  echo "== bits, EXL2_ATTN_STAGED=$cfg (O against N)"
-  python3 scripts/device/attn_bits.py --compare "/tmp/bits_O_$cfg.pt" "/tmp/bits_D_$cfg.pt" > "$R/bits_cmp_$cfg.txt" 2>&1
-  tail -6 "$R/bits_cmp_$cfg.txt"
-done
-cp /tmp/libD.so "$LIB"
+attn_bits_against_old auto 0
 echo "elapsed $(( $(date +%s) - T0 )) s"
 gpu_tests attention 150 -n 8 tests/kernels/test_paged_attention.py tests/kernels/test_paged_attention_stream.py \
   tests/kernels/test_kv_quant_kernels.py tests/kernels/test_prefill_attention.py
 echo "elapsed $(( $(date +%s) - T0 )) s"
 fits 70 "gemv suites" "$L" && gpu_tests gemv_suites 60 -n 12 $GEMV_GPU_TESTS -k "not llama3_8b"
-i=0
-for v in O D O D; do
-  i=$((i + 1))
-  fits 40 "sweep $v$i" "$L" || break
-  cp "/tmp/lib$v.so" "$LIB"
-  attention_sweep_32k "$v$i" q4,q8 3
-done
-cp /tmp/libD.so "$LIB"
+each_library "$L" 40 "O D O D" attention_sweep_32k q4,q8 3
 echo "elapsed $(( $(date +%s) - T0 )) s"
-for v in O D; do
-  fits 110 "bench 32k $v" "$L" || break
-  cp "/tmp/lib$v.so" "$LIB"
-  bench_8b "32k_$v" 110 32768 q8,q4
-done
-cp /tmp/libD.so "$LIB"
+each_library "$L" 110 "O D" bench_8b 110 32768 q8,q4  # $R/bench_<L><n>.txt
 fits 140 "bench N" "$L" && bench_8b new 130 1024,32768 fp16,q8,q4
 # N's other operating points: CTAs per SM 2 / 4, and 3 stages
 fits 40 "sweep N ctas" "$L" && attention_sweep_32k N_ctas q4,q8 2,4
 fits 40 "sweep N ns3" "$L" && attention_sweep_32k N_ns3 q4,q8 3,4 EXL2_ATTN_STAGED=3
-for ct in q4 q8; do
-  fits 90 "ncu $ct" "$L" || continue
-  ncu_attention "ncu_attn_$ct" "$ct"
-  python3 scripts/ncu_stalls.py "$R/ncu_attn_$ct.sass.csv.gz" --top 10 --bucket 60 > "$R/ncu_attn_$ct.stalls.txt" 2>&1
-  head -16 "$R/ncu_attn_$ct.stalls.txt" | cut -c1-160
-done
+ncu_attention_stalls "$L" q4 q8
 echo "total $(( $(date +%s) - T0 )) s"

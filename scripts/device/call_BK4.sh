@@ -20,43 +20,15 @@ begin_call bk4
 L=${BK4_LIMIT:-250}
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
 use_libraries O=.dev/lib_old.so.gz A=.dev/lib_a.so.gz
-for cfg in ${BK4_BITS:-auto 0}; do
-  for v in O D; do
-    cp "/tmp/lib$v.so" "$LIB"
-    EXL2_ATTN_STAGED=$cfg timeout 60 python3 scripts/device/attn_bits.py --out "/tmp/bits_${v}_$cfg.pt" \
-      > "$R/bits_${v}_$cfg.txt" 2>&1 || tail -5 "$R/bits_${v}_$cfg.txt"
-  done
-  echo "== bits, EXL2_ATTN_STAGED=$cfg (O against N)"
-  python3 scripts/device/attn_bits.py --compare "/tmp/bits_O_$cfg.pt" "/tmp/bits_D_$cfg.pt" > "$R/bits_cmp_$cfg.txt" 2>&1
-  tail -6 "$R/bits_cmp_$cfg.txt"
-done
-cp /tmp/libD.so "$LIB"
+attn_bits_against_old ${BK4_BITS:-auto 0}
 echo "elapsed $(( $(date +%s) - T0 )) s"
-i=0
-for v in A D A D; do
-  i=$((i + 1))
-  fits 40 "sweep $v$i" "$L" || break
-  cp "/tmp/lib$v.so" "$LIB"
-  attention_sweep_32k "$v$i" q4,q8 3
-done
-cp /tmp/libD.so "$LIB"
+each_library "$L" 40 "A D A D" attention_sweep_32k q4,q8 3
 fits 60 "attention tests" "$L" && gpu_tests attention 60 -n 8 tests/kernels/test_paged_attention.py tests/kernels/test_paged_attention_stream.py \
   tests/kernels/test_kv_quant_kernels.py tests/kernels/test_prefill_attention.py
 fits 60 "engine tests" "$L" && gpu_tests engine "$(( $(left "$L") - 5 ))" -n 4 tests/engine/test_staged_attention_engine.py tests/engine/test_stream_attention_engine.py \
   tests/engine/test_cache_types.py tests/engine/test_prefill_memory.py tests/serve/test_batch_invariance.py
 echo "elapsed $(( $(date +%s) - T0 )) s"
-i=0
-for v in A D A D; do
-  i=$((i + 1))
-  fits 40 "spec $v$i" "$L" || break
-  cp "/tmp/lib$v.so" "$LIB"
-  spec_costs "$v$i" > /dev/null
-  echo "spec $v$i: $(grep -o 'decode [0-9.]* ms, verify ratio.*' "$R/spec_$v$i.log" | head -1)"
-done
-for v in D A; do
-  fits 110 "bench 32k $v" "$L" || break
-  cp "/tmp/lib$v.so" "$LIB"
-  bench_8b "32k_$v" 110 32768 q8,q4
-done
-cp /tmp/libD.so "$LIB"
+spec_line() { spec_costs "$1" > /dev/null; echo "spec $1: $(grep -o 'decode [0-9.]* ms, verify ratio.*' "$R/spec_$1.log" | head -1)"; }
+each_library "$L" 40 "A D A D" spec_line
+each_library "$L" 110 "D A" bench_8b 110 32768 q8,q4  # $R/bench_<L><n>.txt
 echo "total $(( $(date +%s) - T0 )) s"

@@ -303,3 +303,43 @@ smollm2_models() {
     > "$R/convert_gpu_4.0.txt" 2>&1
   tail -2 "$R/convert_gpu_4.0.txt"
 }
+# ncu of the 32k decode attention per cache type with its stalls by code region (scripts/ncu_stalls.py), each
+# while `fits 90` before LIMIT: ncu_attention_stalls LIMIT CACHE_TYPE...; $R/ncu_attn_CT.{details,stalls}.txt.
+ncu_attention_stalls() {
+  local limit=$1 ct; shift
+  for ct in "$@"; do
+    fits 90 "ncu $ct" "$limit" || continue
+    ncu_attention "ncu_attn_$ct" "$ct"
+    python3 scripts/ncu_stalls.py "$R/ncu_attn_$ct.sass.csv.gz" --top 10 --bucket 60 > "$R/ncu_attn_$ct.stalls.txt" 2>&1
+    head -16 "$R/ncu_attn_$ct.stalls.txt" | cut -c1-160
+  done
+}
+# Attention outputs of library O against the loaded one (/tmp/libD.so after use_libraries), bit for bit, per
+# EXL2_ATTN_STAGED setting (scripts/device/attn_bits.py): attn_bits_against_old CFG...; $R/bits_*.txt.
+attn_bits_against_old() {
+  local cfg v
+  for cfg in "$@"; do
+    for v in O D; do
+      cp "/tmp/lib$v.so" "$LIB"
+      EXL2_ATTN_STAGED=$cfg timeout 60 python3 scripts/device/attn_bits.py --out "/tmp/bits_${v}_$cfg.pt" \
+        > "$R/bits_${v}_$cfg.txt" 2>&1 || tail -5 "$R/bits_${v}_$cfg.txt"
+    done
+    echo "== bits, EXL2_ATTN_STAGED=$cfg (O against the loaded library)"
+    python3 scripts/device/attn_bits.py --compare "/tmp/bits_O_$cfg.pt" "/tmp/bits_D_$cfg.pt" \
+      > "$R/bits_cmp_$cfg.txt" 2>&1
+    tail -6 "$R/bits_cmp_$cfg.txt"
+  done
+  cp /tmp/libD.so "$LIB"
+}
+# A step per library in turn, e.g. interleaved: each_library LIMIT SECONDS "A D A D" FUNCTION [ARGS...] copies
+# /tmp/lib<L>.so into place and calls FUNCTION <L><n> ARGS while `fits SECONDS` before LIMIT; D is loaded after.
+each_library() {
+  local limit=$1 secs=$2 libs=$3 fn=$4 v i=0; shift 4
+  for v in $libs; do
+    i=$((i + 1))
+    fits "$secs" "$fn $v$i" "$limit" || break
+    cp "/tmp/lib$v.so" "$LIB"
+    "$fn" "$v$i" "$@"
+  done
+  cp /tmp/libD.so "$LIB"
+}

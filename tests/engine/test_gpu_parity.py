@@ -74,6 +74,20 @@ def assert_step_logits_close(ref, out):
         assert err <= LOGIT_TOLERANCE * span, f"step {step}: max |gpu - ref| = {err:.4f}, range {span:.2f}"
 
 
+def assert_teacher_forced_parity(cpu, gpu, seed, n_prompt=300, n_decode=32):
+    """Random tokens (ids 3..1999): prefill n_prompt, then n_decode teacher-forced steps on both engines; the GPU
+    engine's logits (through its captured graphs) within LOGIT_TOLERANCE of the CPU reference at every step."""
+    assert type(gpu.runner).__name__ == "CudaGraphRunner"
+    g = torch.Generator().manual_seed(seed)
+    tokens = torch.randint(3, 2000, (n_prompt + n_decode + 1,), generator=g).tolist()
+    with torch.inference_mode():
+        ref = _step_logits(cpu, tokens, n_prompt)
+        out = _step_logits(gpu, tokens, n_prompt)
+    assert gpu.runner.replays > 0
+    assert_step_logits_close(ref, out)
+    gpu.assert_no_leaks()
+
+
 def _step_logits(engine, tokens, n_prompt):
     """Prefill tokens[:n_prompt], then decode the rest one token at a time (teacher forcing): the last-token
     logits after every step, through the engine's runner (graphs on the GPU)."""

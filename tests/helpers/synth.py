@@ -52,6 +52,14 @@ def tiny_config_dict(arch: str = "LlamaForCausalLM", **overrides) -> dict:
     return d
 
 
+def llama3_attention_config_dict(**overrides) -> dict:
+    """A 2-layer model with Llama 3's attention geometry (head_dim 128, 8 kv heads; 2 query heads each), hidden
+    2048, vocab 2048: the shapes the tensor-core decode attention kernels take."""
+    return tiny_config_dict(hidden_size=2048, intermediate_size=1024, num_attention_heads=16, num_key_value_heads=8,
+                            num_hidden_layers=2, vocab_size=2048, bos_token_id=1, eos_token_id=2,
+                            max_position_embeddings=1024, **overrides)
+
+
 def _fp16_tensors(config: ModelConfig, seed: int) -> dict[str, torch.Tensor]:
     """Random HF-layout fp16 weights (std ~ 1/sqrt(K) for linears) in module order."""
     g = torch.Generator().manual_seed(seed)

@@ -27,11 +27,12 @@ def model_dir(tmp_path_factory):
 
 @pytest.mark.parametrize("cache_type", ["q8", "q4"])
 def test_teacher_forced_logits_through_the_staged_kernel(model_dir, cache_type):
+    from exl2_backend.cache.kv_types import get_cache_type
     from exl2_backend.ops import cuda_layers
     from exl2_backend.runtime import Engine, LoadSettings
 
     load = {"model_dir": str(model_dir), "max_seq_len": 1024, "max_batch_size": 2, "cache_type": cache_type}
     cpu, gpu = Engine.load(LoadSettings(device="cpu", **load)), Engine.load(LoadSettings(device="cuda", **load))
-    codes = {"q8": "int8", "q4": "int4"}[cache_type]  # PagedKVCache.k_format / v_format of the cache type
-    assert cuda_layers.attn_staged(codes, codes, 2)  # decode: 2 query rows per kv head
+    formats = get_cache_type(cache_type)
+    assert cuda_layers.attn_staged(formats.k.name, formats.v.name, 2)  # decode: 2 query rows per kv head
     assert_teacher_forced_parity(cpu, gpu, seed=3)  # 300 prompt tokens, 32 decode steps

@@ -113,6 +113,23 @@ __device__ __forceinline__ void cluster_reduce(const QDesc& d, const GvWork& wk,
   cluster_sync();
 }
 
+// The cluster norm's start (GemvParams::norm_cluster), by every thread before tma_block: each block arms its two
+// mbarriers, then the cluster meets once, so no block stores into another's shared memory before it is armed. The
+// padding blocks past p.blocks (the grid rounded up to whole clusters) take their share of the norm and end: false.
+__device__ __forceinline__ bool norm_cluster_start(const GemvParams& p, unsigned char* smem) {
+  const TmaSmem sm(smem, tma_layout(tma_sizes(p.ring_bytes, p.maxgrp, p.M, p.xstride, p.maxnch, p.norm_k)));
+  if (threadIdx.x == 0) tma_init_norm_cluster(sm, p);
+  __syncthreads();
+  cluster_sync();
+  if ((int)blockIdx.x < p.blocks) return true;
+  if ((threadIdx.x >> 5) < kGvWarps) {
+    exl2::pdl_wait();
+    gv_norm_rows_cluster(norm_rows_of(p), p.norm_cluster, sm.xf, sm.red, sm.norm_ss(), sm.norm_xf(),
+                         (int)blockIdx.x < p.norm_cluster ? p.norm_res_out : nullptr, p.norm_res_out_ld);
+  }
+  return false;
+}
+
 // MT token tiles of 8 (M <= 8 * MT): MT == 1 runs the register-batch kernel's chunk walk (gv_chunk); MT > 1
 // decodes each A fragment once for MT mmas (gv_chunk_mt). Only the producer and the chunk loop depend on the
 // run's width: the prologue (constants, input staging with the fused norm) and the finish (split-K, rope) are
@@ -246,6 +263,8 @@ __global__ void __launch_bounds__(kTmaThreads, MT == 1 ? EXL2_GEMV_TMA_MT1_MIN_B
   const BlockStamp stamp{};
 #endif
   exl2::pdl_launch_dependents();  // every block is resident now: the next kernel may launch into freed SMs
+  if constexpr ((F & kFNormCluster) != 0)
+    if (p.norm_cluster && !norm_cluster_start(p, smem)) return;
   tma_block<MT, F>(p, gv_work(p), smem, stamp);
 #else
   __trap();  // the host launches this kernel on sm_90+ only
@@ -295,14 +314,15 @@ int launch_mt(const GemvParams& p, int blocks, int smem, cudaStream_t stream) {
 #else
 #define EXL2_TIMELINE_ARG
 #endif
-  if (!p.cluster) {
+  const int cluster = p.cluster ? p.cluster : p.norm_cluster;  // split-K's cluster or the norm's
+  if (!cluster) {
     exl2::launch_kernel(kernel, blocks, kTmaThreads, smem, stream, p EXL2_TIMELINE_ARG);
     return exl2::check_launch("exl2_gemv (TMA)");
   }
-  if (p.cluster > 8 && !non_portable_set[dev]) {
+  if (cluster > 8 && !non_portable_set[dev]) {
     cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeNonPortableClusterSizeAllowed, 1);
     if (err != cudaSuccess)
-      return exl2::set_error((int)err, "exl2_gemv (TMA): cluster of %d: %s", p.cluster, cudaGetErrorString(err));
+      return exl2::set_error((int)err, "exl2_gemv (TMA): cluster of %d: %s", cluster, cudaGetErrorString(err));
     non_portable_set[dev] = true;
   }
   cudaLaunchConfig_t cfg = {};
@@ -312,7 +332,7 @@ int launch_mt(const GemvParams& p, int blocks, int smem, cudaStream_t stream) {
   cfg.stream = stream;
   cudaLaunchAttribute attr[2];
   attr[0].id = cudaLaunchAttributeClusterDimension;
-  attr[0].val.clusterDim.x = p.cluster;
+  attr[0].val.clusterDim.x = cluster;
   attr[0].val.clusterDim.y = 1;
   attr[0].val.clusterDim.z = 1;
   attr[1].id = cudaLaunchAttributeProgrammaticStreamSerialization;
@@ -335,6 +355,10 @@ int gemv_tma_launch(const GemvParams& p, int blocks, int smem, cudaStream_t stre
     return on;
   }();
   const bool lean = lean_on && !p.cluster && !p.probe;
+  if (p.norm_cluster) {  // its own kernels: the lean ones stay instruction for instruction as they were
+    if (p.M <= 8) return launch_mt<1, kFLean | kFNormCluster>(p, blocks, smem, stream);
+    return launch_mt<2, kFLean | kFNormCluster>(p, blocks, smem, stream);
+  }
   switch ((p.M + 7) / 8) {
     case 1: return lean ? launch_mt<1, kFLean>(p, blocks, smem, stream) : launch_mt<1>(p, blocks, smem, stream);
     case 2: return lean ? launch_mt<2, kFLean>(p, blocks, smem, stream) : launch_mt<2>(p, blocks, smem, stream);

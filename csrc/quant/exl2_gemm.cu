@@ -653,11 +653,12 @@ bool exact_run_splits(const exl2q::QDesc& d, int total, int* rbase, int& maxnch)
 namespace exl2q {
 namespace {
 // Blocks per cluster of the norm-fused GEMV's shared norm (exl2_gemv_norm.cuh; 0: every block normalizes every row
-// itself): exl2_gemv_set_norm_cluster, else EXL2_GEMV_NORM_CLUSTER, else 0.
+// itself): exl2_gemv_set_norm_cluster, else EXL2_BACKEND_NORM_CLUSTER (ops/cuda_quant.py routes by the same
+// variable), else 0.
 int g_norm_cluster = -1;
 int norm_cluster_size() {
   if (g_norm_cluster < 0) {
-    const char* e = getenv("EXL2_GEMV_NORM_CLUSTER");
+    const char* e = getenv("EXL2_BACKEND_NORM_CLUSTER");
     const int c = e ? atoi(e) : 0;
     g_norm_cluster = c >= 2 && c <= kNormClusterMax ? c : 0;
   }
@@ -798,7 +799,7 @@ int gemv_plan(const int64_t* blob, int ndesc, const void* x, int M, int ldx, int
         EXL2_REQUIRE(!p.cluster && !probe, "exl2_gemv: no fused rope with cluster split-K or a probe");
         if (const int st = plan_rope(rope, p)) return st;
       }
-      const int extra = gemv_tma_smem_extra(M, p.xstride, maxnch, p.maxgrp, p.norm_k);
+      const int extra = gemv_tma_smem_extra(M, p.xstride, maxnch, p.maxgrp, p.norm_k, p.norm_cluster);
       int max_bits = 2;
       for (int i = 0; i < ndesc; ++i) max_bits = std::max(max_bits, p.d[i].runs[0].bits);  // runs: widest first
       const int slot = kGvWarps * 256 * max_bits;

@@ -621,6 +621,6 @@ constexpr int kChainFields = 13;
 int gemv_tma_launch(const GemvParams& p, int blocks, int smem, cudaStream_t stream);
 // Dynamic shared memory the TMA kernel needs beside its ring; maxgrp: most groups a block touches; norm_k: the
 // fused norm's row length (0 without).
-int gemv_tma_smem_extra(int M, int xstride, int maxnch, int maxgrp, int norm_k);
+int gemv_tma_smem_extra(int M, int xstride, int maxnch, int maxgrp, int norm_k, int norm_cluster = 0);
 
 }  // namespace exl2q

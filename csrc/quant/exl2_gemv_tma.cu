@@ -117,7 +117,7 @@ __device__ __forceinline__ void cluster_reduce(const QDesc& d, const GvWork& wk,
 // mbarriers, then the cluster meets once, so no block stores into another's shared memory before it is armed. The
 // padding blocks past p.blocks (the grid rounded up to whole clusters) take their share of the norm and end: false.
 __device__ __forceinline__ bool norm_cluster_start(const GemvParams& p, unsigned char* smem) {
-  const TmaSmem sm(smem, tma_layout(tma_sizes(p.ring_bytes, p.maxgrp, p.M, p.xstride, p.maxnch, p.norm_k)));
+  const TmaSmem sm(smem, tma_layout(tma_sizes(p.ring_bytes, p.maxgrp, p.M, p.xstride, p.maxnch, p.norm_k, p.norm_cluster)));
   if (threadIdx.x == 0) tma_init_norm_cluster(sm, p);
   __syncthreads();
   cluster_sync();
@@ -166,7 +166,8 @@ __device__ __forceinline__ void tma_block(const GemvParams& p, const GvWork& wk,
   const bool one_run = wk.re == wk.ri + 1;  // wk as is: no run bounds to read (indexed constant loads)
   const int bits0 = d.runs[wk.ri].bits;
   int stages = ring_stages(p, bits0);
-  const TmaSmem sm(smem, tma_layout(tma_sizes(p.ring_bytes, p.maxgrp, p.M, p.xstride, p.maxnch, p.norm_k)));
+  const TmaSmem sm(smem, tma_layout(tma_sizes(p.ring_bytes, p.maxgrp, p.M, p.xstride, p.maxnch, p.norm_k,
+                                                    (F & kFNormCluster) ? p.norm_cluster : 0)));
   if (tid == 0) tma_init_ring(sm, stages, g.nwa);
   __syncthreads();
   // Between two runs of a span split: every copy and scale of the last one has landed and been read.
@@ -273,8 +274,8 @@ __global__ void __launch_bounds__(kTmaThreads, MT == 1 ? EXL2_GEMV_TMA_MT1_MIN_B
 
 }  // namespace
 
-int gemv_tma_smem_extra(int M, int xstride, int maxnch, int maxgrp, int norm_k) {
-  return tma_layout(tma_sizes(0, maxgrp, M, xstride, maxnch, norm_k)).total;
+int gemv_tma_smem_extra(int M, int xstride, int maxnch, int maxgrp, int norm_k, int norm_cluster) {
+  return tma_layout(tma_sizes(0, maxgrp, M, xstride, maxnch, norm_k, norm_cluster)).total;
 }
 
 #ifdef EXL2_GEMV_TIMELINE

@@ -49,18 +49,26 @@ int raise_smem_limit(Kernel kernel, int smem, int& set, const char* what) {
 constexpr int kTmaMaxStages = 32;
 constexpr int kTmaComputeThreads = kGvWarps * 32;
 constexpr int kTmaThreads = kTmaComputeThreads + 32;  // + the producer warp
-// mbarriers: full[kTmaMaxStages], empty[kTmaMaxStages], scales, the chain kernel's ready / done / go hand-offs
-// between the producer and the compute warps, and the cluster norm's two (exl2_gemv_norm.cuh).
+// mbarriers: full[kTmaMaxStages], empty[kTmaMaxStages], scales, and the chain kernel's ready / done / go hand-offs
+// between the producer and the compute warps; the one-launch kernel's cluster norm (exl2_gemv_norm.cuh) uses the
+// first two of those (the chain never shares its norm), so no layout moves: the ring stays at byte 544.
 constexpr int kBarScale = 2 * kTmaMaxStages, kBarReady = kBarScale + 1, kBarDone = kBarScale + 2,
-              kBarGo = kBarScale + 3, kBarNormSs = kBarScale + 4, kBarNormXf = kBarScale + 5;
-constexpr int kBarBytes = (2 * kTmaMaxStages + 6) * 8;
+              kBarGo = kBarScale + 3, kBarNormSs = kBarReady, kBarNormXf = kBarDone;
+// Measurement build EXL2_GEMV_BAR_PAD=N (scripts/build_variant.sh): N more bytes before the ring (16: byte 560, the
+// layout H100 call BL1 ran every GEMV with, whose 8B decode step took 2.48 ms against 2.33 in BK2 on another H100;
+// 96: byte 640, 128-byte aligned). Whether the ring's alignment or that machine made the difference.
+#ifndef EXL2_GEMV_BAR_PAD
+#define EXL2_GEMV_BAR_PAD 0
+#endif
+constexpr int kBarBytes = (2 * kTmaMaxStages + 4) * 8 + EXL2_GEMV_BAR_PAD;
 constexpr int kGroupScaleBytes = kGvWarps * 8 * 8;  // one group's scales of the block: [8 warps][8 gid] uint2
 
 __host__ __device__ inline int align16(int x) { return (x + 15) & ~15; }
 
 // Byte offsets of the regions after the barriers and the ring (which starts at kBarBytes):
 // [barriers][ring][scales: maxgrp x 8 warps x 8 gid uint2][x: M x xstride halves][xmap slice: maxnch x 64]
-// [chunk info: maxnch ints][fused norm: kNormClusterSlots partial sums][fused norm: M x norm_k normalized halves]
+// [chunk info: maxnch ints][fused norm: kGvWarps partial sums, kNormClusterSlots when shared by a cluster]
+// [fused norm: M x norm_k normalized halves]
 struct TmaLayout {
   int scl, xs, xm, info, red, xf, total;
 };
@@ -69,9 +77,11 @@ struct TmaSizes {  // the bytes of each region for one launch's parameters
   int ring, scl, xs, xm, info, norm_red, norm_xf;
 };
 
-__host__ __device__ inline TmaSizes tma_sizes(int ring_bytes, int maxgrp, int M, int xstride, int maxnch, int norm_k) {
+__host__ __device__ inline TmaSizes tma_sizes(int ring_bytes, int maxgrp, int M, int xstride, int maxnch, int norm_k,
+                                              int norm_cluster = 0) {
   return {ring_bytes, maxgrp * kGroupScaleBytes, align16(M * xstride * 2), maxnch * kChunkRows * 2,
-          align16(maxnch * 4), norm_k ? kNormClusterSlots * 4 : 0, norm_k ? align16(M * norm_k * 2) : 0};
+          align16(maxnch * 4), norm_k ? (norm_cluster ? kNormClusterSlots : kGvWarps) * 4 : 0,
+          norm_k ? align16(M * norm_k * 2) : 0};
 }
 
 __host__ __device__ inline TmaLayout tma_layout(const TmaSizes& z) {

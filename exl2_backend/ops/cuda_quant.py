@@ -88,7 +88,9 @@ NORM_MAX_PASSES = max(1, int(os.environ.get("EXL2_BACKEND_FUSED_NORM_PASSES", "1
 # sums and normalized rows through distributed shared memory, so a block reads M * K / C halves of h and of the
 # residual instead of all of them, in one pass for M <= norm_cluster_rows(K, C); bit-identical. Routing then fuses
 # the norm for those M too (a k = 4 verify: 5 rows) instead of the pre-gathering launch. Off until measured.
+# The library reads the same variable (values outside 2..8 mean off there too).
 NORM_CLUSTER = int(os.environ.get("EXL2_BACKEND_NORM_CLUSTER", "0"))
+NORM_CLUSTER = NORM_CLUSTER if 2 <= NORM_CLUSTER <= 8 else 0
 # Rows past one pass of the fused norm: add_rms_norm writes each part's stored row order itself
 # (csrc/quant/exl2_gemv_norm_pregather.cu; one launch instead of add_rms_norm + pregather, and no scattered gather
 # in the GEMV), bit-identical. EXL2_BACKEND_NORM_PREGATHER=0 runs the ops apart, for A/B timing.
@@ -331,11 +333,9 @@ _norm_cluster: int | None = None  # what the library was last told (norm_cluster
 
 
 def norm_cluster() -> int:
-    """Blocks per cluster of the shared fused norm in the library's launches (0: off): NORM_CLUSTER until
-    set_norm_cluster changes it."""
-    if _norm_cluster is None:
-        set_norm_cluster(NORM_CLUSTER)
-    return _norm_cluster
+    """Blocks per cluster of the shared fused norm in the library's launches (0: off): NORM_CLUSTER (which the
+    library reads itself) until set_norm_cluster changes it."""
+    return NORM_CLUSTER if _norm_cluster is None else _norm_cluster
 
 
 def set_norm_cluster(blocks: int) -> None:

@@ -651,23 +651,8 @@ bool exact_run_splits(const exl2q::QDesc& d, int total, int* rbase, int& maxnch)
 // with column blocks of 256 (counters: one per 256-column block).
 // gate_off > 0: fused silu_mul input (x [M, ldx] holds gate at columns [0, K) and up at [gate_off, gate_off + K)).
 namespace exl2q {
-namespace {
-// Blocks per cluster of the norm-fused GEMV's shared norm (exl2_gemv_norm.cuh; 0: every block normalizes every row
-// itself): exl2_gemv_set_norm_cluster, else EXL2_BACKEND_NORM_CLUSTER (ops/cuda_quant.py routes by the same
-// variable), else 0.
-int g_norm_cluster = -1;
-int norm_cluster_size() {
-  if (g_norm_cluster < 0) {
-    const char* e = getenv("EXL2_BACKEND_NORM_CLUSTER");
-    const int c = e ? atoi(e) : 0;
-    g_norm_cluster = c >= 2 && c <= kNormClusterMax ? c : 0;
-  }
-  return g_norm_cluster;
-}
-}  // namespace
-
 int gemv_plan(const int64_t* blob, int ndesc, const void* x, int M, int ldx, int gate_off, int minb, const void* xpre,
-              int xpre_ld, const GemvNorm* norm, GemvParams& p, GemvPlan& pl, bool one_launch) {
+              int xpre_ld, const GemvNorm* norm, GemvParams& p, GemvPlan& pl, bool allow_span) {
   EXL2_REQUIRE(blob && x, "exl2_gemv: null argument");
   EXL2_REQUIRE(ndesc >= 1 && ndesc <= kMaxDesc, "exl2_gemv: %d descriptors (1..%d)", ndesc, kMaxDesc);
   EXL2_REQUIRE(M >= 1 && M <= 32, "exl2_gemv: M=%d outside 1..32", M);
@@ -762,7 +747,7 @@ int gemv_plan(const int64_t* blob, int ndesc, const void* x, int M, int ldx, int
       }
       // Per-run splits balanced by bytes within the launch's planned blocks, then span splits where they pay
       // (exl2_gemv_splits.cuh).
-      if (!p.cluster) refine_splits(p, blob, (int)blob[F_SLOTS], one_launch && !probe, blocks, maxnch);
+      if (!p.cluster) refine_splits(p, blob, (int)blob[F_SLOTS], allow_span && !probe, blocks, maxnch);
       p.xstride = maxnch * kChunkRows + 8;
       p.maxnch = maxnch;
       static const int prefetch_kb = [] {  // L2 prefetch past the ring, KB per block (0 = off until measured)
@@ -786,20 +771,12 @@ int gemv_plan(const int64_t* blob, int ndesc, const void* x, int M, int ldx, int
         p.norm_res_ld = norm->res_ld;
         p.norm_res_out_ld = norm->res_out_ld;
         p.norm_eps = norm->eps;
-        // The norm shared by clusters where all M rows fit one pass (and two token tiles: its kernels): the grid
-        // padded to whole clusters, the padding blocks only normalize.
-        const int C = norm_cluster_size();
-        if (one_launch && C >= 2 && M <= norm_cluster_rows(K, C) && M <= 16) {
-          p.norm_cluster = C;
-          p.blocks = blocks;
-          blocks = (blocks + C - 1) / C * C;
-        }
       }
       if (const int64_t* rope = reinterpret_cast<const int64_t*>(blob[F_ROPE])) {
         EXL2_REQUIRE(!p.cluster && !probe, "exl2_gemv: no fused rope with cluster split-K or a probe");
         if (const int st = plan_rope(rope, p)) return st;
       }
-      const int extra = gemv_tma_smem_extra(M, p.xstride, maxnch, p.maxgrp, p.norm_k, p.norm_cluster);
+      const int extra = gemv_tma_smem_extra(M, p.xstride, maxnch, p.maxgrp, p.norm_k);
       int max_bits = 2;
       for (int i = 0; i < ndesc; ++i) max_bits = std::max(max_bits, p.d[i].runs[0].bits);  // runs: widest first
       const int slot = kGvWarps * 256 * max_bits;
@@ -886,16 +863,6 @@ EXL2_API int exl2_gemv_add_norm(const int64_t* blob, int ndesc, const void* h, i
     return st;
   const exl2q::GemvNorm norm{residual, res_ld, weight, res_out, res_out_ld, eps};
   return gemv_impl(blob, ndesc, h, M, ldh, 0, 0, nullptr, 0, &norm, stream);
-}
-
-// Blocks per cluster of the norm-fused GEMV's shared norm: 0 (off: every block normalizes all M rows itself) or 2..8
-// (the cluster's blocks split the rows' reads and exchange warp sums and normalized rows through distributed shared
-// memory; launches of M <= norm_cluster_rows(K, C) rows take it). Launches planned from now on; the same outputs.
-EXL2_API int exl2_gemv_set_norm_cluster(int blocks) {
-  EXL2_REQUIRE(blocks == 0 || (blocks >= 2 && blocks <= exl2q::kNormClusterMax),
-               "exl2_gemv_set_norm_cluster: %d blocks (0, or 2..%d)", blocks, exl2q::kNormClusterMax);
-  exl2q::g_norm_cluster = blocks;
-  return EXL2_OK;
 }
 
 // The small-M GEMV's split counts per run (host only, for tests and tools): splits[i * kMaxRuns + r] for run r of

@@ -33,7 +33,6 @@ constexpr int kFPre = 8;      // a pre-gathered input (xpre)
 constexpr int kFCluster = 16; // cluster split-K (cluster)
 constexpr int kFProbe = 32;   // timing probes (probe)
 constexpr int kFAll = 63;
-constexpr int kFNormCluster = 64;  // the fused norm shared by a thread-block cluster (norm_cluster; own kernel)
 // The kernel every launch runs unless it asks for cluster split-K or timing probes (those take kFAll): both paths
 // compiled out, one function for every role, so a decode layer's four GEMV launches still re-enter the same code.
 // H200 call AI1 of 2026-12-04: the kFAll code as one copy per role cost the 8B decode step +99 us against one
@@ -88,9 +87,6 @@ struct GemvParams {
   __half* norm_res_out;
   int norm_res_ld, norm_res_out_ld, norm_k, norm_nt;
   float norm_eps;
-  // TMA kernel: 0, or the fused norm shared by clusters of norm_cluster blocks (exl2_gemv_norm.cuh); the grid is
-  // then padded to a multiple of it, and blocks from `blocks` on only take their share of the norm.
-  int norm_cluster, blocks;
 };
 
 // The block's work: descriptor, run, column block and chunk range [c0, c1). Splits are numbered run by run:
@@ -609,10 +605,9 @@ struct GemvPlan {
 
 // Checks the arguments of one small-M GEMV (exl2_gemm.cu) and plans it into p (splits, ring, staged sizes):
 // the arguments of exl2_gemv, and norm (null: none) those of exl2_gemv_add_norm. Returns a status.
-// one_launch: the plan is for one launch of the TMA kernel, where F_SPAN may select span splits and the fused norm
-// may be shared by clusters (the chain kernel walks one run per item, its grid is its own: it passes false).
+// allow_span: F_SPAN may select span splits (the chain kernel walks one run per item and passes false).
 int gemv_plan(const int64_t* blob, int ndesc, const void* x, int M, int ldx, int gate_off, int minb, const void* xpre,
-              int xpre_ld, const GemvNorm* norm, GemvParams& p, GemvPlan& pl, bool one_launch = true);
+              int xpre_ld, const GemvNorm* norm, GemvParams& p, GemvPlan& pl, bool allow_span = true);
 
 // Fields per phase of exl2_gemv_chain's table (exl2_gemv_chain.cu; keep in sync with ops/cuda_chain.py).
 constexpr int kChainFields = 13;
@@ -621,6 +616,6 @@ constexpr int kChainFields = 13;
 int gemv_tma_launch(const GemvParams& p, int blocks, int smem, cudaStream_t stream);
 // Dynamic shared memory the TMA kernel needs beside its ring; maxgrp: most groups a block touches; norm_k: the
 // fused norm's row length (0 without).
-int gemv_tma_smem_extra(int M, int xstride, int maxnch, int maxgrp, int norm_k, int norm_cluster = 0);
+int gemv_tma_smem_extra(int M, int xstride, int maxnch, int maxgrp, int norm_k);
 
 }  // namespace exl2q

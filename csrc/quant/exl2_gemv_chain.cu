@@ -394,7 +394,7 @@ EXL2_API int exl2_gemv_chain(const int64_t* phases, int nphase, int M, float eps
       const GemvNorm norm{res, res_ld, w, res_out, res_out_ld, eps};
       GemvPlan pl;
       const int st = gemv_plan(blob, ndesc, x, M, ldx, gate_off, 0, xpre, xpre_ld, w ? &norm : nullptr, c.ph[i], pl,
-                               /*one_launch=*/false);
+                               /*allow_span=*/false);
       if (st) return st;
       EXL2_REQUIRE(pl.tma && !c.ph[i].cluster && !c.ph[i].probe && !c.ph[i].rope_d, "exl2_gemv_chain: phase %d "
                    "does not run the plain TMA GEMV (cluster split-K, a timing probe or a fused rope is set)", i);

@@ -10,7 +10,6 @@
 #pragma once
 
 #include "common/api.h"
-#include "common/bulk_copy.cuh"
 #include "layers/common.cuh"
 #include "quant/exl2_gemv.cuh"
 
@@ -122,130 +121,6 @@ __device__ __forceinline__ void gv_norm_rows(const NormRows& n, __half* xf, floa
     sync();  // red is reused by the next pass; xf is complete after the last
   }
 }
-
-// ---- the norm shared by a thread-block cluster (GemvParams::norm_cluster = C) ---------------------------------
-// Every block of the plain fused norm reads all M rows (h, residual and the weight): at M = 5 and K = 4096, 88 KB
-// from L2 per block, 23 MB per launch of 264 blocks, in three passes. Here the C blocks of a cluster split that
-// work by rms_norm_kernel's warps: item (m, w) is warp w of row m's reference block (threads 32 w .. 32 w + 31,
-// the same vectors in the same order), run by block (m * nw + w) % C, compute warp (m * nw + w) / C, all M rows in
-// one pass (M * nw <= C * kGvWarps). Each item's warp sum goes to every block of the cluster (st.async, counted on
-// the receiver's `ss` mbarrier); each block then sums a row's nw warp sums as rms_norm_kernel does, normalizes its
-// items' vectors and sends them to every block's xf (the `xf` mbarrier). So each block reads M * K / C halves of h
-// and of the residual, xf is bit for bit gv_norm_rows' (and add_rms_norm's), and the GEMV goes on as before.
-constexpr int kNormClusterMax = 8;                          // cluster sizes 2 .. 8 (portable)
-constexpr int kNormClusterSlots = kNormClusterMax * kGvWarps;  // warp sums per launch: M * nw items
-
-// The largest M one cluster pass takes for rows of K (host and device agree).
-__host__ __device__ inline int norm_cluster_rows(int K, int C) { return C * kGvWarps / (norm_row_threads(K) / 32); }
-
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-__device__ __forceinline__ uint32_t cluster_rank() {
-  uint32_t r;
-  asm volatile("mov.u32 %0, %%cluster_ctarank;" : "=r"(r));
-  return r;
-}
-__device__ __forceinline__ uint32_t map_to_rank(uint32_t local_addr, uint32_t rank) {
-  uint32_t remote;
-  asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(remote) : "r"(local_addr), "r"(rank));
-  return remote;
-}
-// A store into block `rank`'s shared memory (the address is this block's; the receiver's mbarrier at the same
-// offset counts the bytes).
-__device__ __forceinline__ void st_async_f32(uint32_t addr, float v, uint32_t bar, uint32_t rank) {
-  asm volatile("st.async.shared::cluster.mbarrier::complete_tx::bytes.b32 [%0], %1, [%2];"
-               ::"r"(map_to_rank(addr, rank)), "r"(__float_as_uint(v)), "r"(map_to_rank(bar, rank)) : "memory");
-}
-__device__ __forceinline__ void st_async_v4(uint32_t addr, const uint4& v, uint32_t bar, uint32_t rank) {
-  asm volatile("st.async.shared::cluster.mbarrier::complete_tx::bytes.v4.b32 [%0], {%1, %2, %3, %4}, [%5];"
-               ::"r"(map_to_rank(addr, rank)), "r"(v.x), "r"(v.y), "r"(v.z), "r"(v.w), "r"(map_to_rank(bar, rank))
-               : "memory");
-}
-// Waits for phase 0 of a local mbarrier that remote blocks complete (acquire at cluster scope: their stores are
-// visible after it).
-__device__ __forceinline__ void mbar_wait_cluster(uint32_t bar) {
-  uint32_t ok = 0;
-  while (!ok)
-    asm volatile("{\n .reg .pred p;\n mbarrier.try_wait.parity.acquire.cluster.shared::cta.b64 p, [%1], 0;\n"
-                 " selp.u32 %0, 1, 0, p;\n}\n" : "=r"(ok) : "r"(bar) : "memory");
-}
-
-// Bytes each block of the cluster receives: M * nw warp sums (ss), M * K halves (xf).
-__device__ __forceinline__ uint32_t norm_cluster_ss_bytes(const NormRows& n) { return n.M * (n.nt / 32) * 4; }
-__device__ __forceinline__ uint32_t norm_cluster_xf_bytes(const NormRows& n) { return n.M * n.K * 2; }
-
-// This block's share of the cluster's norm (layout above), by the kGvWarps compute warps: xf [M][K] (every
-// block's, complete when this returns), red [kNormClusterSlots] floats; `ss_bar` / `xf_bar`: this block's
-// mbarriers, armed for norm_cluster_*_bytes before the cluster's first barrier. res_out (null: not written)
-// receives round(h + residual) for this block's items.
-__device__ __forceinline__ void gv_norm_rows_cluster(const NormRows& n, int C, __half* xf, float* red,
-                                                     uint32_t ss_bar, uint32_t xf_bar, __half* res_out,
-                                                     int res_out_ld) {
-  using exl2::layers::warp_sum;
-  const int nvec = n.K / kNormVec, nt = n.nt, nw = nt >> 5;
-  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, rank = (int)cluster_rank();
-  const int item = warp * C + rank;  // (m, w) = (item / nw, item % nw)
-  const bool live = item < n.M * nw;
-  const int m = live ? item / nw : 0, t = (item - m * nw) * 32 + lane;
-  uint4 hv[kNormMaxVecs], rv[kNormMaxVecs], wv[kNormMaxVecs];
-  float ss = 0.f;
-  if (live) {
-#pragma unroll
-    for (int i = 0; i < kNormMaxVecs; ++i) {
-      const int c = t + i * nt;
-      if (c < nvec) {
-        hv[i] = *reinterpret_cast<const uint4*>(n.x + (size_t)m * n.ldx + c * kNormVec);
-        if (n.res) rv[i] = *reinterpret_cast<const uint4*>(n.res + (size_t)m * n.res_ld + c * kNormVec);
-        wv[i] = __ldg(reinterpret_cast<const uint4*>(n.w + c * kNormVec));
-      }
-    }
-#pragma unroll
-    for (int i = 0; i < kNormMaxVecs; ++i) {
-      const int c = t + i * nt;
-      if (c < nvec) {
-        __half* h = reinterpret_cast<__half*>(&hv[i]);
-        if (n.res) {
-          const __half* r = reinterpret_cast<const __half*>(&rv[i]);
-#pragma unroll
-          for (int k = 0; k < kNormVec; ++k) h[k] = __float2half_rn(__fadd_rn(__half2float(h[k]), __half2float(r[k])));
-          if (res_out) *reinterpret_cast<uint4*>(res_out + (size_t)m * res_out_ld + c * kNormVec) = hv[i];
-        }
-#pragma unroll
-        for (int k = 0; k < kNormVec; ++k) {
-          const float v = __half2float(h[k]);
-          ss = __fmaf_rn(v, v, ss);
-        }
-      }
-    }
-    ss = warp_sum(ss);  // the reference warp's sum
-    if (lane < C) st_async_f32(exl2::smem_addr(red + item), ss, ss_bar, lane);
-  }
-  mbar_wait_cluster(ss_bar);
-  if (!live) {
-    mbar_wait_cluster(xf_bar);
-    return;
-  }
-  float s = lane < nw ? red[m * nw + lane] : 0.f;  // the reference's final warp sum over the row's warps
-  s = warp_sum(s);
-  const float inv = rsqrtf(__fadd_rn(__fdiv_rn(s, (float)n.K), n.eps));
-  const uint32_t row_addr = exl2::smem_addr(xf + (size_t)m * n.K);
-#pragma unroll
-  for (int i = 0; i < kNormMaxVecs; ++i) {
-    const int c = t + i * nt;
-    if (c < nvec) {
-      const __half* h = reinterpret_cast<const __half*>(&hv[i]);
-      const __half* w = reinterpret_cast<const __half*>(&wv[i]);
-      uint4 o;
-      __half2* o2 = reinterpret_cast<__half2*>(&o);
-#pragma unroll
-      for (int k = 0; k < kNormVec; k += 2)
-        o2[k / 2] = __floats2half2_rn(__fmul_rn(__fmul_rn(__half2float(h[k]), inv), __half2float(w[k])),
-                                      __fmul_rn(__fmul_rn(__half2float(h[k + 1]), inv), __half2float(w[k + 1])));
-      for (int q = 0; q < C; ++q) st_async_v4(row_addr + c * 16, o, xf_bar, q);
-    }
-  }
-  mbar_wait_cluster(xf_bar);
-}
-#endif
 
 // Row m of `rows` alone (gv_norm_rows with one row) into xf[0 .. K); res_out (null: not written) is the residual
 // stream's base, its row m receives round(h + residual). One block per row: the chain's norm phase and the

@@ -113,23 +113,6 @@ __device__ __forceinline__ void cluster_reduce(const QDesc& d, const GvWork& wk,
   cluster_sync();
 }
 
-// The cluster norm's start (GemvParams::norm_cluster), by every thread before tma_block: each block arms its two
-// mbarriers, then the cluster meets once, so no block stores into another's shared memory before it is armed. The
-// padding blocks past p.blocks (the grid rounded up to whole clusters) take their share of the norm and end: false.
-__device__ __forceinline__ bool norm_cluster_start(const GemvParams& p, unsigned char* smem) {
-  const TmaSmem sm(smem, tma_layout(tma_sizes(p.ring_bytes, p.maxgrp, p.M, p.xstride, p.maxnch, p.norm_k, p.norm_cluster)));
-  if (threadIdx.x == 0) tma_init_norm_cluster(sm, p);
-  __syncthreads();
-  cluster_sync();
-  if ((int)blockIdx.x < p.blocks) return true;
-  if ((threadIdx.x >> 5) < kGvWarps) {
-    exl2::pdl_wait();
-    gv_norm_rows_cluster(norm_rows_of(p), p.norm_cluster, sm.xf, sm.red, sm.norm_ss(), sm.norm_xf(),
-                         (int)blockIdx.x < p.norm_cluster ? p.norm_res_out : nullptr, p.norm_res_out_ld);
-  }
-  return false;
-}
-
 // MT token tiles of 8 (M <= 8 * MT): MT == 1 runs the register-batch kernel's chunk walk (gv_chunk); MT > 1
 // decodes each A fragment once for MT mmas (gv_chunk_mt). Only the producer and the chunk loop depend on the
 // run's width: the prologue (constants, input staging with the fused norm) and the finish (split-K, rope) are
@@ -166,8 +149,7 @@ __device__ __forceinline__ void tma_block(const GemvParams& p, const GvWork& wk,
   const bool one_run = wk.re == wk.ri + 1;  // wk as is: no run bounds to read (indexed constant loads)
   const int bits0 = d.runs[wk.ri].bits;
   int stages = ring_stages(p, bits0);
-  const TmaSmem sm(smem, tma_layout(tma_sizes(p.ring_bytes, p.maxgrp, p.M, p.xstride, p.maxnch, p.norm_k,
-                                                    (F & kFNormCluster) ? p.norm_cluster : 0)));
+  const TmaSmem sm(smem, tma_layout(tma_sizes(p.ring_bytes, p.maxgrp, p.M, p.xstride, p.maxnch, p.norm_k)));
   if (tid == 0) tma_init_ring(sm, stages, g.nwa);
   __syncthreads();
   // Between two runs of a span split: every copy and scale of the last one has landed and been read.
@@ -264,8 +246,6 @@ __global__ void __launch_bounds__(kTmaThreads, MT == 1 ? EXL2_GEMV_TMA_MT1_MIN_B
   const BlockStamp stamp{};
 #endif
   exl2::pdl_launch_dependents();  // every block is resident now: the next kernel may launch into freed SMs
-  if constexpr ((F & kFNormCluster) != 0)
-    if (p.norm_cluster && !norm_cluster_start(p, smem)) return;
   tma_block<MT, F>(p, gv_work(p), smem, stamp);
 #else
   __trap();  // the host launches this kernel on sm_90+ only
@@ -274,8 +254,8 @@ __global__ void __launch_bounds__(kTmaThreads, MT == 1 ? EXL2_GEMV_TMA_MT1_MIN_B
 
 }  // namespace
 
-int gemv_tma_smem_extra(int M, int xstride, int maxnch, int maxgrp, int norm_k, int norm_cluster) {
-  return tma_layout(tma_sizes(0, maxgrp, M, xstride, maxnch, norm_k, norm_cluster)).total;
+int gemv_tma_smem_extra(int M, int xstride, int maxnch, int maxgrp, int norm_k) {
+  return tma_layout(tma_sizes(0, maxgrp, M, xstride, maxnch, norm_k)).total;
 }
 
 #ifdef EXL2_GEMV_TIMELINE
@@ -315,15 +295,14 @@ int launch_mt(const GemvParams& p, int blocks, int smem, cudaStream_t stream) {
 #else
 #define EXL2_TIMELINE_ARG
 #endif
-  const int cluster = p.cluster ? p.cluster : p.norm_cluster;  // split-K's cluster or the norm's
-  if (!cluster) {
+  if (!p.cluster) {
     exl2::launch_kernel(kernel, blocks, kTmaThreads, smem, stream, p EXL2_TIMELINE_ARG);
     return exl2::check_launch("exl2_gemv (TMA)");
   }
-  if (cluster > 8 && !non_portable_set[dev]) {
+  if (p.cluster > 8 && !non_portable_set[dev]) {
     cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeNonPortableClusterSizeAllowed, 1);
     if (err != cudaSuccess)
-      return exl2::set_error((int)err, "exl2_gemv (TMA): cluster of %d: %s", cluster, cudaGetErrorString(err));
+      return exl2::set_error((int)err, "exl2_gemv (TMA): cluster of %d: %s", p.cluster, cudaGetErrorString(err));
     non_portable_set[dev] = true;
   }
   cudaLaunchConfig_t cfg = {};
@@ -333,7 +312,7 @@ int launch_mt(const GemvParams& p, int blocks, int smem, cudaStream_t stream) {
   cfg.stream = stream;
   cudaLaunchAttribute attr[2];
   attr[0].id = cudaLaunchAttributeClusterDimension;
-  attr[0].val.clusterDim.x = cluster;
+  attr[0].val.clusterDim.x = p.cluster;
   attr[0].val.clusterDim.y = 1;
   attr[0].val.clusterDim.z = 1;
   attr[1].id = cudaLaunchAttributeProgrammaticStreamSerialization;
@@ -356,10 +335,6 @@ int gemv_tma_launch(const GemvParams& p, int blocks, int smem, cudaStream_t stre
     return on;
   }();
   const bool lean = lean_on && !p.cluster && !p.probe;
-  if (p.norm_cluster) {  // its own kernels: the lean ones stay instruction for instruction as they were
-    if (p.M <= 8) return launch_mt<1, kFLean | kFNormCluster>(p, blocks, smem, stream);
-    return launch_mt<2, kFLean | kFNormCluster>(p, blocks, smem, stream);
-  }
   switch ((p.M + 7) / 8) {
     case 1: return lean ? launch_mt<1, kFLean>(p, blocks, smem, stream) : launch_mt<1>(p, blocks, smem, stream);
     case 2: return lean ? launch_mt<2, kFLean>(p, blocks, smem, stream) : launch_mt<2>(p, blocks, smem, stream);

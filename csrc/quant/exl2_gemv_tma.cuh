@@ -49,14 +49,13 @@ int raise_smem_limit(Kernel kernel, int smem, int& set, const char* what) {
 constexpr int kTmaMaxStages = 32;
 constexpr int kTmaComputeThreads = kGvWarps * 32;
 constexpr int kTmaThreads = kTmaComputeThreads + 32;  // + the producer warp
-// mbarriers: full[kTmaMaxStages], empty[kTmaMaxStages], scales, and the chain kernel's ready / done / go hand-offs
-// between the producer and the compute warps; the one-launch kernel's cluster norm (exl2_gemv_norm.cuh) uses the
-// first two of those (the chain never shares its norm), so no layout moves: the ring stays at byte 544.
+// mbarriers: full[kTmaMaxStages], empty[kTmaMaxStages], scales, and the chain kernel's ready / done / go
+// hand-offs between the producer and the compute warps.
 constexpr int kBarScale = 2 * kTmaMaxStages, kBarReady = kBarScale + 1, kBarDone = kBarScale + 2,
-              kBarGo = kBarScale + 3, kBarNormSs = kBarReady, kBarNormXf = kBarDone;
+              kBarGo = kBarScale + 3;
 // Measurement build EXL2_GEMV_BAR_PAD=N (scripts/build_variant.sh): N more bytes before the ring (16: byte 560, the
-// layout H100 call BL1 ran every GEMV with, whose 8B decode step took 2.48 ms against 2.33 in BK2 on another H100;
-// 96: byte 640, 128-byte aligned). Whether the ring's alignment or that machine made the difference.
+// layout H100 call BL1 of session 45 ran every GEMV with, whose 8B decode step took 2.48 ms against 2.33 in BK2 on
+// another H100; 96: byte 640, 128-byte aligned). Whether the ring's alignment or that machine made the difference.
 #ifndef EXL2_GEMV_BAR_PAD
 #define EXL2_GEMV_BAR_PAD 0
 #endif
@@ -67,8 +66,7 @@ __host__ __device__ inline int align16(int x) { return (x + 15) & ~15; }
 
 // Byte offsets of the regions after the barriers and the ring (which starts at kBarBytes):
 // [barriers][ring][scales: maxgrp x 8 warps x 8 gid uint2][x: M x xstride halves][xmap slice: maxnch x 64]
-// [chunk info: maxnch ints][fused norm: kGvWarps partial sums, kNormClusterSlots when shared by a cluster]
-// [fused norm: M x norm_k normalized halves]
+// [chunk info: maxnch ints][fused norm: kGvWarps partial sums][fused norm: M x norm_k normalized halves]
 struct TmaLayout {
   int scl, xs, xm, info, red, xf, total;
 };
@@ -77,11 +75,9 @@ struct TmaSizes {  // the bytes of each region for one launch's parameters
   int ring, scl, xs, xm, info, norm_red, norm_xf;
 };
 
-__host__ __device__ inline TmaSizes tma_sizes(int ring_bytes, int maxgrp, int M, int xstride, int maxnch, int norm_k,
-                                              int norm_cluster = 0) {
+__host__ __device__ inline TmaSizes tma_sizes(int ring_bytes, int maxgrp, int M, int xstride, int maxnch, int norm_k) {
   return {ring_bytes, maxgrp * kGroupScaleBytes, align16(M * xstride * 2), maxnch * kChunkRows * 2,
-          align16(maxnch * 4), norm_k ? (norm_cluster ? kNormClusterSlots : kGvWarps) * 4 : 0,
-          norm_k ? align16(M * norm_k * 2) : 0};
+          align16(maxnch * 4), norm_k ? kGvWarps * 4 : 0, norm_k ? align16(M * norm_k * 2) : 0};
 }
 
 __host__ __device__ inline TmaLayout tma_layout(const TmaSizes& z) {
@@ -132,8 +128,6 @@ struct TmaSmem {
   __device__ uint32_t ready() const { return bar0 + 8 * kBarReady; }
   __device__ uint32_t done() const { return bar0 + 8 * kBarDone; }
   __device__ uint32_t go() const { return bar0 + 8 * kBarGo; }
-  __device__ uint32_t norm_ss() const { return bar0 + 8 * kBarNormSs; }
-  __device__ uint32_t norm_xf() const { return bar0 + 8 * kBarNormXf; }
 };
 
 // One block's geometry for work item `wk`: its column block's warp tiles and chunk range.
@@ -182,16 +176,6 @@ __device__ __forceinline__ void tma_init_ring(const TmaSmem& sm, int stages, int
   }
   mbar_init(sm.scale(), 1);
   asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
-}
-// The cluster norm's mbarriers, armed for the bytes the cluster sends this block (one thread, before the
-// cluster's first barrier: no block stores into another before every block has armed its own).
-__device__ __forceinline__ void tma_init_norm_cluster(const TmaSmem& sm, const GemvParams& p) {
-  const NormRows n = norm_rows_of(p);
-  mbar_init(sm.norm_ss(), 1);
-  mbar_init(sm.norm_xf(), 1);
-  asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
-  mbar_expect_tx(sm.norm_ss(), norm_cluster_ss_bytes(n));
-  mbar_expect_tx(sm.norm_xf(), norm_cluster_xf_bytes(n));
 }
 __device__ __forceinline__ void tma_inval_ring(const TmaSmem& sm, int stages) {
   for (int s = 0; s < stages; ++s) {
@@ -321,12 +305,7 @@ __device__ __forceinline__ void tma_stage_input(const GemvParams& p, const GvWor
                                                 Mark&& loaded = Mark{}) {
   const int nch = wk.c1 - wk.c0;
   constexpr bool kGate = (F & kFGated) != 0;
-  if ((F & kFNormCluster) && p.norm_cluster) {  // the cluster shares the norm; xf complete after it
-    gv_norm_rows_cluster(norm_rows_of(p), p.norm_cluster, sm.xf, sm.red, sm.norm_ss(), sm.norm_xf(),
-                         (int)blockIdx.x < p.norm_cluster ? p.norm_res_out : nullptr, p.norm_res_out_ld);
-    loaded();
-    gv_gather_normed(p, nch, sm.xs, sm.xm, sm.xf, kTmaComputeThreads);
-  } else if ((F & kFNorm) && p.norm_nt) {
+  if ((F & kFNorm) && p.norm_nt) {
     gv_norm_rows(norm_rows_of(p), sm.xf, sm.red, blockIdx.x == 0 ? p.norm_res_out : nullptr, p.norm_res_out_ld,
                  compute_sync);
     loaded();

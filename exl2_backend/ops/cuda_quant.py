@@ -24,7 +24,7 @@ from dataclasses import dataclass, replace
 import numpy as np
 import torch
 
-from exl2_backend.errors import ConfigError, TensorShapeError, UnsupportedBitWidthError
+from exl2_backend.errors import TensorShapeError, UnsupportedBitWidthError
 from exl2_backend.format.qtensor import QTensor, rows_in_input_order
 from exl2_backend.ops import library
 
@@ -83,14 +83,6 @@ NORM_SMEM_BYTES = int(os.environ.get("EXL2_BACKEND_NORM_SMEM_BYTES", str(40 << 1
 # H200 calls Q1 (session 10) and X2 (session 14), 8B k = 4 verify 1.394x / 1.678x a decode step against 1.205x /
 # 1.303x with 1, since every GEMV block normalizes all M rows again where the norm_pregather launch does it once.
 NORM_MAX_PASSES = max(1, int(os.environ.get("EXL2_BACKEND_FUSED_NORM_PASSES", "1")))
-# The fused norm shared by thread-block clusters of this many blocks (0: off; 2..8; csrc/quant/exl2_gemv_norm.cuh
-# gv_norm_rows_cluster): the cluster's blocks split the rows' reads by rms_norm_kernel's warps and exchange warp
-# sums and normalized rows through distributed shared memory, so a block reads M * K / C halves of h and of the
-# residual instead of all of them, in one pass for M <= norm_cluster_rows(K, C); bit-identical. Routing then fuses
-# the norm for those M too (a k = 4 verify: 5 rows) instead of the pre-gathering launch. Off until measured.
-# The library reads the same variable (values outside 2..8 mean off there too).
-NORM_CLUSTER = int(os.environ.get("EXL2_BACKEND_NORM_CLUSTER", "0"))
-NORM_CLUSTER = NORM_CLUSTER if 2 <= NORM_CLUSTER <= 8 else 0
 # Rows past one pass of the fused norm: add_rms_norm writes each part's stored row order itself
 # (csrc/quant/exl2_gemv_norm_pregather.cu; one launch instead of add_rms_norm + pregather, and no scattered gather
 # in the GEMV), bit-identical. EXL2_BACKEND_NORM_PREGATHER=0 runs the ops apart, for A/B timing.
@@ -323,35 +315,9 @@ def _fn(name: str):
                                         library.STREAM),
             "exl2_dequant": (P, P, I32, I32, library.STREAM),
             "exl2_gemv_splits": (P, I32, I32, P, P, P),
-            "exl2_gemv_set_norm_cluster": (I32,),
         }[name]
         _fns[name] = library.declare(name, *sig)
     return _fns[name]
-
-
-_norm_cluster: int | None = None  # what the library was last told (norm_cluster)
-
-
-def norm_cluster() -> int:
-    """Blocks per cluster of the shared fused norm in the library's launches (0: off): NORM_CLUSTER (which the
-    library reads itself) until set_norm_cluster changes it."""
-    return NORM_CLUSTER if _norm_cluster is None else _norm_cluster
-
-
-def set_norm_cluster(blocks: int) -> None:
-    """The fused norm shared by clusters of `blocks` blocks (0: off; 2..8) in GEMV launches planned from now on
-    (routing follows: _Launch.takes_norm)."""
-    global _norm_cluster
-    if not (blocks == 0 or 2 <= blocks <= 8):
-        raise ConfigError(f"norm cluster of {blocks} blocks: 0 (off) or 2..8")
-    library.check(_fn("exl2_gemv_set_norm_cluster")(int(blocks)), "exl2_gemv_set_norm_cluster")
-    _norm_cluster = int(blocks)
-
-
-def norm_cluster_rows(k: int, blocks: int) -> int:
-    """The most rows of hidden size K one pass of the cluster-shared norm takes (csrc norm_cluster_rows; the
-    kernels for up to two token tiles: 16)."""
-    return min(16, blocks * 8 // (norm_row_threads(k) // 32)) if blocks else 0
 
 
 def _stream(device: torch.device) -> int:
@@ -608,12 +574,10 @@ class _Launch:
 
     def takes_norm(self, m: int) -> bool:
         """Whether routing fuses the norm for M rows: can_norm, and the rows fit NORM_MAX_PASSES passes (default
-        one) of the kernel's 256 compute threads (norm_row_threads(K) per row) or one pass of the cluster-shared norm
-        (norm_cluster). H200 call I1, before the norm's loads
+        one) of the kernel's 256 compute threads (norm_row_threads(K) per row). H200 call I1, before the norm's loads
         were issued together: the 8B's k = 4 verify (M = 5, three passes) took 1.55x a decode step fused against
         1.28x apart; the decode step (one pass) gained 3.9%."""
-        return self.can_norm(m) and (m <= NORM_MAX_PASSES * (256 // norm_row_threads(self.K))
-                                     or m <= norm_cluster_rows(self.K, norm_cluster()))
+        return self.can_norm(m) and m <= NORM_MAX_PASSES * (256 // norm_row_threads(self.K))
 
     def can_norm_pregather(self, m: int) -> bool:
         """Whether M rows can run add_rms_norm writing the stored row order, then the GEMV copying it

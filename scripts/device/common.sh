@@ -151,10 +151,18 @@ interleaved_steps() {
 # The loaded library; the libraries a call compares: use_libraries LETTER=GZ... copies the default to /tmp/libD.so
 # and unpacks each carried variant to /tmp/lib<LETTER>.so (for interleaved_steps).
 LIB=exl2_backend/_lib/libexl2_kernels.so
+# A library of another C ABI than the package's would make every run with it fall back to the reference ops (BL1 of
+# session 45 lost its controls so): each one's ABI is checked here and a mismatch said loudly.
 use_libraries() {
   cp "$LIB" /tmp/libD.so
   local a
-  for a in "$@"; do gunzip -c "${a#*=}" > "/tmp/lib${a%%=*}.so"; done
+  for a in "$@"; do
+    gunzip -c "${a#*=}" > "/tmp/lib${a%%=*}.so"
+    python3 -c "import ctypes, sys; from exl2_backend.ops.library import ABI_VERSION as want
+got = ctypes.CDLL(sys.argv[1]).exl2_abi_version()
+print(f'-- WARNING: {sys.argv[1]} has C ABI {got}, the package needs {want}: its runs fall back to the reference ops'
+      if got != want else '', end='')" "/tmp/lib${a%%=*}.so"
+  done
 }
 # The mean graph step of interleaved_steps' runs <LETTER>1 and <LETTER>2: mean_step LETTER.
 mean_step() { cat "$R/prof_${1}1.txt" "$R/prof_${1}2.txt" | grep -o "graph step [0-9.]* ms" | awk '{s += $3; n++} END {print s / n}'; }

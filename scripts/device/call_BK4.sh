@@ -28,7 +28,6 @@ fits 60 "attention tests" "$L" && gpu_tests attention 60 -n 8 tests/kernels/test
 fits 60 "engine tests" "$L" && gpu_tests engine "$(( $(left "$L") - 5 ))" -n 4 tests/engine/test_staged_attention_engine.py tests/engine/test_stream_attention_engine.py \
   tests/engine/test_cache_types.py tests/engine/test_prefill_memory.py tests/serve/test_batch_invariance.py
 echo "elapsed $(( $(date +%s) - T0 )) s"
-spec_line() { spec_costs "$1" > /dev/null; echo "spec $1: $(grep -o 'decode [0-9.]* ms, verify ratio.*' "$R/spec_$1.log" | head -1)"; }
 each_library "$L" 40 "A D A D" spec_line
 each_library "$L" 110 "D A" bench_8b 110 32768 q8,q4  # $R/bench_<L><n>.txt
 echo "total $(( $(date +%s) - T0 )) s"

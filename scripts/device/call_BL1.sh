@@ -22,7 +22,6 @@ use_libraries O=.dev/lib_old.so.gz A=.dev/lib_a.so.gz
 gpu_tests_verbose norm_cluster 80 -n 8 tests/kernels/test_gemv_norm_cluster.py tests/kernels/test_gemv_norm.py \
   tests/kernels/test_gemv_rope_kv.py
 echo "elapsed $(( $(date +%s) - T0 )) s"
-spec_line() { spec_costs "$1" "${@:2}" > /dev/null; echo "spec $1 ${*:2}: $(grep -o 'decode [0-9.]* ms, verify ratio.*' "$R/spec_$1.log" | head -1)"; }
 for v in "D1" "C4a EXL2_BACKEND_NORM_CLUSTER=4" "C2a EXL2_BACKEND_NORM_CLUSTER=2" "D2" "C4b EXL2_BACKEND_NORM_CLUSTER=4" \
          "C8a EXL2_BACKEND_NORM_CLUSTER=8"; do
   fits 40 "spec $v" "$L" && spec_line $v

@@ -22,13 +22,10 @@ for v in "EXL2_GEMV_BAR_PAD=16 lib_pad16" "EXL2_GEMV_BAR_PAD=96 lib_pad96"; do
   set -- $v
   [ -f ".dev/$2.so.gz" ] || EXL2_BACKEND_BUILD_JOBS=16 bash scripts/build_variant.sh "$1" ".dev/$2.so.gz" > "$R/build_$2.txt" 2>&1
 done
-if [ -f .dev/lib_p.so.gz ]; then
-  use_libraries S=.dev/lib_pad16.so.gz T=.dev/lib_pad96.so.gz P=.dev/lib_p.so.gz O=.dev/lib_p.so.gz
-else
-  use_libraries S=.dev/lib_pad16.so.gz T=.dev/lib_pad96.so.gz
-fi
+libs=(S=.dev/lib_pad16.so.gz T=.dev/lib_pad96.so.gz)
+[ -f .dev/lib_p.so.gz ] && libs+=(P=.dev/lib_p.so.gz O=.dev/lib_p.so.gz)  # O: attn_bits_against_old's
+use_libraries "${libs[@]}"
 echo "elapsed $(( $(date +%s) - T0 )) s"
-spec_line() { spec_costs "$1" "${@:2}" > /dev/null; echo "spec $1 ${*:2}: $(grep -o 'decode [0-9.]* ms, verify ratio.*' "$R/spec_$1.log" | head -1 | cut -c1-120)"; }
 each_library "$L" 40 "D S T D S T" spec_line
 echo "elapsed $(( $(date +%s) - T0 )) s"
 if [ -f /tmp/libP.so ]; then

@@ -103,6 +103,11 @@ spec_costs() {
     --out "$R/spec_$name.json" 2> "$R/spec_$name.log"
   echo "== spec $name: $(grep 'step costs' "$R/spec_$name.log" | tail -1)"
 }
+# spec_costs as one line: the decode step and the verify ratios (for each_library): spec_line NAME [ENV=VALUE...].
+spec_line() {
+  spec_costs "$@" > /dev/null
+  echo "spec $*: $(grep -o 'decode [0-9.]* ms, verify ratio.*' "$R/spec_$1.log" | head -1 | cut -c1-120)"
+}
 # spec_costs of several variants, interleaved twice: interleaved_spec_costs VARIANT...; a VARIANT is NAME or
 # NAME=ENV=VALUE (one variable), run as spec_costs NAME<round> [ENV=VALUE] ($R/spec_NAME1.json, ...).
 interleaved_spec_costs() {
@@ -155,14 +160,16 @@ LIB=exl2_backend/_lib/libexl2_kernels.so
 # session 45 lost its controls so): each one's ABI is checked here and a mismatch said loudly.
 use_libraries() {
   cp "$LIB" /tmp/libD.so
-  local a
+  local a paths=()
   for a in "$@"; do
     gunzip -c "${a#*=}" > "/tmp/lib${a%%=*}.so"
-    python3 -c "import ctypes, sys; from exl2_backend.ops.library import ABI_VERSION as want
-got = ctypes.CDLL(sys.argv[1]).exl2_abi_version()
-print(f'-- WARNING: {sys.argv[1]} has C ABI {got}, the package needs {want}: its runs fall back to the reference ops'
-      if got != want else '', end='')" "/tmp/lib${a%%=*}.so"
+    paths+=("/tmp/lib${a%%=*}.so")
   done
+  [ ${#paths[@]} -eq 0 ] || python3 -c "import ctypes, sys; from exl2_backend.ops.library import ABI_VERSION as want
+for path in sys.argv[1:]:
+    got = ctypes.CDLL(path).exl2_abi_version()
+    if got != want: print(f'-- WARNING: {path} has C ABI {got}, the package needs {want}: its runs fall back to the reference ops')
+" "${paths[@]}"
 }
 # The mean graph step of interleaved_steps' runs <LETTER>1 and <LETTER>2: mean_step LETTER.
 mean_step() { cat "$R/prof_${1}1.txt" "$R/prof_${1}2.txt" | grep -o "graph step [0-9.]* ms" | awk '{s += $3; n++} END {print s / n}'; }

@@ -288,15 +288,15 @@ struct MmaSplit {
 };
 
 // CTAs per split and kv head with NT row tiles per CTA: the launchers' grid x is tile_groups * nsplit, and
-// mma_split_begin reads a CTA's group and split back from blockIdx.x.
+// mma_split_setup reads a CTA's group and split back from blockIdx.x.
 __host__ __device__ __forceinline__ int tile_groups(int row_tiles, int nt) { return (row_tiles + nt - 1) / nt; }
 
-// Geometry, pages, L2 prefetch of the first K rows, the PDL wait and q staged into qs [NT * RT][D] (rotated like
-// the keys, unscaled). NT row tiles per CTA (the staged kernel's shared rings; 1 elsewhere): CTA x covers tiles
-// [NT * (x % groups), + NT) of split x / groups (groups: tile_groups); sp.row0 is its first row. false: an unused
-// split (or an empty context), whose outputs are already written.
+// Geometry, pages and L2 prefetch of the first K rows, all before the PDL wait. NT row tiles per CTA (the staged
+// kernel's shared rings; 1 elsewhere): CTA x covers tiles [NT * (x % groups), + NT) of split x / groups (groups:
+// tile_groups); sp.row0 is its first row. false: an unused split (or an empty context), whose outputs are already
+// written (after the wait).
 template <int D, int KF, int RT, int NT = 1>
-__device__ __forceinline__ bool mma_split_begin(const QAttnParams& p, MmaSplit& sp, int* pages, float* qs) {
+__device__ __forceinline__ bool mma_split_setup(const QAttnParams& p, MmaSplit& sp, int* pages) {
   constexpr int NG = D / KV_GROUP, KROW = D * KVFormat<KF>::BITS / 8, NTH = NT * kAttnThreads;
   const int groups = tile_groups(p.row_tiles, NT);
   const int tile = blockIdx.x % groups;
@@ -324,10 +324,21 @@ __device__ __forceinline__ bool mma_split_begin(const QAttnParams& p, MmaSplit& 
     prefetch_rows<NG, NTH>(p.kc, p.ks, KROW, sp.start,
                            (p.prefetch & kPrefetchKAll) ? sp.end : min(sp.end, sp.start + kPrefetchKeys), pages,
                            sp.first_page, p.log2S, p.Hkv, sp.kvh);
+  return true;
+}
+
+// The PDL wait, then q staged into qs [NT * RT][D] (rotated like the keys, unscaled: the softmax scale comes later).
+template <int D, int KF, int RT, int NT = 1>
+__device__ __forceinline__ void mma_split_stage_q(const QAttnParams& p, const MmaSplit& sp, float* qs) {
   exl2::pdl_wait_and_trigger();  // inputs come from the previous kernel (PDL launch)
-  // the softmax scale comes later
-  qattn_stage_q<D, NT * RT, KVFormat<KF>::ROT, NTH>(p, sp.b, sp.kvh, sp.row0, 1.f, qs);
+  qattn_stage_q<D, NT * RT, KVFormat<KF>::ROT, NT * kAttnThreads>(p, sp.b, sp.kvh, sp.row0, 1.f, qs);
   __syncthreads();
+}
+
+template <int D, int KF, int RT, int NT = 1>
+__device__ __forceinline__ bool mma_split_begin(const QAttnParams& p, MmaSplit& sp, int* pages, float* qs) {
+  if (!mma_split_setup<D, KF, RT, NT>(p, sp, pages)) return false;
+  mma_split_stage_q<D, KF, RT, NT>(p, sp, qs);
   return true;
 }
 
@@ -664,12 +675,20 @@ __global__ void __launch_bounds__(kAttnThreads, MINB) paged_attention_quant_mma_
   online_finish<D, VF>(p, sp, r, smem, row_m, row_l, warp_m, warp_l, warp, gid);
 }
 
+// Bytes of the staged kernel's q staging [NT * kTileRows][D] floats, ahead of its rings.
+template <int D, int NT>
+__host__ __device__ constexpr int staged_q_bytes() {
+  return (int)sizeof(float) * NT * kTileRows * D;
+}
+
 // ---- one pass with each warp's steps staged in shared memory (attn_mma_stage.cuh) -------------------------------
 // A ring of NS stages per warp: the copies of the next NS - 1 steps are in flight (cp.async, no registers held for
 // them) while the warp computes one, read back in the register kernels' lane layout: the same bits as
 // paged_attention_quant_mma_online_kernel (for the same splits). The default for code pages (the caller's
 // `stages`: ops/cuda_layers.attn_stages). 168 registers (3 CTAs per SM; at 128, q8 and fp8 spill 104-128 bytes);
-// the rings take 64 / 96 KB per CTA for fp16 pages (NS = 2 / 3), 34 / 51 KB for q8.
+// the rings take 64 / 96 KB per CTA for fp16 pages (NS = 2 / 3), 34 / 51 KB for q8, after 4 KB of q staging per
+// row tile at D = 128. The ring's first steps are copied before the PDL wait where the previous kernel wrote none
+// of their keys.
 //
 // NT > 1 (a verify step's rows: 20 per kv head at k = 4 are three row tiles): the CTA holds NT row tiles of 8 as NT
 // warps per key column, 128 * NT threads, and the NT warps of a column share its ring: warp (tile 0, column c)
@@ -687,26 +706,21 @@ __global__ void __launch_bounds__(kAttnThreads * NT, MINB)
   using S = AttnStage<D, KF, VF>;
   static_assert(NT == 1 || NS == 2, "shared rings are built with 2 stages");
 
-  // The columns' stage rings [NW][NS][S::BYTES]; before them the q staging [RTT][D] floats and after them the
-  // cross-warp buffer [NW][RTT][D] floats use the same bytes.
+  // The q staging [RTT][D] floats, then the columns' stage rings [NW][NS][S::BYTES] (apart: the first steps' copies
+  // start before q is staged); after the loop the cross-warp buffer [NW][RTT][D] floats uses the same bytes.
   extern __shared__ __align__(16) unsigned char smem_raw[];
   float* smem = reinterpret_cast<float*>(smem_raw);
   __shared__ int pages[qattn_keys_max<RT>() / 16 + 2];
   __shared__ float row_m[RTT], row_l[RTT], warp_m[NW][RTT], warp_l[NW][RTT];
   MmaSplit sp;
-  if (!mma_split_begin<D, KF, RT, NT>(p, sp, pages, smem)) return;
+  if (!mma_split_setup<D, KF, RT, NT>(p, sp, pages)) return;
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, gid = sp.gid, t4 = sp.t4, end = sp.end;
   // The warp's row tile and key column, the lane's row in the CTA; whether the warp copies its column's steps.
   // (Spelled out for NT = 1, where the compiler cannot know that warp < NW.)
   const int tl = NT == 1 ? 0 : warp / NW, col = NT == 1 ? warp : warp % NW, rr = tl * RT + gid;
   const bool copies = NT == 1 || warp < NW;
-  uint32_t qa[NG][2][4];
-  q_fragments<D, KF>(smem + tl * RT * D, gid, t4, qa);
-  const int row = sp.row0 + rr;
-  const int own_lim = row < p.R ? sp.ctx - p.Tq + row / p.G : -1;  // last key row gid may see (causal); none past R
-  __syncthreads();  // every warp holds its q fragments: the stages may overwrite the q staging
 
-  const unsigned char* ring = smem_raw + col * NS * S::BYTES;
+  const unsigned char* ring = smem_raw + staged_q_bytes<D, NT>() + col * NS * S::BYTES;
   const uint32_t ring_s = smem_addr(ring);
   // One commit group per step, empty past the split: the group count behind each wait stays the same.
   auto issue = [&](int t, int stage) {
@@ -716,9 +730,30 @@ __global__ void __launch_bounds__(kAttnThreads * NT, MINB)
     cp_async_commit();
   };
   const int t_first = sp.start + col * kKeysPerStep;
+  // The ring's first fill. Leading steps whose keys all precede the newest Tq (the rows the previous kernel
+  // writes) are copied before the PDL wait, so their DRAM round trip overlaps the wait and q's loads; the kernels
+  // before the previous one are complete (mma_split_setup), and so are those rows. The rest follow the wait.
+  int early = 0;
+  if (copies) {
+    const int old_end = sp.ctx - p.Tq;
+#pragma unroll
+    for (int s = 0; s < NS - 1; ++s) {
+      const int t = t_first + s * kStride;
+      if (early == s && min(t + kKeysPerStep, end) <= old_end) {
+        issue(t, s);
+        ++early;
+      }
+    }
+  }
+  mma_split_stage_q<D, KF, RT, NT>(p, sp, smem);
+  uint32_t qa[NG][2][4];
+  q_fragments<D, KF>(smem + tl * RT * D, gid, t4, qa);
+  const int row = sp.row0 + rr;
+  const int own_lim = row < p.R ? sp.ctx - p.Tq + row / p.G : -1;  // last key row gid may see (causal); none past R
   if (copies) {
 #pragma unroll
-    for (int s = 0; s < NS - 1; ++s) issue(t_first + s * kStride, s);
+    for (int s = 0; s < NS - 1; ++s)
+      if (s >= early) issue(t_first + s * kStride, s);
   }
 
   OnlineRow<NG> r;
@@ -767,7 +802,7 @@ template <int D, int KF, int VF, int NS, int NT>
 int launch_staged(const QAttnParams& q, int B, cudaStream_t stream) {
   constexpr int MINB = NT == 1 ? 3 : 1;
   const dim3 grid((unsigned)(tile_groups(q.row_tiles, NT) * q.nsplit), (unsigned)q.Hkv, (unsigned)B);
-  const size_t ring = (size_t)kAttnWarps * NS * AttnStage<D, KF, VF>::BYTES;
+  const size_t ring = staged_q_bytes<D, NT>() + (size_t)kAttnWarps * NS * AttnStage<D, KF, VF>::BYTES;
   const size_t red = sizeof(float) * kAttnWarps * NT * kTileRows * D;
   return launch_with_smem<paged_attention_quant_mma_staged_kernel<D, KF, VF, NS, NT, MINB>>(
       grid, NT * kAttnThreads, ring > red ? ring : red, stream, q);

@@ -53,13 +53,9 @@ constexpr int kTmaThreads = kTmaComputeThreads + 32;  // + the producer warp
 // hand-offs between the producer and the compute warps.
 constexpr int kBarScale = 2 * kTmaMaxStages, kBarReady = kBarScale + 1, kBarDone = kBarScale + 2,
               kBarGo = kBarScale + 3;
-// Measurement build EXL2_GEMV_BAR_PAD=N (scripts/build_variant.sh): N more bytes before the ring (16: byte 560, the
-// layout H100 call BL1 of session 45 ran every GEMV with, whose 8B decode step took 2.48 ms against 2.33 in BK2 on
-// another H100; 96: byte 640, 128-byte aligned). Whether the ring's alignment or that machine made the difference.
-#ifndef EXL2_GEMV_BAR_PAD
-#define EXL2_GEMV_BAR_PAD 0
-#endif
-constexpr int kBarBytes = (2 * kTmaMaxStages + 4) * 8 + EXL2_GEMV_BAR_PAD;
+// The ring starts on a 128-byte boundary after the barriers (byte 640): session 46's call BL2 on one H100 measured the
+// 8B decode step at 2.294 ms with it, 2.322 at byte 544 (32-byte aligned) and 2.482 at byte 560 (16-byte aligned).
+constexpr int kBarBytes = ((2 * kTmaMaxStages + 4) * 8 + 127) & ~127;
 constexpr int kGroupScaleBytes = kGvWarps * 8 * 8;  // one group's scales of the block: [8 warps][8 gid] uint2
 
 __host__ __device__ inline int align16(int x) { return (x + 15) & ~15; }

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# NOT RUN (session 45 had too little device time left). Device call BL2 (carry .whl and .dev; BL2_LIMIT seconds
+# Ran in session 46 (H100, 200 s; docs/performance.md, session 46). Device call BL2 (carry .whl and .dev; BL2_LIMIT seconds
 # (400), steps in order as time allows). Every library here is built from one tree (C ABI 13; BL1's comparisons
 # against builds of another ABI failed: the package refused them and ran the reference ops). Libraries, each built
 # here or on the device when .dev lacks it:
@@ -13,6 +13,7 @@
 #     and BL1's library had moved the ring from byte 544 to 560 (32- to 16-byte aligned): the machine or the layout?
 #  2. attention outputs bit for bit, D against P (staged kernels); the 32k attention alone, q4 / q8, D P D P
 #     (BL1 ran P's change alone: q4 31.39 / 31.20 us, q8 40.41 / 40.33, against BK1's 31.83 / 41.77 on another H100).
+# Its variants were measurement builds of session 45's tree (EXL2_GEMV_BAR_PAD is gone since T became the layout).
 export EXL2_CARRIED_LIBRARY=1
 source scripts/device/common.sh
 begin_call bl2

@@ -4,10 +4,10 @@
 # first steps before the PDL wait.
 #  1. GPU tests of what changed: the GEMV suites, the attention / KV / prefill attention tests, the engine tests of
 #     the staged and streamed attention and batch invariance.
-#  3. The closing figures: `bench` 8B at 1k and 32k (fp16 / q8 / q4), the verify step costs.
 #  2. The fp16 streamed attention's row pitch (measurement builds EXL2_STREAM_ROW_PAD; the carried .dev holds them):
 #     D 2,064 bytes (rows 16 bytes into a line, conflict-free ldmatrix), R 2,176 (line-aligned rows, 8-way ldmatrix
 #     conflicts), X 2,080 (32 bytes in, 2-way conflicts); 32k attention alone, D R X D R X.
+#  3. The closing figures: `bench` 8B at 1k and 32k (fp16 / q8 / q4), the verify step costs.
 #  4. ExLlamaV2 beside ours at 1k, with what time is left.
 export EXL2_CARRIED_LIBRARY=1
 source scripts/device/common.sh

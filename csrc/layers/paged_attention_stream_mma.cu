@@ -38,14 +38,11 @@ constexpr int kChunk = 16;                          // tokens per ring stage
 constexpr int kWarps = kHkv;                        // compute warps, one per kv head
 constexpr int kThreads = (kWarps + 1) * 32;         // + the producer warp
 constexpr int kRowBytes = kHkv * kD * 2;            // 2,048: one token's K (or V) row of all heads in the page
-// Measurement build EXL2_STREAM_ROW_PAD=N (scripts/build_variant.sh): rows N bytes apart past 2,048 (16: each
-// ldmatrix phase's 8 rows in 8 bank groups, but 7 of 8 rows' bulk copies land 16-bytes-into a 128-byte line, which cost
-// the GEMV's ring 7% of a decode step in session 46's BL2; 128: every row line-aligned, 8-way ldmatrix conflicts).
-#ifndef EXL2_STREAM_ROW_PAD
-#define EXL2_STREAM_ROW_PAD 16
-#endif
-constexpr int kRowPitch = kRowBytes + EXL2_STREAM_ROW_PAD;  // its row in shared memory
-constexpr int kStageBytes = 2 * kChunk * kRowPitch;  // K rows, then V rows: 66,048 (pad 16)
+// Rows 2,064 bytes apart: each ldmatrix phase's 8 rows fall in 8 bank groups, though 7 of 8 rows' bulk copies
+// then start 16 bytes into a 128-byte line (what cost the GEMV ring 7%, session 46). Session 46's BL3, 32k attention
+// alone: 53.6 us per layer here, 54.7 with line-aligned rows (2,176: 8-way ldmatrix conflicts), 53.8 at 2,080.
+constexpr int kRowPitch = kRowBytes + 16;           // its row in shared memory
+constexpr int kStageBytes = 2 * kChunk * kRowPitch;  // K rows, then V rows: 66,048
 constexpr int kStages = 3;                          // 198,144 bytes of ring
 constexpr int kMaxRows = 64;                        // query rows per kv head (G x Tq): at most 4 tiles of 16
 

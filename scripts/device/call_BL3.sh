@@ -1,10 +1,11 @@
 #!/usr/bin/env bash
-# Device call BL3 (carry .whl and .dev; BL3_LIMIT seconds (560), steps in order as time allows), on the library with
+# Ran in session 46 (H100, 313 s; docs/performance.md, session 46). Device call BL3 (carry .whl and .dev; BL3_LIMIT seconds (560), steps in order as time allows), on the library with
 # BL2's two winners landed: the GEMV ring 128-byte aligned (byte 640) and the staged attention copying its ring's
 # first steps before the PDL wait.
 #  1. GPU tests of what changed: the GEMV suites, the attention / KV / prefill attention tests, the engine tests of
 #     the staged and streamed attention and batch invariance.
-#  2. The fp16 streamed attention's row pitch (measurement builds EXL2_STREAM_ROW_PAD; the carried .dev holds them):
+#  2. The fp16 streamed attention's row pitch (measurement builds EXL2_STREAM_ROW_PAD, a macro
+#     since removed; the carried .dev held them):
 #     D 2,064 bytes (rows 16 bytes into a line, conflict-free ldmatrix), R 2,176 (line-aligned rows, 8-way ldmatrix
 #     conflicts), X 2,080 (32 bytes in, 2-way conflicts); 32k attention alone, D R X D R X.
 #  3. The closing figures: `bench` 8B at 1k and 32k (fp16 / q8 / q4), the verify step costs.

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# Ran in session 46 (H100, 313 s; docs/performance.md, session 46). Device call BL3 (carry .whl and .dev; BL3_LIMIT seconds (560), steps in order as time allows), on the library with
-# BL2's two winners landed: the GEMV ring 128-byte aligned (byte 640) and the staged attention copying its ring's
+# Ran in session 46 (H100, 313 s; docs/performance.md, session 46). Device call BL3 (carry .whl and .dev; BL3_LIMIT
+# seconds (560), steps in order as time allows), on the library with BL2's two winners landed: the GEMV ring 128-byte
+# aligned (byte 640) and the staged attention copying its ring's
 # first steps before the PDL wait.
 #  1. GPU tests of what changed: the GEMV suites, the attention / KV / prefill attention tests, the engine tests of
 #     the staged and streamed attention and batch invariance.

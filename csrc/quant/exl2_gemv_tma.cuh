@@ -57,6 +57,9 @@ constexpr int kBarScale = 2 * kTmaMaxStages, kBarReady = kBarScale + 1, kBarDone
 // 8B decode step at 2.294 ms with it, 2.322 at byte 544 (32-byte aligned) and 2.482 at byte 560 (16-byte aligned).
 constexpr int kBarBytes = ((2 * kTmaMaxStages + 4) * 8 + 127) & ~127;
 constexpr int kGroupScaleBytes = kGvWarps * 8 * 8;  // one group's scales of the block: [8 warps][8 gid] uint2
+// The ring's slots (2,048 x B bytes) and the staged scales after it keep the ring's line alignment (BL2, above).
+static_assert(kBarBytes % 128 == 0 && (kGvWarps * 256) % 128 == 0 && kGroupScaleBytes % 128 == 0,
+              "bulk-copy destinations of the GEMV ring and its scales must start on 128-byte lines");
 
 __host__ __device__ inline int align16(int x) { return (x + 15) & ~15; }
 

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# Ran in session 46 (H100, 200 s; docs/performance.md, session 46). Device call BL2 (carry .whl and .dev; BL2_LIMIT seconds
-# (400), steps in order as time allows). Every library here is built from one tree (C ABI 13; BL1's comparisons
+# Ran in session 46 (H100, 200 s; docs/performance.md, session 46). Device call BL2 (carry .whl and .dev; BL2_LIMIT
+# seconds (400), steps in order as time allows). Every library here is built from one tree (C ABI 13; BL1's comparisons
 # against builds of another ABI failed: the package refused them and ran the reference ops). Libraries, each built
 # here or on the device when .dev lacks it:
 #   D  .dev/libexl2_kernels.so.gz  this tree (scripts/device/pack_library.sh)

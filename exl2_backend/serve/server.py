@@ -221,6 +221,7 @@ def run_litserver(server, host: str, port: int, log_level: str) -> None:
     LitServe's Ctrl-C path: its shutdown stops the API server and the inference worker. SIGTERM's default action
     (docker stop, systemctl stop, kill PID) would end this process alone and leave both running, holding the port
     and the model's memory. Only the main thread can install it."""
+    import multiprocessing
     import threading
 
     owner = os.getpid()
@@ -234,6 +235,12 @@ def run_litserver(server, host: str, port: int, log_level: str) -> None:
                 threading.Timer(0.05, os.kill, (owner, signal.SIGTERM)).start()
                 return
             raise KeyboardInterrupt
+        if os.getppid() == owner and multiprocessing.current_process().name.startswith("SyncManager"):
+            # LitServe's multiprocessing manager, forked from here: a SIGTERM to the whole process group (systemd's
+            # stop) reached it too, and had it ended now, the owner's stop below would lose the queues and event
+            # it stops the others through ("Monitoring worker crashed", BrokenPipeError). The owner shuts it down
+            # last (manager.shutdown); if the owner is gone, it ends as below.
+            return
         # a forked child (the API server) inherited this handler: it ends as SIGTERM's default would
         signal.signal(signal.SIGTERM, signal.SIG_DFL)
         os.kill(os.getpid(), signal.SIGTERM)
@@ -257,8 +264,6 @@ def run_litserver(server, host: str, port: int, log_level: str) -> None:
     except KeyboardInterrupt:
         # before LitServe's own shutdown is armed (its worker still loading the model): stop the worker here, or it
         # loads on and dies with a traceback when it finds the manager gone
-        import multiprocessing
-
         workers = list(getattr(server, "inference_workers", None) or []) + multiprocessing.active_children()
         for worker in workers:
             if worker.is_alive():

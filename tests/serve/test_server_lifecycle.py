@@ -29,7 +29,8 @@ def _group_gone(pgid: int, seconds: float) -> bool:
     return not _group_alive(pgid)
 
 
-def test_sigterm_to_the_main_process_stops_every_worker(default_model_dir):
+def _serve_then_stop(send_sigterm) -> None:
+    """Starts a real server, stops it with send_sigterm(main pid) and checks the stop was whole and clean."""
     import httpx
 
     from exl2_backend.serve.server import ServerProcess
@@ -38,7 +39,7 @@ def test_sigterm_to_the_main_process_stops_every_worker(default_model_dir):
     proc = srv.proc
     try:
         assert httpx.get(srv.base_url + "/health", timeout=30).status_code == 200
-        os.kill(proc.pid, signal.SIGTERM)  # the leader only, not its group
+        send_sigterm(proc.pid)
         assert proc.wait(60) == 0  # LitServe's graceful path returned: a clean exit
         assert _group_gone(proc.pid, 60), "a worker of the stopped server is still running"
         with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
@@ -48,6 +49,17 @@ def test_sigterm_to_the_main_process_stops_every_worker(default_model_dir):
         assert "Traceback" not in log, log
     finally:
         srv.stop()
+
+
+def test_sigterm_to_the_main_process_stops_every_worker(default_model_dir):
+    _serve_then_stop(lambda pid: os.kill(pid, signal.SIGTERM))  # the leader only, not its group
+
+
+def test_sigterm_to_the_whole_group_stops_cleanly(default_model_dir):
+    """systemd's stop (KillMode=control-group) sends SIGTERM to every process at once: LitServe's multiprocessing
+    manager died with the others and the main process's stop, which goes through it, logged "Monitoring worker
+    crashed" with a BrokenPipeError traceback (session 46). The manager now waits for its owner's shutdown."""
+    _serve_then_stop(lambda pid: os.killpg(pid, signal.SIGTERM))
 
 
 def test_sigint_to_the_group_stops_a_server_started_with_sigint_ignored(default_model_dir, tmp_path):

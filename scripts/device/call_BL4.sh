@@ -8,11 +8,21 @@
 #  1. decode / verify step costs (spec_bench, 8B 4.0 bpw at 1k), interleaved twice: D default (24 KB), K32 / K20 /
 #     K40 (EXL2_GEMV_RING_KB), F16 (EXL2_GEMV_PREFETCH_KB=16), S3 (EXL2_GEMV_MIN_STAGES=3).
 #  A setting that wins by more than the D-to-D spread becomes the default only after `bench` with and without it.
+#  2. On an H200 only (the targets' card; the last H200 figures are session 31's AR1): the closing figures, `bench`
+#     8B at 1k and 32k (fp16 / q8 / q4), the verify step costs, ExLlamaV2 beside ours at 1k, as time allows.
 export EXL2_CARRIED_LIBRARY=1
 source scripts/device/common.sh
 begin_call bl4
 L=${BL4_LIMIT:-400}
-nvidia-smi --query-gpu=name --format=csv,noheader
+card=$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1)
+echo "$card"
+h200=0; [[ "$card" == *H200* ]] && h200=1
+[ "$h200" = 1 ] && start_exllamav2_jit
 fits 300 "spec costs" "$L" && interleaved_spec_costs D K32=EXL2_GEMV_RING_KB=32 K20=EXL2_GEMV_RING_KB=20 \
   K40=EXL2_GEMV_RING_KB=40 F16=EXL2_GEMV_PREFETCH_KB=16 S3=EXL2_GEMV_MIN_STAGES=3
-echo "elapsed $(( $(date +%s) - T0 )) s"
+echo "sweep $(( $(date +%s) - T0 )) s"
+if [ "$h200" = 1 ]; then
+  fits 200 "bench" "$L" && { bench_8b final 130 1024,32768 fp16,q8,q4; spec_costs final; }
+  [ "$(left "$L")" -gt 90 ] && exllamav2_vs_ours "$(left "$L")"
+fi
+echo "total $(( $(date +%s) - T0 )) s"

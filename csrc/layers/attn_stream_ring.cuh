@@ -33,7 +33,7 @@ struct StreamRange {
 __device__ __forceinline__ StreamRange stream_split_range(const QAttnParams& p, int ctx, int split) {
   const int cap = p.max_pages << p.log2S;
   ctx = ctx < 0 ? 0 : (ctx > cap ? cap : ctx);
-  const int L = qattn_split_len(ctx, p.nsplit, p.min_split);
+  const int L = attn_split_len(ctx, p.nsplit, p.min_split);
   const int t0 = split * L;
   return {t0, min(ctx, t0 + L)};
 }

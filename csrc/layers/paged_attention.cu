@@ -57,18 +57,6 @@ struct AttnParams {
   float scale_log2;  // softmax scale * log2(e)
 };
 
-__device__ __forceinline__ int clamp_ctx(int ctx, const AttnParams& p) {
-  const int cap = p.max_pages << p.log2S;
-  return ctx < 0 ? 0 : (ctx > cap ? cap : ctx);
-}
-
-// Keys per split of a context of `ctx` keys (a multiple of 16, at least min_split).
-__device__ __forceinline__ int split_len(int ctx, int nsplit, int min_split) {
-  int L = (ctx + nsplit - 1) / nsplit;
-  L = (L + 15) & ~15;
-  return L > min_split ? L : min_split;
-}
-
 __device__ __forceinline__ void h8_to_f(const uint4& u, float* f) {
   const __half2* h = reinterpret_cast<const __half2*>(&u);
 #pragma unroll
@@ -78,30 +66,6 @@ __device__ __forceinline__ void h8_to_f(const uint4& u, float* f) {
     f[2 * i + 1] = t.y;
   }
 }
-
-// Sum N per-lane values over the O*2 lanes of a group. Each step while N > 1 halves the values a lane holds
-// (lanes with bit O set keep the upper half); afterwards plain xor-reductions.
-template <int N, int O>
-__device__ __forceinline__ void butterfly(float* v, int lane) {
-  if constexpr (O >= 1) {
-    if constexpr (N > 1) {
-      constexpr int H = N / 2;
-      const bool upper = (lane & O) != 0;
-#pragma unroll
-      for (int i = 0; i < H; ++i) {
-        const float send = upper ? v[i] : v[i + H];
-        const float keep = upper ? v[i + H] : v[i];
-        v[i] = keep + __shfl_xor_sync(0xffffffffu, send, O);
-      }
-      butterfly<H, O / 2>(v, lane);
-    } else {
-      v[0] += __shfl_xor_sync(0xffffffffu, v[0], O);
-      butterfly<1, O / 2>(v, lane);
-    }
-  }
-}
-
-constexpr int ilog2(int x) { return x <= 1 ? 0 : 1 + ilog2(x / 2); }
 
 // Combine the `used` split partials of output row prow at dim d, in split order. Loads go through L2 (__ldcg):
 // with tickets the partials were written by other CTAs of this launch.
@@ -134,8 +98,8 @@ __global__ void __launch_bounds__(NT) paged_attention_kernel(const AttnParams p)
 
   const int tile = blockIdx.x % p.row_tiles, split = blockIdx.x / p.row_tiles;
   const int kvh = blockIdx.y, b = blockIdx.z;
-  const int ctx = clamp_ctx(p.context_lens[b], p);
-  const int L = split_len(ctx, p.nsplit, p.min_split);
+  const int ctx = attn_clamp_ctx(p.context_lens[b], p);
+  const int L = attn_split_len(ctx, p.nsplit, p.min_split);
   const int start = split * L;
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const int row0 = tile * RT;
@@ -359,8 +323,8 @@ __global__ void __launch_bounds__(D) attn_reduce_kernel(const AttnParams p) {
   const int64_t prow = blockIdx.x;
   const int b = (int)(prow / ((int64_t)p.Tq * p.Hq));
   const int d = threadIdx.x;
-  const int ctx = clamp_ctx(p.context_lens[b], p);
-  const int L = split_len(ctx, p.nsplit, p.min_split);
+  const int ctx = attn_clamp_ctx(p.context_lens[b], p);
+  const int L = attn_split_len(ctx, p.nsplit, p.min_split);
   const int used = ctx > 0 ? (ctx + L - 1) / L : 0;
   const float o = STAGED ? attn_combine_staged<D>(p.part_ml + prow * p.nsplit * 2, p.part_o + prow * p.nsplit * D,
                                                   used, combine_smem)

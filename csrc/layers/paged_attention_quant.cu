@@ -27,29 +27,6 @@ constexpr int keys_max() {
   return qattn_keys_max<RT>();
 }
 
-constexpr int ilog2(int x) { return x <= 1 ? 0 : 1 + ilog2(x / 2); }
-
-// Sum N per-lane values over the O*2 lanes of a group, halving the values a lane holds at each step while N > 1.
-template <int N, int O>
-__device__ __forceinline__ void butterfly(float* v, int lane) {
-  if constexpr (O >= 1) {
-    if constexpr (N > 1) {
-      constexpr int H = N / 2;
-      const bool upper = (lane & O) != 0;
-#pragma unroll
-      for (int i = 0; i < H; ++i) {
-        const float send = upper ? v[i] : v[i + H];
-        const float keep = upper ? v[i + H] : v[i];
-        v[i] = keep + __shfl_xor_sync(0xffffffffu, send, O);
-      }
-      butterfly<H, O / 2>(v, lane);
-    } else {
-      v[0] += __shfl_xor_sync(0xffffffffu, v[0], O);
-      butterfly<1, O / 2>(v, lane);
-    }
-  }
-}
-
 // E: elements per lane per key. 16 for one or two rows (a 16-byte load of 8-bit codes); 8 from four rows on, except
 // 4-bit codes at four rows (8 bytes either way). The q and accumulator registers are RT * E each: at E = 16 the
 // 8-bit kernel of four rows (GQA 4, the 8B's decode) took 168 registers, 3 CTAs per SM and 1.33 waves at 32k
@@ -85,8 +62,8 @@ __global__ void __launch_bounds__(NT) paged_attention_quant_kernel(const QAttnPa
 
   const int tile = blockIdx.x % p.row_tiles, split = blockIdx.x / p.row_tiles;
   const int kvh = blockIdx.y, b = blockIdx.z;
-  const int ctx = qattn_clamp_ctx(p.context_lens[b], p);
-  const int L = qattn_split_len(ctx, p.nsplit, p.min_split);
+  const int ctx = attn_clamp_ctx(p.context_lens[b], p);
+  const int L = attn_split_len(ctx, p.nsplit, p.min_split);
   const int start = split * L;
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const int row0 = tile * RT;
@@ -240,8 +217,8 @@ __global__ void __launch_bounds__(D) attn_quant_reduce_kernel(const QAttnParams 
   const int64_t prow = blockIdx.x;
   const int b = (int)(prow / ((int64_t)p.Tq * p.Hq));
   const int d = threadIdx.x;
-  const int ctx = qattn_clamp_ctx(p.context_lens[b], p);
-  const int L = qattn_split_len(ctx, p.nsplit, p.min_split);
+  const int ctx = attn_clamp_ctx(p.context_lens[b], p);
+  const int L = attn_split_len(ctx, p.nsplit, p.min_split);
   const int used = ctx > 0 ? (ctx + L - 1) / L : 0;
   const float* ml = p.part_ml + prow * p.nsplit * 2;
   float o;
@@ -265,8 +242,8 @@ __global__ void __launch_bounds__(32) attn_quant_reduce_slice_kernel(const QAttn
   exl2::pdl_wait_and_trigger();
   const int64_t prow = blockIdx.x;
   const int slice = blockIdx.y, b = (int)(prow / ((int64_t)p.Tq * p.Hq));
-  const int ctx = qattn_clamp_ctx(p.context_lens[b], p);
-  const int L = qattn_split_len(ctx, p.nsplit, p.min_split);
+  const int ctx = attn_clamp_ctx(p.context_lens[b], p);
+  const int L = attn_split_len(ctx, p.nsplit, p.min_split);
   const int used = ctx > 0 ? (ctx + L - 1) / L : 0;
   float o = attn_combine_staged_slice<D>(p.part_ml + prow * p.nsplit * 2, p.part_o + prow * p.nsplit * D, used,
                                          slice, combine_smem);

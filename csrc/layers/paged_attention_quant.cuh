@@ -77,18 +77,6 @@ inline int qattn_check_splits(const QAttnParams& p, int keys_max) {
   return EXL2_OK;
 }
 
-__device__ __forceinline__ int qattn_clamp_ctx(int ctx, const QAttnParams& p) {
-  const int cap = p.max_pages << p.log2S;
-  return ctx < 0 ? 0 : (ctx > cap ? cap : ctx);
-}
-
-// Keys per split of a context of `ctx` keys (a multiple of 16, at least min_split): as paged_attention.cu.
-__device__ __forceinline__ int qattn_split_len(int ctx, int nsplit, int min_split) {
-  int L = (ctx + nsplit - 1) / nsplit;
-  L = (L + 15) & ~15;
-  return L > min_split ? L : min_split;
-}
-
 __device__ __forceinline__ float qattn_load_scale(const half* p) {
   return __half2float(__ushort_as_half(__ldg(reinterpret_cast<const unsigned short*>(p))));
 }

@@ -305,8 +305,8 @@ __device__ __forceinline__ bool mma_split_setup(const QAttnParams& p, MmaSplit& 
   // PDL: before the wait this kernel reads only what kernels before the previous one wrote (block tables,
   // context lengths: the previous kernel had passed its own wait when this one launched) and only prefetches
   // K/V into L2 (a hint; the newest slot, written by the previous kernel, is read after the wait).
-  sp.ctx = qattn_clamp_ctx(p.context_lens[sp.b], p);
-  const int L = qattn_split_len(sp.ctx, p.nsplit, p.min_split);
+  sp.ctx = attn_clamp_ctx(p.context_lens[sp.b], p);
+  const int L = attn_split_len(sp.ctx, p.nsplit, p.min_split);
   sp.start = sp.split * L;
   sp.row0 = tile * NT * RT;
   sp.gid = (threadIdx.x & 31) >> 2, sp.t4 = threadIdx.x & 3;

@@ -9,7 +9,7 @@
 // flight per SM with one producer lane, like the GEMV's weight ring.
 //
 // Block: 8 compute warps + 1 producer warp; one CTA per SM (the ring takes most of its shared memory); grid
-// (nsplit, B). Splits are the other kernels' (qattn_split_len: 16-key multiples), partials and reduce launch the
+// (nsplit, B). Splits are the other kernels' (attn_split_len: 16-key multiples), partials and reduce launch the
 // same, so only decode steps (Tq = 1) with D = 128, G <= 4 and Hkv in {2, 4, 8} come here (ops/cuda_layers.py).
 // Warp w takes kv head w / WPH (WPH = 8 / Hkv warps per head) and steps w % WPH, w % WPH + WPH, ... of each chunk's
 // four steps of 4 tokens. Lanes: token group tg = lane / 8 (token 4 * step + tg), sub = lane % 8 (16 dims: two runs

@@ -96,7 +96,7 @@ __global__ void __launch_bounds__(kThreads, 1) paged_attention_stream_mma_kernel
   exl2::pdl_wait();  // q, the newest K / V row, the tables and lengths come from earlier kernels
   exl2::pdl_launch_dependents();
 
-  const int ctx = qattn_clamp_ctx(p.context_lens[b], p);
+  const int ctx = attn_clamp_ctx(p.context_lens[b], p);
   const StreamRange range = stream_split_range(p, ctx, split);
   const int t0 = range.t0, t1 = range.t1;
   if (t0 >= t1) {

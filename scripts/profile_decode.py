@@ -56,6 +56,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from gemv_roles import LAYER_ROLES, kind_rows, label_gemv_roles, print_role_rows, role_rows, step_roles
 
 from exl2_backend.bench.roofline import measure_read_bandwidth
+from exl2_backend.bench.timing import replay_mean_ms
 
 SMOLLM2 = {"hidden_size": 576, "num_hidden_layers": 30, "intermediate_size": 1536, "num_attention_heads": 9,
            "num_key_value_heads": 3, "head_dim": 64, "vocab_size": 49152, "tie_word_embeddings": True,
@@ -221,19 +222,8 @@ def critical_path(events: list[tuple[float, float, str]], iters: int) -> dict[st
 
 
 def graph_ms(graph, iters: int = 100, reps: int = 7) -> float:
-    for _ in range(10):
-        graph.replay()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        for _ in range(iters):
-            graph.replay()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b) / iters)
-    return statistics.median(times)
+    """Median over `reps` rounds of the mean ms per replay in `iters` back-to-back replays (10 warm-ups first)."""
+    return statistics.median(replay_mean_ms(graph, iters, warmup=10 if r == 0 else 0) for r in range(reps))
 
 
 def print_table(title: str, table: dict[str, list[float]], layers: int) -> None:

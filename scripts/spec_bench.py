@@ -30,6 +30,7 @@ from pathlib import Path
 
 import torch
 
+from exl2_backend.bench.timing import replay_mean_ms
 from exl2_backend.default_model import MEASUREMENT_FILE
 from exl2_backend.runtime import Engine, GenerationParams, LoadSettings
 from exl2_backend.sampling import SamplingParams
@@ -114,18 +115,6 @@ def random_model(shape, device: torch.device):
     return LlamaModel(config, src.weights(config, device), device)
 
 
-def replay_ms(graph, dev: torch.device, iters: int) -> float:
-    for _ in range(3):
-        graph.replay()
-    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    a.record()
-    for _ in range(iters):
-        graph.replay()
-    b.record()
-    b.synchronize()
-    return a.elapsed_time(b) / iters
-
-
 def wall_ms(fn, dev: torch.device, iters: int) -> float:
     fn()
     sync(dev)
@@ -165,12 +154,12 @@ def step_costs(shape, dev: torch.device, context: int, iters: int, ks=KS, kernel
            "graphs": dev.type == "cuda" and hasattr(runner, "inner")}
     if out["graphs"]:
         runner.inner.run([[seq.last_token]], [pos], [seq.pages])  # upload the decode inputs
-        out["decode_ms"] = replay_ms(runner.inner._graphs[1], dev, iters)
+        out["decode_ms"] = replay_mean_ms(runner.inner._graphs[1], iters)
         out["verify_ms"], out["verify_ratio"], out["eager_verify_ms"] = {}, {}, {}
         for k in ks:
             toks = [[seq.last_token] * (k + 1)]
             runner.run(toks, [pos], [seq.pages], "all")  # capture (first time) and upload
-            out["verify_ms"][k] = replay_ms(runner._verify_graphs[(1, k + 1)], dev, iters)
+            out["verify_ms"][k] = replay_mean_ms(runner._verify_graphs[(1, k + 1)], iters)
             out["verify_ratio"][k] = out["verify_ms"][k] / out["decode_ms"]
             def eager(toks=toks):
                 return ModelRunner.run(runner.inner, toks, [pos], [seq.pages], "all")

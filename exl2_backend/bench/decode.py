@@ -16,6 +16,7 @@ from pathlib import Path
 import torch
 
 from exl2_backend.bench.roofline import decode_bytes, measure_read_bandwidth, weight_bytes_per_token
+from exl2_backend.bench.timing import replay_mean_ms
 
 PREFILL_RUNS = 3
 
@@ -127,15 +128,7 @@ def graph_step_seconds(engine, iters: int) -> float | None:
         if 1 not in graphs:
             return None
         g = graphs[1]
-    for _ in range(3):
-        g.replay()
-    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    a.record()
-    for _ in range(iters):
-        g.replay()
-    b.record()
-    b.synchronize()
-    return a.elapsed_time(b) / 1e3 / iters
+    return replay_mean_ms(g, iters) / 1e3
 
 
 def decode_slack(spec: bool) -> int:

@@ -27,6 +27,20 @@ def capture_graph(calls: list[Callable[[], object]]) -> torch.cuda.CUDAGraph:
     return graph
 
 
+def replay_mean_ms(graph: torch.cuda.CUDAGraph, iters: int, warmup: int = 3) -> float:
+    """Mean ms per replay of a captured graph: `warmup` replays, then `iters` back to back between two events (the
+    replays' own launch gaps included, as a decode loop pays them)."""
+    for _ in range(warmup):
+        graph.replay()
+    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    a.record()
+    for _ in range(iters):
+        graph.replay()
+    b.record()
+    b.synchronize()
+    return a.elapsed_time(b) / iters
+
+
 def graph_time_us(calls: list[Callable[[], object]], reps: int = 20) -> float:
     """Median µs per call: all `calls` captured once in a CUDA graph, the graph replayed `reps` times, each
     replay timed with events."""

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# NOT RUN (prepared in session 46, whose device time ran out). Device call BL4 (carry .whl and .dev; BL4_LIMIT
+# NOT RUN (prepared in session 46, whose device time ran out; session 47 found no machine). Device call BL4 (carry .whl and .dev; BL4_LIMIT
 # seconds (400)): the GEMV ring's tuning again, now that the ring is 128-byte aligned. Its settings were chosen on
 # rings 32 bytes into a line (H200 call AJ3: 24 KB in flight best, 16-32 KB within 1.4%; H100 call BF3 of session
 # 40: 32 KB +1.8% per decode step; no L2 prefetch past the ring; at least 2 slots), and BL2 of session 46 found a

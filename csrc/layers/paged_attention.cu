@@ -268,26 +268,7 @@ __global__ void __launch_bounds__(NT) paged_attention_kernel(const AttnParams p)
       for (int k = 0; k < 8; ++k) red[(warp * RT + r) * D + dl + k] = acc[r][k];
   }
   __syncthreads();
-  for (int i = tid; i < RT * D; i += NT) {
-    const int r = i / D, d = i % D, row = row0 + r;
-    if (row >= p.R) continue;
-    float o = 0.f;
-#pragma unroll
-    for (int w = 0; w < NW; ++w) o += red[(w * RT + r) * D + d];
-    const int j = row / p.G, hq = kvh * p.G + row % p.G;
-    const int64_t prow = ((int64_t)b * p.Tq + j) * p.Hq + hq;
-    if (p.nsplit == 1) {
-      const float l = row_l[r];
-      p.out[prow * D + d] = __float2half_rn(l > 0.f ? o / l : 0.f);
-    } else {
-      const int64_t ps = prow * p.nsplit + split;
-      p.part_o[ps * D + d] = o;
-      if (d == 0) {
-        p.part_ml[ps * 2] = row_m[r];
-        p.part_ml[ps * 2 + 1] = row_l[r];
-      }
-    }
-  }
+  attn_write_rows<D, RT, false, NT>(p, red, row_m, row_l, b, kvh, row0, split);
   if (p.nsplit == 1 || p.tickets == nullptr) return;
   // Ticket: every used split of this (b, kvh, tile) counts in once its partials are out; the last one
   // combines them. Each thread fences its own partial stores before the barrier (release), the last CTA

@@ -205,7 +205,7 @@ __global__ void __launch_bounds__(NT) paged_attention_quant_kernel(const QAttnPa
       for (int e = 0; e < E; ++e) red[(warp * RT + r) * D + dl + e] = acc[r][e];
   }
   __syncthreads();
-  qattn_write_rows<D, RT, KVFormat<VF>::ROT>(p, red, row_m, row_l, b, kvh, row0, split);
+  attn_write_rows<D, RT, KVFormat<VF>::ROT>(p, red, row_m, row_l, b, kvh, row0, split);
 }
 
 // One CTA per output row (b, j, hq), one thread per dim: combine the splits in order, rotate back. STAGED: the

@@ -116,10 +116,10 @@ __device__ __forceinline__ void qattn_stage_q(const QAttnParams& p, int b, int k
 // The row tile's output from the warps' partial sums red [warps][RT][D]: the final fp16 rows (nsplit == 1,
 // rotated back for rotated V formats) or the split's fp32 partial and statistics. A warp covers 32 consecutive
 // dims of one row (RT * D and D are multiples of 32), so the rotation back is one in-warp transform and the row
-// test is warp-uniform.
-template <int D, int RT, bool ROT, int NTH = kAttnThreads>
-__device__ __forceinline__ void qattn_write_rows(const QAttnParams& p, const float* red, const float* row_m,
-                                                 const float* row_l, int b, int kvh, int row0, int split) {
+// test is warp-uniform. P: QAttnParams, or the fp16 kernel's AttnParams (ROT false).
+template <int D, int RT, bool ROT, int NTH = kAttnThreads, typename P>
+__device__ __forceinline__ void attn_write_rows(const P& p, const float* red, const float* row_m,
+                                                const float* row_l, int b, int kvh, int row0, int split) {
   for (int i = threadIdx.x; i < RT * D; i += NTH) {
     const int r = i / D, d = i % D, row = row0 + r;
     if (row >= p.R) continue;

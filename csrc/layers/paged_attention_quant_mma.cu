@@ -543,7 +543,7 @@ __global__ void __launch_bounds__(kAttnThreads, MINB) paged_attention_quant_mma_
   __syncthreads();  // done reading probabilities: reuse smem
   store_warp_rows<D, RT>(smem, acc, warp, gid, t4, 1.f);
   __syncthreads();
-  qattn_write_rows<D, RT, KVFormat<VF>::ROT>(p, smem, row_m, row_l, sp.b, sp.kvh, sp.row0, sp.split);
+  attn_write_rows<D, RT, KVFormat<VF>::ROT>(p, smem, row_m, row_l, sp.b, sp.kvh, sp.row0, sp.split);
 }
 
 // ---- one pass (online softmax): each step's scores feed its outputs in registers ---------------------------------
@@ -633,7 +633,7 @@ __device__ __forceinline__ void online_finish(const QAttnParams& p, const MmaSpl
     row_l[rr] = l;
   }
   __syncthreads();
-  qattn_write_rows<D, RTT, KVFormat<VF>::ROT, NTH>(p, red, row_m, row_l, sp.b, sp.kvh, sp.row0, sp.split);
+  attn_write_rows<D, RTT, KVFormat<VF>::ROT, NTH>(p, red, row_m, row_l, sp.b, sp.kvh, sp.row0, sp.split);
 }
 
 // U steps of 16 keys in flight per warp, loaded into registers (1: 168 registers, 3 CTAs per SM; 2: 2 per SM).

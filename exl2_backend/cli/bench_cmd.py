@@ -208,8 +208,9 @@ def _budget(model, weight_bytes: int, vram_gb: float | None) -> dict:
 
 
 def _print_budget(b: dict) -> None:
-    from rich.console import Console
     from rich.table import Table
+
+    from exl2_backend.cli.console import cli_console
 
     gib = 1024**3
     t = Table(title=f"KV cache per token and the tokens that fit {b['vram_bytes'] / gib:.1f} GiB "
@@ -219,13 +220,14 @@ def _print_budget(b: dict) -> None:
     for r in b["types"]:
         t.add_row(r["cache_type"], f"{r['k_format']} / {r['v_format']}", str(r["bytes_per_token"]),
                   f"{r['ratio_vs_fp16'] * 100:.1f}%", f"{r['max_context']:,}" if r["supported"] else "-")
-    Console().print(t)
+    cli_console().print(t)
 
 
 def _print_comparison(results: list[dict]) -> None:
     """Decode tokens/s (engine step, and graph replay when measured) per context, one column per cache type."""
-    from rich.console import Console
     from rich.table import Table
+
+    from exl2_backend.cli.console import cli_console
 
     t = Table(title="decode tokens/s by cache type (engine step / graph replay)")
     t.add_column("context", justify="right")
@@ -238,12 +240,13 @@ def _print_comparison(results: list[dict]) -> None:
             g = f" / {x['graph_tokens_per_s']:.1f}" if "graph_tokens_per_s" in x else ""
             cells.append(f"{x['decode_tokens_per_s']:.1f}{g}")
         t.add_row(*cells)
-    Console().print(t)
+    cli_console().print(t)
 
 
 def _print_table(r: dict) -> None:
-    from rich.console import Console
     from rich.table import Table
+
+    from exl2_backend.cli.console import cli_console
 
     bw = r["read_bandwidth_gbs"]
     title = (f"{r['model_dir']} on {r.get('gpu') or r['device']}; read bandwidth "
@@ -259,7 +262,7 @@ def _print_table(r: dict) -> None:
         t.add_row(str(row["context"]), f("decode_tokens_per_s"), f("decode_step_ms", "{:.3f}"),
                   f("graph_tokens_per_s"), f"{row['bytes_per_token'] / 1e6:.1f}", f("roofline_tokens_per_s"),
                   f("pct_roofline"), f("graph_pct_roofline"), f("prefill_tokens_per_s", "{:.0f}"))
-    Console().print(t)
+    cli_console().print(t)
     p = r["prefill"]
     runs = " / ".join(f"{x:.0f}" for x in p.get("runs_tokens_per_s", []))
     print(f"prefill {p['tokens']} tokens: {p['tokens_per_s']:.0f} tokens/s (median of {runs}); "

@@ -33,8 +33,9 @@ def add_parser(sub):
 
 
 def _table(result) -> None:
-    from rich.console import Console
     from rich.table import Table
+
+    from exl2_backend.cli.console import cli_console
 
     t = Table(title=f"eval: {result.tokens} tokens in {result.windows} windows of {result.window}")
     t.add_column("metric")
@@ -45,7 +46,7 @@ def _table(result) -> None:
     t.add_row("KL(ref || model) mean, nats/token", f"{result.kl_mean:.5f}", "")
     t.add_row("KL max (one position)", f"{result.kl_max:.4f}", "")
     t.add_row("top-1 agreement with reference", f"{result.top1_agreement:.4f}", "")
-    console = Console()
+    console = cli_console()
     console.print(t)
     m = result.meta
     console.print(f"model {m.get('model_dir')} (KV cache {m.get('cache_type', 'fp16')})\n"

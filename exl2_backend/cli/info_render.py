@@ -5,11 +5,13 @@ from __future__ import annotations
 from rich.console import Console
 from rich.table import Table
 
+from exl2_backend.cli.console import cli_console
+
 GB = 1024**3
 
 
 def render(info: dict, *, max_seq_len: int = 4096, console: Console | None = None) -> None:
-    console = console or Console()
+    console = console or cli_console()
     head = info.get("head") or {}
     summary = Table(title=f"{info['model_dir']}", show_header=False)
     rows = [
@@ -87,7 +89,7 @@ def render_cache_types(rows: list[dict], budget: dict, console: Console, max_pos
 
 def render_plan(plan, error=None, console: Console | None = None) -> None:
     """The VramPlan per device (GB = 1e9 bytes), and why it does not fit when it does not."""
-    console = console or Console()
+    console = console or cli_console()
     title = (f"memory plan: {plan.mode}, {plan.backend} weights, {plan.cache_tokens} cache tokens ({plan.cache_type}),"
              f" max_seq_len {plan.max_seq_len}")
     t = Table(title=title)
@@ -112,6 +114,6 @@ def render_missing(missing: list[str], console: Console | None = None, shown: in
     """The tensors a load needs and the directory lacks (nothing when complete)."""
     if not missing:
         return
-    console = console or Console()
+    console = console or cli_console()
     more = f" and {len(missing) - shown} more" if len(missing) > shown else ""
     console.print(f"[red]will not load:[/red] {len(missing)} tensors missing: {', '.join(missing[:shown])}{more}")

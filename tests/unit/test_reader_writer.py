@@ -205,3 +205,18 @@ def test_info_says_when_the_tokens_that_fit_pass_the_positions(tmp_path, capsys)
     out = capsys.readouterr().out
     assert "tokens that fit" in out
     assert f"held to the model's {cfg['max_position_embeddings']:,} positions" in " ".join(out.split())
+
+
+def test_info_tables_are_whole_off_a_terminal(tmp_path, capsys, monkeypatch):
+    """Piped or logged (no terminal), rich printed 80 columns and cut the memory plan's ten columns to "devi…" and
+    "weig…"; the CLI's tables now take 200 columns there, unless COLUMNS says otherwise."""
+    from exl2_backend.cli.main import main
+
+    monkeypatch.delenv("COLUMNS", raising=False)
+    d = write_tiny_exl2_model(tmp_path / "m", tiny_config_dict(), seed=0)
+    assert main(["info", str(d), "--device", "cuda", "--gpu-split", "0.01,0.01"]) == 1  # a plan that does not fit
+    out = capsys.readouterr().out
+    assert "…" not in out, out
+    for column in ("device", "layers", "weights GB", "KV cache GB", "peak GB", "budget GB"):
+        assert column in out
+    assert "does not fit: cuda:0 needs" in out

@@ -15,5 +15,5 @@ def cli_console() -> Console:
     """A Console for stdout: the terminal's width on a terminal; PIPE_WIDTH columns elsewhere unless COLUMNS is set."""
     console = Console()
     if not console.is_terminal and "COLUMNS" not in os.environ:
-        console = Console(width=PIPE_WIDTH)
+        console.width = PIPE_WIDTH
     return console

@@ -1,7 +1,8 @@
 // Steps of the split-K decode attention kernels that do not depend on how K/V are stored: the clamped context and
 // the split's length, the lanes' butterfly sum, the split's page table (the fp16 kernel, paged_attention.cu, and
-// the kernels over quantized pages) and the softmax statistics of a row tile's scores (the quantized-page kernels). The fp16 kernel's phase 2 is the same code written in
-// place: calling attn_softmax_rows there compiled to different SASS (more unrolled), not yet run on the GPU.
+// the kernels over quantized pages) and the softmax statistics of a row tile's scores (the quantized-page
+// kernels). The fp16 kernel's phase 2 is the same code written in place: calling attn_softmax_rows there compiled
+// to different SASS (more unrolled), not yet run on the GPU.
 #pragma once
 
 #include <math.h>

@@ -31,8 +31,7 @@ struct StreamRange {
   int t0, t1;
 };
 __device__ __forceinline__ StreamRange stream_split_range(const QAttnParams& p, int ctx, int split) {
-  const int cap = p.max_pages << p.log2S;
-  ctx = ctx < 0 ? 0 : (ctx > cap ? cap : ctx);
+  ctx = attn_clamp_ctx(ctx, p);
   const int L = attn_split_len(ctx, p.nsplit, p.min_split);
   const int t0 = split * L;
   return {t0, min(ctx, t0 + L)};

@@ -19,6 +19,7 @@
 
 #include "common/pdl.cuh"
 #include "layers/attn_combine.cuh"
+#include "layers/attn_host_args.h"
 #include "layers/attn_split_steps.cuh"
 #include "layers/common.cuh"
 #include "layers/paged_attention_quant.cuh"
@@ -416,47 +417,20 @@ EXL2_API int exl2_paged_attention(const void* q, int64_t q_bs, int64_t q_ts, int
                                   int64_t max_pages, int64_t nsplit, int64_t min_split, float scale, int flags,
                                   int32_t* tickets, cudaStream_t stream) {
   using namespace exl2::layers;
-  EXL2_REQUIRE(D == 64 || D == 128, "paged_attention: head_dim %lld not supported (64, 128)", (long long)D);
-  EXL2_REQUIRE(Hkv > 0 && Hq > 0 && Hq % Hkv == 0, "paged_attention: Hq %lld not a multiple of Hkv %lld",
-               (long long)Hq, (long long)Hkv);
-  EXL2_REQUIRE(page_size >= 16 && (page_size & (page_size - 1)) == 0 && page_size <= (1 << 20),
-               "paged_attention: page size %lld must be a power of two >= 16", (long long)page_size);
-  EXL2_REQUIRE(B >= 0 && B < 65536 && Tq > 0 && Hkv < 65536 && max_pages > 0 && num_pages > 0 && nsplit >= 1,
-               "paged_attention: bad shape");
-  EXL2_REQUIRE(max_pages * page_size < (1ll << 30), "paged_attention: context too long");
+  if (int st = attn_check_shape("paged_attention", B, Tq, Hq, Hkv, D, num_pages, page_size, max_pages, nsplit,
+                                 workspace))
+    return st;
   if (B == 0) return EXL2_OK;
   AttnParams p;
-  p.q = (const half*)q;
-  p.q_bs = q_bs;
-  p.q_ts = q_ts;
-  p.q_hs = q_hs;
+  attn_fill_common(p, q, q_bs, q_ts, q_hs, block_tables, bt_stride, context_lens, out, workspace, B, Tq, Hq, Hkv, D,
+                   num_pages, page_size, max_pages, nsplit, min_split, scale);
   p.kc = (const half*)k_cache;
   p.vc = (const half*)v_cache;
-  p.block_tables = block_tables;
-  p.bt_stride = bt_stride;
-  p.context_lens = context_lens;
-  p.out = (half*)out;
-  p.Tq = (int)Tq;
-  p.Hq = (int)Hq;
-  p.Hkv = (int)Hkv;
-  p.G = (int)(Hq / Hkv);
-  p.R = (int)(p.G * Tq);
   const int cap_code = (flags >> 1) & 3;
   EXL2_REQUIRE(cap_code <= 2, "paged_attention: bad row tile cap code %d", cap_code);
   const int rt = min(exl2_paged_attention_row_tile(p.R), 16 >> cap_code);
   p.row_tiles = (p.R + rt - 1) / rt;
-  p.nsplit = (int)nsplit;
-  p.min_split = (int)min_split;
-  int log2S = 0;
-  while ((1ll << log2S) < page_size) ++log2S;
-  p.log2S = log2S;
-  p.max_pages = (int)max_pages;
-  p.num_pages = (int)num_pages;
-  p.scale_log2 = scale * 1.4426950408889634f;
-  p.part_o = workspace;
-  p.part_ml = workspace == nullptr ? nullptr : workspace + B * Tq * Hq * nsplit * D;
   p.tickets = nsplit > 1 ? tickets : nullptr;
-  EXL2_REQUIRE(nsplit == 1 || workspace != nullptr, "paged_attention: workspace required for nsplit > 1");
   EXL2_REQUIRE((int64_t)p.row_tiles * nsplit < (1ll << 31), "paged_attention: grid too large");
   const int mma = (flags >> 3) & 3, stages = (flags >> 5) & 3, tiles = (flags >> 7) & 3;
   const int stream_kernel = (flags >> 9) & 1;

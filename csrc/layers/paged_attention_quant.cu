@@ -13,6 +13,7 @@
 
 #include "common/pdl.cuh"
 #include "layers/attn_combine.cuh"
+#include "layers/attn_host_args.h"
 #include "layers/paged_attention_quant.cuh"
 
 namespace exl2 {
@@ -353,49 +354,22 @@ EXL2_API int exl2_paged_attention_quant(const void* q, int64_t q_bs, int64_t q_t
                                         int64_t page_size, int64_t max_pages, int64_t nsplit, int64_t min_split,
                                         float scale, int max_row_tile, int use_mma, cudaStream_t stream) {
   using namespace exl2::layers;
-  EXL2_REQUIRE(D == 64 || D == 128, "paged_attention_quant: head_dim %lld not supported (64, 128)", (long long)D);
-  EXL2_REQUIRE(Hkv > 0 && Hq > 0 && Hq % Hkv == 0, "paged_attention_quant: Hq %lld not a multiple of Hkv %lld",
-               (long long)Hq, (long long)Hkv);
-  EXL2_REQUIRE(page_size >= 16 && (page_size & (page_size - 1)) == 0 && page_size <= (1 << 20),
-               "paged_attention_quant: page size %lld must be a power of two >= 16", (long long)page_size);
-  EXL2_REQUIRE(B >= 0 && B < 65536 && Tq > 0 && Hkv < 65536 && max_pages > 0 && num_pages > 0 && nsplit >= 1,
-               "paged_attention_quant: bad shape");
-  EXL2_REQUIRE(max_pages * page_size < (1ll << 30), "paged_attention_quant: context too long");
+  if (int st = attn_check_shape("paged_attention_quant", B, Tq, Hq, Hkv, D, num_pages, page_size, max_pages,
+                                 nsplit, workspace))
+    return st;
   EXL2_REQUIRE(kv_fmt_valid(k_fmt) && kv_fmt_valid(v_fmt), "paged_attention_quant: bad formats %d, %d", k_fmt,
                v_fmt);
   if (B == 0) return EXL2_OK;
   QAttnParams p;
-  p.q = (const half*)q;
-  p.q_bs = q_bs;
-  p.q_ts = q_ts;
-  p.q_hs = q_hs;
+  attn_fill_common(p, q, q_bs, q_ts, q_hs, block_tables, bt_stride, context_lens, out, workspace, B, Tq, Hq, Hkv, D,
+                   num_pages, page_size, max_pages, nsplit, min_split, scale);
   p.kc = (const uint8_t*)k_codes;
   p.ks = (const half*)k_scales;
   p.vc = (const uint8_t*)v_codes;
   p.vs = (const half*)v_scales;
-  p.block_tables = block_tables;
-  p.bt_stride = bt_stride;
-  p.context_lens = context_lens;
-  p.out = (half*)out;
-  p.Tq = (int)Tq;
-  p.Hq = (int)Hq;
-  p.Hkv = (int)Hkv;
-  p.G = (int)(Hq / Hkv);
-  p.R = (int)(p.G * Tq);
   EXL2_REQUIRE(use_mma == 64 || (use_mma >= 0 && use_mma < 64 && ((use_mma & 3) != 0 || use_mma == 0)),
                "paged_attention_quant: use_mma %d (kernel code 0..3, stages << 2, tiles << 4; or 64 alone)", use_mma);
-  p.nsplit = (int)nsplit;
-  p.min_split = (int)min_split;
-  int log2S = 0;
-  while ((1ll << log2S) < page_size) ++log2S;
-  p.log2S = log2S;
-  p.max_pages = (int)max_pages;
-  p.num_pages = (int)num_pages;
-  p.scale_log2 = scale * 1.4426950408889634f;
   p.prefetch = 0;
-  p.part_o = workspace;
-  p.part_ml = workspace == nullptr ? nullptr : workspace + B * Tq * Hq * nsplit * D;
-  EXL2_REQUIRE(nsplit == 1 || workspace != nullptr, "paged_attention_quant: workspace required for nsplit > 1");
   if (use_mma == 64) {  // the streamed kernel (paged_attention_stream.cu), with its own shape checks
     p.row_tiles = 1;
     return launch_paged_attention_stream(p, k_fmt, v_fmt, (int)D, (int)B, stream);

@@ -1,10 +1,11 @@
 #!/usr/bin/env bash
-# NOT RUN (prepared in session 46, whose device time ran out; session 47 found no machine). Device call BL4 (carry .whl and .dev; BL4_LIMIT
-# seconds (400)): the GEMV ring's tuning again, now that the ring is 128-byte aligned. Its settings were chosen on
-# rings 32 bytes into a line (H200 call AJ3: 24 KB in flight best, 16-32 KB within 1.4%; H100 call BF3 of session
-# 40: 32 KB +1.8% per decode step; no L2 prefetch past the ring; at least 2 slots), and BL2 of session 46 found a
-# ring 16 bytes into a line 7% slower per decode step: misaligned copies may have been what made deeper rings lose.
-# No build: the host settings are environment variables the library reads once per process (exl2_gemm.cu).
+# RAN in session 48 (H100; docs/performance.md, docs/measurements/2026-12-07-session48.json: the default stays).
+# Device call BL4 (carry .whl and .dev; BL4_LIMIT seconds (400)): the GEMV ring's tuning again, now that the ring is
+# 128-byte aligned. Its settings were chosen on rings 32 bytes into a line (H200 call AJ3: 24 KB in flight best,
+# 16-32 KB within 1.4%; H100 call BF3 of session 40: 32 KB +1.8% per decode step; no L2 prefetch past the ring; at
+# least 2 slots), and BL2 of session 46 found a ring 16 bytes into a line 7% slower per decode step: misaligned
+# copies may have been what made deeper rings lose. No build: the host settings are environment variables the
+# library reads once per process (exl2_gemm.cu).
 #  1. decode / verify step costs (spec_bench, 8B 4.0 bpw at 1k), interleaved twice: D default (24 KB), K32 / K20 /
 #     K40 (EXL2_GEMV_RING_KB), F16 (EXL2_GEMV_PREFETCH_KB=16), S3 (EXL2_GEMV_MIN_STAGES=3).
 #  A setting that wins by more than the D-to-D spread becomes the default only after `bench` with and without it.

@@ -15,10 +15,7 @@ export EXL2_CARRIED_LIBRARY=1
 source scripts/device/common.sh
 begin_call bl4
 L=${BL4_LIMIT:-400}
-card=$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1)
-echo "$card"
-h200=0; [[ "$card" == *H200* ]] && h200=1
-[ "$h200" = 1 ] && start_exllamav2_jit
+card_and_jit
 # BL4_SHORT=1 (a call with little device time left): D, K32 and K40 only (~150 s)
 if [ "${BL4_SHORT:-0}" = 1 ]; then
   fits 150 "spec costs" "$L" && interleaved_spec_costs D K32=EXL2_GEMV_RING_KB=32 K40=EXL2_GEMV_RING_KB=40

@@ -10,10 +10,7 @@ export EXL2_CARRIED_LIBRARY=1
 source scripts/device/common.sh
 begin_call bl5
 L=${BL5_LIMIT:-420}
-card=$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1)
-echo "$card"
-h200=0; [[ "$card" == *H200* ]] && h200=1
-[ "$h200" = 1 ] && start_exllamav2_jit
+card_and_jit
 fits 200 "GPU suite" "$L" && gpu_tests_verbose cuda 200 -n 8 $CUDA_TESTS_NO_SMOLLM2
 echo "suite $(( $(date +%s) - T0 )) s"
 fits 140 "bench" "$L" && { bench_8b final 130 1024,32768 fp16,q8,q4; }

@@ -35,6 +35,15 @@ start_exllamav2_jit() {
    echo "jit rc=$? in $(( $(date +%s) - t0 )) s" >> "$OUT/exl_jit.txt") &
   JIT=$!
 }
+# The card's name on stdout and h200=1 on an H200 (0 elsewhere), whose calls also time ExLlamaV2: its JIT build starts
+# here (`wait $JIT` before using it): card_and_jit.
+card_and_jit() {
+  card=$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1)
+  echo "$card"
+  h200=0; [[ "$card" == *H200* ]] && h200=1
+  [ "$h200" = 1 ] && start_exllamav2_jit
+  return 0
+}
 # The GPU tests that need no SmolLM2 (the default model's GGUF does not fit one call's carry with the wheels).
 CUDA_TESTS_NO_SMOLLM2="tests/kernels tests/unit/test_convert_device.py tests/multigpu/test_multigpu_cuda.py
   tests/engine/test_prefill_memory.py tests/serve/test_batch_invariance.py"

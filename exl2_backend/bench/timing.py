@@ -45,14 +45,7 @@ def graph_time_us(calls: list[Callable[[], object]], reps: int = 20) -> float:
     """Median µs per call: all `calls` captured once in a CUDA graph, the graph replayed `reps` times, each
     replay timed with events."""
     graph = capture_graph(calls)
-    times = []
-    for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        graph.replay()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b) * 1000.0 / len(calls))
+    times = [replay_mean_ms(graph, 1, warmup=0) * 1000.0 / len(calls) for _ in range(reps)]
     del graph
     return statistics.median(times)
 

@@ -28,6 +28,7 @@ from exl2_backend.ops.cuda_layers import (
     _DTYPE_CODES,
     _HALF,
     ATTN_CTAS_PER_SM_8BIT,
+    _attention_inputs,
     _attn_keys_max,
     _attn_row_tile,
     _check,
@@ -40,6 +41,7 @@ from exl2_backend.ops.cuda_layers import (
     _rope_inputs,
     _stream,
     attention_splits,
+    check_attention_args,
 )
 from exl2_backend.ops.library import F32, I32, I64, PTR, STREAM
 
@@ -210,14 +212,8 @@ def paged_attention_quant(q: torch.Tensor, k_codes: torch.Tensor, k_scales: torc
     op = "paged_attention_quant"
     _check(op, "q", q, ndim=4)
     p, s, hkv, d = _caches(op, k_codes, k_scales, v_codes, v_scales, k_fmt, v_fmt, device=q.device)
-    b, tq, hq, dq = q.shape
-    _require(dq == d, f"{op}: cache head_dim {d} != q head_dim {dq}", "q")
-    _require(hkv > 0 and hq % hkv == 0, f"{op}: {hq} query heads not a multiple of {hkv} kv heads", "q")
-    _require(isinstance(block_tables, torch.Tensor) and block_tables.dim() == 2 and block_tables.shape[0] == b,
-             f"{op}: block_tables must be [{b}, max_pages]", "block_tables")
-    _require(isinstance(context_lens, torch.Tensor) and context_lens.dim() == 1 and context_lens.shape[0] == b,
-             f"{op}: context_lens must be [{b}]", "context_lens")
-    _require(num_splits >= 0, f"{op}: num_splits must be >= 0", "num_splits")
+    b, tq, hq, _ = q.shape
+    check_attention_args(op, q.shape, hkv, d, "q", block_tables, context_lens, num_splits)
     why = None
     if d not in (64, 128):
         why = f"head_dim {d}"
@@ -231,13 +227,8 @@ def paged_attention_quant(q: torch.Tensor, k_codes: torch.Tensor, k_scales: torc
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     if b == 0 or tq == 0 or hq == 0:
         return out
-    if q.stride(-1) != 1:
-        q = q.contiguous()
-    tables = _index_tensor(block_tables, q.device, torch.int32)
-    tables = tables if tables.stride(1) == 1 else tables.contiguous()
-    lens = _index_tensor(context_lens, q.device, torch.int32).contiguous()
+    q, tables, lens = _attention_inputs(op, q, block_tables, context_lens)
     max_pages = tables.shape[1]
-    _require(max_pages > 0, f"{op}: block_tables has no columns", "block_tables")
     max_ctx = max_pages * s
     dev_index = _device_index(q.device)
     rows = (hq // hkv) * tq

@@ -712,13 +712,7 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     b, tq, hq, d = q.shape
     _, _, hkv, dk = k_cache.shape
     _require(v_cache.shape == k_cache.shape, f"{op}: v_cache {tuple(v_cache.shape)} != k_cache", "v_cache")
-    _require(dk == d, f"{op}: cache head_dim {dk} != q head_dim {d}", "k_cache")
-    _require(hkv > 0 and hq % hkv == 0, f"{op}: {hq} query heads not a multiple of {hkv} kv heads", "q")
-    _require(isinstance(block_tables, torch.Tensor) and block_tables.dim() == 2 and block_tables.shape[0] == b,
-             f"{op}: block_tables must be [{b}, max_pages]", "block_tables")
-    _require(isinstance(context_lens, torch.Tensor) and context_lens.dim() == 1 and context_lens.shape[0] == b,
-             f"{op}: context_lens must be [{b}]", "context_lens")
-    _require(num_splits >= 0, f"{op}: num_splits must be >= 0", "num_splits")
+    check_attention_args(op, q.shape, hkv, dk, "k_cache", block_tables, context_lens, num_splits)
     why = _attention_kernel_declines(q, k_cache, v_cache)
     if why is not None:
         return _fallback(op, why)(q, k_cache, v_cache, block_tables, context_lens, scale)
@@ -739,6 +733,20 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         tickets = _ticket_buffer(q.device, b * hkv * math.ceil((hq // hkv) * tq / _attn_row_tile((hq // hkv) * tq)))
     _launch_paged_attention(q, k_cache, v_cache, tables, lens, out, ws, nsplit, scale, tickets, streamed)
     return out
+
+
+def check_attention_args(op: str, q_shape, hkv: int, cache_head_dim: int, cache_field: str, block_tables,
+                         context_lens, num_splits: int) -> None:
+    """The checks the paged-attention ops (fp16 and code pages) share: q [B, Tq, Hq, D] against the cache's kv heads
+    and head_dim, block_tables [B, max_pages], context_lens [B], num_splits >= 0."""
+    b, _, hq, d = q_shape
+    _require(cache_head_dim == d, f"{op}: cache head_dim {cache_head_dim} != q head_dim {d}", cache_field)
+    _require(hkv > 0 and hq % hkv == 0, f"{op}: {hq} query heads not a multiple of {hkv} kv heads", "q")
+    _require(isinstance(block_tables, torch.Tensor) and block_tables.dim() == 2 and block_tables.shape[0] == b,
+             f"{op}: block_tables must be [{b}, max_pages]", "block_tables")
+    _require(isinstance(context_lens, torch.Tensor) and context_lens.dim() == 1 and context_lens.shape[0] == b,
+             f"{op}: context_lens must be [{b}]", "context_lens")
+    _require(num_splits >= 0, f"{op}: num_splits must be >= 0", "num_splits")
 
 
 def _attention_kernel_declines(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> str | None:

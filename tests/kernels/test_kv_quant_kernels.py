@@ -413,6 +413,47 @@ def test_fallbacks_and_errors():
         kq().paged_attention_quant(q, *caches, tables, ctx, 0.1, "int4", "int4")  # code width mismatch
 
 
+@pytest.mark.parametrize("op", ["fp16", "quant"])
+def test_shared_argument_errors(op):
+    """Both paged-attention ops refuse the same bad arguments with InvalidRequestError naming the field."""
+    from exl2_backend.errors import InvalidRequestError
+    from exl2_backend.ops import cuda_layers
+
+    caches, tables, ctx = build([40, 7], 2, 64, 16, "int8", "int8")
+    kc16 = torch.zeros(caches[0].shape[0], 16, 2, 64, dtype=torch.float16, device=DEV)
+
+    def call(q, tables=tables, ctx=ctx, num_splits=0):
+        if op == "quant":
+            return kq().paged_attention_quant(q, *caches, tables, ctx, 0.1, "int8", "int8", num_splits)
+        return cuda_layers.paged_attention(q, kc16, kc16, tables, ctx, 0.1, num_splits)
+
+    q = torch.randn(2, 1, 4, 64, device=DEV).half()
+    cases = [
+        ({"q": torch.randn(2, 1, 4, 128, device=DEV).half()}, "head_dim"),
+        ({"q": torch.randn(2, 1, 3, 64, device=DEV).half()}, "not a multiple"),
+        ({"q": q, "tables": tables[:1]}, "block_tables must be"),
+        ({"q": q, "tables": tables[:, 0]}, "block_tables must be"),
+        ({"q": q, "ctx": ctx[:1]}, "context_lens must be"),
+        ({"q": q, "ctx": [40, 7]}, "context_lens must be"),
+        ({"q": q, "num_splits": -1}, "num_splits"),
+        ({"q": q, "tables": tables[:, :0]}, "no columns"),
+    ]
+    for kwargs, match in cases:
+        with pytest.raises(InvalidRequestError, match=match):
+            call(**kwargs)
+
+
+def test_misaligned_q_is_copied():
+    """q two bytes past a 16-byte boundary (a slice of a wider buffer) gives the aligned q's output."""
+    caches, tables, ctx = build([300, 20], 8, 128, 16, "int4", "int4")
+    buf = torch.randn(2 * 32 * 128 + 1, device=DEV).half()
+    q = buf[1:].view(2, 1, 32, 128)
+    assert q.data_ptr() % 16
+    out = kq().paged_attention_quant(q, *caches, tables, ctx, 0.08, "int4", "int4")
+    torch.testing.assert_close(out, kq().paged_attention_quant(q.clone(), *caches, tables, ctx, 0.08, "int4", "int4"),
+                               rtol=0, atol=0)
+
+
 def test_opcheck():
     caches, tables, ctx = build([20, 300], 3, 64, 16, "int8", "int4")
     q = torch.randn(2, 2, 9, 64, device=DEV).half()

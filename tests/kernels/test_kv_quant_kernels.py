@@ -434,7 +434,7 @@ def test_shared_argument_errors(op):
         ({"q": q, "tables": tables[:1]}, "block_tables must be"),
         ({"q": q, "tables": tables[:, 0]}, "block_tables must be"),
         ({"q": q, "ctx": ctx[:1]}, "context_lens must be"),
-        ({"q": q, "ctx": [40, 7]}, "context_lens must be"),
+        ({"q": q, "ctx": ctx[:, None]}, "context_lens must be"),
         ({"q": q, "num_splits": -1}, "num_splits"),
         ({"q": q, "tables": tables[:, :0]}, "no columns"),
     ]

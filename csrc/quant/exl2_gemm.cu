@@ -796,17 +796,7 @@ int gemv_plan(const int64_t* blob, int ndesc, const void* x, int M, int ldx, int
       }();
       ring = std::max(ring, std::min((deep_kb * 1024 / slot) * slot, ((110 * 1024 - extra) / slot) * slot));
 #endif
-      // A block whose whole share fits EXL2_GEMV_WHOLE_KB (0 = off, a measurement switch) gets a ring that holds
-      // all of it, so every copy is issued before the PDL wait: o_proj's 32 KB per block stream while the attention
-      // runs instead of its last slot waiting for the first to be consumed after the wait.
-      static const int whole_kb = [] {
-        const char* e = getenv("EXL2_GEMV_WHOLE_KB");
-        return e && atoi(e) > 0 ? std::min(atoi(e), 96) : 0;
-      }();
-      int fill = ring_kb * 1024;
-      const int whole = maxnch * slot;  // the largest share of a block, in slots of the widest width
-      if (whole_kb > 0 && whole <= whole_kb * 1024 && whole > ring) ring = fill = whole;
-      p.ring_fill = fill;
+      p.ring_fill = ring_kb * 1024;
       p.min_stages = min_stages;
       EXL2_REQUIRE(ring + extra <= 227 * 1024 - 1024, "exl2_gemv: %d bytes of shared memory per block; use a larger ksplit",
                    ring + extra);

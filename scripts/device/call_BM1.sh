@@ -1,4 +1,5 @@
 #!/usr/bin/env bash
+# RAN in session 49 (H100; docs/performance.md, session 49).
 # Device call BM1 (session 49; carry .whl and .dev; BM1_LIMIT seconds (480)): the tree as it lands. The two
 # paged-attention ops share their argument checks and q/tables/lens preparation (a q off a 16-byte boundary is now
 # copied for code pages too; new GPU tests of both), and bench.timing.graph_time_us times each replay through

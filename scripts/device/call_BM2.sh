@@ -1,4 +1,6 @@
 #!/usr/bin/env bash
+# RAN in session 49 (H100): the whole-share ring LOST (decode +1.0% W32, +2.5% W48); the switch is gone (code in
+# git at bcc0b9c). docs/performance.md, session 49.
 # Device call BM2 (session 49; carry .whl and .dev; BM2_LIMIT seconds (420)): a GEMV ring that holds a block's whole
 # share where it is small (EXL2_GEMV_WHOLE_KB, a measurement switch of this library: exl2_gemm.cu). BM1's critical
 # path of the 8B decode step at 1k: o_proj 8.87 us per launch of which 2.64 stream its 8.2 MB; its blocks hold 32 KB

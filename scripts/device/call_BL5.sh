@@ -8,11 +8,8 @@
 #  3. on an H200 (the targets' card; the last H200 figures are session 31's AR1), ExLlamaV2 beside ours at 1k.
 export EXL2_CARRIED_LIBRARY=1
 source scripts/device/common.sh
-begin_call bl5
-L=${BL5_LIMIT:-420}
-card_and_jit
-fits 200 "GPU suite" "$L" && gpu_tests_verbose cuda 200 -n 8 $CUDA_TESTS_NO_SMOLLM2
-echo "suite $(( $(date +%s) - T0 )) s"
+begin_card_call bl5 "${BL5_LIMIT:-420}"
+whole_gpu_suite "$L"
 fits 140 "bench" "$L" && { bench_8b final 130 1024,32768 fp16,q8,q4; }
 fits 60 "spec costs" "$L" && spec_costs final
 echo "bench $(( $(date +%s) - T0 )) s"

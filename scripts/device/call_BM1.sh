@@ -11,11 +11,8 @@
 #  4. on an H200, ExLlamaV2 beside ours at 1k.
 export EXL2_CARRIED_LIBRARY=1
 source scripts/device/common.sh
-begin_call bm1
-L=${BM1_LIMIT:-480}
-card_and_jit
-fits 200 "GPU suite" "$L" && gpu_tests_verbose cuda 200 -n 8 $CUDA_TESTS_NO_SMOLLM2
-echo "suite $(( $(date +%s) - T0 )) s"
+begin_card_call bm1 "${BM1_LIMIT:-480}"
+whole_gpu_suite "$L"
 if fits 90 "decode step" "$L"; then
   decode_step_1k final nochain
   grep -A22 "critical path (per step" "$R/prof_final.txt" | head -24 | cut -c1-120

@@ -6,9 +6,7 @@
 #  3. exllamav2_compare.py: its decode at 1k and 2k prefill against ours on the same directory.
 export EXL2_CARRIED_LIBRARY=1
 source scripts/device/common.sh
-begin_call bm3
-L=${BM3_LIMIT:-400}
-card_and_jit
+begin_card_call bm3 "${BM3_LIMIT:-400}"
 [ "$h200" = 1 ] || start_exllamav2_jit
 fits 140 "bench" "$L" && bench_8b final 130 1024,32768 fp16,q8,q4
 echo "bench $(( $(date +%s) - T0 )) s"

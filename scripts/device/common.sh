@@ -100,6 +100,19 @@ begin_call() {
   T0=$(date +%s)
 }
 left() { echo $(( ${1} - ($(date +%s) - T0) )); }
+# begin_call, the call's limit in L and card_and_jit (the card's name; ExLlamaV2's JIT on an H200):
+# begin_card_call NAME LIMIT.
+begin_card_call() {
+  begin_call "$1"
+  L=$2
+  card_and_jit
+}
+# The whole GPU suite that needs no SmolLM2 (8 workers; $R/cuda.txt) when 200 s of LIMIT are left: whole_gpu_suite
+# LIMIT.
+whole_gpu_suite() {
+  fits 200 "GPU suite" "$1" && gpu_tests_verbose cuda 200 -n 8 $CUDA_TESTS_NO_SMOLLM2
+  echo "suite $(( $(date +%s) - T0 )) s"
+}
 # `fits SECONDS WHAT [LIMIT]`: whether a step with that timeout still ends before LIMIT (575 s) into the call; a
 # call killed at the limit packs no results, so later steps are skipped (and said so) instead.
 fits() { [ "$(left "${3:-575}")" -gt "$1" ] || { echo "-- skipped (time): $2"; return 1; }; }

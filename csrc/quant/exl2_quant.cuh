@@ -106,19 +106,10 @@ __host__ __device__ inline void split_range(const QDesc& d, int s, int& c0, int&
 // a split may cover the end of one width run and the start of the next). 32-bit arithmetic: every block of the
 // GEMV computes this before its first copy (C <= 1024 chunks of <= 8 bits, splits <= 1024). *r0 / *r1: the runs
 // of c0 and one past the last run the range touches.
-// EXL2_SPAN_RUN_PEN (chunk-bits, a measurement macro; 0 = equal bytes): each run after the first starts with that
-// much more weight, so the item that enters it (re-arming its ring) takes fewer bytes.
-#ifndef EXL2_SPAN_RUN_PEN
-#define EXL2_SPAN_RUN_PEN 0
-#endif
 __host__ __device__ inline int chunk_at32(const QDesc& d, int target, int& r) {
   int acc = 0;
   for (r = 0; r < d.nruns; ++r) {
     const Run& rr = d.runs[r];
-    if (EXL2_SPAN_RUN_PEN > 0 && r > 0) {
-      if (target < acc + EXL2_SPAN_RUN_PEN) return rr.chunk_start;
-      acc += EXL2_SPAN_RUN_PEN;
-    }
     const int w = (rr.chunk_end - rr.chunk_start) * rr.bits;
     if (target < acc + w) return rr.chunk_start + (target - acc + rr.bits - 1) / rr.bits;
     acc += w;
@@ -126,7 +117,7 @@ __host__ __device__ inline int chunk_at32(const QDesc& d, int target, int& r) {
   return d.C;
 }
 __host__ __device__ inline void span_range(const QDesc& d, int s, int splits, int& c0, int& c1, int& r0, int& r1) {
-  int w = EXL2_SPAN_RUN_PEN * (d.nruns - 1);  // total_weight in 32-bit arithmetic, with the runs' entries
+  int w = 0;  // total_weight in 32-bit arithmetic
   for (int r = 0; r < d.nruns; ++r) w += (d.runs[r].chunk_end - d.runs[r].chunk_start) * d.runs[r].bits;
   c0 = chunk_at32(d, w * s / splits, r0);
   c1 = chunk_at32(d, w * (s + 1) / splits, r1);

@@ -1,4 +1,5 @@
 #!/usr/bin/env bash
+# RAN in session 49 (H100; docs/performance.md, session 49: the mixed gate/up's first span split streams ~5 us longer).
 # Device call BM4 (session 49; carry .whl and .dev: libexl2_kernels.so.gz and libexl2_kernels_timeline.so.gz, the
 # measurement build `bash scripts/build_variant.sh EXL2_GEMV_TIMELINE .dev/libexl2_kernels_timeline.so.gz`; ~120 s).
 # Why the mixed-width gate/up is slow: BM1's critical path gave the 8 layers whose gate/up is mostly 3-bit 28.97 us

@@ -1,4 +1,6 @@
 #!/usr/bin/env bash
+# RAN in session 49 (H100): P LOST (mixed gate/up 31.00 against 28.97 us per launch); the macro is gone (code in git
+# at 784030d). docs/performance.md, session 49.
 # Device call BM5 (session 49; carry .whl and .dev: libexl2_kernels.so.gz and libexl2_kernels_pen36.so.gz, the
 # measurement build `bash scripts/build_variant.sh EXL2_SPAN_RUN_PEN=36 .dev/libexl2_kernels_pen36.so.gz`; ~220 s).
 # BM4's GEMV timeline: in the 8 mixed-width gate/up launches (gate 4:0.1 3:0.9, up 4:0.25 3:0.75) the span item that

@@ -13,7 +13,7 @@ from collections.abc import Callable
 
 import torch
 
-from exl2_backend.ops import library, reference
+from exl2_backend.ops import library, reference, reference_kvquant
 
 log = logging.getLogger("exl2_backend")
 
@@ -45,12 +45,13 @@ def _cuda_impl(mod, name: str) -> Callable:
     return getattr(mod, name)
 
 
-def _pick(name: str, tensor: torch.Tensor) -> Callable:
+def _pick(name: str, tensor: torch.Tensor, fallback=reference) -> Callable:
+    """The CUDA op `name` for a GPU tensor when the library has it, else the `fallback` module's reference."""
     if tensor.is_cuda:
         mod = _cuda_module()
         if mod is not None and hasattr(mod, name):
             return _cuda_impl(mod, name)
-    return getattr(reference, name)
+    return getattr(fallback, name)
 
 
 def exl2_dequant(qt):
@@ -133,13 +134,7 @@ def paged_attention(q, k_cache, v_cache, block_tables, context_lens, scale):
 
 
 def _pick_kvquant(name: str, tensor: torch.Tensor) -> Callable:
-    if tensor.is_cuda:
-        mod = _cuda_module()
-        if mod is not None and hasattr(mod, name):
-            return _cuda_impl(mod, name)
-    from exl2_backend.ops import reference_kvquant
-
-    return getattr(reference_kvquant, name)
+    return _pick(name, tensor, reference_kvquant)
 
 
 def kv_quant_write(k, v, k_codes, k_scales, v_codes, v_scales, slots, k_fmt, v_fmt):

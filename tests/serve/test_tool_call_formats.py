@@ -63,26 +63,31 @@ def llama_client(llama_server):
     return OpenAI(base_url=llama_server.base_url + "/v1", api_key="unused", max_retries=0, timeout=300)
 
 
-def test_llama3_calls_through_the_server(llama_client):
-    kw = {"model": llama_client.models.list().data[0].id, "messages": ASK, "tools": [WEATHER],
-          "tool_choice": "required", "parallel_tool_calls": False, "temperature": 0, "max_tokens": 80}
-    r = llama_client.chat.completions.create(**kw)
-    choice = r.choices[0]
+def _forced_call_round_trip(client, max_tokens: int):
+    """A call of get_weather forced through the server (greedy, one call), the same streamed (id and name first,
+    then the arguments in pieces that add up to the same text), and the call with its result sent back through the
+    model's template, whose next turn calls again -> (the call, the streamed deltas)."""
+    kw = {"model": client.models.list().data[0].id, "messages": ASK, "tools": [WEATHER], "tool_choice": "required",
+          "parallel_tool_calls": False, "temperature": 0, "max_tokens": max_tokens}
+    choice = client.chat.completions.create(**kw).choices[0]
     assert choice.finish_reason == "tool_calls" and choice.message.content is None
     (call,) = choice.message.tool_calls
     assert call.function.name == "get_weather" and json.loads(call.function.arguments)["city"] in ("Oslo", "Rome")
-    assert call.id.startswith("call_")
-    # the same streamed: id and name first, then the arguments in pieces that add up to the same text
-    deltas = [d for c in llama_client.chat.completions.create(stream=True, **kw) if c.choices
+    deltas = [d for c in client.chat.completions.create(stream=True, **kw) if c.choices
               for d in (c.choices[0].delta.tool_calls or [])]
-    assert deltas[0].function.name == "get_weather" and deltas[0].id.startswith("call_") and len(deltas) > 2
+    assert deltas[0].function.name == "get_weather" and deltas[0].id
     assert "".join(d.function.arguments or "" for d in deltas) == call.function.arguments
-    # the call and its result go back through the Llama template: the next turn is answered
     history = ASK + [{"role": "assistant", "content": None, "tool_calls": [call.model_dump()]},
                      {"role": "tool", "tool_call_id": call.id, "content": "-3C"},
                      {"role": "user", "content": "And in Rome?"}]
-    again = llama_client.chat.completions.create(**dict(kw, messages=history))
+    again = client.chat.completions.create(**dict(kw, messages=history))
     assert again.choices[0].message.tool_calls[0].function.name == "get_weather"
+    return call, deltas
+
+
+def test_llama3_calls_through_the_server(llama_client):
+    call, deltas = _forced_call_round_trip(llama_client, max_tokens=80)
+    assert call.id.startswith("call_") and deltas[0].id.startswith("call_") and len(deltas) > 2
 
 
 def test_llama3_auto_reads_a_json_reply_as_a_call(llama_client):
@@ -112,23 +117,8 @@ def v11_client(tmp_path_factory):
 def test_mistral_v11_calls_through_the_server(v11_client):
     """Mistral v11+ through the real server: a forced call comes back as tool_calls with a 9-character id, streamed
     as deltas whose arguments add up to the same text, and the call with its result renders into the next turn."""
-    kw = {"model": v11_client.models.list().data[0].id, "messages": ASK, "tools": [WEATHER],
-          "tool_choice": "required", "parallel_tool_calls": False, "temperature": 0, "max_tokens": 60}
-    r = v11_client.chat.completions.create(**kw)
-    choice = r.choices[0]
-    assert choice.finish_reason == "tool_calls" and choice.message.content is None
-    (call,) = choice.message.tool_calls
-    assert call.function.name == "get_weather" and json.loads(call.function.arguments)["city"] in ("Oslo", "Rome")
-    assert len(call.id) == 9 and call.id.isalnum()
-    deltas = [d for c in v11_client.chat.completions.create(stream=True, **kw) if c.choices
-              for d in (c.choices[0].delta.tool_calls or [])]
-    assert deltas[0].function.name == "get_weather" and len(deltas[0].id) == 9
-    assert "".join(d.function.arguments or "" for d in deltas) == call.function.arguments
-    history = ASK + [{"role": "assistant", "content": None, "tool_calls": [call.model_dump()]},
-                     {"role": "tool", "tool_call_id": call.id, "content": "-3C"},
-                     {"role": "user", "content": "And in Rome?"}]
-    again = v11_client.chat.completions.create(**dict(kw, messages=history))
-    assert again.choices[0].message.tool_calls[0].function.name == "get_weather"
+    call, deltas = _forced_call_round_trip(v11_client, max_tokens=60)
+    assert len(call.id) == 9 and call.id.isalnum() and len(deltas[0].id) == 9
 
 
 def _forced_calls(pm, h, fmt, parallel: bool, max_tokens: int) -> list:

@@ -208,6 +208,14 @@ def main() -> int:
     return 0
 
 
+def sm_bound_launches(rows: list[dict], ratio: float = 1.2, min_us: float = 1.0) -> list[tuple[int, dict]]:
+    """(index, row) of the launches whose blocks sharing an SM stream at least `ratio` x and `min_us` longer than the
+    blocks alone on theirs: bound by each SM's chunk rate, not by the bandwidth (session 49's BM4: the 8B's mostly
+    3-bit gate/up 1.38x, its 4-bit gate/up 1.06x; o_proj's ~2 us streams differ by less than min_us)."""
+    return [(i, r) for i, r in enumerate(rows) if r["stream_shared_us"] and r["stream_alone_us"]
+            and r["stream_shared_us"] >= max(ratio * r["stream_alone_us"], r["stream_alone_us"] + min_us)]
+
+
 def report(stamps: np.ndarray, meta: np.ndarray, json_path: str | None) -> None:
     """Print the per-role tables of stamped launches (and write rows and summary to json_path)."""
     rows = launch_rows(stamps, meta)
@@ -229,6 +237,11 @@ def report(stamps: np.ndarray, meta: np.ndarray, json_path: str | None) -> None:
         if f and f["step_us"] is not None:
             print(f"{role:8s} {f['step_us']:7.2f} {f['slow_late_us']:7.2f} {f['slow_shared_frac']:7.2f} "
                   f"{f['slow_index_frac']:7.2f}")
+    bound = sm_bound_launches(rows)
+    print(f"{len(bound)} launches bound by their SMs (blocks sharing an SM stream >= 1.2x and 1 us longer than those "
+          "alone): launch, role, paired / alone us")
+    for i, r in bound:
+        print(f"  {i:4d} {r['role']:8s} {r['stream_shared_us']:6.2f} / {r['stream_alone_us']:6.2f}")
     st = summary.get("step", {})
     print(f"step: first start -> last end {st.get('first_start_to_last_end_us', 0):.1f} us; sum of spans "
           f"{st.get('sum_span_us', 0):.1f}, of positive gaps {st.get('sum_gap_us', 0):.1f}")

@@ -109,3 +109,22 @@ def test_kept_stamps_are_analysed_without_a_gpu(tmp_path, monkeypatch, capsys):
     assert tl.main() == 0
     assert "2 GEMV launches stamped" in capsys.readouterr().out
     assert json.loads(out.read_text())["summary"]["o"]["stream_us"] == pytest.approx(4.0)
+
+
+def test_launches_bound_by_their_sms_are_listed():
+    """Blocks that share an SM streaming 1.5x as long as a block alone flag the launch; 1.1x does not."""
+    slow = _launch(1e9, 1000, 1000, [3000, 3000, 2000], 1000)
+    fast = _launch(2e9, 1000, 1000, [2200, 2200, 2000], 1000)
+    for s in (slow, fast):
+        s[:3, 5] = [7, 7, 9]
+    rows = tl.launch_rows(np.stack([slow, fast]), np.array([GATE_UP, GATE_UP], dtype=np.int32))
+    assert [i for i, _ in tl.sm_bound_launches(rows)] == [0]
+
+
+def test_session49_stamps_name_the_mixed_width_gate_up():
+    """BM4's kept stamps (8B decode step at 1k, H100): the SM-bound launches are the gate/up ones whose span items
+    enter a 3-bit run, and no 4-bit gate/up."""
+    kept = np.load(Path(__file__).resolve().parents[2] / "docs/measurements/2026-12-07-session49-BM4-timeline.npz")
+    rows = tl.launch_rows(kept["stamps"], kept["meta"])
+    bound = [i for i, r in tl.sm_bound_launches(rows) if r["role"] == "gate/up"]
+    assert {74, 82, 90, 98, 106, 114, 122} <= set(bound) and len(bound) <= 8

@@ -32,7 +32,9 @@ SHAPES = [  # (name, K, N, option)
     ("q/o 4096x4096", 4096, 4096, "4:1@128"),
     ("k/v 4096x1024", 4096, 1024, "4:1@128"),
 ]
-WIDTHS = ["2:1@128", "3:1@128", "6:1@128", "8:1@128", "4:0.1@32 3:0.9@32"]  # 4096x14336, M = 1 (last: the 8B's gate)
+# 4096x14336 at M = 1: the widths, the 8B's mixed gate, and 3 / 4 bits in groups of 32 rows (the mixed gate's groups;
+# session 49's BM4 found its launches bound by each SM's chunk rate, the 4-bit ones with groups of 128 by the bandwidth)
+WIDTHS = ["2:1@128", "3:1@128", "6:1@128", "8:1@128", "4:0.1@32 3:0.9@32", "3:1@32", "4:1@32"]
 FUSED_M = [1, 2, 4, 5, 8, 9, 16, 32]  # the TMA GEMV takes M <= 32 (sm_90+); the mma kernel M <= 32
 DEQ_M = [8, 16, 32, 64]
 
@@ -122,10 +124,12 @@ def main() -> None:
     ap.add_argument("--one", action="store_true", help="a few launches of one shape (for ncu)")
     ap.add_argument("--shape", type=int, default=0, help="--one: index into SHAPES")
     ap.add_argument("--m", type=int, default=1, help="--one: rows of x")
+    ap.add_argument("--option", help="--one: this quantization option instead of the shape's (e.g. '3:1@32')")
     args = ap.parse_args()
     torch.manual_seed(0)
     if args.one:
         _, k, n, opt = SHAPES[args.shape]
+        opt = args.option or opt
         op = cuda_quant.prepare_linear([qtensor(k, n, opt, 0, "cuda")], "cuda")
         x = torch.randn(args.m, k, device="cuda").half()
         for _ in range(3):

@@ -214,13 +214,7 @@ def paged_attention_quant(q: torch.Tensor, k_codes: torch.Tensor, k_scales: torc
     p, s, hkv, d = _caches(op, k_codes, k_scales, v_codes, v_scales, k_fmt, v_fmt, device=q.device)
     b, tq, hq, _ = q.shape
     check_attention_args(op, q.shape, hkv, d, "q", block_tables, context_lens, num_splits)
-    why = None
-    if d not in (64, 128):
-        why = f"head_dim {d}"
-    elif q.dtype != torch.float16:
-        why = f"q dtype {q.dtype}"
-    elif s < 16 or s & (s - 1):
-        why = f"page size {s}"
+    why = cuda_layers.attention_kernel_declines(q, s)
     if why is not None:
         return _fallback(op, why)(q, k_codes, k_scales, v_codes, v_scales, block_tables, context_lens, scale, k_fmt,
                                   v_fmt)

@@ -749,18 +749,28 @@ def check_attention_args(op: str, q_shape, hkv: int, cache_head_dim: int, cache_
     _require(num_splits >= 0, f"{op}: num_splits must be >= 0", "num_splits")
 
 
-def _attention_kernel_declines(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> str | None:
-    """Why the fp16 paged-attention kernel does not take these (checked) inputs, or None where it does."""
-    d, s = q.shape[3], k_cache.shape[1]
+def attention_kernel_declines(q: torch.Tensor, page_size: int) -> str | None:
+    """Why the paged-attention kernels (fp16 and code pages alike) do not take a query q [B, Tq, Hq, D] over pages of
+    `page_size` tokens, or None where they do: head_dim 64 or 128, fp16, a power-of-two page of at least 16."""
+    d = q.shape[3]
     if d not in (64, 128):
         return f"head_dim {d}"
-    if q.dtype != torch.float16 or k_cache.dtype != torch.float16:
-        return f"dtypes q {q.dtype}, cache {k_cache.dtype}"
-    if s < 16 or s & (s - 1):
-        return f"page size {s}"
-    if not (k_cache.is_contiguous() and v_cache.is_contiguous()):
-        return "non-contiguous cache"
+    if q.dtype != torch.float16:
+        return f"q dtype {q.dtype}"
+    if page_size < 16 or page_size & (page_size - 1):
+        return f"page size {page_size}"
     return None
+
+
+def _attention_kernel_declines(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> str | None:
+    """Why the fp16 paged-attention kernel does not take these (checked) inputs, or None where it does: the shared
+    conditions, then an fp16, contiguous cache."""
+    why = attention_kernel_declines(q, k_cache.shape[1])
+    if why is None and k_cache.dtype != torch.float16:
+        why = f"cache dtype {k_cache.dtype}"
+    if why is None and not (k_cache.is_contiguous() and v_cache.is_contiguous()):
+        why = "non-contiguous cache"
+    return why
 
 
 def _attention_inputs(op: str, q: torch.Tensor, block_tables: torch.Tensor,

@@ -274,3 +274,24 @@ def test_streamed_verify_rows(monkeypatch, verify):
     assert cuda_layers.stream_splits(1, 1088, 132, tiles=1, rows=4) == 68
     assert cuda_layers.stream_splits(1, 1088, 132, tiles=2, rows=20) == 34
     assert cuda_layers.stream_splits(1, 32768, 132, tiles=2, rows=20) == 66
+
+
+@pytest.mark.parametrize("head_dim,dtype,page,why", [
+    (128, torch.float16, 16, None), (64, torch.float16, 256, None),
+    (96, torch.float16, 16, "head_dim 96"), (128, torch.bfloat16, 16, "q dtype torch.bfloat16"),
+    (128, torch.float16, 8, "page size 8"), (128, torch.float16, 24, "page size 24")])
+def test_both_attention_ops_decline_the_same_queries(head_dim, dtype, page, why):
+    """The conditions the fp16 and code-page kernels share (cuda_layers.attention_kernel_declines, which
+    cuda_kvquant.paged_attention_quant asks too); the fp16 op then also needs an fp16, contiguous cache."""
+    q = torch.zeros(1, 1, 8, head_dim, dtype=dtype)
+    assert cuda_layers.attention_kernel_declines(q, page) == why
+    cache = torch.zeros(2, page, 2, head_dim, dtype=torch.float16)
+    assert cuda_layers._attention_kernel_declines(q, cache, cache) == why
+
+
+def test_fp16_attention_declines_a_cache_it_cannot_read():
+    q = torch.zeros(1, 1, 8, 128, dtype=torch.float16)
+    cache = torch.zeros(2, 16, 2, 128, dtype=torch.float16)
+    assert cuda_layers._attention_kernel_declines(q, cache.float(), cache.float()) == "cache dtype torch.float32"
+    strided = torch.zeros(2, 16, 4, 128, dtype=torch.float16)[:, :, ::2]
+    assert cuda_layers._attention_kernel_declines(q, strided, strided) == "non-contiguous cache"

@@ -166,16 +166,21 @@ def step_costs(shape, dev: torch.device, context: int, iters: int, ks=KS, kernel
 
             out["eager_verify_ms"][k] = wall_ms(eager, dev, max(iters // 4, 3))
         if kernels:  # where a verify step's extra time goes, kernel by kernel
-            from profile_decode import kernel_table  # scripts/ is sys.path[0] when run as a script
+            from gemv_roles import step_roles
+            from profile_decode import gemv_launch_kinds, kernel_table  # scripts/ is sys.path[0] as a script
 
             # Durations overlap under PDL (a kernel's includes its wait for the one before): "critical" charges each
             # kernel from its predecessor's end to its own (profile_decode.critical_path), which sums to the step.
             graphs = {"decode": runner.inner._graphs[1]}
             graphs.update({f"verify_k{k}": runner._verify_graphs[(1, k + 1)] for k in ks})
+            # Each GEMV launch labelled with its role and layer ("gate/up#3"), and each layer's bit widths per role,
+            # so a verify's GEMVs can be compared with the decode's role by role.
+            roles = step_roles(model.num_layers, model.lm_head is not None, by_layer=True)
+            out["launch_kinds"] = {f"{r}#{i}": k for (r, i), k in gemv_launch_kinds(model)[1].items()}
             out["kernels"], out["critical"] = {}, {}
             for name, graph in graphs.items():
                 out["critical"][name] = {}
-                out["kernels"][name] = kernel_table(graph.replay, 10, critical=out["critical"][name])
+                out["kernels"][name] = kernel_table(graph.replay, 10, critical=out["critical"][name], roles=roles)
     if engine:  # whole engine steps (sampling, bookkeeping, host-device syncs): plain decode vs k wrong drafts
         out["engine_decode_ms"] = wall_ms(lambda: e.verify(["s"], {}), dev, iters)
         out["engine_verify_ms"] = {}

@@ -200,6 +200,9 @@ def main() -> int:
     prefill_seconds(engine, "seq", ids.tolist(), 16)
     for _ in range(2):
         engine.decode(["seq"])
+    from profile_decode import upload_decode_step  # scripts/ is sys.path[0] when run as a script
+
+    upload_decode_step(engine, "seq")  # the graph replays this sequence's next step, not an empty context
     stamps, meta = capture_timeline(engine)
     engine.release("seq")
     if args.raw:

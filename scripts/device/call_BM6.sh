@@ -1,4 +1,5 @@
 #!/usr/bin/env bash
+# RAN in session 50 (H100; docs/performance.md, session 50): "no instruction" the largest stall reason (21-23%).
 # Device call BM6 (prepared in session 49, not run; carry .whl and .dev, csrc faef46bdd949; BM6_LIMIT seconds (300)):
 # what bounds the 3-bit GEMV's chunk rate. Session 49's BM4 found the 8B's mixed gate/up launches (gate 4:0.1 3:0.9,
 # groups of 32 rows) bound by each SM's chunk rate (a block alone on its SM streams 14.5 us, one sharing it 20.0),

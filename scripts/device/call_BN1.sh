@@ -1,4 +1,5 @@
 #!/usr/bin/env bash
+# RAN in session 50 (H100): the k = 4 verify by role; fused norm at 5 rows 1.612x (gate/up doubles), default 1.246x.
 # Device call BN1 (session 50; carry .whl and .dev, csrc faef46bdd949, no build; BN1_LIMIT seconds (300)):
 # where a k = 4 verify's fused norm loses, GEMV role by role. At M >= 3 a verify step runs the norm as its own
 # launch before q/k/v and gate/up (~0.24 ms at k = 4, BH1: 1.146x a decode step without them against 1.245x);

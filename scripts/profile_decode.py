@@ -22,6 +22,7 @@ Variants (switches that keep the old path selectable; all use the fused rope + K
   cluster:  after with the TMA GEMV's split-K partials reduced inside thread-block clusters (GEMV_MINB=1)
   nonorm:   after with add_rms_norm as its own kernel instead of inside the next GEMV (EXL2_BACKEND_FUSED_NORM=0)
   nochain:  after with o_proj -> gate/up -> down -> next q/k/v as four launches instead of one persistent chain
+  nochain_tickets: nochain with the attention splits combined by their last CTA (the engines' GEMVs, tickets on)
             (EXL2_BACKEND_GEMV_CHAIN=0)
 
 Shapes: "llama3-8b" is written with 4 layers of Llama-3.1-8B width and the full 128256-token head, then
@@ -72,6 +73,7 @@ VARIANTS = {
     "cluster": {"pdl": True, "silu_down": True, "gemv_minb": 1},  # TMA ring, split-K reduced inside clusters
     "nonorm": {"pdl": True, "silu_down": True, "fused_norm": False},  # add_rms_norm as its own kernel
     "nochain": {"pdl": True, "silu_down": True, "chain": False},  # the layer's GEMVs one launch each
+    "nochain_tickets": {"pdl": True, "silu_down": True, "chain": False, "attn_tickets": True},
 }
 
 

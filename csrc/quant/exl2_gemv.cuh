@@ -394,7 +394,8 @@ __device__ __forceinline__ bool gv_load_xmap(const QDesc& d, int c0, int nch, un
 // returned true in every thread; x, ldx, gate_off and x0 multiples of 8 halves, so rows are 16-byte vectors):
 // xs[m * xstride + r] = x[m * ldx + x0 + r] (with gate_off: silu(gate) * up, as gv_gather_items), by `nthreads`
 // threads from thread 0 (callers synchronize). M x rows / 8 vectors, kB per thread in flight: a k = 4 verify's down
-// (5 tokens x 896 rows) takes one round of loads where the two-byte items take three.
+// (5 tokens x 896 rows) takes one round of loads where the two-byte items take three. Fewer threads do the work, 8
+// elements each: the TMA kernel copies vectors only where the items would take more than one round.
 template <bool kMayGate = true>
 __device__ __forceinline__ void gv_gather_in_order(const GemvParams& p, int x0, int nch, __half* xs, int nthreads) {
   constexpr int kB = 4;

@@ -125,12 +125,24 @@ def wall_ms(fn, dev: torch.device, iters: int) -> float:
     return (time.perf_counter() - t0) * 1e3 / iters
 
 
+def skip_prefill(e: Engine, seq_id: str) -> None:
+    """Mark sequence `seq_id` prefilled without running the model: its prompt's pages are allocated and hold what
+    they held (zeros in a fresh cache), and token 0 is its first output. For measurement switches whose wrong outputs
+    fail the engine's NaN guard at the prefill (the GEMV's timing probes, EXL2_GEMV_PROBE: session 50's BN2); graph
+    replays time the same kernels over any cache contents."""
+    seq = e.seqs[seq_id]
+    e.pages.grow(seq, len(seq.prompt_ids))
+    seq.num_computed = len(seq.prompt_ids)
+    seq.output_ids.append(0)
+
+
 def step_costs(shape, dev: torch.device, context: int, iters: int, ks=KS, kernels: bool = False,
                engine: bool = True) -> dict:
     """Decode vs (k+1)-token verify costs of a random model of `shape` at `context` tokens. `kernels`: also
     the kernel table (count and µs per step, torch.profiler) of the decode graph and of each verify graph.
-    `engine`: also whole engine steps (False for a measurement switch whose wrong outputs the engine refuses:
-    its NaN guard fails the sequence, as H100 call BF7 of session 40 found)."""
+    `engine`: also whole engine steps, and the prompt prefilled by the engine (False for a measurement switch whose
+    wrong outputs the engine refuses: its NaN guard fails the sequence, as H100 call BF7 of session 40 found; the
+    prompt's KV is then left uncomputed, skip_prefill)."""
     from exl2_backend.runtime.model_runner import ModelRunner
 
     t0 = time.perf_counter()
@@ -144,8 +156,11 @@ def step_costs(shape, dev: torch.device, context: int, iters: int, ks=KS, kernel
     prompt = torch.randint(0, model.vocab_size, (context,), generator=g).tolist()
     params = GenerationParams(sampling=SamplingParams.greedy(), max_new_tokens=n_steps * (kmax + 1), ignore_eos=True)
     e.add_sequence("s", prompt, params)
-    while not e.prefill(["s"])[0].token_ids:
-        pass
+    if engine:
+        while not e.prefill(["s"])[0].token_ids:
+            pass
+    else:  # no engine steps: a measurement switch may be on, whose wrong outputs the prefill's NaN guard refuses
+        skip_prefill(e, "s")
     seq = e.seqs["s"]
     pos = seq.num_tokens - 1
     e.pages.grow(seq, pos + 1 + kmax)  # pages for the verify windows timed below (released with the sequence)

@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
 # RAN in session 50 (H100), twice: the probes failed (first the norm-fused GEMV refused them, then the NaN guard).
+# Since then spec_bench --skip engine leaves the prompt unprefilled (skip_prefill), so the probes can run: ready again.
 # Device call BN2 (session 50; carry .whl and .dev, csrc faef46bdd949, no build; BN2_LIMIT seconds (300)): what a
 # verify's GEMVs spend past the decode's, role by role, with the kernel's timing probes (results wrong). BN1 found
 # the k = 4 verify's extra ~535 us over a decode step in the norm launches (242), down (+4.5 us per launch, 144),

@@ -22,8 +22,8 @@ Variants (switches that keep the old path selectable; all use the fused rope + K
   cluster:  after with the TMA GEMV's split-K partials reduced inside thread-block clusters (GEMV_MINB=1)
   nonorm:   after with add_rms_norm as its own kernel instead of inside the next GEMV (EXL2_BACKEND_FUSED_NORM=0)
   nochain:  after with o_proj -> gate/up -> down -> next q/k/v as four launches instead of one persistent chain
-  nochain_tickets: nochain with the attention splits combined by their last CTA (the engines' GEMVs, tickets on)
             (EXL2_BACKEND_GEMV_CHAIN=0)
+  nochain_tickets: nochain with the attention splits combined by their last CTA (the engines' GEMVs, tickets on)
 
 Shapes: "llama3-8b" is written with 4 layers of Llama-3.1-8B width and the full 128256-token head, then
 loaded as 32 layers (layer i reuses the weights of layer i % 4, each packed into its own GPU copy, so the
@@ -152,7 +152,7 @@ def upload_decode_step(engine, seq_id: str) -> None:
     """Write sequence `seq_id`'s next decode step into the plain batch-1 graph's static inputs (by running that step
     once). Greedy steps (EXL2_BACKEND_GRAPH_IO, on by default) launch graphs of their own and never write them: the
     plain graph replayed as it was timed a step over an empty context, the 1k attention and its reduce nearly free
-    (session 50: 68 against 266 us of the 8B step's critical path, the step 2.10 against 2.28 ms)."""
+    (session 50: 68 against 264 us of the 8B step's critical path, the step 2.10 against 2.25 ms)."""
     seq = engine.seqs[seq_id]
     engine.pages.grow(seq, seq.num_tokens)
     engine.runner.run([[seq.last_token]], [seq.num_tokens - 1], [seq.pages])

@@ -115,20 +115,22 @@ def prefill_seconds(engine, seq_id: str, prompt: list[int], new_tokens: int) -> 
     return time.perf_counter() - t0
 
 
-def graph_step_seconds(engine, iters: int) -> float | None:
-    """Seconds per replay of the engine's batch-1 decode graph (None without one): 3 warm-up replays, then `iters`
-    timed with CUDA events. The graph repeats the step it last ran (same inputs, same cache slots). With greedy
-    graphs (EXL2_BACKEND_GRAPH_IO) that is the last one launched: the plain graph's staging was never written
-    then, and replaying it would time a step over an empty context."""
+def decode_graph(engine):
+    """The CUDA graph that repeats the engine's last batch-1 decode step (same inputs, same cache slots), or None.
+    With greedy graphs (EXL2_BACKEND_GRAPH_IO, the default) that is the last one launched: the plain graph's staging
+    was never written then, and replaying it times a step over an empty context (found for this bench in session
+    26, for the profiles and the pytest-benchmark suite in session 50)."""
     greedy = getattr(getattr(engine, "lookahead", None), "graphs", None)
     if greedy is not None and greedy.last is not None:
-        g = greedy.last
-    else:
-        graphs = getattr(engine.runner, "_graphs", {})
-        if 1 not in graphs:
-            return None
-        g = graphs[1]
-    return replay_mean_ms(g, iters) / 1e3
+        return greedy.last
+    return getattr(engine.runner, "_graphs", {}).get(1)
+
+
+def graph_step_seconds(engine, iters: int) -> float | None:
+    """Seconds per replay of decode_graph(engine) (None without one): 3 warm-up replays, then `iters` timed with
+    CUDA events."""
+    g = decode_graph(engine)
+    return None if g is None else replay_mean_ms(g, iters) / 1e3
 
 
 def decode_slack(spec: bool) -> int:

@@ -184,3 +184,21 @@ def test_eval_refuses_a_negative_token_count_and_a_window_past_the_context(small
                  "--window", str(limit + 1)]) == 2
     assert "max_position_embeddings" in capsys.readouterr().err
 
+
+
+def test_decode_graph_is_the_one_that_ran_the_step():
+    """The graph the bench and the pytest-benchmark suite replay: the last greedy graph launched where graph I/O ran
+    (the plain graph's inputs were never written then: its replay timed an empty context), else the plain batch-1
+    graph, else none (a CPU engine)."""
+    from types import SimpleNamespace
+
+    from exl2_backend.bench.decode import decode_graph
+
+    plain, greedy = object(), object()
+    runner = SimpleNamespace(_graphs={1: plain})
+    assert decode_graph(SimpleNamespace(runner=runner, lookahead=SimpleNamespace(graphs=SimpleNamespace(
+        last=greedy)))) is greedy
+    assert decode_graph(SimpleNamespace(runner=runner, lookahead=SimpleNamespace(graphs=SimpleNamespace(
+        last=None)))) is plain
+    assert decode_graph(SimpleNamespace(runner=runner, lookahead=None)) is plain
+    assert decode_graph(SimpleNamespace(runner=SimpleNamespace(), lookahead=None)) is None

@@ -122,8 +122,9 @@ def test_launches_bound_by_their_sms_are_listed():
 
 
 def test_session49_stamps_name_the_mixed_width_gate_up():
-    """BM4's kept stamps (8B decode step at 1k, H100): the SM-bound launches are the gate/up ones whose span items
-    enter a 3-bit run, and no 4-bit gate/up."""
+    """BM4's kept stamps (8B decode step at 1k, H100; its graph replayed an empty context, found in session 50, which
+    leaves the GEMVs' own streaming as it is): the SM-bound launches are the gate/up ones whose span items enter a
+    3-bit run, and no 4-bit gate/up."""
     kept = np.load(Path(__file__).resolve().parents[2] / "docs/measurements/2026-12-07-session49-BM4-timeline.npz")
     rows = tl.launch_rows(kept["stamps"], kept["meta"])
     bound = [i for i, r in tl.sm_bound_launches(rows) if r["role"] == "gate/up"]

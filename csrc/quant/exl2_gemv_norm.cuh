@@ -1,7 +1,9 @@
 // RMSNorm fused into the TMA GEMV's input (GemvParams::norm_nt > 0): the layer's add_rms_norm kernel and the
-// launch boundary before the q/k/v or gate/up GEMV disappear. Every block normalizes all M tokens' whole rows
-// into shared memory (M x K fp16; at M = 1 and K = 4096 an 8 KB read from L2, where the rows were just written)
-// and then gathers its split's rows from there in stored order. Block 0 alone writes the new residual stream.
+// launch boundary before the q/k/v or gate/up GEMV disappear. Every block normalizes all M tokens' whole rows (at
+// M = 1 and K = 4096 an 8 KB read from L2, where the rows were just written) and stores the values of its own split
+// straight into its input rows in stored order, through an inverse of its xmap slice built before the PDL wait
+// (gv_norm_prepare_stored: K halves of shared memory whatever M; the earlier M x K normalized rows took 40 KB at
+// M = 5 and left one block per SM for the head and the gate/up GEMV). Block 0 alone writes the new residual stream.
 //
 // The arithmetic is layers/norm.cu's rms_norm_kernel with 16-byte vectors, step for step: the same threads per
 // row (ceil(K / 32) rounded up to a warp, at most kMaxNormThreads), the same vectors per thread in the same order,
@@ -18,6 +20,9 @@ namespace exl2q {
 constexpr int kNormVec = 8;       // halves per 16-byte vector (rms_norm_kernel VEC)
 constexpr int kNormMaxVecs = 4;   // vectors per thread (rms_norm_kernel MAXV)
 constexpr int kMaxNormThreads = kGvWarps * 32;  // a row's threads must fit the compute warps (K <= 8192)
+// Rows a thread of the GEMV's fused norm takes per pass, their loads issued together (one L2 round trip per pass):
+// a pass covers kNormRowsPerThread x kMaxNormThreads / norm_row_threads(K) rows (K = 4096: four).
+constexpr int kNormRowsPerThread = 2;
 
 // rms_norm_kernel's block size for a row of K halves (its launch(): vectors / MAXV, rounded up to a warp).
 __host__ __device__ inline int norm_row_threads(int K) {
@@ -134,15 +139,113 @@ __device__ __forceinline__ void gv_norm_row(NormRows rows, int m, __half* xf, fl
   gv_norm_rows(rows, xf, red, res_out ? res_out + (size_t)m * res_out_ld : nullptr, res_out_ld, sync);
 }
 
-// The split's rows of the normalized tokens (xf) into xs[m * xstride + r] in stored row order (padding rows
-// zero), shared memory to shared memory, by `nthreads` threads from thread 0 (callers synchronize).
-__device__ __forceinline__ void gv_gather_normed(const GemvParams& p, int nch, __half* xs, const unsigned short* xm,
-                                                 const __half* xf, int nthreads) {
-  const int rows = nch * kChunkRows, items = rows * p.M;
-  for (int e = threadIdx.x; e < items; e += nthreads) {
-    const int m = e / rows, r = e - m * rows;
+// Compute warps, before the PDL wait (constants only): the inverse of the block's xmap slice, linv[i] = the row of
+// xs that input row i of the part fills (0xFFFF: another block's row), and zeros in xs's padding rows, which no
+// input row fills. `rows` = the block's item's chunks x kChunkRows. Synchronizes the compute warps.
+template <typename Sync>
+__device__ __forceinline__ void gv_norm_prepare_stored(int K, int M, int xstride, int rows, const unsigned short* xm,
+                                                       unsigned short* linv, __half* xs, int nthreads, Sync&& sync) {
+  const int tid = threadIdx.x;
+  for (int v = tid; v < K / kNormVec; v += nthreads)
+    reinterpret_cast<uint4*>(linv)[v] = make_uint4(~0u, ~0u, ~0u, ~0u);
+  sync();
+  for (int r = tid; r < rows; r += nthreads) {
     const unsigned i = xm[r];
-    xs[m * p.xstride + r] = i == 0xFFFFu ? __float2half_rn(0.f) : xf[(size_t)m * p.norm_k + i];
+    if (i != 0xFFFFu) {
+      linv[i] = (unsigned short)r;
+    } else {
+      for (int m = 0; m < M; ++m) xs[m * xstride + r] = __float2half_rn(0.f);
+    }
+  }
+  sync();
+}
+
+// gv_norm_rows with the output in the block's stored order: the normalized value of row m, input row i goes to
+// xs[m * xstride + linv[i]] when linv[i] != 0xFFFF. Each thread takes kNormRowsPerThread rows per pass (rows
+// sub, sub + slots, ... of the pass), all their loads issued before any is used; the per-row arithmetic is
+// gv_norm_rows's (so rms_norm_kernel's) exactly. `red` holds kGvWarps x kNormRowsPerThread floats.
+template <typename Sync>
+__device__ __forceinline__ void gv_norm_rows_stored(const NormRows& n, const unsigned short* linv, __half* xs,
+                                                    int xstride, float* red, __half* res_out, int res_out_ld,
+                                                    Sync&& sync) {
+  using namespace exl2::layers;
+  constexpr int R = kNormRowsPerThread;
+  const int K = n.K, nvec = K / kNormVec, nt = n.nt, slots = kMaxNormThreads / nt;
+  const int tid = threadIdx.x, sub = tid / nt, t = tid - sub * nt;
+  const int lane = tid & 31, warp = tid >> 5, nw = nt >> 5, w0 = sub * nw;
+  uint4 wv[kNormMaxVecs];  // the norm weight: a constant, the same vectors for every row of this thread
+#pragma unroll
+  for (int i = 0; i < kNormMaxVecs; ++i) {
+    const int c = t + i * nt;
+    if (sub < slots && c < nvec) wv[i] = __ldg(reinterpret_cast<const uint4*>(n.w + c * kNormVec));
+  }
+  for (int m0 = 0; m0 < n.M; m0 += slots * R) {
+    uint4 hv[R][kNormMaxVecs], rv[R][kNormMaxVecs];  // 8 halves each
+#pragma unroll
+    for (int j = 0; j < R; ++j) {
+      const int m = m0 + sub + j * slots;
+      const bool live = sub < slots && m < n.M;
+#pragma unroll
+      for (int i = 0; i < kNormMaxVecs; ++i) {
+        const int c = t + i * nt;
+        if (live && c < nvec) {
+          hv[j][i] = *reinterpret_cast<const uint4*>(n.x + (size_t)m * n.ldx + c * kNormVec);
+          if (n.res) rv[j][i] = *reinterpret_cast<const uint4*>(n.res + (size_t)m * n.res_ld + c * kNormVec);
+        }
+      }
+    }
+#pragma unroll
+    for (int j = 0; j < R; ++j) {
+      const int m = m0 + sub + j * slots;
+      const bool live = sub < slots && m < n.M;
+      float ss = 0.f;
+#pragma unroll
+      for (int i = 0; i < kNormMaxVecs; ++i) {
+        const int c = t + i * nt;
+        if (live && c < nvec) {
+          __half* h = reinterpret_cast<__half*>(&hv[j][i]);
+          if (n.res) {
+            const __half* r = reinterpret_cast<const __half*>(&rv[j][i]);
+#pragma unroll
+            for (int k = 0; k < kNormVec; ++k) h[k] = __float2half_rn(__fadd_rn(__half2float(h[k]), __half2float(r[k])));
+            if (res_out) *reinterpret_cast<uint4*>(res_out + (size_t)m * res_out_ld + c * kNormVec) = hv[j][i];
+          }
+#pragma unroll
+          for (int k = 0; k < kNormVec; ++k) {
+            const float v = __half2float(h[k]);
+            ss = __fmaf_rn(v, v, ss);
+          }
+        }
+      }
+      ss = warp_sum(ss);  // block_sum: each warp's sum, then one warp sum over the row's warps (zeros past them)
+      if (lane == 0) red[j * kGvWarps + warp] = ss;
+    }
+    sync();
+#pragma unroll
+    for (int j = 0; j < R; ++j) {
+      const int m = m0 + sub + j * slots;
+      const bool live = sub < slots && m < n.M;
+      float s = sub < slots && lane < nw ? red[j * kGvWarps + w0 + lane] : 0.f;
+      s = warp_sum(s);
+      const float inv = rsqrtf(__fadd_rn(__fdiv_rn(s, (float)K), n.eps));
+#pragma unroll
+      for (int i = 0; i < kNormMaxVecs; ++i) {
+        const int c = t + i * nt;
+        if (live && c < nvec) {
+          const __half* h = reinterpret_cast<const __half*>(&hv[j][i]);
+          const __half* w = reinterpret_cast<const __half*>(&wv[i]);
+          const uint4 lv = *reinterpret_cast<const uint4*>(linv + c * kNormVec);
+          const unsigned short* li = reinterpret_cast<const unsigned short*>(&lv);
+          __half* row = xs + m * xstride;
+#pragma unroll
+          for (int k = 0; k < kNormVec; ++k) {
+            if (li[k] != 0xFFFFu)
+              row[li[k]] = __float2half_rn(__fmul_rn(__fmul_rn(__half2float(h[k]), inv), __half2float(w[k])));
+          }
+        }
+      }
+    }
+    sync();  // red is reused by the next pass
   }
 }
 

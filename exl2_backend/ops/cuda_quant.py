@@ -74,14 +74,18 @@ GEMV_PREGATHER_ITEMS = int(os.environ.get("EXL2_BACKEND_GEMV_PREGATHER_ITEMS", "
 # launch whose plan needs more (a 128k-column head at M > 12: its activations split K six ways at M = 32, ~200 MB
 # of partials, as many bytes as the weights) runs on the mma kernel or dequant + cuBLAS instead.
 WORKSPACE_BUDGET = 60 << 20
-# RMSNorm fused into the TMA GEMV (CudaLinearOp.add_normed, csrc/quant/exl2_gemv_norm.cuh): every block keeps the
-# M normalized rows in shared memory beside its 24 KB ring, so M * K * 2 bytes are capped here (two blocks per SM
-# must still fit: at K = 4096, M <= 5 covers a decode step and a k = 4 verify).
-NORM_SMEM_BYTES = int(os.environ.get("EXL2_BACKEND_NORM_SMEM_BYTES", str(40 << 10)))
-# Passes of the fused norm's 256 threads over the M rows that routing accepts (_Launch.takes_norm). 1 since call
-# I1 (each pass then waited 8-12 dependent round trips). 3 lost twice after a pass came to wait one round trip:
-# H200 calls Q1 (session 10) and X2 (session 14), 8B k = 4 verify 1.394x / 1.678x a decode step against 1.205x /
-# 1.303x with 1, since every GEMV block normalizes all M rows again where the norm_pregather launch does it once.
+# RMSNorm fused into the TMA GEMV (CudaLinearOp.add_normed, csrc/quant/exl2_gemv_norm.cuh): every block normalizes
+# the M rows whole and keeps its split's values in stored order through an inverse row map of K uint16 in shared
+# memory, whatever M (until session 51 it kept all M normalized rows: M x K x 2 bytes, 40 KB at M = 5 and K = 4096,
+# which left one block per SM for the head and gate/up of a k = 4 verify). Rows it takes at most (0: never fused).
+NORM_MAX_ROWS = int(os.environ.get("EXL2_BACKEND_NORM_MAX_ROWS", "32"))
+# Rows a compute thread of the fused norm normalizes per pass, their loads issued together (csrc kNormRowsPerThread):
+# a pass covers NORM_ROWS_PER_THREAD x 256 / norm_row_threads(K) rows (K = 4096: four).
+NORM_ROWS_PER_THREAD = 2
+# Passes of the fused norm over the M rows that routing accepts (_Launch.takes_norm). 1 since call I1 (each pass then
+# waited 8-12 dependent round trips). 3 lost twice after a pass came to wait one round trip: H200 calls Q1 (session
+# 10) and X2 (session 14), 8B k = 4 verify 1.394x / 1.678x a decode step against 1.205x / 1.303x with 1; those
+# kernels kept one row per thread and pass and M x K normalized halves per block (one block per SM at M = 5).
 NORM_MAX_PASSES = max(1, int(os.environ.get("EXL2_BACKEND_FUSED_NORM_PASSES", "1")))
 # Rows past one pass of the fused norm: add_rms_norm writes each part's stored row order itself
 # (csrc/quant/exl2_gemv_norm_pregather.cu; one launch instead of add_rms_norm + pregather, and no scattered gather
@@ -568,16 +572,16 @@ class _Launch:
 
     def can_norm(self, m: int) -> bool:
         """Whether M rows can run the GEMV with rms_norm fused into its input (exl2_gemv_add_norm): the TMA kernel
-        takes M, the hidden size is a multiple of 8 up to 8192, and the M normalized rows fit NORM_SMEM_BYTES."""
-        return (GEMV_MINB == 0 and gemv_row_cap(self.device) == 32 and self.takes_gemv(m)
-                and self.K % 8 == 0 and self.K <= 8192 and m * self.K * 2 <= NORM_SMEM_BYTES)
+        takes M, at most NORM_MAX_ROWS, and the hidden size is a multiple of 8 up to 8192."""
+        return (GEMV_MINB == 0 and gemv_row_cap(self.device) == 32 and self.takes_gemv(m) and m <= NORM_MAX_ROWS
+                and self.K % 8 == 0 and self.K <= 8192)
 
     def takes_norm(self, m: int) -> bool:
         """Whether routing fuses the norm for M rows: can_norm, and the rows fit NORM_MAX_PASSES passes (default
-        one) of the kernel's 256 compute threads (norm_row_threads(K) per row). H200 call I1, before the norm's loads
+        one) of the kernel's 256 compute threads (norm_rows_per_pass). H200 call I1, before the norm's loads
         were issued together: the 8B's k = 4 verify (M = 5, three passes) took 1.55x a decode step fused against
         1.28x apart; the decode step (one pass) gained 3.9%."""
-        return self.can_norm(m) and m <= NORM_MAX_PASSES * (256 // norm_row_threads(self.K))
+        return self.can_norm(m) and m <= NORM_MAX_PASSES * norm_rows_per_pass(self.K)
 
     def can_norm_pregather(self, m: int) -> bool:
         """Whether M rows can run add_rms_norm writing the stored row order, then the GEMV copying it
@@ -924,6 +928,11 @@ def norm_row_threads(k: int) -> int:
     4 per thread, rounded up to a warp."""
     t = (k // 8 + 3) // 4
     return 32 if t < 32 else (t + 31) // 32 * 32
+
+
+def norm_rows_per_pass(k: int) -> int:
+    """Rows one pass of the norm-fused GEMV's 256 compute threads normalizes at hidden size K."""
+    return NORM_ROWS_PER_THREAD * (256 // norm_row_threads(k))
 
 
 def _row_stride(t: torch.Tensor) -> int:

@@ -1,0 +1,32 @@
+#!/usr/bin/env bash
+# Device call BO1 (session 51; carry .whl and .dev: this csrc's library (D) and session 48's (O, .dev/libO.so.gz);
+# BO1_LIMIT seconds (560)): the norm inside the GEMV without its M x K rows in shared memory. Until now every block
+# of a norm-fused GEMV kept all M normalized rows (40 KB at M = 5, K = 4096) beside its ring and input rows, which
+# left one block per SM for the head and gate/up at M = 5 (BN1: gate/up 51.2 us fused against 25.6 + 3.7, the head
+# 224 against 146); the new kernel stores each block's split straight into its stored-order input through an inverse
+# row map (K uint16), two rows per thread and pass (M <= 4 in one pass at K = 4096).
+#  1. the GEMV GPU tests (bit-identity of the fused norm with add_rms_norm + GEMV, every width, M over passes);
+#  2. spec_bench step costs interleaved twice: O = session 48's library with its routing (the fused norm up to two
+#     rows: EXL2_BACKEND_NORM_MAX_ROWS=2), D = the new library's default (fused up to four rows, one pass),
+#     P = the new library fusing up to eight rows (EXL2_BACKEND_FUSED_NORM_PASSES=2: the k = 4 verify fused);
+#  3. P's k = 4 verify by role (spec_bench --kernels), if time is left.
+export EXL2_CARRIED_LIBRARY=1
+source scripts/device/common.sh
+begin_card_call bo1 "${BO1_LIMIT:-560}"
+use_libraries O=.dev/libO.so.gz
+gpu_tests gemv 150 -n 8 $GEMV_GPU_TESTS -k "not llama3_8b"
+step_costs() {  # step_costs NAME: the variant named by NAME's first letter
+  case ${1:0:1} in
+    O) cp /tmp/libO.so "$LIB"; spec_line "$1" EXL2_BACKEND_NORM_MAX_ROWS=2 ;;
+    D) cp /tmp/libD.so "$LIB"; spec_line "$1" ;;
+    P) cp /tmp/libD.so "$LIB"; spec_line "$1" EXL2_BACKEND_FUSED_NORM_PASSES=2 ;;
+  esac
+}
+for v in O1 D1 P1 O2 D2 P2; do fits 50 "$v" "$L" && step_costs "$v"; done
+cp /tmp/libD.so "$LIB"
+if fits 110 Pk "$L"; then
+  EXL2_BACKEND_FUSED_NORM_PASSES=2 timeout 110 python3 scripts/spec_bench.py --skip smollm2 --iters 30 --kernels \
+    --work-dir /tmp/spec_bench --out "$R/spec_Pk.json" 2> "$R/spec_Pk.log"
+  echo "== spec Pk: $(grep -o 'decode [0-9.]* ms, verify ratio.*' "$R/spec_Pk.log" | head -1 | cut -c1-120)"
+fi
+echo "total $(( $(date +%s) - T0 )) s"

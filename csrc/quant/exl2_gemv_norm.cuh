@@ -1,9 +1,14 @@
 // RMSNorm fused into the TMA GEMV's input (GemvParams::norm_nt > 0): the layer's add_rms_norm kernel and the
 // launch boundary before the q/k/v or gate/up GEMV disappear. Every block normalizes all M tokens' whole rows (at
-// M = 1 and K = 4096 an 8 KB read from L2, where the rows were just written) and stores the values of its own split
-// straight into its input rows in stored order, through an inverse of its xmap slice built before the PDL wait
-// (gv_norm_prepare_stored: K halves of shared memory whatever M; the earlier M x K normalized rows took 40 KB at
-// M = 5 and left one block per SM for the head and the gate/up GEMV). Block 0 alone writes the new residual stream.
+// M = 1 and K = 4096 an 8 KB read from L2, where the rows were just written). Two forms:
+// - rows in one pass of one row per thread (K = 4096: M <= 2, the decode step; the kernel with kFNorm): the M
+//   normalized rows go to shared memory (M x K halves), then each block gathers its split's rows from there;
+// - more rows (GemvParams::norm_stored; the kernel with kFNormStored, a verify step's q/k/v, gate/up and head):
+//   each thread takes two rows per pass and stores every value of its block's split straight into the block's
+//   stored-order input, through an inverse of its xmap slice built before the PDL wait (K uint16, and the norm
+//   weight beside it, whatever M). Kept in shared memory, M x K halves (40 KB at M = 5) left one block per SM for
+//   the head and gate/up of a k = 4 verify: BN1 (session 50), gate/up 51.2 us fused against 25.6 + 3.7.
+// Block 0 alone writes the new residual stream.
 //
 // The arithmetic is layers/norm.cu's rms_norm_kernel with 16-byte vectors, step for step: the same threads per
 // row (ceil(K / 32) rounded up to a warp, at most kMaxNormThreads), the same vectors per thread in the same order,
@@ -20,7 +25,7 @@ namespace exl2q {
 constexpr int kNormVec = 8;       // halves per 16-byte vector (rms_norm_kernel VEC)
 constexpr int kNormMaxVecs = 4;   // vectors per thread (rms_norm_kernel MAXV)
 constexpr int kMaxNormThreads = kGvWarps * 32;  // a row's threads must fit the compute warps (K <= 8192)
-// Rows a thread of the GEMV's fused norm takes per pass, their loads issued together (one L2 round trip per pass):
+// Rows a thread of the stored-order norm takes per pass, their loads issued together (one L2 round trip per pass):
 // a pass covers kNormRowsPerThread x kMaxNormThreads / norm_row_threads(K) rows (K = 4096: four).
 constexpr int kNormRowsPerThread = 2;
 
@@ -139,15 +144,35 @@ __device__ __forceinline__ void gv_norm_row(NormRows rows, int m, __half* xf, fl
   gv_norm_rows(rows, xf, red, res_out ? res_out + (size_t)m * res_out_ld : nullptr, res_out_ld, sync);
 }
 
-// Compute warps, before the PDL wait (constants only): the inverse of the block's xmap slice, linv[i] = the row of
-// xs that input row i of the part fills (0xFFFF: another block's row), and zeros in xs's padding rows, which no
-// input row fills. `rows` = the block's item's chunks x kChunkRows. Synchronizes the compute warps.
+// The split's rows of the normalized tokens (xf) into xs[m * xstride + r] in stored row order (padding rows
+// zero), shared memory to shared memory, by `nthreads` threads from thread 0 (callers synchronize).
+__device__ __forceinline__ void gv_gather_normed(const GemvParams& p, int nch, __half* xs, const unsigned short* xm,
+                                                 const __half* xf, int nthreads) {
+  const int rows = nch * kChunkRows, items = rows * p.M;
+  for (int e = threadIdx.x; e < items; e += nthreads) {
+    const int m = e / rows, r = e - m * rows;
+    const unsigned i = xm[r];
+    xs[m * p.xstride + r] = i == 0xFFFFu ? __float2half_rn(0.f) : xf[(size_t)m * p.norm_k + i];
+  }
+}
+
+// Compute warps, before the PDL wait (constants only): the norm weight w [K] into shared memory (ws), the inverse of
+// the block's xmap slice, linv[i] = the row of xs that input row i of the part fills, and zeros in xs's padding
+// rows, which no input row fills. Input rows of
+// other blocks' splits map to xstride - 1, a half of each token row's 8-half tail that no chunk reads: the norm
+// then stores every value without a branch (a branch per value, with the spilled weights reloaded inside it,
+// cost ~7 us per launch at M = 1: H100 call BO1 of session 51). `rows` = the block's item's chunks x kChunkRows.
+// Synchronizes the compute warps.
 template <typename Sync>
-__device__ __forceinline__ void gv_norm_prepare_stored(int K, int M, int xstride, int rows, const unsigned short* xm,
-                                                       unsigned short* linv, __half* xs, int nthreads, Sync&& sync) {
+__device__ __forceinline__ void gv_norm_prepare_stored(const __half* w, int K, int M, int xstride, int rows,
+                                                       const unsigned short* xm, unsigned short* linv, __half* ws,
+                                                       __half* xs, int nthreads, Sync&& sync) {
   const int tid = threadIdx.x;
-  for (int v = tid; v < K / kNormVec; v += nthreads)
-    reinterpret_cast<uint4*>(linv)[v] = make_uint4(~0u, ~0u, ~0u, ~0u);
+  const unsigned elsewhere = (unsigned)(xstride - 1) * 0x10001u;  // two halves of linv
+  for (int v = tid; v < K / kNormVec; v += nthreads) {
+    reinterpret_cast<uint4*>(linv)[v] = make_uint4(elsewhere, elsewhere, elsewhere, elsewhere);
+    reinterpret_cast<uint4*>(ws)[v] = __ldg(reinterpret_cast<const uint4*>(w) + v);
+  }
   sync();
   for (int r = tid; r < rows; r += nthreads) {
     const unsigned i = xm[r];
@@ -161,24 +186,20 @@ __device__ __forceinline__ void gv_norm_prepare_stored(int K, int M, int xstride
 }
 
 // gv_norm_rows with the output in the block's stored order: the normalized value of row m, input row i goes to
-// xs[m * xstride + linv[i]] when linv[i] != 0xFFFF. Each thread takes kNormRowsPerThread rows per pass (rows
-// sub, sub + slots, ... of the pass), all their loads issued before any is used; the per-row arithmetic is
-// gv_norm_rows's (so rms_norm_kernel's) exactly. `red` holds kGvWarps x kNormRowsPerThread floats.
+// xs[m * xstride + linv[i]]. Each thread takes kNormRowsPerThread rows per pass (rows sub, sub + slots, ... of
+// the pass), all their loads issued before any is used; the per-row arithmetic is gv_norm_rows's (so
+// rms_norm_kernel's) exactly. `red` holds kGvWarps x kNormRowsPerThread floats; `ws` is the norm weight in shared
+// memory (gv_norm_prepare_stored), read at each use: held in registers across the pass loop, the compiler kept it
+// as 32 floats and spilled them.
 template <typename Sync>
-__device__ __forceinline__ void gv_norm_rows_stored(const NormRows& n, const unsigned short* linv, __half* xs,
-                                                    int xstride, float* red, __half* res_out, int res_out_ld,
-                                                    Sync&& sync) {
+__device__ __forceinline__ void gv_norm_rows_stored(const NormRows& n, const unsigned short* linv, const __half* ws,
+                                                    __half* xs, int xstride, float* red, __half* res_out,
+                                                    int res_out_ld, Sync&& sync) {
   using namespace exl2::layers;
   constexpr int R = kNormRowsPerThread;
   const int K = n.K, nvec = K / kNormVec, nt = n.nt, slots = kMaxNormThreads / nt;
   const int tid = threadIdx.x, sub = tid / nt, t = tid - sub * nt;
   const int lane = tid & 31, warp = tid >> 5, nw = nt >> 5, w0 = sub * nw;
-  uint4 wv[kNormMaxVecs];  // the norm weight: a constant, the same vectors for every row of this thread
-#pragma unroll
-  for (int i = 0; i < kNormMaxVecs; ++i) {
-    const int c = t + i * nt;
-    if (sub < slots && c < nvec) wv[i] = __ldg(reinterpret_cast<const uint4*>(n.w + c * kNormVec));
-  }
   for (int m0 = 0; m0 < n.M; m0 += slots * R) {
     uint4 hv[R][kNormMaxVecs], rv[R][kNormMaxVecs];  // 8 halves each
 #pragma unroll
@@ -228,19 +249,20 @@ __device__ __forceinline__ void gv_norm_rows_stored(const NormRows& n, const uns
       float s = sub < slots && lane < nw ? red[j * kGvWarps + w0 + lane] : 0.f;
       s = warp_sum(s);
       const float inv = rsqrtf(__fadd_rn(__fdiv_rn(s, (float)K), n.eps));
+      __half* row = xs + m * xstride;
 #pragma unroll
       for (int i = 0; i < kNormMaxVecs; ++i) {
         const int c = t + i * nt;
         if (live && c < nvec) {
-          const __half* h = reinterpret_cast<const __half*>(&hv[j][i]);
-          const __half* w = reinterpret_cast<const __half*>(&wv[i]);
+          const uint4 wv = *reinterpret_cast<const uint4*>(ws + c * kNormVec);
           const uint4 lv = *reinterpret_cast<const uint4*>(linv + c * kNormVec);
-          const unsigned short* li = reinterpret_cast<const unsigned short*>(&lv);
-          __half* row = xs + m * xstride;
+          const __half* h = reinterpret_cast<const __half*>(&hv[j][i]);
+          const __half* w = reinterpret_cast<const __half*>(&wv);
+          const uint32_t l4[4] = {lv.x, lv.y, lv.z, lv.w};
 #pragma unroll
           for (int k = 0; k < kNormVec; ++k) {
-            if (li[k] != 0xFFFFu)
-              row[li[k]] = __float2half_rn(__fmul_rn(__fmul_rn(__half2float(h[k]), inv), __half2float(w[k])));
+            const unsigned idx = (l4[k >> 1] >> (16 * (k & 1))) & 0xFFFFu;
+            row[idx] = __float2half_rn(__fmul_rn(__fmul_rn(__half2float(h[k]), inv), __half2float(w[k])));
           }
         }
       }
@@ -248,5 +270,4 @@ __device__ __forceinline__ void gv_norm_rows_stored(const NormRows& n, const uns
     sync();  // red is reused by the next pass
   }
 }
-
 }  // namespace exl2q

@@ -75,12 +75,13 @@ GEMV_PREGATHER_ITEMS = int(os.environ.get("EXL2_BACKEND_GEMV_PREGATHER_ITEMS", "
 # of partials, as many bytes as the weights) runs on the mma kernel or dequant + cuBLAS instead.
 WORKSPACE_BUDGET = 60 << 20
 # RMSNorm fused into the TMA GEMV (CudaLinearOp.add_normed, csrc/quant/exl2_gemv_norm.cuh): every block normalizes
-# the M rows whole and keeps its split's values in stored order through an inverse row map of K uint16 in shared
-# memory, whatever M (until session 51 it kept all M normalized rows: M x K x 2 bytes, 40 KB at M = 5 and K = 4096,
-# which left one block per SM for the head and gate/up of a k = 4 verify). Rows it takes at most (0: never fused).
+# the M rows whole. Rows that one pass of one row per thread covers (K = 4096: two, the decode step) go to shared
+# memory and are gathered from there; more rows (a verify step) are stored straight into each block's stored-order
+# input through an inverse row map (K uint16 and the weight's K halves, whatever M: until session 51 all M rows
+# were kept, 40 KB at M = 5, which left one block per SM for the head and gate/up). Rows it takes at most (0: never).
 NORM_MAX_ROWS = int(os.environ.get("EXL2_BACKEND_NORM_MAX_ROWS", "32"))
-# Rows a compute thread of the fused norm normalizes per pass, their loads issued together (csrc kNormRowsPerThread):
-# a pass covers NORM_ROWS_PER_THREAD x 256 / norm_row_threads(K) rows (K = 4096: four).
+# Rows a compute thread of the stored-order norm normalizes per pass, their loads issued together (csrc
+# kNormRowsPerThread): a pass covers NORM_ROWS_PER_THREAD x 256 / norm_row_threads(K) rows (K = 4096: four).
 NORM_ROWS_PER_THREAD = 2
 # Passes of the fused norm over the M rows that routing accepts (_Launch.takes_norm). 1 since call I1 (each pass then
 # waited 8-12 dependent round trips). 3 lost twice after a pass came to wait one round trip: H200 calls Q1 (session
@@ -576,12 +577,17 @@ class _Launch:
         return (GEMV_MINB == 0 and gemv_row_cap(self.device) == 32 and self.takes_gemv(m) and m <= NORM_MAX_ROWS
                 and self.K % 8 == 0 and self.K <= 8192)
 
+    def norm_in_one_pass(self, m: int) -> bool:
+        """Whether the norm of M rows fits one pass of one row per thread (the norm-fused GEMV's first form; the
+        chain kernel's only one): 256 / norm_row_threads(K) rows."""
+        return m <= 256 // norm_row_threads(self.K)
+
     def takes_norm(self, m: int) -> bool:
         """Whether routing fuses the norm for M rows: can_norm, and the rows fit NORM_MAX_PASSES passes (default
         one) of the kernel's 256 compute threads (norm_rows_per_pass). H200 call I1, before the norm's loads
         were issued together: the 8B's k = 4 verify (M = 5, three passes) took 1.55x a decode step fused against
         1.28x apart; the decode step (one pass) gained 3.9%."""
-        return self.can_norm(m) and m <= NORM_MAX_PASSES * norm_rows_per_pass(self.K)
+        return self.can_norm(m) and (self.norm_in_one_pass(m) or m <= NORM_MAX_PASSES * norm_rows_per_pass(self.K))
 
     def can_norm_pregather(self, m: int) -> bool:
         """Whether M rows can run add_rms_norm writing the stored row order, then the GEMV copying it
@@ -931,7 +937,7 @@ def norm_row_threads(k: int) -> int:
 
 
 def norm_rows_per_pass(k: int) -> int:
-    """Rows one pass of the norm-fused GEMV's 256 compute threads normalizes at hidden size K."""
+    """Rows one pass of the stored-order norm's 256 compute threads normalizes at hidden size K."""
     return NORM_ROWS_PER_THREAD * (256 // norm_row_threads(k))
 
 

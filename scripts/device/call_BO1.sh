@@ -1,4 +1,6 @@
 #!/usr/bin/env bash
+# RAN in session 51 (H100): the first form (one stored-order norm for every M) made the decode step 2.73 ms against
+# 2.30: its per-value stores branched around reloads of spilled weights (~7 us per fused launch); replaced (BO3).
 # Device call BO1 (session 51; carry .whl and .dev: this csrc's library (D) and session 48's (O, .dev/libO.so.gz);
 # BO1_LIMIT seconds (560)): the norm inside the GEMV without its M x K rows in shared memory. Until now every block
 # of a norm-fused GEMV kept all M normalized rows (40 KB at M = 5, K = 4096) beside its ring and input rows, which

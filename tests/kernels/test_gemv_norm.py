@@ -139,12 +139,13 @@ def test_norm_routing_takes_one_pass_of_rows(monkeypatch):
     assert op.add_normed(h, r, w, 1e-5) is None
 
 
-@pytest.mark.parametrize("fused_rows", [8, 2])
-def test_model_forward_bit_identical_with_and_without_the_fused_norm(tmp_path, monkeypatch, fused_rows):
+@pytest.mark.parametrize("hidden,fused_rows", [(256, 8), (256, 2), (2048, 32)])
+def test_model_forward_bit_identical_with_and_without_the_fused_norm(tmp_path, monkeypatch, hidden, fused_rows):
     """LlamaModel: a 5-token prefill, then decode steps of 1 and 3 sequences (tests/helpers/forward_steps.py);
-    logits equal bit for bit with layers.FUSED_NORM on and off (the head's final norm included). fused_rows 2: the
-    norm-fused GEMV takes at most two rows (NORM_MAX_ROWS), so the prefill and the 3-sequence step run the
-    pre-gathering norm."""
+    logits equal bit for bit with layers.FUSED_NORM on and off (the head's final norm included). Hidden 256: every
+    step's rows fit one pass of one row per thread; with fused_rows 2 the norm-fused GEMV takes at most two rows
+    (NORM_MAX_ROWS), so the prefill and the 3-sequence step run the pre-gathering norm. Hidden 2048: one pass is
+    four rows, so the 5-row prefill runs the stored-order norm."""
     from exl2_backend.model import layers
     from exl2_backend.model.llama import LlamaModel
     from exl2_backend.ops import cuda_quant
@@ -152,11 +153,14 @@ def test_model_forward_bit_identical_with_and_without_the_fused_norm(tmp_path, m
     from tests.helpers.synth import tiny_config_dict, write_tiny_exl2_model
 
     needs_tma_gemv("the norm fused into the GEMV")
-    cfg = tiny_config_dict(hidden_size=256, intermediate_size=512, num_attention_heads=4, num_key_value_heads=2)
+    cfg = tiny_config_dict(hidden_size=hidden, intermediate_size=2 * hidden, num_attention_heads=hidden // 64,
+                           num_key_value_heads=hidden // 128)
     d = write_tiny_exl2_model(tmp_path / "m", cfg, seed=3)
     monkeypatch.setattr(cuda_quant, "NORM_MAX_ROWS", fused_rows)
     model = LlamaModel.from_dir(d, "cuda")
     assert model.layers[0].qkv.launch.takes_norm(1) and model.lm_head.launch.takes_norm(3) == (fused_rows >= 3)
+    if hidden == 2048:  # the stored-order norm at the prefill's five rows
+        assert model.lm_head.launch.takes_norm(5) and not model.lm_head.launch.norm_in_one_pass(5)
 
     def run(on: bool) -> list[torch.Tensor]:
         monkeypatch.setattr(layers, "FUSED_NORM", on)

@@ -80,6 +80,10 @@ WORKSPACE_BUDGET = 60 << 20
 # input through an inverse row map (K uint16 and the weight's K halves, whatever M: until session 51 all M rows
 # were kept, 40 KB at M = 5, which left one block per SM for the head and gate/up). Rows it takes at most (0: never).
 NORM_MAX_ROWS = int(os.environ.get("EXL2_BACKEND_NORM_MAX_ROWS", "32"))
+# Whether routing sends a norm past one pass of one row per thread to the stored-order norm (else the pre-gathering
+# norm launch). Off until it is measured on the device (session 51's calls found no machine); tests take it
+# either way (add_normed(always=True)). EXL2_BACKEND_NORM_STORED=1 turns it on.
+NORM_STORED = os.environ.get("EXL2_BACKEND_NORM_STORED", "0") == "1"
 # Rows a compute thread of the stored-order norm normalizes per pass, their loads issued together (csrc
 # kNormRowsPerThread): a pass covers NORM_ROWS_PER_THREAD x 256 / norm_row_threads(K) rows (K = 4096: four).
 NORM_ROWS_PER_THREAD = 2
@@ -587,7 +591,8 @@ class _Launch:
         one) of the kernel's 256 compute threads (norm_rows_per_pass). H200 call I1, before the norm's loads
         were issued together: the 8B's k = 4 verify (M = 5, three passes) took 1.55x a decode step fused against
         1.28x apart; the decode step (one pass) gained 3.9%."""
-        return self.can_norm(m) and (self.norm_in_one_pass(m) or m <= NORM_MAX_PASSES * norm_rows_per_pass(self.K))
+        return self.can_norm(m) and (self.norm_in_one_pass(m) or
+                                     (NORM_STORED and m <= NORM_MAX_PASSES * norm_rows_per_pass(self.K)))
 
     def can_norm_pregather(self, m: int) -> bool:
         """Whether M rows can run add_rms_norm writing the stored row order, then the GEMV copying it

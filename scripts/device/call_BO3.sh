@@ -5,8 +5,9 @@
 # (their SASS equal to session 48's but for one parameter offset). BO1 ran the first form in every kernel.
 #  1. the GEMV GPU tests (bit-identity of both norm forms with add_rms_norm + GEMV; the model forward at 5 rows);
 #  2. spec_bench step costs interleaved twice: O = session 48's library with its routing (fused norm up to two rows:
-#     EXL2_BACKEND_NORM_MAX_ROWS=2), D = the new default (stored-order norm up to four rows), P = up to eight
-#     (EXL2_BACKEND_FUSED_NORM_PASSES=2: the k = 4 verify fused);
+#     EXL2_BACKEND_NORM_MAX_ROWS=2), D = the stored-order norm up to four rows (EXL2_BACKEND_NORM_STORED=1), P = up
+#     to eight (and EXL2_BACKEND_FUSED_NORM_PASSES=2: the k = 4 verify fused); the default routing (stored-order
+#     norm off) is O's, on a kernel whose SASS is O's;
 #  3. P's verify by role (spec_bench --kernels); 4. the whole GPU suite that needs no SmolLM2, if time is left.
 export EXL2_CARRIED_LIBRARY=1
 source scripts/device/common.sh
@@ -16,14 +17,14 @@ gpu_tests gemv 120 -n 8 $GEMV_GPU_TESTS -k "not llama3_8b"
 step_costs() {  # step_costs NAME: the variant named by NAME's first letter
   case ${1:0:1} in
     O) cp /tmp/libO.so "$LIB"; spec_line "$1" EXL2_BACKEND_NORM_MAX_ROWS=2 ;;
-    D) cp /tmp/libD.so "$LIB"; spec_line "$1" ;;
-    P) cp /tmp/libD.so "$LIB"; spec_line "$1" EXL2_BACKEND_FUSED_NORM_PASSES=2 ;;
+    D) cp /tmp/libD.so "$LIB"; spec_line "$1" EXL2_BACKEND_NORM_STORED=1 ;;
+    P) cp /tmp/libD.so "$LIB"; spec_line "$1" EXL2_BACKEND_NORM_STORED=1 EXL2_BACKEND_FUSED_NORM_PASSES=2 ;;
   esac
 }
 for v in O1 D1 P1 O2 D2 P2; do fits 50 "$v" "$L" && step_costs "$v"; done
 cp /tmp/libD.so "$LIB"
 if fits 80 Pk "$L"; then
-  EXL2_BACKEND_FUSED_NORM_PASSES=2 timeout 80 python3 scripts/spec_bench.py --skip smollm2 --iters 30 --kernels \
+  EXL2_BACKEND_NORM_STORED=1 EXL2_BACKEND_FUSED_NORM_PASSES=2 timeout 80 python3 scripts/spec_bench.py --skip smollm2 --iters 30 --kernels \
     --work-dir /tmp/spec_bench --out "$R/spec_Pk.json" 2> "$R/spec_Pk.log"
   echo "== spec Pk: $(grep -o 'decode [0-9.]* ms, verify ratio.*' "$R/spec_Pk.log" | head -1 | cut -c1-120)"
 fi

@@ -93,6 +93,7 @@ def test_norm_fused_declines_what_it_cannot_take(monkeypatch):
     op = cuda_quant.prepare_linear([_to_cuda(make_qt(_layout(k, 4), 256, seed=5))], "cuda")
     w = rand_half((k,), seed=1) + 1
     h, r = rand_half((6, k), seed=2), rand_half((6, k), seed=3)
+    monkeypatch.setattr(cuda_quant, "NORM_STORED", True)
     assert cuda_quant.norm_row_threads(k) == 32 and op.launch.takes_norm(16) and not op.launch.takes_norm(17)
     monkeypatch.setattr(cuda_quant, "NORM_MAX_ROWS", 5)  # 6 rows no longer go to the norm-fused GEMV
     assert op.add_normed(h, r, w, 1e-5, always=True) is None and op.add_normed(h, r, w, 1e-5, pregather=False) is None
@@ -122,6 +123,8 @@ def test_norm_routing_takes_one_pass_of_rows(monkeypatch):
     needs_tma_gemv("the norm fused into the GEMV")
     op = cuda_quant.prepare_linear([_to_cuda(make_qt(_layout(4096, 4), 64, seed=9))], "cuda")
     assert cuda_quant.norm_rows_per_pass(4096) == 4
+    assert [op.launch.takes_norm(m) for m in (1, 2, 3)] == [True, True, cuda_quant.NORM_STORED]
+    monkeypatch.setattr(cuda_quant, "NORM_STORED", True)  # the stored-order norm past one pass of one row a thread
     assert [op.launch.takes_norm(m) for m in (1, 4, 5)] == [True, True, False]
     assert op.launch.can_norm(32)  # any M the GEMV takes: K halves of shared memory whatever M
     w = rand_half((4096,), seed=1) + 1
@@ -157,6 +160,7 @@ def test_model_forward_bit_identical_with_and_without_the_fused_norm(tmp_path, m
                            num_key_value_heads=hidden // 128)
     d = write_tiny_exl2_model(tmp_path / "m", cfg, seed=3)
     monkeypatch.setattr(cuda_quant, "NORM_MAX_ROWS", fused_rows)
+    monkeypatch.setattr(cuda_quant, "NORM_STORED", True)
     model = LlamaModel.from_dir(d, "cuda")
     assert model.layers[0].qkv.launch.takes_norm(1) and model.lm_head.launch.takes_norm(3) == (fused_rows >= 3)
     if hidden == 2048:  # the stored-order norm at the prefill's five rows

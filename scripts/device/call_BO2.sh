@@ -1,4 +1,5 @@
 #!/usr/bin/env bash
+# PREPARED in session 51, not run (the session's device time went to starts that found no machine).
 # Device call BO2 (session 51; carry .whl and .dev: this csrc's library; BO2_LIMIT seconds (450)): after BO1, the
 # library with the fused norm's inverse row map under the whole GPU suite that needs no SmolLM2 (every model,
 # engine, graph and serving test on the GPU beside the kernels), then the closing figures: `bench` of the 8B at 1k

@@ -1,4 +1,5 @@
 #!/usr/bin/env bash
+# PREPARED in session 51, not run (the session's device time went to starts that found no machine).
 # Device call BO3 (session 51; carry .whl and .dev: this csrc's library (D) and session 48's (O, .dev/libO.so.gz);
 # BO3_LIMIT seconds (540)): the stored-order norm as its own kernel (kFNormLaunch) for norm launches past one pass
 # of one row per thread (a verify's q/k/v, gate/up and head at M >= 3); the decode step's kernels are unchanged

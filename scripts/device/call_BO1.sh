@@ -1,4 +1,5 @@
 #!/usr/bin/env bash
+# Its library is gone from the tree: to rerun it, check out ddb94e0 (this script as it ran, and the csrc it built).
 # RAN in session 51 (H100): the first form (one stored-order norm for every M) made the decode step 2.73 ms against
 # 2.30: its per-value stores branched around reloads of spilled weights (~7 us per fused launch); replaced (BO3).
 # Device call BO1 (session 51; carry .whl and .dev: this csrc's library (D) and session 48's (O, .dev/libO.so.gz);
@@ -12,23 +13,5 @@
 #     rows: EXL2_BACKEND_NORM_MAX_ROWS=2), D = the new library's default (fused up to four rows, one pass),
 #     P = the new library fusing up to eight rows (EXL2_BACKEND_FUSED_NORM_PASSES=2: the k = 4 verify fused);
 #  3. P's k = 4 verify by role (spec_bench --kernels), if time is left.
-export EXL2_CARRIED_LIBRARY=1
-source scripts/device/common.sh
-begin_card_call bo1 "${BO1_LIMIT:-560}"
-use_libraries O=.dev/libO.so.gz
-gpu_tests gemv 150 -n 8 $GEMV_GPU_TESTS -k "not llama3_8b"
-step_costs() {  # step_costs NAME: the variant named by NAME's first letter
-  case ${1:0:1} in
-    O) cp /tmp/libO.so "$LIB"; spec_line "$1" EXL2_BACKEND_NORM_MAX_ROWS=2 ;;
-    D) cp /tmp/libD.so "$LIB"; spec_line "$1" ;;
-    P) cp /tmp/libD.so "$LIB"; spec_line "$1" EXL2_BACKEND_FUSED_NORM_PASSES=2 ;;
-  esac
-}
-for v in O1 D1 P1 O2 D2 P2; do fits 50 "$v" "$L" && step_costs "$v"; done
-cp /tmp/libD.so "$LIB"
-if fits 110 Pk "$L"; then
-  EXL2_BACKEND_FUSED_NORM_PASSES=2 timeout 110 python3 scripts/spec_bench.py --skip smollm2 --iters 30 --kernels \
-    --work-dir /tmp/spec_bench --out "$R/spec_Pk.json" 2> "$R/spec_Pk.log"
-  echo "== spec Pk: $(grep -o 'decode [0-9.]* ms, verify ratio.*' "$R/spec_Pk.log" | head -1 | cut -c1-120)"
-fi
-echo "total $(( $(date +%s) - T0 )) s"
+echo "call BO1 measured ddb94e0's csrc: git checkout ddb94e0 and run scripts/device/call_BO1.sh there" >&2
+exit 2

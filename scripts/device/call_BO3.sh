@@ -15,14 +15,8 @@ source scripts/device/common.sh
 begin_card_call bo3 "${BO3_LIMIT:-540}"
 use_libraries O=.dev/libO.so.gz
 gpu_tests gemv 120 -n 8 $GEMV_GPU_TESTS -k "not llama3_8b"
-step_costs() {  # step_costs NAME: the variant named by NAME's first letter
-  case ${1:0:1} in
-    O) cp /tmp/libO.so "$LIB"; spec_line "$1" EXL2_BACKEND_NORM_MAX_ROWS=2 ;;
-    D) cp /tmp/libD.so "$LIB"; spec_line "$1" EXL2_BACKEND_NORM_STORED=1 ;;
-    P) cp /tmp/libD.so "$LIB"; spec_line "$1" EXL2_BACKEND_NORM_STORED=1 EXL2_BACKEND_FUSED_NORM_PASSES=2 ;;
-  esac
-}
-for v in O1 D1 P1 O2 D2 P2; do fits 50 "$v" "$L" && step_costs "$v"; done
+NORM_D_ENV="EXL2_BACKEND_NORM_STORED=1" NORM_P_ENV="EXL2_BACKEND_NORM_STORED=1 EXL2_BACKEND_FUSED_NORM_PASSES=2"
+for v in O1 D1 P1 O2 D2 P2; do fits 50 "$v" "$L" && norm_variant_costs "$v"; done
 cp /tmp/libD.so "$LIB"
 if fits 80 Pk "$L"; then
   EXL2_BACKEND_NORM_STORED=1 EXL2_BACKEND_FUSED_NORM_PASSES=2 timeout 80 python3 scripts/spec_bench.py --skip smollm2 --iters 30 --kernels \

@@ -380,3 +380,13 @@ each_library() {
   done
   cp /tmp/libD.so "$LIB"
 }
+# Step costs of a norm-routing variant named by NAME's first letter (session 51): O = /tmp/libO.so with session 48's
+# routing (EXL2_BACKEND_NORM_MAX_ROWS=2), D = /tmp/libD.so with $NORM_D_ENV, P = /tmp/libD.so with $NORM_P_ENV (each
+# a list of ENV=VALUE, may be empty): norm_variant_costs NAME.
+norm_variant_costs() {
+  case ${1:0:1} in
+    O) cp /tmp/libO.so "$LIB"; spec_line "$1" EXL2_BACKEND_NORM_MAX_ROWS=2 ;;
+    D) cp /tmp/libD.so "$LIB"; spec_line "$1" ${NORM_D_ENV:-} ;;
+    P) cp /tmp/libD.so "$LIB"; spec_line "$1" ${NORM_P_ENV:-} ;;
+  esac
+}

@@ -64,6 +64,44 @@ __device__ __forceinline__ NormRows norm_rows_of(const GemvParams& p) {
   return {p.x, p.norm_res, p.norm_w, p.ldx, p.norm_res_ld, p.norm_k, p.norm_nt, p.M, p.norm_eps};
 }
 
+// One row's vectors of a thread (hv: h, rv: residual, `live` rows and vectors c = t + i * nt < nvec only): h becomes
+// round(h + residual), which res_out's row m receives (null: not written), and the thread's sum of squares of it,
+// fma by fma in vector order, is returned. The step both norm forms share with rms_norm_kernel.
+__device__ __forceinline__ float norm_add_sumsq(const NormRows& n, uint4 (&hv)[kNormMaxVecs],
+                                                const uint4 (&rv)[kNormMaxVecs], int m, int t, bool live,
+                                                __half* res_out, int res_out_ld) {
+  const int nvec = n.K / kNormVec;
+  float ss = 0.f;
+#pragma unroll
+  for (int i = 0; i < kNormMaxVecs; ++i) {
+    const int c = t + i * n.nt;
+    if (live && c < nvec) {
+      __half* h = reinterpret_cast<__half*>(&hv[i]);
+      if (n.res) {
+        const __half* r = reinterpret_cast<const __half*>(&rv[i]);
+#pragma unroll
+        for (int k = 0; k < kNormVec; ++k) h[k] = __float2half_rn(__fadd_rn(__half2float(h[k]), __half2float(r[k])));
+        if (res_out) *reinterpret_cast<uint4*>(res_out + (size_t)m * res_out_ld + c * kNormVec) = hv[i];
+      }
+#pragma unroll
+      for (int k = 0; k < kNormVec; ++k) {
+        const float v = __half2float(h[k]);
+        ss = __fmaf_rn(v, v, ss);
+      }
+    }
+  }
+  return ss;
+}
+
+// A row's 1 / rms after the barrier: the warp sum of its nw warps' sums, red_row[w0 ..] (zeros past them and for a
+// thread outside the pass's row groups, `in_group` false).
+__device__ __forceinline__ float norm_inv_rms(const float* red_row, bool in_group, int lane, int w0, int nw, int K,
+                                              float eps) {
+  float s = in_group && lane < nw ? red_row[w0 + lane] : 0.f;
+  s = exl2::layers::warp_sum(s);
+  return rsqrtf(__fadd_rn(__fdiv_rn(s, (float)K), eps));
+}
+
 // Normalized rows of all M tokens into xf[m * K + k] (shared memory): xf = round(r * inv_rms(r) * w) with
 // r = round(h + residual) (r = h without a residual); `res_out` (may be null) receives r. `sync` is the compute
 // warps' barrier; `red` holds kGvWarps floats. Called by the kMaxNormThreads compute threads after the PDL wait.
@@ -91,31 +129,11 @@ __device__ __forceinline__ void gv_norm_rows(const NormRows& n, __half* xf, floa
         wv[i] = __ldg(reinterpret_cast<const uint4*>(n.w + c * kNormVec));  // a constant
       }
     }
-    float ss = 0.f;
-#pragma unroll
-    for (int i = 0; i < kNormMaxVecs; ++i) {
-      const int c = t + i * nt;
-      if (live && c < nvec) {
-        __half* h = reinterpret_cast<__half*>(&hv[i]);
-        if (n.res) {
-          const __half* r = reinterpret_cast<const __half*>(&rv[i]);
-#pragma unroll
-          for (int k = 0; k < kNormVec; ++k) h[k] = __float2half_rn(__fadd_rn(__half2float(h[k]), __half2float(r[k])));
-          if (res_out) *reinterpret_cast<uint4*>(res_out + (size_t)m * res_out_ld + c * kNormVec) = hv[i];
-        }
-#pragma unroll
-        for (int k = 0; k < kNormVec; ++k) {
-          const float v = __half2float(h[k]);
-          ss = __fmaf_rn(v, v, ss);
-        }
-      }
-    }
+    float ss = norm_add_sumsq(n, hv, rv, m, t, live, res_out, res_out_ld);
     ss = warp_sum(ss);  // block_sum: each warp's sum, then one warp sum over the row's warps (zeros past them)
     if (lane == 0) red[warp] = ss;
     sync();
-    float s = sub < per_pass && lane < nw ? red[w0 + lane] : 0.f;
-    s = warp_sum(s);
-    const float inv = rsqrtf(__fadd_rn(__fdiv_rn(s, (float)K), n.eps));
+    const float inv = norm_inv_rms(red, sub < per_pass, lane, w0, nw, K, n.eps);
 #pragma unroll
     for (int i = 0; i < kNormMaxVecs; ++i) {
       const int c = t + i * nt;
@@ -188,7 +206,7 @@ __device__ __forceinline__ void gv_norm_prepare_stored(const __half* w, int K, i
 // gv_norm_rows with the output in the block's stored order: the normalized value of row m, input row i goes to
 // xs[m * xstride + linv[i]]. Each thread takes kNormRowsPerThread rows per pass (rows sub, sub + slots, ... of
 // the pass), all their loads issued before any is used; the per-row arithmetic is gv_norm_rows's (so
-// rms_norm_kernel's) exactly. `red` holds kGvWarps x kNormRowsPerThread floats; `ws` is the norm weight in shared
+// rms_norm_kernel's) exactly, through the same steps (norm_add_sumsq, norm_inv_rms). `red` holds kGvWarps x kNormRowsPerThread floats; `ws` is the norm weight in shared
 // memory (gv_norm_prepare_stored), read at each use: held in registers across the pass loop, the compiler kept it
 // as 32 floats and spilled them.
 template <typename Sync>
@@ -219,25 +237,7 @@ __device__ __forceinline__ void gv_norm_rows_stored(const NormRows& n, const uns
     for (int j = 0; j < R; ++j) {
       const int m = m0 + sub + j * slots;
       const bool live = sub < slots && m < n.M;
-      float ss = 0.f;
-#pragma unroll
-      for (int i = 0; i < kNormMaxVecs; ++i) {
-        const int c = t + i * nt;
-        if (live && c < nvec) {
-          __half* h = reinterpret_cast<__half*>(&hv[j][i]);
-          if (n.res) {
-            const __half* r = reinterpret_cast<const __half*>(&rv[j][i]);
-#pragma unroll
-            for (int k = 0; k < kNormVec; ++k) h[k] = __float2half_rn(__fadd_rn(__half2float(h[k]), __half2float(r[k])));
-            if (res_out) *reinterpret_cast<uint4*>(res_out + (size_t)m * res_out_ld + c * kNormVec) = hv[j][i];
-          }
-#pragma unroll
-          for (int k = 0; k < kNormVec; ++k) {
-            const float v = __half2float(h[k]);
-            ss = __fmaf_rn(v, v, ss);
-          }
-        }
-      }
+      float ss = norm_add_sumsq(n, hv[j], rv[j], m, t, live, res_out, res_out_ld);
       ss = warp_sum(ss);  // block_sum: each warp's sum, then one warp sum over the row's warps (zeros past them)
       if (lane == 0) red[j * kGvWarps + warp] = ss;
     }
@@ -246,9 +246,7 @@ __device__ __forceinline__ void gv_norm_rows_stored(const NormRows& n, const uns
     for (int j = 0; j < R; ++j) {
       const int m = m0 + sub + j * slots;
       const bool live = sub < slots && m < n.M;
-      float s = sub < slots && lane < nw ? red[j * kGvWarps + w0 + lane] : 0.f;
-      s = warp_sum(s);
-      const float inv = rsqrtf(__fadd_rn(__fdiv_rn(s, (float)K), n.eps));
+      const float inv = norm_inv_rms(red + j * kGvWarps, sub < slots, lane, w0, nw, K, n.eps);
       __half* row = xs + m * xstride;
 #pragma unroll
       for (int i = 0; i < kNormMaxVecs; ++i) {

@@ -587,8 +587,9 @@ class _Launch:
         return m <= 256 // norm_row_threads(self.K)
 
     def takes_norm(self, m: int) -> bool:
-        """Whether routing fuses the norm for M rows: can_norm, and the rows fit NORM_MAX_PASSES passes (default
-        one) of the kernel's 256 compute threads (norm_rows_per_pass). H200 call I1, before the norm's loads
+        """Whether routing fuses the norm for M rows: can_norm, and the rows fit one pass of one row per thread
+        (norm_in_one_pass), or, with NORM_STORED, NORM_MAX_PASSES passes (default one) of the stored-order norm
+        (norm_rows_per_pass). H200 call I1, before the norm's loads
         were issued together: the 8B's k = 4 verify (M = 5, three passes) took 1.55x a decode step fused against
         1.28x apart; the decode step (one pass) gained 3.9%."""
         return self.can_norm(m) and (self.norm_in_one_pass(m) or

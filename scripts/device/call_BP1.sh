@@ -1,0 +1,25 @@
+#!/usr/bin/env bash
+# Device call BP1 (session 52; carry .whl and .dev: this csrc's library (D) and session 48's (O, .dev/libO.so.gz,
+# built from a95bbfd by `prepare_carry.sh --baseline a95bbfd` and renamed); BP1_LIMIT seconds (480)). BO3 shortened:
+# the stored-order norm (kFNormLaunch, session 51) for the first time on a GPU in its final form.
+#  1. the whole GPU suite that needs no SmolLM2 (its GEMV tests: both norm forms bit-identical with add_rms_norm +
+#     GEMV, the model forward at 5 rows);
+#  2. spec_bench step costs interleaved twice: O = session 48's library with its routing (EXL2_BACKEND_NORM_MAX_ROWS=2)
+#     and P = this library with the stored-order norm up to eight rows (EXL2_BACKEND_NORM_STORED=1
+#     EXL2_BACKEND_FUSED_NORM_PASSES=2: k = 2 and k = 4 verifies fused). BO3's D (up to four rows) is left out: its
+#     k <= 2 routing is P's and its k = 4 is O's norm launch;
+#  3. P's steps by role (spec_bench --kernels).
+export EXL2_CARRIED_LIBRARY=1
+source scripts/device/common.sh
+begin_card_call bp1 "${BP1_LIMIT:-480}"
+use_libraries O=.dev/libO.so.gz
+whole_gpu_suite "$L"
+NORM_P_ENV="EXL2_BACKEND_NORM_STORED=1 EXL2_BACKEND_FUSED_NORM_PASSES=2"
+for v in O1 P1 O2 P2; do fits 50 "$v" "$L" && norm_variant_costs "$v"; done
+cp /tmp/libD.so "$LIB"
+if fits 80 Pk "$L"; then
+  EXL2_BACKEND_NORM_STORED=1 EXL2_BACKEND_FUSED_NORM_PASSES=2 timeout 80 python3 scripts/spec_bench.py --skip smollm2 --iters 30 --kernels \
+    --work-dir /tmp/spec_bench --out "$R/spec_Pk.json" 2> "$R/spec_Pk.log"
+  echo "== spec Pk: $(grep -o 'decode [0-9.]* ms, verify ratio.*' "$R/spec_Pk.log" | head -1 | cut -c1-120)"
+fi
+echo "total $(( $(date +%s) - T0 )) s"

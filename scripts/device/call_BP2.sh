@@ -1,0 +1,25 @@
+#!/usr/bin/env bash
+# Device call BP2 (session 52; carry .whl and .dev: this csrc's library (D: session 50's vector copy of in-order
+# GEMV inputs, only where the two-byte items would take more than one round of loads, restored) and session 48's
+# (O, .dev/libO.so.gz); BP2_LIMIT seconds (540)). BN6 with the whole suite and the closing figures:
+#  1. the whole GPU suite that needs no SmolLM2 (its in-order test: vectors bit-identical to the pre-gathered input
+#     at 1-16 tokens, gated or not);
+#  2. spec_bench step costs, O and D interleaved twice (BN5, vectors everywhere: decode 2.337 / 2.314 ms against
+#     O's 2.280 / 2.301, the k = 4 verify 0.5% faster), then D by role (spec_bench --kernels);
+#  3. the closing figures (bench 1k / 32k, fp16 / q8 / q4; ExLlamaV2 beside ours on an H200) if time is left.
+export EXL2_CARRIED_LIBRARY=1
+source scripts/device/common.sh
+begin_card_call bp2 "${BP2_LIMIT:-540}"
+use_libraries O=.dev/libO.so.gz
+whole_gpu_suite "$L"
+each_library "$L" 50 "O D O D" spec_line
+if fits 60 Dk "$L"; then
+  timeout 60 python3 scripts/spec_bench.py --skip smollm2 --iters 30 --kernels \
+    --work-dir /tmp/spec_bench --out "$R/spec_Dk.json" 2> "$R/spec_Dk.log"
+  echo "== spec Dk: $(grep -o 'decode [0-9.]* ms, verify ratio.*' "$R/spec_Dk.log" | head -1 | cut -c1-120)"
+fi
+if fits 140 bench "$L"; then
+  bench_8b final 130 1024,32768 fp16,q8,q4
+  [ "$h200" = 1 ] && fits 100 exllamav2 "$L" && exllamav2_vs_ours "$(( $(left "$L") - 10 ))"
+fi
+echo "total $(( $(date +%s) - T0 )) s"

@@ -376,61 +376,11 @@ __device__ __forceinline__ bool gv_ticket(const QDesc& d, int colblk, int ksplit
 }
 
 // The split's slice of xmap (a constant) into shared memory with 16-byte loads, by `nthreads` threads from
-// thread 0 (callers synchronize). Safe before the PDL wait. Returns whether every entry this thread loaded continues
-// the slice's first one (xm[r] == xm[0] + r, no padding row): true in every thread means the split reads one run of
-// consecutive input features (an input in stored order, e.g. down_proj after fold_down_order), which
-// gv_gather_in_order copies with 16-byte loads.
-__device__ __forceinline__ bool gv_load_xmap(const QDesc& d, int c0, int nch, unsigned short* xm, int nthreads) {
+// thread 0 (callers synchronize). Safe before the PDL wait.
+__device__ __forceinline__ void gv_load_xmap(const QDesc& d, int c0, int nch, unsigned short* xm, int nthreads) {
   const int rows = nch * kChunkRows;
-  const unsigned short* slice = d.xmap + c0 * kChunkRows;
-  const uint4* src = reinterpret_cast<const uint4*>(slice);
-  const unsigned first = __ldg(slice);
-  bool run = first != 0xFFFFu;
-  for (int v = threadIdx.x; v < rows / 8; v += nthreads) {
-    const uint4 w = __ldg(src + v);
-    reinterpret_cast<uint4*>(xm)[v] = w;
-    const unsigned short* e = reinterpret_cast<const unsigned short*>(&w);
-#pragma unroll
-    for (int j = 0; j < 8; ++j) run &= e[j] == first + 8 * v + j;
-  }
-  return run;
-}
-
-// The split's activations when its rows are one run of consecutive input features starting at x0 (gv_load_xmap
-// returned true in every thread; x, ldx, gate_off and x0 multiples of 8 halves, so rows are 16-byte vectors):
-// xs[m * xstride + r] = x[m * ldx + x0 + r] (with gate_off: silu(gate) * up, as gv_gather_items), by `nthreads`
-// threads from thread 0 (callers synchronize). M x rows / 8 vectors, kB per thread in flight: a k = 4 verify's down
-// (5 tokens x 896 rows) takes one round of loads where the two-byte items take three. Fewer threads do the work, 8
-// elements each: the TMA kernel copies vectors only where the items would take more than one round.
-template <bool kMayGate = true>
-__device__ __forceinline__ void gv_gather_in_order(const GemvParams& p, int x0, int nch, __half* xs, int nthreads) {
-  constexpr int kB = 4;
-  const int vec = nch * kChunkRows / 8, total = vec * p.M;
-  const bool gated = kMayGate && p.gate_off > 0;
-  for (int e0 = threadIdx.x; e0 < total; e0 += kB * nthreads) {
-    uint4 g[kB], u[kB];
-#pragma unroll
-    for (int k = 0; k < kB; ++k) {
-      const int e = e0 + k * nthreads, m = e / vec, v = e - m * vec;
-      const __half* src = p.x + (size_t)m * p.ldx + x0 + 8 * v;
-      g[k] = e < total ? __ldg(reinterpret_cast<const uint4*>(src)) : make_uint4(0, 0, 0, 0);
-      if (gated) u[k] = e < total ? __ldg(reinterpret_cast<const uint4*>(src + p.gate_off)) : make_uint4(0, 0, 0, 0);
-    }
-#pragma unroll
-    for (int k = 0; k < kB; ++k) {
-      const int e = e0 + k * nthreads, m = e / vec, v = e - m * vec;
-      if (e >= total) continue;
-      if (gated) {
-        const __half* gh = reinterpret_cast<const __half*>(&g[k]);
-        const __half* uh = reinterpret_cast<const __half*>(&u[k]);
-        __align__(16) __half o[8];
-#pragma unroll
-        for (int j = 0; j < 8; ++j) o[j] = __float2half_rn(exl2::silu_mul(__half2float(gh[j]), __half2float(uh[j])));
-        g[k] = *reinterpret_cast<const uint4*>(o);
-      }
-      *reinterpret_cast<uint4*>(xs + m * p.xstride + 8 * v) = g[k];
-    }
-  }
+  const uint4* src = reinterpret_cast<const uint4*>(d.xmap + c0 * kChunkRows);
+  for (int v = threadIdx.x; v < rows / 8; v += nthreads) reinterpret_cast<uint4*>(xm)[v] = __ldg(src + v);
 }
 
 // Gather of the split's activations into shared memory in stored row order, xs[m * xstride + r], by `nthreads`

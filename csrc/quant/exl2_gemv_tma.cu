@@ -181,12 +181,12 @@ __device__ __forceinline__ void tma_block(const GemvParams& p, const GvWork& wk,
   }
 
   // Compute warps. Constants first (before the PDL wait), then the activation gather: both for the whole item.
-  const bool run = tma_load_constants(d, wk, sm);
+  tma_load_constants(d, wk, sm);
   tma_prepare_input<F>(p, wk, sm);
   exl2::pdl_wait();
   stamp(1);
-  const bool in_order = compute_sync_and(run);
-  tma_stage_input<MT, NoMark, F>(p, wk, sm, NoMark{}, in_order);
+  compute_sync();
+  tma_stage_input<MT, NoMark, F>(p, wk, sm);
   compute_sync();
   stamp(2);
 

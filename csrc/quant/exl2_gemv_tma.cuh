@@ -109,16 +109,6 @@ using exl2::smem_addr;
 __device__ __forceinline__ void compute_sync() {  // the compute warps only (named barrier 1)
   asm volatile("bar.sync 1, %0;" ::"n"(kTmaComputeThreads) : "memory");
 }
-// compute_sync that also returns whether `v` was true in every compute thread (one barrier, no extra round).
-__device__ __forceinline__ bool compute_sync_and(bool v) {
-  int all;
-  asm volatile(
-      "{\n\t.reg .pred p, q;\n\tsetp.ne.s32 p, %1, 0;\n\tbar.red.and.pred q, 1, %2, p;\n\tselp.s32 %0, 1, 0, q;\n\t}"
-      : "=r"(all)
-      : "r"((int)v), "n"(kTmaComputeThreads)
-      : "memory");
-  return all != 0;
-}
 
 // Pointers and barrier addresses of one block's shared memory under layout `l`.
 struct TmaSmem {
@@ -303,13 +293,10 @@ __device__ __forceinline__ void tma_produce(const GemvParams& p, const GvWork& w
 }
 
 // Compute warps: the split's xmap slice and chunk info (constants) into shared memory; the caller synchronizes.
-// Returns gv_load_xmap's answer for this thread (the split's rows one run of consecutive features, as far as the
-// entries it loaded show; compute_sync_and combines the threads').
-__device__ __forceinline__ bool tma_load_constants(const QDesc& d, const GvWork& wk, const TmaSmem& sm) {
+__device__ __forceinline__ void tma_load_constants(const QDesc& d, const GvWork& wk, const TmaSmem& sm) {
   const int c0 = wk.c0, nch = wk.c1 - wk.c0;
-  const bool run = gv_load_xmap(d, c0, nch, sm.xm, kTmaComputeThreads);
+  gv_load_xmap(d, c0, nch, sm.xm, kTmaComputeThreads);
   for (int i = threadIdx.x; i < nch; i += kTmaComputeThreads) sm.info[i] = __ldg(d.info + c0 + i);
-  return run;
 }
 
 // Compute warps, after the PDL wait (or the chain's grid barrier) and a compute_sync: the split's input rows in
@@ -330,11 +317,9 @@ __device__ __forceinline__ void tma_prepare_input(const GemvParams& p, const GvW
   }
 }
 
-// `in_order`: every compute thread's tma_load_constants returned true (the split's rows are one run of consecutive
-// input features): the gather copies 16-byte vectors where the input's rows allow it.
 template <int MT, typename Mark = NoMark, int F = kFAll>
 __device__ __forceinline__ void tma_stage_input(const GemvParams& p, const GvWork& wk, const TmaSmem& sm,
-                                                Mark&& loaded = Mark{}, bool in_order = false) {
+                                                Mark&& loaded = Mark{}) {
   const int nch = wk.c1 - wk.c0;
   constexpr bool kGate = (F & kFGated) != 0;
   if ((F & kFNormStored) && p.norm_nt) {  // after tma_prepare_input
@@ -349,14 +334,7 @@ __device__ __forceinline__ void tma_stage_input(const GemvParams& p, const GvWor
   } else if (!((F & kFProbe) && (p.probe & kProbeNoGather))) {
     // rows at M > 8: M loads per row slot, 16 or 32 in flight
     const int mode = p.gather_mode == kGatherAuto ? (MT > 1 ? kGatherRows : kGatherItems) : p.gather_mode;
-    // Vectors where the two-byte items would take more than one round of loads (BN5 of session 50: copying a
-    // decode step's 896 gated rows as 112 vectors, 8 silu each on 112 threads, made the step 1.6% slower; at five
-    // tokens one round instead of three made the k = 4 verify 0.5% faster).
-    const int x0 = in_order ? sm.xm[0] : 0;  // the run's first feature
-    const uintptr_t align = reinterpret_cast<uintptr_t>(p.x) | (uintptr_t)(p.ldx | p.gate_off | x0) * 2;
-    const bool vectors = in_order && (align & 15) == 0 && nch * kChunkRows * p.M > 8 * kTmaComputeThreads;
     if ((F & kFPre) && p.xpre) gv_copy_pregathered(p, wk.di, wk.c0, nch, sm.xs, kTmaComputeThreads);
-    else if (vectors) gv_gather_in_order<kGate>(p, x0, nch, sm.xs, kTmaComputeThreads);
     else if (mode == kGatherRows) gv_gather<MT >= 4 ? 32 : 16, kGate>(p, nch, sm.xs, sm.xm, kTmaComputeThreads);
     else gv_gather_items<kGate>(p, nch, sm.xs, sm.xm, kTmaComputeThreads);
     loaded();

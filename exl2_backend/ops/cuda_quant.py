@@ -81,8 +81,10 @@ WORKSPACE_BUDGET = 60 << 20
 # were kept, 40 KB at M = 5, which left one block per SM for the head and gate/up). Rows it takes at most (0: never).
 NORM_MAX_ROWS = int(os.environ.get("EXL2_BACKEND_NORM_MAX_ROWS", "32"))
 # Whether routing sends a norm past one pass of one row per thread to the stored-order norm (else the pre-gathering
-# norm launch). Off until it is measured on the device (session 51's calls found no machine); tests take it
-# either way (add_normed(always=True)). EXL2_BACKEND_NORM_STORED=1 turns it on.
+# norm launch). Off: it lost in every role (H100 call BP1, session 52: k = 4 verify 1.325x / 1.318x a decode step
+# against 1.234x / 1.244x; per launch q/k/v 16.6 us against 10.9 + 3.7 for GEMV and norm launch, gate/up 31.8
+# against 25.6 + 3.7, the head 197 against ~150): each block still reads the M rows whole, behind its 24 KB weight
+# ring. Tests take it either way (add_normed(always=True)). EXL2_BACKEND_NORM_STORED=1 turns it on.
 NORM_STORED = os.environ.get("EXL2_BACKEND_NORM_STORED", "0") == "1"
 # Rows a compute thread of the stored-order norm normalizes per pass, their loads issued together (csrc
 # kNormRowsPerThread): a pass covers NORM_ROWS_PER_THREAD x 256 / norm_row_threads(K) rows (K = 4096: four).

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# SUPERSEDED by call_BP2.sh (session 52), which ran this call with the whole suite and the closing figures.
+# SUPERSEDED by call_BP2.sh (session 52), which ran it: no gain (the code is reverted again; see call_BP2.sh).
 # Device call BN6 (session 50; carry .whl and .dev: this csrc's library (D) and session 48's (O, .dev/libO.so.gz);
 # BN6_LIMIT seconds (220)): BN5's vector copy of in-order GEMV inputs, now only where the two-byte items would take
 # more than one round of loads (BN5: the decode step 2.337 / 2.314 ms against O's 2.280 / 2.301, the verify 0.5%

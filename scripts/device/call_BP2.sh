@@ -1,4 +1,6 @@
 #!/usr/bin/env bash
+# RAN in session 52 (H100, 243 s): suite 2,374 passed; decode O 2.279 / 2.287 ms, D 2.304 / 2.290; k = 4 verify O
+# 2.848 / 2.829, D 2.847 / 2.830: no gain, the code (84f541d) is reverted again. Running it needs that commit's csrc.
 # Device call BP2 (session 52; carry .whl and .dev: this csrc's library (D: session 50's vector copy of in-order
 # GEMV inputs, only where the two-byte items would take more than one round of loads, restored) and session 48's
 # (O, .dev/libO.so.gz); BP2_LIMIT seconds (540)). BN6 with the whole suite and the closing figures:

@@ -50,31 +50,3 @@ def test_in_order_gated_gemv_equals_silu_mul_then_gemv(m):
     gate_up = (torch.randn(m, 2 * k, generator=g, device="cuda") * 2).half()
     want = op.fused_kernel(ops.silu_mul(gate_up[:, :k], gate_up[:, k:]).contiguous(), "gemv")
     assert torch.equal(op.gated(gate_up), want)
-
-
-@pytest.mark.parametrize("gated", [False, True])
-@pytest.mark.parametrize("m", [1, 3, 5, 8, 9, 16])
-def test_in_order_splits_copy_vectors_bit_identical_to_the_pregathered_input(monkeypatch, gated, m):
-    """A split whose rows are one run of consecutive features copies its input with 16-byte loads where the
-    two-byte items would take more than one round (gv_gather_in_order: here from 5 tokens, ~500 rows per split);
-    the split holding the run padding between widths, and every split at 1 or 3 tokens, gathers items. Either way
-    the output equals the GEMV reading the input pre-gathered by its own launch (GEMV_PREGATHER_ITEMS=1), bit for
-    bit, gated or not, at one and two token tiles."""
-    from exl2_backend.format.qtensor_slice import select_group_rows
-    from tests.helpers.synth import random_qtensor
-
-    k, n = 4128, 7168  # one 6-bit group of 32 rows padded to a 64-row chunk, then 4-bit rows 32 features off
-    full = random_qtensor("down", k, n, "6:0.006@32 4:0.994@64", seed=m)
-    qt, _ = select_group_rows(full, 0, len(full.groups))
-    op = cuda_quant.prepare_linear([_to_cuda(qt)], "cuda")
-    assert op.launch.input_in_order and op.launch.parts[0].Kpad == k + 32
-    g = torch.Generator(device="cuda").manual_seed(m)
-    xin = (torch.randn(m, 2 * k, generator=g, device="cuda") * 2).half()
-
-    def run() -> torch.Tensor:
-        return op.gated(xin) if gated else op.fused_kernel(xin[:, :k].contiguous(), "gemv")
-
-    got = run()
-    monkeypatch.setattr(cuda_quant, "GEMV_PREGATHER_ITEMS", 1)
-    assert op.launch.pregathers(m)
-    assert torch.equal(got, run())

@@ -11,8 +11,7 @@ export EXL2_CARRIED_LIBRARY=1
 source scripts/device/common.sh
 begin_card_call bn5 "${BN5_LIMIT:-420}"
 use_libraries O=.dev/libO.so.gz
-whole_gpu_suite "$L"
-each_library "$L" 60 "O D O D" spec_line
+suite_and_o_d_steps 60
 fits 110 "kernels" "$L" && timeout 100 python3 scripts/spec_bench.py --skip smollm2,engine --iters 30 --kernels \
   --work-dir /tmp/spec_bench --out "$R/spec_Dk.json" 2> "$R/spec_Dk.log" && echo "kernels: $(grep -o 'decode [0-9.]* ms, verify ratio.*' "$R/spec_Dk.log" | cut -c1-100)"
 echo "total $(( $(date +%s) - T0 )) s"

@@ -19,9 +19,5 @@ whole_gpu_suite "$L"
 NORM_P_ENV="EXL2_BACKEND_NORM_STORED=1 EXL2_BACKEND_FUSED_NORM_PASSES=2"
 for v in O1 P1 O2 P2; do fits 50 "$v" "$L" && norm_variant_costs "$v"; done
 cp /tmp/libD.so "$LIB"
-if fits 80 Pk "$L"; then
-  EXL2_BACKEND_NORM_STORED=1 EXL2_BACKEND_FUSED_NORM_PASSES=2 timeout 80 python3 scripts/spec_bench.py --skip smollm2 --iters 30 --kernels \
-    --work-dir /tmp/spec_bench --out "$R/spec_Pk.json" 2> "$R/spec_Pk.log"
-  echo "== spec Pk: $(grep -o 'decode [0-9.]* ms, verify ratio.*' "$R/spec_Pk.log" | head -1 | cut -c1-120)"
-fi
+fits 70 Pk "$L" && SPEC_KERNELS=1 spec_costs Pk $NORM_P_ENV
 echo "total $(( $(date +%s) - T0 )) s"

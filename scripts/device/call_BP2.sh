@@ -13,13 +13,8 @@ export EXL2_CARRIED_LIBRARY=1
 source scripts/device/common.sh
 begin_card_call bp2 "${BP2_LIMIT:-540}"
 use_libraries O=.dev/libO.so.gz
-whole_gpu_suite "$L"
-each_library "$L" 50 "O D O D" spec_line
-if fits 60 Dk "$L"; then
-  timeout 60 python3 scripts/spec_bench.py --skip smollm2 --iters 30 --kernels \
-    --work-dir /tmp/spec_bench --out "$R/spec_Dk.json" 2> "$R/spec_Dk.log"
-  echo "== spec Dk: $(grep -o 'decode [0-9.]* ms, verify ratio.*' "$R/spec_Dk.log" | head -1 | cut -c1-120)"
-fi
+suite_and_o_d_steps 50
+fits 70 Dk "$L" && SPEC_KERNELS=1 spec_costs Dk
 if fits 140 bench "$L"; then
   bench_8b final 130 1024,32768 fp16,q8,q4
   [ "$h200" = 1 ] && fits 100 exllamav2 "$L" && exllamav2_vs_ours "$(( $(left "$L") - 10 ))"

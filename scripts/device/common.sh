@@ -117,11 +117,12 @@ whole_gpu_suite() {
 # call killed at the limit packs no results, so later steps are skipped (and said so) instead.
 fits() { [ "$(left "${3:-575}")" -gt "$1" ] || { echo "-- skipped (time): $2"; return 1; }; }
 # Verify / decode step costs of the 8B shape (spec_bench): spec_costs NAME [ENV=VALUE...]; $R/spec_NAME.{json,log}.
-# SPEC_SKIP=engine: no whole engine steps (a measurement switch whose wrong outputs the engine's NaN guard refuses).
+# SPEC_SKIP=engine: no whole engine steps (a measurement switch whose wrong outputs the engine's NaN guard refuses);
+# SPEC_KERNELS=1: also each graph's kernels by role (spec_bench --kernels; the json's costs_8b.critical).
 spec_costs() {
   local name=$1; shift
   env "$@" timeout 60 python3 scripts/spec_bench.py --skip "smollm2${SPEC_SKIP:+,$SPEC_SKIP}" --iters 30 \
-    --work-dir /tmp/spec_bench \
+    ${SPEC_KERNELS:+--kernels} --work-dir /tmp/spec_bench \
     --out "$R/spec_$name.json" 2> "$R/spec_$name.log"
   echo "== spec $name: $(grep 'step costs' "$R/spec_$name.log" | tail -1)"
 }
@@ -379,6 +380,12 @@ each_library() {
     "$fn" "$v$i" "$@"
   done
   cp /tmp/libD.so "$LIB"
+}
+# The usual library comparison after use_libraries: the whole GPU suite on this csrc's library (D), then spec_line
+# of session 48's (O) and D interleaved twice, each while SECONDS fit before $L: suite_and_o_d_steps SECONDS.
+suite_and_o_d_steps() {
+  whole_gpu_suite "$L"
+  each_library "$L" "$1" "O D O D" spec_line
 }
 # Step costs of a norm-routing variant named by NAME's first letter (session 51): O = /tmp/libO.so with session 48's
 # routing (EXL2_BACKEND_NORM_MAX_ROWS=2), D = /tmp/libD.so with $NORM_D_ENV, P = /tmp/libD.so with $NORM_P_ENV (each

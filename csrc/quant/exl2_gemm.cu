@@ -763,7 +763,6 @@ int gemv_plan(const int64_t* blob, int ndesc, const void* x, int M, int ldx, int
                      "cluster or probe launch");
         p.norm_k = K;
         p.norm_nt = norm_row_threads(K);
-        p.norm_stored = M > kMaxNormThreads / p.norm_nt;  // past one pass of one row per thread
         EXL2_REQUIRE(K % kNormVec == 0 && p.norm_nt <= kMaxNormThreads, "exl2_gemv_add_norm: K=%d must be a "
                      "multiple of %d and at most %d", K, kNormVec, kMaxNormThreads * kNormVec * kNormMaxVecs);
         p.norm_res = reinterpret_cast<const __half*>(norm->res);
@@ -777,7 +776,7 @@ int gemv_plan(const int64_t* blob, int ndesc, const void* x, int M, int ldx, int
         EXL2_REQUIRE(!p.cluster && !probe, "exl2_gemv: no fused rope with cluster split-K or a probe");
         if (const int st = plan_rope(rope, p)) return st;
       }
-      const int extra = gemv_tma_smem_extra(M, p.xstride, maxnch, p.maxgrp, p.norm_k, p.norm_stored);
+      const int extra = gemv_tma_smem_extra(M, p.xstride, maxnch, p.maxgrp, p.norm_k);
       int max_bits = 2;
       for (int i = 0; i < ndesc; ++i) max_bits = std::max(max_bits, p.d[i].runs[0].bits);  // runs: widest first
       const int slot = kGvWarps * 256 * max_bits;

@@ -33,9 +33,6 @@ constexpr int kFPre = 8;      // a pre-gathered input (xpre)
 constexpr int kFCluster = 16; // cluster split-K (cluster)
 constexpr int kFProbe = 32;   // timing probes (probe)
 constexpr int kFAll = 63;
-// The norm of more rows than one pass takes, stored straight into the stored-order input (norm_stored; not in kFAll:
-// only kFNormLaunch compiles it, so the kernels of every other launch keep their code).
-constexpr int kFNormStored = 64;
 // The kernel every launch runs unless it asks for cluster split-K or timing probes (those take kFAll): both paths
 // compiled out, one function for every role, so a decode layer's four GEMV launches still re-enter the same code.
 // H200 call AI1 of 2026-12-04: the kFAll code as one copy per role cost the 8B decode step +99 us against one
@@ -43,8 +40,6 @@ constexpr int kFNormStored = 64;
 // (kFLean without the pre-gathered copy for the decode step's one-row GEMVs gained nothing: H200 call AJ1, 2.296
 // against 2.295 ms; removed.)
 constexpr int kFLean = kFNorm | kFRope | kFGated | kFPre;
-// The kernel of a norm launch past one pass of rows (a verify step's q/k/v with the fused rope, gate/up, the head).
-constexpr int kFNormLaunch = kFNormStored | kFRope;
 
 // GemvParams::gather_mode. Auto: by items at M <= 8, by row slots past it. (A gather by 16-byte vectors where the
 // rows are in input order, for down_proj after model/tp_shard.fold_down_order, lost to the item gather: H200 call
@@ -91,7 +86,6 @@ struct GemvParams {
   const __half* norm_w;  // [norm_k]
   __half* norm_res_out;
   int norm_res_ld, norm_res_out_ld, norm_k, norm_nt;
-  int norm_stored;  // the norm's rows past one pass of one row per thread: the kFNormStored form (exl2_gemv_norm.cuh)
   float norm_eps;
 };
 
@@ -622,6 +616,6 @@ constexpr int kChainFields = 13;
 int gemv_tma_launch(const GemvParams& p, int blocks, int smem, cudaStream_t stream);
 // Dynamic shared memory the TMA kernel needs beside its ring; maxgrp: most groups a block touches; norm_k: the
 // fused norm's row length (0 without).
-int gemv_tma_smem_extra(int M, int xstride, int maxnch, int maxgrp, int norm_k, bool norm_stored);
+int gemv_tma_smem_extra(int M, int xstride, int maxnch, int maxgrp, int norm_k);
 
 }  // namespace exl2q

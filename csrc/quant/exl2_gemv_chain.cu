@@ -400,8 +400,6 @@ EXL2_API int exl2_gemv_chain(const int64_t* phases, int nphase, int M, float eps
                    "does not run the plain TMA GEMV (cluster split-K, a timing probe or a fused rope is set)", i);
       c.items[i] = pl.blocks;
       const GemvParams& p = c.ph[i];
-      EXL2_REQUIRE(!p.norm_stored, "exl2_gemv_chain: phase %d: a norm of %d rows is past one pass of the fused "
-                   "norm: give it a norm phase", i, M);
       z = tma_sizes(p.ring_bytes, p.maxgrp, M, p.xstride, p.maxnch, p.norm_k);
     } else {
       AuxPhase& a = c.aux[i];

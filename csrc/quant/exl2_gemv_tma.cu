@@ -149,8 +149,7 @@ __device__ __forceinline__ void tma_block(const GemvParams& p, const GvWork& wk,
   const bool one_run = wk.re == wk.ri + 1;  // wk as is: no run bounds to read (indexed constant loads)
   const int bits0 = d.runs[wk.ri].bits;
   int stages = ring_stages(p, bits0);
-  const TmaSmem sm(smem, tma_layout(tma_sizes(p.ring_bytes, p.maxgrp, p.M, p.xstride, p.maxnch, p.norm_k,
-                                               (F & kFNormStored) && p.norm_stored)));
+  const TmaSmem sm(smem, tma_layout(tma_sizes(p.ring_bytes, p.maxgrp, p.M, p.xstride, p.maxnch, p.norm_k)));
   if (tid == 0) tma_init_ring(sm, stages, g.nwa);
   __syncthreads();
   // Between two runs of a span split: every copy and scale of the last one has landed and been read.
@@ -182,7 +181,6 @@ __device__ __forceinline__ void tma_block(const GemvParams& p, const GvWork& wk,
 
   // Compute warps. Constants first (before the PDL wait), then the activation gather: both for the whole item.
   tma_load_constants(d, wk, sm);
-  tma_prepare_input<F>(p, wk, sm);
   exl2::pdl_wait();
   stamp(1);
   compute_sync();
@@ -256,8 +254,8 @@ __global__ void __launch_bounds__(kTmaThreads, MT == 1 ? EXL2_GEMV_TMA_MT1_MIN_B
 
 }  // namespace
 
-int gemv_tma_smem_extra(int M, int xstride, int maxnch, int maxgrp, int norm_k, bool norm_stored) {
-  return tma_layout(tma_sizes(0, maxgrp, M, xstride, maxnch, norm_k, norm_stored)).total;
+int gemv_tma_smem_extra(int M, int xstride, int maxnch, int maxgrp, int norm_k) {
+  return tma_layout(tma_sizes(0, maxgrp, M, xstride, maxnch, norm_k)).total;
 }
 
 #ifdef EXL2_GEMV_TIMELINE
@@ -337,13 +335,6 @@ int gemv_tma_launch(const GemvParams& p, int blocks, int smem, cudaStream_t stre
     return on;
   }();
   const bool lean = lean_on && !p.cluster && !p.probe;
-  if (p.norm_stored) {  // the stored-order norm (no cluster or probe launch takes a norm)
-    switch ((p.M + 7) / 8) {
-      case 1: return launch_mt<1, kFNormLaunch>(p, blocks, smem, stream);
-      case 2: return launch_mt<2, kFNormLaunch>(p, blocks, smem, stream);
-      default: return launch_mt<4, kFNormLaunch>(p, blocks, smem, stream);
-    }
-  }
   switch ((p.M + 7) / 8) {
     case 1: return lean ? launch_mt<1, kFLean>(p, blocks, smem, stream) : launch_mt<1>(p, blocks, smem, stream);
     case 2: return lean ? launch_mt<2, kFLean>(p, blocks, smem, stream) : launch_mt<2>(p, blocks, smem, stream);

@@ -65,8 +65,7 @@ __host__ __device__ inline int align16(int x) { return (x + 15) & ~15; }
 
 // Byte offsets of the regions after the barriers and the ring (which starts at kBarBytes):
 // [barriers][ring][scales: maxgrp x 8 warps x 8 gid uint2][x: M x xstride halves][xmap slice: maxnch x 64]
-// [chunk info: maxnch ints][fused norm: kGvWarps partial sums (x kNormRowsPerThread stored)][fused norm: M x norm_k
-// normalized halves; stored (norm_stored): norm_k uint16 of the inverse row map, then the norm weight's norm_k halves]
+// [chunk info: maxnch ints][fused norm: kGvWarps partial sums][fused norm: M x norm_k normalized halves]
 struct TmaLayout {
   int scl, xs, xm, info, red, xf, total;
 };
@@ -75,12 +74,9 @@ struct TmaSizes {  // the bytes of each region for one launch's parameters
   int ring, scl, xs, xm, info, norm_red, norm_xf;
 };
 
-__host__ __device__ inline TmaSizes tma_sizes(int ring_bytes, int maxgrp, int M, int xstride, int maxnch, int norm_k,
-                                              bool norm_stored = false) {
-  const int red = !norm_k ? 0 : norm_stored ? kGvWarps * 4 * kNormRowsPerThread : kGvWarps * 4;
-  const int xf = !norm_k ? 0 : norm_stored ? 2 * align16(norm_k * 2) : align16(M * norm_k * 2);
+__host__ __device__ inline TmaSizes tma_sizes(int ring_bytes, int maxgrp, int M, int xstride, int maxnch, int norm_k) {
   return {ring_bytes, maxgrp * kGroupScaleBytes, align16(M * xstride * 2), maxnch * kChunkRows * 2,
-          align16(maxnch * 4), red, xf};
+          align16(maxnch * 4), norm_k ? kGvWarps * 4 : 0, norm_k ? align16(M * norm_k * 2) : 0};
 }
 
 __host__ __device__ inline TmaLayout tma_layout(const TmaSizes& z) {
@@ -125,9 +121,6 @@ struct TmaSmem {
         xs(reinterpret_cast<__half*>(smem + l.xs)), xm(reinterpret_cast<unsigned short*>(smem + l.xm)),
         info(reinterpret_cast<int*>(smem + l.info)), red(reinterpret_cast<float*>(smem + l.red)),
         xf(reinterpret_cast<__half*>(smem + l.xf)) {}
-  // The stored-order norm's inverse row map and its copy of the norm weight (norm_k entries each)
-  __device__ unsigned short* linv() const { return reinterpret_cast<unsigned short*>(xf); }
-  __device__ __half* norm_w(int norm_k) const { return xf + align16(norm_k * 2) / 2; }
   __device__ uint32_t full(int s) const { return bar0 + 8 * s; }
   __device__ uint32_t empty(int s) const { return bar0 + 8 * (kTmaMaxStages + s); }
   __device__ uint32_t scale() const { return bar0 + 8 * kBarScale; }
@@ -306,27 +299,12 @@ __device__ __forceinline__ void tma_load_constants(const QDesc& d, const GvWork&
 struct NoMark {
   __device__ void operator()() const {}
 };
-// Compute warps, before the PDL wait (constants): what the stored-order norm needs in shared memory (its inverse row
-// map and weight, the padding rows zeroed), after tma_load_constants. Nothing for any other launch.
-template <int F>
-__device__ __forceinline__ void tma_prepare_input(const GemvParams& p, const GvWork& wk, const TmaSmem& sm) {
-  if ((F & kFNormStored) && p.norm_nt) {
-    compute_sync();  // the xmap slice is in shared memory
-    gv_norm_prepare_stored(p.norm_w, p.norm_k, p.M, p.xstride, (wk.c1 - wk.c0) * kChunkRows, sm.xm, sm.linv(),
-                           sm.norm_w(p.norm_k), sm.xs, kTmaComputeThreads, compute_sync);
-  }
-}
-
 template <int MT, typename Mark = NoMark, int F = kFAll>
 __device__ __forceinline__ void tma_stage_input(const GemvParams& p, const GvWork& wk, const TmaSmem& sm,
                                                 Mark&& loaded = Mark{}) {
   const int nch = wk.c1 - wk.c0;
   constexpr bool kGate = (F & kFGated) != 0;
-  if ((F & kFNormStored) && p.norm_nt) {  // after tma_prepare_input
-    gv_norm_rows_stored(norm_rows_of(p), sm.linv(), sm.norm_w(p.norm_k), sm.xs, p.xstride, sm.red,
-                        blockIdx.x == 0 ? p.norm_res_out : nullptr, p.norm_res_out_ld, compute_sync);
-    loaded();
-  } else if ((F & kFNorm) && p.norm_nt) {
+  if ((F & kFNorm) && p.norm_nt) {
     gv_norm_rows(norm_rows_of(p), sm.xf, sm.red, blockIdx.x == 0 ? p.norm_res_out : nullptr, p.norm_res_out_ld,
                  compute_sync);
     loaded();

@@ -37,7 +37,7 @@ MAX_M = 8  # one token tile: the chain kernel instantiates the M <= 8 path only
 # block (the occupancy times the SMs, at most the largest phase's work items).
 MAX_GRID = 0
 # Norm phases instead of the norm fused into the next GEMV: "never" (the chain runs only where each norm fuses in
-# one pass: K = 4096 -> M <= 2), "auto" where the fused norm would take more than one pass (_Launch.norm_in_one_pass),
+# one pass: K = 4096 -> M <= 2), "auto" where the fused norm would take more than one pass (_Launch.takes_norm),
 # "always" (tests: the norm phases on every shape). "never" by default: H200 call M3 of 2026-12-02 found the 8B
 # layer at M = 5 with norm phases off by ~0.5% against the launches one by one (M = 8, SmolLM2's shape with forced
 # norm phases, and scripts/chain_bench.py's 8B layer at M = 5 were bit-identical): not yet explained.
@@ -57,9 +57,8 @@ def _chain_fn():
 
 
 def _fuses_norm(launch, m: int) -> bool:
-    """The norm inside the GEMV (one pass of one row per thread) rather than a norm phase before it. The chain
-    kernel has no stored-order norm (more rows: csrc/quant/exl2_gemv_norm.cuh)."""
-    return NORM_PHASES != "always" and launch.takes_norm(m) and launch.norm_in_one_pass(m)
+    """The norm inside the GEMV (one pass of its rows) rather than a norm phase before it."""
+    return NORM_PHASES != "always" and launch.takes_norm(m)
 
 
 def chain_takes(o, gate_up, down, nxt, m: int) -> bool:
@@ -78,7 +77,7 @@ def chain_takes(o, gate_up, down, nxt, m: int) -> bool:
     if nxt is not None and nxt.in_features != hidden:
         return False
     normed = (gate_up,) + (() if nxt is None else (nxt,))
-    if NORM_PHASES == "never" and not all(_fuses_norm(op.launch, m) for op in normed):
+    if NORM_PHASES == "never" and not all(op.launch.takes_norm(m) for op in normed):
         return False
     return all(op.launch.takes_gemv(m) for op in ops_) and all(_normable(op.launch) for op in normed) \
         and len(down.launch.parts) == 1

@@ -74,25 +74,14 @@ GEMV_PREGATHER_ITEMS = int(os.environ.get("EXL2_BACKEND_GEMV_PREGATHER_ITEMS", "
 # launch whose plan needs more (a 128k-column head at M > 12: its activations split K six ways at M = 32, ~200 MB
 # of partials, as many bytes as the weights) runs on the mma kernel or dequant + cuBLAS instead.
 WORKSPACE_BUDGET = 60 << 20
-# RMSNorm fused into the TMA GEMV (CudaLinearOp.add_normed, csrc/quant/exl2_gemv_norm.cuh): every block normalizes
-# the M rows whole. Rows that one pass of one row per thread covers (K = 4096: two, the decode step) go to shared
-# memory and are gathered from there; more rows (a verify step) are stored straight into each block's stored-order
-# input through an inverse row map (K uint16 and the weight's K halves, whatever M: until session 51 all M rows
-# were kept, 40 KB at M = 5, which left one block per SM for the head and gate/up). Rows it takes at most (0: never).
-NORM_MAX_ROWS = int(os.environ.get("EXL2_BACKEND_NORM_MAX_ROWS", "32"))
-# Whether routing sends a norm past one pass of one row per thread to the stored-order norm (else the pre-gathering
-# norm launch). Off: it lost in every role (H100 call BP1, session 52: k = 4 verify 1.325x / 1.318x a decode step
-# against 1.234x / 1.244x; per launch q/k/v 16.6 us against 10.9 + 3.7 for GEMV and norm launch, gate/up 31.8
-# against 25.6 + 3.7, the head 197 against ~150): each block still reads the M rows whole, behind its 24 KB weight
-# ring. Tests take it either way (add_normed(always=True)). EXL2_BACKEND_NORM_STORED=1 turns it on.
-NORM_STORED = os.environ.get("EXL2_BACKEND_NORM_STORED", "0") == "1"
-# Rows a compute thread of the stored-order norm normalizes per pass, their loads issued together (csrc
-# kNormRowsPerThread): a pass covers NORM_ROWS_PER_THREAD x 256 / norm_row_threads(K) rows (K = 4096: four).
-NORM_ROWS_PER_THREAD = 2
-# Passes of the fused norm over the M rows that routing accepts (_Launch.takes_norm). 1 since call I1 (each pass then
-# waited 8-12 dependent round trips). 3 lost twice after a pass came to wait one round trip: H200 calls Q1 (session
-# 10) and X2 (session 14), 8B k = 4 verify 1.394x / 1.678x a decode step against 1.205x / 1.303x with 1; those
-# kernels kept one row per thread and pass and M x K normalized halves per block (one block per SM at M = 5).
+# RMSNorm fused into the TMA GEMV (CudaLinearOp.add_normed, csrc/quant/exl2_gemv_norm.cuh): every block keeps the
+# M normalized rows in shared memory beside its 24 KB ring, so M * K * 2 bytes are capped here (two blocks per SM
+# must still fit: at K = 4096, M <= 5 covers a decode step and a k = 4 verify).
+NORM_SMEM_BYTES = int(os.environ.get("EXL2_BACKEND_NORM_SMEM_BYTES", str(40 << 10)))
+# Passes of the fused norm's 256 threads over the M rows that routing accepts (_Launch.takes_norm). 1 since call
+# I1 (each pass then waited 8-12 dependent round trips). 3 lost twice after a pass came to wait one round trip:
+# H200 calls Q1 (session 10) and X2 (session 14), 8B k = 4 verify 1.394x / 1.678x a decode step against 1.205x /
+# 1.303x with 1, since every GEMV block normalizes all M rows again where the norm_pregather launch does it once.
 NORM_MAX_PASSES = max(1, int(os.environ.get("EXL2_BACKEND_FUSED_NORM_PASSES", "1")))
 # Rows past one pass of the fused norm: add_rms_norm writes each part's stored row order itself
 # (csrc/quant/exl2_gemv_norm_pregather.cu; one launch instead of add_rms_norm + pregather, and no scattered gather
@@ -579,23 +568,16 @@ class _Launch:
 
     def can_norm(self, m: int) -> bool:
         """Whether M rows can run the GEMV with rms_norm fused into its input (exl2_gemv_add_norm): the TMA kernel
-        takes M, at most NORM_MAX_ROWS, and the hidden size is a multiple of 8 up to 8192."""
-        return (GEMV_MINB == 0 and gemv_row_cap(self.device) == 32 and self.takes_gemv(m) and m <= NORM_MAX_ROWS
-                and self.K % 8 == 0 and self.K <= 8192)
-
-    def norm_in_one_pass(self, m: int) -> bool:
-        """Whether the norm of M rows fits one pass of one row per thread (the norm-fused GEMV's first form; the
-        chain kernel's only one): 256 / norm_row_threads(K) rows."""
-        return m <= 256 // norm_row_threads(self.K)
+        takes M, the hidden size is a multiple of 8 up to 8192, and the M normalized rows fit NORM_SMEM_BYTES."""
+        return (GEMV_MINB == 0 and gemv_row_cap(self.device) == 32 and self.takes_gemv(m)
+                and self.K % 8 == 0 and self.K <= 8192 and m * self.K * 2 <= NORM_SMEM_BYTES)
 
     def takes_norm(self, m: int) -> bool:
-        """Whether routing fuses the norm for M rows: can_norm, and the rows fit one pass of one row per thread
-        (norm_in_one_pass), or, with NORM_STORED, NORM_MAX_PASSES passes (default one) of the stored-order norm
-        (norm_rows_per_pass). H200 call I1, before the norm's loads
+        """Whether routing fuses the norm for M rows: can_norm, and the rows fit NORM_MAX_PASSES passes (default
+        one) of the kernel's 256 compute threads (norm_row_threads(K) per row). H200 call I1, before the norm's loads
         were issued together: the 8B's k = 4 verify (M = 5, three passes) took 1.55x a decode step fused against
         1.28x apart; the decode step (one pass) gained 3.9%."""
-        return self.can_norm(m) and (self.norm_in_one_pass(m) or
-                                     (NORM_STORED and m <= NORM_MAX_PASSES * norm_rows_per_pass(self.K)))
+        return self.can_norm(m) and m <= NORM_MAX_PASSES * (256 // norm_row_threads(self.K))
 
     def can_norm_pregather(self, m: int) -> bool:
         """Whether M rows can run add_rms_norm writing the stored row order, then the GEMV copying it
@@ -942,11 +924,6 @@ def norm_row_threads(k: int) -> int:
     4 per thread, rounded up to a warp."""
     t = (k // 8 + 3) // 4
     return 32 if t < 32 else (t + 31) // 32 * 32
-
-
-def norm_rows_per_pass(k: int) -> int:
-    """Rows one pass of the stored-order norm's 256 compute threads normalizes at hidden size K."""
-    return NORM_ROWS_PER_THREAD * (256 // norm_row_threads(k))
 
 
 def _row_stride(t: torch.Tensor) -> int:

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # RAN in session 52 (H100, 197 s): suite 2,362 passed; the stored-order norm lost (k = 4 verify 1.326 / 1.318 against
-# 1.234 / 1.244); docs/performance.md, session 52.
+# 1.234 / 1.244) and is removed; rerunning this call needs 6b58ac9's tree. docs/performance.md, session 52.
 # Device call BP1 (session 52; carry .whl and .dev: this csrc's library (D) and session 48's (O, .dev/libO.so.gz,
 # built from a95bbfd by `prepare_carry.sh --baseline a95bbfd` and renamed); BP1_LIMIT seconds (480)). BO3 shortened:
 # the stored-order norm (kFNormLaunch, session 51) for the first time on a GPU in its final form.

@@ -4,10 +4,9 @@ past one pass the norm writing the GEMV's stored row order (csrc/quant/exl2_gemv
 Exact: the fused kernel repeats add_rms_norm's arithmetic step for step (threads per row, vector order, fma chain,
 warp sums, roundings), so its GEMV input, its output and the residual stream it writes are bit-identical to
 add_rms_norm followed by the plain GEMV. Shapes: every bit width in a mixed layout, hidden sizes with one, two and
-several rows per pass of the 256 compute threads (576, 1056, 4096, 8192), M over one and several passes (two rows
-per thread and pass) up to 32, with and without a residual, three fused parts with bias; the model forward with the
-fusion on and off. The pre-gathering norm keeps the same arithmetic (gv_norm_rows, one row per block) and is held to
-the same bit-identity.
+several rows per pass of the 256 compute threads (576, 1056, 4096, 8192), M up to the shared-memory cap, with and
+without a residual, three fused parts with bias; the model forward with the fusion on and off. The pre-gathering
+norm keeps the same arithmetic (gv_norm_rows, one row per block) and is held to the same bit-identity.
 """
 
 from __future__ import annotations
@@ -49,10 +48,9 @@ def _check(op, h, residual, w, eps=1e-5, pregather=False):
 
 # (k, m, pregather): False is the norm inside the GEMV (any M it can take, `always`), True the norm writing the
 # stored row order (one block per row and part) with the GEMV copying its rows.
-NORM_CASES = [(576, 1, False), (576, 5, False), (576, 32, False), (1056, 3, False), (1056, 17, False),
-              (4096, 1, False), (4096, 4, False), (4096, 5, False), (4096, 8, False), (8192, 2, False),
-              (8192, 5, False), (576, 3, True), (576, 32, True), (1056, 17, True), (4096, 3, True), (4096, 5, True),
-              (4096, 8, True), (8192, 5, True)]
+NORM_CASES = [(576, 1, False), (576, 5, False), (576, 32, False), (1056, 3, False), (4096, 1, False),
+              (4096, 5, False), (8192, 2, False), (576, 3, True), (576, 32, True), (1056, 17, True), (4096, 3, True),
+              (4096, 5, True), (4096, 8, True), (8192, 5, True)]
 
 
 @pytest.mark.parametrize("bits", [2, 3, 4, 5, 6, 8])
@@ -93,9 +91,8 @@ def test_norm_fused_declines_what_it_cannot_take(monkeypatch):
     op = cuda_quant.prepare_linear([_to_cuda(make_qt(_layout(k, 4), 256, seed=5))], "cuda")
     w = rand_half((k,), seed=1) + 1
     h, r = rand_half((6, k), seed=2), rand_half((6, k), seed=3)
-    monkeypatch.setattr(cuda_quant, "NORM_STORED", True)
-    assert cuda_quant.norm_row_threads(k) == 32 and op.launch.takes_norm(16) and not op.launch.takes_norm(17)
-    monkeypatch.setattr(cuda_quant, "NORM_MAX_ROWS", 5)  # 6 rows no longer go to the norm-fused GEMV
+    assert cuda_quant.norm_row_threads(k) == 32 and op.launch.takes_norm(8) and not op.launch.takes_norm(9)
+    monkeypatch.setattr(cuda_quant, "NORM_SMEM_BYTES", 5 * k * 2)  # 6 rows no longer fit the norm-fused GEMV
     assert op.add_normed(h, r, w, 1e-5, always=True) is None and op.add_normed(h, r, w, 1e-5, pregather=False) is None
     assert op.add_normed(h, r, w, 1e-5) is not None  # routing: the pre-gathering norm
     monkeypatch.setattr(cuda_quant, "NORM_PREGATHER", False)
@@ -116,39 +113,29 @@ def test_norm_fused_declines_what_it_cannot_take(monkeypatch):
 
 def test_norm_routing_takes_one_pass_of_rows(monkeypatch):
     """Routing fuses the norm into the GEMV only where the M rows fit one pass (K = 4096: 128 threads per row, two
-    rows per thread: four); more rows take the pre-gathering norm (NORM_PREGATHER), or the caller's two ops without
-    it. EXL2_BACKEND_FUSED_NORM_PASSES=2 takes eight."""
+    rows); more rows take the pre-gathering norm (NORM_PREGATHER), or the caller's two ops without it."""
     from exl2_backend.ops import cuda_quant
 
     needs_tma_gemv("the norm fused into the GEMV")
     op = cuda_quant.prepare_linear([_to_cuda(make_qt(_layout(4096, 4), 64, seed=9))], "cuda")
-    assert cuda_quant.norm_rows_per_pass(4096) == 4
-    assert [op.launch.takes_norm(m) for m in (1, 2, 3)] == [True, True, cuda_quant.NORM_STORED]
-    monkeypatch.setattr(cuda_quant, "NORM_STORED", True)  # the stored-order norm past one pass of one row a thread
-    assert [op.launch.takes_norm(m) for m in (1, 4, 5)] == [True, True, False]
-    assert op.launch.can_norm(32)  # any M the GEMV takes: K halves of shared memory whatever M
+    assert [op.launch.takes_norm(m) for m in (1, 2, 3)] == [True, True, False]
+    assert op.launch.can_norm(5) and not op.launch.can_norm(6)  # 40 KB of normalized rows
     w = rand_half((4096,), seed=1) + 1
-    h, r = rand_half((5, 4096), seed=2), rand_half((5, 4096), seed=3)
+    h, r = rand_half((3, 4096), seed=2), rand_half((3, 4096), seed=3)
     calls = []
     real = op.launch.gemv_add_norm
     monkeypatch.setattr(op.launch, "gemv_add_norm", lambda *a: calls.append(a[-1]) or real(*a))
-    assert op.add_normed(h, r, w, 1e-5) is not None and calls == [True]  # five rows: the pre-gathering norm
-    assert op.add_normed(h[:4], r[:4], w, 1e-5) is not None and calls == [True, False]  # four: the norm-fused GEMV
-    monkeypatch.setattr(cuda_quant, "NORM_MAX_PASSES", 2)
-    assert op.launch.takes_norm(8) and not op.launch.takes_norm(9)
-    assert op.add_normed(h, r, w, 1e-5) is not None and calls == [True, False, False]
-    monkeypatch.setattr(cuda_quant, "NORM_MAX_PASSES", 1)
+    assert op.add_normed(h, r, w, 1e-5) is not None and calls == [True]  # three rows: the pre-gathering norm
+    assert op.add_normed(h[:2], r[:2], w, 1e-5) is not None and calls == [True, False]  # two: the norm-fused GEMV
     monkeypatch.setattr(cuda_quant, "NORM_PREGATHER", False)
     assert op.add_normed(h, r, w, 1e-5) is None
 
 
-@pytest.mark.parametrize("hidden,fused_rows", [(256, 8), (256, 2), (2048, 32)])
-def test_model_forward_bit_identical_with_and_without_the_fused_norm(tmp_path, monkeypatch, hidden, fused_rows):
+@pytest.mark.parametrize("fused_rows", [8, 2])
+def test_model_forward_bit_identical_with_and_without_the_fused_norm(tmp_path, monkeypatch, fused_rows):
     """LlamaModel: a 5-token prefill, then decode steps of 1 and 3 sequences (tests/helpers/forward_steps.py);
-    logits equal bit for bit with layers.FUSED_NORM on and off (the head's final norm included). Hidden 256: every
-    step's rows fit one pass of one row per thread; with fused_rows 2 the norm-fused GEMV takes at most two rows
-    (NORM_MAX_ROWS), so the prefill and the 3-sequence step run the pre-gathering norm. Hidden 2048: one pass is
-    four rows, so the 5-row prefill runs the stored-order norm."""
+    logits equal bit for bit with layers.FUSED_NORM on and off (the head's final norm included). fused_rows 2: the
+    norm-fused GEMV takes at most two rows, so the prefill and the 3-sequence step run the pre-gathering norm."""
     from exl2_backend.model import layers
     from exl2_backend.model.llama import LlamaModel
     from exl2_backend.ops import cuda_quant
@@ -156,15 +143,11 @@ def test_model_forward_bit_identical_with_and_without_the_fused_norm(tmp_path, m
     from tests.helpers.synth import tiny_config_dict, write_tiny_exl2_model
 
     needs_tma_gemv("the norm fused into the GEMV")
-    cfg = tiny_config_dict(hidden_size=hidden, intermediate_size=2 * hidden, num_attention_heads=hidden // 64,
-                           num_key_value_heads=hidden // 128)
+    cfg = tiny_config_dict(hidden_size=256, intermediate_size=512, num_attention_heads=4, num_key_value_heads=2)
     d = write_tiny_exl2_model(tmp_path / "m", cfg, seed=3)
-    monkeypatch.setattr(cuda_quant, "NORM_MAX_ROWS", fused_rows)
-    monkeypatch.setattr(cuda_quant, "NORM_STORED", True)
+    monkeypatch.setattr(cuda_quant, "NORM_SMEM_BYTES", fused_rows * 256 * 2)
     model = LlamaModel.from_dir(d, "cuda")
     assert model.layers[0].qkv.launch.takes_norm(1) and model.lm_head.launch.takes_norm(3) == (fused_rows >= 3)
-    if hidden == 2048:  # the stored-order norm at the prefill's five rows
-        assert model.lm_head.launch.takes_norm(5) and not model.lm_head.launch.norm_in_one_pass(5)
 
     def run(on: bool) -> list[torch.Tensor]:
         monkeypatch.setattr(layers, "FUSED_NORM", on)

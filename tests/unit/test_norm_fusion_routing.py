@@ -11,7 +11,7 @@ import torch
 
 from exl2_backend import ops
 from exl2_backend.model import layers
-from exl2_backend.ops.cuda_quant import norm_row_threads, norm_rows_per_pass
+from exl2_backend.ops.cuda_quant import norm_row_threads
 
 
 @pytest.mark.parametrize("k", [8, 128, 576, 1056, 2048, 3072, 4096, 5120, 8192])
@@ -20,13 +20,6 @@ def test_norm_row_threads_is_the_rms_kernels_block_size(k):
     want = max(32, math.ceil(math.ceil(k / 8 / 4) / 32) * 32)
     assert norm_row_threads(k) == want
     assert 4 * norm_row_threads(k) >= k // 8  # every vector has a thread: the fused kernel has no tail loop
-
-
-@pytest.mark.parametrize("k,rows", [(576, 16), (1056, 8), (4096, 4), (5120, 2), (8192, 2)])
-def test_norm_rows_per_pass_of_the_fused_gemv(k, rows):
-    """Two rows per thread and pass (csrc kNormRowsPerThread), 256 / norm_row_threads(K) threads' groups per pass:
-    the 8B's K = 4096 takes a k = 3 verify (four rows) in one pass and a k = 4 verify in two."""
-    assert norm_rows_per_pass(k) == rows
 
 
 @pytest.mark.parametrize("with_residual", [False, True])

@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
 # RAN in session 52 (H100, 197 s): suite 2,362 passed; the stored-order norm lost (k = 4 verify 1.326 / 1.318 against
-# 1.234 / 1.244) and is removed; rerunning this call needs 6b58ac9's tree. docs/performance.md, session 52.
+# 1.234 / 1.244) and is removed (9f6381a). docs/performance.md, session 52. Its library and routing switches are gone
+# from the tree: to rerun it, check out 6b58ac9 (this script as it ran, the csrc it built, common.sh's
+# norm_variant_costs).
 # Device call BP1 (session 52; carry .whl and .dev: this csrc's library (D) and session 48's (O, .dev/libO.so.gz,
 # built from a95bbfd by `prepare_carry.sh --baseline a95bbfd` and renamed); BP1_LIMIT seconds (480)). BO3 shortened:
 # the stored-order norm (kFNormLaunch, session 51) for the first time on a GPU in its final form.
@@ -11,13 +13,5 @@
 #     EXL2_BACKEND_FUSED_NORM_PASSES=2: k = 2 and k = 4 verifies fused). BO3's D (up to four rows) is left out: its
 #     k <= 2 routing is P's and its k = 4 is O's norm launch;
 #  3. P's steps by role (spec_bench --kernels).
-export EXL2_CARRIED_LIBRARY=1
-source scripts/device/common.sh
-begin_card_call bp1 "${BP1_LIMIT:-480}"
-use_libraries O=.dev/libO.so.gz
-whole_gpu_suite "$L"
-NORM_P_ENV="EXL2_BACKEND_NORM_STORED=1 EXL2_BACKEND_FUSED_NORM_PASSES=2"
-for v in O1 P1 O2 P2; do fits 50 "$v" "$L" && norm_variant_costs "$v"; done
-cp /tmp/libD.so "$LIB"
-fits 70 Pk "$L" && SPEC_KERNELS=1 spec_costs Pk $NORM_P_ENV
-echo "total $(( $(date +%s) - T0 )) s"
+echo "call BP1 measured 6b58ac9's csrc: git checkout 6b58ac9 and run scripts/device/call_BP1.sh there" >&2
+exit 2

@@ -387,14 +387,3 @@ suite_and_o_d_steps() {
   whole_gpu_suite "$L"
   each_library "$L" "$1" "O D O D" spec_line
 }
-# Step costs of a norm-routing variant named by NAME's first letter (sessions 51-52; its D / P routing switches need
-# the tree of 6b58ac9, the stored-order norm being removed since): O = /tmp/libO.so with session 48's
-# routing (EXL2_BACKEND_NORM_MAX_ROWS=2), D = /tmp/libD.so with $NORM_D_ENV, P = /tmp/libD.so with $NORM_P_ENV (each
-# a list of ENV=VALUE, may be empty): norm_variant_costs NAME.
-norm_variant_costs() {
-  case ${1:0:1} in
-    O) cp /tmp/libO.so "$LIB"; spec_line "$1" EXL2_BACKEND_NORM_MAX_ROWS=2 ;;
-    D) cp /tmp/libD.so "$LIB"; spec_line "$1" ${NORM_D_ENV:-} ;;
-    P) cp /tmp/libD.so "$LIB"; spec_line "$1" ${NORM_P_ENV:-} ;;
-  esac
-}

@@ -1,8 +1,6 @@
 // rms_norm and add_rms_norm (residual add fused): one CTA per row, fp32 accumulation, the row kept in
 // registers between the sum-of-squares pass and the scaling pass (re-read only past MAXV vectors per thread).
-// Same arithmetic as reference.rms_norm: y = (x * rsqrt(mean(x^2) + eps)) * w, rounded once; the sum of squares in
-// the canonical tile order every norm kernel shares (quant/exl2_gemv_norm.cuh), so the norm fused into a GEMV, or
-// fed by the GEMV before it, is bit-identical to this one.
+// Same arithmetic as reference.rms_norm: y = (x * rsqrt(mean(x^2) + eps)) * w, rounded once.
 #include "common/pdl.cuh"
 #include "layers/common.cuh"
 
@@ -15,13 +13,12 @@ constexpr int MAXV = 4;  // vectors per thread cached in registers
 // x, res [T, H] (row strides), w [H]; out [T, H]; res_out [T, H] = round(x + res) when res != nullptr.
 // Pointers may alias (in place): every element is read and written by the same thread, reads first.
 constexpr int kMaxThreads = 512;  // every load in flight takes up to 80 registers (fp32 weights)
-constexpr int64_t kMaxTiles = 12288;  // 48 KB of tile sums: hidden sizes up to 3M (vectors), 393k (scalar)
 
 template <typename T, typename W, int VEC>
 __global__ void __launch_bounds__(kMaxThreads) rms_norm_kernel(const T* x, int64_t x_stride, const T* res, int64_t res_stride, const W* w,
                                 T* out, int64_t out_stride, T* res_out, int64_t res_out_stride, int H, float eps) {
   exl2::pdl_wait_and_trigger();  // inputs come from the previous kernel (PDL launch)
-  extern __shared__ float tile_sum[];  // [ceil(H / VEC / 32)]: one sum per tile of 32 vectors
+  __shared__ float scratch[33];
   const int64_t row = blockIdx.x;
   x += row * x_stride;
   out += row * out_stride;
@@ -44,14 +41,10 @@ __global__ void __launch_bounds__(kMaxThreads) rms_norm_kernel(const T* x, int64
       if (res != nullptr) r[i].load(res + c * VEC);
     }
   }
-  // The sum of squares in the canonical tile order (quant/exl2_gemv_norm.cuh): vector c is group c % 32 of tile
-  // c / 32 (blockDim is a multiple of 32, so a warp's vectors of one slot are one tile), an fma chain per vector,
-  // a butterfly per tile into tile_sum, then the tiles in order.
-  const int lane = tid & 31;
+  float ss = 0.f;
 #pragma unroll
   for (int i = 0; i < MAXV; ++i) {
     const int c = tid + i * nt;
-    float q = 0.f;
     if (c < nvec) {
 #pragma unroll
       for (int k = 0; k < VEC; ++k) v[i][k] = xr[i].at(k);
@@ -61,35 +54,24 @@ __global__ void __launch_bounds__(kMaxThreads) rms_norm_kernel(const T* x, int64
         store_vec<VEC>(res_out + c * VEC, v[i]);
       }
 #pragma unroll
-      for (int k = 0; k < VEC; ++k) q = __fmaf_rn(v[i][k], v[i][k], q);
-    }
-    if (i * nt < nvec) {  // block-uniform: a slot with no live vector writes no tile
-      q = warp_sum(q);
-      if (lane == 0 && c < nvec) tile_sum[c / 32] = q;
+      for (int k = 0; k < VEC; ++k) ss = __fmaf_rn(v[i][k], v[i][k], ss);
     }
   }
-  for (int c0 = MAXV * nt; c0 < nvec; c0 += nt) {  // rows longer than MAXV * blockDim vectors
-    const int c = c0 + tid;
-    float q = 0.f;
-    if (c < nvec) {
-      float t[VEC];
-      load_vec<VEC>(x + c * VEC, t);
-      if (res != nullptr) {
-        float r[VEC];
-        load_vec<VEC>(res + c * VEC, r);
+  for (int c = tid + MAXV * nt; c < nvec; c += nt) {  // rows longer than MAXV * blockDim vectors
+    float t[VEC];
+    load_vec<VEC>(x + c * VEC, t);
+    if (res != nullptr) {
+      float r[VEC];
+      load_vec<VEC>(res + c * VEC, r);
 #pragma unroll
-        for (int k = 0; k < VEC; ++k) t[k] = round_to<T>(__fadd_rn(t[k], r[k]));
-        store_vec<VEC>(res_out + c * VEC, t);
-      }
-#pragma unroll
-      for (int k = 0; k < VEC; ++k) q = __fmaf_rn(t[k], t[k], q);
+      for (int k = 0; k < VEC; ++k) t[k] = round_to<T>(__fadd_rn(t[k], r[k]));
+      store_vec<VEC>(res_out + c * VEC, t);
     }
-    q = warp_sum(q);
-    if (lane == 0 && c < nvec) tile_sum[c / 32] = q;
+#pragma unroll
+    for (int k = 0; k < VEC; ++k) ss = __fmaf_rn(t[k], t[k], ss);
   }
-  __syncthreads();
-  float total = 0.f;
-  for (int j = 0; j < (nvec + 31) / 32; ++j) total += tile_sum[j];
+
+  const float total = block_sum(ss, scratch);
   const float inv = rsqrtf(__fadd_rn(__fdiv_rn(total, (float)H), eps));
 
   RawVec<W, VEC> wr[MAXV];  // the weights, all in flight before the first use
@@ -127,15 +109,11 @@ int launch(const void* x, int64_t xs, const void* res, int64_t rs, const void* w
   int threads = (int)((nvec + MAXV - 1) / MAXV);
   threads = threads < 32 ? 32 : (threads > kMaxThreads ? kMaxThreads : (threads + 31) / 32 * 32);
   const dim3 grid((unsigned)rows);
-  const int64_t tiles = (nvec + 31) / 32;  // the canonical sum's tiles: one float each in shared memory
-  EXL2_REQUIRE(tiles <= kMaxTiles, "rms_norm: hidden size %lld past %lld", (long long)H,
-               (long long)kMaxTiles * 32 * (vec ? 8 : 1));
-  const int smem = (int)tiles * 4;
   if (vec) {
-    exl2::launch_kernel(rms_norm_kernel<T, W, 8>, grid, threads, smem, stream,
+    exl2::launch_kernel(rms_norm_kernel<T, W, 8>, grid, threads, 0, stream, 
         (const T*)x, xs, (const T*)res, rs, (const W*)w, (T*)out, os, (T*)res_out, ros, (int)H, eps);
   } else {
-    exl2::launch_kernel(rms_norm_kernel<T, W, 1>, grid, threads, smem, stream,
+    exl2::launch_kernel(rms_norm_kernel<T, W, 1>, grid, threads, 0, stream, 
         (const T*)x, xs, (const T*)res, rs, (const W*)w, (T*)out, os, (T*)res_out, ros, (int)H, eps);
   }
   return check_launch("rms_norm");

@@ -652,7 +652,7 @@ bool exact_run_splits(const exl2q::QDesc& d, int total, int* rbase, int& maxnch)
 // gate_off > 0: fused silu_mul input (x [M, ldx] holds gate at columns [0, K) and up at [gate_off, gate_off + K)).
 namespace exl2q {
 int gemv_plan(const int64_t* blob, int ndesc, const void* x, int M, int ldx, int gate_off, int minb, const void* xpre,
-              int xpre_ld, const GemvNorm* norm, GemvParams& p, GemvPlan& pl, bool allow_span, const GemvFeed* feed) {
+              int xpre_ld, const GemvNorm* norm, GemvParams& p, GemvPlan& pl, bool allow_span) {
   EXL2_REQUIRE(blob && x, "exl2_gemv: null argument");
   EXL2_REQUIRE(ndesc >= 1 && ndesc <= kMaxDesc, "exl2_gemv: %d descriptors (1..%d)", ndesc, kMaxDesc);
   EXL2_REQUIRE(M >= 1 && M <= 32, "exl2_gemv: M=%d outside 1..32", M);
@@ -771,36 +771,12 @@ int gemv_plan(const int64_t* blob, int ndesc, const void* x, int M, int ldx, int
         p.norm_res_ld = norm->res_ld;
         p.norm_res_out_ld = norm->res_out_ld;
         p.norm_eps = norm->eps;
-        if (norm->ss) {  // the fed norm: r and its tile sums come from the feeding GEMV
-          EXL2_REQUIRE(!norm->res && !norm->res_out, "exl2_gemv_fed_norm: no residual to add or write");
-          p.norm_ss = norm->ss;
-          p.norm_tiles = (K + kNormTileCols - 1) / kNormTileCols;
-          p.norm_ss_ld = norm->ss_ld;
-          EXL2_REQUIRE(norm->ss_ld >= p.norm_tiles, "exl2_gemv_fed_norm: ss row stride %d < %d tiles", norm->ss_ld,
-                       p.norm_tiles);
-        }
-      }
-      if (feed) {
-        const QDesc& d = p.d[0];
-        EXL2_REQUIRE(ndesc == 1 && !p.cluster && !probe && !blob[F_ROPE], "exl2_gemv_feed: one part, no cluster "
-                     "split-K, probe or fused rope");
-        EXL2_REQUIRE(feed->res && feed->ss && d.N % 8 == 0 && feed->res_ld % 8 == 0 && d.ldo % 8 == 0 &&
-                     reinterpret_cast<uintptr_t>(feed->res) % 16 == 0 && reinterpret_cast<uintptr_t>(d.out) % 16 == 0,
-                     "exl2_gemv_feed: N=%d, the residual and the output need rows of multiples of 8 halves starting "
-                     "16-byte aligned", d.N);
-        EXL2_REQUIRE(feed->ss_ld >= d.ncolblk, "exl2_gemv_feed: ss row stride %d < %d tiles", feed->ss_ld, d.ncolblk);
-        EXL2_REQUIRE(feed->res != static_cast<const void*>(x) && feed->res != static_cast<const void*>(d.out),
-                     "exl2_gemv_feed: the residual aliases the input or the output");
-        p.feed_res = reinterpret_cast<const __half*>(feed->res);
-        p.feed_res_ld = feed->res_ld;
-        p.feed_ss = feed->ss;
-        p.feed_ss_ld = feed->ss_ld;
       }
       if (const int64_t* rope = reinterpret_cast<const int64_t*>(blob[F_ROPE])) {
         EXL2_REQUIRE(!p.cluster && !probe, "exl2_gemv: no fused rope with cluster split-K or a probe");
         if (const int st = plan_rope(rope, p)) return st;
       }
-      const int extra = gemv_tma_smem_extra(M, p.xstride, maxnch, p.maxgrp, p.norm_k, p.norm_ss ? p.norm_tiles : 0);
+      const int extra = gemv_tma_smem_extra(M, p.xstride, maxnch, p.maxgrp, p.norm_k);
       int max_bits = 2;
       for (int i = 0; i < ndesc; ++i) max_bits = std::max(max_bits, p.d[i].runs[0].bits);  // runs: widest first
       const int slot = kGvWarps * 256 * max_bits;
@@ -847,7 +823,6 @@ int gemv_plan(const int64_t* blob, int ndesc, const void* x, int M, int ldx, int
   EXL2_REQUIRE(M <= 8, "exl2_gemv: M=%d needs the TMA kernel (sm_90+, minb 0 or 1); this one takes 1..8", M);
   EXL2_REQUIRE(!xpre, "exl2_gemv: pre-gathered input needs the TMA kernel (sm_90+, minb 0 or 1)");
   EXL2_REQUIRE(!norm, "exl2_gemv_add_norm: the fused norm needs the TMA kernel (sm_90+, minb 0)");
-  EXL2_REQUIRE(!feed, "exl2_gemv_feed: needs the TMA kernel (sm_90+, minb 0)");
   EXL2_REQUIRE(!blob[F_ROPE], "exl2_gemv: the fused rope needs the TMA kernel (sm_90+, minb 0 or 1)");
   const int smem = align16(M * p.xstride * 2) + maxnch * kChunkRows * 2;  // + the xmap slice
   EXL2_REQUIRE(smem <= 227 * 1024, "exl2_gemv: needs %d bytes of shared memory; use a larger ksplit", smem);
@@ -858,12 +833,11 @@ int gemv_plan(const int64_t* blob, int ndesc, const void* x, int M, int ldx, int
 
 namespace {
 int gemv_impl(const int64_t* blob, int ndesc, const void* x, int M, int ldx, int gate_off, int minb,
-              const void* xpre, int xpre_ld, const exl2q::GemvNorm* norm, void* stream,
-              const exl2q::GemvFeed* feed = nullptr) {
+              const void* xpre, int xpre_ld, const exl2q::GemvNorm* norm, void* stream) {
   using namespace exl2q;
   GemvParams p;
   GemvPlan pl;
-  const int st = gemv_plan(blob, ndesc, x, M, ldx, gate_off, minb, xpre, xpre_ld, norm, p, pl, true, feed);
+  const int st = gemv_plan(blob, ndesc, x, M, ldx, gate_off, minb, xpre, xpre_ld, norm, p, pl);
   if (st) return st;
   cudaStream_t s = reinterpret_cast<cudaStream_t>(stream);
   if (pl.tma) return gemv_tma_launch(p, pl.blocks, pl.smem, s);
@@ -889,31 +863,6 @@ EXL2_API int exl2_gemv_add_norm(const int64_t* blob, int ndesc, const void* h, i
     return st;
   const exl2q::GemvNorm norm{residual, res_ld, weight, res_out, res_out_ld, eps};
   return gemv_impl(blob, ndesc, h, M, ldh, 0, 0, nullptr, 0, &norm, stream);
-}
-
-// The small-M GEMV (TMA kernel, sm_90+) whose output feeds the next GEMV's norm: x [M, ldx] as exl2_gemv (gate_off
-// > 0: the input is silu(gate) * up); one part, N a multiple of 8; the part's output (F_OUT, ldo) receives r =
-// round(h + residual) instead of h (residual [M, res_ld] fp16, rows 16-byte aligned, neither input nor output),
-// and ss [M, ss_ld] (ss_ld >= ceil(N / 256)) each row's sum of squares of r per 256-column tile, the canonical
-// order of every norm (exl2_gemv_norm.cuh), for exl2_gemv_fed_norm. r is bit-identical to exl2_gemv followed by
-// the residual add of exl2_add_rms_norm.
-EXL2_API int exl2_gemv_feed(const int64_t* blob, int ndesc, const void* x, int M, int ldx, int gate_off,
-                            const void* residual, int res_ld, float* ss, int ss_ld, void* stream) {
-  const exl2q::GemvFeed feed{residual, res_ld, ss, ss_ld};
-  return gemv_impl(blob, ndesc, x, M, ldx, gate_off, 0, nullptr, 0, nullptr, stream, &feed);
-}
-
-// The small-M GEMV of rms_norm(r) * weight where r [M, ldr] is the residual stream written by exl2_gemv_feed and ss
-// [M, ss_ld] its tile sums: the same output as exl2_rms_norm of r followed by exl2_gemv, bit for bit, without the
-// reduction (TMA kernel, sm_90+). weight fp16 [K]; rows 16-byte aligned, K a multiple of 8 up to 8192; every block
-// keeps the M raw rows and the weight in shared memory ((M + 1) * K * 2 bytes).
-EXL2_API int exl2_gemv_fed_norm(const int64_t* blob, int ndesc, const void* r, int M, int ldr, const float* ss,
-                                int ss_ld, const void* weight, float eps, void* stream) {
-  if (const int st = exl2q::check_norm_args("exl2_gemv_fed_norm", r, ldr, nullptr, 0, weight, nullptr, 0, eps))
-    return st;
-  EXL2_REQUIRE(ss, "exl2_gemv_fed_norm: null tile sums");
-  const exl2q::GemvNorm norm{nullptr, 0, weight, nullptr, 0, eps, ss, ss_ld};
-  return gemv_impl(blob, ndesc, r, M, ldr, 0, 0, nullptr, 0, &norm, stream);
 }
 
 // The small-M GEMV's split counts per run (host only, for tests and tools): splits[i * kMaxRuns + r] for run r of

@@ -32,15 +32,14 @@ constexpr int kFGated = 4;    // a gathered silu(gate) * up input (gate_off, no 
 constexpr int kFPre = 8;      // a pre-gathered input (xpre)
 constexpr int kFCluster = 16; // cluster split-K (cluster)
 constexpr int kFProbe = 32;   // timing probes (probe)
-constexpr int kFFeed = 64;    // the finish writes the residual stream and its norm's tile sums (feed_ss)
-constexpr int kFAll = 127;
+constexpr int kFAll = 63;
 // The kernel every launch runs unless it asks for cluster split-K or timing probes (those take kFAll): both paths
 // compiled out, one function for every role, so a decode layer's four GEMV launches still re-enter the same code.
 // H200 call AI1 of 2026-12-04: the kFAll code as one copy per role cost the 8B decode step +99 us against one
 // function (the instruction cache), while the narrower per-role sets cost only +33 us.
 // (kFLean without the pre-gathered copy for the decode step's one-row GEMVs gained nothing: H200 call AJ1, 2.296
 // against 2.295 ms; removed.)
-constexpr int kFLean = kFNorm | kFRope | kFGated | kFPre | kFFeed;
+constexpr int kFLean = kFNorm | kFRope | kFGated | kFPre;
 
 // GemvParams::gather_mode. Auto: by items at M <= 8, by row slots past it. (A gather by 16-byte vectors where the
 // rows are in input order, for down_proj after model/tp_shard.fold_down_order, lost to the item gather: H200 call
@@ -88,17 +87,6 @@ struct GemvParams {
   __half* norm_res_out;
   int norm_res_ld, norm_res_out_ld, norm_k, norm_nt;
   float norm_eps;
-  // TMA kernel, the norm fed by its producer (exl2_gemv_norm.cuh gv_fed_rows) when norm_ss is set: x is the residual
-  // stream r itself and norm_ss [M, norm_ss_ld] holds the per-row sums of squares of its 256-column tiles
-  // (norm_tiles of them), written by the GEMV that produced r (feed_ss below); no reduction left to do.
-  const float* norm_ss;
-  int norm_ss_ld, norm_tiles;
-  // TMA kernel, a GEMV feeding the next one's norm (kFFeed) when feed_ss is set: its output columns are added to
-  // feed_res [M, feed_res_ld] and the rounded sum r (the residual stream) is written to out; feed_ss [M,
-  // feed_ss_ld] receives each row's sum of squares of r per 256-column block (the norm's canonical tile order).
-  const __half* feed_res;
-  float* feed_ss;
-  int feed_res_ld, feed_ss_ld;
 };
 
 // The block's work: descriptor, run, column block and chunk range [c0, c1). Splits are numbered run by run:
@@ -607,16 +595,6 @@ struct GemvNorm {
   void* res_out;
   int res_out_ld;
   float eps;
-  const float* ss;  // non-null: the fed norm (GemvParams::norm_ss); the input is r, res and res_out are null
-  int ss_ld;
-};
-
-// The output feeding the next GEMV's norm (exl2_gemv_feed, GemvParams::feed_*).
-struct GemvFeed {
-  const void* res;
-  int res_ld;
-  float* ss;
-  int ss_ld;
 };
 
 // A planned small-M GEMV launch: its grid, dynamic shared memory, and whether it runs the TMA kernel.
@@ -628,10 +606,8 @@ struct GemvPlan {
 // Checks the arguments of one small-M GEMV (exl2_gemm.cu) and plans it into p (splits, ring, staged sizes):
 // the arguments of exl2_gemv, and norm (null: none) those of exl2_gemv_add_norm. Returns a status.
 // allow_span: F_SPAN may select span splits (the chain kernel walks one run per item and passes false).
-// feed (null: none): the output becomes the residual stream and its norm's tile sums (exl2_gemv_feed).
 int gemv_plan(const int64_t* blob, int ndesc, const void* x, int M, int ldx, int gate_off, int minb, const void* xpre,
-              int xpre_ld, const GemvNorm* norm, GemvParams& p, GemvPlan& pl, bool allow_span = true,
-              const GemvFeed* feed = nullptr);
+              int xpre_ld, const GemvNorm* norm, GemvParams& p, GemvPlan& pl, bool allow_span = true);
 
 // Fields per phase of exl2_gemv_chain's table (exl2_gemv_chain.cu; keep in sync with ops/cuda_chain.py).
 constexpr int kChainFields = 13;
@@ -640,7 +616,6 @@ constexpr int kChainFields = 13;
 int gemv_tma_launch(const GemvParams& p, int blocks, int smem, cudaStream_t stream);
 // Dynamic shared memory the TMA kernel needs beside its ring; maxgrp: most groups a block touches; norm_k: the
 // fused norm's row length (0 without).
-// norm_tiles: the fed norm's tiles per row (0: the norm reduces its rows itself).
-int gemv_tma_smem_extra(int M, int xstride, int maxnch, int maxgrp, int norm_k, int norm_tiles);
+int gemv_tma_smem_extra(int M, int xstride, int maxnch, int maxgrp, int norm_k);
 
 }  // namespace exl2q

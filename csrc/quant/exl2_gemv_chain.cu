@@ -423,7 +423,7 @@ EXL2_API int exl2_gemv_chain(const int64_t* phases, int nphase, int M, float eps
         a.res_out = reinterpret_cast<__half*>(res_out);
         a.res_out_ld = res_out_ld;
         c.items[i] = M;
-        z.norm_red = kNormRedFloats * 4;
+        z.norm_red = kGvWarps * 4;
         z.norm_xf = align16(K * 2);
       }
     }

@@ -40,7 +40,7 @@ constexpr int kIdxSlots = kMaxK / (kThreads * kPregatherRows) + 1;
 
 __global__ void __launch_bounds__(kThreads) norm_pregather_kernel(const __grid_constant__ NormPregatherParams p) {
   __shared__ __align__(16) __half xf[kMaxK];  // row m, normalized, natural order
-  __shared__ float red[kNormRedFloats];  // the tile sums (gv_norm_rows)
+  __shared__ float red[kThreads / 32];
   const int m = blockIdx.x, part = blockIdx.y;
   const int r_first = threadIdx.x * kPregatherRows, kpad = p.pg.kpad[part];
   // Every xmap entry this thread scatters: constants, all loaded before the wait. (Loaded group by group after

@@ -149,8 +149,7 @@ __device__ __forceinline__ void tma_block(const GemvParams& p, const GvWork& wk,
   const bool one_run = wk.re == wk.ri + 1;  // wk as is: no run bounds to read (indexed constant loads)
   const int bits0 = d.runs[wk.ri].bits;
   int stages = ring_stages(p, bits0);
-  const TmaSmem sm(smem, tma_layout(tma_sizes(p.ring_bytes, p.maxgrp, p.M, p.xstride, p.maxnch, p.norm_k,
-                                               (F & kFNorm) && p.norm_ss ? p.norm_tiles : 0)));
+  const TmaSmem sm(smem, tma_layout(tma_sizes(p.ring_bytes, p.maxgrp, p.M, p.xstride, p.maxnch, p.norm_k)));
   if (tid == 0) tma_init_ring(sm, stages, g.nwa);
   __syncthreads();
   // Between two runs of a span split: every copy and scale of the last one has landed and been read.
@@ -182,7 +181,6 @@ __device__ __forceinline__ void tma_block(const GemvParams& p, const GvWork& wk,
 
   // Compute warps. Constants first (before the PDL wait), then the activation gather: both for the whole item.
   tma_load_constants(d, wk, sm);
-  if ((F & kFNorm) && p.norm_ss) tma_stage_fed_weight(p, sm);
   exl2::pdl_wait();
   stamp(1);
   compute_sync();
@@ -256,8 +254,8 @@ __global__ void __launch_bounds__(kTmaThreads, MT == 1 ? EXL2_GEMV_TMA_MT1_MIN_B
 
 }  // namespace
 
-int gemv_tma_smem_extra(int M, int xstride, int maxnch, int maxgrp, int norm_k, int norm_tiles) {
-  return tma_layout(tma_sizes(0, maxgrp, M, xstride, maxnch, norm_k, norm_tiles)).total;
+int gemv_tma_smem_extra(int M, int xstride, int maxnch, int maxgrp, int norm_k) {
+  return tma_layout(tma_sizes(0, maxgrp, M, xstride, maxnch, norm_k)).total;
 }
 
 #ifdef EXL2_GEMV_TIMELINE
@@ -265,7 +263,7 @@ namespace {
 unsigned long long* g_timeline[kMaxDevices] = {};
 int g_timeline_next[kMaxDevices] = {};
 // Per slot, what the launch was: blocks, M, part 0's K and N, parts, the kF* bits of the features it uses (kFNorm 1,
-// kFRope 2, kFGated 4, kFPre 8, kFCluster 16, kFFeed 64), the kernel's token tiles.
+// kFRope 2, kFGated 4, kFPre 8, kFCluster 16), the kernel's token tiles.
 constexpr int kTimelineMeta = 7;
 int g_timeline_meta[kMaxDevices][kTimelineSlots][kTimelineMeta] = {};
 
@@ -275,7 +273,7 @@ TimelineArg timeline_take(const GemvParams& p, int blocks, int mt) {
   if (!g_timeline[dev]) return {nullptr, 0};
   const int slot = g_timeline_next[dev]++ % kTimelineSlots;
   const int feats = (p.norm_nt ? kFNorm : 0) | (p.rope_d ? kFRope : 0) | (p.gate_off > 0 && !p.xpre ? kFGated : 0) |
-                    (p.xpre ? kFPre : 0) | (p.cluster ? kFCluster : 0) | (p.feed_ss ? kFFeed : 0);
+                    (p.xpre ? kFPre : 0) | (p.cluster ? kFCluster : 0);
   const int meta[kTimelineMeta] = {blocks, p.M, p.d[0].K, p.d[0].N, p.ndesc, feats, mt};
   for (int i = 0; i < kTimelineMeta; ++i) g_timeline_meta[dev][slot][i] = meta[i];
   return {g_timeline[dev], slot};

@@ -65,7 +65,7 @@ __host__ __device__ inline int align16(int x) { return (x + 15) & ~15; }
 
 // Byte offsets of the regions after the barriers and the ring (which starts at kBarBytes):
 // [barriers][ring][scales: maxgrp x 8 warps x 8 gid uint2][x: M x xstride halves][xmap slice: maxnch x 64]
-// [chunk info: maxnch ints][fused norm: tile sums][fused norm: M x norm_k normalized halves (fed: raw, then w)]
+// [chunk info: maxnch ints][fused norm: kGvWarps partial sums][fused norm: M x norm_k normalized halves]
 struct TmaLayout {
   int scl, xs, xm, info, red, xf, total;
 };
@@ -74,14 +74,9 @@ struct TmaSizes {  // the bytes of each region for one launch's parameters
   int ring, scl, xs, xm, info, norm_red, norm_xf;
 };
 
-// norm_tiles > 0: the fed norm (gv_fed_rows), whose red region holds the M x tiles sums and M inv_rms, and whose
-// xf region the raw rows and, after them, the weight staged before the PDL wait.
-__host__ __device__ inline TmaSizes tma_sizes(int ring_bytes, int maxgrp, int M, int xstride, int maxnch, int norm_k,
-                                              int norm_tiles = 0) {
-  const int red = !norm_k ? 0 : norm_tiles ? align16(M * (norm_tiles + 1) * 4) : kNormRedFloats * 4;
-  const int xf = !norm_k ? 0 : align16(M * norm_k * 2 + (norm_tiles ? norm_k * 2 : 0));
+__host__ __device__ inline TmaSizes tma_sizes(int ring_bytes, int maxgrp, int M, int xstride, int maxnch, int norm_k) {
   return {ring_bytes, maxgrp * kGroupScaleBytes, align16(M * xstride * 2), maxnch * kChunkRows * 2,
-          align16(maxnch * 4), red, xf};
+          align16(maxnch * 4), norm_k ? kGvWarps * 4 : 0, norm_k ? align16(M * norm_k * 2) : 0};
 }
 
 __host__ __device__ inline TmaLayout tma_layout(const TmaSizes& z) {
@@ -297,14 +292,6 @@ __device__ __forceinline__ void tma_load_constants(const QDesc& d, const GvWork&
   for (int i = threadIdx.x; i < nch; i += kTmaComputeThreads) sm.info[i] = __ldg(d.info + c0 + i);
 }
 
-// Compute warps, before the PDL wait: the fed norm's weight (a constant, K halves) into shared memory after the
-// rows (gv_fed_rows); the caller synchronizes.
-__device__ __forceinline__ void tma_stage_fed_weight(const GemvParams& p, const TmaSmem& sm) {
-  const uint4* src = reinterpret_cast<const uint4*>(p.norm_w);
-  uint4* dst = reinterpret_cast<uint4*>(sm.xf + (size_t)p.M * p.norm_k);
-  for (int v = threadIdx.x; v < p.norm_k / kNormVec; v += kTmaComputeThreads) dst[v] = __ldg(src + v);
-}
-
 // Compute warps, after the PDL wait (or the chain's grid barrier) and a compute_sync: the split's input rows in
 // stored order into sm.xs (normalized, pre-gathered or gathered); the caller synchronizes after it.
 // `loaded` runs once the global loads are done (after the norm's rows, or the gather's loads of this thread; the
@@ -317,12 +304,7 @@ __device__ __forceinline__ void tma_stage_input(const GemvParams& p, const GvWor
                                                 Mark&& loaded = Mark{}) {
   const int nch = wk.c1 - wk.c0;
   constexpr bool kGate = (F & kFGated) != 0;
-  if ((F & kFNorm) && p.norm_ss) {
-    float* s_inv = sm.red + p.M * p.norm_tiles;
-    gv_fed_rows(p, sm.xf, sm.red, s_inv, compute_sync);
-    loaded();
-    gv_gather_fed(p, nch, sm.xs, sm.xm, sm.xf, sm.xf + (size_t)p.M * p.norm_k, s_inv, kTmaComputeThreads);
-  } else if ((F & kFNorm) && p.norm_nt) {
+  if ((F & kFNorm) && p.norm_nt) {
     gv_norm_rows(norm_rows_of(p), sm.xf, sm.red, blockIdx.x == 0 ? p.norm_res_out : nullptr, p.norm_res_out_ld,
                  compute_sync);
     loaded();
@@ -392,8 +374,7 @@ __device__ __forceinline__ void tma_chunks(const GemvParams& p, const GvWork& wk
 
 // Compute warps, split-K through the global workspace: every active warp writes its partial, thread 0 takes the
 // column block's ticket, and the last block sums the partials in split order (deterministic) and re-arms the
-// ticket for the next launch (and graph replay). ksplit == 1: the result is stored directly. A feeding GEMV
-// (kFFeed) finishes with gv_feed_finish instead: the residual stream and its norm's tile sums.
+// ticket for the next launch (and graph replay). ksplit == 1: the result is stored directly.
 template <int MT, int F = kFAll>
 __device__ __forceinline__ void tma_finish(const GemvParams& p, const GvWork& wk, const GvStateMT<MT>& st,
                                            bool active) {
@@ -402,11 +383,6 @@ __device__ __forceinline__ void tma_finish(const GemvParams& p, const GvWork& wk
   const int n0 = (wk.colblk * kGvWarps + warp) * kWarpCols;
   if (wk.ksplit == 1) {
     if (active) gv_store<MT>(d, st, n0, p.M, wk.gsplit, false);
-    if ((F & kFFeed) && p.feed_ss) {
-      compute_sync();  // the block's fp16 results are stored
-      gv_feed_finish(p, d, wk.colblk, 1, compute_sync);
-      return;
-    }
     if ((F & kFRope) && p.rope_d) {
       compute_sync();
       gv_rope_kv(p, wk.di, wk.colblk, tid, kTmaComputeThreads);
@@ -420,11 +396,6 @@ __device__ __forceinline__ void tma_finish(const GemvParams& p, const GvWork& wk
   if (tid == 0) s_last = gv_ticket(d, wk.colblk, wk.ksplit);
   compute_sync();
   if (!s_last) return;
-  if ((F & kFFeed) && p.feed_ss) {
-    gv_feed_finish(p, d, wk.colblk, wk.ksplit, compute_sync);
-    if (tid == 0) d.counters[wk.colblk] = 0;
-    return;
-  }
   if (p.reduce_vec4) gv_reduce_partials_vec4(d, wk.colblk, wk.ksplit, p.M, tid, kTmaComputeThreads);
   else gv_reduce_partials(d, wk.colblk, wk.ksplit, p.M, tid, kTmaComputeThreads);
   if (tid == 0) d.counters[wk.colblk] = 0;  // ready for the next launch (and graph replay)

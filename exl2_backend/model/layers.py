@@ -57,35 +57,6 @@ def norm_qkv(layer: DecoderLayer, h: torch.Tensor, residual: torch.Tensor | None
     return qkv, residual, False
 
 
-def fed_norm_qkv(layer: DecoderLayer, r: torch.Tensor, ss: torch.Tensor, step: StepInputs | None):
-    """norm_qkv over the residual stream r [T, H] written by a feeding GEMV with its tile sums ss (ops/cuda_feed.py):
-    the q/k/v GEMV normalizes r without reducing it; rope and the KV-cache write inside it as in norm_qkv."""
-    from exl2_backend.ops import cuda_feed
-
-    if step is not None and ROPE_IN_GEMV and FUSED_ROPE_KV:
-        cache = step.cache
-        if not getattr(cache, "quantized", False):
-            k_cache, v_cache = cache.k[layer.index], cache.v[layer.index]  # [P, S, Hkv, D]
-            if k_cache.dtype == torch.float16:
-                rope = (step.positions, step.inv_freq, k_cache, v_cache, step.meta.slots)
-                qkv = cuda_feed.fed_normed(layer.qkv, r, ss, layer.input_norm, layer.eps, rope)
-                if qkv is not None:
-                    return qkv, r, True
-    qkv = cuda_feed.fed_normed(layer.qkv, r, ss, layer.input_norm, layer.eps)
-    if qkv is not None:
-        return qkv, r, False
-    return norm_qkv(layer, r, None, step)
-
-
-def _feeds(producer, consumer, m: int) -> bool:
-    """Whether producer's GEMV feeds consumer's norm for M rows (ops/cuda_feed.py; CUDA linears only)."""
-    if not (FUSED_NORM and hasattr(producer, "launch") and hasattr(consumer, "launch")):
-        return False
-    from exl2_backend.ops import cuda_feed
-
-    return cuda_feed.feeds_norm(producer, consumer, m)
-
-
 @dataclass
 class StepInputs:
     """What a layer's q/k/v GEMV needs to run rope and the KV-cache write itself (norm_qkv): token positions
@@ -180,8 +151,7 @@ class DecoderLayer:
         """o_proj, the post-attention norm and the MLP over attn [T, Hq*D] (attend's output) and the residual stream
         [T, H]; with `nxt`, also the next layer's input norm and q/k/v (norm_qkv, given `step`). Returns (qkv of nxt,
         residual, roped) with nxt, else (the MLP output h, residual, False). One persistent GEMV chain where it runs
-        (ops/cuda_chain.py), else op by op, o and down feeding the norm after them where they can (ops/cuda_feed.py:
-        their GEMVs write the residual stream and its tile sums; the next GEMV normalizes without reducing)."""
+        (ops/cuda_chain.py), else op by op."""
         if residual is not None and FUSED_NORM and FUSED_SILU_DOWN and hasattr(self.o, "launch"):
             from exl2_backend.ops.cuda_chain import mlp_chain
 
@@ -189,25 +159,7 @@ class DecoderLayer:
                                 self.post_norm, None if nxt is None else nxt.input_norm, self.eps)
             if chained is not None:
                 return chained[0], chained[1], False
-        m = attn.shape[0]
-        fed = None
-        if residual is not None and _feeds(self.o, self.gate_up, m):
-            from exl2_backend.ops import cuda_feed
-
-            fed = cuda_feed.feed(self.o, attn, residual)
-        if fed is not None:  # o's GEMV wrote the residual stream and its norm's tile sums
-            residual, ss = fed
-            gate_up = cuda_feed.fed_normed(self.gate_up, residual, ss, self.post_norm, self.eps)
-            if gate_up is None:
-                gate_up, _ = norm_linear(self.gate_up, residual, None, self.post_norm, self.eps)
-        else:
-            gate_up, residual = norm_linear(self.gate_up, self.o(attn), residual, self.post_norm, self.eps)
-        if nxt is not None and FUSED_SILU_DOWN and hasattr(self.down, "gated") and _feeds(self.down, nxt.qkv, m):
-            from exl2_backend.ops import cuda_feed
-
-            fed = cuda_feed.feed(self.down, gate_up, residual, gated=True)
-            if fed is not None:
-                return fed_norm_qkv(nxt, fed[0], fed[1], step)
+        gate_up, residual = norm_linear(self.gate_up, self.o(attn), residual, self.post_norm, self.eps)
         h = self.mlp(gate_up)
         if nxt is None:
             return h, residual, False

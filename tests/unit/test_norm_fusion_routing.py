@@ -40,15 +40,3 @@ def test_norm_linear_without_a_fusing_linear_runs_the_two_ops(monkeypatch, with_
         x, want_stream = ops.rms_norm(h, w, 1e-5), h
     assert torch.equal(stream, want_stream)
     assert torch.equal(y, lin(x))
-
-
-def test_the_feed_declines_linears_that_cannot_feed():
-    """ops/cuda_feed.py routes only CUDA linears; the reference LinearOp (CPU) keeps the norm as its own op, and the
-    tile sums per row are one per 256-column block of the hidden size."""
-    from exl2_backend.ops import cuda_feed
-    from tests.helpers.synth import random_qtensor
-
-    a = ops.prepare_linear([random_qtensor("a", 64, 64, "4:1@32", seed=1)], "cpu", torch.float32)
-    b = ops.prepare_linear([random_qtensor("b", 64, 64, "4:1@32", seed=2)], "cpu", torch.float32)
-    assert not cuda_feed.feeds_norm(a, b, 1) and not layers._feeds(a, b, 1)
-    assert [cuda_feed.tiles(h) for h in (1, 256, 257, 576, 4096, 8192)] == [1, 1, 2, 3, 16, 32]

@@ -625,7 +625,7 @@ __device__ __forceinline__ bool gv_reduce_partials_flat(const QDesc& d, int colb
   const int ncols = min(kGvCols, d.N - nblk0);
   const int quads = (ncols + 3) / 4, pairs = quads * M * ksplit;
   const int B = (pairs + nthreads - 1) / nthreads;
-  land_slots = min(land_slots, kFlatLand);
+  land_slots = max(0, min(land_slots, kFlatLand));  // the running sums need the slot after them (ring >= 8 KB)
   if (quads * M <= nthreads || B < ksplit || B > kFlatMax + land_slots) return false;
   float4* const carry = land + land_slots * nthreads;
   const int p0 = tid * B, n_here = max(0, min(B, pairs - p0));

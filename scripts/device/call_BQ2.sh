@@ -13,7 +13,13 @@ use_libraries O=.dev/libO.so.gz
 cp /tmp/libD.so "$LIB"
 fits 50 D1 "$L" && spec_line D1
 fits 50 V1 "$L" && spec_line V1 EXL2_GEMV_REDUCE=vec4
-whole_gpu_suite "$L"
+if fits 200 "GPU suite" "$L"; then
+  whole_gpu_suite "$L"
+else  # the GEMV's own tests (its sums and every other part of the kernel)
+  gpu_tests_verbose gemv "$(( $(left "$L") - 80 ))" -n 8 tests/kernels/test_gemv_reduce_rows.py \
+    tests/kernels/test_exl2_gemm.py tests/kernels/test_gemv_norm.py tests/kernels/test_gemv_rope_kv.py \
+    tests/kernels/test_gemv_repeat_identical.py tests/kernels/test_gemv_chain.py
+fi
 fits 50 D2 "$L" && spec_line D2
 fits 50 V2 "$L" && spec_line V2 EXL2_GEMV_REDUCE=vec4
 fits 50 O1 "$L" && { cp /tmp/libO.so "$LIB"; spec_line O1; cp /tmp/libD.so "$LIB"; }

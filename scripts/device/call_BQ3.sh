@@ -1,0 +1,18 @@
+#!/usr/bin/env bash
+# Device call BQ3 (session 53): BQ2 cut to what ~200 s of device time holds (nine starts had failed). Carry .whl and
+# .dev (this csrc's library: the split-K sum's loads spread over the threads where the quads outnumber them,
+# gv_reduce_partials_flat; EXL2_GEMV_REDUCE=vec4 runs the old walk in the same library, V); BQ3_LIMIT seconds (200):
+#  1. tests/kernels/test_gemv_reduce_rows.py (rows of M = 5, 6 and 8 launches bit-identical to the rows alone);
+#  2. spec_bench step costs, D and V interleaved twice;
+#  3. the GEMV's other GPU tests while time is left.
+export EXL2_CARRIED_LIBRARY=1
+source scripts/device/common.sh
+begin_card_call bq3 "${BQ3_LIMIT:-200}"
+gpu_tests_verbose rows 60 -n 8 tests/kernels/test_gemv_reduce_rows.py
+for round in 1 2; do
+  fits 40 "D$round" "$L" && spec_line "D$round"
+  fits 40 "V$round" "$L" && spec_line "V$round" EXL2_GEMV_REDUCE=vec4
+done
+fits 30 "GEMV tests" "$L" && gpu_tests_verbose gemv "$(( $(left "$L") - 10 ))" -n 8 tests/kernels/test_exl2_gemm.py \
+  tests/kernels/test_gemv_norm.py tests/kernels/test_gemv_rope_kv.py tests/kernels/test_gemv_repeat_identical.py
+echo "total $(( $(date +%s) - T0 )) s"

@@ -1,13 +1,11 @@
 """The TMA GEMV's split-K sum is the same for a row whatever the rows beside it (csrc/quant/exl2_gemv.cuh).
 
-At M <= 4 the last block of a column block sums its M x 64 column quads one quad per thread
-(gv_reduce_partials_vec4); at M = 5 or 6 (a k = 4 verify step) the quads outnumber its 256 threads, and their loads
-are spread evenly over the threads instead (gv_reduce_partials_flat: a quad's splits may lie in two threads' runs,
-the first handing its running sum to the second), with the loads past 16 per thread landing in the drained ring
-(o and down of the 8B: 16 splits, 20 loads per thread). Both sum each column in split order from zero, so every row
-of an M = 5 or 6 launch must equal, bit for bit, the same row launched alone, where the plan gives both the same
-splits (the speculative verify step's exactness rests on it). Shapes: the 8B's o (16 column blocks), q/k/v (24),
-a wide projection (few splits), the gated down; a partial last column block; with bias.
+The last block of a column block sums its M x 64 column quads (gv_reduce_partials_vec4): at M <= 4 one quad per
+thread, at M = 5 or 6 (a k = 4 verify step) some threads take two. Every column is summed in split order from zero
+either way, so every row of an M = 5, 6 or 8 launch must equal, bit for bit, the same row launched alone, where the
+plan gives both the same splits: the speculative verify step's exactness rests on it, and any other walk of the sum
+(session 53's gv_reduce_partials_flat at 6e00f87, not yet run on a GPU) must keep it. Shapes: the 8B's o (16 column
+blocks), q/k/v (24), a wide projection (few splits), the gated down; a partial last column block; with bias.
 """
 
 from __future__ import annotations

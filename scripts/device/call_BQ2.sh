@@ -1,13 +1,14 @@
 #!/usr/bin/env bash
-# NOT RUN (session 53: ten device starts failed and the device time ran out). The flat reduce it measures was then
-# removed; restore it first: git checkout 6e00f87 -- csrc (csrc 7ed1a73c86fc), rebuild and pack the library.
+# NOT RUN (session 53: five starts failed, seven calls were refused, and the device time ran out). The flat reduce
+# it measures was then removed; restore it first: git checkout 6e00f87 -- csrc (csrc 7ed1a73c86fc), rebuild and
+# pack the library.
 # Device call BQ2 (session 53; carry .whl and .dev: this csrc's library (D: the split-K sum's loads spread over the
 # threads where the quads outnumber them, gv_reduce_partials_flat; EXL2_GEMV_REDUCE=vec4 runs the old walk in the
 # same library, V) and session 48's (O, .dev/libO.so.gz); BQ2_LIMIT seconds (480)):
-#  1. (after D1 and V1) the whole GPU suite that needs no SmolLM2 (tests/kernels/test_gemv_reduce_rows.py: rows of M = 5, 6 and 8
-#     launches bit-identical to the rows alone);
-#  2. spec_bench step costs, D and V interleaved twice around the suite, then O, then D by role (spec_bench
-#     --kernels), each while it fits (device time was short: seven starts failed).
+#  1. spec_bench step costs, D and V;
+#  2. the whole GPU suite that needs no SmolLM2 (tests/kernels/test_gemv_reduce_rows.py: rows of M = 5, 6 and 8
+#     launches bit-identical to the rows alone), or the GEMV's tests where it does not fit;
+#  3. D and V again, then O, then D by role (spec_bench --kernels), each while it fits.
 export EXL2_CARRIED_LIBRARY=1
 source scripts/device/common.sh
 begin_card_call bq2 "${BQ2_LIMIT:-480}"

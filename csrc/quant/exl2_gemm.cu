@@ -718,12 +718,10 @@ int gemv_plan(const int64_t* blob, int ndesc, const void* x, int M, int ldx, int
       }();
       p.gather_mode = gather_mode;
       // The split-K sum four columns per item (H200 call H1: the 8B's k = 4 verify 1.29x a decode step against
-      // 1.39x one column per item), its loads spread over the threads where the quads outnumber them (2:
-      // gv_reduce_partials_flat); EXL2_GEMV_REDUCE=scalar / vec4 for the older walks (the same sums).
+      // 1.39x one column per item); EXL2_GEMV_REDUCE=scalar for the old walk.
       static const int reduce_vec4 = [] {
         const char* e = getenv("EXL2_GEMV_REDUCE");
-        if (!e) return 2;
-        return strcmp(e, "scalar") == 0 ? 0 : strcmp(e, "vec4") == 0 ? 1 : 2;
+        return e && strcmp(e, "scalar") == 0 ? 0 : 1;
       }();
       p.reduce_vec4 = reduce_vec4;
       // minb 1: cluster split-K. Every descriptor gets exactly ksplit splits, reduced inside a cluster of that

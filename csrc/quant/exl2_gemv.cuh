@@ -69,8 +69,7 @@ struct GemvParams {
                 // memory inside a cluster of C blocks instead of the global workspace and ticket
   const __half* xpre;  // TMA kernel: null, or the input already in stored row order, xpre[(di * M + m) * xpre_ld
   int xpre_ld;         // + r] (exl2_gemv_pregather.cu; silu_mul applied): blocks copy their rows, no gather
-  int reduce_vec4;     // TMA kernel: the last block sums the split partials four columns per item (1), its loads
-                       // spread evenly over the threads where that takes fewer rounds (2), or one per item (0)
+  int reduce_vec4;     // TMA kernel: the last block sums the split partials four columns per item
   int span;            // TMA kernel: splits of equal bytes across width runs (span_range; rbase[di][nruns] of them)
   // TMA kernel: RoPE and the fp16 KV-cache write after the q/k/v GEMV when rope_d > 0 (exl2_gemv_rope.cuh)
   const long long* rope_pos;    // [M] token positions
@@ -586,116 +585,6 @@ __device__ __forceinline__ void gv_reduce_partials_vec4(const QDesc& d, int colb
       d.out[(size_t)m * d.ldo + n + c] = __float2half_rn(o[c] + b);
     }
   }
-}
-
-// gv_reduce_partials_vec4 with its (quad, split) loads spread evenly over the threads, for rows whose quads outnumber
-// the threads (M = 5 or 6 rows of 64 quads at 256 threads): in the vec4 walk a quarter of the threads then take two
-// quads one after the other, two rounds of L2 latency on the last block's path where one does. Here the quads'
-// loads in (quad, split) order are cut into equal runs of B = ceil(quads * M * ksplit / nthreads) loads, one run per
-// thread, all of a run's loads in flight at once: the first kFlatMax into registers (more spilled them, each spill
-// waiting for its load), up to `land_slots` more by cp.async into `land` (shared memory, [land_slots][nthreads]
-// float4; the 8B's o and down at M = 5 take 20 loads per thread). B >= ksplit, so a quad's splits lie in at most two
-// runs: the thread holding its first splits sums them and leaves the running sum in carry[tid] (shared memory, after
-// the landing slots), and after the barrier the next thread continues it. Each quad's columns are summed in split
-// order from zero as in gv_reduce_partials_vec4, the bias added the same way: bit-identical. Returns false (nothing
-// done, no barrier) where the rows fit one quad per thread or a run would not fit (the caller runs the vec4 walk).
-// All `nthreads` threads call it; `sync` is their barrier.
-constexpr int kFlatMax = 16, kFlatLand = 8;
-// Output quad (row m, quad q) of column block nblk0: its four columns (+ bias) rounded into out.
-__device__ __forceinline__ void gv_store_quad(const QDesc& d, int nblk0, int ncols, int m, int q, float4 a) {
-  const int n = nblk0 + 4 * q;
-  const float o[4] = {a.x, a.y, a.z, a.w};
-#pragma unroll
-  for (int c = 0; c < 4; ++c) {
-    if (4 * q + c >= ncols) break;
-    const float b = d.bias ? __half2float(d.bias[n + c]) : 0.f;
-    d.out[(size_t)m * d.ldo + n + c] = __float2half_rn(o[c] + b);
-  }
-}
-__device__ __forceinline__ void gv_add4(float4& a, const float4& t) {
-  a.x += t.x;
-  a.y += t.y;
-  a.z += t.z;
-  a.w += t.w;
-}
-template <typename Sync>
-__device__ __forceinline__ bool gv_reduce_partials_flat(const QDesc& d, int colblk, int ksplit, int M, int tid,
-                                                        int nthreads, float4* land, int land_slots, Sync&& sync) {
-  const int nblk0 = colblk * kGvCols;
-  const int ncols = min(kGvCols, d.N - nblk0);
-  const int quads = (ncols + 3) / 4, pairs = quads * M * ksplit;
-  const int B = (pairs + nthreads - 1) / nthreads;
-  land_slots = max(0, min(land_slots, kFlatLand));  // the running sums need the slot after them (ring >= 8 KB)
-  if (quads * M <= nthreads || B < ksplit || B > kFlatMax + land_slots) return false;
-  float4* const carry = land + land_slots * nthreads;
-  const int p0 = tid * B, n_here = max(0, min(B, pairs - p0));
-  const int e0 = p0 / ksplit, s0 = p0 - e0 * ksplit;  // this run's first quad and its first split
-  const int m0 = e0 / quads, q0 = e0 - m0 * quads;
-  // Loads walk (row, quad, split) incrementally: one address step per load.
-  const float4* const base = reinterpret_cast<const float4*>(d.ws + nblk0);
-  const int row4 = d.Np / 4;
-  const size_t stride = (size_t)M * row4;  // float4 between two splits' partials
-  float4 v[kFlatMax];
-  {
-    int s = s0, q = q0;
-    const float4* src = base + (size_t)m0 * row4 + q0;
-    auto step = [&] {
-      if (++s == ksplit) {
-        s = 0;
-        ++src;
-        if (++q == quads) {
-          q = 0;
-          src += row4 - quads;
-        }
-      }
-    };
-#pragma unroll
-    for (int u = 0; u < kFlatMax; ++u) {
-      if (u < n_here) v[u] = __ldcg(src + s * stride);
-      step();
-    }
-#pragma unroll
-    for (int x = 0; x < kFlatLand; ++x) {
-      if (kFlatMax + x < n_here)
-        asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(
-                         (uint32_t)__cvta_generic_to_shared(land + x * nthreads + tid)),
-                     "l"(src + s * stride) : "memory");
-      step();
-    }
-    asm volatile("cp.async.commit_group;\ncp.async.wait_group 0;" ::: "memory");
-  }
-  auto val = [&](int u) { return u < kFlatMax ? v[u] : land[(u - kFlatMax) * nthreads + tid]; };
-  // Quads that start in this run: summed from zero; stored here, or their running sum left for the next thread.
-  {
-    float4 a = make_float4(0.f, 0.f, 0.f, 0.f);
-    int s = s0, m = m0, q = q0;
-#pragma unroll
-    for (int u = 0; u < kFlatMax + kFlatLand; ++u) {
-      if (u < n_here && u >= (s0 ? ksplit - s0 : 0)) {
-        if (s == 0) a = make_float4(0.f, 0.f, 0.f, 0.f);
-        gv_add4(a, val(u));
-        if (s == ksplit - 1) gv_store_quad(d, nblk0, ncols, m, q, a);
-      }
-      if (++s == ksplit) {
-        s = 0;
-        if (++q == quads) {
-          q = 0;
-          ++m;
-        }
-      }
-    }
-    if (n_here > 0 && (s0 + n_here) % ksplit != 0) carry[tid] = a;  // its last quad goes on in the next run
-  }
-  sync();
-  // The quad this run entered mid-way: the previous thread's running sum, then this run's splits of it.
-  if (s0 > 0 && n_here > 0) {
-    float4 a = carry[tid - 1];
-#pragma unroll
-    for (int u = 0; u < kFlatMax + kFlatLand; ++u)
-      if (s0 + u < ksplit) gv_add4(a, val(u));  // B >= ksplit: these splits are all in this run
-    gv_store_quad(d, nblk0, ncols, m0, q0, a);
-  }
-  return true;
 }
 
 // The fused RMSNorm input of exl2_gemv_add_norm and of a chain phase (GemvParams::norm_*).

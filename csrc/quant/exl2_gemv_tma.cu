@@ -209,7 +209,7 @@ __device__ __forceinline__ void tma_block(const GemvParams& p, const GvWork& wk,
     cluster_reduce<MT>(d, wk, st, active, true, n0, p.M, reinterpret_cast<float*>(sm.ring));
     return;
   }
-  tma_finish<MT, F>(p, wk, st, active, sm.ring);
+  tma_finish<MT, F>(p, wk, st, active);
   stamp(4);
 }
 #endif

@@ -375,11 +375,9 @@ __device__ __forceinline__ void tma_chunks(const GemvParams& p, const GvWork& wk
 // Compute warps, split-K through the global workspace: every active warp writes its partial, thread 0 takes the
 // column block's ticket, and the last block sums the partials in split order (deterministic) and re-arms the
 // ticket for the next launch (and graph replay). ksplit == 1: the result is stored directly.
-// scratch (null: none): the block's drained ring, which the spread reduce (gv_reduce_partials_flat) borrows for its
-// running sums once every compute warp has passed the barrier before the ticket.
 template <int MT, int F = kFAll>
 __device__ __forceinline__ void tma_finish(const GemvParams& p, const GvWork& wk, const GvStateMT<MT>& st,
-                                           bool active, unsigned char* scratch = nullptr) {
+                                           bool active) {
   const QDesc& d = p.d[wk.di];
   const int warp = threadIdx.x >> 5, tid = threadIdx.x;
   const int n0 = (wk.colblk * kGvWarps + warp) * kWarpCols;
@@ -398,16 +396,8 @@ __device__ __forceinline__ void tma_finish(const GemvParams& p, const GvWork& wk
   if (tid == 0) s_last = gv_ticket(d, wk.colblk, wk.ksplit);
   compute_sync();
   if (!s_last) return;
-  // The drained ring: landing slots of kTmaComputeThreads float4 (4 KB) each, then the running sums (4 KB).
-  if (p.reduce_vec4 == 2 && scratch &&
-      gv_reduce_partials_flat(d, wk.colblk, wk.ksplit, p.M, tid, kTmaComputeThreads,
-                              reinterpret_cast<float4*>(scratch), p.ring_bytes / (16 * kTmaComputeThreads) - 1,
-                              compute_sync)) {
-  } else if (p.reduce_vec4) {
-    gv_reduce_partials_vec4(d, wk.colblk, wk.ksplit, p.M, tid, kTmaComputeThreads);
-  } else {
-    gv_reduce_partials(d, wk.colblk, wk.ksplit, p.M, tid, kTmaComputeThreads);
-  }
+  if (p.reduce_vec4) gv_reduce_partials_vec4(d, wk.colblk, wk.ksplit, p.M, tid, kTmaComputeThreads);
+  else gv_reduce_partials(d, wk.colblk, wk.ksplit, p.M, tid, kTmaComputeThreads);
   if (tid == 0) d.counters[wk.colblk] = 0;  // ready for the next launch (and graph replay)
   if ((F & kFRope) && p.rope_d) {
     compute_sync();

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # NOT RUN as such (session 53: five starts failed, seven calls were refused, and the device time ran out); session
-# 54 ran BQ2's steps as call_BR1.sh: the flat reduce lost (k = 4 verify 1.63x). The flat reduce it measures is gone; restore it first: git checkout 6e00f87 -- csrc (csrc 7ed1a73c86fc), rebuild and
-# pack the library.
+# 54 ran BQ2's steps as call_BR1.sh: the flat reduce lost (k = 4 verify 1.63x). The flat reduce it measures is
+# gone; restore it first: git checkout 6e00f87 -- csrc (csrc 7ed1a73c86fc), rebuild and pack the library.
 # Device call BQ2 (session 53; carry .whl and .dev: this csrc's library (D: the split-K sum's loads spread over the
 # threads where the quads outnumber them, gv_reduce_partials_flat; EXL2_GEMV_REDUCE=vec4 runs the old walk in the
 # same library, V) and session 48's (O, .dev/libO.so.gz); BQ2_LIMIT seconds (480)):

@@ -4,9 +4,9 @@ The last block of a column block sums its M x 64 column quads (gv_reduce_partial
 thread, at M = 5 or 6 (a k = 4 verify step) some threads take two. Every column is summed in split order from zero
 either way, so every row of an M = 5, 6 or 8 launch must equal, bit for bit, the same row launched alone, where the
 plan gives both the same splits: the speculative verify step's exactness rests on it, and any other walk of the sum
-(session 53's gv_reduce_partials_flat at 6e00f87 kept it, and lost on time: H100 call BR1, session 54)
-must keep it. Shapes: the 8B's o (16 column
-blocks), q/k/v (24), a wide projection (few splits), the gated down; a partial last column block; with bias.
+must keep it (session 53's gv_reduce_partials_flat at 6e00f87 did, and lost on time: H100 call BR1, session 54).
+Shapes: the 8B's o (16 column blocks), q/k/v (24), a wide projection (few splits), the gated down; a partial last
+column block; with bias.
 """
 
 from __future__ import annotations

@@ -32,14 +32,16 @@ constexpr int kFGated = 4;    // a gathered silu(gate) * up input (gate_off, no 
 constexpr int kFPre = 8;      // a pre-gathered input (xpre)
 constexpr int kFCluster = 16; // cluster split-K (cluster)
 constexpr int kFProbe = 32;   // timing probes (probe)
-constexpr int kFAll = 63;
+constexpr int kFFeed = 64;    // the finish writes the residual stream and its tile sums of squares (feed_ss)
+constexpr int kFPost = 128;   // the input's RMSNorm scale applied to the output rows (post_ss; exl2_gemv_post.cuh)
+constexpr int kFAll = 255;
 // The kernel every launch runs unless it asks for cluster split-K or timing probes (those take kFAll): both paths
 // compiled out, one function for every role, so a decode layer's four GEMV launches still re-enter the same code.
 // H200 call AI1 of 2026-12-04: the kFAll code as one copy per role cost the 8B decode step +99 us against one
 // function (the instruction cache), while the narrower per-role sets cost only +33 us.
 // (kFLean without the pre-gathered copy for the decode step's one-row GEMVs gained nothing: H200 call AJ1, 2.296
 // against 2.295 ms; removed.)
-constexpr int kFLean = kFNorm | kFRope | kFGated | kFPre;
+constexpr int kFLean = kFNorm | kFRope | kFGated | kFPre | kFFeed | kFPost;
 
 // GemvParams::gather_mode. Auto: by items at M <= 8, by row slots past it. (A gather by 16-byte vectors where the
 // rows are in input order, for down_proj after model/tp_shard.fold_down_order, lost to the item gather: H200 call
@@ -87,6 +89,20 @@ struct GemvParams {
   __half* norm_res_out;
   int norm_res_ld, norm_res_out_ld, norm_k, norm_nt;
   float norm_eps;
+  // TMA kernel, a GEMV feeding the next one's norm (kFFeed) when feed_ss is set: its output columns are added to
+  // feed_res [M, feed_res_ld] and the rounded sum r (the residual stream) is written to out; feed_ss [M,
+  // feed_ss_ld] receives each row's sum of squares of r per 256-column block (exl2_gemv_post.cuh's tile order).
+  const __half* feed_res;
+  float* feed_ss;
+  int feed_res_ld, feed_ss_ld;
+  // TMA kernel, the input's RMSNorm applied at the output (kFPost) when post_ss is set: x is the residual stream
+  // r, the gather takes round(r * post_w) (post_w = the norm's weight times 2^-e), and each output row m is
+  // multiplied by rsqrt(sum of post_ss[m, 0 .. post_tiles) in order / post_k + post_eps) * post_mul (= 2^e) before
+  // its bias: the linear commutes with the norm's per-row scale.
+  const float* post_ss;
+  const __half* post_w;
+  int post_ss_ld, post_tiles, post_k;
+  float post_eps, post_mul;
 };
 
 // The block's work: descriptor, run, column block and chunk range [c0, c1). Splits are numbered run by run:
@@ -345,8 +361,10 @@ __device__ __forceinline__ float gv_acc(const TileAcc<MT>& a, int nt, int mt, in
 
 // Writes the warp tile's result (ksplit == 1: + bias, fp16, columns < N) or its split partial into the fp32
 // workspace. MT: the state's token tiles (1 for GvState). Used by all three small-M kernels.
+// rs (null: none): a factor per output row applied before the bias (GemvParams::post_ss's scales).
 template <int MT, typename State>
-__device__ __forceinline__ void gv_store(const QDesc& d, const State& s, int n0, int M, int gsplit, bool partial) {
+__device__ __forceinline__ void gv_store(const QDesc& d, const State& s, int n0, int M, int gsplit, bool partial,
+                                         const float* rs = nullptr) {
   float* ws = partial ? d.ws + (size_t)gsplit * M * d.Np : nullptr;
   for_each_acc<MT>([&](int nt, int mt, int e, int c, int m) {
     const int n = n0 + c;
@@ -354,6 +372,7 @@ __device__ __forceinline__ void gv_store(const QDesc& d, const State& s, int n0,
       ws[(size_t)m * d.Np + n] = gv_acc(s, nt, mt, e);
     } else if (m < M && n < d.N) {
       float v = gv_acc(s, nt, mt, e);
+      if (rs) v = __fmul_rn(v, rs[m]);
       if (d.bias) v += __half2float(d.bias[n]);
       d.out[(size_t)m * d.ldo + n] = __float2half_rn(v);
     }
@@ -527,9 +546,9 @@ __device__ __forceinline__ void gv_gather(const GemvParams& p, int nch, __half* 
 }
 
 // Sum of the split partials of column block `colblk` in split order, plus bias, into out (the last block of a
-// column block runs it after the ticket). `tid`/`nthreads`: the calling threads.
+// column block runs it after the ticket). `tid`/`nthreads`: the calling threads. rs: as gv_store's.
 __device__ __forceinline__ void gv_reduce_partials(const QDesc& d, int colblk, int ksplit, int M, int tid,
-                                                   int nthreads) {
+                                                   int nthreads, const float* rs = nullptr) {
   const int nblk0 = colblk * kGvCols;
   const int ncols = min(kGvCols, d.N - nblk0);
   for (int e = tid; e < ncols * M; e += nthreads) {
@@ -544,6 +563,7 @@ __device__ __forceinline__ void gv_reduce_partials(const QDesc& d, int colblk, i
 #pragma unroll
       for (int u = 0; u < 16; ++u) v += t[u];
     }
+    if (rs) v = __fmul_rn(v, rs[m]);
     if (d.bias) v += __half2float(d.bias[n]);
     d.out[(size_t)m * d.ldo + n] = __float2half_rn(v);
   }
@@ -555,7 +575,7 @@ __device__ __forceinline__ void gv_reduce_partials(const QDesc& d, int colblk, i
 // (bit-identical); Np is a multiple of 32, so the loads stay inside the partials. The default
 // (GemvParams::reduce_vec4; EXL2_GEMV_REDUCE=scalar selects gv_reduce_partials).
 __device__ __forceinline__ void gv_reduce_partials_vec4(const QDesc& d, int colblk, int ksplit, int M, int tid,
-                                                        int nthreads) {
+                                                        int nthreads, const float* rs = nullptr) {
   const int nblk0 = colblk * kGvCols;
   const int ncols = min(kGvCols, d.N - nblk0);
   const int quads = (ncols + 3) / 4;
@@ -582,7 +602,7 @@ __device__ __forceinline__ void gv_reduce_partials_vec4(const QDesc& d, int colb
     for (int c = 0; c < 4; ++c) {
       if (n + c >= nblk0 + ncols) break;
       const float b = d.bias ? __half2float(d.bias[n + c]) : 0.f;
-      d.out[(size_t)m * d.ldo + n + c] = __float2half_rn(o[c] + b);
+      d.out[(size_t)m * d.ldo + n + c] = __float2half_rn((rs ? __fmul_rn(o[c], rs[m]) : o[c]) + b);
     }
   }
 }
@@ -597,6 +617,23 @@ struct GemvNorm {
   float eps;
 };
 
+// The output feeding the next GEMV's norm (exl2_gemv_feed, GemvParams::feed_*).
+struct GemvFeed {
+  const void* res;
+  int res_ld;
+  float* ss;
+  int ss_ld;
+};
+
+// The input's RMSNorm applied at the output (exl2_gemv_post_norm, GemvParams::post_*): ss [M, ss_ld] the tile sums
+// of the input rows r, w the norm's weight times 2^-e (K halves), mul = 2^e.
+struct GemvPost {
+  const float* ss;
+  int ss_ld;
+  const void* w;
+  float eps, mul;
+};
+
 // A planned small-M GEMV launch: its grid, dynamic shared memory, and whether it runs the TMA kernel.
 struct GemvPlan {
   int blocks, smem;
@@ -606,8 +643,10 @@ struct GemvPlan {
 // Checks the arguments of one small-M GEMV (exl2_gemm.cu) and plans it into p (splits, ring, staged sizes):
 // the arguments of exl2_gemv, and norm (null: none) those of exl2_gemv_add_norm. Returns a status.
 // allow_span: F_SPAN may select span splits (the chain kernel walks one run per item and passes false).
+// feed / post (null: none): exl2_gemv_feed's and exl2_gemv_post_norm's arguments.
 int gemv_plan(const int64_t* blob, int ndesc, const void* x, int M, int ldx, int gate_off, int minb, const void* xpre,
-              int xpre_ld, const GemvNorm* norm, GemvParams& p, GemvPlan& pl, bool allow_span = true);
+              int xpre_ld, const GemvNorm* norm, GemvParams& p, GemvPlan& pl, bool allow_span = true,
+              const GemvFeed* feed = nullptr, const GemvPost* post = nullptr);
 
 // Fields per phase of exl2_gemv_chain's table (exl2_gemv_chain.cu; keep in sync with ops/cuda_chain.py).
 constexpr int kChainFields = 13;

@@ -789,13 +789,32 @@ int gemv_plan(const int64_t* blob, int ndesc, const void* x, int M, int ldx, int
         p.feed_res_ld = feed->res_ld;
         p.feed_ss = feed->ss;
         p.feed_ss_ld = feed->ss_ld;
+        if (feed->w) {  // y pre-gathered for the consumer's parts
+          EXL2_REQUIRE(feed->xp && feed->inv && feed->parts >= 1 && feed->parts <= kMaxDesc && feed->xp_ld % 8 == 0 &&
+                       feed->inv_ld >= d.N && feed->inv_ld % 4 == 0 && (feed->pad || !feed->npad) &&
+                       reinterpret_cast<uintptr_t>(feed->w) % 16 == 0 &&
+                       reinterpret_cast<uintptr_t>(feed->inv) % 16 == 0 && reinterpret_cast<uintptr_t>(feed->xp) % 16 == 0,
+                       "exl2_gemv_feed: the pre-gathered output needs 1..%d parts, 16-byte aligned weight, maps and "
+                       "buffer, a row stride that is a multiple of 8 and maps of %d columns", kMaxDesc, d.N);
+          p.feed_w = reinterpret_cast<const __half*>(feed->w);
+          p.feed_xp = reinterpret_cast<__half*>(feed->xp);
+          p.feed_xp_ld = feed->xp_ld;
+          p.feed_parts = feed->parts;
+          for (int q = 0; q < feed->parts; ++q) {
+            p.feed_inv[q] = feed->inv + (size_t)q * feed->inv_ld;
+            p.feed_pad[q] = feed->pad ? feed->pad + (size_t)q * feed->pad_ld : nullptr;
+            p.feed_npad[q] = feed->npad ? feed->npad[q] : 0;
+            EXL2_REQUIRE(p.feed_npad[q] >= 0 && p.feed_npad[q] <= feed->pad_ld, "exl2_gemv_feed: %d padding rows in "
+                         "a row of %d", p.feed_npad[q], feed->pad_ld);
+          }
+        }
       }
       if (post) {
         const int K = p.d[0].K;
         for (int i = 1; i < ndesc; ++i)
           EXL2_REQUIRE(p.d[i].K == K, "exl2_gemv_post_norm: parts with different K (%d, %d)", K, p.d[i].K);
-        EXL2_REQUIRE(gate_off == 0 && !xpre && !norm && !p.cluster && !probe, "exl2_gemv_post_norm: no gated, "
-                     "pre-gathered, norm-fused, cluster or probe launch");
+        EXL2_REQUIRE(gate_off == 0 && !norm && !p.cluster && !probe, "exl2_gemv_post_norm: no gated, norm-fused, "
+                     "cluster or probe launch");
         p.post_tiles = (K + kPostTileCols - 1) / kPostTileCols;
         EXL2_REQUIRE(post->ss && post->w && p.post_tiles <= kPostMaxTiles && post->ss_ld >= p.post_tiles,
                      "exl2_gemv_post_norm: K=%d (at most %d) and ss rows of at least %d tiles", K,
@@ -907,9 +926,14 @@ EXL2_API int exl2_gemv_add_norm(const int64_t* blob, int ndesc, const void* h, i
 // ldo) receives r = round(h + residual) instead of h (residual [M, res_ld] fp16, rows 16-byte aligned, neither
 // input nor output), and ss [M, ss_ld] (ss_ld >= ceil(N / 256)) each row's tile sums of squares of r. r is
 // bit-identical to exl2_gemv followed by the residual add of exl2_add_rms_norm, r and ss to exl2_row_feed's.
+// w_scaled (null: none): also y = round(r * w_scaled) in the consumer's stored row order for its pre-gathered input,
+// xp [parts, M, xp_ld] fp16: part q's row of natural column n is inv[q * inv_ld + n] (int32), and its padding rows
+// pad[q * pad_ld + j], j < npad[q] (npad: a host array) are written zero.
 EXL2_API int exl2_gemv_feed(const int64_t* blob, int ndesc, const void* x, int M, int ldx, int gate_off,
-                            const void* residual, int res_ld, float* ss, int ss_ld, void* stream) {
-  const exl2q::GemvFeed feed{residual, res_ld, ss, ss_ld};
+                            const void* residual, int res_ld, float* ss, int ss_ld, const void* w_scaled, int parts,
+                            const int* inv, int inv_ld, const int* pad, int pad_ld, const int* npad, void* xp,
+                            int xp_ld, void* stream) {
+  const exl2q::GemvFeed feed{residual, res_ld, ss, ss_ld, w_scaled, xp, xp_ld, parts, inv, pad, npad, inv_ld, pad_ld};
   return gemv_impl(blob, ndesc, x, M, ldx, gate_off, 0, nullptr, 0, nullptr, stream, &feed);
 }
 
@@ -917,13 +941,15 @@ EXL2_API int exl2_gemv_feed(const int64_t* blob, int ndesc, const void* x, int M
 // exl2_gemv_post.cuh): r [M, ldr] the residual stream, ss [M, ss_ld] its tile sums (exl2_gemv_feed or
 // exl2_row_feed), w_scaled fp16 [K] = the norm's weight times 2^-e, mul = 2^e, eps > 0. Every part takes the same K
 // (a multiple of 8 up to 8192); the blob's F_ROPE (set: rope and the KV write after the GEMV) as exl2_gemv's.
+
 EXL2_API int exl2_gemv_post_norm(const int64_t* blob, int ndesc, const void* r, int M, int ldr, const float* ss,
-                                 int ss_ld, const void* w_scaled, float mul, float eps, void* stream) {
+                                 int ss_ld, const void* w_scaled, float mul, float eps, const void* xpre, int xpre_ld,
+                                 void* stream) {
   EXL2_REQUIRE(r && ss && w_scaled, "exl2_gemv_post_norm: null argument");
   EXL2_REQUIRE(eps > 0.f && eps < 1.f && mul > 0.f, "exl2_gemv_post_norm: eps %g outside (0, 1) or mul %g <= 0",
                (double)eps, (double)mul);
   const exl2q::GemvPost post{ss, ss_ld, w_scaled, eps, mul};
-  return gemv_impl(blob, ndesc, r, M, ldr, 0, 0, nullptr, 0, nullptr, stream, nullptr, &post);
+  return gemv_impl(blob, ndesc, r, M, ldr, 0, 0, xpre, xpre_ld, nullptr, stream, nullptr, &post);
 }
 
 // The small-M GEMV's split counts per run (host only, for tests and tools): splits[i * kMaxRuns + r] for run r of

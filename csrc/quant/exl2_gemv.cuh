@@ -95,6 +95,16 @@ struct GemvParams {
   const __half* feed_res;
   float* feed_ss;
   int feed_res_ld, feed_ss_ld;
+  // ... and, when feed_xp is set, y = round(r * feed_w) (feed_w: the consumer's norm weight times 2^-e, [N]) in
+  // each consumer part's stored row order, feed_xp[(q * M + m) * feed_xp_ld + feed_inv[q][n]] for part q < feed_parts
+  // (its input pre-gathered, GemvParams::xpre); column block 0 also zeroes every part's padding rows
+  // feed_pad[q][0 .. feed_npad[q]).
+  const __half* feed_w;
+  __half* feed_xp;
+  const int* feed_inv[kMaxDesc];
+  const int* feed_pad[kMaxDesc];
+  int feed_npad[kMaxDesc];
+  int feed_parts, feed_xp_ld;
   // TMA kernel, the input's RMSNorm applied at the output (kFPost) when post_ss is set: x is the residual stream
   // r, the gather takes round(r * post_w) (post_w = the norm's weight times 2^-e), and each output row m is
   // multiplied by rsqrt(sum of post_ss[m, 0 .. post_tiles) in order / post_k + post_eps) * post_mul (= 2^e) before
@@ -617,12 +627,19 @@ struct GemvNorm {
   float eps;
 };
 
-// The output feeding the next GEMV's norm (exl2_gemv_feed, GemvParams::feed_*).
+// The output feeding the next GEMV's norm (exl2_gemv_feed, GemvParams::feed_*); w null: no pre-gathered y.
 struct GemvFeed {
   const void* res;
   int res_ld;
   float* ss;
   int ss_ld;
+  const void* w;
+  void* xp;
+  int xp_ld, parts;
+  const int* inv;   // [parts][inv_ld]
+  const int* pad;   // [parts][pad_ld]
+  const int* npad;  // host, [parts]
+  int inv_ld, pad_ld;
 };
 
 // The input's RMSNorm applied at the output (exl2_gemv_post_norm, GemvParams::post_*): ss [M, ss_ld] the tile sums

@@ -84,8 +84,8 @@ __device__ __forceinline__ float post_quad_chain(const float (&q4)[4]) {
 // A feeding GEMV's finish for column block `colblk` (GemvParams::feed_ss; the last block of the column block, or
 // the only one at ksplit == 1 after its warps stored their fp16 results in out): per element the output h (the
 // split partials summed in split order plus bias and rounded, as gv_reduce_partials_vec4; or the stored result),
-// then r = round(h + feed_res) written to out in its place, and per row the tile sum of r into feed_ss[m *
-// feed_ss_ld + colblk]. Two warps per row, four rows per pass (lane L of the second warp: quad 32 + L); each pass
+// then r = round(h + feed_res) written to out in its place, per row the tile sum of r into feed_ss[m * feed_ss_ld +
+// colblk], and with feed_xp round(r * feed_w) into each consumer part's stored rows (GemvParams::feed_xp). Two warps per row, four rows per pass (lane L of the second warp: quad 32 + L); each pass
 // one round of loads, as the vec4 reduce's. Called by the 256 compute threads; `sync` is their barrier.
 template <typename Sync>
 __device__ __forceinline__ void gv_feed_finish(const GemvParams& p, const QDesc& d, int colblk, int ksplit,
@@ -95,6 +95,9 @@ __device__ __forceinline__ void gv_feed_finish(const GemvParams& p, const QDesc&
   const int M = p.M, n = colblk * kGvCols + 4 * (32 * half + lane);  // this lane's first column
   const bool cols = n < d.N;  // N % 8 == 0 (host): all four columns or none
   const size_t stride = (size_t)M * d.Np;
+  // the pre-gathered consumer input's constants: the scaled weight and each part's stored rows of these columns
+  const bool scatter = p.feed_xp != nullptr && cols;
+  const uint2 wv = scatter ? __ldg(reinterpret_cast<const uint2*>(p.feed_w + n)) : make_uint2(0, 0);
   for (int m = slot; m < M; m += kGvWarps / 2) {
     float v[4] = {0.f, 0.f, 0.f, 0.f};
     uint2 res = make_uint2(0, 0);
@@ -134,8 +137,30 @@ __device__ __forceinline__ void gv_feed_finish(const GemvParams& p, const QDesc&
       rf[c] = cols ? __half2float(r[c]) : 0.f;
     }
     if (cols) *reinterpret_cast<uint2*>(d.out + (size_t)m * d.ldo + n) = *reinterpret_cast<const uint2*>(r);
+    if (scatter) {
+      const __half* wh = reinterpret_cast<const __half*>(&wv);
+      __half y[4];
+#pragma unroll
+      for (int c = 0; c < 4; ++c) y[c] = __float2half_rn(__fmul_rn(rf[c], __half2float(wh[c])));
+      for (int q = 0; q < p.feed_parts; ++q) {  // each part's stored rows of these columns (constants)
+        const int4 row = __ldg(reinterpret_cast<const int4*>(p.feed_inv[q] + n));
+        __half* dst = p.feed_xp + ((size_t)q * M + m) * p.feed_xp_ld;
+        dst[row.x] = y[0];
+        dst[row.y] = y[1];
+        dst[row.z] = y[2];
+        dst[row.w] = y[3];
+      }
+    }
     const float q = exl2::layers::warp_sum(post_quad_chain(rf));
     if (lane == 0) s_half[m][half] = q;
+  }
+  if (p.feed_xp && colblk == 0) {  // the parts' padding rows: zero, as the pre-gathering kernels write them
+    for (int q = 0; q < p.feed_parts; ++q)
+      for (int e = threadIdx.x; e < p.feed_npad[q] * M; e += kGvWarps * 32) {
+        const int m = e / p.feed_npad[q];
+        p.feed_xp[((size_t)q * M + m) * p.feed_xp_ld + __ldg(p.feed_pad[q] + (e - m * p.feed_npad[q]))] =
+            __float2half_rn(0.f);
+      }
   }
   sync();
   if (threadIdx.x < M) {

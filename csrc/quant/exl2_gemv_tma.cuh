@@ -307,7 +307,8 @@ __device__ __forceinline__ void tma_stage_input(const GemvParams& p, const GvWor
   constexpr bool kGate = (F & kFGated) != 0;
   if ((F & kFPost) && p.post_ss) {
     gv_post_scales(p, gv_row_scales());
-    gv_gather_post(p, nch, sm.xs, sm.xm, kTmaComputeThreads);
+    if ((F & kFPre) && p.xpre) gv_copy_pregathered(p, wk.di, wk.c0, nch, sm.xs, kTmaComputeThreads);  // fed y
+    else gv_gather_post(p, nch, sm.xs, sm.xm, kTmaComputeThreads);
     loaded();
   } else if ((F & kFNorm) && p.norm_nt) {
     gv_norm_rows(norm_rows_of(p), sm.xf, sm.red, blockIdx.x == 0 ? p.norm_res_out : nullptr, p.norm_res_out_ld,

@@ -165,14 +165,16 @@ class DecoderLayer:
         post_next = nxt is not None and post_norm.posts(nxt.qkv, nxt.input_norm_scaled, m)
         if post_mlp or post_next:
             if post_mlp:
-                residual, ss = post_norm.fed_residual(self.o, attn, residual, lambda: self.o(attn))
-                gate_up = post_norm.post_normed(self.gate_up, residual, ss, self.post_norm_scaled, self.eps)
+                residual, ss, y = post_norm.fed_residual(self.o, attn, residual, lambda: self.o(attn), self.gate_up,
+                                                         self.post_norm_scaled)
+                gate_up = post_norm.post_normed(self.gate_up, residual, ss, y, self.post_norm_scaled, self.eps)
             else:
                 gate_up, residual = norm_linear(self.gate_up, self.o(attn), residual, self.post_norm, self.eps)
             if post_next:
                 gated = hasattr(self.down, "gated") and FUSED_SILU_DOWN
-                r, ss = post_norm.fed_residual(self.down, gate_up, residual, lambda: self.mlp(gate_up), gated)
-                return post_norm.post_qkv(nxt, r, ss, step)
+                r, ss, y = post_norm.fed_residual(self.down, gate_up, residual, lambda: self.mlp(gate_up), nxt.qkv,
+                                                  nxt.input_norm_scaled, gated)
+                return post_norm.post_qkv(nxt, r, ss, y, step)
             h = self.mlp(gate_up)
             return (h, residual, False) if nxt is None else norm_qkv(nxt, h, residual, step)
         if residual is not None and FUSED_NORM and FUSED_SILU_DOWN and hasattr(self.o, "launch"):

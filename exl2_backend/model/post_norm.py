@@ -23,6 +23,7 @@ def scaled_norm(linear, weight: torch.Tensor) -> tuple[torch.Tensor, float] | No
 
     if not cuda_post.POST_NORM:
         return None
+    cuda_post.stored_rows(linear)  # the maps a producer scatters its output by, built here (it reads them back)
     return cuda_post.scaled_norm_weight(weight)
 
 
@@ -35,27 +36,31 @@ def posts(consumer, scaled, m: int) -> bool:
     return cuda_post.posts(consumer, m)
 
 
-def fed_residual(producer, x: torch.Tensor, residual: torch.Tensor, run: Callable[[], torch.Tensor],
-                 gated: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
-    """(r = producer's output + residual [T, H], its tile sums [T, tiles]): producer's GEMV writes them where it can
-    (cuda_post.feed; gated: x is gate | up and the input silu(gate) * up), else run() gives the output and
-    exl2_row_feed adds the residual. Both give the same bits."""
+def fed_residual(producer, x: torch.Tensor, residual: torch.Tensor, run: Callable[[], torch.Tensor], consumer,
+                 scaled, gated: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """(r = producer's output + residual [T, H], its tile sums [T, tiles], y): producer's GEMV writes them, and y =
+    consumer's input round(r * w') in its stored row order, where it can (cuda_post.feed; gated: x is gate | up and
+    the input silu(gate) * up); else run() gives the output, exl2_row_feed adds the residual and y is None (the
+    consumer gathers it). Both give the same bits."""
     from exl2_backend.ops import cuda_post
 
-    fed = cuda_post.feed(producer, x, residual, gated=gated)
+    fed = cuda_post.feed(producer, x, residual, gated=gated, consumer=consumer, scaled=scaled)
     return fed if fed is not None else cuda_post.row_feed(run(), residual)
 
 
-def post_normed(consumer, r: torch.Tensor, ss: torch.Tensor, scaled, eps: float) -> torch.Tensor:
+def post_normed(consumer, r: torch.Tensor, ss: torch.Tensor, y: torch.Tensor | None, scaled,
+                eps: float) -> torch.Tensor:
     """consumer(rms_norm(r) * w) with the norm at its output (cuda_post.post_normed without rope)."""
     from exl2_backend.ops import cuda_post
 
-    return cuda_post.post_normed(consumer, r, ss, scaled, eps)
+    return cuda_post.post_normed(consumer, r, ss, scaled, eps, y=y)
 
 
-def post_qkv(layer, r: torch.Tensor, ss: torch.Tensor, step) -> tuple[torch.Tensor, torch.Tensor, bool]:
-    """layers.norm_qkv with the norm at the q/k/v GEMV's output: (qkv [T, (Hq + 2 Hkv) D], r, roped). With `step`
-    and an fp16 cache, rope and the KV-cache write run inside the GEMV (roped True)."""
+def post_qkv(layer, r: torch.Tensor, ss: torch.Tensor, y: torch.Tensor | None,
+             step) -> tuple[torch.Tensor, torch.Tensor, bool]:
+    """layers.norm_qkv with the norm at the q/k/v GEMV's output: (qkv [T, (Hq + 2 Hkv) D], r, roped); y: the
+    producer's pre-gathered input (None: gathered from r). With `step` and an fp16 cache, rope and the KV-cache
+    write run inside the GEMV (roped True)."""
     from exl2_backend.ops import cuda_post
 
     scaled = layer.input_norm_scaled
@@ -63,10 +68,10 @@ def post_qkv(layer, r: torch.Tensor, ss: torch.Tensor, step) -> tuple[torch.Tens
         k_cache, v_cache = step.cache.k[layer.index], step.cache.v[layer.index]  # [P, S, Hkv, D]
         if k_cache.dtype == torch.float16:
             rope = (step.positions, step.inv_freq, k_cache, v_cache, step.meta.slots)
-            qkv = cuda_post.post_normed(layer.qkv, r, ss, scaled, layer.eps, rope)
+            qkv = cuda_post.post_normed(layer.qkv, r, ss, scaled, layer.eps, rope, y=y)
             if qkv is not None:
                 return qkv, r, True
-    return cuda_post.post_normed(layer.qkv, r, ss, scaled, layer.eps), r, False
+    return cuda_post.post_normed(layer.qkv, r, ss, scaled, layer.eps, y=y), r, False
 
 
 def first_qkv(layer, h: torch.Tensor, residual: torch.Tensor | None, step):
@@ -76,5 +81,5 @@ def first_qkv(layer, h: torch.Tensor, residual: torch.Tensor | None, step):
         return None
     from exl2_backend.ops import cuda_post
 
-    r, ss = cuda_post.row_feed(h, residual)
-    return post_qkv(layer, r, ss, step)
+    r, ss, _ = cuda_post.row_feed(h, residual)
+    return post_qkv(layer, r, ss, None, step)

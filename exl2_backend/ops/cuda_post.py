@@ -53,8 +53,9 @@ def _fn(name: str):
     if name not in _fns:
         P, I32, F32 = library.PTR, library.I32, library.F32
         sig = {
-            "exl2_gemv_feed": (P, I32, P, I32, I32, I32, P, I32, P, I32, library.STREAM),
-            "exl2_gemv_post_norm": (P, I32, P, I32, I32, P, I32, P, F32, F32, library.STREAM),
+            "exl2_gemv_feed": (P, I32, P, I32, I32, I32, P, I32, P, I32, P, I32, P, I32, P, I32, P, P, I32,
+                               library.STREAM),
+            "exl2_gemv_post_norm": (P, I32, P, I32, I32, P, I32, P, F32, F32, P, I32, library.STREAM),
             "exl2_row_feed": (P, I32, I32, P, I32, P, I32, P, I32, I32, library.STREAM),
         }[name]
         _fns[name] = library.declare(name, *sig)
@@ -111,14 +112,55 @@ def can_feed(producer, m: int) -> bool:
     return isinstance(producer, CudaLinearOp) and _launch_feeds(producer.launch, m)
 
 
+class StoredRows:
+    """A consumer's stored row order, for a producer that writes its pre-gathered input (exl2_gemv_feed's y):
+    inv int32 [parts, K] (part q's stored row of natural column k), pad int32 [parts, pad_ld] (its padding rows,
+    npad[q] of them; written zero), ld (the pre-gathered buffer's row stride: the longest Kpad)."""
+
+    def __init__(self, launch):
+        k, dev = launch.K, launch.parts[0].xmap.device
+        self.parts, self.ld = len(launch.parts), launch.kpad
+        invs, pads = [], []
+        for part in launch.parts:
+            xm = part.xmap.to(torch.int32) & 0xFFFF  # [Kpad], 0xFFFF = padding row
+            rows = torch.arange(xm.numel(), dtype=torch.int32, device=dev)
+            valid = xm != 0xFFFF
+            inv = torch.full((k,), -1, dtype=torch.int32, device=dev)
+            inv[xm[valid].long()] = rows[valid]
+            if int((inv < 0).sum().item()) or int(valid.sum().item()) != k:
+                raise TensorShapeError("a part's row map is not a permutation of its input", tensor="xmap")
+            invs.append(inv)
+            pads.append(rows[~valid])
+        self.inv = torch.stack(invs).contiguous()
+        self.npad = np.array([t.numel() for t in pads], dtype=np.int32)
+        pad_ld = max(1, int(self.npad.max()))
+        self.pad = torch.zeros(self.parts, pad_ld, dtype=torch.int32, device=dev)
+        for q, t in enumerate(pads):
+            self.pad[q, : t.numel()] = t
+
+
+_stored_rows: dict[int, StoredRows] = {}
+
+
+def stored_rows(consumer: CudaLinearOp) -> StoredRows:
+    """The consumer's StoredRows, built once per launch (it reads the maps back: outside graph capture)."""
+    h = consumer.launch.handle
+    if h not in _stored_rows:
+        _stored_rows[h] = StoredRows(consumer.launch)
+    return _stored_rows[h]
+
+
 # --- custom ops --------------------------------------------------------------------------------------------
 
 
 @torch.library.custom_op("exl2_backend::exl2_gemv_feed", mutates_args=("ws", "counters"))
 def _gemv_feed_op(x: torch.Tensor, residual: torch.Tensor, packed: torch.Tensor, handle: int, ws: torch.Tensor,
-                  counters: torch.Tensor, gate_off: int) -> tuple[torch.Tensor, torch.Tensor]:
+                  counters: torch.Tensor, gate_off: int, consumer: int,
+                  w_scaled: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """x [M, K] (gate_off > 0: [M, 2K] gate | up, the input silu(gate) * up), residual [M, N] fp16 -> (r [M, N] =
-    round(GEMV + residual), ss fp32 [M, ceil(N / 256)] the tile sums of squares of r)."""
+    round(GEMV + residual), ss fp32 [M, ceil(N / 256)] the tile sums of squares of r, y): with consumer (a launch
+    handle whose StoredRows exist; 0: none) and w_scaled [N], y = round(r * w_scaled) in the consumer's stored row
+    order [parts, M, ld] (its pre-gathered input), else an empty tensor."""
     launch = _REG[handle]
     dev = packed.device
     k, n = launch.K, launch.out_features
@@ -134,16 +176,31 @@ def _gemv_feed_op(x: torch.Tensor, residual: torch.Tensor, packed: torch.Tensor,
     _check_norm_input(residual, "residual", n, m, dev)
     r, blob = launch._bind(launch.gemv_plan(m), m, ws, counters, dev)
     ss = torch.empty(m, tiles(n), dtype=torch.float32, device=dev)
+    rows = _stored_rows.get(consumer) if consumer else None
+    if consumer and (rows is None or w_scaled is None or w_scaled.shape != (n,) or w_scaled.dtype != torch.float16
+                     or w_scaled.device != dev or not w_scaled.is_contiguous() or rows.inv.shape[1] != n):
+        raise TensorShapeError(f"the consumer's stored rows and a float16 [{n}] scaled weight are needed",
+                               tensor="w_scaled")
+    if rows is None:
+        y = torch.empty(0, dtype=torch.float16, device=dev)
+        scatter = (None, 0, None, 0, None, 0, None, None, 0)
+    else:
+        y = torch.empty(rows.parts, m, rows.ld, dtype=torch.float16, device=dev)
+        scatter = (w_scaled.data_ptr(), rows.parts, rows.inv.data_ptr(), n, rows.pad.data_ptr(), rows.pad.shape[1],
+                   rows.npad.ctypes.data, y.data_ptr(), rows.ld)
     st = _fn("exl2_gemv_feed")(blob.ctypes.data, 1, x.data_ptr(), m, _row_stride(x), gate_off,
-                               residual.data_ptr(), _row_stride(residual), ss.data_ptr(), ss.shape[1], _stream(dev))
+                               residual.data_ptr(), _row_stride(residual), ss.data_ptr(), ss.shape[1], *scatter,
+                               _stream(dev))
     library.check(st, "exl2_gemv_feed")
-    return r, ss
+    return r, ss, y
 
 
 @_gemv_feed_op.register_fake
-def _(x, residual, packed, handle, ws, counters, gate_off):
-    n = _REG[handle].out_features
-    return x.new_empty((x.shape[0], n)), x.new_empty((x.shape[0], tiles(n)), dtype=torch.float32)
+def _(x, residual, packed, handle, ws, counters, gate_off, consumer, w_scaled):
+    n, m = _REG[handle].out_features, x.shape[0]
+    rows = _stored_rows.get(consumer) if consumer else None
+    y = x.new_empty((0,)) if rows is None else x.new_empty((rows.parts, m, rows.ld))
+    return x.new_empty((m, n)), x.new_empty((m, tiles(n)), dtype=torch.float32), y
 
 
 @torch.library.custom_op("exl2_backend::exl2_row_feed", mutates_args=())
@@ -195,13 +252,25 @@ def _check_post_call(launch, r: torch.Tensor, ss: torch.Tensor, w_scaled: torch.
     return m
 
 
-def _post_norm(launch, r, ss, w_scaled, mul, eps, ws, counters, rope: np.ndarray | None) -> torch.Tensor:
+def _check_y(launch, y: torch.Tensor | None, m: int, dev) -> None:
+    if y is None:
+        return
+    want = (len(launch.parts), m, launch.kpad)
+    if not (isinstance(y, torch.Tensor) and y.dtype == torch.float16 and y.device == dev and tuple(y.shape) == want
+            and y.is_contiguous()):
+        raise TensorShapeError(f"y must be a contiguous float16 {list(want)} tensor on {dev} (exl2_gemv_feed's)",
+                               tensor="y")
+
+
+def _post_norm(launch, r, ss, w_scaled, mul, eps, ws, counters, rope: np.ndarray | None,
+               y: torch.Tensor | None) -> torch.Tensor:
     m = r.shape[0]
     out, blob = launch._bind(launch.gemv_plan(m), m, ws, counters, r.device)
     if rope is not None:
         blob[0, F_ROPE] = rope.ctypes.data  # read by the C call below, while `rope` is alive
     st = _fn("exl2_gemv_post_norm")(blob.ctypes.data, len(launch.parts), r.data_ptr(), m, _row_stride(r),
                                     ss.data_ptr(), _row_stride(ss), w_scaled.data_ptr(), float(mul), float(eps),
+                                    None if y is None else y.data_ptr(), 0 if y is None else launch.kpad,
                                     _stream(r.device))
     library.check(st, "exl2_gemv_post_norm")
     return out
@@ -209,15 +278,18 @@ def _post_norm(launch, r, ss, w_scaled, mul, eps, ws, counters, rope: np.ndarray
 
 @torch.library.custom_op("exl2_backend::exl2_gemv_post_norm", mutates_args=("ws", "counters"))
 def _gemv_post_norm_op(r: torch.Tensor, ss: torch.Tensor, w_scaled: torch.Tensor, mul: float, eps: float,
-                       packed: torch.Tensor, handle: int, ws: torch.Tensor, counters: torch.Tensor) -> torch.Tensor:
-    """GEMV of rms_norm(r) * (w_scaled * mul), the norm's scale from the tile sums ss applied at the output."""
+                       packed: torch.Tensor, handle: int, ws: torch.Tensor, counters: torch.Tensor,
+                       y: torch.Tensor | None) -> torch.Tensor:
+    """GEMV of rms_norm(r) * (w_scaled * mul), the norm's scale from the tile sums ss applied at the output; y (None:
+    gathered from r): round(r * w_scaled) already in stored row order (exl2_gemv_feed's)."""
     launch = _REG[handle]
-    _check_post_call(launch, r, ss, w_scaled, mul, packed)
-    return _post_norm(launch, r, ss, w_scaled, mul, eps, ws, counters, None)
+    m = _check_post_call(launch, r, ss, w_scaled, mul, packed)
+    _check_y(launch, y, m, packed.device)
+    return _post_norm(launch, r, ss, w_scaled, mul, eps, ws, counters, None, y)
 
 
 @_gemv_post_norm_op.register_fake
-def _(r, ss, w_scaled, mul, eps, packed, handle, ws, counters):
+def _(r, ss, w_scaled, mul, eps, packed, handle, ws, counters, y):
     return r.new_empty((r.shape[0], _REG[handle].out_features))
 
 
@@ -226,60 +298,70 @@ def _(r, ss, w_scaled, mul, eps, packed, handle, ws, counters):
 def _gemv_post_norm_rope_kv_op(r: torch.Tensor, ss: torch.Tensor, w_scaled: torch.Tensor, mul: float, eps: float,
                                packed: torch.Tensor, handle: int, ws: torch.Tensor, counters: torch.Tensor,
                                positions: torch.Tensor, inv_freq: torch.Tensor, k_cache: torch.Tensor,
-                               v_cache: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+                               v_cache: torch.Tensor, slots: torch.Tensor, y: torch.Tensor | None) -> torch.Tensor:
     """exl2_gemv_post_norm of the q/k/v projection with rope_kv_write fused after it (as exl2_gemv_add_norm_rope_kv)."""
     launch = _REG[handle]
     m = _check_post_call(launch, r, ss, w_scaled, mul, packed)
+    _check_y(launch, y, m, packed.device)
     rope = _rope_args(launch, m, positions, inv_freq, k_cache, v_cache, slots)
-    return _post_norm(launch, r, ss, w_scaled, mul, eps, ws, counters, rope)
+    return _post_norm(launch, r, ss, w_scaled, mul, eps, ws, counters, rope, y)
 
 
 @_gemv_post_norm_rope_kv_op.register_fake
-def _(r, ss, w_scaled, mul, eps, packed, handle, ws, counters, positions, inv_freq, k_cache, v_cache, slots):
+def _(r, ss, w_scaled, mul, eps, packed, handle, ws, counters, positions, inv_freq, k_cache, v_cache, slots, y):
     return r.new_empty((r.shape[0], _REG[handle].out_features))
 
 
 # --- model-facing entries ----------------------------------------------------------------------------------
 
 
-def feed(op: CudaLinearOp, x: torch.Tensor, residual: torch.Tensor,
-         gated: bool = False) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """(r = op(x) + residual [M, N], ss [M, tiles(N)]) in one GEMV; gated: x is gate | up [M, 2K] and the input
-    silu(gate) * up (op.gated's layout). None where it cannot run (the caller runs op, then row_feed)."""
+def feed(op: CudaLinearOp, x: torch.Tensor, residual: torch.Tensor, gated: bool = False,
+         consumer: CudaLinearOp | None = None, scaled: tuple[torch.Tensor, float] | None = None):
+    """(r = op(x) + residual [M, N], ss [M, tiles(N)], y) in one GEMV; gated: x is gate | up [M, 2K] and the input
+    silu(gate) * up (op.gated's layout); with consumer and scaled (scaled_norm_weight of its norm), y = its input
+    round(r * w') pre-gathered in its stored row order (post_normed's y), else None. None where the GEMV cannot run
+    (the caller runs op, then row_feed)."""
     m = x.shape[0] if x.dim() == 2 else 0
     k = op.in_features
     if not (m and can_feed(op, m) and x.dtype == torch.float16 and x.stride(-1) == 1 and _rows_aligned(residual)
-            and residual.shape == (m, op.out_features)):
+            and residual.shape == (m, op.out_features) and x.shape[1] == (2 * k if gated else k)):
         return None
-    if gated and not (x.shape[1] == 2 * k and x.stride(0) == 2 * k):
+    if gated and x.stride(0) != 2 * k:
         return None
     launch = op.launch
+    handle, w_scaled = 0, None
+    if consumer is not None and scaled is not None and consumer.launch.K == op.out_features:
+        stored_rows(consumer)
+        handle, w_scaled = consumer.launch.handle, scaled[0]
     ws, counters = op.workspace.buffers()
-    return torch.ops.exl2_backend.exl2_gemv_feed(x, residual, launch.parts[0].packed, launch.handle, ws, counters,
-                                                 k if gated else 0)
+    r, ss, y = torch.ops.exl2_backend.exl2_gemv_feed(x, residual, launch.parts[0].packed, launch.handle, ws, counters,
+                                                     k if gated else 0, handle, w_scaled)
+    return r, ss, (y if handle else None)
 
 
-def row_feed(h: torch.Tensor, residual: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
-    """(r = h + residual, ss) from a GEMV's output: the same bits as feed's."""
-    return torch.ops.exl2_backend.exl2_row_feed(h, residual)
+def row_feed(h: torch.Tensor, residual: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor, None]:
+    """(r = h + residual, ss, None) from a GEMV's output: feed's r and ss, bit for bit (no pre-gathered y)."""
+    r, ss = torch.ops.exl2_backend.exl2_row_feed(h, residual)
+    return r, ss, None
 
 
 def post_normed(op: CudaLinearOp, r: torch.Tensor, ss: torch.Tensor, scaled: tuple[torch.Tensor, float], eps: float,
-                rope: tuple | None = None) -> torch.Tensor | None:
+                rope: tuple | None = None, y: torch.Tensor | None = None) -> torch.Tensor | None:
     """op(rms_norm(r) * w) from the residual stream r and its tile sums ss; scaled = scaled_norm_weight(w); rope:
     (positions, inv_freq, k_cache, v_cache, slots) for a q/k/v projection that also rotates and writes the cache
-    (as CudaLinearOp.add_normed_rope_kv). None where the rope's tensors do not fit (the caller then calls it
-    without rope and rotates itself)."""
+    (as CudaLinearOp.add_normed_rope_kv); y: feed's pre-gathered input for op (None: the GEMV gathers it from r,
+    the same bits). None where the rope's tensors do not fit (the caller then calls it without rope and rotates
+    itself)."""
     w_scaled, mul = scaled
     launch = op.launch
     ws, counters = op.workspace.buffers()
     packed = launch.parts[0].packed
     if rope is None:
         return torch.ops.exl2_backend.exl2_gemv_post_norm(r, ss, w_scaled, float(mul), float(eps), packed,
-                                                          launch.handle, ws, counters)
+                                                          launch.handle, ws, counters, y)
     try:
         _rope_args(launch, r.shape[0], *rope)
     except TensorShapeError:
         return None
     return torch.ops.exl2_backend.exl2_gemv_post_norm_rope_kv(r, ss, w_scaled, float(mul), float(eps), packed,
-                                                              launch.handle, ws, counters, *rope)
+                                                              launch.handle, ws, counters, *rope, y)

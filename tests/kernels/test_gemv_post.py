@@ -54,15 +54,16 @@ def test_feed_equals_the_gemv_then_row_feed(bits, k, n, m):
     x0, res0 = x.clone(), residual.clone()
     fed = cuda_post.feed(producer, x, residual)
     assert fed is not None, "the feed declined"
-    r, ss = fed
+    r, ss, y = fed
+    assert y is None
     h = producer.fused_kernel(x, "gemv")
     assert torch.equal(r, (h.float() + residual.float()).half())
     assert torch.equal(x, x0) and torch.equal(residual, res0)  # inputs untouched
     assert ss.shape == (m, cuda_post.tiles(n))
     torch.testing.assert_close(ss.double(), _tile_sums(r), rtol=1e-5, atol=1e-6)
-    r2, ss2 = cuda_post.row_feed(h, residual)
+    r2, ss2, _ = cuda_post.row_feed(h, residual)
     assert torch.equal(r2, r) and torch.equal(ss2, ss)
-    r3, ss3 = cuda_post.row_feed(r, None)  # the first layer's form: r is h itself
+    r3, ss3, _ = cuda_post.row_feed(r, None)  # the first layer's form: r is h itself
     assert torch.equal(r3, r) and torch.equal(ss3, ss)
 
 
@@ -75,11 +76,40 @@ def test_gated_feed(m):
     inter, hidden = 640, 576
     down = _linear(inter, hidden, 3, seed=4)
     gate_up, residual = rand_half((m, 2 * inter), seed=5), rand_half((m, hidden), seed=6, scale=3.0)
-    r, ss = cuda_post.feed(down, gate_up, residual, gated=True)
+    r, ss, _ = cuda_post.feed(down, gate_up, residual, gated=True)
     h = down.gated(gate_up)
     assert torch.equal(r, (h.float() + residual.float()).half())
-    r2, ss2 = cuda_post.row_feed(h, residual)
+    r2, ss2, _ = cuda_post.row_feed(h, residual)
     assert torch.equal(r2, r) and torch.equal(ss2, ss)
+
+
+@pytest.mark.parametrize("m", [1, 3, 5, 9])
+@pytest.mark.parametrize("producer_bits,hidden", [(4, 576), (3, 4096)])
+def test_feed_scatters_the_consumer_input(producer_bits, hidden, m):
+    """y = round(r * w') in each part's stored row order, padding rows zero; the consumer reading it gives the same
+    bits as the consumer gathering from r. Consumer of three parts of mixed widths (padding rows in their runs)."""
+    from exl2_backend.ops import cuda_post, cuda_quant
+
+    needs_tma_gemv("the feed")
+    producer = _linear(512, hidden, producer_bits, seed=hidden + m)
+    parts = [_to_cuda(make_qt(_layout(hidden, b), nn, seed=b + m, key=f"p{b}")) for b, nn in ((4, 256), (3, 64),
+                                                                                            (6, 64))]
+    consumer = cuda_quant.prepare_linear(parts, "cuda")
+    scaled = cuda_post.scaled_norm_weight(rand_half((hidden,), seed=2, scale=0.5) + 2)
+    x, residual = rand_half((m, 512), seed=m), rand_half((m, hidden), seed=m + 1, scale=2.0)
+    r, ss, y = cuda_post.feed(producer, x, residual, consumer=consumer, scaled=scaled)
+    rows = cuda_post.stored_rows(consumer)
+    assert y is not None and y.shape == (3, m, rows.ld)
+    want = (r.float() * scaled[0].float()).half()  # [M, H]: the product of two halves is exact in fp32
+    for q in range(3):
+        assert torch.equal(y[q][:, rows.inv[q].long()], want), f"part {q}"
+        pads = rows.pad[q, : int(rows.npad[q])].long()
+        assert not y[q][:, pads].any(), f"part {q}'s padding rows"
+    r2, ss2, _ = cuda_post.feed(producer, x, residual)
+    assert torch.equal(r2, r) and torch.equal(ss2, ss)
+    a = cuda_post.post_normed(consumer, r, ss, scaled, 1e-5, y=y)
+    b = cuda_post.post_normed(consumer, r, ss, scaled, 1e-5)
+    assert torch.equal(a, b)
 
 
 def _reference(consumer, r: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
@@ -101,7 +131,7 @@ def test_post_norm_gemv_rows_alone_and_reference(bits, n, m):
     needs_tma_gemv("the post norm")
     consumer = _linear(n, 320 if n < 4096 else 6144, bits, seed=bits * 7 + m, bias=bits == 5)
     r = rand_half((m, n), seed=m + n, scale=3.0)
-    r2, ss = cuda_post.row_feed(r, None)
+    r2, ss, _ = cuda_post.row_feed(r, None)
     w = rand_half((n,), seed=n, scale=0.5) + (3 if bits == 6 else 1)  # above 1: w' = w / 2^e
     scaled = cuda_post.scaled_norm_weight(w)
     assert scaled[1] >= w.float().abs().max().item() and scaled[1] / 2 < max(1.0, w.float().abs().max().item())
@@ -126,7 +156,7 @@ def test_three_part_consumer_with_rope(m):
     parts = [_to_cuda(make_qt(_layout(hidden, b), nn, seed=b, bias=b == 3, key=f"p{b}"))
              for b, nn in ((4, heads * d), (3, kv * d), (6, kv * d))]
     qkv = cuda_quant.prepare_linear(parts, "cuda")
-    r, ss = cuda_post.row_feed(rand_half((m, hidden), seed=3, scale=2.0), None)
+    r, ss, _ = cuda_post.row_feed(rand_half((m, hidden), seed=3, scale=2.0), None)
     scaled = cuda_post.scaled_norm_weight(rand_half((hidden,), seed=7, scale=0.3) + 1)
     y = cuda_post.post_normed(qkv, r, ss, scaled, 1e-6)
     _close_to_reference(y, _reference(qkv, r, scaled[0].float().mul(scaled[1]).half(), 1e-6))
@@ -162,22 +192,25 @@ def test_routing_and_bad_inputs(monkeypatch):
     x, residual = rand_half((2, 512), seed=3), rand_half((2, hidden), seed=4)
     with pytest.raises(TensorShapeError):  # residual of the wrong width
         torch.ops.exl2_backend.exl2_gemv_feed(x, residual[:, :-8], launch.parts[0].packed, launch.handle, ws,
-                                              counters, 0)
+                                              counters, 0, 0, None)
     with pytest.raises(TensorShapeError):  # input of the wrong width
         torch.ops.exl2_backend.exl2_gemv_feed(x[:, :-8], residual, launch.parts[0].packed, launch.handle, ws,
-                                              counters, 0)
+                                              counters, 0, 0, None)
     with pytest.raises(TensorShapeError):  # a hidden size that is not a multiple of 8
         cuda_post.row_feed(rand_half((2, 20), seed=1), None)
-    r, ss = cuda_post.feed(o, x, residual)
+    r, ss, _ = cuda_post.feed(o, x, residual)
     w_scaled, mul = cuda_post.scaled_norm_weight(rand_half((hidden,), seed=5) + 1)
     g, (gws, gcounters) = gu.launch, gu.workspace.buffers()
     for bad_ss in (ss[:, :-1].contiguous(), ss.double(), ss[:1]):
         with pytest.raises(TensorShapeError):
             torch.ops.exl2_backend.exl2_gemv_post_norm(r, bad_ss, w_scaled, mul, 1e-5, g.parts[0].packed, g.handle,
-                                                       gws, gcounters)
+                                                       gws, gcounters, None)
     with pytest.raises(TensorShapeError):  # a weight of the wrong length
         torch.ops.exl2_backend.exl2_gemv_post_norm(r, ss, w_scaled[:-8], mul, 1e-5, g.parts[0].packed, g.handle,
-                                                   gws, gcounters)
+                                                   gws, gcounters, None)
+    with pytest.raises(TensorShapeError):  # a pre-gathered input of the wrong shape
+        torch.ops.exl2_backend.exl2_gemv_post_norm(r, ss, w_scaled, mul, 1e-5, g.parts[0].packed, g.handle, gws,
+                                                   gcounters, torch.zeros(1, 2, 8, dtype=torch.float16, device="cuda"))
     with pytest.raises(TensorShapeError):  # a non-finite norm weight
         cuda_post.scaled_norm_weight(torch.full((hidden,), float("nan"), dtype=torch.float16, device="cuda"))
 

@@ -41,7 +41,12 @@ constexpr int kFAll = 255;
 // function (the instruction cache), while the narrower per-role sets cost only +33 us.
 // (kFLean without the pre-gathered copy for the decode step's one-row GEMVs gained nothing: H200 call AJ1, 2.296
 // against 2.295 ms; removed.)
-constexpr int kFLean = kFNorm | kFRope | kFGated | kFPre | kFFeed | kFPost;
+constexpr int kFLean = kFNorm | kFRope | kFGated | kFPre;
+// The lean kernel with the norm applied at the output (exl2_gemv_post.cuh): a kernel of its own, so the default
+// launches' kernel stays instruction for instruction the same (session 54's BR1: code compiled into the lean kernel
+// and never run cost the 8B decode step 40-55 us). With the routing on, every layer GEMV feeds or posts, so a decode
+// step's four roles still share one function.
+constexpr int kFPostLean = kFLean | kFFeed | kFPost;
 
 // GemvParams::gather_mode. Auto: by items at M <= 8, by row slots past it. (A gather by 16-byte vectors where the
 // rows are in input order, for down_proj after model/tp_shard.fold_down_order, lost to the item gather: H200 call
@@ -406,6 +411,35 @@ __device__ __forceinline__ void gv_load_xmap(const QDesc& d, int c0, int nch, un
   for (int v = threadIdx.x; v < rows / 8; v += nthreads) reinterpret_cast<uint4*>(xm)[v] = __ldg(src + v);
 }
 
+// Gather of items that combine two values, xs[m * xstride + r] = combine(x[m, i], second(m, i)) with i = xm[r]
+// (padding rows zero), 8 items in flight per thread, in (token, row) order; by `nthreads` threads from thread 0.
+template <typename Second, typename Combine>
+__device__ __forceinline__ void gv_gather_item_pairs(const GemvParams& p, int nch, __half* xs,
+                                                     const unsigned short* xm, int nthreads, Second&& second,
+                                                     Combine&& combine) {
+  constexpr int kB = 8;
+  const int T = nthreads, rows = nch * kChunkRows, items = rows * p.M;
+  const __half* xh = p.x;
+  for (int e0 = threadIdx.x; e0 < items; e0 += kB * T) {
+    __half g[kB], u[kB];
+    int o[kB];
+#pragma unroll
+    for (int k = 0; k < kB; ++k) {
+      const int e = e0 + k * T, m = e / rows, r = e - m * rows;
+      const unsigned i = e < items ? xm[r] : 0xFFFFu;
+      o[k] = m * p.xstride + r;
+      const bool ok = i != 0xFFFFu;
+      g[k] = ok ? __ldg(xh + (size_t)m * p.ldx + i) : __half(0.f);
+      u[k] = ok ? second(m, i) : __half(0.f);
+    }
+#pragma unroll
+    for (int k = 0; k < kB; ++k) {
+      if (e0 + k * T >= items) continue;
+      xs[o[k]] = __float2half_rn(combine(__half2float(g[k]), __half2float(u[k])));
+    }
+  }
+}
+
 // Gather of the split's activations into shared memory in stored row order, xs[m * xstride + r], by `nthreads`
 // threads from thread 0 (callers synchronize); 8 independent 2-byte loads in flight per thread, items in
 // (token, row) order. With gate_off the input is silu(gate) * up, the same arithmetic as silu_mul_kernel
@@ -421,24 +455,10 @@ __device__ __forceinline__ void gv_gather_items(const GemvParams& p, int nch, __
   const int items = rows * p.M;  // (token, row) pairs, all tokens' loads in flight together
   if (kMayGate && p.gate_off > 0) {
     const __half* xh = p.x;
-    for (int e0 = threadIdx.x; e0 < items; e0 += kB * T) {
-      __half g[kB], u[kB];
-      int o[kB];
-#pragma unroll
-      for (int k = 0; k < kB; ++k) {
-        const int e = e0 + k * T, m = e / rows, r = e - m * rows;
-        const unsigned i = e < items ? xm[r] : 0xFFFFu;
-        o[k] = m * p.xstride + r;
-        const bool ok = i != 0xFFFFu;
-        g[k] = ok ? __ldg(xh + (size_t)m * p.ldx + i) : __half(0.f);
-        u[k] = ok ? __ldg(xh + (size_t)m * p.ldx + p.gate_off + i) : __half(0.f);
-      }
-#pragma unroll
-      for (int k = 0; k < kB; ++k) {
-        if (e0 + k * T >= items) continue;
-        xs[o[k]] = __float2half_rn(exl2::silu_mul(__half2float(g[k]), __half2float(u[k])));
-      }
-    }
+    gv_gather_item_pairs(
+        p, nch, xs, xm, nthreads,
+        [&](int m, unsigned i) { return __ldg(xh + (size_t)m * p.ldx + p.gate_off + i); },
+        [](float g, float u) { return exl2::silu_mul(g, u); });
     return;
   }
   for (int e0 = threadIdx.x; e0 < items; e0 += kB * T) {
@@ -579,6 +599,27 @@ __device__ __forceinline__ void gv_reduce_partials(const QDesc& d, int colblk, i
   }
 }
 
+// Columns n .. n + 3 of row m summed over the split partials in split order from zero (16 float4 loads in
+// flight); stride = M * Np, the floats between two splits' partials.
+__device__ __forceinline__ float4 gv_split_sum4(const QDesc& d, int m, int n, int ksplit, size_t stride) {
+  const float4* src = reinterpret_cast<const float4*>(d.ws + (size_t)m * d.Np + n);
+  float4 v = make_float4(0.f, 0.f, 0.f, 0.f);
+  for (int s0 = 0; s0 < ksplit; s0 += 16) {
+    float4 t[16];
+#pragma unroll
+    for (int u = 0; u < 16; ++u)
+      t[u] = s0 + u < ksplit ? __ldcg(src + (s0 + u) * (stride / 4)) : make_float4(0.f, 0.f, 0.f, 0.f);
+#pragma unroll
+    for (int u = 0; u < 16; ++u) {
+      v.x += t[u].x;
+      v.y += t[u].y;
+      v.z += t[u].z;
+      v.w += t[u].w;
+    }
+  }
+  return v;
+}
+
 // gv_reduce_partials over four adjacent columns per item: 16 float4 loads (64 values) in flight per thread, so
 // M rows of 256 columns take ceil(M * 64 / nthreads) rounds of L2 latency instead of ceil(M * 256 / nthreads)
 // (a k = 4 verify, M = 5, with 16 splits: 2 rounds instead of 5). The same sums in the same split order
@@ -592,21 +633,7 @@ __device__ __forceinline__ void gv_reduce_partials_vec4(const QDesc& d, int colb
   const size_t stride = (size_t)M * d.Np;
   for (int e = tid; e < quads * M; e += nthreads) {
     const int m = e / quads, n = nblk0 + 4 * (e % quads);
-    const float4* src = reinterpret_cast<const float4*>(d.ws + (size_t)m * d.Np + n);
-    float4 v = make_float4(0.f, 0.f, 0.f, 0.f);
-    for (int s0 = 0; s0 < ksplit; s0 += 16) {  // 16 loads in flight, summed in split order
-      float4 t[16];
-#pragma unroll
-      for (int u = 0; u < 16; ++u)
-        t[u] = s0 + u < ksplit ? __ldcg(src + (s0 + u) * (stride / 4)) : make_float4(0.f, 0.f, 0.f, 0.f);
-#pragma unroll
-      for (int u = 0; u < 16; ++u) {
-        v.x += t[u].x;
-        v.y += t[u].y;
-        v.z += t[u].z;
-        v.w += t[u].w;
-      }
-    }
+    const float4 v = gv_split_sum4(d, m, n, ksplit, stride);
     const float o[4] = {v.x, v.y, v.z, v.w};
 #pragma unroll
     for (int c = 0; c < 4; ++c) {

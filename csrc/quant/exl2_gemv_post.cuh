@@ -53,24 +53,9 @@ __device__ __forceinline__ void gv_post_scales(const GemvParams& p, float* rs) {
 // `nthreads` threads from thread 0 (callers synchronize); 8 items (two 2-byte loads each) in flight per thread.
 __device__ __forceinline__ void gv_gather_post(const GemvParams& p, int nch, __half* xs, const unsigned short* xm,
                                                int nthreads) {
-  constexpr int kB = 8;
-  const int rows = nch * kChunkRows, items = rows * p.M;
-  for (int e0 = threadIdx.x; e0 < items; e0 += kB * nthreads) {
-    __half x[kB], w[kB];
-    int o[kB];
-#pragma unroll
-    for (int k = 0; k < kB; ++k) {
-      const int e = e0 + k * nthreads, m = e / rows, r = e - m * rows;
-      const unsigned i = e < items ? xm[r] : 0xFFFFu;
-      o[k] = m * p.xstride + r;
-      const bool ok = i != 0xFFFFu;
-      x[k] = ok ? __ldcg(p.x + (size_t)m * p.ldx + i) : __half(0.f);  // written by the previous kernel
-      w[k] = ok ? __ldg(p.post_w + i) : __half(0.f);
-    }
-#pragma unroll
-    for (int k = 0; k < kB; ++k)
-      if (e0 + k * nthreads < items) xs[o[k]] = __float2half_rn(__fmul_rn(__half2float(x[k]), __half2float(w[k])));
-  }
+  gv_gather_item_pairs(
+      p, nch, xs, xm, nthreads, [&](int, unsigned i) { return __ldg(p.post_w + i); },
+      [](float x, float w) { return __fmul_rn(x, w); });
 }
 
 // A quad's chain of squares (post_tile's order).
@@ -104,20 +89,11 @@ __device__ __forceinline__ void gv_feed_finish(const GemvParams& p, const QDesc&
     if (cols) {
       res = __ldcg(reinterpret_cast<const uint2*>(p.feed_res + (size_t)m * p.feed_res_ld + n));
       if (ksplit > 1) {
-        const float4* src = reinterpret_cast<const float4*>(d.ws + (size_t)m * d.Np + n);
-        for (int s0 = 0; s0 < ksplit; s0 += 16) {  // 16 loads in flight, summed in split order
-          float4 t[16];
-#pragma unroll
-          for (int u = 0; u < 16; ++u)
-            t[u] = s0 + u < ksplit ? __ldcg(src + (s0 + u) * (stride / 4)) : make_float4(0.f, 0.f, 0.f, 0.f);
-#pragma unroll
-          for (int u = 0; u < 16; ++u) {
-            v[0] += t[u].x;
-            v[1] += t[u].y;
-            v[2] += t[u].z;
-            v[3] += t[u].w;
-          }
-        }
+        const float4 sum = gv_split_sum4(d, m, n, ksplit, stride);
+        v[0] = sum.x;
+        v[1] = sum.y;
+        v[2] = sum.z;
+        v[3] = sum.w;
 #pragma unroll
         for (int c = 0; c < 4; ++c) v[c] += d.bias ? __half2float(d.bias[n + c]) : 0.f;  // as the vec4 reduce
       } else {

@@ -17,8 +17,9 @@ from exl2_backend.model import layers as L
 def scaled_norm(linear, weight: torch.Tensor) -> tuple[torch.Tensor, float] | None:
     """The norm weight prepared for a post-norm consumer (cuda_post.scaled_norm_weight), or None where routing is
     off or `linear` is not a CUDA linear. Called at load time (it reads the weight back)."""
-    if not (L.FUSED_NORM and hasattr(linear, "launch")):
-        return None
+    if not (L.FUSED_NORM and hasattr(linear, "launch")
+            and all(getattr(part, "xmap", None) is not None for part in linear.launch.parts)):
+        return None  # not a CUDA linear of EXL2 parts
     from exl2_backend.ops import cuda_post
 
     if not cuda_post.POST_NORM:

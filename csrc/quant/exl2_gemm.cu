@@ -941,7 +941,7 @@ EXL2_API int exl2_gemv_feed(const int64_t* blob, int ndesc, const void* x, int M
 // exl2_gemv_post.cuh): r [M, ldr] the residual stream, ss [M, ss_ld] its tile sums (exl2_gemv_feed or
 // exl2_row_feed), w_scaled fp16 [K] = the norm's weight times 2^-e, mul = 2^e, eps > 0. Every part takes the same K
 // (a multiple of 8 up to 8192); the blob's F_ROPE (set: rope and the KV write after the GEMV) as exl2_gemv's.
-
+// xpre (null: gathered here from r): y already in stored row order (exl2_gemv_feed's xp), as exl2_gemv's xpre.
 EXL2_API int exl2_gemv_post_norm(const int64_t* blob, int ndesc, const void* r, int M, int ldr, const float* ss,
                                  int ss_ld, const void* w_scaled, float mul, float eps, const void* xpre, int xpre_ld,
                                  void* stream) {

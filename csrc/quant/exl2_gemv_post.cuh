@@ -9,7 +9,7 @@
 //   (gv_post_scales; GemvParams::post_*), from the tile sums added in tile order.
 // A row's sums, scale and products never depend on the rows beside it, so a verify step's rows stay bit-identical
 // to the decode step's (the speculative verify's exactness), with no norm launch and no norm prologue at any M.
-// Where the producer cannot feed, exl2_row_feed (row_feed.cu) writes the same r and sums from its output.
+// Where the producer cannot feed, exl2_row_feed (exl2_row_feed.cu) writes the same r and sums from its output.
 //
 // The tile sum of row m over columns [256 t, 256 t + 256): each column quad's squares chained with fmaf in column
 // order from 0; the half sums warp_sum over quads 0 .. 31 and 32 .. 63 (lane L: quad L of the half; absent
@@ -70,8 +70,9 @@ __device__ __forceinline__ float post_quad_chain(const float (&q4)[4]) {
 // the only one at ksplit == 1 after its warps stored their fp16 results in out): per element the output h (the
 // split partials summed in split order plus bias and rounded, as gv_reduce_partials_vec4; or the stored result),
 // then r = round(h + feed_res) written to out in its place, per row the tile sum of r into feed_ss[m * feed_ss_ld +
-// colblk], and with feed_xp round(r * feed_w) into each consumer part's stored rows (GemvParams::feed_xp). Two warps per row, four rows per pass (lane L of the second warp: quad 32 + L); each pass
-// one round of loads, as the vec4 reduce's. Called by the 256 compute threads; `sync` is their barrier.
+// colblk], and with feed_xp round(r * feed_w) into each consumer part's stored rows (GemvParams::feed_xp). Two
+// warps per row, four rows per pass (lane L of the second warp: quad 32 + L); each pass one round of loads, as the
+// vec4 reduce's. Called by the 256 compute threads; `sync` is their barrier.
 template <typename Sync>
 __device__ __forceinline__ void gv_feed_finish(const GemvParams& p, const QDesc& d, int colblk, int ksplit,
                                                Sync&& sync) {

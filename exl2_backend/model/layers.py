@@ -163,28 +163,25 @@ class DecoderLayer:
         m = attn.shape[0]
         post_mlp = residual is not None and post_norm.posts(self.gate_up, self.post_norm_scaled, m)
         post_next = nxt is not None and post_norm.posts(nxt.qkv, nxt.input_norm_scaled, m)
-        if post_mlp or post_next:
-            if post_mlp:
-                residual, ss, y = post_norm.fed_residual(self.o, attn, residual, lambda: self.o(attn), self.gate_up,
-                                                         self.post_norm_scaled)
-                gate_up = post_norm.post_normed(self.gate_up, residual, ss, y, self.post_norm_scaled, self.eps)
-            else:
-                gate_up, residual = norm_linear(self.gate_up, self.o(attn), residual, self.post_norm, self.eps)
-            if post_next:
-                gated = hasattr(self.down, "gated") and FUSED_SILU_DOWN
-                r, ss, y = post_norm.fed_residual(self.down, gate_up, residual, lambda: self.mlp(gate_up), nxt.qkv,
-                                                  nxt.input_norm_scaled, gated)
-                return post_norm.post_qkv(nxt, r, ss, y, step)
-            h = self.mlp(gate_up)
-            return (h, residual, False) if nxt is None else norm_qkv(nxt, h, residual, step)
-        if residual is not None and FUSED_NORM and FUSED_SILU_DOWN and hasattr(self.o, "launch"):
+        if (not (post_mlp or post_next) and residual is not None and FUSED_NORM and FUSED_SILU_DOWN
+                and hasattr(self.o, "launch")):
             from exl2_backend.ops.cuda_chain import mlp_chain
 
             chained = mlp_chain(self.o, self.gate_up, self.down, None if nxt is None else nxt.qkv, attn, residual,
                                 self.post_norm, None if nxt is None else nxt.input_norm, self.eps)
             if chained is not None:
                 return chained[0], chained[1], False
-        gate_up, residual = norm_linear(self.gate_up, self.o(attn), residual, self.post_norm, self.eps)
+        if post_mlp:
+            residual, ss, y = post_norm.fed_residual(self.o, attn, residual, lambda: self.o(attn), self.gate_up,
+                                                     self.post_norm_scaled)
+            gate_up = post_norm.post_normed(self.gate_up, residual, ss, y, self.post_norm_scaled, self.eps)
+        else:
+            gate_up, residual = norm_linear(self.gate_up, self.o(attn), residual, self.post_norm, self.eps)
+        if post_next:
+            gated = hasattr(self.down, "gated") and FUSED_SILU_DOWN
+            r, ss, y = post_norm.fed_residual(self.down, gate_up, residual, lambda: self.mlp(gate_up), nxt.qkv,
+                                              nxt.input_norm_scaled, gated)
+            return post_norm.post_qkv(nxt, r, ss, y, step)
         h = self.mlp(gate_up)
         if nxt is None:
             return h, residual, False

@@ -139,15 +139,18 @@ class StoredRows:
             self.pad[q, : t.numel()] = t
 
 
-_stored_rows: dict[int, StoredRows] = {}
-
-
 def stored_rows(consumer: CudaLinearOp) -> StoredRows:
-    """The consumer's StoredRows, built once per launch (it reads the maps back: outside graph capture)."""
-    h = consumer.launch.handle
-    if h not in _stored_rows:
-        _stored_rows[h] = StoredRows(consumer.launch)
-    return _stored_rows[h]
+    """The consumer's StoredRows, built once and kept on its launch (it reads the maps back: outside graph
+    capture)."""
+    launch = consumer.launch
+    if getattr(launch, "stored_rows", None) is None:
+        launch.stored_rows = StoredRows(launch)
+    return launch.stored_rows
+
+
+def _consumer_rows(consumer: int) -> StoredRows | None:
+    """The StoredRows of the launch with handle `consumer` (0: none; None where stored_rows never built them)."""
+    return getattr(_REG[consumer], "stored_rows", None) if consumer else None
 
 
 # --- custom ops --------------------------------------------------------------------------------------------
@@ -176,7 +179,7 @@ def _gemv_feed_op(x: torch.Tensor, residual: torch.Tensor, packed: torch.Tensor,
     _check_norm_input(residual, "residual", n, m, dev)
     r, blob = launch._bind(launch.gemv_plan(m), m, ws, counters, dev)
     ss = torch.empty(m, tiles(n), dtype=torch.float32, device=dev)
-    rows = _stored_rows.get(consumer) if consumer else None
+    rows = _consumer_rows(consumer)
     if consumer and (rows is None or w_scaled is None or w_scaled.shape != (n,) or w_scaled.dtype != torch.float16
                      or w_scaled.device != dev or not w_scaled.is_contiguous() or rows.inv.shape[1] != n):
         raise TensorShapeError(f"the consumer's stored rows and a float16 [{n}] scaled weight are needed",
@@ -198,7 +201,7 @@ def _gemv_feed_op(x: torch.Tensor, residual: torch.Tensor, packed: torch.Tensor,
 @_gemv_feed_op.register_fake
 def _(x, residual, packed, handle, ws, counters, gate_off, consumer, w_scaled):
     n, m = _REG[handle].out_features, x.shape[0]
-    rows = _stored_rows.get(consumer) if consumer else None
+    rows = _consumer_rows(consumer)
     y = x.new_empty((0,)) if rows is None else x.new_empty((rows.parts, m, rows.ld))
     return x.new_empty((m, n)), x.new_empty((m, tiles(n)), dtype=torch.float32), y
 

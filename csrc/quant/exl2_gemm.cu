@@ -14,7 +14,6 @@
 #include "quant/exl2_gemv_splits.cuh"
 #include "quant/exl2_gemv_rope.cuh"
 #include "quant/exl2_gemv_norm.cuh"
-#include "quant/exl2_gemv_post.cuh"
 #include "quant/exl2_quant.cuh"
 
 #include <algorithm>
@@ -653,8 +652,7 @@ bool exact_run_splits(const exl2q::QDesc& d, int total, int* rbase, int& maxnch)
 // gate_off > 0: fused silu_mul input (x [M, ldx] holds gate at columns [0, K) and up at [gate_off, gate_off + K)).
 namespace exl2q {
 int gemv_plan(const int64_t* blob, int ndesc, const void* x, int M, int ldx, int gate_off, int minb, const void* xpre,
-              int xpre_ld, const GemvNorm* norm, GemvParams& p, GemvPlan& pl, bool allow_span, const GemvFeed* feed,
-              const GemvPost* post) {
+              int xpre_ld, const GemvNorm* norm, GemvParams& p, GemvPlan& pl, bool allow_span) {
   EXL2_REQUIRE(blob && x, "exl2_gemv: null argument");
   EXL2_REQUIRE(ndesc >= 1 && ndesc <= kMaxDesc, "exl2_gemv: %d descriptors (1..%d)", ndesc, kMaxDesc);
   EXL2_REQUIRE(M >= 1 && M <= 32, "exl2_gemv: M=%d outside 1..32", M);
@@ -774,58 +772,6 @@ int gemv_plan(const int64_t* blob, int ndesc, const void* x, int M, int ldx, int
         p.norm_res_out_ld = norm->res_out_ld;
         p.norm_eps = norm->eps;
       }
-      if (feed) {
-        const QDesc& d = p.d[0];
-        EXL2_REQUIRE(ndesc == 1 && !norm && !post && !p.cluster && !probe && !blob[F_ROPE], "exl2_gemv_feed: one "
-                     "part; no norm, cluster split-K, probe or fused rope");
-        EXL2_REQUIRE(feed->res && feed->ss && d.N % 8 == 0 && feed->res_ld % 8 == 0 && d.ldo % 8 == 0 &&
-                     reinterpret_cast<uintptr_t>(feed->res) % 16 == 0 && reinterpret_cast<uintptr_t>(d.out) % 16 == 0,
-                     "exl2_gemv_feed: N=%d, the residual and the output need rows of multiples of 8 halves starting "
-                     "16-byte aligned", d.N);
-        EXL2_REQUIRE(feed->ss_ld >= d.ncolblk, "exl2_gemv_feed: ss row stride %d < %d tiles", feed->ss_ld, d.ncolblk);
-        EXL2_REQUIRE(feed->res != x && feed->res != static_cast<const void*>(d.out),
-                     "exl2_gemv_feed: the residual aliases the input or the output");
-        p.feed_res = reinterpret_cast<const __half*>(feed->res);
-        p.feed_res_ld = feed->res_ld;
-        p.feed_ss = feed->ss;
-        p.feed_ss_ld = feed->ss_ld;
-        if (feed->w) {  // y pre-gathered for the consumer's parts
-          EXL2_REQUIRE(feed->xp && feed->inv && feed->parts >= 1 && feed->parts <= kMaxDesc && feed->xp_ld % 8 == 0 &&
-                       feed->inv_ld >= d.N && feed->inv_ld % 4 == 0 && (feed->pad || !feed->npad) &&
-                       reinterpret_cast<uintptr_t>(feed->w) % 16 == 0 &&
-                       reinterpret_cast<uintptr_t>(feed->inv) % 16 == 0 && reinterpret_cast<uintptr_t>(feed->xp) % 16 == 0,
-                       "exl2_gemv_feed: the pre-gathered output needs 1..%d parts, 16-byte aligned weight, maps and "
-                       "buffer, a row stride that is a multiple of 8 and maps of %d columns", kMaxDesc, d.N);
-          p.feed_w = reinterpret_cast<const __half*>(feed->w);
-          p.feed_xp = reinterpret_cast<__half*>(feed->xp);
-          p.feed_xp_ld = feed->xp_ld;
-          p.feed_parts = feed->parts;
-          for (int q = 0; q < feed->parts; ++q) {
-            p.feed_inv[q] = feed->inv + (size_t)q * feed->inv_ld;
-            p.feed_pad[q] = feed->pad ? feed->pad + (size_t)q * feed->pad_ld : nullptr;
-            p.feed_npad[q] = feed->npad ? feed->npad[q] : 0;
-            EXL2_REQUIRE(p.feed_npad[q] >= 0 && p.feed_npad[q] <= feed->pad_ld, "exl2_gemv_feed: %d padding rows in "
-                         "a row of %d", p.feed_npad[q], feed->pad_ld);
-          }
-        }
-      }
-      if (post) {
-        const int K = p.d[0].K;
-        for (int i = 1; i < ndesc; ++i)
-          EXL2_REQUIRE(p.d[i].K == K, "exl2_gemv_post_norm: parts with different K (%d, %d)", K, p.d[i].K);
-        EXL2_REQUIRE(gate_off == 0 && !norm && !p.cluster && !probe, "exl2_gemv_post_norm: no gated, norm-fused, "
-                     "cluster or probe launch");
-        p.post_tiles = (K + kPostTileCols - 1) / kPostTileCols;
-        EXL2_REQUIRE(post->ss && post->w && p.post_tiles <= kPostMaxTiles && post->ss_ld >= p.post_tiles,
-                     "exl2_gemv_post_norm: K=%d (at most %d) and ss rows of at least %d tiles", K,
-                     kPostMaxTiles * kPostTileCols, p.post_tiles);
-        p.post_ss = post->ss;
-        p.post_ss_ld = post->ss_ld;
-        p.post_w = reinterpret_cast<const __half*>(post->w);
-        p.post_k = K;
-        p.post_eps = post->eps;
-        p.post_mul = post->mul;
-      }
       if (const int64_t* rope = reinterpret_cast<const int64_t*>(blob[F_ROPE])) {
         EXL2_REQUIRE(!p.cluster && !probe, "exl2_gemv: no fused rope with cluster split-K or a probe");
         if (const int st = plan_rope(rope, p)) return st;
@@ -877,7 +823,6 @@ int gemv_plan(const int64_t* blob, int ndesc, const void* x, int M, int ldx, int
   EXL2_REQUIRE(M <= 8, "exl2_gemv: M=%d needs the TMA kernel (sm_90+, minb 0 or 1); this one takes 1..8", M);
   EXL2_REQUIRE(!xpre, "exl2_gemv: pre-gathered input needs the TMA kernel (sm_90+, minb 0 or 1)");
   EXL2_REQUIRE(!norm, "exl2_gemv_add_norm: the fused norm needs the TMA kernel (sm_90+, minb 0)");
-  EXL2_REQUIRE(!feed && !post, "exl2_gemv_feed / exl2_gemv_post_norm: need the TMA kernel (sm_90+, minb 0)");
   EXL2_REQUIRE(!blob[F_ROPE], "exl2_gemv: the fused rope needs the TMA kernel (sm_90+, minb 0 or 1)");
   const int smem = align16(M * p.xstride * 2) + maxnch * kChunkRows * 2;  // + the xmap slice
   EXL2_REQUIRE(smem <= 227 * 1024, "exl2_gemv: needs %d bytes of shared memory; use a larger ksplit", smem);
@@ -888,12 +833,11 @@ int gemv_plan(const int64_t* blob, int ndesc, const void* x, int M, int ldx, int
 
 namespace {
 int gemv_impl(const int64_t* blob, int ndesc, const void* x, int M, int ldx, int gate_off, int minb,
-              const void* xpre, int xpre_ld, const exl2q::GemvNorm* norm, void* stream,
-              const exl2q::GemvFeed* feed = nullptr, const exl2q::GemvPost* post = nullptr) {
+              const void* xpre, int xpre_ld, const exl2q::GemvNorm* norm, void* stream) {
   using namespace exl2q;
   GemvParams p;
   GemvPlan pl;
-  const int st = gemv_plan(blob, ndesc, x, M, ldx, gate_off, minb, xpre, xpre_ld, norm, p, pl, true, feed, post);
+  const int st = gemv_plan(blob, ndesc, x, M, ldx, gate_off, minb, xpre, xpre_ld, norm, p, pl);
   if (st) return st;
   cudaStream_t s = reinterpret_cast<cudaStream_t>(stream);
   if (pl.tma) return gemv_tma_launch(p, pl.blocks, pl.smem, s);
@@ -919,37 +863,6 @@ EXL2_API int exl2_gemv_add_norm(const int64_t* blob, int ndesc, const void* h, i
     return st;
   const exl2q::GemvNorm norm{residual, res_ld, weight, res_out, res_out_ld, eps};
   return gemv_impl(blob, ndesc, h, M, ldh, 0, 0, nullptr, 0, &norm, stream);
-}
-
-// The small-M GEMV whose output feeds the next GEMV's norm (TMA kernel, sm_90+; exl2_gemv_post.cuh): x [M, ldx] as
-// exl2_gemv (gate_off > 0: the input is silu(gate) * up); one part, N a multiple of 8; the part's output (F_OUT,
-// ldo) receives r = round(h + residual) instead of h (residual [M, res_ld] fp16, rows 16-byte aligned, neither
-// input nor output), and ss [M, ss_ld] (ss_ld >= ceil(N / 256)) each row's tile sums of squares of r. r is
-// bit-identical to exl2_gemv followed by the residual add of exl2_add_rms_norm, r and ss to exl2_row_feed's.
-// w_scaled (null: none): also y = round(r * w_scaled) in the consumer's stored row order for its pre-gathered input,
-// xp [parts, M, xp_ld] fp16: part q's row of natural column n is inv[q * inv_ld + n] (int32), and its padding rows
-// pad[q * pad_ld + j], j < npad[q] (npad: a host array) are written zero.
-EXL2_API int exl2_gemv_feed(const int64_t* blob, int ndesc, const void* x, int M, int ldx, int gate_off,
-                            const void* residual, int res_ld, float* ss, int ss_ld, const void* w_scaled, int parts,
-                            const int* inv, int inv_ld, const int* pad, int pad_ld, const int* npad, void* xp,
-                            int xp_ld, void* stream) {
-  const exl2q::GemvFeed feed{residual, res_ld, ss, ss_ld, w_scaled, xp, xp_ld, parts, inv, pad, npad, inv_ld, pad_ld};
-  return gemv_impl(blob, ndesc, x, M, ldx, gate_off, 0, nullptr, 0, nullptr, stream, &feed);
-}
-
-// The small-M GEMV of rms_norm(r) * w with the norm's scale applied at the output (TMA kernel, sm_90+;
-// exl2_gemv_post.cuh): r [M, ldr] the residual stream, ss [M, ss_ld] its tile sums (exl2_gemv_feed or
-// exl2_row_feed), w_scaled fp16 [K] = the norm's weight times 2^-e, mul = 2^e, eps > 0. Every part takes the same K
-// (a multiple of 8 up to 8192); the blob's F_ROPE (set: rope and the KV write after the GEMV) as exl2_gemv's.
-// xpre (null: gathered here from r): y already in stored row order (exl2_gemv_feed's xp), as exl2_gemv's xpre.
-EXL2_API int exl2_gemv_post_norm(const int64_t* blob, int ndesc, const void* r, int M, int ldr, const float* ss,
-                                 int ss_ld, const void* w_scaled, float mul, float eps, const void* xpre, int xpre_ld,
-                                 void* stream) {
-  EXL2_REQUIRE(r && ss && w_scaled, "exl2_gemv_post_norm: null argument");
-  EXL2_REQUIRE(eps > 0.f && eps < 1.f && mul > 0.f, "exl2_gemv_post_norm: eps %g outside (0, 1) or mul %g <= 0",
-               (double)eps, (double)mul);
-  const exl2q::GemvPost post{ss, ss_ld, w_scaled, eps, mul};
-  return gemv_impl(blob, ndesc, r, M, ldr, 0, 0, xpre, xpre_ld, nullptr, stream, nullptr, &post);
 }
 
 // The small-M GEMV's split counts per run (host only, for tests and tools): splits[i * kMaxRuns + r] for run r of

@@ -32,9 +32,7 @@ constexpr int kFGated = 4;    // a gathered silu(gate) * up input (gate_off, no 
 constexpr int kFPre = 8;      // a pre-gathered input (xpre)
 constexpr int kFCluster = 16; // cluster split-K (cluster)
 constexpr int kFProbe = 32;   // timing probes (probe)
-constexpr int kFFeed = 64;    // the finish writes the residual stream and its tile sums of squares (feed_ss)
-constexpr int kFPost = 128;   // the input's RMSNorm scale applied to the output rows (post_ss; exl2_gemv_post.cuh)
-constexpr int kFAll = 255;
+constexpr int kFAll = 63;
 // The kernel every launch runs unless it asks for cluster split-K or timing probes (those take kFAll): both paths
 // compiled out, one function for every role, so a decode layer's four GEMV launches still re-enter the same code.
 // H200 call AI1 of 2026-12-04: the kFAll code as one copy per role cost the 8B decode step +99 us against one
@@ -42,11 +40,6 @@ constexpr int kFAll = 255;
 // (kFLean without the pre-gathered copy for the decode step's one-row GEMVs gained nothing: H200 call AJ1, 2.296
 // against 2.295 ms; removed.)
 constexpr int kFLean = kFNorm | kFRope | kFGated | kFPre;
-// The lean kernel with the norm applied at the output (exl2_gemv_post.cuh): a kernel of its own, so the default
-// launches' kernel stays instruction for instruction the same (session 54's BR1: code compiled into the lean kernel
-// and never run cost the 8B decode step 40-55 us). With the routing on, every layer GEMV feeds or posts, so a decode
-// step's four roles still share one function.
-constexpr int kFPostLean = kFLean | kFFeed | kFPost;
 
 // GemvParams::gather_mode. Auto: by items at M <= 8, by row slots past it. (A gather by 16-byte vectors where the
 // rows are in input order, for down_proj after model/tp_shard.fold_down_order, lost to the item gather: H200 call
@@ -94,30 +87,6 @@ struct GemvParams {
   __half* norm_res_out;
   int norm_res_ld, norm_res_out_ld, norm_k, norm_nt;
   float norm_eps;
-  // TMA kernel, a GEMV feeding the next one's norm (kFFeed) when feed_ss is set: its output columns are added to
-  // feed_res [M, feed_res_ld] and the rounded sum r (the residual stream) is written to out; feed_ss [M,
-  // feed_ss_ld] receives each row's sum of squares of r per 256-column block (exl2_gemv_post.cuh's tile order).
-  const __half* feed_res;
-  float* feed_ss;
-  int feed_res_ld, feed_ss_ld;
-  // ... and, when feed_xp is set, y = round(r * feed_w) (feed_w: the consumer's norm weight times 2^-e, [N]) in
-  // each consumer part's stored row order, feed_xp[(q * M + m) * feed_xp_ld + feed_inv[q][n]] for part q < feed_parts
-  // (its input pre-gathered, GemvParams::xpre); column block 0 also zeroes every part's padding rows
-  // feed_pad[q][0 .. feed_npad[q]).
-  const __half* feed_w;
-  __half* feed_xp;
-  const int* feed_inv[kMaxDesc];
-  const int* feed_pad[kMaxDesc];
-  int feed_npad[kMaxDesc];
-  int feed_parts, feed_xp_ld;
-  // TMA kernel, the input's RMSNorm applied at the output (kFPost) when post_ss is set: x is the residual stream
-  // r, the gather takes round(r * post_w) (post_w = the norm's weight times 2^-e), and each output row m is
-  // multiplied by rsqrt(sum of post_ss[m, 0 .. post_tiles) in order / post_k + post_eps) * post_mul (= 2^e) before
-  // its bias: the linear commutes with the norm's per-row scale.
-  const float* post_ss;
-  const __half* post_w;
-  int post_ss_ld, post_tiles, post_k;
-  float post_eps, post_mul;
 };
 
 // The block's work: descriptor, run, column block and chunk range [c0, c1). Splits are numbered run by run:
@@ -376,10 +345,8 @@ __device__ __forceinline__ float gv_acc(const TileAcc<MT>& a, int nt, int mt, in
 
 // Writes the warp tile's result (ksplit == 1: + bias, fp16, columns < N) or its split partial into the fp32
 // workspace. MT: the state's token tiles (1 for GvState). Used by all three small-M kernels.
-// rs (null: none): a factor per output row applied before the bias (GemvParams::post_ss's scales).
 template <int MT, typename State>
-__device__ __forceinline__ void gv_store(const QDesc& d, const State& s, int n0, int M, int gsplit, bool partial,
-                                         const float* rs = nullptr) {
+__device__ __forceinline__ void gv_store(const QDesc& d, const State& s, int n0, int M, int gsplit, bool partial) {
   float* ws = partial ? d.ws + (size_t)gsplit * M * d.Np : nullptr;
   for_each_acc<MT>([&](int nt, int mt, int e, int c, int m) {
     const int n = n0 + c;
@@ -387,7 +354,6 @@ __device__ __forceinline__ void gv_store(const QDesc& d, const State& s, int n0,
       ws[(size_t)m * d.Np + n] = gv_acc(s, nt, mt, e);
     } else if (m < M && n < d.N) {
       float v = gv_acc(s, nt, mt, e);
-      if (rs) v = __fmul_rn(v, rs[m]);
       if (d.bias) v += __half2float(d.bias[n]);
       d.out[(size_t)m * d.ldo + n] = __float2half_rn(v);
     }
@@ -411,35 +377,6 @@ __device__ __forceinline__ void gv_load_xmap(const QDesc& d, int c0, int nch, un
   for (int v = threadIdx.x; v < rows / 8; v += nthreads) reinterpret_cast<uint4*>(xm)[v] = __ldg(src + v);
 }
 
-// Gather of items that combine two values, xs[m * xstride + r] = combine(x[m, i], second(m, i)) with i = xm[r]
-// (padding rows zero), 8 items in flight per thread, in (token, row) order; by `nthreads` threads from thread 0.
-template <typename Second, typename Combine>
-__device__ __forceinline__ void gv_gather_item_pairs(const GemvParams& p, int nch, __half* xs,
-                                                     const unsigned short* xm, int nthreads, Second&& second,
-                                                     Combine&& combine) {
-  constexpr int kB = 8;
-  const int T = nthreads, rows = nch * kChunkRows, items = rows * p.M;
-  const __half* xh = p.x;
-  for (int e0 = threadIdx.x; e0 < items; e0 += kB * T) {
-    __half g[kB], u[kB];
-    int o[kB];
-#pragma unroll
-    for (int k = 0; k < kB; ++k) {
-      const int e = e0 + k * T, m = e / rows, r = e - m * rows;
-      const unsigned i = e < items ? xm[r] : 0xFFFFu;
-      o[k] = m * p.xstride + r;
-      const bool ok = i != 0xFFFFu;
-      g[k] = ok ? __ldg(xh + (size_t)m * p.ldx + i) : __half(0.f);
-      u[k] = ok ? second(m, i) : __half(0.f);
-    }
-#pragma unroll
-    for (int k = 0; k < kB; ++k) {
-      if (e0 + k * T >= items) continue;
-      xs[o[k]] = __float2half_rn(combine(__half2float(g[k]), __half2float(u[k])));
-    }
-  }
-}
-
 // Gather of the split's activations into shared memory in stored row order, xs[m * xstride + r], by `nthreads`
 // threads from thread 0 (callers synchronize); 8 independent 2-byte loads in flight per thread, items in
 // (token, row) order. With gate_off the input is silu(gate) * up, the same arithmetic as silu_mul_kernel
@@ -455,10 +392,24 @@ __device__ __forceinline__ void gv_gather_items(const GemvParams& p, int nch, __
   const int items = rows * p.M;  // (token, row) pairs, all tokens' loads in flight together
   if (kMayGate && p.gate_off > 0) {
     const __half* xh = p.x;
-    gv_gather_item_pairs(
-        p, nch, xs, xm, nthreads,
-        [&](int m, unsigned i) { return __ldg(xh + (size_t)m * p.ldx + p.gate_off + i); },
-        [](float g, float u) { return exl2::silu_mul(g, u); });
+    for (int e0 = threadIdx.x; e0 < items; e0 += kB * T) {
+      __half g[kB], u[kB];
+      int o[kB];
+#pragma unroll
+      for (int k = 0; k < kB; ++k) {
+        const int e = e0 + k * T, m = e / rows, r = e - m * rows;
+        const unsigned i = e < items ? xm[r] : 0xFFFFu;
+        o[k] = m * p.xstride + r;
+        const bool ok = i != 0xFFFFu;
+        g[k] = ok ? __ldg(xh + (size_t)m * p.ldx + i) : __half(0.f);
+        u[k] = ok ? __ldg(xh + (size_t)m * p.ldx + p.gate_off + i) : __half(0.f);
+      }
+#pragma unroll
+      for (int k = 0; k < kB; ++k) {
+        if (e0 + k * T >= items) continue;
+        xs[o[k]] = __float2half_rn(exl2::silu_mul(__half2float(g[k]), __half2float(u[k])));
+      }
+    }
     return;
   }
   for (int e0 = threadIdx.x; e0 < items; e0 += kB * T) {
@@ -576,9 +527,9 @@ __device__ __forceinline__ void gv_gather(const GemvParams& p, int nch, __half* 
 }
 
 // Sum of the split partials of column block `colblk` in split order, plus bias, into out (the last block of a
-// column block runs it after the ticket). `tid`/`nthreads`: the calling threads. rs: as gv_store's.
+// column block runs it after the ticket). `tid`/`nthreads`: the calling threads.
 __device__ __forceinline__ void gv_reduce_partials(const QDesc& d, int colblk, int ksplit, int M, int tid,
-                                                   int nthreads, const float* rs = nullptr) {
+                                                   int nthreads) {
   const int nblk0 = colblk * kGvCols;
   const int ncols = min(kGvCols, d.N - nblk0);
   for (int e = tid; e < ncols * M; e += nthreads) {
@@ -593,31 +544,9 @@ __device__ __forceinline__ void gv_reduce_partials(const QDesc& d, int colblk, i
 #pragma unroll
       for (int u = 0; u < 16; ++u) v += t[u];
     }
-    if (rs) v = __fmul_rn(v, rs[m]);
     if (d.bias) v += __half2float(d.bias[n]);
     d.out[(size_t)m * d.ldo + n] = __float2half_rn(v);
   }
-}
-
-// Columns n .. n + 3 of row m summed over the split partials in split order from zero (16 float4 loads in
-// flight); stride = M * Np, the floats between two splits' partials.
-__device__ __forceinline__ float4 gv_split_sum4(const QDesc& d, int m, int n, int ksplit, size_t stride) {
-  const float4* src = reinterpret_cast<const float4*>(d.ws + (size_t)m * d.Np + n);
-  float4 v = make_float4(0.f, 0.f, 0.f, 0.f);
-  for (int s0 = 0; s0 < ksplit; s0 += 16) {
-    float4 t[16];
-#pragma unroll
-    for (int u = 0; u < 16; ++u)
-      t[u] = s0 + u < ksplit ? __ldcg(src + (s0 + u) * (stride / 4)) : make_float4(0.f, 0.f, 0.f, 0.f);
-#pragma unroll
-    for (int u = 0; u < 16; ++u) {
-      v.x += t[u].x;
-      v.y += t[u].y;
-      v.z += t[u].z;
-      v.w += t[u].w;
-    }
-  }
-  return v;
 }
 
 // gv_reduce_partials over four adjacent columns per item: 16 float4 loads (64 values) in flight per thread, so
@@ -626,20 +555,34 @@ __device__ __forceinline__ float4 gv_split_sum4(const QDesc& d, int m, int n, in
 // (bit-identical); Np is a multiple of 32, so the loads stay inside the partials. The default
 // (GemvParams::reduce_vec4; EXL2_GEMV_REDUCE=scalar selects gv_reduce_partials).
 __device__ __forceinline__ void gv_reduce_partials_vec4(const QDesc& d, int colblk, int ksplit, int M, int tid,
-                                                        int nthreads, const float* rs = nullptr) {
+                                                        int nthreads) {
   const int nblk0 = colblk * kGvCols;
   const int ncols = min(kGvCols, d.N - nblk0);
   const int quads = (ncols + 3) / 4;
   const size_t stride = (size_t)M * d.Np;
   for (int e = tid; e < quads * M; e += nthreads) {
     const int m = e / quads, n = nblk0 + 4 * (e % quads);
-    const float4 v = gv_split_sum4(d, m, n, ksplit, stride);
+    const float4* src = reinterpret_cast<const float4*>(d.ws + (size_t)m * d.Np + n);
+    float4 v = make_float4(0.f, 0.f, 0.f, 0.f);
+    for (int s0 = 0; s0 < ksplit; s0 += 16) {  // 16 loads in flight, summed in split order
+      float4 t[16];
+#pragma unroll
+      for (int u = 0; u < 16; ++u)
+        t[u] = s0 + u < ksplit ? __ldcg(src + (s0 + u) * (stride / 4)) : make_float4(0.f, 0.f, 0.f, 0.f);
+#pragma unroll
+      for (int u = 0; u < 16; ++u) {
+        v.x += t[u].x;
+        v.y += t[u].y;
+        v.z += t[u].z;
+        v.w += t[u].w;
+      }
+    }
     const float o[4] = {v.x, v.y, v.z, v.w};
 #pragma unroll
     for (int c = 0; c < 4; ++c) {
       if (n + c >= nblk0 + ncols) break;
       const float b = d.bias ? __half2float(d.bias[n + c]) : 0.f;
-      d.out[(size_t)m * d.ldo + n + c] = __float2half_rn((rs ? __fmul_rn(o[c], rs[m]) : o[c]) + b);
+      d.out[(size_t)m * d.ldo + n + c] = __float2half_rn(o[c] + b);
     }
   }
 }
@@ -654,30 +597,6 @@ struct GemvNorm {
   float eps;
 };
 
-// The output feeding the next GEMV's norm (exl2_gemv_feed, GemvParams::feed_*); w null: no pre-gathered y.
-struct GemvFeed {
-  const void* res;
-  int res_ld;
-  float* ss;
-  int ss_ld;
-  const void* w;
-  void* xp;
-  int xp_ld, parts;
-  const int* inv;   // [parts][inv_ld]
-  const int* pad;   // [parts][pad_ld]
-  const int* npad;  // host, [parts]
-  int inv_ld, pad_ld;
-};
-
-// The input's RMSNorm applied at the output (exl2_gemv_post_norm, GemvParams::post_*): ss [M, ss_ld] the tile sums
-// of the input rows r, w the norm's weight times 2^-e (K halves), mul = 2^e.
-struct GemvPost {
-  const float* ss;
-  int ss_ld;
-  const void* w;
-  float eps, mul;
-};
-
 // A planned small-M GEMV launch: its grid, dynamic shared memory, and whether it runs the TMA kernel.
 struct GemvPlan {
   int blocks, smem;
@@ -687,10 +606,8 @@ struct GemvPlan {
 // Checks the arguments of one small-M GEMV (exl2_gemm.cu) and plans it into p (splits, ring, staged sizes):
 // the arguments of exl2_gemv, and norm (null: none) those of exl2_gemv_add_norm. Returns a status.
 // allow_span: F_SPAN may select span splits (the chain kernel walks one run per item and passes false).
-// feed / post (null: none): exl2_gemv_feed's and exl2_gemv_post_norm's arguments.
 int gemv_plan(const int64_t* blob, int ndesc, const void* x, int M, int ldx, int gate_off, int minb, const void* xpre,
-              int xpre_ld, const GemvNorm* norm, GemvParams& p, GemvPlan& pl, bool allow_span = true,
-              const GemvFeed* feed = nullptr, const GemvPost* post = nullptr);
+              int xpre_ld, const GemvNorm* norm, GemvParams& p, GemvPlan& pl, bool allow_span = true);
 
 // Fields per phase of exl2_gemv_chain's table (exl2_gemv_chain.cu; keep in sync with ops/cuda_chain.py).
 constexpr int kChainFields = 13;

@@ -335,14 +335,10 @@ int gemv_tma_launch(const GemvParams& p, int blocks, int smem, cudaStream_t stre
     return on;
   }();
   const bool lean = lean_on && !p.cluster && !p.probe;
-  const bool post = lean && (p.feed_ss || p.post_ss);  // the norm at the output: kFPostLean
   switch ((p.M + 7) / 8) {
-    case 1: return post ? launch_mt<1, kFPostLean>(p, blocks, smem, stream)
-                        : lean ? launch_mt<1, kFLean>(p, blocks, smem, stream) : launch_mt<1>(p, blocks, smem, stream);
-    case 2: return post ? launch_mt<2, kFPostLean>(p, blocks, smem, stream)
-                        : lean ? launch_mt<2, kFLean>(p, blocks, smem, stream) : launch_mt<2>(p, blocks, smem, stream);
-    default: return post ? launch_mt<4, kFPostLean>(p, blocks, smem, stream)
-                         : lean ? launch_mt<4, kFLean>(p, blocks, smem, stream) : launch_mt<4>(p, blocks, smem, stream);
+    case 1: return lean ? launch_mt<1, kFLean>(p, blocks, smem, stream) : launch_mt<1>(p, blocks, smem, stream);
+    case 2: return lean ? launch_mt<2, kFLean>(p, blocks, smem, stream) : launch_mt<2>(p, blocks, smem, stream);
+    default: return lean ? launch_mt<4, kFLean>(p, blocks, smem, stream) : launch_mt<4>(p, blocks, smem, stream);
   }
 }
 

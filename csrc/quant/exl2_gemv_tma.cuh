@@ -15,7 +15,6 @@
 #include "common/pdl.cuh"
 #include "quant/exl2_gemv.cuh"
 #include "quant/exl2_gemv_norm.cuh"
-#include "quant/exl2_gemv_post.cuh"
 #include "quant/exl2_gemv_rope.cuh"
 
 namespace exl2q {
@@ -305,12 +304,7 @@ __device__ __forceinline__ void tma_stage_input(const GemvParams& p, const GvWor
                                                 Mark&& loaded = Mark{}) {
   const int nch = wk.c1 - wk.c0;
   constexpr bool kGate = (F & kFGated) != 0;
-  if ((F & kFPost) && p.post_ss) {
-    gv_post_scales(p, gv_row_scales());
-    if ((F & kFPre) && p.xpre) gv_copy_pregathered(p, wk.di, wk.c0, nch, sm.xs, kTmaComputeThreads);  // fed y
-    else gv_gather_post(p, nch, sm.xs, sm.xm, kTmaComputeThreads);
-    loaded();
-  } else if ((F & kFNorm) && p.norm_nt) {
+  if ((F & kFNorm) && p.norm_nt) {
     gv_norm_rows(norm_rows_of(p), sm.xf, sm.red, blockIdx.x == 0 ? p.norm_res_out : nullptr, p.norm_res_out_ld,
                  compute_sync);
     loaded();
@@ -387,14 +381,8 @@ __device__ __forceinline__ void tma_finish(const GemvParams& p, const GvWork& wk
   const QDesc& d = p.d[wk.di];
   const int warp = threadIdx.x >> 5, tid = threadIdx.x;
   const int n0 = (wk.colblk * kGvWarps + warp) * kWarpCols;
-  const float* rs = (F & kFPost) && p.post_ss ? gv_row_scales() : nullptr;  // the norm applied at the output
   if (wk.ksplit == 1) {
-    if (active) gv_store<MT>(d, st, n0, p.M, wk.gsplit, false, rs);
-    if ((F & kFFeed) && p.feed_ss) {
-      compute_sync();  // the block's fp16 results are stored
-      gv_feed_finish(p, d, wk.colblk, 1, compute_sync);
-      return;
-    }
+    if (active) gv_store<MT>(d, st, n0, p.M, wk.gsplit, false);
     if ((F & kFRope) && p.rope_d) {
       compute_sync();
       gv_rope_kv(p, wk.di, wk.colblk, tid, kTmaComputeThreads);
@@ -408,13 +396,8 @@ __device__ __forceinline__ void tma_finish(const GemvParams& p, const GvWork& wk
   if (tid == 0) s_last = gv_ticket(d, wk.colblk, wk.ksplit);
   compute_sync();
   if (!s_last) return;
-  if ((F & kFFeed) && p.feed_ss) {
-    gv_feed_finish(p, d, wk.colblk, wk.ksplit, compute_sync);
-    if (tid == 0) d.counters[wk.colblk] = 0;
-    return;
-  }
-  if (p.reduce_vec4) gv_reduce_partials_vec4(d, wk.colblk, wk.ksplit, p.M, tid, kTmaComputeThreads, rs);
-  else gv_reduce_partials(d, wk.colblk, wk.ksplit, p.M, tid, kTmaComputeThreads, rs);
+  if (p.reduce_vec4) gv_reduce_partials_vec4(d, wk.colblk, wk.ksplit, p.M, tid, kTmaComputeThreads);
+  else gv_reduce_partials(d, wk.colblk, wk.ksplit, p.M, tid, kTmaComputeThreads);
   if (tid == 0) d.counters[wk.colblk] = 0;  // ready for the next launch (and graph replay)
   if ((F & kFRope) && p.rope_d) {
     compute_sync();

@@ -100,11 +100,6 @@ class DecoderLayer:
         self.gate_up = ops.prepare_linear([lw.gate_proj, lw.up_proj], device, dtype)
         self.down = ops.prepare_linear([lw.down_proj], device, dtype)
         self.scale = self.head_dim**-0.5
-        from exl2_backend.model import post_norm
-
-        # the norms' weights for a GEMV that applies them at its output (model/post_norm.py; None: routing off)
-        self.input_norm_scaled = post_norm.scaled_norm(self.qkv, self.input_norm)
-        self.post_norm_scaled = post_norm.scaled_norm(self.gate_up, self.post_norm)
 
     def attention(self, qkv, positions, inv_freq, cache, meta: AttentionMetadata, batch: int):
         """qkv [T, (Hq + 2 Hkv) D], the fused q/k/v projection of the normed hidden states, T = B*Tq; returns the
@@ -155,33 +150,16 @@ class DecoderLayer:
     def attention_out_mlp(self, attn, residual, nxt: DecoderLayer | None, step: StepInputs | None = None):
         """o_proj, the post-attention norm and the MLP over attn [T, Hq*D] (attend's output) and the residual stream
         [T, H]; with `nxt`, also the next layer's input norm and q/k/v (norm_qkv, given `step`). Returns (qkv of nxt,
-        residual, roped) with nxt, else (the MLP output h, residual, False). The norms at the GEMV's output where
-        routing posts them (model/post_norm.py), else one persistent GEMV chain where it runs (ops/cuda_chain.py),
-        else op by op."""
-        from exl2_backend.model import post_norm
-
-        m = attn.shape[0]
-        post_mlp = residual is not None and post_norm.posts(self.gate_up, self.post_norm_scaled, m)
-        post_next = nxt is not None and post_norm.posts(nxt.qkv, nxt.input_norm_scaled, m)
-        if (not (post_mlp or post_next) and residual is not None and FUSED_NORM and FUSED_SILU_DOWN
-                and hasattr(self.o, "launch")):
+        residual, roped) with nxt, else (the MLP output h, residual, False). One persistent GEMV chain where it runs
+        (ops/cuda_chain.py), else op by op."""
+        if residual is not None and FUSED_NORM and FUSED_SILU_DOWN and hasattr(self.o, "launch"):
             from exl2_backend.ops.cuda_chain import mlp_chain
 
             chained = mlp_chain(self.o, self.gate_up, self.down, None if nxt is None else nxt.qkv, attn, residual,
                                 self.post_norm, None if nxt is None else nxt.input_norm, self.eps)
             if chained is not None:
                 return chained[0], chained[1], False
-        if post_mlp:
-            residual, ss, y = post_norm.fed_residual(self.o, attn, residual, lambda: self.o(attn), self.gate_up,
-                                                     self.post_norm_scaled)
-            gate_up = post_norm.post_normed(self.gate_up, residual, ss, y, self.post_norm_scaled, self.eps)
-        else:
-            gate_up, residual = norm_linear(self.gate_up, self.o(attn), residual, self.post_norm, self.eps)
-        if post_next:
-            gated = hasattr(self.down, "gated") and FUSED_SILU_DOWN
-            r, ss, y = post_norm.fed_residual(self.down, gate_up, residual, lambda: self.mlp(gate_up), nxt.qkv,
-                                              nxt.input_norm_scaled, gated)
-            return post_norm.post_qkv(nxt, r, ss, y, step)
+        gate_up, residual = norm_linear(self.gate_up, self.o(attn), residual, self.post_norm, self.eps)
         h = self.mlp(gate_up)
         if nxt is None:
             return h, residual, False

@@ -12,7 +12,6 @@ from pathlib import Path
 import torch
 
 from exl2_backend import ops
-from exl2_backend.model import post_norm
 from exl2_backend.model.layers import AttentionMetadata, DecoderLayer, StepInputs, norm_linear, norm_qkv
 
 
@@ -91,8 +90,7 @@ class LlamaModel:
             return h, residual
         # q/k/v GEMVs also run rope and the KV-cache write where they can (layers.norm_qkv)
         step = StepInputs(positions, inv_freq, cache, meta)
-        posted = post_norm.first_qkv(layers[0], h, residual, step)  # the norm at the GEMV's output, where it runs
-        qkv, residual, roped = posted if posted is not None else norm_qkv(layers[0], h, residual, step)
+        qkv, residual, roped = norm_qkv(layers[0], h, residual, step)
         for i, layer in enumerate(layers):
             attn = layer.attend(qkv, positions, inv_freq, cache, meta, batch, roped=roped)
             nxt = layers[i + 1] if i + 1 < len(layers) else None

@@ -772,7 +772,7 @@ int gemv_plan(const int64_t* blob, int ndesc, const void* x, int M, int ldx, int
         p.norm_res_out_ld = norm->res_out_ld;
         p.norm_eps = norm->eps;
       }
-      if (gate_off > 0 && !xpre) {  // the gated input by 16-byte vectors (gv_gather_gated_vec8)
+      if (gate_off > 0 && !xpre) {  // the gated input by vectors (gv_gather_gated_runs)
         EXL2_REQUIRE(reinterpret_cast<uintptr_t>(x) % 16 == 0 && ldx % 8 == 0 && gate_off % 8 == 0,
                      "exl2_gemv: a gated input needs 16-byte alignment and ldx, gate_off multiples of 8 (ldx %d, "
                      "gate_off %d); pre-gather it instead", ldx, gate_off);

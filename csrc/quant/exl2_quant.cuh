@@ -75,7 +75,7 @@ enum BlobField {
   F_SPAN,  // small-M GEMV (TMA kernel), first descriptor only: 1 = splits of equal bytes that may span width runs
            // (span_range; the block re-arms its ring at each run it enters), 0 = splits inside one run
   F_VEC8  // 1: xmap in aligned runs of 8 (each 8 stored rows: 8 consecutive features from a multiple of 8, or 8
-          // padding rows), which the TMA GEMV's gated input needs (gv_gather_gated_vec8)
+          // padding rows), which the TMA GEMV's gated input needs (gv_gather_gated_runs)
 };
 
 // Sum over runs of chunks * bits: the split-K work measure (bytes are proportional to it).

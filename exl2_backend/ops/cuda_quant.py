@@ -583,7 +583,7 @@ class _Launch:
 
     def gathers_gated(self, x: torch.Tensor, gate_off: int) -> bool:
         """Whether the TMA GEMV gathers the gated input silu(x[:, :K]) * x[:, gate_off:gate_off + K] itself: by
-        16-byte vectors, so every part's rows must come in aligned runs of 8 features (xmap_in_runs_of_8: rows in
+        vectors, so every part's rows must come in aligned runs of 8 features (xmap_in_runs_of_8: rows in
         input order, as down_proj after model/tp_shard.fold_down_order), gate_off and x's row stride multiples of
         8 and x 16-byte aligned."""
         return (all(d[F_VEC8] == 1 for d in self._descs) and gate_off % 8 == 0 and _row_stride(x) % 8 == 0

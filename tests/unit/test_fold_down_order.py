@@ -69,7 +69,7 @@ def test_qtensor_to_keeps_every_tensor_and_the_group_layout():
 
 
 def test_folded_down_takes_the_vector_gated_gather():
-    """The TMA GEMV gathers a gated input by 16-byte vectors (gv_gather_gated_vec8), which needs the xmap in aligned
+    """The TMA GEMV gathers a gated input by vectors (gv_gather_gated_runs), which needs the xmap in aligned
     runs of 8 features (F_VEC8): the folded down (input order, its width runs padded to whole chunks) has them, the
     file's act-order permutation does not, so that launch pre-gathers instead."""
     from exl2_backend.ops import cuda_quant

@@ -1,0 +1,15 @@
+#!/usr/bin/env bash
+# Device call BS3 (session 55): BS2 cut to ~220 s after two starts found no machine: the GEMV GPU tests on W4 (this
+# csrc: down's gated input by 8-byte vectors), then spec_bench W4 and O (d2c9368's tree, session 48's library)
+# interleaved while they fit. Carry .whl and .dev. BS3_LIMIT seconds (220).
+export EXL2_CARRIED_LIBRARY=1
+source scripts/device/common.sh
+begin_card_call bs3 "${BS3_LIMIT:-220}"
+mkdir -p /tmp/treeO && tar xzf .dev/treeO.tar.gz -C /tmp/treeO && mkdir -p /tmp/treeO/exl2_backend/_lib &&
+  gunzip -c .dev/libO.so.gz > /tmp/treeO/exl2_backend/_lib/libexl2_kernels.so
+fits 70 "GEMV tests" "$L" && gpu_tests_verbose gemv 60 -n 8 $GEMV_GPU_TESTS tests/kernels/test_gemv_reduce_rows.py
+for round in 1 2 3; do
+  fits 36 "W$round" "$L" && spec_line "W$round"
+  fits 36 "O$round" "$L" && (cd /tmp/treeO && PYTHONPATH=/tmp/treeO:/tmp/site spec_line "O$round")
+done
+echo "total $(( $(date +%s) - T0 )) s"

@@ -1,4 +1,5 @@
 #!/usr/bin/env bash
+# Ran in session 55 on 9869444's tree (H100, 286 s); main went back to the item gather (d2c9368's code) afterwards.
 # Device call BS1 (session 55): the gated input of down_proj gathered by 16-byte vectors (gv_gather_gated_vec8; the
 # TMA kernel no longer compiles the 2-byte gated gathers; a launch whose xmap is not in aligned runs of 8 is
 # pre-gathered). The blob grew a field (C ABI 14), so the baseline O runs its own tree: d2c9368's package and

@@ -1,4 +1,7 @@
 #!/usr/bin/env bash
+# NOT RUN (session 55: four starts found no machine, then too little device time was left). Main went back to the
+# item gather (d2c9368's code); this call measures 3388301's csrc / package / tests (the 8-byte gated gather, W4):
+# check them out first (git checkout 3388301 -- csrc exl2_backend tests), build, pack_library.sh.
 # Device call BS2 (session 55): BS1's vector gather of down's gated input with 4 features per vector (W4, this csrc)
 # against 8 (V, BS1's library, .dev/libV.so.gz: down lost 0.5 us per launch at one row, gained 0.7 at five) and O
 # (d2c9368's tree and session 48's library, .dev/treeO.tar.gz / .dev/libO.so.gz; C ABI 13). Carry .whl and .dev.

@@ -1,4 +1,7 @@
 #!/usr/bin/env bash
+# NOT RUN (session 55: four starts found no machine, then too little device time was left). Main went back to the
+# item gather (d2c9368's code); this call measures 3388301's csrc / package / tests (the 8-byte gated gather, W4):
+# check them out first (git checkout 3388301 -- csrc exl2_backend tests), build, pack_library.sh.
 # Device call BS3 (session 55): BS2 cut to ~220 s after two starts found no machine: the GEMV GPU tests on W4 (this
 # csrc: down's gated input by 8-byte vectors), then spec_bench W4 and O (d2c9368's tree, session 48's library)
 # interleaved while they fit. Carry .whl and .dev. BS3_LIMIT seconds (220).

@@ -22,5 +22,5 @@ for round in 1 2; do
   fits 40 "V$round" "$L" && { cp /tmp/libV.so $T/exl2_backend/_lib/libexl2_kernels.so; in_w spec_line "V$round"
     cp /tmp/libW4.so $T/exl2_backend/_lib/libexl2_kernels.so; }
 done
-fits 45 Wk "$L" && (cd $T && export PYTHONPATH=$T:/tmp/site SPEC_KERNELS=1 && spec_costs Wk)
+fits 45 Wk "$L" && SPEC_KERNELS=1 in_w spec_costs Wk
 echo "total $(( $(date +%s) - T0 )) s"

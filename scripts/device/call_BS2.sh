@@ -6,7 +6,7 @@
 # .dev/treeW4.tar.gz (git archive 3388301 exl2_backend scripts tests setup.py pyproject.toml) with .dev/libW4.so.gz
 # (built from 3388301's csrc, ef2d49a0e154) or .dev/libV.so.gz. Carry .whl and .dev. BS2_LIMIT seconds (330):
 # the GEMV GPU tests in W4's tree, then spec_bench W4 O V interleaved twice, then W4 by role (a smaller limit,
-# e.g. 220 after failed starts, runs what fits).
+# e.g. 220 after failed starts, runs what fits); with 575 also W4's whole GPU suite.
 export EXL2_CARRIED_LIBRARY=1
 source scripts/device/common.sh
 begin_card_call bs2 "${BS2_LIMIT:-330}"
@@ -23,4 +23,5 @@ for round in 1 2; do
     cp /tmp/libW4.so $T/exl2_backend/_lib/libexl2_kernels.so; }
 done
 fits 45 Wk "$L" && SPEC_KERNELS=1 in_w spec_costs Wk
+in_w whole_gpu_suite "$L"  # W4's whole GPU suite (no SmolLM2), so a win can land without another call
 echo "total $(( $(date +%s) - T0 )) s"

@@ -27,8 +27,9 @@ EXL2_API const char* exl2_last_error() { return g_last_error; }
 // Bumped whenever an exported signature changes, or what an argument means, or the package needs a new function
 // (10: exl2_decode_inputs and exl2_mapped_pointer, layers/decode_io.cu; exl2_paged_attention's flags bit 9, the
 // streamed kernel; 12: exl2_sample_top_k's hist workspace and rows without a top-k; 13: that workspace holds the
-// chunks' sorted keys, and may be null); ops/library.py checks it.
-EXL2_API int exl2_abi_version() { return 13; }
+// chunks' sorted keys, and may be null; 14: the GEMV descriptor's F_VEC8 field, kDescLen 48); ops/library.py checks
+// it.
+EXL2_API int exl2_abi_version() { return 14; }
 
 // --- programmatic dependent launch switch (common/pdl.cuh) ---
 #include "common/pdl.cuh"

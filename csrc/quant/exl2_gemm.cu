@@ -772,6 +772,14 @@ int gemv_plan(const int64_t* blob, int ndesc, const void* x, int M, int ldx, int
         p.norm_res_out_ld = norm->res_out_ld;
         p.norm_eps = norm->eps;
       }
+      if (gate_off > 0 && !xpre) {  // the gated input by vectors (gv_gather_gated_runs)
+        EXL2_REQUIRE(reinterpret_cast<uintptr_t>(x) % 16 == 0 && ldx % 8 == 0 && gate_off % 8 == 0,
+                     "exl2_gemv: a gated input needs 16-byte alignment and ldx, gate_off multiples of 8 (ldx %d, "
+                     "gate_off %d); pre-gather it instead", ldx, gate_off);
+        for (int i = 0; i < ndesc; ++i)
+          EXL2_REQUIRE(blob[(size_t)i * kDescLen + F_VEC8] == 1, "exl2_gemv: a gated input needs the rows of "
+                       "part %d in aligned runs of 8 features (F_VEC8); pre-gather it instead", i);
+      }
       if (const int64_t* rope = reinterpret_cast<const int64_t*>(blob[F_ROPE])) {
         EXL2_REQUIRE(!p.cluster && !probe, "exl2_gemv: no fused rope with cluster split-K or a probe");
         if (const int st = plan_rope(rope, p)) return st;

@@ -40,7 +40,7 @@ constexpr int kBlockCols = kBlockWarps * kWarpCols;  // 128 columns per block
 #endif
 constexpr int kStages = EXL2_GEMM_STAGES;  // per-warp cp.async ring depth in chunks (kStages - 1 in flight)
 constexpr int kInfoGroupMask = 0x3FFFFFFF;
-constexpr int kDescLen = 23 + 4 * kMaxRuns;  // int64 fields per descriptor in the host blob
+constexpr int kDescLen = 24 + 4 * kMaxRuns;  // int64 fields per descriptor in the host blob
 
 struct Run {
   int bits, chunk_start, chunk_end;
@@ -72,8 +72,10 @@ enum BlobField {
             // per-run split counts by bytes within it (exl2_gemv_splits.cuh), 0 keeps the proportional split
   F_GROUP_ROWS,  // the fewest rows of any quantization group (0: unknown); bounds the groups a split touches, so the
                  // TMA GEMV stages no more scale rows than it can read (the 8B's head: 56 -> 14 KB per block)
-  F_SPAN  // small-M GEMV (TMA kernel), first descriptor only: 1 = splits of equal bytes that may span width runs
-          // (span_range; the block re-arms its ring at each run it enters), 0 = splits inside one run
+  F_SPAN,  // small-M GEMV (TMA kernel), first descriptor only: 1 = splits of equal bytes that may span width runs
+           // (span_range; the block re-arms its ring at each run it enters), 0 = splits inside one run
+  F_VEC8  // 1: xmap in aligned runs of 8 (each 8 stored rows: 8 consecutive features from a multiple of 8, or 8
+          // padding rows), which the TMA GEMV's gated input needs (gv_gather_gated_runs)
 };
 
 // Sum over runs of chunks * bits: the split-K work measure (bytes are proportional to it).

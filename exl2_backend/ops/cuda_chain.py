@@ -116,7 +116,7 @@ class _Table:
         where the one-by-one path pre-gathers; returns its output [M, N]."""
         out, blob = launch._bind(launch.gemv_plan(self.m), self.m, self.ws, self.counters, x.device)
         xpre = None
-        if norm is None and launch.pregathers(self.m):
+        if norm is None and launch.pregathers(self.m, x, gate_off):
             xpre = self._stored(launch)
             self.rows.append(_row(PREGATHER, launch, blob, x, ldx, gate_off, xpre=xpre))
         self.rows.append(_row(GEMV, launch, blob, x, ldx, gate_off, norm=norm, xpre=xpre))

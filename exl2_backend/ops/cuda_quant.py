@@ -41,7 +41,7 @@ _BLOCK_COLS = 128
 _CHUNK = 64
 _MAX_RUNS = 6
 _MAX_DESC = 4
-_DESC_LEN = 23 + 4 * _MAX_RUNS
+_DESC_LEN = 24 + 4 * _MAX_RUNS
 (F_PACKED, F_SCALES, F_MAXF, F_INFO, F_XMAP, F_BIAS, F_OUT, F_WS, F_COUNTERS, F_LDO, F_K, F_KPAD, F_N, F_NP, F_C,
  F_G, F_NRUNS, F_KSPLIT, F_RUNS) = range(19)
 F_SCL16 = F_RUNS + 4 * _MAX_RUNS
@@ -49,6 +49,7 @@ F_ROPE = F_SCL16 + 1  # first descriptor: host address of the fused rope's int64
 F_SLOTS = F_ROPE + 1  # first descriptor: blocks the TMA GEMV may plan, its per-run splits balanced by bytes (0: off)
 F_GROUP_ROWS = F_SLOTS + 1  # the fewest rows of any quantization group: bounds the scales a GEMV split stages
 F_SPAN = F_GROUP_ROWS + 1  # first descriptor: 1 = TMA GEMV splits of equal bytes that may span width runs
+F_VEC8 = F_SPAN + 1  # 1: xmap in aligned runs of 8 features (xmap_in_runs_of_8), which the TMA GEMV's gated input needs
 
 # Small-M GEMV kernels: used for M <= GEMV_MAX_M. Blocks of 8 compute warps (256 columns). GEMV_MINB selects:
 # 0 = the TMA-ring kernel on sm_90+ (exl2_gemv_tma.cu; the register-batch kernel below sm_90), planned at 2 blocks
@@ -105,6 +106,16 @@ GEMV_BLOCKS_PER_SM = float(os.environ.get("EXL2_BACKEND_GEMV_BLOCKS_PER_SM", "2"
 GEMV_SPLITS = os.environ.get("EXL2_BACKEND_GEMV_SPLITS", "span")
 GEMV_WAVES = max(1.0, float(os.environ.get("EXL2_BACKEND_GEMV_WAVES", "1")))
 _CAPABILITY: dict[int, tuple[int, int]] = {}
+
+
+def xmap_in_runs_of_8(xmap: torch.Tensor) -> bool:
+    """Whether a kernel xmap (int16 [Kpad], 0xFFFF padding) comes in aligned runs of 8: each 8 stored rows are 8
+    consecutive features from a multiple of 8, or 8 padding rows (the TMA GEMV's 16-byte gated gather)."""
+    xm = xmap.to("cpu", torch.int64).reshape(-1, 8) & 0xFFFF
+    pad = (xm == 0xFFFF).all(dim=1)
+    first = xm[:, :1]
+    runs = (xm == first + torch.arange(8)).all(dim=1) & (first[:, 0] % 8 == 0)
+    return bool((pad | runs).all())
 
 
 def gemv_row_cap(device: torch.device) -> int:
@@ -418,6 +429,7 @@ class _Launch:
             f[F_RUNS + 4 * r : F_RUNS + 4 * r + 4] = run
         f[F_SCL16] = 0 if p.scl16 is None else p.scl16.data_ptr()
         f[F_GROUP_ROWS] = p.group_rows
+        f[F_VEC8] = int(xmap_in_runs_of_8(p.xmap))
         return f
 
     def gemv_plan(self, m: int) -> _Plan:
@@ -549,7 +561,7 @@ class _Launch:
         ldx = _row_stride(x)
         stream = _stream(x.device)
         pre, ld = None, 0
-        if self.pregathers(m):
+        if self.pregathers(m, x, gate_off):
             pre, ld = self._stored_order_buffer(m, x.device)
             st = _fn("exl2_gemv_pregather")(blob.ctypes.data, len(self.parts), x.data_ptr(), m, ldx, gate_off,
                                             pre.data_ptr(), ld, stream)
@@ -557,14 +569,25 @@ class _Launch:
         self._launch_gemv(blob, x, m, gate_off, pre, ld, stream)
         return out
 
-    def pregathers(self, m: int) -> bool:
+    def pregathers(self, m: int, x: torch.Tensor | None = None, gate_off: int = 0) -> bool:
         """Whether the GEMV of M rows copies a pre-gathered input (exl2_gemv_pregather, one launch more): each block
         gathers at least GEMV_PREGATHER_ITEMS items, scattered by the rows' permutation (rows in input order are
-        gathered coalesced in the kernel; GEMV_PREGATHER_ITEMS = 1 still forces the launch)."""
+        gathered coalesced in the kernel; GEMV_PREGATHER_ITEMS = 1 still forces the launch); and always for a gated
+        input x (gate_off > 0) that the TMA kernel cannot gather itself (gathers_gated)."""
+        if gate_off > 0 and x is not None and gemv_row_cap(self.device) == 32 and not self.gathers_gated(x, gate_off):
+            return True
         if self.input_in_order and GEMV_PREGATHER_ITEMS != 1:
             return False
         return 0 < GEMV_PREGATHER_ITEMS <= m * self.kpad // self.gemv_plan(m).ksplit and \
             gemv_row_cap(self.device) == 32
+
+    def gathers_gated(self, x: torch.Tensor, gate_off: int) -> bool:
+        """Whether the TMA GEMV gathers the gated input silu(x[:, :K]) * x[:, gate_off:gate_off + K] itself: by
+        vectors, so every part's rows must come in aligned runs of 8 features (xmap_in_runs_of_8: rows in
+        input order, as down_proj after model/tp_shard.fold_down_order), gate_off and x's row stride multiples of
+        8 and x 16-byte aligned."""
+        return (all(d[F_VEC8] == 1 for d in self._descs) and gate_off % 8 == 0 and _row_stride(x) % 8 == 0
+                and x.data_ptr() % 16 == 0)
 
     def can_norm(self, m: int) -> bool:
         """Whether M rows can run the GEMV with rms_norm fused into its input (exl2_gemv_add_norm): the TMA kernel

@@ -38,7 +38,7 @@ def library_path() -> Path:
 
 
 # Must equal exl2_abi_version() of csrc/common/api.cu.
-ABI_VERSION = 13
+ABI_VERSION = 14
 
 
 def _load() -> None:

@@ -49,4 +49,32 @@ def test_in_order_gated_gemv_equals_silu_mul_then_gemv(m):
     g = torch.Generator(device="cuda").manual_seed(m)
     gate_up = (torch.randn(m, 2 * k, generator=g, device="cuda") * 2).half()
     want = op.fused_kernel(ops.silu_mul(gate_up[:, :k], gate_up[:, k:]).contiguous(), "gemv")
+    assert op.launch.gathers_gated(gate_up, k) and not op.launch.pregathers(m, gate_up, k)  # the vector gather
     assert torch.equal(op.gated(gate_up), want)
+
+
+@pytest.mark.parametrize("m", [1, 5, 12])
+def test_gated_inputs_the_vector_gather_cannot_read_are_pre_gathered(m):
+    """The gated GEMV's input off the 16-byte grid (a view 4 halves into its buffer) and a down in the file's
+    act-order permutation (no runs of 8) take the pre-gathering launch instead: the same bits as silu_mul then the
+    GEMV. A raw launch that would need the vector gather there is refused with a typed error."""
+    from exl2_backend import ops
+    from exl2_backend.errors import KernelUnavailableError
+
+    lw = _layer(5)
+    g = torch.Generator(device="cuda").manual_seed(m)
+    for down_qt in (fold_down_order(lw).down_proj, lw.down_proj):
+        op = cuda_quant.prepare_linear([_to_cuda(down_qt)], "cuda")
+        k = op.in_features
+        buf = (torch.randn(m * 2 * k + 4, generator=g, device="cuda") * 2).half()
+        for gate_up in (buf[: m * 2 * k].view(m, 2 * k), buf[4:].view(m, 2 * k)):
+            aligned = gate_up.data_ptr() % 16 == 0
+            assert op.launch.gathers_gated(gate_up, k) == (aligned and op.launch.input_in_order)
+            want = op.fused_kernel(ops.silu_mul(gate_up[:, :k], gate_up[:, k:]).contiguous(), "gemv")
+            assert torch.equal(op.gated(gate_up), want)
+    launch = op.launch  # the permuted down: every launch of its gated input must be pre-gathered
+    ws, counters = op.workspace.buffers()
+    _, blob = launch._bind(launch.gemv_plan(m), m, ws, counters, gate_up.device)
+    aligned = buf[: m * 2 * k].view(m, 2 * k)
+    with pytest.raises(KernelUnavailableError, match="aligned runs of 8"):
+        launch._launch_gemv(blob, aligned, m, k, None, 0, cuda_quant._stream(aligned.device))

@@ -66,3 +66,37 @@ def test_qtensor_to_keeps_every_tensor_and_the_group_layout():
     moved = qt.to("meta")
     assert moved.q_weight.device.type == "meta" and moved.q_invperm.device.type == "meta"
     assert moved.groups == qt.groups and moved.out_features == qt.out_features and moved.key == qt.key
+
+
+def test_folded_down_takes_the_vector_gated_gather():
+    """The TMA GEMV gathers a gated input by vectors (gv_gather_gated_runs), which needs the xmap in aligned
+    runs of 8 features (F_VEC8): the folded down (input order, its width runs padded to whole chunks) has them, the
+    file's act-order permutation does not, so that launch pre-gathers instead."""
+    from exl2_backend.ops import cuda_quant
+
+    cpu = torch.device("cpu")
+    lw = _layer(2)
+    folded = cuda_quant._Launch([cuda_quant.pack_qtensor(fold_down_order(lw).down_proj, cpu)], cpu)
+    permuted = cuda_quant._Launch([cuda_quant.pack_qtensor(lw.down_proj, cpu)], cpu)
+    assert folded.input_in_order and not permuted.input_in_order
+    assert folded.gemv_plan(5).blob[0, cuda_quant.F_VEC8] == 1 and permuted.gemv_plan(5).blob[0, cuda_quant.F_VEC8] == 0
+    gate_up = torch.zeros(5, 2 * I, dtype=torch.float16)
+    assert folded.gathers_gated(gate_up, I) and not permuted.gathers_gated(gate_up, I)
+    assert not folded.gathers_gated(gate_up[:, 4:], I - 4)  # gate_off and the start off the 16-byte grid
+
+
+def test_xmap_runs_of_8():
+    """xmap_in_runs_of_8 over kernel xmaps (int16, -1 = 0xFFFF padding): identity, padded runs, a shift by 4, a
+    swap inside a vector, a run that ends mid-vector."""
+    from exl2_backend.ops.cuda_quant import xmap_in_runs_of_8
+
+    def xm(*parts):
+        return torch.cat([torch.as_tensor(p, dtype=torch.int64) for p in parts]).to(torch.int16)
+
+    pad = [-1] * 32
+    assert xmap_in_runs_of_8(xm(range(64)))
+    assert xmap_in_runs_of_8(xm(range(32), pad, range(32, 96), pad))
+    assert not xmap_in_runs_of_8(xm(range(4, 68)))  # consecutive, but vectors start off a multiple of 8
+    assert not xmap_in_runs_of_8(xm([1, 0], range(2, 64)))
+    assert not xmap_in_runs_of_8(xm(range(36), [-1] * 28))  # the run ends inside a vector
+    assert xmap_in_runs_of_8(xm(range(40000, 40064)))  # features past 32767 are negative as int16

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# NOT RUN yet (session 55: four starts found no machine, then too little device time was left).
+# RAN in session 56 (BS2_LIMIT=470, H100: W4 kept the decode step and took 29 us off the k = 4 verify; landed).
 # Device call BS2: down's gated input by 8-byte vectors of 4 features (W4: 3388301's csrc, package and tests) against
 # 16-byte vectors (V: 9869444's library, BS1: down lost 0.5 us per launch at one row, gained 0.7 at five) and main
 # (O: this tree and its carried library, the item gather). W4 and V need C ABI 14, so they run from their own tree:

@@ -430,12 +430,12 @@ __device__ __forceinline__ void gv_gather_items(const GemvParams& p, int nch, __
 
 // Gather of the split's activations into shared memory in stored row order, xs[m * xstride + r], by `nthreads`
 // threads from thread 0 (callers synchronize). Thread t owns rows t, t + T, ... of every token: `per` row slots
-// per token, M * per (token, slot) items, kB of them in flight per round (the gated input loads two values per
-// item). Every round waits a whole L2 latency (behind the block's queued weight copies in the TMA kernel), so
-// gv_gather picks the smallest kB that takes all items in one round, up to kMaxB (the TMA kernel: 16; 32 made
-// ptxas spill under its 96-register cap): a verify (M = 5, 4 row slots per thread) takes two rounds, not three.
-// With gate_off the input is silu(gate) * up, the same arithmetic as silu_mul_kernel (bit-identical).
-template <int kB, bool kGated>
+// per token, M * per (token, slot) items, kB of them in flight per round. Every round waits a whole L2 latency
+// (behind the block's queued weight copies in the TMA kernel), so gv_gather picks the smallest kB that takes all
+// items in one round, up to kMaxB (the TMA kernel: 16; 32 made ptxas spill under its 96-register cap): a verify
+// (M = 5, 4 row slots per thread) takes two rounds, not three.
+// Ungated inputs only: the TMA kernel reads a gated one by vectors (gv_gather_gated_runs).
+template <int kB>
 __device__ __forceinline__ void gv_gather_rounds(const GemvParams& p, int rows, int per, __half* xs,
                                                  const unsigned short* xm, int T) {
   static_assert(kB % 2 == 0, "values are kept two per register");
@@ -444,7 +444,7 @@ __device__ __forceinline__ void gv_gather_rounds(const GemvParams& p, int rows, 
   unsigned short* xo = reinterpret_cast<unsigned short*>(xs);
   for (int base = 0; base < total; base += kB) {
     const int m0 = base / per, sl0 = base - m0 * per;
-    uint32_t g[kB / 2], u[kGated ? kB / 2 : 1];  // two 16-bit values per register (register pressure)
+    uint32_t g[kB / 2];  // two 16-bit values per register (register pressure)
     int m = m0, sl = sl0;
 #pragma unroll
     for (int k = 0; k < kB; ++k) {
@@ -453,10 +453,6 @@ __device__ __forceinline__ void gv_gather_rounds(const GemvParams& p, int rows, 
       const unsigned short* xr = xg + (size_t)m * p.ldx;
       const uint32_t gv = i == 0xFFFFu ? 0u : (uint32_t)__ldg(xr + i);
       g[k / 2] = k % 2 ? g[k / 2] | (gv << 16) : gv;
-      if constexpr (kGated) {
-        const uint32_t uv = i == 0xFFFFu ? 0u : (uint32_t)__ldg(xr + p.gate_off + i);
-        u[k / 2] = k % 2 ? u[k / 2] | (uv << 16) : uv;
-      }
       if (++sl == per) {
         sl = 0;
         ++m;
@@ -467,16 +463,7 @@ __device__ __forceinline__ void gv_gather_rounds(const GemvParams& p, int rows, 
 #pragma unroll
     for (int k = 0; k < kB; ++k) {  // the same (token, row) walk again: positions are not kept in registers
       const int r = threadIdx.x + sl * T;
-      if (base + k < total && r < rows) {
-        const unsigned short gv = (unsigned short)(g[k / 2] >> (16 * (k % 2)));
-        if constexpr (kGated) {
-          const unsigned short uv = (unsigned short)(u[k / 2] >> (16 * (k % 2)));
-          xs[m * p.xstride + r] = __float2half_rn(
-              exl2::silu_mul(__half2float(__ushort_as_half(gv)), __half2float(__ushort_as_half(uv))));
-        } else {
-          xo[m * p.xstride + r] = gv;
-        }
-      }
+      if (base + k < total && r < rows) xo[m * p.xstride + r] = (unsigned short)(g[k / 2] >> (16 * (k % 2)));
       if (++sl == per) {
         sl = 0;
         ++m;
@@ -554,21 +541,13 @@ __device__ __forceinline__ void gv_gather_gated_runs(const GemvParams& p, int nc
   }
 }
 
-template <int kMaxB = 8, bool kMayGate = true>
+template <int kMaxB = 8>
 __device__ __forceinline__ void gv_gather(const GemvParams& p, int nch, __half* xs, const unsigned short* xm,
                                           int nthreads) {
   const int rows = nch * kChunkRows, per = (rows + nthreads - 1) / nthreads, total = per * p.M;
-  const bool gated = kMayGate && p.gate_off > 0;
-  if (kMaxB >= 32 && total > 16) {
-    if (gated) gv_gather_rounds<kMaxB >= 32 ? 16 : 8, true>(p, rows, per, xs, xm, nthreads);  // 2 loads per item
-    else gv_gather_rounds<kMaxB >= 32 ? 32 : 8, false>(p, rows, per, xs, xm, nthreads);
-  } else if (kMaxB >= 16 && total > 8) {
-    if (gated) gv_gather_rounds<8, true>(p, rows, per, xs, xm, nthreads);
-    else gv_gather_rounds<kMaxB >= 16 ? 16 : 8, false>(p, rows, per, xs, xm, nthreads);
-  } else {
-    if (gated) gv_gather_rounds<8, true>(p, rows, per, xs, xm, nthreads);
-    else gv_gather_rounds<8, false>(p, rows, per, xs, xm, nthreads);
-  }
+  if (kMaxB >= 32 && total > 16) gv_gather_rounds<kMaxB >= 32 ? 32 : 8>(p, rows, per, xs, xm, nthreads);
+  else if (kMaxB >= 16 && total > 8) gv_gather_rounds<kMaxB >= 16 ? 16 : 8>(p, rows, per, xs, xm, nthreads);
+  else gv_gather_rounds<8>(p, rows, per, xs, xm, nthreads);
 }
 
 // Sum of the split partials of column block `colblk` in split order, plus bias, into out (the last block of a

@@ -314,7 +314,7 @@ __device__ __forceinline__ void tma_stage_input(const GemvParams& p, const GvWor
     const int mode = p.gather_mode == kGatherAuto ? (MT > 1 ? kGatherRows : kGatherItems) : p.gather_mode;
     if ((F & kFPre) && p.xpre) gv_copy_pregathered(p, wk.di, wk.c0, nch, sm.xs, kTmaComputeThreads);
     else if (kGate && p.gate_off > 0) gv_gather_gated_runs(p, nch, sm.xs, sm.xm, kTmaComputeThreads);  // F_VEC8
-    else if (mode == kGatherRows) gv_gather<MT >= 4 ? 32 : 16, false>(p, nch, sm.xs, sm.xm, kTmaComputeThreads);
+    else if (mode == kGatherRows) gv_gather<MT >= 4 ? 32 : 16>(p, nch, sm.xs, sm.xm, kTmaComputeThreads);
     else gv_gather_items<false>(p, nch, sm.xs, sm.xm, kTmaComputeThreads);
     loaded();
   }

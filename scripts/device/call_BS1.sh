@@ -9,9 +9,8 @@
 export EXL2_CARRIED_LIBRARY=1
 source scripts/device/common.sh
 begin_card_call bs1 "${BS1_LIMIT:-450}"
-mkdir -p /tmp/treeO && tar xzf .dev/treeO.tar.gz -C /tmp/treeO && mkdir -p /tmp/treeO/exl2_backend/_lib &&
-  gunzip -c .dev/libO.so.gz > /tmp/treeO/exl2_backend/_lib/libexl2_kernels.so
-spec_O() { (cd /tmp/treeO && PYTHONPATH=/tmp/treeO:/tmp/site spec_line "$@"); }
+carried_tree /tmp/treeO .dev/treeO.tar.gz .dev/libO.so.gz
+spec_O() { in_tree /tmp/treeO spec_line "$@"; }
 fits 110 "GEMV tests" "$L" && gpu_tests_verbose gemv 100 -n 8 $GEMV_GPU_TESTS tests/kernels/test_gemv_reduce_rows.py \
   tests/kernels/test_gemv_repeat_identical.py
 for round in 1 2; do
@@ -19,5 +18,5 @@ for round in 1 2; do
   fits 45 "O$round" "$L" && spec_O "O$round"
 done
 fits 50 Vk "$L" && SPEC_KERNELS=1 spec_costs Vk
-fits 50 Ok "$L" && (cd /tmp/treeO && PYTHONPATH=/tmp/treeO:/tmp/site SPEC_KERNELS=1 spec_costs Ok)
+fits 50 Ok "$L" && SPEC_KERNELS=1 in_tree /tmp/treeO spec_costs Ok
 echo "total $(( $(date +%s) - T0 )) s"

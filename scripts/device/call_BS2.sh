@@ -11,9 +11,9 @@ export EXL2_CARRIED_LIBRARY=1
 source scripts/device/common.sh
 begin_card_call bs2 "${BS2_LIMIT:-330}"
 T=/tmp/treeW4
-mkdir -p $T/exl2_backend/_lib && tar xzf .dev/treeW4.tar.gz -C $T && gunzip -c .dev/libV.so.gz > /tmp/libV.so &&
-  gunzip -c .dev/libW4.so.gz > /tmp/libW4.so && cp /tmp/libW4.so $T/exl2_backend/_lib/libexl2_kernels.so
-in_w() { (cd $T && export PYTHONPATH=$T:/tmp/site && "$@"); }  # W4's package, scripts and tests
+carried_tree $T .dev/treeW4.tar.gz .dev/libW4.so.gz && cp $T/exl2_backend/_lib/libexl2_kernels.so /tmp/libW4.so &&
+  gunzip -c .dev/libV.so.gz > /tmp/libV.so
+in_w() { in_tree $T "$@"; }  # W4's package, scripts and tests
 fits 80 "GEMV tests (W4)" "$L" && in_w gpu_tests_verbose gemv 70 -n 8 $GEMV_GPU_TESTS \
   tests/kernels/test_gemv_reduce_rows.py tests/kernels/test_gemv_repeat_identical.py
 for round in 1 2; do

@@ -10,9 +10,8 @@
 export EXL2_CARRIED_LIBRARY=1
 source scripts/device/common.sh
 begin_card_call bs4 "${BS4_LIMIT:-420}"
-mkdir -p /tmp/treeO && tar xzf .dev/treeO.tar.gz -C /tmp/treeO && mkdir -p /tmp/treeO/exl2_backend/_lib &&
-  gunzip -c .dev/libO.so.gz > /tmp/treeO/exl2_backend/_lib/libexl2_kernels.so
-spec_O() { (cd /tmp/treeO && PYTHONPATH=/tmp/treeO:/tmp/site spec_line "$@"); }
+carried_tree /tmp/treeO .dev/treeO.tar.gz .dev/libO.so.gz
+spec_O() { in_tree /tmp/treeO spec_line "$@"; }
 whole_gpu_suite "$L"
 for round in 1 2; do
   fits 45 "W$round" "$L" && spec_line "W$round"

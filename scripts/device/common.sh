@@ -107,6 +107,13 @@ begin_card_call() {
   L=$2
   card_and_jit
 }
+# A tree of another revision with its own library, for a baseline or variant whose package or C ABI differs from
+# this tree's: `carried_tree DIR TREE_TGZ LIB_GZ` unpacks the tree (a git archive) and its library into DIR;
+# `in_tree DIR CMD...` runs CMD (a function of this file too) there, with DIR's package first on PYTHONPATH.
+carried_tree() {
+  mkdir -p "$1/exl2_backend/_lib" && tar xzf "$2" -C "$1" && gunzip -c "$3" > "$1/exl2_backend/_lib/libexl2_kernels.so"
+}
+in_tree() { local dir=$1; shift; (cd "$dir" && export PYTHONPATH="$dir:/tmp/site" && "$@"); }
 # The whole GPU suite that needs no SmolLM2 (8 workers; $R/cuda.txt) when 200 s of LIMIT are left: whole_gpu_suite
 # LIMIT.
 whole_gpu_suite() {

@@ -110,7 +110,8 @@ _CAPABILITY: dict[int, tuple[int, int]] = {}
 
 def xmap_in_runs_of_8(xmap: torch.Tensor) -> bool:
     """Whether a kernel xmap (int16 [Kpad], 0xFFFF padding) comes in aligned runs of 8: each 8 stored rows are 8
-    consecutive features from a multiple of 8, or 8 padding rows (the TMA GEMV's 16-byte gated gather)."""
+    consecutive features from a multiple of 8, or 8 padding rows (the TMA GEMV's gated gather by vectors,
+    gv_gather_gated_runs)."""
     xm = xmap.to("cpu", torch.int64).reshape(-1, 8) & 0xFFFF
     pad = (xm == 0xFFFF).all(dim=1)
     first = xm[:, :1]

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
-# NOT RUN yet (session 56: too little device time was left after BS2; session 57: eleven attempts found no machine, then
-# the loans were paused). Device call BS4 on main, which carries down's
-# gated input by 8-byte vectors since session 56 (csrc ef2d49a0e154; BS2 ran the GEMV's own GPU tests: 425 passed):
+# NOT RUN yet (session 56: too little device time was left after BS2; session 57: eleven attempts found no machine,
+# then the loans were paused). Device call BS4 on main, which carries down's gated input by 8-byte vectors since
+# session 56 (csrc ef2d49a0e154; BS2 ran the GEMV's own GPU tests: 425 passed):
 #  1. the whole GPU suite that needs no SmolLM2 (~200 s);
 #  2. spec_bench W (main) against O (the item gather: d2c9368's package with session 48's library, carried as
 #     .dev/treeO.tar.gz and .dev/libO.so.gz) interleaved twice: BS2's one call measured the decode step equal and
@@ -16,7 +16,8 @@ begin_card_call bs4 "${BS4_LIMIT:-420}"
 # O's tree and library, where a fresh checkout lacks them: `git archive d2c9368 | gzip > .dev/treeO.tar.gz`, and
 # `bash scripts/device/prepare_carry.sh --baseline d2c9368 && mv .dev/libE.so.gz .dev/libO.so.gz`.
 have_O=0
-[ -f .dev/treeO.tar.gz ] && [ -f .dev/libO.so.gz ] && carried_tree /tmp/treeO .dev/treeO.tar.gz .dev/libO.so.gz && have_O=1
+[ -f .dev/treeO.tar.gz ] && [ -f .dev/libO.so.gz ] &&
+  carried_tree /tmp/treeO .dev/treeO.tar.gz .dev/libO.so.gz && have_O=1
 spec_O() { in_tree /tmp/treeO spec_line "$@"; }
 whole_gpu_suite "$L"
 if [ "$h200" = 1 ]; then
